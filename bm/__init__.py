@@ -1,0 +1,37 @@
+"""bm: offline LLM batch generation and benchmarking around a Python Batch Manager.
+
+The top-level names are imported lazily so that ``import bm.kv`` or ``import bm.scheduling`` (pure
+Python, used by simulations) does not pull in torch and transformers.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+try:
+    __version__ = version("bm")
+except PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0.0.0+source"
+
+_EXPORTS = {
+    "BmConfig": "bm.config",
+    "ConfigError": "bm.config",
+    "load_config": "bm.config",
+    "BatchManager": "bm.engine",
+    "InferenceRequest": "bm.engine",
+    "OfflineClient": "bm.engine",
+    "RequestResult": "bm.engine",
+    "generate": "bm.engine",
+    "FinishReason": "bm.scheduling",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bm' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -1,0 +1,171 @@
+"""Reading a prompts JSONL file into requests, one problem per bad line and no line lost.
+
+A line is ``{"id"?, "prompt" | "input_ids", "request_output_len"?, <request fields by spec name>}``.
+The batch manager gets each line's index as its request id (always unique); the user's ``id``, which
+may be any string or integer, is echoed back in the output record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bm.engine.inference_request import SPEC_INPUT_TENSORS, SUPPORTED_INPUT_TENSORS, InferenceRequest
+
+OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
+FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+REQUEST_FIELDS = sorted(SUPPORTED_INPUT_TENSORS - {"input_ids", "request_output_len"})
+# Read by `bm bench`; `bm run` is offline and accepts the field so one file serves both.
+IGNORED_KEYS = ("arrival_time",)
+KNOWN_KEYS = {
+    "id",
+    "prompt",
+    "input_ids",
+    *OUTPUT_LEN_ALIASES,
+    *FIELD_ALIASES,
+    *SPEC_INPUT_TENSORS,
+    *IGNORED_KEYS,
+}
+
+
+@dataclass
+class PromptLine:
+    index: int  # 0-based position among the file's non-blank lines; the batch manager's request id
+    line_number: int  # 1-based line in the file, for messages
+    user_id: Any
+    request: InferenceRequest | None = None
+    num_prompt_tokens: int | None = None
+    error: str | None = None
+
+
+class LineError(ValueError):
+    pass
+
+
+def read_prompt_lines(
+    path: Path,
+    encode: Callable[[str], list[int]] | None,
+    default_output_len: int,
+    default_end_id: int | None,
+) -> list[PromptLine]:
+    """Parse every non-blank line; a bad line becomes a :class:`PromptLine` carrying its error."""
+    lines: list[PromptLine] = []
+    seen_ids: dict[Any, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for line_number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            index = len(lines)
+            entry = PromptLine(index=index, line_number=line_number, user_id=index)
+            try:
+                data = _load_object(text)
+                entry.user_id = _user_id(data, index)
+                hashable = json.dumps(entry.user_id)
+                if hashable in seen_ids:
+                    raise LineError(
+                        f"duplicate id {entry.user_id!r} (also on line {seen_ids[hashable]}); ids must be unique"
+                    )
+                seen_ids[hashable] = line_number
+                entry.request, entry.num_prompt_tokens = _to_request(
+                    data, index, encode, default_output_len, default_end_id
+                )
+            except LineError as exc:
+                entry.error = f"line {line_number}: {exc}"
+            lines.append(entry)
+    return lines
+
+
+def _load_object(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LineError(f"malformed JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise LineError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _user_id(data: dict[str, Any], index: int) -> Any:
+    if "id" not in data:
+        return index
+    value = data["id"]
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise LineError(f"id: expected a string or an integer, got {value!r}")
+    return value
+
+
+def _to_request(
+    data: dict[str, Any],
+    index: int,
+    encode: Callable[[str], list[int]] | None,
+    default_output_len: int,
+    default_end_id: int | None,
+) -> tuple[InferenceRequest, int]:
+    unknown = sorted(k for k in data if k not in KNOWN_KEYS)
+    if unknown:
+        allowed = ", ".join(["id", "prompt", "input_ids", *OUTPUT_LEN_ALIASES, *REQUEST_FIELDS])
+        raise LineError(f"unknown field {unknown[0]!r}; allowed fields: {allowed}")
+    prompt_ids = _prompt_ids(data, encode)
+    output_len = _output_len(data, default_output_len)
+    fields: dict[str, Any] = {}
+    for key, value in data.items():
+        name = FIELD_ALIASES.get(key, key)
+        if name in ("id", "prompt", "input_ids", *OUTPUT_LEN_ALIASES, *IGNORED_KEYS):
+            continue
+        if name in fields:
+            raise LineError(f"{key}: given twice (as {name!r} and an alias); keep one")
+        if value is None:
+            continue
+        if not isinstance(value, (int, float, bool)):
+            raise LineError(f"{key}: expected a number or true/false, got {value!r}")
+        fields[name] = value
+    if "end_id" not in fields and default_end_id is not None:
+        fields["end_id"] = default_end_id
+    try:
+        request = InferenceRequest.from_values(index, prompt_ids, output_len, **fields)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise LineError(str(exc)) from None
+    return request, len(prompt_ids)
+
+
+def _prompt_ids(data: dict[str, Any], encode: Callable[[str], list[int]] | None) -> list[int]:
+    has_prompt, has_ids = "prompt" in data, "input_ids" in data
+    if has_prompt and has_ids:
+        raise LineError("give either 'prompt' or 'input_ids', not both")
+    if not has_prompt and not has_ids:
+        raise LineError("missing prompt: give 'prompt' (text) or 'input_ids' (token ids)")
+    if has_prompt:
+        prompt = data["prompt"]
+        if not isinstance(prompt, str):
+            raise LineError(f"prompt: expected a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise LineError("prompt: the prompt is empty")
+        if encode is None:
+            raise LineError("prompt: this model has no tokenizer; give 'input_ids' instead")
+        ids = encode(prompt)
+        if not ids:
+            raise LineError("prompt: the prompt encodes to no tokens")
+        return ids
+    ids = data["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise LineError("input_ids: expected a list of integer token ids")
+    if not ids:
+        raise LineError("input_ids: the prompt is empty")
+    return ids
+
+
+def _output_len(data: dict[str, Any], default: int) -> int:
+    given = [k for k in OUTPUT_LEN_ALIASES if k in data]
+    if len(given) > 1:
+        raise LineError(f"output length given twice ({', '.join(given)}); keep one")
+    if not given:
+        return default
+    value = data[given[0]]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LineError(f"{given[0]}: expected a positive integer, got {value!r}")
+    if value < 1:
+        raise LineError(f"{given[0]}: must be at least 1, got {value}")
+    return value

@@ -1,0 +1,291 @@
+"""The YAML configuration: three sections (``model``, ``engine``, ``kv_cache``), validated up front.
+
+Every knob is declared once, as a dataclass field with its help text and its check, so the loader, the
+``--set`` overrides and the ``bm run --help`` reference all read the same declaration. A bad file never
+half-applies: the first problem raises :class:`ConfigError` naming the dotted key and what is allowed.
+This module is plain Python (no torch) so the scheduler simulation and the CLI can use it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for the user (names the key and the fix)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Field helpers: each returns a dataclass field carrying its help text and validator in `metadata`.
+
+
+def _knob(default: Any, help: str, check: Callable[[str, Any], Any] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "check": check})
+
+
+def _int_at_least(minimum: int, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+        if value < minimum:
+            raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+        return value
+
+    return check
+
+
+def _fraction(key: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number in (0, 1], got {value!r}")
+    if not 0 < value <= 1:
+        raise ConfigError(f"{key}: must be in (0, 1], got {value}")
+    return float(value)
+
+
+def _bool(key: str, value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _optional_str(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return str(value)
+
+
+def _choice(aliases: Mapping[str, str]) -> Callable[[str, Any], Any]:
+    """Accept any alias (case-insensitive) and return the canonical spelling."""
+
+    def check(key: str, value: Any) -> Any:
+        canonical = aliases.get(str(value).lower()) if isinstance(value, str) else None
+        if canonical is None:
+            allowed = ", ".join(sorted(set(aliases.values())))
+            raise ConfigError(f"{key}: unknown value {value!r}; allowed: {allowed}")
+        return canonical
+
+    return check
+
+
+def _device(key: str, value: Any) -> Any:
+    if not isinstance(value, str) or not (
+        value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+    ):
+        raise ConfigError(f"{key}: unknown device {value!r}; allowed: auto, cpu, cuda, cuda:N")
+    return value
+
+
+BATCHING_SCHEMES = {
+    "inflight_fused": "inflight_fused",
+    "inflightfusedbatching": "inflight_fused",
+}
+SCHEDULER_POLICIES = {
+    "guaranteed_no_evict": "guaranteed_no_evict",
+}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = _knob(
+        None, "Local Hugging Face checkpoint directory (config, safetensors, tokenizer).", _optional_str
+    )
+    config: str | None = _knob(
+        None,
+        "A model config JSON; the model is built from it with random weights (for benchmarking).",
+        _optional_str,
+    )
+    tokenizer: str | None = _knob(
+        None, "Tokenizer directory, when it is not inside model.path.", _optional_str
+    )
+    dtype: str = _knob("float32", "Weights and KV cache dtype: float32, bfloat16, float16.", _choice(DTYPES))
+    device: str = _knob("auto", "auto (CUDA when present, else CPU), cpu, cuda, or cuda:N.", _device)
+    seed: int = _knob(
+        0, "Seed of the random weights (model.config and the embedded default).", _int_at_least(0)
+    )
+
+
+@dataclass
+class EngineConfig:
+    batching_scheme: str = _knob(
+        "inflight_fused",
+        "inflight_fused (InflightFusedBatching): context and generation tokens in one packed forward.",
+        _choice(BATCHING_SCHEMES),
+    )
+    scheduler_policy: str = _knob(
+        "guaranteed_no_evict",
+        "guaranteed_no_evict: reserve KV blocks to completion so a started request never pauses.",
+        _choice(SCHEDULER_POLICIES),
+    )
+    max_batch_size: int = _knob(128, "Most requests scheduled in one iteration.", _int_at_least(1))
+    max_num_tokens: int = _knob(
+        2048, "Most tokens (context + generation) computed in one iteration.", _int_at_least(1)
+    )
+    max_num_active_requests: int | None = _knob(
+        None,
+        "Most requests held by the batch manager at once, queued ones included (default: max_batch_size).",
+        _int_at_least(1, optional=True),
+    )
+    max_seq_len: int | None = _knob(
+        None,
+        "Longest prompt + output a request may have (default: the model's max_position_embeddings).",
+        _int_at_least(1, optional=True),
+    )
+    max_beam_width: int = _knob(1, "Largest beam_width a request may ask for.", _int_at_least(1))
+
+
+@dataclass
+class KvCacheConfig:
+    tokens_per_block: int = _knob(32, "Tokens held by one KV cache block.", _int_at_least(1))
+    max_tokens: int | None = _knob(
+        None,
+        "Most tokens the KV cache holds; with free_memory_fraction the smaller of the two wins.",
+        _int_at_least(1, optional=True),
+    )
+    free_memory_fraction: float = _knob(
+        0.9,
+        "Fraction of the memory free after the model loads (system RAM on CPU, device memory on CUDA) "
+        "that the KV cache may take.",
+        _fraction,
+    )
+
+
+@dataclass
+class BmConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "engine": EngineConfig, "kv_cache": KvCacheConfig}
+
+
+def _build_section(cls: type, name: str, data: Any) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{name}: expected a mapping of keys, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        f = known.get(key)
+        if f is None:
+            allowed = ", ".join(known)
+            raise ConfigError(f"{name}.{key}: unknown key; allowed keys in {name}: {allowed}")
+        check = f.metadata.get("check")
+        values[key] = check(f"{name}.{key}", value) if check else value
+    return cls(**values)
+
+
+def config_from_dict(data: Mapping[str, Any] | None) -> BmConfig:
+    """Validate a nested mapping (as read from YAML) into a :class:`BmConfig`."""
+    data = data or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: expected a mapping with sections {', '.join(SECTIONS)}")
+    for key in data:
+        if key not in SECTIONS:
+            raise ConfigError(f"{key}: unknown section; allowed sections: {', '.join(SECTIONS)}")
+    cfg = BmConfig(**{name: _build_section(cls, name, data.get(name)) for name, cls in SECTIONS.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: BmConfig) -> None:
+    """Cross-field checks that no single knob can make alone."""
+    if cfg.model.path and cfg.model.config:
+        raise ConfigError(
+            "model.path and model.config are exclusive: give a checkpoint or a config, not both"
+        )
+    kv = cfg.kv_cache
+    if kv.max_tokens is not None and kv.max_tokens < kv.tokens_per_block:
+        raise ConfigError(
+            f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "
+            f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
+        )
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``section.key=value``; the value is read as YAML so numbers, booleans and null work."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. engine.max_batch_size=64")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.count(".") != 1:
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. engine.max_batch_size=64")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({exc})") from None
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> BmConfig:
+    """Read a YAML file (optional), apply dotted overrides, validate everything at once."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(
+                f"config file {str(p)!r}: expected a mapping with sections {', '.join(SECTIONS)}"
+            )
+        data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
+        _resolve_relative_paths(data, p.parent)
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS:
+            raise ConfigError(f"{dotted}: unknown section; allowed sections: {', '.join(SECTIONS)}")
+        current = data.get(section)
+        if current is None:
+            current = data[section] = {}
+        elif not isinstance(current, dict):
+            raise ConfigError(f"{section}: expected a mapping of keys")
+        current[key] = value
+    return config_from_dict(data)
+
+
+def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:
+    """Paths inside a config file are relative to that file, as a user editing it would expect."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return
+    for key in ("path", "config", "tokenizer"):
+        value = model.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            candidate = base / value
+            if candidate.exists():
+                model[key] = str(candidate)
+
+
+def config_reference() -> str:
+    """Every knob with its default and meaning, for ``--help`` and the README."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"{name}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            lines.append(f"  {f.name} (default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

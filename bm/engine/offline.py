@@ -1,0 +1,111 @@
+"""The simplest client of the batch manager: a fixed list of requests in, one result per request out.
+
+It uses only the public callbacks, exactly as a library user would, and is what ``bm run`` and the
+tests build on. Streamed responses are stitched back into one result per request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from bm.config import BmConfig
+from bm.engine.batch_manager import BatchManager
+from bm.engine.inference_request import InferenceRequest
+from bm.runtime import LoadedModel
+from bm.scheduling import FinishReason
+
+
+@dataclass
+class RequestResult:
+    request_id: int
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    error: str = ""
+    num_responses: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class OfflineClient:
+    """Hands requests to the batch manager as it asks for them and collects every response."""
+
+    def __init__(
+        self,
+        requests: Iterable[InferenceRequest],
+        on_final: Callable[[RequestResult], None] | None = None,
+    ) -> None:
+        self._pending = deque(requests)
+        self._expected = len(self._pending)
+        self._on_final = on_final
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.results: dict[int, RequestResult] = {}
+        self.num_final = 0
+        if self._expected == 0:
+            self._done.set()
+
+    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+        with self._lock:
+            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
+            return [self._pending.popleft() for _ in range(count)]
+
+    def send_response(
+        self, request_id: int, tensors: dict[str, torch.Tensor], final: bool, error: str
+    ) -> None:
+        with self._lock:
+            result = self.results.get(request_id)
+            if result is None or result.finish_reason != FinishReason.NOT_FINISHED:
+                result = self.results[request_id] = RequestResult(request_id)
+            result.num_responses += 1
+            ids = tensors.get("output_ids")
+            if ids is not None and ids.numel():
+                result.output_ids.extend(ids[0].tolist())
+            if final:
+                reason = tensors.get("finish_reason")
+                result.finish_reason = (
+                    FinishReason(int(reason[0])) if reason is not None else FinishReason.ERROR
+                )
+                result.error = error
+                self.num_final += 1
+        if final:
+            if self._on_final is not None:
+                self._on_final(result)
+            if self.num_final >= self._expected:
+                self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+def generate(
+    requests: Iterable[InferenceRequest],
+    config: BmConfig | None = None,
+    *,
+    model: LoadedModel | None = None,
+    return_stats: Callable[[str], None] | None = None,
+    check_integrity: bool = False,
+    timeout: float | None = None,
+) -> dict[int, RequestResult]:
+    """Run ``requests`` to completion and return one :class:`RequestResult` per request id."""
+    client = OfflineClient(requests)
+    with BatchManager(
+        config or BmConfig(),
+        client.get_requests,
+        client.send_response,
+        return_stats=return_stats,
+        model=model,
+        check_integrity=check_integrity,
+    ) as manager:
+        if not client.wait(timeout):
+            manager.shutdown(cancel=True)
+            raise TimeoutError(f"requests did not finish within {timeout} s")
+    if manager.error is not None:
+        raise RuntimeError(f"the batch manager failed: {manager.error}") from manager.error
+    return client.results

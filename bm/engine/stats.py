@@ -1,0 +1,56 @@
+"""Per-iteration statistics, as the seed's JSON string plus a few fields of bm's own.
+
+Field names are the seed's exactly ("Iteration Counter", "Used KV cache blocks", ...), so existing tooling
+that parses TensorRT-LLM stats reads bm's; extra fields use the same spelling style.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    active_requests: int
+    max_requests: int
+    max_blocks: int
+    free_blocks: int
+    used_blocks: int
+    tokens_per_block: int
+    context_requests: int
+    generation_requests: int
+    context_tokens: int
+    paused_requests: int
+    queued_requests: int
+    finished_requests: int
+    elapsed_s: float
+    latency_ms: float
+    micro_batch_id: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "Timestamp": time.strftime("%m-%d-%Y %H:%M:%S"),
+                "Iteration Counter": self.iteration,
+                "Active Request Count": self.active_requests,
+                "Max Request Count": self.max_requests,
+                "Max KV cache blocks": self.max_blocks,
+                "Free KV cache blocks": self.free_blocks,
+                "Used KV cache blocks": self.used_blocks,
+                "Tokens per KV cache block": self.tokens_per_block,
+                "Scheduled Requests": self.context_requests + self.generation_requests,
+                "Context Requests": self.context_requests,
+                "Generation Requests": self.generation_requests,
+                "Total Context Tokens": self.context_tokens,
+                "MicroBatch ID": self.micro_batch_id,
+                # bm's additions
+                "Paused Requests": self.paused_requests,
+                "Queued Requests": self.queued_requests,
+                "Finished Requests": self.finished_requests,
+                "Elapsed Time (s)": round(self.elapsed_s, 6),
+                "Iteration Latency (ms)": round(self.latency_ms, 3),
+            }
+        )

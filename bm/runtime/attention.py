@@ -1,0 +1,240 @@
+"""Paged attention, plugged into transformers through its public attention registry.
+
+The model runs one packed, unpadded sequence of tokens (``[1, T]``) that holds every scheduled request:
+context chunks and single generation tokens side by side. transformers computes the projections and
+rotary embeddings as usual and calls :func:`paged_attention_forward` once per layer with the batch
+metadata passed as a forward kwarg (``bm_attention``). That function writes the new keys and values into
+the preallocated block tensors by slot mapping, then attends each sequence to its own blocks only.
+
+KV layout per layer: ``[2, num_kv_heads, num_blocks, tokens_per_block, head_dim]``. Gathering a
+request's blocks along dim 2 yields ``[num_kv_heads, tokens, head_dim]`` ready for a batched matmul,
+and grouped query heads are handled by viewing the query as ``[kv_heads, group, ...]``: expanded K/V
+are never materialized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTENTION_NAME = "bm_paged"
+
+# Attention features some models pass per layer; bm's kernel does not implement them yet, so a model
+# using them must fail loudly instead of running with silently different attention. (A native sliding
+# window is honoured by the engine instead: it caps sequences at the window, where attention is full.)
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+class UnsupportedAttentionError(RuntimeError):
+    pass
+
+
+@dataclass
+class PrefillSegment:
+    """A run of two or more query tokens of one request (a context chunk)."""
+
+    start: int  # first token in the packed batch
+    end: int
+    prefix_len: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor | None = None  # the request's blocks, when prefix_len > 0
+    mask: torch.Tensor | None = None  # [L, prefix_len + L] bool, when prefix_len > 0
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token queries of similar context length, attended together in one batched matmul."""
+
+    token_index: torch.Tensor  # [B] positions in the packed batch
+    block_ids: torch.Tensor  # [B * num_blocks] flattened, padded block tables
+    num_blocks: int
+    row_bias: torch.Tensor  # [B, num_blocks * tokens_per_block]: 0 where attended, -inf past the end
+    _bias: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, kv_heads: int) -> torch.Tensor:
+        """The row bias laid out for ``[kv_heads * B, group, length]`` scores; built once, shared by layers."""
+        bias = self._bias.get(kv_heads)
+        if bias is None:
+            rows, length = self.row_bias.shape
+            bias = self.row_bias.unsqueeze(0).expand(kv_heads, -1, -1).reshape(kv_heads * rows, 1, length)
+            self._bias[kv_heads] = bias
+        return bias
+
+
+@dataclass
+class AttentionMetadata:
+    kv_caches: list[
+        torch.Tensor | None
+    ]  # by layer_idx, [2, kv_heads, num_blocks, tokens_per_block, head_dim]
+    slot_mapping: torch.Tensor  # [T] flat slot of each new token
+    prefill: list[PrefillSegment] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    scratch: torch.Tensor | None = None  # reusable gather buffer, sized for the largest decode group
+    probe: dict[int, tuple[int, int]] | None = None  # set by probe_kv_shapes: record shapes, compute nothing
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata | None = kwargs.get("bm_attention")
+    if meta is None:
+        raise UnsupportedAttentionError(
+            "the model is set to bm's paged attention but was called without bm's batch metadata; "
+            "run it through bm.runtime.ModelRunner"
+        )
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttentionError(
+                f"this model uses attention feature {name!r}, not supported by bm yet"
+            )
+    if meta.probe is not None:
+        return _record_shape(module, query, key, value, meta.probe)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+
+    cache = meta.kv_caches[module.layer_idx]
+    kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
+    flat = cache.view(2, kv_heads, num_blocks * block_size, head_dim)
+    q, k, v = query[0], key[0], value[0]  # [heads, T, d], [kv_heads, T, d]
+    flat[0].index_copy_(1, meta.slot_mapping, k)
+    flat[1].index_copy_(1, meta.slot_mapping, v)
+
+    num_heads, num_tokens, _ = q.shape
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for seg in meta.prefill:
+        _prefill(out, q, k, v, cache, seg, scaling)
+    for group in meta.decode_groups:
+        _decode(out, q, cache, group, scaling, meta.scratch)
+    return out.unsqueeze(0), None
+
+
+def _prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    seg: PrefillSegment,
+    scaling: float,
+) -> None:
+    qs = q[None, :, seg.start : seg.end]
+    if seg.prefix_len == 0:
+        # A whole prompt in one chunk: its keys are right here, no need to read the cache.
+        ks, vs = k[None, :, seg.start : seg.end], v[None, :, seg.start : seg.end]
+        res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        kv_heads, head_dim = cache.shape[1], cache.shape[4]
+        ctx = seg.prefix_len + (seg.end - seg.start)
+        blocks = cache.index_select(2, seg.block_ids)
+        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, :ctx]
+        res = F.scaled_dot_product_attention(
+            qs, kv[0][None], kv[1][None], attn_mask=seg.mask, scale=scaling, enable_gqa=True
+        )
+    out[seg.start : seg.end] = res[0].transpose(0, 1)
+
+
+def _decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    group: DecodeGroup,
+    scaling: float,
+    scratch: torch.Tensor | None,
+) -> None:
+    kv_heads, _, block_size, head_dim = cache.shape[1:]
+    num_heads = q.shape[0]
+    group_size = num_heads // kv_heads
+    rows = group.token_index.numel()
+    length = group.num_blocks * block_size
+    # [heads, B, d] -> [kv_heads, B, group, d]: a reshape of the query instead of repeating K/V.
+    qg = q.index_select(1, group.token_index).view(kv_heads, group_size, rows, head_dim)
+    qg = qg.transpose(1, 2).reshape(kv_heads * rows, group_size, head_dim)
+
+    shape = (kv_heads, rows * group.num_blocks, block_size, head_dim)
+    numel = kv_heads * rows * length * head_dim
+    use_scratch = scratch is not None and scratch.numel() >= numel
+    keys = torch.index_select(
+        cache[0], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
+    )
+    scores = torch.baddbmm(
+        group.bias(kv_heads), qg, keys.view(kv_heads * rows, length, head_dim).transpose(1, 2), alpha=scaling
+    )
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    values = torch.index_select(
+        cache[1], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
+    )
+    res = torch.bmm(probs, values.view(kv_heads * rows, length, head_dim))  # [kv_heads*B, group, d]
+    res = res.view(kv_heads, rows, group_size, head_dim).transpose(0, 1).reshape(rows, num_heads, head_dim)
+    out.index_copy_(0, group.token_index, res)
+
+
+def _record_shape(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shapes: dict
+) -> tuple[torch.Tensor, None]:
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise UnsupportedAttentionError(
+            "the model's attention modules carry no layer_idx; bm needs one per layer"
+        )
+    if layer in shapes:
+        raise UnsupportedAttentionError(
+            f"attention layer {layer} runs twice in one forward (shared KV layers)"
+        )
+    if value.shape[-1] != key.shape[-1] or query.shape[1] % key.shape[1]:
+        raise UnsupportedAttentionError(
+            f"layer {layer}: query/key/value shapes {list(query.shape)}, {list(key.shape)}, {list(value.shape)} "
+            "are not supported (bm needs equal key and value head sizes and grouped query heads)"
+        )
+    shapes[layer] = (key.shape[1], key.shape[-1])
+    return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+@torch.inference_mode()
+def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
+    """Run one token through the model to learn each layer's (kv_heads, head_dim) as it really is.
+
+    Configs name these differently from model to model (and some ignore ``num_key_value_heads``); the
+    shapes the attention function receives are the truth. A model that never calls the registered
+    function (one that bypasses ``AttentionInterface``) is refused here rather than run wrongly.
+    """
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    device = next(model.parameters()).device
+    zero = torch.zeros((1, 1), dtype=torch.long, device=device)
+    shapes: dict[int, tuple[int, int]] = {}
+    meta = AttentionMetadata(kv_caches=[], slot_mapping=zero[0], probe=shapes)
+    model(
+        input_ids=zero,
+        position_ids=zero,
+        use_cache=False,
+        logits_to_keep=torch.zeros(1, dtype=torch.long, device=device),
+        bm_attention=meta,
+    )
+    if not shapes:
+        raise UnsupportedAttentionError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so bm cannot plug its paged attention into it"
+        )
+    return shapes
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """transformers builds no dense mask for bm's packed batches: each sequence is masked inside the kernel."""
+    return None
+
+
+def register() -> str:
+    """Register bm's attention (and its no-op mask) under one name; safe to call more than once."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,162 @@
+"""Build the model with transformers from a checkpoint, a config file, or the embedded default.
+
+Nothing here touches the network: checkpoints load with ``local_files_only``, and configs build random
+weights from a seed (like vLLM's dummy load format), which is what benchmarking needs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from bm.config import ModelConfig
+from bm.runtime.attention import probe_kv_shapes
+from bm.runtime.default_model import TINY_LLAMA_CONFIG
+from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model could not be built; the message says which setting to change."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: TextCodec | None
+    device: torch.device
+    dtype: torch.dtype
+    name: str
+    vocab_size: int
+    max_position_embeddings: int | None
+    eos_token_id: int | None
+    kv_shapes: dict[int, tuple[int, int]]  # layer_idx -> (kv_heads, head_dim), as measured
+    sliding_window: int | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token across all layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * heads * dim * element for heads, dim in self.kv_shapes.values())
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"model.device is {name!r} but CUDA is not available here; use cpu or auto")
+    return device
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    device = resolve_device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    tokenizer: TextCodec | None = None
+    if cfg.path:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model.path {cfg.path!r} is not a checkpoint directory (no config.json)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
+        tokenizer = _try_tokenizer(cfg.tokenizer or str(path))
+        name = str(path)
+    else:
+        if cfg.config:
+            hf_config = _config_from_file(cfg.config)
+            name = str(cfg.config)
+        else:
+            hf_config = AutoConfig.for_model(**TINY_LLAMA_CONFIG)
+            tokenizer = ByteTokenizer()
+            name = "embedded tiny-llama"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        if cfg.tokenizer:
+            tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
+    model.to(device).eval()
+    return describe_model(model, tokenizer, name)
+
+
+def _config_from_file(path_text: str) -> PretrainedConfig:
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"model.config {path_text!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"model.config {path_text!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ModelLoadError(f"model.config {path_text!r} needs a 'model_type' (e.g. \"llama\")")
+    try:
+        return AutoConfig.for_model(**data)
+    except ValueError as exc:
+        raise ModelLoadError(f"model.config {path_text!r}: {exc}") from None
+
+
+def _try_tokenizer(path: str, required: bool = False) -> TextCodec | None:
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError, TypeError) as exc:
+        if required:
+            raise ModelLoadError(f"model.tokenizer {path!r} could not be loaded: {exc}") from exc
+        return None
+
+
+def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: str) -> LoadedModel:
+    """What bm needs to know of a built model; probes its attention layers (and takes them over)."""
+    config: Any = model.config.get_text_config()
+    param = next(model.parameters())
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None)
+    if sliding is not None and not getattr(config, "use_sliding_window", True):
+        sliding = None
+    if layer_types and "sliding_attention" not in layer_types:
+        sliding = None
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=param.device,
+        dtype=param.dtype,
+        name=name,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        eos_token_id=eos,
+        kv_shapes=probe_kv_shapes(model),
+        sliding_window=sliding,
+    )
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory free for the KV cache now: device memory on CUDA, available system memory on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,165 @@
+"""Owns the model and the KV tensors; turns a list of scheduled segments into one packed forward.
+
+The engine hands over :class:`Segment` values (tokens, their first position, the request's block table,
+whether to sample after the last token). The runner builds the packed inputs and the attention metadata
+once per forward, shares them with every layer, and returns logits only where a token will be sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bm.kv import cdiv
+from bm.runtime.attention import (
+    ATTENTION_NAME,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSegment,
+    register,
+)
+from bm.runtime.model_loader import LoadedModel
+
+# Padded tokens per decode group: keeps one group's gathered keys (kv_heads x tokens x head_dim) small
+# enough to stay in cache between the gather and the matmul that reads it.
+DECODE_GROUP_TOKENS = 8192
+# Pools below this size are zero-filled; larger ones rely on the OS handing out zeroed pages, so memory is
+# committed only as blocks are used (a masked slot is then 0 or a finite old value, never NaN).
+_ZERO_FILL_LIMIT_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class Segment:
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, tokens_per_block: int, max_seq_len: int) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = num_blocks
+        register()
+        # The runner takes the model over: from now on it runs with bm's paged attention.
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        total_bytes = loaded.kv_bytes_per_token * num_blocks * tokens_per_block
+        zero = loaded.device.type != "cpu" or total_bytes <= _ZERO_FILL_LIMIT_BYTES
+        alloc = torch.zeros if zero else torch.empty
+        widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
+        group_tokens = max(DECODE_GROUP_TOKENS, cdiv(max_seq_len, tokens_per_block) * tokens_per_block)
+        with torch.inference_mode():
+            self.kv_caches: list[torch.Tensor | None] = [None] * (max(loaded.kv_shapes) + 1)
+            for layer, (heads, dim) in loaded.kv_shapes.items():
+                shape = (2, heads, num_blocks, tokens_per_block, dim)
+                self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
+            self.scratch = torch.empty(widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
+        """Run every segment in one packed forward; return float32 logits ``[num_sampled, vocab]``."""
+        input_ids, positions, meta, sample_index = self._prepare(segments)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=sample_index,
+            bm_attention=meta,
+        )
+        return out.logits[0].float()
+
+    def _prepare(
+        self, segments: Sequence[Segment]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.tokens_per_block
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_index: list[int] = []
+        prefill: list[tuple[int, int, int, list[int]]] = []
+        decode_rows: list[tuple[int, int, list[int]]] = []  # (packed index, context length, blocks)
+        offset = 0
+        for seg in segments:
+            n = len(seg.token_ids)
+            start = seg.start_pos
+            table = seg.block_ids
+            ids.extend(seg.token_ids)
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_rows.append((offset, start + 1, table))
+            else:
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                prefill.append((offset, offset + n, start, table))
+            if seg.sample:
+                sample_index.append(offset + n - 1)
+            offset += n
+
+        dev = self.device
+        meta = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefill=[self._prefill_segment(*p) for p in prefill],
+            decode_groups=self._decode_groups(decode_rows),
+            scratch=self.scratch,
+        )
+        return (
+            torch.tensor([ids], dtype=torch.long, device=dev),
+            torch.tensor([positions], dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_index, dtype=torch.long, device=dev),
+        )
+
+    def _prefill_segment(self, start: int, end: int, prefix: int, table: list[int]) -> PrefillSegment:
+        if prefix == 0:
+            return PrefillSegment(start, end, 0)
+        ctx = prefix + (end - start)
+        dev = self.device
+        blocks = torch.tensor(table[: cdiv(ctx, self.tokens_per_block)], dtype=torch.long, device=dev)
+        query_pos = torch.arange(prefix, ctx, device=dev)
+        mask = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]
+        return PrefillSegment(start, end, prefix, blocks, mask)
+
+    def _decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
+        """Sort single-token queries by context length and cut them into groups of bounded padded size."""
+        if not rows:
+            return []
+        bs = self.tokens_per_block
+        rows = sorted(rows, key=lambda r: r[1])
+        groups = []
+        current: list[tuple[int, int, list[int]]] = []
+        for row in rows:
+            padded = cdiv(row[1], bs) * bs
+            if current and (len(current) + 1) * padded > DECODE_GROUP_TOKENS:
+                groups.append(self._decode_group(current))
+                current = []
+            current.append(row)
+        groups.append(self._decode_group(current))
+        return groups
+
+    def _decode_group(self, rows: list[tuple[int, int, list[int]]]) -> DecodeGroup:
+        bs = self.tokens_per_block
+        dev = self.device
+        num_blocks = cdiv(rows[-1][1], bs)  # rows are sorted: the last is the longest
+        flat: list[int] = []
+        for _, ctx, table in rows:
+            used = table[: cdiv(ctx, bs)]
+            flat.extend(used)
+            flat.extend([used[0]] * (num_blocks - len(used)))  # padding reads a valid block, then is masked
+        lengths = torch.tensor([r[1] for r in rows], device=dev)
+        bias = torch.zeros(len(rows), num_blocks * bs, dtype=self.loaded.dtype, device=dev)
+        bias.masked_fill_(
+            torch.arange(num_blocks * bs, device=dev)[None, :] >= lengths[:, None], float("-inf")
+        )
+        return DecodeGroup(
+            token_index=torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev),
+            block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
+            num_blocks=num_blocks,
+            row_bias=bias,
+        )

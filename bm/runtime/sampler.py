@@ -1,0 +1,70 @@
+"""Token selection for a whole batch at once: greedy rows by argmax, sampled rows by one vectorized
+temperature / top-k / top-p pass over sorted logits.
+
+Each sampling request owns a ``torch.Generator`` seeded with its ``random_seed`` and draws exactly one
+uniform number per generated token, so its samples do not depend on what else shares the batch, on the
+batch's order, or on a pause and resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bm.scheduling.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, request_id: int) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[int]
+    ) -> list[int]:
+        """``logits`` is ``[rows, vocab]`` float32; returns one token id per row."""
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            chosen = self._sample_rows(
+                logits.index_select(0, rows),
+                [params[i] for i in sampled_rows],
+                [request_ids[i] for i in sampled_rows],
+            )
+            tokens.index_copy_(0, rows, chosen)
+        return tokens.tolist()
+
+    def _uniform(self, request_id: int, seed: int) -> float:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+        return torch.rand((), generator=gen).item()
+
+    def _sample_rows(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[int]
+    ) -> torch.Tensor:
+        dev = logits.device
+        vocab = logits.shape[1]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        u = torch.tensor(
+            [self._uniform(rid, p.random_seed) for rid, p in zip(request_ids, params, strict=True)],
+            dtype=torch.float32,
+            device=dev,
+        )
+        sorted_logits, sorted_ids = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)
+        sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Nucleus: drop a token once the mass strictly before it already reaches top_p (the first stays).
+        before = probs.cumsum(dim=-1) - probs
+        probs.masked_fill_(before >= top_p[:, None], 0.0)
+        cdf = probs.cumsum(dim=-1)
+        target = (u * cdf[:, -1])[:, None]
+        choice = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+        return sorted_ids.gather(1, choice).squeeze(1)

@@ -1,0 +1,45 @@
+"""Text in and out. The embedded default model uses a byte-level tokenizer built here, so nothing is
+downloaded; checkpoints bring their own Hugging Face tokenizer, wrapped to the same two methods."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class TextCodec(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three special ids: 0 pad, 1 bos, 2 eos."""
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    num_special = 3
+    vocab_size = 256 + num_special
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.num_special for b in text.encode("utf-8")]
+
+    def decode(self, token_ids: list[int]) -> str:
+        data = bytes(t - self.num_special for t in token_ids if self.num_special <= t < self.vocab_size)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Adapter over a transformers tokenizer: prompts are encoded as the tokenizer's defaults say."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,126 @@
+"""The batch manager's own record of a request, in plain Python so schedulers can run without a model.
+
+State values are ordered as on the scheduler page, so "may be scheduled" is a range check:
+``CONTEXT_INIT <= state < GENERATION_COMPLETE``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestState(IntEnum):
+    CONTEXT_INIT = 1
+    GENERATION_IN_PROGRESS = 2
+    GENERATION_TO_COMPLETE = 3
+    GENERATION_COMPLETE = 4
+
+
+class FinishReason(IntEnum):
+    """Why a request ended; values follow TensorRT-LLM's executor, with ERROR added by bm."""
+
+    NOT_FINISHED = 0
+    END_ID = 1
+    STOP_WORDS = 2
+    LENGTH = 3
+    TIMED_OUT = 4
+    CANCELLED = 5
+    ERROR = 6
+
+    @property
+    def label(self) -> str:
+        """The short name written to outputs.jsonl (``end_id``, ``stop``, ``length``, ...)."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    FinishReason.NOT_FINISHED: "not_finished",
+    FinishReason.END_ID: "end_id",
+    FinishReason.STOP_WORDS: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TIMED_OUT: "timed_out",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding controls, already validated. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    random_seed: int = 0
+    end_id: int = -1  # -1: never stop on a token
+    pad_id: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(eq=False)
+class LlmRequest:
+    request_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    streaming: bool = False
+    state: RequestState = RequestState.CONTEXT_INIT
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose keys and values are in the cache. A context phase (first or after a pause) covers
+    # every known token; generation then adds one token an iteration.
+    num_computed_tokens: int = 0
+    # Set by the micro-batch scheduler each iteration a context request is scheduled.
+    context_chunk_size: int = 0
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    num_streamed_tokens: int = 0
+    num_pauses: int = 0
+    # Seconds on the batch manager's clock (time.perf_counter).
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens_at_completion(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def is_context_phase(self) -> bool:
+        return self.state == RequestState.CONTEXT_INIT
+
+    @property
+    def is_generation_phase(self) -> bool:
+        return self.state in (RequestState.GENERATION_IN_PROGRESS, RequestState.GENERATION_TO_COMPLETE)
+
+    @property
+    def num_context_tokens_remaining(self) -> int:
+        """Tokens the current context phase still has to compute (all known tokens not yet in the cache)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason != FinishReason.NOT_FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output, without building the concatenation."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,69 @@
+"""Small batch-manager clients for tests, built on the public callbacks only."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from bm.engine import InferenceRequest, OfflineClient
+
+
+class StaggeredClient(OfflineClient):
+    """Releases ``per_iteration`` requests each time it is asked, so later ones arrive mid-generation."""
+
+    def __init__(self, requests, per_iteration: int = 2) -> None:
+        super().__init__(requests)
+        self.per_iteration = per_iteration
+        self.max_new_seen: list[int] = []
+
+    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+        self.max_new_seen.append(max_new)
+        limit = self.per_iteration if max_new < 0 else min(max_new, self.per_iteration)
+        return super().get_requests(limit)
+
+
+class ScriptedClient:
+    """Full control for callback-semantics tests: push requests, record every call."""
+
+    def __init__(self) -> None:
+        self.queue: deque[InferenceRequest] = deque()
+        self.responses: list[tuple[int, dict[str, torch.Tensor], bool, str]] = []
+        self.stats: list[str] = []
+        self.stop_ids: set[int] = set()
+        self.lock = threading.Lock()
+        self.finals = threading.Condition(self.lock)
+
+    def push(self, *requests: InferenceRequest) -> None:
+        with self.lock:
+            self.queue.extend(requests)
+
+    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+        with self.lock:
+            count = len(self.queue) if max_new < 0 else min(max_new, len(self.queue))
+            return [self.queue.popleft() for _ in range(count)]
+
+    def send_response(self, request_id, tensors, final, error) -> None:
+        with self.lock:
+            self.responses.append((request_id, tensors, final, error))
+            if final:
+                self.finals.notify_all()
+
+    def poll_stop_signal(self) -> set[int]:
+        with self.lock:
+            ids, self.stop_ids = self.stop_ids, set()
+            return ids
+
+    def return_stats(self, text: str) -> None:
+        with self.lock:
+            self.stats.append(text)
+
+    def finals_for(self, request_id: int) -> list[tuple[dict[str, torch.Tensor], str]]:
+        with self.lock:
+            return [(t, e) for rid, t, f, e in self.responses if rid == request_id and f]
+
+    def wait_finals(self, count: int, timeout: float = 60.0) -> None:
+        with self.finals:
+            ok = self.finals.wait_for(lambda: sum(1 for r in self.responses if r[2]) >= count, timeout)
+        assert ok, f"expected {count} final responses, got {[r for r in self.responses if r[2]]}"

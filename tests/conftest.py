@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight models (nothing downloaded) and the HF reference for the oracle."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from bm.config import BmConfig, config_from_dict
+from bm.runtime import LoadedModel, load_model
+from bm.runtime.model_loader import ModelConfig
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+
+def make_config(**sections) -> BmConfig:
+    """A config for tests: CPU, a small explicit cache, everything else default unless given."""
+    data = {"model": {"device": "cpu"}, "kv_cache": {"max_tokens": 4096, "tokens_per_block": 8}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return config_from_dict(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    """The embedded tiny Llama (initializer_range 0.2, so greedy argmax is rarely a near-tie)."""
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    return load_model(ModelConfig(device="cpu", seed=0))
+
+
+def reference_model(loaded: LoadedModel) -> torch.nn.Module:
+    """An independent copy running transformers' own attention, for HF generate()."""
+    ref = copy.deepcopy(loaded.model)
+    ref.set_attn_implementation("sdpa")
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    return ref
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model: LoadedModel) -> torch.nn.Module:
+    return reference_model(tiny_model)
+
+
+def hf_greedy(
+    ref: torch.nn.Module, prompt: list[int], max_new_tokens: int, end_id: int | None = None
+) -> list[int]:
+    """HF generate() on one request alone: the oracle bm's greedy output must equal."""
+    with torch.no_grad():
+        out = ref.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=end_id,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(seed: int, count: int, vocab: int, max_prompt: int, max_output: int):
+    """(prompt, output_len) pairs of mixed lengths from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    specs = []
+    for _ in range(count):
+        n = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
+        m = int(torch.randint(1, max_output + 1, (1,), generator=g))
+        specs.append((torch.randint(3, vocab, (n,), generator=g).tolist(), m))
+    return specs
