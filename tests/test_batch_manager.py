@@ -56,6 +56,8 @@ def test_responses_carry_output_ids_sequence_length_and_finish_reason(tiny_model
     assert tensors["output_ids"].shape == (1, 6) and tensors["output_ids"].dtype == torch.int32
     assert tensors["sequence_length"].tolist() == [6]
     assert tensors["finish_reason"].tolist() == [int(FinishReason.LENGTH)]
+    assert tensors["num_pauses"].tolist() == [0]
+    assert 0 <= tensors["queue_time"].item() < 60
     assert tensors["output_ids"][0].tolist() == hf_greedy(tiny_reference, prompt(10), 6)
 
 

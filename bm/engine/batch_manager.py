@@ -345,8 +345,21 @@ class BatchManager:
             "sequence_length": torch.tensor([len(new_tokens)], dtype=torch.int32),
         }
         if final:
-            tensors["finish_reason"] = torch.tensor([int(req.finish_reason)], dtype=torch.int32)
+            tensors.update(self._request_stats(req))
         self._deliver(req.request_id, tensors, final, error)
+
+    @staticmethod
+    def _request_stats(req: LlmRequest) -> dict[str, torch.Tensor]:
+        """bm's extra tensors on a final response: why it ended and what the engine did with it."""
+        scheduled = req.first_scheduled_time
+        return {
+            "finish_reason": torch.tensor([int(req.finish_reason)], dtype=torch.int32),
+            "num_pauses": torch.tensor([req.num_pauses], dtype=torch.int32),
+            # seconds from admission to the first iteration that computed part of it (-1: never scheduled)
+            "queue_time": torch.tensor(
+                [scheduled - req.arrival_time if scheduled is not None else -1.0], dtype=torch.float64
+            ),
+        }
 
     def _reject(self, request: object, message: str) -> None:
         rid = getattr(request, "request_id", None)
