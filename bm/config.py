@@ -85,12 +85,31 @@ def _device(key: str, value: Any) -> Any:
     return value
 
 
+def _class_path(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    module, sep, name = str(value).partition(":") if isinstance(value, str) else ("", "", "")
+    if not (sep and module and name.isidentifier()):
+        raise ConfigError(f"{key}: expected 'package.module:ClassName', got {value!r}")
+    return value
+
+
 BATCHING_SCHEMES = {
+    "v1": "v1",
+    "inflight": "inflight",
+    "inflightbatching": "inflight",
     "inflight_fused": "inflight_fused",
     "inflightfusedbatching": "inflight_fused",
 }
 SCHEDULER_POLICIES = {
     "guaranteed_no_evict": "guaranteed_no_evict",
+    "max_utilization": "max_utilization",
+    "static_batch": "static_batch",
+}
+CHUNKING_POLICIES = {
+    "first_come_first_served": "first_come_first_served",
+    "fcfs": "first_come_first_served",
+    "equal_progress": "equal_progress",
 }
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # fmt: skip
@@ -124,12 +143,15 @@ class ModelConfig:
 class EngineConfig:
     batching_scheme: str = _knob(
         "inflight_fused",
-        "inflight_fused (InflightFusedBatching): context and generation tokens in one packed forward.",
+        "v1 (static batches padded and run in lockstep), inflight (context and generation as separate "
+        "forwards), inflight_fused (one packed forward per iteration). Seed names (V1, InflightBatching, "
+        "InflightFusedBatching) accepted.",
         _choice(BATCHING_SCHEMES),
     )
     scheduler_policy: str = _knob(
         "guaranteed_no_evict",
-        "guaranteed_no_evict: reserve KV blocks to completion so a started request never pauses.",
+        "guaranteed_no_evict (reserve blocks to completion), max_utilization (pack the iteration, pause "
+        "the latest started when short), static_batch (no new request until the batch drains).",
         _choice(SCHEDULER_POLICIES),
     )
     max_batch_size: int = _knob(128, "Most requests scheduled in one iteration.", _int_at_least(1))
@@ -147,6 +169,33 @@ class EngineConfig:
         _int_at_least(1, optional=True),
     )
     max_beam_width: int = _knob(1, "Largest beam_width a request may ask for.", _int_at_least(1))
+    enable_chunked_context: bool = _knob(
+        False, "Split long contexts across iterations so generation keeps flowing beside them.", _bool
+    )
+    context_chunking_policy: str = _knob(
+        "first_come_first_served",
+        "first_come_first_served (fill the token budget in arrival order) or equal_progress (advance "
+        "every context one block at a time).",
+        _choice(CHUNKING_POLICIES),
+    )
+    context_chunk_size: int | None = _knob(
+        None,
+        "Most context tokens of one request per iteration (default: the token budget decides).",
+        _int_at_least(1, optional=True),
+    )
+    capacity_scheduler: str | None = _knob(
+        None,
+        "Your CapacityScheduler subclass, 'package.module:ClassName' (replaces the policy).",
+        _class_path,
+    )
+    micro_batch_scheduler: str | None = _knob(
+        None, "Your MicroBatchScheduler subclass, 'package.module:ClassName'.", _class_path
+    )
+    scheduler: str | None = _knob(
+        None,
+        "Your RequestScheduler (schedule_request implemented directly), 'package.module:ClassName'.",
+        _class_path,
+    )
 
 
 @dataclass
@@ -214,7 +263,20 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(
             "model.path and model.config are exclusive: give a checkpoint or a config, not both"
         )
-    kv = cfg.kv_cache
+    kv, engine = cfg.kv_cache, cfg.engine
+    if engine.enable_chunked_context and engine.max_num_tokens < kv.tokens_per_block:
+        raise ConfigError(
+            f"engine.max_num_tokens ({engine.max_num_tokens}) must hold at least one block "
+            f"(kv_cache.tokens_per_block = {kv.tokens_per_block}) when chunked context is on"
+        )
+    if engine.context_chunk_size is not None:
+        if not engine.enable_chunked_context:
+            raise ConfigError("engine.context_chunk_size needs engine.enable_chunked_context: true")
+        if engine.context_chunk_size < kv.tokens_per_block:
+            raise ConfigError(
+                f"engine.context_chunk_size ({engine.context_chunk_size}) must be at least one block "
+                f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
+            )
     if kv.max_tokens is not None and kv.max_tokens < kv.tokens_per_block:
         raise ConfigError(
             f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "

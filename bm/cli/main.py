@@ -41,7 +41,7 @@ SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeat
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False)
+    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
 
 
@@ -100,7 +100,7 @@ def run(
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
     console.print(summary_table(summary))
-    console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}")
+    console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
     if summary.num_failed:
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
     if summary.interrupted:

@@ -20,19 +20,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bm.config import BmConfig
+from bm.engine.execution import IterationExecutor, IterationResult
 from bm.engine.inference_request import InferenceRequest, RequestError, RequestLimits, parse_request
 from bm.engine.stats import IterationStats
 from bm.kv import KVCacheManager
-from bm.runtime import LoadedModel, ModelRunner, Sampler, Segment, load_model, num_kv_blocks
-from bm.scheduling import (
-    FinishReason,
-    GuaranteedNoEvictScheduler,
-    LlmRequest,
-    MicroBatchScheduler,
-    RequestState,
-    SchedulerOutput,
-    SimpleScheduler,
-)
+from bm.runtime import LoadedModel, ModelRunner, Sampler, load_model, num_kv_blocks
+from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
+from bm.scheduling.factory import build_scheduler
 
 log = logging.getLogger("bm")
 
@@ -85,19 +79,20 @@ class BatchManager:
             min(self.max_seq_len, num_blocks * kv_cfg.tokens_per_block),
         )
         self.sampler = Sampler()
-        self.scheduler = SimpleScheduler(
-            GuaranteedNoEvictScheduler(engine.max_batch_size, self.kv_cache_manager),
-            MicroBatchScheduler(engine.max_batch_size, engine.max_num_tokens),
+        self.scheduler = build_scheduler(engine, self.kv_cache_manager)
+        self.executor = IterationExecutor(
+            engine.batching_scheme, engine.max_num_tokens, self.kv_cache_manager, self.runner, self.sampler
         )
         self.limits = RequestLimits(
             vocab_size=self.model.vocab_size,
             max_seq_len=self.max_seq_len,
-            max_num_tokens=engine.max_num_tokens,
+            # with chunking a prompt of any length fits the budget piece by piece
+            max_num_tokens=None if engine.enable_chunked_context else engine.max_num_tokens,
             max_beam_width=engine.max_beam_width,
         )
 
         self._active: dict[int, LlmRequest] = {}  # insertion order is arrival order
-        self._to_respond: list[LlmRequest] = []
+        self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)
         self._iteration = 0
         self._start_time = time.perf_counter()
         self._shutdown = threading.Event()
@@ -160,18 +155,15 @@ class BatchManager:
         started = time.perf_counter()
         num_active = len(self._active)
         scheduled = self.scheduler.schedule_request(list(self._active.values()))
-        segments, sampled = self._allocate(scheduled)
+        self._pause(scheduled.paused_requests)
+        result = self.executor.run(scheduled)
         used_blocks = self.kv_cache_manager.pool.num_used_blocks
-        if segments:
-            logits = self.runner.forward(segments)
-            tokens = self._sample(sampled, logits)
-            self._update(scheduled, sampled, tokens)
-        num_finished = self._respond()
+        num_finished = self._respond(result)
         self._apply_stop_signals()
         if self._check_integrity:
             self._verify()
-        self._report_stats(scheduled, num_active, used_blocks, num_finished, started)
-        return bool(segments)
+        self._report_stats(scheduled, result, num_active, used_blocks, num_finished, started)
+        return result.computed_tokens > 0
 
     # -- steps ----------------------------------------------------------------------------------------
 
@@ -216,62 +208,26 @@ class BatchManager:
         llm_request.arrival_time = time.perf_counter()
         self._active[llm_request.request_id] = llm_request
 
-    def _allocate(self, scheduled: SchedulerOutput) -> tuple[list[Segment], list[LlmRequest]]:
-        """Blocks for every token computed this iteration, and the segments the runner will pack."""
-        kv = self.kv_cache_manager
-        segments: list[Segment] = []
-        sampled: list[LlmRequest] = []
-        for req in scheduled.context_requests:
-            start = req.num_computed_tokens
-            end = start + req.context_chunk_size
-            table = kv.allocate(req.request_id, end)
-            sample = end == req.num_tokens
-            segments.append(Segment(req.token_slice(start, end), start, table, sample))
-            if sample:
-                sampled.append(req)
-        for req in scheduled.generation_requests:
-            table = kv.allocate(req.request_id, req.num_tokens)
-            segments.append(Segment([req.last_token()], req.num_tokens - 1, table, True))
-            sampled.append(req)
-        return segments, sampled
+    def _pause(self, paused: list[LlmRequest]) -> None:
+        """Free a paused request's blocks; it waits in the queue and recomputes prompt + output later."""
+        for req in paused:
+            self.kv_cache_manager.free(req.request_id)
+            req.pause()
 
-    def _sample(self, sampled: list[LlmRequest], logits: torch.Tensor) -> list[int]:
-        return self.sampler.sample(logits, [r.sampling for r in sampled], [r.request_id for r in sampled])
-
-    def _update(self, scheduled: SchedulerOutput, sampled: list[LlmRequest], tokens: list[int]) -> None:
-        now = time.perf_counter()
-        for req in scheduled.context_requests:
-            req.num_computed_tokens += req.context_chunk_size
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        for req in scheduled.generation_requests:
-            req.num_computed_tokens += 1
-        for req, token in zip(sampled, tokens, strict=True):
-            req.output_ids.append(token)
-            req.state = RequestState.GENERATION_IN_PROGRESS
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if token == req.sampling.end_id:
-                self._mark_finished(req, FinishReason.END_ID)
-            elif len(req.output_ids) >= req.max_new_tokens:
-                self._mark_finished(req, FinishReason.LENGTH)
-            elif req.streaming:
-                self._to_respond.append(req)
-
-    def _mark_finished(self, req: LlmRequest, reason: FinishReason) -> None:
-        req.finish_reason = reason
-        req.state = RequestState.GENERATION_TO_COMPLETE
-        self._to_respond.append(req)
-
-    def _respond(self) -> int:
+    def _respond(self, result: IterationResult) -> int:
         """Send what each request has to report; finished ones are freed first. Returns how many ended."""
         finished = 0
-        pending, self._to_respond = self._to_respond, []
-        for req in pending:
-            if req.is_finished:
-                self._release(req)
-                finished += 1
-            self._send(req, error="")
+        newly_finished = {id(r) for r in result.finished}
+        for req in result.produced:
+            if req.streaming and (id(req) not in newly_finished or self.scheduler.holds(req)):
+                self._send(req, final=False)
+        for req in [*self._held, *result.finished]:
+            if self.scheduler.holds(req):
+                continue
+            self._release(req)
+            self._send(req, final=True)
+            finished += 1
+        self._held = [r for r in self._active.values() if r.is_finished]
         return finished
 
     def _apply_stop_signals(self) -> None:
@@ -285,12 +241,19 @@ class BatchManager:
         for rid in ids:
             req = self._active.get(rid)
             if req is not None:
-                req.finish_reason = FinishReason.CANCELLED
+                if not req.is_finished:
+                    req.finish_reason = FinishReason.CANCELLED
                 self._release(req)
-                self._send(req, error="")
+                self._send(req, final=True)
 
     def _report_stats(
-        self, scheduled: SchedulerOutput, num_active: int, used_blocks: int, num_finished: int, started: float
+        self,
+        scheduled: SchedulerOutput,
+        result: IterationResult,
+        num_active: int,
+        used_blocks: int,
+        num_finished: int,
+        started: float,
     ) -> None:
         self._iteration += 1
         if self._return_stats is None:
@@ -307,7 +270,12 @@ class BatchManager:
             tokens_per_block=kv.tokens_per_block,
             context_requests=len(scheduled.context_requests),
             generation_requests=len(scheduled.generation_requests),
-            context_tokens=scheduled.num_context_tokens,
+            context_tokens=result.context_tokens,
+            generation_tokens=result.generation_tokens,
+            empty_generation_slots=result.empty_slots,
+            padding_tokens=result.padding_tokens,
+            computed_tokens=result.computed_tokens,
+            num_forwards=result.num_forwards,
             paused_requests=len(scheduled.paused_requests),
             queued_requests=num_active - scheduled.num_scheduled,
             finished_requests=num_finished,
@@ -324,19 +292,20 @@ class BatchManager:
     def _release(self, req: LlmRequest) -> None:
         """Free everything the request holds; afterwards its id may be reused."""
         self.kv_cache_manager.free(req.request_id)
+        self.kv_cache_manager.free(req.padding_key)
         self.sampler.release(req.request_id)
         self._active.pop(req.request_id, None)
         req.state = RequestState.GENERATION_COMPLETE
 
     def _finish_all(self, reason: FinishReason, error: str) -> None:
         for req in list(self._active.values()):
-            req.finish_reason = reason
+            if not req.is_finished:
+                req.finish_reason = reason
             self._release(req)
-            self._send(req, error=error)
-        self._to_respond.clear()
+            self._send(req, final=True, error=error)
+        self._held.clear()
 
-    def _send(self, req: LlmRequest, error: str) -> None:
-        final = req.is_finished
+    def _send(self, req: LlmRequest, final: bool, error: str = "") -> None:
         start = req.num_streamed_tokens if req.streaming else 0
         new_tokens = req.output_ids[start:]
         req.num_streamed_tokens = len(req.output_ids)
@@ -377,11 +346,13 @@ class BatchManager:
             log.exception("send_response callback failed for request %s", request_id)
 
     def _verify(self) -> None:
-        self.kv_cache_manager.check_integrity()
-        held = {rid for rid in self._active if self.kv_cache_manager.has_request(rid)}
-        orphans = self.kv_cache_manager.num_requests - len(held)
-        if orphans:
-            raise AssertionError(f"{orphans} block tables belong to no active request")
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        owned = sum(
+            kv.has_request(r.request_id) + kv.has_request(r.padding_key) for r in self._active.values()
+        )
+        if kv.num_requests != owned:
+            raise AssertionError(f"{kv.num_requests - owned} block tables belong to no active request")
 
     def _max_seq_len(self) -> int:
         limits = [

@@ -102,7 +102,7 @@ class InferenceRequest:
 class RequestLimits:
     vocab_size: int
     max_seq_len: int
-    max_num_tokens: int
+    max_num_tokens: int | None  # None: chunked context, any prompt fits piece by piece
     max_beam_width: int
 
 
@@ -187,10 +187,10 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
             f"sequence length {limits.max_seq_len}; lower request_output_len to at most "
             f"{limits.max_seq_len - len(prompt)}"
         )
-    if len(prompt) > limits.max_num_tokens:
+    if limits.max_num_tokens is not None and len(prompt) > limits.max_num_tokens:
         raise RequestError(
             f"input_ids: the prompt has {len(prompt)} tokens but an iteration computes at most "
-            f"{limits.max_num_tokens} (engine.max_num_tokens); raise it"
+            f"{limits.max_num_tokens} (engine.max_num_tokens); raise it or set engine.enable_chunked_context"
         )
 
     temperature = _float(tensors, "temperature", 0.0)

@@ -27,6 +27,7 @@ class RequestResult:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     error: str = ""
     num_responses: int = 0
+    num_pauses: int = 0
 
     @property
     def ok(self) -> bool:
@@ -73,6 +74,8 @@ class OfflineClient:
                     FinishReason(int(reason[0])) if reason is not None else FinishReason.ERROR
                 )
                 result.error = error
+                pauses = tensors.get("num_pauses")
+                result.num_pauses = int(pauses[0]) if pauses is not None else 0
                 self.num_final += 1
         if final:
             if self._on_final is not None:

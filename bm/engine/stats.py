@@ -23,6 +23,11 @@ class IterationStats:
     context_requests: int
     generation_requests: int
     context_tokens: int
+    generation_tokens: int
+    empty_generation_slots: int
+    padding_tokens: int
+    computed_tokens: int
+    num_forwards: int
     paused_requests: int
     queued_requests: int
     finished_requests: int
@@ -46,7 +51,13 @@ class IterationStats:
                 "Generation Requests": self.generation_requests,
                 "Total Context Tokens": self.context_tokens,
                 "MicroBatch ID": self.micro_batch_id,
+                # the seed's V1 fields, reported for every scheme so schemes compare field by field
+                "Total Generation Tokens": self.generation_tokens,
+                "Empty Generation Slots": self.empty_generation_slots,
                 # bm's additions
+                "Padded Context Tokens": self.padding_tokens,
+                "Computed Tokens": self.computed_tokens,
+                "Forwards": self.num_forwards,
                 "Paused Requests": self.paused_requests,
                 "Queued Requests": self.queued_requests,
                 "Finished Requests": self.finished_requests,

@@ -65,6 +65,10 @@ class KVCacheManager:
         held = len(self._tables.get(request_id, ()))
         return max(0, self.num_blocks_for_tokens(num_tokens) - held)
 
+    def num_freeable_blocks(self, request_id: int) -> int:
+        """Blocks that :meth:`free` would return to the pool (those no other table references)."""
+        return sum(1 for b in self._tables.get(request_id, ()) if self.pool.ref_count(b) == 1)
+
     def can_allocate(self, request_id: int, num_tokens: int) -> bool:
         return self.pool.can_allocate(self.num_blocks_to_allocate(request_id, num_tokens))
 

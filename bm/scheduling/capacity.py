@@ -1,16 +1,23 @@
 """Capacity scheduling: which active requests get KV cache resources this iteration.
 
-The shape follows the scheduler page: a policy object subclasses :class:`CapacityScheduler` and implements
+The shape follows the scheduler page: a policy subclasses :class:`CapacityScheduler` and implements
 ``schedule_request(active_requests) -> (fitting_requests, paused_requests)``. Block arithmetic is asked of
-the KV cache manager (``get_max_resource_count``, ``get_needed_resource_to_completion``), never redone here.
+the KV cache manager (``get_max_resource_count``, ``get_needed_resource_to_completion``, ...), never
+redone here. The built-in policies also see the iteration's token budget (:mod:`bm.scheduling.budget`),
+so a request is fitting only if the micro-batch stage will really run it this iteration.
+
+Fitting requests come out in the order the micro-batch stage serves them: generation first, then
+contexts already under way, then new contexts.
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from bm.kv import KVCacheManager
+from bm.scheduling.budget import ChunkingConfig, IterationBudget
 from bm.scheduling.request import LlmRequest, RequestState
 
 
@@ -21,12 +28,30 @@ class CapacityScheduler(ABC):
     no_schedule_until_state = RequestState.CONTEXT_INIT
     no_schedule_after_state = RequestState.GENERATION_COMPLETE
 
-    def __init__(self, max_num_requests: int, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        max_num_requests: int,
+        kv_cache_manager: KVCacheManager,
+        max_num_tokens: int | None = None,
+        chunking: ChunkingConfig | None = None,
+    ) -> None:
         self.max_num_requests = max_num_requests
         self.kv_cache_manager = kv_cache_manager
+        self.max_num_tokens = max_num_tokens
+        self.chunking = chunking or ChunkingConfig()
+        self._starts = 0
 
     def is_schedulable(self, request: LlmRequest) -> bool:
         return self.no_schedule_until_state <= request.state < self.no_schedule_after_state
+
+    def new_budget(self) -> IterationBudget:
+        """This iteration's slots and tokens (unbounded tokens when the scheduler was given no budget)."""
+        return IterationBudget(self.max_num_requests, self.max_num_tokens or sys.maxsize, self.chunking)
+
+    def mark_started(self, request: LlmRequest) -> None:
+        """Record that ``request`` starts holding blocks now (MAX_UTILIZATION pauses the latest first)."""
+        self._starts += 1
+        request.start_order = self._starts
 
     @abstractmethod
     def schedule_request(
@@ -35,40 +60,150 @@ class CapacityScheduler(ABC):
         """Return ``(fitting_requests, paused_requests)``."""
 
 
+def split_started(
+    scheduler: CapacityScheduler, active_requests: Sequence[LlmRequest]
+) -> tuple[list[LlmRequest], list[LlmRequest]]:
+    """Schedulable requests that hold blocks (generation first) and those that do not yet, in order."""
+    generation, contexts, new = [], [], []
+    for request in active_requests:
+        if not scheduler.is_schedulable(request):
+            continue
+        if request.is_generation_phase:
+            generation.append(request)
+        elif request.holds_blocks:
+            contexts.append(request)
+        else:
+            new.append(request)
+    return generation + contexts, new
+
+
 class GuaranteedNoEvictScheduler(CapacityScheduler):
     """Admit a request only when the blocks it needs to completion are still unreserved.
 
-    Requests that already hold blocks (generating, or part-way through a chunked context) come first and
-    reserve their full need; new requests then enter in arrival order until the first that does not fit,
-    so a started request always finishes without eviction.
+    Requests that already hold blocks reserve their full need first; new requests then enter in arrival
+    order until the first that does not fit (first come, first served), so a started request always
+    finishes without eviction.
     """
 
     def schedule_request(
         self, active_requests: Sequence[LlmRequest]
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
         kv = self.kv_cache_manager
-        max_blocks = kv.get_max_resource_count()
-        scheduled: list[LlmRequest] = []
-        pending: list[LlmRequest] = []
-        reserved = 0
+        budget = self.new_budget()
+        started, new = split_started(self, active_requests)
+        reserved = sum(kv.get_needed_resource_to_completion(r) for r in started)
+        fitting = [r for r in started if budget.take(r)]
+        available = kv.get_max_resource_count() - reserved
+        for request in new:
+            needed = kv.get_needed_resource_to_completion(request)
+            if needed > available or not budget.take(request):
+                break
+            self.mark_started(request)
+            fitting.append(request)
+            available -= needed
+        return fitting, []
+
+
+class MaxUtilizationScheduler(CapacityScheduler):
+    """Run as much as fits this iteration; when blocks run short, pause the most recently started.
+
+    Only the blocks this iteration's tokens need are considered, not the need to completion. Started
+    requests are served oldest first; when one cannot get its blocks, the youngest started requests are
+    paused (their blocks freed, their context recomputed later) until it can, or it is paused itself if
+    it is the youngest. New requests never displace started ones.
+    """
+
+    def schedule_request(
+        self, active_requests: Sequence[LlmRequest]
+    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+        kv = self.kv_cache_manager
+        budget = self.new_budget()
+        started, new = split_started(self, active_requests)
+        alive = sorted(started, key=lambda r: r.start_order)  # candidates to pause, youngest last
+        free = kv.get_num_free_blocks()
+        fitting: list[LlmRequest] = []
+        paused: list[LlmRequest] = []
+        given: dict[int, tuple[int, int]] = {}  # request id -> (tokens, blocks) granted
+
+        for request in started:
+            if request in paused:
+                continue
+            tokens = budget.take(request)
+            if not tokens:
+                continue
+            need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
+            while need > free and alive[-1] is not request:
+                victim = alive.pop()
+                paused.append(victim)
+                free += kv.num_freeable_blocks(victim.request_id)
+                if victim.request_id in given:
+                    victim_tokens, victim_blocks = given.pop(victim.request_id)
+                    fitting.remove(victim)
+                    budget.give_back(victim_tokens)
+                    free += victim_blocks
+            if need > free:  # it is the youngest itself
+                budget.give_back(tokens)
+                alive.remove(request)
+                paused.append(request)
+                free += kv.num_freeable_blocks(request.request_id)
+                continue
+            free -= need
+            fitting.append(request)
+            given[request.request_id] = (tokens, need)
+
+        for request in new:
+            tokens = budget.take(request)
+            if not tokens:
+                break
+            need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
+            if need > free:
+                budget.give_back(tokens)
+                break
+            free -= need
+            self.mark_started(request)
+            fitting.append(request)
+        return fitting, paused
+
+
+class StaticBatchScheduler(GuaranteedNoEvictScheduler):
+    """No new request until the current batch has drained.
+
+    A batch is formed, when none is running, from the waiting requests in arrival order whose needs to
+    completion fit together (up to ``max_num_requests``). Its members are then served, over as many
+    iterations as their contexts and outputs take, before anyone else is admitted.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._batch: set[int] = set()
+
+    def schedule_request(
+        self, active_requests: Sequence[LlmRequest]
+    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+        members = [r for r in active_requests if r.request_id in self._batch and self.is_schedulable(r)]
+        if not members:
+            members = self._form_batch(active_requests)
+        started, new = split_started(self, members)
+        budget = self.new_budget()
+        fitting = [r for r in started if budget.take(r)]
+        for request in new:
+            if not budget.take(request):
+                break
+            self.mark_started(request)
+            fitting.append(request)
+        return fitting, []
+
+    def _form_batch(self, active_requests: Sequence[LlmRequest]) -> list[LlmRequest]:
+        kv = self.kv_cache_manager
+        available = kv.get_max_resource_count()
+        members = []
         for request in active_requests:
             if not self.is_schedulable(request):
                 continue
-            if len(scheduled) >= self.max_num_requests:
-                break
-            if request.is_generation_phase or request.num_computed_tokens > 0:
-                scheduled.append(request)
-                reserved += kv.get_needed_resource_to_completion(request)
-            else:
-                pending.append(request)
-
-        available = max_blocks - reserved
-        for request in pending:
-            if len(scheduled) >= self.max_num_requests:
-                break
             needed = kv.get_needed_resource_to_completion(request)
-            if needed > available:
-                break  # first come, first served: nobody overtakes a request that does not fit
-            scheduled.append(request)
+            if len(members) >= self.max_num_requests or needed > available:
+                break
+            members.append(request)
             available -= needed
-        return scheduled, []
+        self._batch = {r.request_id for r in members}
+        return members

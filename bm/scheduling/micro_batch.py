@@ -1,23 +1,28 @@
-"""Micro-batch scheduling: which fitting requests run in this iteration's forward, under token budgets."""
+"""Micro-batch scheduling: the fitting requests' tokens for this iteration, under the token budget."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bm.scheduling.budget import ChunkingConfig, IterationBudget, unit_step
 from bm.scheduling.request import LlmRequest
 
 
 class MicroBatchScheduler:
-    """Select context and generation requests under ``max_batch_size`` and ``max_num_tokens``.
+    """Hand out this iteration's tokens under ``max_batch_size`` and ``max_num_tokens``.
 
-    Generation requests go first (one token each, and their latency is what users feel); context
-    requests follow in arrival order until the first whose remaining context does not fit the token
-    budget. Each chosen context request gets its ``context_chunk_size`` for this iteration.
+    Requests are served in the order the capacity stage gives them (generation first). Each context
+    request gets its ``context_chunk_size``: its whole remaining context, or with chunking enabled a
+    chunk chosen by the policy: FIRST_COME_FIRST_SERVED fills the budget in arrival order,
+    EQUAL_PROGRESS advances every context by one unit per round until the budget is spent.
     """
 
-    def __init__(self, max_batch_size: int, max_num_tokens: int) -> None:
+    def __init__(
+        self, max_batch_size: int, max_num_tokens: int, chunking: ChunkingConfig | None = None
+    ) -> None:
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        self.chunking = chunking or ChunkingConfig()
 
     def schedule(
         self,
@@ -25,26 +30,53 @@ class MicroBatchScheduler:
         inflight_request_ids: frozenset[int] = frozenset(),
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
         """Return ``(context_requests, generation_requests)``."""
-        context: list[LlmRequest] = []
+        budget = IterationBudget(self.max_batch_size, self.max_num_tokens, self.chunking)
         generation: list[LlmRequest] = []
-        num_tokens = 0
+        contexts: list[LlmRequest] = []
         for request in fitting_requests:
-            if request.request_id in inflight_request_ids or not request.is_generation_phase:
+            if request.request_id in inflight_request_ids:
                 continue
-            if len(generation) >= self.max_batch_size or num_tokens + 1 > self.max_num_tokens:
+            if request.is_generation_phase:
+                if budget.take(request):
+                    generation.append(request)
+            elif request.is_context_phase:
+                contexts.append(request)
+        if budget.equal_progress:
+            return self._equal_progress(contexts, budget), generation
+        scheduled = []
+        for request in contexts:
+            tokens = budget.take(request)
+            if not tokens:
                 break
-            generation.append(request)
-            num_tokens += 1
+            request.context_chunk_size = tokens
+            scheduled.append(request)
+        return scheduled, generation
 
-        for request in fitting_requests:
-            if request.request_id in inflight_request_ids or not request.is_context_phase:
-                continue
-            if len(context) + len(generation) >= self.max_batch_size:
-                break
-            chunk = request.num_context_tokens_remaining
-            if num_tokens + chunk > self.max_num_tokens:
-                break
-            request.context_chunk_size = chunk
-            context.append(request)
-            num_tokens += chunk
-        return context, generation
+    def _equal_progress(self, contexts: list[LlmRequest], budget: IterationBudget) -> list[LlmRequest]:
+        """Round-robin one unit step at a time, so every context advances at the same pace."""
+        chosen = contexts[: budget.slots_left]
+        chunk = dict.fromkeys((r.request_id for r in chosen), 0)
+        tokens_left = budget.tokens_left
+        cap = self.chunking.max_chunk
+        progressing = True
+        while progressing:
+            progressing = False
+            for request in chosen:
+                done = chunk[request.request_id]
+                remaining = request.num_context_tokens_remaining - done
+                if remaining <= 0 or (cap is not None and done >= cap):
+                    continue
+                step = unit_step(request.num_computed_tokens + done, remaining, self.chunking.unit)
+                if cap is not None:
+                    step = min(step, cap - done)
+                if step > tokens_left:
+                    continue
+                chunk[request.request_id] = done + step
+                tokens_left -= step
+                progressing = True
+        scheduled = []
+        for request in chosen:
+            if chunk[request.request_id] > 0:
+                request.context_chunk_size = chunk[request.request_id]
+                scheduled.append(request)
+        return scheduled

@@ -78,6 +78,15 @@ class LlmRequest:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     num_streamed_tokens: int = 0
     num_pauses: int = 0
+    # When the request last started holding KV blocks (set by the capacity stage); MAX_UTILIZATION
+    # pauses the most recent first.
+    start_order: int = -1
+    # V1 only: pad tokens executed beside the context (up to the batch's longest prompt, in a table of
+    # their own), and dummy generation steps executed after the request finished while its batch runs on.
+    num_padding_tokens: int = 0
+    num_padding_computed: int = 0
+    padding_chunk_size: int = 0
+    num_empty_slots: int = 0
     # Seconds on the batch manager's clock (time.perf_counter).
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -112,6 +121,24 @@ class LlmRequest:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason != FinishReason.NOT_FINISHED
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Started: some of its tokens are in the cache (a generation, or a chunked context under way)."""
+        return self.num_computed_tokens > 0 or self.is_generation_phase
+
+    @property
+    def padding_key(self) -> int:
+        """The KV table id of its V1 pad tokens: negative, so it never collides with a uint64 request id."""
+        return -1 - self.request_id
+
+    def pause(self) -> None:
+        """Back to the queue: its cache is gone (the caller frees it); prompt + output will be recomputed."""
+        self.num_computed_tokens = 0
+        self.context_chunk_size = 0
+        self.state = RequestState.CONTEXT_INIT
+        self.start_order = -1
+        self.num_pauses += 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output, without building the concatenation."""

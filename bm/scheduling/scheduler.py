@@ -34,6 +34,10 @@ class RequestScheduler(ABC):
         self, active_requests: Sequence[LlmRequest], inflight_request_ids: frozenset[int] = frozenset()
     ) -> SchedulerOutput: ...
 
+    def holds(self, request: LlmRequest) -> bool:
+        """Whether a finished request must stay (a V1 empty slot) rather than be released at once."""
+        return False
+
 
 class SimpleScheduler(RequestScheduler):
     def __init__(self, capacity_scheduler: CapacityScheduler, micro_batch_scheduler: MicroBatchScheduler):
