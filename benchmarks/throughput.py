@@ -13,44 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
+from common import log, read_workload, run_bm
 
-from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate
+from bm.baselines import run_hf_continuous_batching, run_hf_generate
 from bm.config import load_config, parse_override
-from bm.engine import BatchManager, InferenceRequest, OfflineClient
-from bm.runtime import LoadedModel, load_model
-
-
-def read_workload(path: Path, limit: int | None) -> list[tuple[list[int], int]]:
-    workload = []
-    with path.open() as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                workload.append((row["input_ids"], int(row["request_output_len"])))
-    return workload[:limit] if limit else workload
-
-
-def run_bm(loaded: LoadedModel, config, workload) -> tuple[PeerResult, list[str]]:
-    requests = [InferenceRequest.from_values(i, p, n) for i, (p, n) in enumerate(workload)]
-    client = OfflineClient(requests)
-    stats: list[str] = []
-    start = time.perf_counter()
-    with BatchManager(
-        config, client.get_requests, client.send_response, return_stats=stats.append, model=loaded
-    ):
-        client.wait()
-    elapsed = time.perf_counter() - start
-    failed = [r for r in client.results.values() if r.error]
-    if failed:
-        raise SystemExit(f"bm: {len(failed)} requests failed, e.g. {failed[0].error}")
-    generated = sum(len(r.output_ids) for r in client.results.values())
-    prompt_tokens = sum(len(p) for p, _ in workload)
-    return PeerResult("bm", len(workload), prompt_tokens, generated, elapsed), stats
+from bm.runtime import load_model
 
 
 def main() -> None:
@@ -72,7 +42,6 @@ def main() -> None:
     config = load_config(args.config, overrides)
     workload = read_workload(args.workload, args.limit)
     loaded = load_model(config.model)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log(f"workload: {len(workload)} requests, {sum(len(x) for x, _ in workload)} prompt tokens, "
         f"{sum(n for _, n in workload)} output tokens; torch threads {torch.get_num_threads()}")  # fmt: skip
 
