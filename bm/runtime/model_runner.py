@@ -20,6 +20,7 @@ from bm.runtime.attention import (
     PrefillSegment,
     register,
 )
+from bm.runtime.host_memory import tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
 
 # Padded tokens per decode group: keeps one group's gathered keys (kv_heads x tokens x head_dim) small
@@ -46,6 +47,8 @@ class ModelRunner:
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
         register()
+        if loaded.device.type == "cpu":
+            tune_host_allocator()
         # The runner takes the model over: from now on it runs with bm's paged attention.
         self.model.set_attn_implementation(ATTENTION_NAME)
         total_bytes = loaded.kv_bytes_per_token * num_blocks * tokens_per_block
