@@ -34,7 +34,7 @@ def test_tuned_allocator_reuses_freed_activation_memory():
     tuned, tuned_faults = faults("tuned")
     if not tuned:
         pytest.skip("the C library is not glibc")
-    _, default_faults = faults("default")
-    # Ten rounds of 40 MiB of fresh activations are 102,400 pages: by default most are faulted in
-    # again every round; tuned, the heap keeps them.
-    assert tuned_faults < 2_000 < default_faults
+    # Ten rounds of 40 MiB of fresh activations are 102,400 pages. With glibc's defaults most rounds
+    # fault them all in again (81,600 faults here, though its adaptive threshold sometimes spares a
+    # run, so the default is not asserted); tuned, the heap keeps them.
+    assert tuned_faults < 2_000
