@@ -37,6 +37,26 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+RECORD_COLUMNS = (
+    "index",
+    "id",
+    "ok",
+    "finish_reason",
+    "error",
+    "input_tokens",
+    "output_tokens",
+    "arrival_s",
+    "send_s",
+    "queue_time_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "e2el_ms",
+    "itl_ms",
+    "num_pauses",
+    "paused",
+)
+
+
 def request_record(index: int, req: WorkloadRequest, timeline: Timeline | None) -> dict[str, Any]:
     """One row of requests.jsonl: what happened to a request, with its latencies in ms."""
     record: dict[str, Any] = {
@@ -107,7 +127,7 @@ def run_metrics(
     records: pd.DataFrame, duration_s: float, slo_ms: Mapping[str, float | None] | None = None
 ) -> dict[str, Any]:
     """Counts, throughputs, goodput and latency statistics of one run (one row per request)."""
-    done = records[records["ok"]] if len(records) else records
+    done = records[records["ok"].astype(bool)] if len(records) else records
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     input_tokens = int(done["input_tokens"].sum()) if len(done) else 0
     output_tokens = int(done["output_tokens"].sum()) if len(done) else 0
@@ -147,29 +167,47 @@ def _num_good(done: pd.DataFrame, slo_ms: Mapping[str, float | None]) -> int:
     return int(good.sum())
 
 
+ENGINE_KEYS = (
+    "mean_requests_per_iteration",
+    "mean_tokens_per_iteration",
+    "mean_computed_tokens_per_iteration",
+    "mean_kv_cache_utilization",
+    "max_kv_cache_utilization",
+    "mean_iteration_latency_ms",
+    "max_paused_per_iteration",
+)
+
+
 def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]:
-    """The batch manager's side: iterations, batch sizes, KV cache use, pauses."""
-    paused = records["num_pauses"] if len(records) else pd.Series(dtype=int)
+    """The batch manager's side, from the per-iteration stats: iterations, batch sizes, KV use, pauses.
+
+    KV utilization is used blocks / max blocks per iteration (taken after allocation, so it is the
+    iteration's peak). Tokens per iteration counts real context and generation tokens; computed tokens
+    adds what a scheme pays for nothing (V1's padding and empty generation slots)."""
+    paused = records["num_pauses"].astype(int) if len(records) else pd.Series(dtype=int)
     out: dict[str, Any] = {
         "num_iterations": len(stats),
         "num_paused_requests": int((paused > 0).sum()),
         "total_pauses": int(paused.sum()),
+        "total_computed_tokens": _total(stats, "Computed Tokens"),
+        "total_padded_context_tokens": _total(stats, "Padded Context Tokens"),
+        "total_empty_generation_slots": _total(stats, "Empty Generation Slots"),
     }
     if not len(stats):
-        return out | dict.fromkeys(
-            ("mean_requests_per_iteration", "mean_tokens_per_iteration", "mean_kv_cache_utilization",
-             "max_kv_cache_utilization", "mean_iteration_latency_ms", "max_paused_per_iteration"),
-        )  # fmt: skip
-    utilization = stats["Used KV cache blocks"] / stats["Max KV cache blocks"].where(
-        stats["Max KV cache blocks"] > 0
-    )
-    tokens = stats["Total Context Tokens"] + stats["Generation Requests"]
-    out.update(
-        mean_requests_per_iteration=float(stats["Scheduled Requests"].mean()),
-        mean_tokens_per_iteration=float(tokens.mean()),
-        mean_kv_cache_utilization=float(utilization.mean()),
-        max_kv_cache_utilization=float(utilization.max()),
-        mean_iteration_latency_ms=float(stats["Iteration Latency (ms)"].mean()),
-        max_paused_per_iteration=int(stats["Paused Requests"].max()),
-    )
-    return out
+        return out | dict.fromkeys(ENGINE_KEYS)
+    max_blocks = stats["Max KV cache blocks"]
+    utilization = stats["Used KV cache blocks"] / max_blocks.where(max_blocks > 0)
+    tokens = stats["Total Context Tokens"] + stats["Total Generation Tokens"]
+    return out | {
+        "mean_requests_per_iteration": float(stats["Scheduled Requests"].mean()),
+        "mean_tokens_per_iteration": float(tokens.mean()),
+        "mean_computed_tokens_per_iteration": float(stats["Computed Tokens"].mean()),
+        "mean_kv_cache_utilization": float(utilization.mean()),
+        "max_kv_cache_utilization": float(utilization.max()),
+        "mean_iteration_latency_ms": float(stats["Iteration Latency (ms)"].mean()),
+        "max_paused_per_iteration": int(stats["Paused Requests"].max()),
+    }
+
+
+def _total(stats: pd.DataFrame, column: str) -> int:
+    return int(stats[column].sum()) if column in stats else 0

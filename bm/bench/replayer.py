@@ -92,6 +92,10 @@ class Replayer:
     def num_sent(self) -> int:
         return self._next
 
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._all_done.wait(timeout)
 

@@ -1,41 +1,59 @@
 """One benchmark run: warm up, replay the workload against the arrival clock, collect every request.
 
-The runner owns one :class:`BatchManager` for the whole run and points its callbacks at the current
-phase's :class:`Replayer` (warm-up, then the measured replay), so the KV cache is allocated once and
-warm-up requests never leak into the results. Records and stats are handed to the caller from the
-calling thread (``on_record``, ``on_stats``), never from the batch manager's, so file I/O never stalls
-an iteration. Every request ends with exactly one record: completed, failed by the engine, refused at
-load, or failed because the run was interrupted.
+:func:`run_bench` is the whole library entry point and never touches the terminal or a file, so
+``bm compare`` can call it once per variant (scheme, policy) on the identical workload and arrival
+times in one process, with one loaded model. It owns one :class:`BatchManager` per run and points its
+callbacks at the current phase's :class:`Replayer` (warm-up, then the measured replay), so warm-up
+requests never leak into the results. Every request ends with exactly one record: completed, failed by
+the engine, refused at load, or failed because the run was interrupted.
 """
 
 from __future__ import annotations
 
+import json
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pandas as pd
 import torch
 
-from bm.bench.metrics import request_record
-from bm.bench.replayer import Replayer, Timeline
+from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, request_record, run_metrics
+from bm.bench.replayer import Replayer
 from bm.config import BmConfig
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import LoadedModel
-from bm.workloads import ArrivalPlan, Workload
+from bm.workloads import ArrivalPlan, Workload, arrival_times
 
 # vLLM's names for request fields, accepted in bm JSONL rows as in `bm run`.
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
 _POLL_S = 0.1
 
 
+@dataclass(frozen=True)
+class ReplayProgress:
+    """A snapshot for a progress display: counts since the measured replay started."""
+
+    num_requests: int
+    num_finished: int
+    num_output_tokens: int
+    elapsed_s: float
+
+
 @dataclass
-class BenchRun:
-    records: list[dict[str, Any]] = field(default_factory=list)
-    stats_lines: list[str] = field(default_factory=list)
-    duration_s: float = 0.0
+class BenchResult:
+    """Everything one run measured, plus what it ran (for the results document)."""
+
+    records: pd.DataFrame  # one row per request of the workload, in workload order
+    stats: list[dict[str, Any]]  # per-iteration stats of the measured replay
+    metrics: dict[str, Any]  # run_metrics + engine_metrics, vllm bench serve's key names
+    duration_s: float
     interrupted: bool = False
-    arrivals: ArrivalPlan = field(default_factory=lambda: ArrivalPlan("offline"))
+    config: BmConfig = field(default_factory=BmConfig)
+    model_name: str = ""
+    workload: dict[str, Any] = field(default_factory=dict)  # Workload.describe()
+    arrivals: dict[str, Any] = field(default_factory=dict)  # ArrivalPlan.describe()
 
 
 class _Router:
@@ -55,7 +73,7 @@ class _Router:
 
     def return_stats(self, line: str) -> None:
         if self.stats is not None:
-            self.stats.append(line)  # list.append is atomic; the caller's thread writes the file
+            self.stats.append(line)
 
 
 def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, InferenceRequest]]:
@@ -70,102 +88,116 @@ def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, In
         if end_id is not None:
             fields.setdefault("end_id", end_id)
         try:
-            built.append(
-                (
-                    index,
-                    InferenceRequest.from_values(
-                        index, req.input_ids, req.output_len, streaming=True, **fields
-                    ),
-                )
+            request = InferenceRequest.from_values(
+                index, req.input_ids, req.output_len, streaming=True, **fields
             )
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             req.error = f"{req.source}: {exc}"
+            continue
+        built.append((index, request))
     return built
 
 
-def run_benchmark(
+def run_bench(
     config: BmConfig,
-    loaded: LoadedModel,
+    model: LoadedModel,
     workload: Workload,
+    arrivals: Sequence[float] | None = None,
     *,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
-    on_stats: Callable[[str], None] | None = None,
-    on_tick: Callable[[Replayer], None] | None = None,
-) -> BenchRun:
-    """Replay ``workload`` as ``config.bench`` says; Ctrl-C ends the run early with every record kept."""
+    progress: Callable[[ReplayProgress], None] | None = None,
+) -> BenchResult:
+    """Replay ``workload`` through a fresh batch manager and measure it.
+
+    ``arrivals`` holds one time (seconds after the replay starts) per row of ``workload.requests``;
+    by default they come from ``config.bench`` (:func:`bm.workloads.arrival_times`). Pass the same list
+    to several runs to compare them on identical arrivals. ``progress`` is called from the calling
+    thread about ten times a second. Ctrl-C ends the run early with every record kept.
+    """
     bench = config.bench
-    emit = on_record or (lambda record: None)
-    run = BenchRun(arrivals=ArrivalPlan.from_config(bench))
-    built = build_requests(workload, None if bench.ignore_eos else loaded.eos_token_id)
-    for index, req in enumerate(workload.requests):
-        if not req.ok:
-            run.records.append(request_record(index, req, None))
-            emit(run.records[-1])
-    timestamps = [workload.requests[i].timestamp for i, _ in built]
-    arrivals = run.arrivals.times(len(built), timestamps, seed=bench.seed)
-    replayer = Replayer([r for _, r in built], arrivals, max_concurrency=bench.max_concurrency)
-    by_id = {r.request_id: index for index, r in built}
-
-    router = _Router()
-    manager = BatchManager(
-        config, router.get_requests, router.send_response, return_stats=router.return_stats, model=loaded
+    times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
+    if len(times) != len(workload.requests):
+        raise ValueError(f"{len(times)} arrival times for {len(workload.requests)} requests")
+    built = build_requests(workload, None if bench.ignore_eos else model.eos_token_id)
+    replayer = Replayer(
+        [r for _, r in built], [times[i] for i, _ in built], max_concurrency=bench.max_concurrency
     )
-
-    def on_final(timeline: Timeline) -> None:
-        index = by_id[timeline.request_id]
-        run.records.append(request_record(index, workload.requests[index], timeline))
-        emit(run.records[-1])
-
+    router = _Router()
+    stats_lines: list[str] = []
+    interrupted = False
+    manager = BatchManager(
+        config, router.get_requests, router.send_response, return_stats=router.return_stats, model=model
+    )
     try:
         if bench.warmup and built:
             warm = Replayer([r for _, r in built[: bench.warmup]], [0.0] * min(bench.warmup, len(built)))
             router.replayer = warm
             warm.start()
-            run.interrupted = _drain(manager, warm, lambda t: None, None, [], None)
-        if run.interrupted:
+            interrupted = _drain(manager, warm, None)
+        if interrupted:
             replayer.fail_unfinished("the run was interrupted during warm-up; this request was never sent")
         else:
-            router.replayer, router.stats = replayer, run.stats_lines
+            router.replayer, router.stats = replayer, stats_lines
             replayer.start()
-        run.interrupted |= _drain(manager, replayer, on_final, on_tick, run.stats_lines, on_stats)
+        interrupted |= _drain(manager, replayer, progress)
     finally:
         manager.shutdown(cancel=True)
-    done = [t.done_s for t in replayer.timelines.values() if t.done_s is not None and t.send_s is not None]
-    run.duration_s = max(done, default=0.0)
-    return run
+
+    timelines = {index: replayer.timelines[r.request_id] for index, r in built}
+    records = records_frame(
+        [request_record(i, req, timelines.get(i)) for i, req in enumerate(workload.requests)]
+    )
+    stats = [json.loads(line) for line in list(stats_lines)]
+    done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
+    duration = max(done, default=0.0)
+    slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
+    metrics = run_metrics(records, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), records)
+    return BenchResult(
+        records=records,
+        stats=stats,
+        metrics=metrics,
+        duration_s=duration,
+        interrupted=interrupted,
+        config=config,
+        model_name=model.name,
+        workload=workload.describe(),
+        arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
+    )
+
+
+def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """Per-request records as a frame with every column present, even for an empty run."""
+    return pd.DataFrame.from_records(records, columns=list(RECORD_COLUMNS))
 
 
 def _drain(
-    manager: BatchManager,
-    replayer: Replayer,
-    on_final: Callable[[Timeline], None],
-    on_tick: Callable[[Replayer], None] | None,
-    stats: list[str],
-    on_stats: Callable[[str], None] | None,
+    manager: BatchManager, replayer: Replayer, progress: Callable[[ReplayProgress], None] | None
 ) -> bool:
-    """Consume finished timelines until every request has one; returns whether Ctrl-C cut it short."""
-    interrupted, written = False, 0
-    while not (replayer.done and replayer.finished.empty()):
+    """Wait until every request of ``replayer`` has its final record; returns whether Ctrl-C cut it short."""
+    interrupted = False
+    while not replayer.done:
         try:
             try:
-                on_final(replayer.finished.get(timeout=_POLL_S))
+                replayer.finished.get(timeout=_POLL_S)
             except queue.Empty:
                 if not manager.is_alive():
                     replayer.fail_unfinished(
                         f"the batch manager stopped ({manager.error or 'no error given'})"
                     )
-            if on_stats is not None:
-                count = len(stats)
-                for line in stats[written:count]:
-                    on_stats(line)
-                written = count
-            if on_tick is not None:
-                on_tick(replayer)
+            if progress is not None:
+                progress(_snapshot(replayer))
         except KeyboardInterrupt:
             interrupted = True
             replayer.fail_unfinished("the run was interrupted before this request finished")
             manager.cancel_all()
-    if on_stats is not None:
-        for line in stats[written:]:
-            on_stats(line)
+    if progress is not None:
+        progress(_snapshot(replayer))
     return interrupted
+
+
+def _snapshot(replayer: Replayer) -> ReplayProgress:
+    return ReplayProgress(
+        num_requests=replayer.num_requests,
+        num_finished=replayer.num_finished,
+        num_output_tokens=replayer.num_output_tokens,
+        elapsed_s=replayer.now(),
+    )

@@ -148,9 +148,8 @@ def _fail(console: Console, message: str) -> typer.Exit:
 
 def run_command(cfg: BmConfig, console: Console, show_progress: bool) -> int:
     """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code."""
-    from bm.bench import run_benchmark, summarize
+    from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
-    from bm.cli.writers import JsonlWriter
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError, load_model
     from bm.workloads import DatasetError, load_workload
 
@@ -160,39 +159,31 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool) -> int:
         loaded = load_model(cfg.model)
         encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
         workload = load_workload(bench, vocab_size=loaded.vocab_size, encode=encode)
-    except (ModelLoadError, UnsupportedAttentionError, DatasetError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
     _report_dataset(console, workload)
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
     progress = bench_progress(console, show_progress)
     task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
     try:
-        with (
-            JsonlWriter(out / "requests.jsonl") as records,
-            JsonlWriter(out / "stats.jsonl") as stats,
-            progress,
-        ):
-            run = run_benchmark(
-                cfg, loaded, workload, on_record=records.write, on_stats=stats.write,
-                on_tick=lambda replayer: tick(progress, task, replayer),
-            )  # fmt: skip
-    except (KVCacheSizeError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        with progress:
+            result = run_bench(cfg, loaded, workload, progress=lambda p: tick(progress, task, p))
+    except KVCacheSizeError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
-    results = summarize(run, cfg, loaded.name, workload)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    results = write_results(out, result)
     if bench.json_output:
         print(json.dumps(results, indent=2))
     else:
         print_results(console, results)
         console.print(
-            f"results: {out / 'results.json'}  requests: {out / 'requests.jsonl'}  stats: {out / 'stats.jsonl'}"
+            f"results: {out / 'results.json'}  requests: {out / 'requests.jsonl'}  stats: {out / 'stats.jsonl'}",
+            soft_wrap=True,
         )
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
-    return 130 if run.interrupted else 0
+    return 130 if result.interrupted else 0
 
 
 def _report_dataset(console: Console, workload: Any) -> None:

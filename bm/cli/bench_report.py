@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bm.bench import Replayer
+from bm.bench import ReplayProgress
 
 LATENCY_ROWS = (
     ("ttft", "TTFT (time to first token)"),
@@ -35,14 +35,14 @@ def bench_progress(console: Console, enabled: bool) -> Progress:
     )
 
 
-def tick(progress: Progress, task: Any, replayer: Replayer) -> None:
+def tick(progress: Progress, task: Any, snapshot: ReplayProgress) -> None:
     """Live figures since the replay started: finished requests, output tokens per second."""
-    elapsed = max(replayer.now(), 1e-9)
+    elapsed = max(snapshot.elapsed_s, 1e-9)
     progress.update(
         task,
-        completed=replayer.num_finished,
-        tps=f"{replayer.num_output_tokens / elapsed:.0f}",
-        rps=f"{replayer.num_finished / elapsed:.2f}",
+        completed=snapshot.num_finished,
+        tps=f"{snapshot.num_output_tokens / elapsed:.0f}",
+        rps=f"{snapshot.num_finished / elapsed:.2f}",
     )
 
 
@@ -102,6 +102,8 @@ def engine_table(results: dict[str, Any]) -> Table:
         ("Mean requests per iteration", results["mean_requests_per_iteration"]),
         ("Mean tokens per iteration", results["mean_tokens_per_iteration"]),
         ("Mean iteration latency (ms)", results["mean_iteration_latency_ms"]),
+        ("Computed tokens (padding included)", results["total_computed_tokens"]),
+        ("Empty generation slots", results["total_empty_generation_slots"]),
         ("KV cache utilization, mean", _percent(results["mean_kv_cache_utilization"])),
         ("KV cache utilization, max", _percent(results["max_kv_cache_utilization"])),
         ("Paused requests", results["num_paused_requests"]),

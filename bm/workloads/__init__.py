@@ -7,6 +7,7 @@
 
 from bm.workloads.arrivals import (
     ArrivalPlan,
+    arrival_times,
     gamma_arrivals,
     offline_arrivals,
     poisson_arrivals,
@@ -21,6 +22,7 @@ __all__ = [
     "DatasetError",
     "Workload",
     "WorkloadRequest",
+    "arrival_times",
     "detect_kind",
     "gamma_arrivals",
     "load_workload",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bm.config import BenchConfig
+from bm.workloads.request import Workload
 
 
 def offline_arrivals(count: int) -> list[float]:
@@ -78,3 +79,18 @@ class ArrivalPlan:
 
     def describe(self) -> dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def arrival_times(workload: Workload, bench: BenchConfig) -> list[float]:
+    """One arrival time per row of ``workload`` (rows that cannot run keep a place but are never sent).
+
+    A failed row may lack a timestamp (a malformed line); it takes its predecessor's, so the times of
+    the rows around it are the trace's own."""
+    plan = ArrivalPlan.from_config(bench)
+    stamps: list[float | None] = []
+    if plan.process == "trace":
+        previous = 0.0
+        for req in workload.requests:
+            previous = req.timestamp if req.timestamp is not None else previous
+            stamps.append(previous)
+    return plan.times(len(workload.requests), stamps, seed=bench.seed)
