@@ -66,6 +66,7 @@ class IterationExecutor:
             sampled.extend(self._forward(group))
             result.num_forwards += 1
         self._update(items, sampled, result)
+        self._after_compute(items)
         return result
 
     # -- allocate ---------------------------------------------------------------------------------------
@@ -168,6 +169,14 @@ class IterationExecutor:
                 req.finish_reason = reason
                 req.state = RequestState.GENERATION_TO_COMPLETE
                 result.finished.append(req)
+
+    def _after_compute(self, items: list[WorkItem]) -> None:
+        """Newly full blocks become reusable; blocks left behind the attention window go back."""
+        for item in items:
+            if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION):
+                req = item.request
+                self.kv.cache_computed_blocks(req, req.num_computed_tokens)
+                self.kv.release_outside_window(req.request_id, req.num_computed_tokens)
 
 
 def _stop_reason(req: LlmRequest, token: int) -> FinishReason:

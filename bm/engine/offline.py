@@ -28,6 +28,8 @@ class RequestResult:
     error: str = ""
     num_responses: int = 0
     num_pauses: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,9 @@ class OfflineClient:
                 result.error = error
                 pauses = tensors.get("num_pauses")
                 result.num_pauses = int(pauses[0]) if pauses is not None else 0
+                for name in ("num_reused_blocks", "num_missed_blocks"):
+                    value = tensors.get(name)
+                    setattr(result, name, int(value[0]) if value is not None else 0)
                 self.num_final += 1
         if final:
             if self._on_final is not None:
