@@ -63,23 +63,14 @@ def test_outputs_are_identical_with_reuse_on_and_off(
         assert on[i].error == "" and off[i].error == ""
         assert on[i].output_ids == off[i].output_ids == expected[i], f"request {i}"
     reused = sum(r.num_reused_blocks for r in on.values())
-    print(
-        scheme,
-        policy,
-        chunking,
-        "reused",
-        reused,
-        "pauses",
-        sum(r.num_pauses for r in on.values()),
-        context_tokens(on_stats),
-        context_tokens(off_stats),
-    )
     assert reused == sum(s["Reused Blocks"] for s in on_stats) > 0
     assert sum(r.num_missed_blocks for r in on.values()) == sum(s["Missed Blocks"] for s in on_stats)
     assert sum(s["Reused Blocks"] for s in off_stats) == 0
     tokens_per_block = (cache or {}).get("tokens_per_block", 8)
     # every reused block is a block of context not computed again (pauses recompute more on both sides)
-    if policy != "max_utilization":
+    if policy == "max_utilization":
+        assert sum(r.num_pauses for r in on.values()) > 0, "the small cache must force pauses"
+    else:
         assert context_tokens(on_stats) == context_tokens(off_stats) - reused * tokens_per_block
 
 
@@ -121,7 +112,7 @@ def test_v1_does_not_reuse_blocks(tiny_model, shared_workload):
 
 def test_iteration_stats_report_hit_rate(tiny_model, shared_workload):
     specs, _ = shared_workload
-    results, stats = run(tiny_model, make_config(kv_cache=REUSE), specs)
+    _, stats = run(tiny_model, make_config(kv_cache=REUSE), specs)
     looked_up = [s for s in stats if s["Reused Blocks"] + s["Missed Blocks"]]
     assert looked_up
     for s in looked_up:
