@@ -98,6 +98,7 @@ def test_a_wholly_cached_prompt_computes_only_its_last_block(tiny_model, tiny_re
     # the first computes all 5 blocks; the others take 4 and recompute the last (its logits are sampled)
     assert [results[i].num_reused_blocks for i in range(3)] == [0, 4, 4]
     assert [results[i].num_missed_blocks for i in range(3)] == [5, 1, 1]
+    assert results[1].cache_hit_rate == pytest.approx(0.8)
     assert sum(json.loads(s)["Total Context Tokens"] for s in stats) == 40 + 8 + 8
 
 

@@ -35,6 +35,12 @@ class RequestResult:
     def ok(self) -> bool:
         return not self.error
 
+    @property
+    def cache_hit_rate(self) -> float:
+        """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
+        looked_up = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / looked_up if looked_up else 0.0
+
 
 class OfflineClient:
     """Hands requests to the batch manager as it asks for them and collects every response."""
