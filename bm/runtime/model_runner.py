@@ -61,7 +61,8 @@ class ModelRunner:
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 shape = (2, heads, num_blocks, tokens_per_block, dim)
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
-            self.scratch = torch.empty(widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
+            # keys and values of the largest decode group, gathered side by side
+            self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
