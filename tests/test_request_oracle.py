@@ -43,7 +43,9 @@ def hf_run(ref, prompt, max_new, **kwargs):
             **{"eos_token_id": None, **kwargs},
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    log_probs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=False)]
+    log_probs = [
+        torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=False)
+    ]
     return tokens, log_probs
 
 
@@ -81,7 +83,10 @@ def test_greedy_controls_match_hf_while_batched_with_other_settings(tiny_model, 
     end_ids = [pick_end_id(tiny_reference, p, m) for p, m in specs]
     cases = [
         ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
-        ({"repetition_penalty": 0.7, "no_repeat_ngram_size": 2}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2}),
+        (
+            {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+            {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+        ),
         ({"no_repeat_ngram_size": 1}, {"no_repeat_ngram_size": 1}),
         ({"min_length": 10, "end_id": end_ids[3]}, {"min_new_tokens": 10, "eos_token_id": end_ids[3]}),
         (
@@ -90,7 +95,8 @@ def test_greedy_controls_match_hf_while_batched_with_other_settings(tiny_model, 
         ),
     ]
     requests = [
-        InferenceRequest.from_values(i, p, m, return_log_probs=True, **cases[i][0]) for i, (p, m) in enumerate(specs)
+        InferenceRequest.from_values(i, p, m, return_log_probs=True, **cases[i][0])
+        for i, (p, m) in enumerate(specs)
     ]
     results = run_batch(tiny_model, requests + unrelated_requests(vocab, 100))
     for i, (prompt, max_new) in enumerate(specs):
@@ -136,7 +142,10 @@ def test_presence_frequency_and_embedding_bias_match_a_direct_reference(tiny_mod
         TrtPenalties(len(specs[1][0]), presence=-0.3, frequency=0.8),
         TrtPenalties(len(specs[2][0]), bias=bias),
     ]
-    requests = [InferenceRequest.from_values(i, p, m, return_log_probs=True, **fields[i]) for i, (p, m) in enumerate(specs)]
+    requests = [
+        InferenceRequest.from_values(i, p, m, return_log_probs=True, **fields[i])
+        for i, (p, m) in enumerate(specs)
+    ]
     results = run_batch(tiny_model, requests + unrelated_requests(vocab, 100))
     for i, (prompt, max_new) in enumerate(specs):
         tokens, log_probs = hf_run(
@@ -246,7 +255,9 @@ def test_logits_post_processor_sees_the_tokens_so_far_and_changes_the_choice(tin
     request = InferenceRequest.from_values(0, prompt, max_new, return_log_probs=True)
     request.logits_post_processor = forbid_repeats_of_last
     results = run_batch(tiny_model, [request, InferenceRequest.from_values(1, *other)])
-    tokens, log_probs = hf_run(tiny_reference, prompt, max_new, logits_processor=LogitsProcessorList([Same()]))
+    tokens, log_probs = hf_run(
+        tiny_reference, prompt, max_new, logits_processor=LogitsProcessorList([Same()])
+    )
     assert_matches(results[0], tokens, log_probs)
     assert seen == [prompt + tokens[:k] for k in range(max_new)]
 
@@ -283,3 +294,44 @@ def test_context_and_generation_logits_equal_the_reference_model(tiny_model, tin
         generation = torch.cat(out.logits).float()
         assert results[i].generation_logits.shape == (max_new, vocab)
         assert torch.allclose(results[i].generation_logits, generation, atol=TOL)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"batching_scheme": "v1", "max_batch_size": 4},
+        {"scheduler_policy": "max_utilization"},
+        {"scheduler_policy": "static_batch", "batching_scheme": "inflight"},
+    ],
+)
+def test_beam_requests_match_hf_under_every_scheme_and_a_tight_cache(tiny_model, tiny_reference, engine):
+    vocab = tiny_model.vocab_size
+    specs = random_prompts(seed=31, count=6, vocab=vocab, max_prompt=16, max_output=10)
+    requests = [
+        InferenceRequest.from_values(i, p, m, beam_width=3 if i % 2 == 0 else 1)
+        for i, (p, m) in enumerate(specs)
+    ]
+    # 30 blocks of 4 tokens: not everyone fits at once, so plain requests wait (or are paused) beside beams
+    results = run_batch(
+        tiny_model,
+        requests,
+        per_iteration=2,
+        engine={"max_beam_width": 3, **engine},
+        kv_cache={"tokens_per_block": 4, "max_tokens": 120},
+    )
+    for i, (prompt, max_new) in enumerate(specs):
+        if i % 2:
+            assert results[i].output_ids == hf_greedy(tiny_reference, prompt, max_new)
+            continue
+        with torch.no_grad():
+            out = tiny_reference.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new,
+                do_sample=False,
+                num_beams=3,
+                early_stopping=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert results[i].output_ids == out[0, len(prompt) :].tolist(), f"request {i}"

@@ -148,6 +148,11 @@ def _float(tensors: Mapping[str, torch.Tensor], name: str, default: float) -> fl
     return float(value)
 
 
+def _show(value: float) -> str:
+    """A float32 tensor's value as the user wrote it (1.01, not 1.0099999904632568)."""
+    return repr(float(f"{value:.7g}"))
+
+
 def _prompt(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> list[int]:
     ids = tensors["input_ids"]
     if not isinstance(ids, torch.Tensor):
@@ -207,11 +212,11 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
 
     temperature = _float(tensors, "temperature", 0.0)
     if temperature < 0:
-        raise RequestError(f"temperature: {temperature} is out of range; allowed >= 0 (0 is greedy)")
+        raise RequestError(f"temperature: {_show(temperature)} is out of range; allowed >= 0 (0 is greedy)")
     top_k = _int(tensors, "runtime_top_k", 0, None, 0)
     top_p = _float(tensors, "runtime_top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise RequestError(f"runtime_top_p: {top_p} is out of range; allowed (0, 1]")
+        raise RequestError(f"runtime_top_p: {_show(top_p)} is out of range; allowed (0, 1]")
     if "temperature" not in tensors and (top_k > 1 or top_p < 1):
         temperature = 1.0  # asking for a filter means asking to sample
     sampling = SamplingParams(
@@ -260,7 +265,7 @@ def _decoding_options(
     """The controls beyond temperature / top-k / top-p; None when the request asks for none of them."""
     repetition = _float(tensors, "repetition_penalty", 1.0)
     if repetition <= 0:
-        raise RequestError(f"repetition_penalty: {repetition} is out of range; allowed > 0 (1 is off)")
+        raise RequestError(f"repetition_penalty: {_show(repetition)} is out of range; allowed > 0 (1 is off)")
     options = DecodingOptions(
         repetition_penalty=repetition,
         presence_penalty=_float(tensors, "presence_penalty", 0.0),

@@ -82,11 +82,16 @@ class KVCacheManager:
             held = len(self._tables.get(request_id, ()))
             return max(0, self.num_blocks_for_tokens(num_tokens) - held)
         total = 0
+        index = (num_tokens - 1) // self.tokens_per_block
+        writers: dict[int, int] = {}  # block written at the next position -> beams writing into it
         for beam in range(num_beams):
             table = self._tables[beam_key(request_id, beam)]
             total += max(0, self.num_blocks_for_tokens(num_tokens) - len(table))
-            index = (num_tokens - 1) // self.tokens_per_block
-            total += index < len(table) and self.pool.ref_count(table[index]) > 1
+            if index < len(table):
+                writers[table[index]] = writers.get(table[index], 0) + 1
+        # every writer of a shared block copies it, except the last when no one else holds it
+        for block_id, count in writers.items():
+            total += count - (self.pool.ref_count(block_id) == count)
         return total
 
     def num_freeable_blocks(self, request_id: int) -> int:
