@@ -224,12 +224,18 @@ def test_beam_search_matches_hf_while_batched(
                 output_scores=True,
                 return_dict_in_generate=True,
             )
+        # per-token log probs of each returned beam, as HF's beam search scored them
+        transitions = tiny_reference.compute_transition_scores(
+            out.sequences, out.scores, out.beam_indices, normalize_logits=False
+        )
         result = results[i]
         assert len(result.beams) == beam_width
         for b, beam in enumerate(result.beams):
             hf_beam = out.sequences[b, len(prompt) :].tolist()
             assert hf_beam[: len(beam)] == beam, f"request {i} beam {b}"
             length = len(beam)
+            hf_log_probs = transitions[b, :length].tolist()
+            assert result.beam_log_probs[b] == pytest.approx(hf_log_probs, abs=TOL)
             score = result.cum_log_probs[b] / (length**len_penalty)
             assert abs(score - out.sequences_scores[b].item()) < TOL
             assert abs(sum(result.beam_log_probs[b]) - result.cum_log_probs[b]) < TOL

@@ -7,6 +7,7 @@ not implement yet is refused by name, never silently ignored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +146,8 @@ def _float(tensors: Mapping[str, torch.Tensor], name: str, default: float) -> fl
     value = _scalar(tensors, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise RequestError(f"{name}: expected a finite number, got {value!r}")
     return float(value)
 
 
