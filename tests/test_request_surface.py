@@ -127,6 +127,8 @@ def test_stop_signal_cancels_with_partial_output_and_frees_blocks(tiny_model):
         ({"repetition_penalty": 0.0}, "repetition_penalty: 0.0 is out of range; allowed > 0"),
         ({"temperature": float("nan")}, "temperature: expected a finite number"),
         ({"frequency_penalty": float("inf")}, "frequency_penalty: expected a finite number"),
+        ({"early_stopping": -1}, "early_stopping: -1 is out of range; allowed >= 0"),
+        ({"len_penalty": float("nan")}, "len_penalty: expected a finite number"),
         ({"min_length": 9}, "min_length: 9 is out of range; allowed [0, 4]"),
         ({"beam_width": 2, "temperature": 0.7}, "beam_width: beam search is deterministic"),
         ({"beam_width": 2, "streaming": True}, "streaming: not supported with beam_width > 1"),

@@ -233,14 +233,14 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
     streaming = _bool(tensors, "streaming")
     beam_width = _int(tensors, "beam_width", 1, limits.max_beam_width, 1)
     options = _decoding_options(request, tensors, limits, max_new)
+    # Validated whatever the width; they only act on beams (as in TensorRT-LLM and HF).
+    len_penalty = _float(tensors, "len_penalty", 1.0)
+    early_stopping = _int(tensors, "early_stopping", 0, None, 1)
     if beam_width > 1:
         _check_beam_request(tensors, sampling, streaming, options)
         options = options or DecodingOptions()
-        options.len_penalty = _float(tensors, "len_penalty", 1.0)
-        options.early_stopping = _int(tensors, "early_stopping", 0, None, 1)
-        options.beam = BeamSearch(
-            beam_width, max_new, sampling.end_id, options.len_penalty, options.early_stopping
-        )
+        options.len_penalty, options.early_stopping = len_penalty, early_stopping
+        options.beam = BeamSearch(beam_width, max_new, sampling.end_id, len_penalty, early_stopping)
     return LlmRequest(
         request_id=rid,
         prompt_ids=prompt,
