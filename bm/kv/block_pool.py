@@ -60,6 +60,13 @@ class BlockPool:
             taken.append(block_id)
         return taken
 
+    def share(self, block_ids: list[int]) -> None:
+        """Add one reference to each (used) block: another table now points at it too."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} is free; only a used block can be shared")
+            self._ref_counts[block_id] += 1
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; a block with no reference left is free again."""
         for block_id in block_ids:

@@ -28,6 +28,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def beam_key(request_id: int, beam: int) -> int | tuple[int, int]:
+    """The table id of one beam: beam 0 is the request's own table, so a request without beams has one."""
+    return request_id if beam == 0 else (request_id, beam)
+
+
 class KVCacheManager:
     """Block tables for active requests; allocation grows a table, completion frees it."""
 
@@ -38,6 +43,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._num_beams: dict[int, int] = {}  # request id -> beam tables (absent: one)
 
     # -- capacity questions (what the schedulers ask) --------------------------------------------------
 
@@ -52,22 +58,49 @@ class KVCacheManager:
         return cdiv(num_tokens, self.tokens_per_block)
 
     def get_needed_resource_to_completion(self, request: KVRequest) -> int:
-        """Blocks the request holds once it has all its tokens, counting the ones it holds already."""
-        return self.num_blocks_for_tokens(request.num_tokens_at_completion)
+        """Blocks the request holds once it has all its tokens, counting the ones it holds already.
+
+        A beam request counts a full table per beam: an upper bound (beams share their prompt blocks),
+        so that a request admitted on it can never run short.
+        """
+        beams = getattr(request, "beam_width", 1)
+        return self.num_blocks_for_tokens(request.num_tokens_at_completion) * beams
 
     def get_remaining_resource_to_completion(self, request: KVRequest) -> int:
         """Blocks still to allocate before the request completes."""
-        held = len(self._tables.get(request.request_id, ()))
+        held = len(self._distinct_blocks(request.request_id))
         return max(0, self.get_needed_resource_to_completion(request) - held)
 
     def num_blocks_to_allocate(self, request_id: int, num_tokens: int) -> int:
-        """Blocks :meth:`allocate` would take for the request to hold ``num_tokens`` tokens in total."""
-        held = len(self._tables.get(request_id, ()))
-        return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        """Blocks :meth:`allocate` would take for the request to hold ``num_tokens`` tokens in total.
+
+        For a request with beams: over every beam, plus a copy for each beam whose block at the next
+        written position is shared (see :meth:`copy_on_write`).
+        """
+        num_beams = self._num_beams.get(request_id, 1)
+        if num_beams == 1:
+            held = len(self._tables.get(request_id, ()))
+            return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        total = 0
+        index = (num_tokens - 1) // self.tokens_per_block
+        writers: dict[int, int] = {}  # block written at the next position -> beams writing into it
+        for beam in range(num_beams):
+            table = self._tables[beam_key(request_id, beam)]
+            total += max(0, self.num_blocks_for_tokens(num_tokens) - len(table))
+            if index < len(table):
+                writers[table[index]] = writers.get(table[index], 0) + 1
+        # every writer of a shared block copies it, except the last when no one else holds it
+        for block_id, count in writers.items():
+            total += count - (self.pool.ref_count(block_id) == count)
+        return total
 
     def num_freeable_blocks(self, request_id: int) -> int:
-        """Blocks that :meth:`free` would return to the pool (those no other table references)."""
-        return sum(1 for b in self._tables.get(request_id, ()) if self.pool.ref_count(b) == 1)
+        """Blocks that :meth:`free` would return to the pool (those no other request references)."""
+        refs: dict[int, int] = {}
+        for table in self._request_tables(request_id):
+            for b in table:
+                refs[b] = refs.get(b, 0) + 1
+        return sum(1 for b, n in refs.items() if self.pool.ref_count(b) == n)
 
     def can_allocate(self, request_id: int, num_tokens: int) -> bool:
         return self.pool.can_allocate(self.num_blocks_to_allocate(request_id, num_tokens))
@@ -93,12 +126,64 @@ class KVCacheManager:
 
     def free(self, request_id: int) -> int:
         """Release every block of the request; returns how many it held. Unknown ids free nothing."""
-        table = self._tables.pop(request_id, None)
-        self._num_tokens.pop(request_id, None)
+        freed = 0
+        for beam in range(1, self._num_beams.pop(request_id, 1)):
+            freed += self._free_table(beam_key(request_id, beam))
+        return freed + self._free_table(request_id)
+
+    def _free_table(self, key: int | tuple[int, int]) -> int:
+        table = self._tables.pop(key, None)
+        self._num_tokens.pop(key, None)
         if not table:
             return 0
         self.pool.release(table)
         return len(table)
+
+    # -- beams: shared blocks, forked on write ---------------------------------------------------------
+
+    def fork_beams(self, request_id: int, parents: list[int]) -> None:
+        """Beam ``i`` now continues beam ``parents[i]``: its table becomes a shared copy of the parent's.
+
+        Called after each beam-search step (the first call turns the prompt's single table into one per
+        beam). No block is copied here; blocks are shared by reference count until a beam writes into a
+        shared one, which :meth:`copy_on_write` then forks.
+        """
+        old = [beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1))]
+        tables = [list(self._tables[old[p]]) for p in parents]
+        num_tokens = [self._num_tokens[old[p]] for p in parents]
+        for table in tables:
+            self.pool.share(table)
+        self.free(request_id)
+        for beam, (table, n) in enumerate(zip(tables, num_tokens, strict=True)):
+            self._tables[beam_key(request_id, beam)] = table
+            self._num_tokens[beam_key(request_id, beam)] = n
+        if len(parents) > 1:
+            self._num_beams[request_id] = len(parents)
+
+    def copy_on_write(self, key: int | tuple[int, int], position: int) -> tuple[int, int] | None:
+        """Before writing ``position`` into table ``key``: if its block is shared, give the table its own copy.
+
+        Returns ``(source, destination)`` block ids whose contents the runtime must copy, or None.
+        """
+        table = self._tables[key]
+        index = position // self.tokens_per_block
+        if index >= len(table) or self.pool.ref_count(table[index]) == 1:
+            return None
+        source = table[index]
+        (destination,) = self.pool.allocate(1)
+        table[index] = destination
+        self.pool.release([source])
+        return source, destination
+
+    def num_beams(self, request_id: int) -> int:
+        return self._num_beams.get(request_id, 1)
+
+    def _request_tables(self, request_id: int) -> list[list[int]]:
+        keys = (beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1)))
+        return [self._tables[k] for k in keys if k in self._tables]
+
+    def _distinct_blocks(self, request_id: int) -> set[int]:
+        return {b for table in self._request_tables(request_id) for b in table}
 
     # -- views ----------------------------------------------------------------------------------------
 
@@ -113,24 +198,29 @@ class KVCacheManager:
 
     @property
     def num_requests(self) -> int:
-        return len(self._tables)
+        """Owners of block tables (a request with beams counts once)."""
+        return len(self._tables) - sum(n - 1 for n in self._num_beams.values())
 
     def check_integrity(self) -> None:
-        """Pool accounting holds, every table covers its tokens, and no block is owned twice."""
+        """Pool accounting holds, every table covers its tokens, and each block's reference count is the
+        number of tables holding it (a block is shared only between beams of one request)."""
         self.pool.check_integrity()
         seen: dict[int, int] = {}
-        for request_id, table in self._tables.items():
+        owner: dict[int, int] = {}
+        for key, table in self._tables.items():
+            request_id = key[0] if isinstance(key, tuple) else key
             require(
-                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(request_id, 0)),
-                f"request {request_id}: {len(table)} blocks for {self._num_tokens.get(request_id)} tokens",
+                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(key, 0)),
+                f"table {key}: {len(table)} blocks for {self._num_tokens.get(key)} tokens",
             )
             for block_id in table:
-                if block_id in seen:
+                if owner.setdefault(block_id, request_id) != request_id:
                     raise IntegrityError(
-                        f"block {block_id} owned by requests {seen[block_id]} and {request_id}"
+                        f"block {block_id} owned by requests {owner[block_id]} and {request_id}"
                     )
-                seen[block_id] = request_id
-                require(self.pool.ref_count(block_id) == 1, f"block {block_id} has a wrong reference count")
+                seen[block_id] = seen.get(block_id, 0) + 1
+        for block_id, count in seen.items():
+            require(self.pool.ref_count(block_id) == count, f"block {block_id} has a wrong reference count")
         require(
             len(seen) == self.pool.num_used_blocks,
             f"{self.pool.num_used_blocks} blocks in use but {len(seen)} in tables",

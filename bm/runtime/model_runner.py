@@ -37,6 +37,8 @@ class Segment:
     start_pos: int
     block_ids: list[int]
     sample: bool
+    # Return logits for every token of the segment, not only the last (context logits were asked for).
+    keep_all: bool = False
 
 
 class ModelRunner:
@@ -66,7 +68,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
-        """Run every segment in one packed forward; return float32 logits ``[num_sampled, vocab]``."""
+        """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
+        sampled segment, or one per token for a ``keep_all`` segment, in segment order."""
         input_ids, positions, meta, sample_index = self._prepare(segments)
         out = self.model(
             input_ids=input_ids,
@@ -76,6 +79,17 @@ class ModelRunner:
             bm_attention=meta,
         )
         return out.logits[0].float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``source -> destination`` in every layer (a beam forking a shared block)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            if cache is not None:
+                cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def _prepare(
         self, segments: Sequence[Segment]
@@ -101,7 +115,9 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 prefill.append((offset, offset + n, start, table))
-            if seg.sample:
+            if seg.keep_all:
+                sample_index.extend(range(offset, offset + n))
+            elif seg.sample:
                 sample_index.append(offset + n - 1)
             offset += n
 
