@@ -1,4 +1,4 @@
-"""The YAML configuration: three sections (``model``, ``engine``, ``kv_cache``), validated up front.
+"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache`` and ``bench``, validated up front.
 
 Every knob is declared once, as a dataclass field with its help text and its check, so the loader, the
 ``--set`` overrides and the ``bm run --help`` reference all read the same declaration. A bad file never
@@ -9,6 +9,7 @@ This module is plain Python (no torch) so the scheduler simulation and the CLI c
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,17 +232,179 @@ class KvCacheConfig:
     )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The bench section (``bm bench``): every flag of the command has its key here, so a YAML file can hold a
+# whole benchmark. Kept in one block: its checks, its allowed values and its cross-field rules.
+
+DATASET_KINDS = {
+    k: k for k in ("auto", "bm", "trtllm", "sharegpt", "azure", "mooncake", "hf", "synthetic")
+} | {"jsonl": "bm", "trtllm-bench": "trtllm", "huggingface": "hf", "random": "synthetic"}
+
+
+def _number_in(low: float, high: float | None, *, low_open: bool = True, optional: bool = False):
+    """A float in (low, high] (or [low, high] with ``low_open=False``); ``None`` allowed when optional."""
+
+    def check(key: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        upper = f"{high}]" if high is not None else "inf)"
+        bound = f"{'(' if low_open else '['}{low}, {upper}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number in {bound}, got {value!r}")
+        too_low = value <= low if low_open else value < low
+        if too_low or (high is not None and value > high) or not math.isfinite(value):
+            raise ConfigError(f"{key}: must be in {bound}, got {value}")
+        return float(value)
+
+    return check
+
+
+def _rate(key: str, value: Any) -> Any:
+    """Requests per second; null or .inf means every request at t=0 (offline), as in ``vllm bench``."""
+    if value is None or (isinstance(value, float) and value == float("inf")):
+        return None
+    return _number_in(0, None)(key, value)
+
+
+@dataclass
+class BenchConfig:
+    dataset: str | None = _knob(
+        None, "Dataset file or directory (not used by the synthetic kind).", _optional_str
+    )
+    dataset_kind: str = _knob(
+        "auto",
+        "auto (from the file's name and first record), bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.",
+        _choice(DATASET_KINDS),
+    )
+    prompt_column: str = _knob(
+        "prompt", "hf: the column holding the prompt (text or token ids).", _optional_str
+    )
+    output_column: str | None = _knob(
+        None,
+        "hf: a column giving the output length (an integer) or a completion text whose token count is it.",
+        _optional_str,
+    )
+    split: str = _knob("train", "hf: the split to read.", _optional_str)
+    input_len: int = _knob(1024, "synthetic: mean prompt length (tokens), prefix excluded.", _int_at_least(1))
+    output_len: int = _knob(
+        128,
+        "synthetic: mean output length; also the output length of rows that give none (bm, hf).",
+        _int_at_least(1),
+    )
+    range_ratio: float = _knob(
+        0.0,
+        "synthetic: lengths are uniform in [len*(1-r), len*(1+r)]; 0 gives fixed lengths.",
+        _number_in(0, 1, low_open=False),
+    )
+    prefix_len: int = _knob(
+        0, "synthetic: tokens of a shared prefix put in front of every prompt.", _int_at_least(0)
+    )
+    num_prefix_groups: int = _knob(
+        1,
+        "synthetic: how many distinct shared prefixes; request i gets prefix i mod groups.",
+        _int_at_least(1),
+    )
+    hash_block_size: int = _knob(
+        512, "mooncake: tokens covered by one hash id (before --input-scale).", _int_at_least(1)
+    )
+    input_scale: float = _knob(1.0, "Multiply every prompt length by this.", _number_in(0, None))
+    output_scale: float = _knob(1.0, "Multiply every output length by this.", _number_in(0, None))
+    max_input_len: int | None = _knob(
+        None, "Cap prompt lengths (after scaling).", _int_at_least(1, optional=True)
+    )
+    max_output_len: int | None = _knob(
+        None, "Cap output lengths (after scaling).", _int_at_least(1, optional=True)
+    )
+    num_requests: int | None = _knob(
+        None,
+        "Use the first N requests (after shuffling); default all rows, 1000 for synthetic.",
+        _int_at_least(1, optional=True),
+    )
+    shuffle: bool = _knob(False, "Shuffle the rows with the seed before taking num_requests.", _bool)
+    seed: int = _knob(0, "Seed of shuffling, synthetic token ids and arrival gaps.", _int_at_least(0))
+    request_rate: float | None = _knob(
+        None, "Poisson (or gamma) arrivals at this many requests/s; null: all at t=0 (offline).", _rate
+    )
+    burstiness: float = _knob(
+        1.0,
+        "Gamma shape of the gaps at request_rate: 1 is Poisson, < 1 burstier, > 1 more regular.",
+        _number_in(0, None),
+    )
+    trace_timestamps: bool = _knob(False, "Replay the dataset's own timestamps.", _bool)
+    time_scale: float = _knob(
+        1.0, "Multiply trace gaps by this (0.5 replays twice as fast).", _number_in(0, None)
+    )
+    max_concurrency: int | None = _knob(
+        None,
+        "Most requests in flight at once, client side; later arrivals wait.",
+        _int_at_least(1, optional=True),
+    )
+    warmup: int = _knob(0, "Requests run first (all at once) and left out of the results.", _int_at_least(0))
+    slo_ttft_ms: float | None = _knob(
+        None, "Goodput SLO on time to first token (ms).", _number_in(0, None, optional=True)
+    )
+    slo_tpot_ms: float | None = _knob(
+        None, "Goodput SLO on time per output token (ms).", _number_in(0, None, optional=True)
+    )
+    slo_e2el_ms: float | None = _knob(
+        None, "Goodput SLO on end-to-end latency (ms).", _number_in(0, None, optional=True)
+    )
+    ignore_eos: bool = _knob(False, "Run every request to its output length (no end token).", _bool)
+    out_dir: str | None = _knob(None, "Results directory (default bm-out/bench-TIME).", _optional_str)
+    json_output: bool = _knob(False, "Print only the results JSON on the terminal.", _bool)
+
+
+def _validate_bench(bench: BenchConfig) -> None:
+    """Arrival options that contradict each other are refused rather than one silently winning."""
+    if bench.trace_timestamps and bench.request_rate is not None:
+        raise ConfigError(
+            "bench.trace_timestamps and bench.request_rate are exclusive: replay the trace's own "
+            "times or draw arrivals at a rate, not both"
+        )
+    if bench.burstiness != 1.0 and bench.request_rate is None:
+        raise ConfigError(
+            f"bench.burstiness ({bench.burstiness}) shapes the gaps at a request rate; give "
+            "bench.request_rate (--rate) too"
+        )
+    if bench.time_scale != 1.0 and not bench.trace_timestamps:
+        raise ConfigError(
+            f"bench.time_scale ({bench.time_scale}) scales trace timestamps; set "
+            "bench.trace_timestamps (--trace-timestamps) too"
+        )
+    if bench.shuffle and bench.trace_timestamps:
+        raise ConfigError(
+            "bench.shuffle and bench.trace_timestamps are exclusive: shuffling would put a timed trace "
+            "out of order"
+        )
+    if bench.dataset_kind == "synthetic":
+        if bench.dataset is not None:
+            raise ConfigError(
+                f"bench.dataset ({bench.dataset!r}) is given but bench.dataset_kind is synthetic, "
+                "which generates its requests; drop one"
+            )
+        if bench.trace_timestamps:
+            raise ConfigError(
+                "bench.trace_timestamps: the synthetic dataset has no timestamps; use --rate instead"
+            )
+
+
 @dataclass
 class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "engine": EngineConfig, "kv_cache": KvCacheConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "engine": EngineConfig,
+    "kv_cache": KvCacheConfig,
+    "bench": BenchConfig,
+}
 
 
 def _build_section(cls: type, name: str, data: Any) -> Any:
@@ -308,6 +471,7 @@ def validate(cfg: BmConfig) -> None:
             f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "
             f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
         )
+    _validate_bench(cfg.bench)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -357,15 +521,16 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 
 def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:
     """Paths inside a config file are relative to that file, as a user editing it would expect."""
-    model = data.get("model")
-    if not isinstance(model, dict):
-        return
-    for key in ("path", "config", "tokenizer"):
-        value = model.get(key)
-        if isinstance(value, str) and value and not Path(value).is_absolute():
-            candidate = base / value
-            if candidate.exists():
-                model[key] = str(candidate)
+    for section, keys in (("model", ("path", "config", "tokenizer")), ("bench", ("dataset",))):
+        values = data.get(section)
+        if not isinstance(values, dict):
+            continue
+        for key in keys:
+            value = values.get(key)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                candidate = base / value
+                if candidate.exists():
+                    values[key] = str(candidate)
 
 
 def config_reference() -> str:

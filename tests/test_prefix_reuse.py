@@ -121,3 +121,37 @@ def test_iteration_stats_report_hit_rate(tiny_model, shared_workload):
             s["Reused Blocks"] / (s["Reused Blocks"] + s["Missed Blocks"]), abs=1e-6
         )
     assert max(s["Cache Hit Rate"] for s in stats) > 0.5
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_beam_requests_beside_reuse_and_windows_keep_every_output(tiny_model, shared_workload, window):
+    """Beams fork their block tables, so they neither take nor register cached blocks and keep their
+    blocks to completion; the greedy requests around them still reuse, and nothing changes outputs."""
+    specs, expected = shared_workload
+    specs, expected = specs[:8], expected[:8]
+    beam_prompts = [specs[1][0], specs[2][0]]  # share the first group's prefix
+
+    def requests():
+        out = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
+        out += [InferenceRequest.from_values(100 + j, p, 6, beam_width=2) for j, p in enumerate(beam_prompts)]
+        return out
+
+    window_cfg = {} if window is None else {"max_attention_window": window}
+    results = {}
+    for reuse in (False, True):
+        config = make_config(
+            engine={"max_beam_width": 2, "max_batch_size": 4},
+            kv_cache={**window_cfg, "enable_block_reuse": reuse},
+        )
+        results[reuse] = generate(requests(), config, model=tiny_model, check_integrity=True, timeout=120)
+    off, on = results[False], results[True]
+    for rid in off:
+        assert off[rid].error == on[rid].error == ""
+        assert off[rid].output_ids == on[rid].output_ids, f"request {rid}"
+        assert off[rid].beams == on[rid].beams
+    for j in range(len(beam_prompts)):
+        assert on[100 + j].num_reused_blocks == on[100 + j].num_missed_blocks == 0
+    assert sum(on[i].num_reused_blocks for i in range(len(specs))) > 0
+    if window is None:
+        for i in range(len(specs)):
+            assert on[i].output_ids == expected[i]

@@ -107,6 +107,16 @@ def run(
         raise typer.Exit(code=130)
 
 
+def _register_bench() -> None:
+    """``bm bench`` lives in its own module; its heavy imports wait until it runs."""
+    from bm.cli.bench import bench
+
+    app.command("bench", epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"))(bench)
+
+
+_register_bench()
+
+
 def main() -> None:
     app()
 

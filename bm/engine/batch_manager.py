@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bm.config import BmConfig
+from bm.engine import response_tensors
 from bm.engine.execution import IterationExecutor, IterationResult
 from bm.engine.inference_request import InferenceRequest, RequestError, RequestLimits, parse_request
 from bm.engine.stats import IterationStats
 from bm.kv import KVCacheManager
-from bm.runtime import LoadedModel, ModelRunner, Sampler, load_model, num_kv_blocks
+from bm.runtime import LoadedModel, ModelRunner, load_model, num_kv_blocks
+from bm.runtime.decoding import Decoder
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.factory import build_scheduler
 
@@ -89,10 +91,10 @@ class BatchManager:
             max_attention_window=self.attention_window,
             sink_token_length=sinks,
         )
-        self.sampler = Sampler()
+        self.decoder = Decoder()
         self.scheduler = build_scheduler(engine, self.kv_cache_manager)
         self.executor = IterationExecutor(
-            engine.batching_scheme, engine.max_num_tokens, self.kv_cache_manager, self.runner, self.sampler
+            engine.batching_scheme, engine.max_num_tokens, self.kv_cache_manager, self.runner, self.decoder
         )
         self.limits = RequestLimits(
             vocab_size=self.model.vocab_size,
@@ -311,7 +313,7 @@ class BatchManager:
         """Free everything the request holds; afterwards its id may be reused."""
         self.kv_cache_manager.free(req.request_id)
         self.kv_cache_manager.free(req.padding_key)
-        self.sampler.release(req.request_id)
+        self.decoder.release(req.request_id)
         self._active.pop(req.request_id, None)
         req.state = RequestState.GENERATION_COMPLETE
 
@@ -324,14 +326,21 @@ class BatchManager:
         self._held.clear()
 
     def _send(self, req: LlmRequest, final: bool, error: str = "") -> None:
-        start = req.num_streamed_tokens if req.streaming else 0
-        new_tokens = req.output_ids[start:]
-        req.num_streamed_tokens = len(req.output_ids)
-        tensors = {
-            "output_ids": torch.tensor([new_tokens], dtype=torch.int32),
-            "sequence_length": torch.tensor([len(new_tokens)], dtype=torch.int32),
-        }
+        if req.beam_width > 1 and req.decoding.beam is not None:
+            tensors = response_tensors.beam_outputs(req)
+        else:
+            start = req.num_streamed_tokens if req.streaming else 0
+            new_tokens = req.output_ids[start:]
+            req.num_streamed_tokens = len(req.output_ids)
+            tensors = {
+                "output_ids": torch.tensor([new_tokens], dtype=torch.int32),
+                "sequence_length": torch.tensor([len(new_tokens)], dtype=torch.int32),
+            }
+            if req.output_log_probs is not None:
+                tensors.update(response_tensors.log_probs(req, start))
         if final:
+            if req.decoding is not None:
+                tensors.update(response_tensors.logits(req))
             tensors.update(self._request_stats(req))
         self._deliver(req.request_id, tensors, final, error)
 

@@ -2,7 +2,7 @@
 
 from bm.kv.block_hash import BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, OutOfBlocksError
-from bm.kv.manager import NO_BLOCK, NO_MATCH, KVCacheManager, KVRequest, PrefixMatch, cdiv
+from bm.kv.manager import NO_BLOCK, NO_MATCH, KVCacheManager, KVRequest, PrefixMatch, beam_key, cdiv
 
 __all__ = [
     "NO_BLOCK",
@@ -14,6 +14,7 @@ __all__ = [
     "KVRequest",
     "OutOfBlocksError",
     "PrefixMatch",
+    "beam_key",
     "cdiv",
     "chain_hash",
 ]

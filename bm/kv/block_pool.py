@@ -88,6 +88,13 @@ class BlockPool:
             taken.append(block_id)
         return taken
 
+    def share(self, block_ids: list[int]) -> None:
+        """Add one reference to each (used) block: another table now points at it too."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} is free; only a used block can be shared")
+            self._ref_counts[block_id] += 1
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, in order; a registered block with none left is cached
         (most recently released last), any other is free again."""
@@ -113,7 +120,7 @@ class BlockPool:
     def key(self, block_id: int) -> BlockKey | None:
         return self._keys.get(block_id)
 
-    def share(self, block_id: int) -> None:
+    def share_cached(self, block_id: int) -> None:
         """Take one more reference on a registered block (a prefix hit); a cached one leaves the LRU."""
         require(block_id in self._keys, f"block {block_id} is not registered and cannot be shared")
         if self._ref_counts[block_id] == 0:

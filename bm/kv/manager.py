@@ -76,6 +76,11 @@ class PrefixMatch:
 NO_MATCH = PrefixMatch()
 
 
+def beam_key(request_id: int, beam: int) -> int | tuple[int, int]:
+    """The table id of one beam: beam 0 is the request's own table, so a request without beams has one."""
+    return request_id if beam == 0 else (request_id, beam)
+
+
 class KVCacheManager:
     """Block tables for active requests; allocation grows a table, completion frees it."""
 
@@ -103,6 +108,7 @@ class KVCacheManager:
         self._num_released: dict[int, int] = {}  # window: blocks below this index were looked at
         self.num_reused_blocks = 0
         self.num_missed_blocks = 0
+        self._num_beams: dict[int, int] = {}  # request id -> beam tables (absent: one)
 
     # -- capacity questions (what the schedulers ask) --------------------------------------------------
 
@@ -132,9 +138,14 @@ class KVCacheManager:
 
         Without a window that is every block of its final length. With one, a context phase still holds
         its whole context at once at worst (the blocks behind the window are released after each
-        forward), and a generation holds at most the window's blocks.
+        forward), and a generation holds at most the window's blocks. A beam request counts a full table
+        per beam and no window release (beams fork their tables, see :meth:`fork_beams`): an upper bound,
+        so a request admitted on it never runs short.
         """
         full = self.num_blocks_for_tokens(request.num_tokens_at_completion)
+        beams = getattr(request, "beam_width", 1)
+        if beams > 1:
+            return full * beams
         bound = self.max_window_blocks()
         if bound is None:
             return full
@@ -144,7 +155,7 @@ class KVCacheManager:
 
     def get_remaining_resource_to_completion(self, request: KVRequest) -> int:
         """Blocks still to allocate before the request completes."""
-        held = self.num_held_blocks(request.request_id)
+        held = len(self._distinct_blocks(request.request_id))
         return max(0, self.get_needed_resource_to_completion(request) - held)
 
     def get_reserved_resource(self, requests: Iterable[KVRequest]) -> int:
@@ -156,20 +167,41 @@ class KVCacheManager:
         held: set[int] = set()
         remaining = 0
         for request in requests:
-            held.update(b for b in self._tables.get(request.request_id, ()) if b != NO_BLOCK)
+            held.update(self._distinct_blocks(request.request_id))
             remaining += self.get_remaining_resource_to_completion(request)
         return len(held) + remaining
 
     def num_blocks_to_allocate(self, request_id: int, num_tokens: int) -> int:
-        """Blocks :meth:`allocate` would take for the request to hold ``num_tokens`` tokens in total."""
-        held = len(self._tables.get(request_id, ()))
-        return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        """Blocks :meth:`allocate` would take for the request to hold ``num_tokens`` tokens in total.
+
+        For a request with beams: over every beam, plus a copy for each beam whose block at the next
+        written position is shared (see :meth:`copy_on_write`).
+        """
+        num_beams = self._num_beams.get(request_id, 1)
+        if num_beams == 1:
+            held = len(self._tables.get(request_id, ()))
+            return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        total = 0
+        index = (num_tokens - 1) // self.tokens_per_block
+        writers: dict[int, int] = {}  # block written at the next position -> beams writing into it
+        for beam in range(num_beams):
+            table = self._tables[beam_key(request_id, beam)]
+            total += max(0, self.num_blocks_for_tokens(num_tokens) - len(table))
+            if index < len(table):
+                writers[table[index]] = writers.get(table[index], 0) + 1
+        # every writer of a shared block copies it, except the last when no one else holds it
+        for block_id, count in writers.items():
+            total += count - (self.pool.ref_count(block_id) == count)
+        return total
 
     def num_freeable_blocks(self, request_id: int) -> int:
         """Blocks that :meth:`free` would return to the pool (those no other table references)."""
-        return sum(
-            1 for b in self._tables.get(request_id, ()) if b != NO_BLOCK and self.pool.ref_count(b) == 1
-        )
+        refs: dict[int, int] = {}
+        for table in self._request_tables(request_id):
+            for b in table:
+                if b != NO_BLOCK:
+                    refs[b] = refs.get(b, 0) + 1
+        return sum(1 for b, n in refs.items() if self.pool.ref_count(b) == n)
 
     def can_allocate(self, request_id: int, num_tokens: int) -> bool:
         return self.pool.can_allocate(self.num_blocks_to_allocate(request_id, num_tokens))
@@ -199,10 +231,16 @@ class KVCacheManager:
         Blocks go back tail first, so among a sequence's cached blocks the tail is evicted before the
         head, which more requests are likely to share.
         """
-        table = self._tables.pop(request_id, None)
-        self._num_tokens.pop(request_id, None)
         self._chains.pop(request_id, None)
         self._num_released.pop(request_id, None)
+        freed = 0
+        for beam in range(1, self._num_beams.pop(request_id, 1)):
+            freed += self._free_table(beam_key(request_id, beam))
+        return freed + self._free_table(request_id)
+
+    def _free_table(self, key: int | tuple[int, int]) -> int:
+        table = self._tables.pop(key, None)
+        self._num_tokens.pop(key, None)
         if not table:
             return 0
         live = [b for b in reversed(table) if b != NO_BLOCK]
@@ -221,7 +259,11 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens match, so a request whose whole context is cached still
         computes its last token (the one whose logits are sampled).
         """
-        if not self.enable_block_reuse or request.request_id in self._tables:
+        if (
+            not self.enable_block_reuse
+            or request.request_id in self._tables
+            or getattr(request, "beam_width", 1) > 1  # beams fork their tables: no reuse (see README)
+        ):
             return NO_MATCH
         bs = self.tokens_per_block
         extra = self.block_extra_keys(request)
@@ -253,7 +295,7 @@ class KVCacheManager:
         require(rid not in self._tables, f"request {rid} already holds blocks; a prefix is taken at start")
         for block_id, key in zip(match.block_ids, match.keys, strict=True):
             require(self.pool.key(block_id) is key, f"block {block_id} changed since it was matched")
-            self.pool.share(block_id)
+            self.pool.share_cached(block_id)
         if match.block_ids:
             self._tables[rid] = list(match.block_ids)
             self._num_tokens[rid] = match.num_tokens
@@ -269,7 +311,7 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
-        if not self.enable_block_reuse or not table:
+        if not self.enable_block_reuse or not table or getattr(request, "beam_width", 1) > 1:
             return 0
         bs = self.tokens_per_block
         chain = self._chains.setdefault(rid, [])
@@ -299,7 +341,7 @@ class KVCacheManager:
         """
         window = self.max_attention_window
         table = self._tables.get(request_id)
-        if window is None or not table:
+        if window is None or not table or request_id in self._num_beams:
             return 0
         bs = self.tokens_per_block
         first_sink_free = cdiv(self.sink_token_length, bs)
@@ -312,6 +354,52 @@ class KVCacheManager:
             self._num_released[request_id] = end
         self.pool.release(released)
         return len(released)
+
+    # -- beams: shared blocks, forked on write ---------------------------------------------------------
+
+    def fork_beams(self, request_id: int, parents: list[int]) -> None:
+        """Beam ``i`` now continues beam ``parents[i]``: its table becomes a shared copy of the parent's.
+
+        Called after each beam-search step (the first call turns the prompt's single table into one per
+        beam). No block is copied here; blocks are shared by reference count until a beam writes into a
+        shared one, which :meth:`copy_on_write` then forks.
+        """
+        old = [beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1))]
+        tables = [list(self._tables[old[p]]) for p in parents]
+        num_tokens = [self._num_tokens[old[p]] for p in parents]
+        for table in tables:
+            self.pool.share(table)
+        self.free(request_id)
+        for beam, (table, n) in enumerate(zip(tables, num_tokens, strict=True)):
+            self._tables[beam_key(request_id, beam)] = table
+            self._num_tokens[beam_key(request_id, beam)] = n
+        if len(parents) > 1:
+            self._num_beams[request_id] = len(parents)
+
+    def copy_on_write(self, key: int | tuple[int, int], position: int) -> tuple[int, int] | None:
+        """Before writing ``position`` into table ``key``: if its block is shared, give the table its own copy.
+
+        Returns ``(source, destination)`` block ids whose contents the runtime must copy, or None.
+        """
+        table = self._tables[key]
+        index = position // self.tokens_per_block
+        if index >= len(table) or self.pool.ref_count(table[index]) == 1:
+            return None
+        source = table[index]
+        (destination,) = self.pool.allocate(1)
+        table[index] = destination
+        self.pool.release([source])
+        return source, destination
+
+    def num_beams(self, request_id: int) -> int:
+        return self._num_beams.get(request_id, 1)
+
+    def _request_tables(self, request_id: int) -> list[list[int]]:
+        keys = (beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1)))
+        return [self._tables[k] for k in keys if k in self._tables]
+
+    def _distinct_blocks(self, request_id: int) -> set[int]:
+        return {b for table in self._request_tables(request_id) for b in table if b != NO_BLOCK}
 
     # -- views ----------------------------------------------------------------------------------------
 
@@ -329,31 +417,38 @@ class KVCacheManager:
 
     @property
     def num_requests(self) -> int:
-        return len(self._tables)
+        """Owners of block tables (a request with beams counts once)."""
+        return len(self._tables) - sum(n - 1 for n in self._num_beams.values())
 
     def check_integrity(self) -> None:
         """Pool accounting holds, every table covers its tokens, no table lists a block twice, and each
-        block's reference count is the number of tables holding it."""
+        block's reference count is the number of tables holding it (without block reuse, a block is
+        shared only between the beams of one request)."""
         self.pool.check_integrity()
         holders: dict[int, int] = {}
-        for request_id, table in self._tables.items():
+        owner: dict[int, int] = {}
+        for key, table in self._tables.items():
+            request_id = key[0] if isinstance(key, tuple) else key
             require(
-                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(request_id, 0)),
-                f"request {request_id}: {len(table)} blocks for {self._num_tokens.get(request_id)} tokens",
+                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(key, 0)),
+                f"table {key}: {len(table)} blocks for {self._num_tokens.get(key)} tokens",
             )
             live = [b for b in table if b != NO_BLOCK]
             if len(live) != len(set(live)):
-                raise IntegrityError(f"request {request_id} lists a block twice: {table}")
+                raise IntegrityError(f"table {key} lists a block twice: {table}")
             for block_id in live:
                 holders[block_id] = holders.get(block_id, 0) + 1
+                if owner.setdefault(block_id, request_id) != request_id and not self.enable_block_reuse:
+                    raise IntegrityError(
+                        f"block {block_id} is shared by requests {owner[block_id]} and {request_id} "
+                        "without block reuse"
+                    )
         for block_id, count in holders.items():
             require(
                 self.pool.ref_count(block_id) == count,
                 f"block {block_id} has reference count {self.pool.ref_count(block_id)} "
                 f"but {count} tables hold it",
             )
-            if not self.enable_block_reuse and count > 1:
-                raise IntegrityError(f"block {block_id} is shared by {count} tables without block reuse")
         require(
             len(holders) == self.pool.num_used_blocks,
             f"{self.pool.num_used_blocks} blocks in use but {len(holders)} in tables",

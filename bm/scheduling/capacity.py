@@ -71,7 +71,11 @@ class CapacityScheduler(ABC):
         request.num_computed_tokens = match.num_tokens  # so the budget sees only what is left
         tokens = budget.take(request)
         if tokens and not to_completion:
-            cost = match.cost(kv.num_blocks_for_tokens(budget.tokens_to_hold(request, tokens)))
+            if request.beam_width > 1:  # beams are reserved to completion even when others are not
+                blocks = kv.get_needed_resource_to_completion(request)
+            else:
+                blocks = kv.num_blocks_for_tokens(budget.tokens_to_hold(request, tokens))
+            cost = match.cost(blocks)
             if cost > free_blocks:
                 budget.give_back(tokens)
                 tokens = 0
@@ -151,8 +155,12 @@ class MaxUtilizationScheduler(CapacityScheduler):
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
-        alive = sorted(started, key=lambda r: r.start_order)  # candidates to pause, youngest last
-        free = kv.get_num_free_blocks()
+        # Beam requests are never paused (their beams could not be recomputed from one context): each
+        # reserves what it needs to completion once started, and the others share what is left.
+        alive = sorted((r for r in started if r.beam_width == 1), key=lambda r: r.start_order)
+        free = kv.get_num_free_blocks() - sum(
+            kv.get_remaining_resource_to_completion(r) for r in started if r.beam_width > 1
+        )
         fitting: list[LlmRequest] = []
         paused: list[LlmRequest] = []
         given: dict[int, tuple[int, int]] = {}  # request id -> (tokens, blocks) granted
@@ -162,6 +170,9 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 continue
             tokens = budget.take(request)
             if not tokens:
+                continue
+            if request.beam_width > 1:  # its blocks are reserved above
+                fitting.append(request)
                 continue
             need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
             while need > free and alive[-1] is not request:

@@ -1,0 +1,213 @@
+"""Benchmark metrics with the names and formulas of ``vllm bench serve``, computed with pandas.
+
+Per request (all latencies from the request's send time, in ms):
+
+- TTFT: first token - send; E2EL: last token - send;
+- TPOT: (E2EL - TTFT) / (output tokens - 1), undefined for one-token outputs (left out of TPOT
+  statistics; for goodput such a request meets any TPOT SLO, as in vLLM);
+- ITL: every gap between consecutive tokens, pooled over all requests;
+- queue time: send -> first scheduled iteration (waiting for the batch manager to take the request,
+  plus the final response's ``queue_time``).
+
+Per run: ``duration`` runs from the replay's start to the last final response; throughputs count
+completed requests only; ``request_goodput`` is completed requests meeting every given SLO per second.
+Statistics: mean, median, std (population, ``ddof=0``, as ``numpy.std`` in vLLM), p50/p90/p95/p99
+(linear interpolation, as ``numpy.percentile``). A statistic over no values is ``null``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from bm.bench.replayer import Timeline
+from bm.workloads import WorkloadRequest
+
+PERCENTILES = (50, 90, 95, 99)
+LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue_time")
+OK_REASONS = ("length", "end_id", "stop")
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+RECORD_COLUMNS = (
+    "index",
+    "id",
+    "ok",
+    "finish_reason",
+    "error",
+    "input_tokens",
+    "output_tokens",
+    "arrival_s",
+    "send_s",
+    "queue_time_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "e2el_ms",
+    "itl_ms",
+    "num_pauses",
+    "paused",
+)
+
+
+def request_record(index: int, req: WorkloadRequest, timeline: Timeline | None) -> dict[str, Any]:
+    """One row of requests.jsonl: what happened to a request, with its latencies in ms."""
+    record: dict[str, Any] = {
+        "index": index,
+        "id": req.user_id,
+        "ok": False,
+        "finish_reason": "error",
+        "error": req.error,
+        "input_tokens": req.input_len if req.input_ids is None else len(req.input_ids),
+        "output_tokens": 0,
+        "arrival_s": None,
+        "send_s": None,
+        "queue_time_ms": None,
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "e2el_ms": None,
+        "itl_ms": [],
+        "num_pauses": 0,
+        "paused": False,
+    }
+    if timeline is None:
+        return record
+    tokens = timeline.token_s
+    ok = timeline.error is None and timeline.finish_reason in OK_REASONS and bool(tokens)
+    record.update(
+        ok=ok,
+        finish_reason=timeline.finish_reason,
+        error=timeline.error,
+        output_tokens=len(tokens),
+        arrival_s=timeline.arrival_s,
+        send_s=timeline.send_s,
+        num_pauses=timeline.num_pauses,
+        paused=timeline.num_pauses > 0,
+    )
+    if timeline.send_s is not None and timeline.taken_s is not None and timeline.engine_queue_s is not None:
+        record["queue_time_ms"] = _ms(timeline.taken_s - timeline.send_s + timeline.engine_queue_s)
+    if ok and timeline.send_s is not None:
+        ttft = tokens[0] - timeline.send_s
+        e2el = tokens[-1] - timeline.send_s
+        record.update(
+            ttft_ms=_ms(ttft),
+            e2el_ms=_ms(e2el),
+            tpot_ms=_ms((e2el - ttft) / (len(tokens) - 1)) if len(tokens) > 1 else None,
+            itl_ms=[_ms(b - a) for a, b in itertools.pairwise(tokens)],
+        )
+    return record
+
+
+def latency_stats(values: pd.Series, name: str) -> dict[str, float | None]:
+    """mean/median/std/pNN of ``values`` (ms) under vLLM's key names, e.g. ``p99_ttft_ms``."""
+    values = pd.to_numeric(values, errors="coerce").dropna()
+    empty = values.empty
+
+    def value(x: float) -> float | None:
+        return None if empty or math.isnan(x) else float(x)
+
+    out = {
+        f"mean_{name}_ms": value(values.mean()) if not empty else None,
+        f"median_{name}_ms": value(values.median()) if not empty else None,
+        f"std_{name}_ms": value(values.std(ddof=0)) if not empty else None,
+    }
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = value(values.quantile(p / 100)) if not empty else None
+    return out
+
+
+def run_metrics(
+    records: pd.DataFrame, duration_s: float, slo_ms: Mapping[str, float | None] | None = None
+) -> dict[str, Any]:
+    """Counts, throughputs, goodput and latency statistics of one run (one row per request)."""
+    done = records[records["ok"].astype(bool)] if len(records) else records
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
+    input_tokens = int(done["input_tokens"].sum()) if len(done) else 0
+    output_tokens = int(done["output_tokens"].sum()) if len(done) else 0
+    metrics: dict[str, Any] = {
+        "duration": duration_s,
+        "num_requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": per_s(len(done)),
+        "request_goodput": per_s(_num_good(done, slo_ms)) if slo_ms and any(slo_ms.values()) else None,
+        "output_throughput": per_s(output_tokens),
+        "total_token_throughput": per_s(input_tokens + output_tokens),
+    }
+    for name in LATENCIES:
+        if name == "itl":
+            column = done["itl_ms"].explode() if len(done) else pd.Series(dtype=float)
+        else:
+            column = done[f"{name}_ms"] if len(done) else pd.Series(dtype=float)
+        metrics.update(latency_stats(column, name))
+    return metrics
+
+
+def _num_good(done: pd.DataFrame, slo_ms: Mapping[str, float | None]) -> int:
+    if not len(done):
+        return 0
+    good = pd.Series(True, index=done.index)
+    for name in SLO_METRICS:
+        limit = slo_ms.get(name)
+        if limit is None:
+            continue
+        values = pd.to_numeric(done[f"{name}_ms"], errors="coerce")
+        if name == "tpot":
+            values = values.fillna(0.0)  # one-token outputs have no TPOT: they meet it (vLLM)
+        good &= values <= limit
+    return int(good.sum())
+
+
+ENGINE_KEYS = (
+    "mean_requests_per_iteration",
+    "mean_tokens_per_iteration",
+    "mean_computed_tokens_per_iteration",
+    "mean_kv_cache_utilization",
+    "max_kv_cache_utilization",
+    "mean_iteration_latency_ms",
+    "max_paused_per_iteration",
+)
+
+
+def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]:
+    """The batch manager's side, from the per-iteration stats: iterations, batch sizes, KV use, pauses.
+
+    KV utilization is used blocks / max blocks per iteration (taken after allocation, so it is the
+    iteration's peak). Tokens per iteration counts real context and generation tokens; computed tokens
+    adds what a scheme pays for nothing (V1's padding and empty generation slots)."""
+    paused = records["num_pauses"].astype(int) if len(records) else pd.Series(dtype=int)
+    out: dict[str, Any] = {
+        "num_iterations": len(stats),
+        "num_paused_requests": int((paused > 0).sum()),
+        "total_pauses": int(paused.sum()),
+        "total_computed_tokens": _total(stats, "Computed Tokens"),
+        "total_padded_context_tokens": _total(stats, "Padded Context Tokens"),
+        "total_empty_generation_slots": _total(stats, "Empty Generation Slots"),
+    }
+    if not len(stats):
+        return out | dict.fromkeys(ENGINE_KEYS)
+    max_blocks = stats["Max KV cache blocks"]
+    utilization = stats["Used KV cache blocks"] / max_blocks.where(max_blocks > 0)
+    tokens = stats["Total Context Tokens"] + stats["Total Generation Tokens"]
+    return out | {
+        "mean_requests_per_iteration": float(stats["Scheduled Requests"].mean()),
+        "mean_tokens_per_iteration": float(tokens.mean()),
+        "mean_computed_tokens_per_iteration": float(stats["Computed Tokens"].mean()),
+        "mean_kv_cache_utilization": float(utilization.mean()),
+        "max_kv_cache_utilization": float(utilization.max()),
+        "mean_iteration_latency_ms": float(stats["Iteration Latency (ms)"].mean()),
+        "max_paused_per_iteration": int(stats["Paused Requests"].max()),
+    }
+
+
+def _total(stats: pd.DataFrame, column: str) -> int:
+    return int(stats[column].sum()) if column in stats else 0

@@ -1,0 +1,174 @@
+"""The replay client: hands requests to the batch manager when their arrival time has come, and
+timestamps every token that streams back.
+
+It is a ``get_requests`` / ``send_response`` pair like any other client (the batch manager calls
+``get_requests`` at the start of every iteration, also while idle), so honouring the arrival clock is
+simply never returning a request before its time. All times are seconds since :meth:`Replayer.start`,
+read from one clock (``time.perf_counter`` unless a test gives another).
+
+A concurrency cap works like ``vllm bench serve --max-concurrency``: a request whose arrival has passed
+waits client-side until fewer than ``max_concurrency`` requests are in flight; its *send time* is then
+the moment the slot freed, and latencies are measured from that send time, as vLLM measures them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bm.engine import InferenceRequest
+from bm.scheduling import FinishReason
+
+
+@dataclass
+class Timeline:
+    """What the client saw of one request; every time in seconds since the replay started."""
+
+    request_id: int
+    arrival_s: float
+    send_s: float | None = None  # visible to the batch manager (arrival, or later under a concurrency cap)
+    taken_s: float | None = None  # returned by get_requests: admitted by the batch manager
+    token_s: list[float] = field(default_factory=list)  # one entry per output token
+    engine_queue_s: float | None = None  # admission to first scheduled iteration (the final response's)
+    num_pauses: int = 0
+    finish_reason: str = FinishReason.NOT_FINISHED.label
+    error: str | None = None
+    done_s: float | None = None
+
+
+class Replayer:
+    """Replays ``requests`` at ``arrivals`` (seconds, non-decreasing) through the batch manager callbacks.
+
+    Finished timelines are put on :attr:`finished` (a queue) so the caller can write records from its
+    own thread, never from the batch manager's.
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[InferenceRequest],
+        arrivals: Sequence[float],
+        *,
+        max_concurrency: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if len(requests) != len(arrivals):
+            raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")
+        if any(b < a for a, b in itertools.pairwise(arrivals)):
+            raise ValueError("arrival times must not decrease")
+        self._requests = list(requests)
+        self.timelines = {
+            r.request_id: Timeline(r.request_id, float(t)) for r, t in zip(requests, arrivals, strict=True)
+        }
+        if len(self.timelines) != len(self._requests):
+            raise ValueError("request ids must be unique")
+        self._next = 0
+        self._slots: deque[float] | None = deque([0.0] * max_concurrency) if max_concurrency else None
+        self._clock = clock
+        self._t0: float | None = None
+        self._lock = threading.Lock()
+        self._all_done = threading.Event()
+        self.finished: queue.Queue[Timeline] = queue.Queue()
+        self.num_finished = 0
+        self.num_output_tokens = 0
+        if not self._requests:
+            self._all_done.set()
+
+    # -- clock --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._t0 = self._clock()
+
+    def now(self) -> float:
+        return 0.0 if self._t0 is None else self._clock() - self._t0
+
+    @property
+    def num_sent(self) -> int:
+        return self._next
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._all_done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._all_done.is_set()
+
+    # -- the callbacks ------------------------------------------------------------------------------
+
+    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+        """Requests whose arrival has passed (and that have a concurrency slot), oldest first."""
+        if self._t0 is None:
+            return []
+        with self._lock:
+            now = self.now()
+            out: list[InferenceRequest] = []
+            while self._next < len(self._requests) and (max_new < 0 or len(out) < max_new):
+                request = self._requests[self._next]
+                timeline = self.timelines[request.request_id]
+                if timeline.arrival_s > now or (self._slots is not None and not self._slots):
+                    break
+                slot_free_s = self._slots.popleft() if self._slots is not None else 0.0
+                timeline.send_s = max(timeline.arrival_s, slot_free_s)
+                timeline.taken_s = now
+                out.append(request)
+                self._next += 1
+            return out
+
+    def send_response(
+        self, request_id: int, tensors: dict[str, torch.Tensor], final: bool, error: str
+    ) -> None:
+        now = self.now()
+        with self._lock:
+            timeline = self.timelines.get(request_id)
+            if timeline is None or timeline.done_s is not None:
+                return
+            ids = tensors.get("output_ids")
+            count = int(ids.shape[-1]) if ids is not None and ids.dim() > 0 else 0
+            timeline.token_s.extend([now] * count)
+            self.num_output_tokens += count
+            if final:
+                self._finish(timeline, tensors, error, now)
+
+    def _finish(self, timeline: Timeline, tensors: dict[str, torch.Tensor], error: str, now: float) -> None:
+        reason = tensors.get("finish_reason")
+        timeline.finish_reason = FinishReason(int(reason[0])).label if reason is not None else "error"
+        if error:
+            timeline.error, timeline.finish_reason = error, FinishReason.ERROR.label
+        queue_time = tensors.get("queue_time")
+        if queue_time is not None and float(queue_time[0]) >= 0:
+            timeline.engine_queue_s = float(queue_time[0])
+        pauses = tensors.get("num_pauses")
+        timeline.num_pauses = int(pauses[0]) if pauses is not None else 0
+        self._close(timeline, now)
+
+    def _close(self, timeline: Timeline, now: float) -> None:
+        timeline.done_s = now
+        if self._slots is not None:
+            self._slots.append(now)
+        self.num_finished += 1
+        self.finished.put(timeline)
+        if self.num_finished >= len(self._requests):
+            self._all_done.set()
+
+    def fail_unfinished(self, error: str) -> int:
+        """End every request still open (never sent, or lost by a stopped batch manager) with ``error``.
+
+        Stops sending at once, so a request is never both failed here and handed out later."""
+        with self._lock:
+            self._next = len(self._requests)
+            now = self.now()
+            open_ = [t for t in self.timelines.values() if t.done_s is None]
+            for timeline in open_:
+                timeline.error, timeline.finish_reason = error, FinishReason.ERROR.label
+                self._close(timeline, now)
+            return len(open_)

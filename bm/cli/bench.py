@@ -1,0 +1,199 @@
+"""``bm bench``: replay a dataset of timed arrivals through the batch manager, measure, report.
+
+Every flag sets one key of the config's ``bench`` section (or ``engine.batching_scheme`` /
+``engine.scheduler_policy`` for ``--scheme`` / ``--policy``), so a YAML file can hold a whole benchmark
+and the flags override it; the config's own checks judge every value, flags and file alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from bm.config import BmConfig, ConfigError, load_config, parse_override
+
+DATA, ARRIVE, RUN, MODEL = "Dataset", "Arrivals", "Run and output", "Model and engine"
+
+# flag parameter -> config key; a flag left unset (None) keeps the config file's value.
+FLAG_KEYS = {
+    "dataset": "bench.dataset",
+    "scheme": "engine.batching_scheme",
+    "policy": "engine.scheduler_policy",
+    "model": "model.path",
+    "model_config": "model.config",
+    **{
+        name: f"bench.{name}"
+        for name in (
+            "dataset_kind",
+            "prompt_column",
+            "output_column",
+            "split",
+            "input_len",
+            "output_len",
+            "range_ratio",
+            "prefix_len",
+            "num_prefix_groups",
+            "hash_block_size",
+            "input_scale",
+            "output_scale",
+            "max_input_len",
+            "max_output_len",
+            "num_requests",
+            "shuffle",
+            "seed",
+            "burstiness",
+            "trace_timestamps",
+            "time_scale",
+            "warmup",
+            "ignore_eos",
+            "out_dir",
+        )
+    },
+    "rate": "bench.request_rate",
+    "concurrency": "bench.max_concurrency",
+    "json_output": "bench.json_output",
+}
+SLO_KEYS = {"ttft": "bench.slo_ttft_ms", "tpot": "bench.slo_tpot_ms", "e2el": "bench.slo_e2el_ms"}
+
+
+def parse_slo(texts: list[str]) -> dict[str, float]:
+    """``ttft=500,tpot=50`` (or vLLM's ``ttft:500 tpot:50``) -> config overrides, in ms."""
+    out: dict[str, float] = {}
+    for text in texts:
+        for part in text.replace(" ", ",").split(","):
+            if not part:
+                continue
+            name, sep, value = part.replace(":", "=").partition("=")
+            key = SLO_KEYS.get(name.strip().lower())
+            if key is None or not sep:
+                raise ConfigError(
+                    f"--slo {part!r}: expected METRIC=MS with METRIC one of ttft, tpot, e2el (e.g. ttft=500)"
+                )
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"--slo {part!r}: {value!r} is not a number of milliseconds") from None
+    return out
+
+
+def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], slo: list[str]) -> BmConfig:
+    overrides: dict[str, Any] = dict(parse_override(o) for o in sets)
+    for name, key in FLAG_KEYS.items():
+        value = flags.get(name)
+        if value is not None:
+            overrides[key] = str(value) if isinstance(value, Path) else value
+    overrides.update(parse_slo(slo))
+    return load_config(config, overrides)
+
+
+def bench(
+    dataset: Path | None = typer.Argument(None, help="Dataset file or directory (kind detected unless given)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Override a config key, e.g. bench.warmup=8.", rich_help_panel=MODEL),
+    model: str | None = typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL),
+    model_config: str | None = typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL),
+    scheme: str | None = typer.Option(None, "--scheme", help="engine.batching_scheme.", rich_help_panel=MODEL),
+    policy: str | None = typer.Option(None, "--policy", help="engine.scheduler_policy.", rich_help_panel=MODEL),
+    dataset_kind: str | None = typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA),
+    prompt_column: str | None = typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA),
+    output_column: str | None = typer.Option(None, "--output-column", help="hf: output length or completion column.", rich_help_panel=DATA),
+    split: str | None = typer.Option(None, "--split", help="hf: split (default train).", rich_help_panel=DATA),
+    input_len: int | None = typer.Option(None, "--input-len", help="synthetic: mean prompt length (default 1024).", rich_help_panel=DATA),
+    output_len: int | None = typer.Option(None, "--output-len", help="synthetic: mean output length; also for rows that give none (default 128).", rich_help_panel=DATA),
+    range_ratio: float | None = typer.Option(None, "--range-ratio", help="synthetic: lengths uniform in len*(1±r) (default 0).", rich_help_panel=DATA),
+    prefix_len: int | None = typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens (default 0).", rich_help_panel=DATA),
+    num_prefix_groups: int | None = typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes (default 1).", rich_help_panel=DATA),
+    hash_block_size: int | None = typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id (default 512).", rich_help_panel=DATA),
+    input_scale: float | None = typer.Option(None, "--input-scale", help="Multiply prompt lengths (default 1).", rich_help_panel=DATA),
+    output_scale: float | None = typer.Option(None, "--output-scale", help="Multiply output lengths (default 1).", rich_help_panel=DATA),
+    max_input_len: int | None = typer.Option(None, "--max-input-len", help="Cap prompt lengths.", rich_help_panel=DATA),
+    max_output_len: int | None = typer.Option(None, "--max-output-len", help="Cap output lengths.", rich_help_panel=DATA),
+    num_requests: int | None = typer.Option(None, "--num-requests", "--num-prompts", "-n", help="First N requests (default all; 1000 synthetic).", rich_help_panel=DATA),
+    shuffle: bool | None = typer.Option(None, "--shuffle/--no-shuffle", help="Shuffle rows with the seed.", rich_help_panel=DATA),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of shuffling, token ids, arrivals (default 0).", rich_help_panel=DATA),
+    rate: float | None = typer.Option(None, "--rate", "--request-rate", help="Poisson arrivals, requests/s (default offline: all at t=0).", rich_help_panel=ARRIVE),
+    burstiness: float | None = typer.Option(None, "--burstiness", help="Gamma shape of the gaps at --rate (default 1: Poisson).", rich_help_panel=ARRIVE),
+    trace_timestamps: bool | None = typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE),
+    time_scale: float | None = typer.Option(None, "--time-scale", help="Multiply trace gaps (0.5: twice as fast) (default 1).", rich_help_panel=ARRIVE),
+    concurrency: int | None = typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE),
+    warmup: int | None = typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN),
+    slo: list[str] = typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN),
+    ignore_eos: bool | None = typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN),
+    out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Results directory (default bm-out/bench-TIME).", rich_help_panel=RUN),
+    json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
+) -> None:  # fmt: skip
+    """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
+    latency (vllm bench serve's metric names) and the batch manager's figures."""
+    flags = dict(locals())
+    try:
+        cfg = resolve_config(config, set_, flags, slo)
+    except ConfigError as exc:
+        raise _fail(Console(stderr=True), str(exc)) from None
+    console = Console(stderr=cfg.bench.json_output)
+    code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output))
+    if code:
+        raise typer.Exit(code=code)
+
+
+def _fail(console: Console, message: str) -> typer.Exit:
+    console.print(f"[red]error:[/] {message}", highlight=False)
+    return typer.Exit(code=2)
+
+
+def run_command(cfg: BmConfig, console: Console, show_progress: bool) -> int:
+    """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code."""
+    from bm.bench import run_bench, write_results
+    from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError, load_model
+    from bm.workloads import DatasetError, load_workload
+
+    bench = cfg.bench
+    try:
+        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
+        loaded = load_model(cfg.model)
+        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
+        workload = load_workload(bench, vocab_size=loaded.vocab_size, encode=encode)
+    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    _report_dataset(console, workload)
+    out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
+    progress = bench_progress(console, show_progress)
+    task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
+    try:
+        with progress:
+            result = run_bench(cfg, loaded, workload, progress=lambda p: tick(progress, task, p))
+    except KVCacheSizeError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    results = write_results(out, result)
+    if bench.json_output:
+        print(json.dumps(results, indent=2))
+    else:
+        print_results(console, results)
+        console.print(
+            f"results: {out / 'results.json'}  requests: {out / 'requests.jsonl'}  stats: {out / 'stats.jsonl'}",
+            soft_wrap=True,
+        )
+    if results["failed"]:
+        console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
+    return 130 if result.interrupted else 0
+
+
+def _report_dataset(console: Console, workload: Any) -> None:
+    info = workload.describe()
+    console.print(f"dataset: {info['kind']} {info['path']}: {info['num_requests']} requests", highlight=False)
+    if info["num_skipped"]:
+        console.print(f"[yellow]skipped {info['num_skipped']} rows: {info['skipped_reason']}[/]")
+    bad = [r for r in workload.requests if not r.ok]
+    if bad:
+        console.print(
+            f"[yellow]{len(bad)} row(s) cannot run and count as failed; first: {bad[0].error}[/]",
+            highlight=False,
+        )

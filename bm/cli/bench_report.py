@@ -1,0 +1,121 @@
+"""``bm bench`` on the terminal: the progress bar while it runs and the result tables after.
+
+The tables read only the results document, so what is shown is exactly what ``results.json`` holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from bm.bench import ReplayProgress
+
+LATENCY_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("queue_time", "Queue"))
+LATENCY_CAPTION = (
+    "TTFT: time to first token, TPOT: time per output token after the first, ITL: every gap between "
+    "tokens, E2EL: end-to-end latency, Queue: arrival to first scheduled iteration"
+)
+
+
+def bench_progress(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[tps]} output tok/s  {task.fields[rps]} req/s"),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def tick(progress: Progress, task: Any, snapshot: ReplayProgress) -> None:
+    """Live figures since the replay started: finished requests, output tokens per second."""
+    elapsed = max(snapshot.elapsed_s, 1e-9)
+    progress.update(
+        task,
+        completed=snapshot.num_finished,
+        tps=f"{snapshot.num_output_tokens / elapsed:.0f}",
+        rps=f"{snapshot.num_finished / elapsed:.2f}",
+    )
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def summary_table(results: dict[str, Any]) -> Table:
+    table = Table(title="bm bench", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    arrivals = results["arrivals"]
+    rows = [
+        ("Model", results["model"]),
+        ("Dataset", f"{results['dataset']['kind']}: {results['dataset']['path']}"),
+        ("Arrivals", ", ".join(f"{k}={v}" for k, v in arrivals.items() if v is not None)),
+        ("Successful requests", results["completed"]),
+        ("Failed requests", results["failed"]),
+        ("Benchmark duration (s)", results["duration"]),
+        ("Total input tokens", results["total_input_tokens"]),
+        ("Total generated tokens", results["total_output_tokens"]),
+        ("Request throughput (req/s)", results["request_throughput"]),
+        ("Request goodput (req/s)", results["request_goodput"]),
+        ("Output token throughput (tok/s)", results["output_throughput"]),
+        ("Total token throughput (tok/s)", results["total_token_throughput"]),
+    ]
+    if results["slo_ms"]:
+        rows.insert(10, ("Goodput SLOs (ms)", ", ".join(f"{k}<={v:g}" for k, v in results["slo_ms"].items())))
+    for name, value in rows:
+        table.add_row(name, _fmt(value))
+    return table
+
+
+def latency_table(results: dict[str, Any]) -> Table:
+    table = Table(title="Latency (ms)", title_justify="left", caption=LATENCY_CAPTION, caption_justify="left")
+    columns = ("mean", "median", "std", "p90", "p95", "p99")
+    table.add_column("metric")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for key, label in LATENCY_ROWS:
+        table.add_row(label, *(_fmt(results.get(f"{c}_{key}_ms")) for c in columns))
+    return table
+
+
+def engine_table(results: dict[str, Any]) -> Table:
+    table = Table(title="Batch manager", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    engine = results["config"]["engine"]
+    rows = [
+        ("Scheme / policy", f"{engine['batching_scheme']} / {engine['scheduler_policy']}"),
+        ("Iterations", results["num_iterations"]),
+        ("Mean requests per iteration", results["mean_requests_per_iteration"]),
+        ("Mean tokens per iteration", results["mean_tokens_per_iteration"]),
+        ("Mean iteration latency (ms)", results["mean_iteration_latency_ms"]),
+        ("Computed tokens (padding included)", results["total_computed_tokens"]),
+        ("Empty generation slots", results["total_empty_generation_slots"]),
+        ("KV cache utilization, mean", _percent(results["mean_kv_cache_utilization"])),
+        ("KV cache utilization, max", _percent(results["max_kv_cache_utilization"])),
+        ("Paused requests", results["num_paused_requests"]),
+        ("Total pauses", results["total_pauses"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, _fmt(value))
+    return table
+
+
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
+
+
+def print_results(console: Console, results: dict[str, Any]) -> None:
+    for table in (summary_table(results), latency_table(results), engine_table(results)):
+        console.print(table)

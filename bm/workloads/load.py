@@ -1,0 +1,181 @@
+"""From a ``bench`` config to a ready workload: pick the loader, choose the rows, fix every length.
+
+Order matters and is the same for every format: read all rows -> check trace order -> shuffle (seeded)
+-> take ``num_requests`` -> tokenize text / scale lengths / cap them -> generate token ids where the
+dataset has lengths only. Generating last, in replay order, from one seeded ``random.Random`` makes
+the Azure trace with ``--num-requests 128 --input-scale 0.25 --output-scale 0.25 --max-input-len 1024
+--max-output-len 256`` reproduce the shared reference workload (``make_workload.py``) token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from bm.config import DATASET_KINDS, BenchConfig
+from bm.workloads.hf import BUILDERS, load_hf
+from bm.workloads.records import load_bm_jsonl, load_sharegpt, load_trtllm_jsonl
+from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, check_order
+from bm.workloads.synthetic import load_synthetic
+from bm.workloads.traces import load_azure, load_mooncake
+
+Encode = Callable[[str], list[int]]
+FIRST_RANDOM_ID = 3  # ids 0-2 are pad/bos/eos in most vocabularies (and in make_workload.py)
+
+LOADERS: dict[str, Callable[[Path, BenchConfig], Workload]] = {
+    "bm": lambda path, b: load_bm_jsonl(path, b.output_len),
+    "trtllm": lambda path, _b: load_trtllm_jsonl(path),
+    "sharegpt": lambda path, _b: load_sharegpt(path),
+    "azure": lambda path, _b: load_azure(path),
+    "mooncake": lambda path, b: load_mooncake(path, b.hash_block_size),
+    "hf": lambda path, b: load_hf(path, b.split, b.prompt_column, b.output_column, b.output_len),
+}
+
+
+def detect_kind(path: Path) -> str:
+    """The kind a file most likely is, from its suffix and first record; ambiguity is an error."""
+    if path.is_dir():
+        return "hf"
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        header = path.open(encoding="utf-8-sig").readline().strip().split(",")
+        header = [h.strip() for h in header]
+        if "TIMESTAMP" in header and "ContextTokens" in header:
+            return "azure"
+        if "input_length" in header:
+            return "mooncake"
+        raise DatasetError(
+            f"{path}: cannot tell the kind of this CSV from its columns ({', '.join(header)}); "
+            "give --dataset-kind (azure, mooncake or hf)"
+        )
+    if suffix == ".json":
+        start = path.open(encoding="utf-8-sig").read(4096).lstrip()[:1]
+        if start == "[":
+            return "sharegpt"
+    if suffix == ".jsonl":
+        first = _first_json_line(path)
+        if "task_id" in first:
+            return "trtllm"
+        if "input_length" in first or "hash_ids" in first:
+            return "mooncake"
+        return "bm"
+    if suffix in BUILDERS:
+        return "hf"
+    kinds = ", ".join(k for k in sorted(set(DATASET_KINDS.values())) if k != "auto")
+    raise DatasetError(f"{path}: cannot tell the dataset kind from its name; give --dataset-kind ({kinds})")
+
+
+def _first_json_line(path: Path) -> dict:
+    with path.open(encoding="utf-8-sig") as f:
+        for text in f:
+            if text.strip():
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError:
+                    return {}
+                return data if isinstance(data, dict) else {}
+    return {}
+
+
+def read_workload(bench: BenchConfig) -> Workload:
+    """Every row of the dataset, unselected and untokenized."""
+    if bench.dataset_kind == "synthetic":
+        return load_synthetic(bench)
+    if bench.dataset is None:
+        raise DatasetError("no dataset: give a DATASET path, or --dataset-kind synthetic")
+    path = Path(bench.dataset)
+    if not path.exists():
+        raise DatasetError(f"dataset {str(path)!r} does not exist")
+    kind = detect_kind(path) if bench.dataset_kind == "auto" else bench.dataset_kind
+    if kind != "hf" and path.is_dir():
+        raise DatasetError(f"{path} is a directory; only --dataset-kind hf reads directories")
+    try:
+        return LOADERS[kind](path, bench)
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def load_workload(bench: BenchConfig, *, vocab_size: int, encode: Encode | None) -> Workload:
+    """The workload ``bm bench`` replays: selected, tokenized, scaled and capped, in replay order."""
+    workload = read_workload(bench)
+    requests = workload.requests
+    if bench.trace_timestamps:
+        missing = next((r for r in requests if r.ok and r.timestamp is None), None)
+        if missing is not None:
+            field = "arrival_time" if workload.kind == "bm" else "timestamp"
+            raise DatasetError(
+                f"{missing.source}: no {field}; --trace-timestamps needs one on every row "
+                f"(this {workload.kind} dataset may have none: use --rate instead)"
+            )
+        check_order(requests, "arrival_time" if workload.kind == "bm" else "timestamp")
+    if bench.shuffle:
+        random.Random(bench.seed).shuffle(requests)
+    if bench.num_requests is not None:
+        del requests[bench.num_requests :]
+    _finalize(workload, bench, vocab_size, encode)
+    return workload
+
+
+def _scaled(value: int, scale: float) -> int:
+    return value if scale == 1.0 else max(1, round(value * scale))
+
+
+def _finalize(workload: Workload, bench: BenchConfig, vocab_size: int, encode: Encode | None) -> None:
+    id_rng = random.Random(bench.seed)
+    low = FIRST_RANDOM_ID if vocab_size > FIRST_RANDOM_ID + 1 else 0
+    block_size = _scaled(workload.hash_block_size, bench.input_scale) if workload.hash_block_size else 0
+    blocks: dict[int, list[int]] = {}
+
+    def block(hash_id: int) -> list[int]:
+        if hash_id not in blocks:
+            rng = random.Random(f"bm-hash-block-{bench.seed}-{hash_id}")
+            blocks[hash_id] = [rng.randrange(low, vocab_size) for _ in range(block_size)]
+        return blocks[hash_id]
+
+    for req in workload.requests:
+        if not req.ok:
+            continue
+        try:
+            _tokenize(req, encode)
+        except RowError as exc:
+            req.error = f"{req.source}: {exc}"
+            continue
+        req.output_len = _capped(_scaled(req.output_len, bench.output_scale), bench.max_output_len)
+        n = _capped(_scaled(req.input_len, bench.input_scale), bench.max_input_len)
+        if req.input_ids is not None:
+            req.input_ids = _resize(req.input_ids, n)
+        else:
+            shared = [t for h in (req.hash_ids or []) for t in block(h)][:n]
+            req.input_ids = shared + [id_rng.randrange(low, vocab_size) for _ in range(n - len(shared))]
+        req.input_len = len(req.input_ids)
+
+
+def _tokenize(req: WorkloadRequest, encode: Encode | None) -> None:
+    for text in (req.prompt_text, req.output_text):
+        if text is not None and encode is None:
+            raise DatasetError(
+                f"{req.source}: the dataset holds text but the model has no tokenizer; set model.tokenizer "
+                "(or model.path to a checkpoint with one), or use a dataset with token ids or lengths"
+            )
+    if req.prompt_text is not None:
+        req.input_ids = list(encode(req.prompt_text))  # type: ignore[misc]
+        if not req.input_ids:
+            raise RowError("prompt: the prompt encodes to no tokens")
+        req.input_len = len(req.input_ids)
+    if req.output_text is not None:
+        req.output_len = len(encode(req.output_text))  # type: ignore[misc]
+        if req.output_len < 1:
+            raise RowError("the completion encodes to no tokens, so its output length would be 0")
+
+
+def _capped(value: int, cap: int | None) -> int:
+    return value if cap is None else min(value, cap)
+
+
+def _resize(ids: list[int], n: int) -> list[int]:
+    """Truncate, or repeat the prompt cyclically, to ``n`` tokens (``--input-scale`` on real prompts)."""
+    if n <= len(ids):
+        return ids[:n]
+    return (ids * (n // len(ids) + 1))[:n]
