@@ -76,6 +76,7 @@ class IterationExecutor:
             sampled.extend(self._forward(group, beams))
             result.num_forwards += 1
         self._update(items, sampled, result)
+        self._after_compute(items)
         self._update_beams(beams, result)
         return result
 
@@ -234,6 +235,18 @@ class IterationExecutor:
                 req.finish_reason = reason
                 req.state = RequestState.GENERATION_TO_COMPLETE
                 result.finished.append(req)
+
+    def _after_compute(self, items: list[WorkItem]) -> None:
+        """Newly full blocks become reusable; blocks left behind the attention window go back.
+
+        Beam requests do neither: their tables fork and copy on write, so their blocks are reserved to
+        completion and never shared outside the request.
+        """
+        for item in items:
+            req = item.request
+            if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and req.beam_width == 1:
+                self.kv.cache_computed_blocks(req, req.num_computed_tokens)
+                self.kv.release_outside_window(req.request_id, req.num_computed_tokens)
 
     def _update_beams(self, beams: dict[int, StepOutcome], result: IterationResult) -> None:
         """Apply each beam request's step: fork its block tables, or finish it with its hypotheses."""

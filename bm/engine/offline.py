@@ -28,6 +28,8 @@ class RequestResult:
     error: str = ""
     num_responses: int = 0
     num_pauses: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
     # Only when asked for (return_log_probs, beam_width > 1, return_*_logits); see the spec's response table.
     output_log_probs: list[float] | None = None
     cum_log_probs: list[float] | None = None  # one per beam
@@ -39,6 +41,12 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return not self.error
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
+        looked_up = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / looked_up if looked_up else 0.0
 
 
 class OfflineClient:
@@ -81,6 +89,9 @@ class OfflineClient:
                 result.error = error
                 pauses = tensors.get("num_pauses")
                 result.num_pauses = int(pauses[0]) if pauses is not None else 0
+                for name in ("num_reused_blocks", "num_missed_blocks"):
+                    value = tensors.get(name)
+                    setattr(result, name, int(value[0]) if value is not None else 0)
                 self.num_final += 1
         if final:
             if self._on_final is not None:

@@ -25,7 +25,7 @@ ATTENTION_NAME = "bm_paged"
 
 # Attention features some models pass per layer; bm's kernel does not implement them yet, so a model
 # using them must fail loudly instead of running with silently different attention. (A native sliding
-# window is honoured by the engine instead: it caps sequences at the window, where attention is full.)
+# window is honoured by the engine instead: see ModelRunner's attention window.)
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 
@@ -40,8 +40,12 @@ class PrefillSegment:
     start: int  # first token in the packed batch
     end: int
     prefix_len: int  # tokens already in the cache before this chunk
-    block_ids: torch.Tensor | None = None  # the request's blocks, when prefix_len > 0
-    mask: torch.Tensor | None = None  # [L, prefix_len + L] bool, when prefix_len > 0
+    # The blocks to read keys from, when prefix_len > 0: the request's first blocks, or under an
+    # attention window only those holding attended keys (sink blocks, then the window's).
+    block_ids: torch.Tensor | None = None
+    # [L, keys] bool: keys are the gathered blocks' slots (prefix_len + L of them without a window), or
+    # the chunk's own keys when nothing is gathered and the chunk is longer than the window.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,15 +122,19 @@ def _prefill(
     scaling: float,
 ) -> None:
     qs = q[None, :, seg.start : seg.end]
-    if seg.prefix_len == 0:
+    if seg.block_ids is None:
         # A whole prompt in one chunk: its keys are right here, no need to read the cache.
         ks, vs = k[None, :, seg.start : seg.end], v[None, :, seg.start : seg.end]
-        res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        if seg.mask is None:
+            res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        else:  # longer than the attention window
+            res = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True
+            )
     else:
         kv_heads, head_dim = cache.shape[1], cache.shape[4]
-        ctx = seg.prefix_len + (seg.end - seg.start)
         blocks = cache.index_select(2, seg.block_ids)
-        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, :ctx]
+        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, : seg.mask.shape[-1]]
         res = F.scaled_dot_product_attention(
             qs, kv[0][None], kv[1][None], attn_mask=seg.mask, scale=scaling, enable_gqa=True
         )

@@ -79,6 +79,10 @@ class LlmRequest:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     num_streamed_tokens: int = 0
     num_pauses: int = 0
+    # Block reuse, summed over every start (a resumed request looks its context up again): blocks taken
+    # from the cache, and context blocks that had to be computed.
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
     # When the request last started holding KV blocks (set by the capacity stage); MAX_UTILIZATION
     # pauses the most recent first.
     start_order: int = -1
