@@ -8,8 +8,10 @@ STAMP := $(VENV)/.bm-installed
 TORCH_SPEC ?= torch==2.13.0
 PROMPTS ?= datasets/prompts.jsonl
 WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
+TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
+TIME_SCALE ?= 0.3
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-trace clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +31,11 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py $(WORKLOAD) --model-config configs/models/bench-llama-15m.json
+
+# Timed replay of the Azure conversation trace (first 128 requests, lengths x0.25) near capacity.
+bench-trace: $(STAMP)
+	$(VENV)/bin/bm bench $(TRACE) -c configs/bench.yaml --num-requests 128 --input-scale 0.25 \
+		--output-scale 0.25 --ignore-eos --trace-timestamps --time-scale $(TIME_SCALE) --slo ttft=1000,tpot=100
 
 clean:
 	rm -rf $(VENV) bm-out .pytest_cache .ruff_cache

@@ -213,6 +213,23 @@ class KvCacheConfig:
         "that the KV cache may take.",
         _fraction,
     )
+    enable_block_reuse: bool = _knob(
+        False,
+        "Keep full blocks of finished prefixes cached and let requests with the same prefix take them "
+        "instead of recomputing it (not used by the v1 scheme).",
+        _bool,
+    )
+    max_attention_window: int | None = _knob(
+        None,
+        "Each token attends to at most this many latest tokens (plus the sink tokens); older blocks are "
+        "released while a request runs. Default: no window beyond the model's own sliding window.",
+        _int_at_least(1, optional=True),
+    )
+    sink_token_length: int = _knob(
+        0,
+        "With max_attention_window: the first tokens of a sequence, always attended (StreamingLLM sinks).",
+        _int_at_least(0),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -440,6 +457,15 @@ def validate(cfg: BmConfig) -> None:
                 f"engine.context_chunk_size ({engine.context_chunk_size}) must be at least one block "
                 f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
             )
+    if kv.sink_token_length and kv.max_attention_window is None:
+        raise ConfigError(
+            "kv_cache.sink_token_length needs kv_cache.max_attention_window; set a window or drop the sinks"
+        )
+    if kv.max_attention_window is not None and kv.sink_token_length >= kv.max_attention_window:
+        raise ConfigError(
+            f"kv_cache.sink_token_length ({kv.sink_token_length}) must be smaller than "
+            f"kv_cache.max_attention_window ({kv.max_attention_window})"
+        )
     if kv.max_tokens is not None and kv.max_tokens < kv.tokens_per_block:
         raise ConfigError(
             f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "

@@ -56,8 +56,30 @@ def test_other_architectures_match_hf_generate(model_type):
         assert results[i].output_ids == hf_greedy(ref, prompt, max_new), f"{model_type} request {i}"
 
 
-def test_native_sliding_window_caps_sequence_length():
+def test_native_sliding_window_model_matches_hf_beyond_its_window():
+    """Mistral's window (48) becomes the engine's attention window: sequences may outgrow it."""
     loaded = build("mistral")
+    ref = reference_model(loaded)
+    g = torch.Generator().manual_seed(4)
+    specs = [(torch.randint(3, 300, (n,), generator=g).tolist(), m) for n, m in ((40, 30), (70, 12), (5, 60))]
+    results = generate(
+        [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
+        make_config(engine={"max_num_tokens": 128}),
+        model=loaded,
+        check_integrity=True,
+    )
+    for i, (prompt, max_new) in enumerate(specs):
+        assert results[i].error == ""
+        assert results[i].output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
+
+
+def test_sliding_window_on_some_layers_only_caps_sequence_length():
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "qwen2", **SMALL, sliding_window=48, use_sliding_window=True, max_window_layers=1
+    )
+    loaded = describe_model(AutoModelForCausalLM.from_config(cfg).eval(), None, "qwen2")
+    assert not loaded.sliding_window_on_every_layer
     results = generate([InferenceRequest.from_values(1, [5] * 40, 20)], make_config(), model=loaded)
     assert "exceed the maximum sequence length 48" in results[1].error
 

@@ -8,6 +8,7 @@ import pytest
 
 from bm.config import ConfigError, config_from_dict
 from bm.workloads import DatasetError, detect_kind, load_workload
+from tests.conftest import REPO
 
 VOCAB = 100
 
@@ -248,3 +249,20 @@ def test_trace_timestamps_on_a_dataset_without_them_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"input_ids": [1], "max_tokens": 1}])
     with pytest.raises(DatasetError, match="line 1: no arrival_time"):
         load(path, trace_timestamps=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "extra"),
+    [
+        ("bm-timed.jsonl", "bm", {"trace_timestamps": True}),
+        ("trtllm.jsonl", "trtllm", {}),
+        ("sharegpt.json", "sharegpt", {}),
+        ("azure-sample.csv", "azure", {"trace_timestamps": True}),
+        ("mooncake.jsonl", "mooncake", {"trace_timestamps": True}),
+        ("hf-qa.jsonl", "hf", {"dataset_kind": "hf", "prompt_column": "question", "output_column": "answer"}),
+    ],
+)
+def test_every_shipped_sample_loads_without_a_bad_row(name, kind, extra):
+    w = load(REPO / "datasets" / "bench" / name, **extra)
+    assert w.kind == kind and len(w.requests) >= 10
+    assert all(r.ok and r.input_ids and r.output_len >= 1 for r in w.requests), [r.error for r in w.requests]

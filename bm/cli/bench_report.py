@@ -13,12 +13,10 @@ from rich.table import Table
 
 from bm.bench import ReplayProgress
 
-LATENCY_ROWS = (
-    ("ttft", "TTFT (time to first token)"),
-    ("tpot", "TPOT (time per output token)"),
-    ("itl", "ITL (inter-token latency)"),
-    ("e2el", "E2EL (end-to-end latency)"),
-    ("queue_time", "Queue time"),
+LATENCY_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("queue_time", "Queue"))
+LATENCY_CAPTION = (
+    "TTFT: time to first token, TPOT: time per output token after the first, ITL: every gap between "
+    "tokens, E2EL: end-to-end latency, Queue: arrival to first scheduled iteration"
 )
 
 
@@ -81,7 +79,7 @@ def summary_table(results: dict[str, Any]) -> Table:
 
 
 def latency_table(results: dict[str, Any]) -> Table:
-    table = Table(title="Latency (ms)", title_justify="left")
+    table = Table(title="Latency (ms)", title_justify="left", caption=LATENCY_CAPTION, caption_justify="left")
     columns = ("mean", "median", "std", "p90", "p95", "p99")
     table.add_column("metric")
     for column in columns:

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.engine.inference_request import SPEC_INPUT_TENSORS, SUPPORTED_INPUT_TENSORS, InferenceRequest
+import torch
+
+from bm.engine.inference_request import (
+    SPEC_INPUT_TENSORS,
+    SUPPORTED_INPUT_TENSORS,
+    WORD_LISTS,
+    InferenceRequest,
+    word_list_tensor,
+)
 
 OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
@@ -50,8 +58,12 @@ def read_prompt_lines(
     encode: Callable[[str], list[int]] | None,
     default_output_len: int,
     default_end_id: int | None,
+    encode_word: Callable[[str], list[int]] | None = None,
 ) -> list[PromptLine]:
-    """Parse every non-blank line; a bad line becomes a :class:`PromptLine` carrying its error."""
+    """Parse every non-blank line; a bad line becomes a :class:`PromptLine` carrying its error.
+
+    ``encode_word`` tokenizes the strings of a word list (without the special tokens a prompt gets).
+    """
     lines: list[PromptLine] = []
     seen_ids: dict[Any, int] = {}
     with path.open(encoding="utf-8") as f:
@@ -70,7 +82,7 @@ def read_prompt_lines(
                     )
                 seen_ids[hashable] = line_number
                 entry.request, entry.num_prompt_tokens = _to_request(
-                    data, index, encode, default_output_len, default_end_id
+                    data, index, encode, default_output_len, default_end_id, encode_word
                 )
             except LineError as exc:
                 entry.error = f"line {line_number}: {exc}"
@@ -103,6 +115,7 @@ def _to_request(
     encode: Callable[[str], list[int]] | None,
     default_output_len: int,
     default_end_id: int | None,
+    encode_word: Callable[[str], list[int]] | None = None,
 ) -> tuple[InferenceRequest, int]:
     unknown = sorted(k for k in data if k not in KNOWN_KEYS)
     if unknown:
@@ -119,7 +132,11 @@ def _to_request(
             raise LineError(f"{key}: given twice (as {name!r} and an alias); keep one")
         if value is None:
             continue
-        if not isinstance(value, (int, float, bool)):
+        if name in WORD_LISTS:
+            value = _word_list(key, value, encode_word)
+        elif name == "embedding_bias":
+            value = _bias(key, value)
+        elif not isinstance(value, (int, float, bool)):
             raise LineError(f"{key}: expected a number or true/false, got {value!r}")
         fields[name] = value
     if "end_id" not in fields and default_end_id is not None:
@@ -169,3 +186,54 @@ def _output_len(data: dict[str, Any], default: int) -> int:
     if value < 1:
         raise LineError(f"{given[0]}: must be at least 1, got {value}")
     return value
+
+
+def _is_offsets_form(value: list[Any]) -> bool:
+    """Two equal-length integer rows whose second is a valid end-offset row: TensorRT-LLM's [2, n] form."""
+    if len(value) != 2 or not all(isinstance(r, list) for r in value) or len(value[0]) != len(value[1]):
+        return False
+    if not all(isinstance(t, int) and not isinstance(t, bool) for r in value for t in r):
+        return False
+    offsets = value[1]
+    real = [o for o in offsets if o >= 0]
+    if not real or offsets[: len(real)] != real or any(o != -1 for o in offsets[len(real) :]):
+        return False
+    return all(b > a for a, b in zip([0, *real], real, strict=False)) and real[-1] <= len(value[0])
+
+
+def _word_list(key: str, value: Any, encode_word: Callable[[str], list[int]] | None) -> torch.Tensor:
+    """A word list in any accepted form, as the [2, n] tensor the engine validates."""
+    form = (
+        f'{key}: expected a list of strings or of token-id lists (e.g. ["stop", [13, 13]]), or the '
+        "[2, n] form [[ids...], [end offsets..., -1...]]"
+    )
+    if not isinstance(value, list):
+        raise LineError(form)
+    if _is_offsets_form(value):
+        return torch.tensor(value, dtype=torch.int32)
+    words = []
+    for word in value:
+        if isinstance(word, str):
+            if encode_word is None:
+                raise LineError(f"{key}: this model has no tokenizer; give words as token-id lists")
+            ids = encode_word(word)
+            if not ids:
+                raise LineError(f"{key}: the word {word!r} encodes to no tokens")
+            words.append(ids)
+        elif (
+            isinstance(word, list)
+            and word
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in word)
+        ):
+            words.append(word)
+        else:
+            raise LineError(f"{form}; got the item {word!r}")
+    return word_list_tensor(words)
+
+
+def _bias(key: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, list) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
+        raise LineError(f"{key}: expected a list of numbers, one per vocabulary token")
+    return torch.tensor([value], dtype=torch.float32)

@@ -76,7 +76,38 @@ def output_record(line: PromptLine, result: RequestResult | None, loaded: Loaded
         finish_reason=result.finish_reason.label,
         error=None,
     )
+    if result.beams is not None:
+        record["beams"] = result.beams
+    if result.output_log_probs is not None:
+        record["output_log_probs"] = result.output_log_probs
+    if result.beam_log_probs is not None:
+        record["beam_log_probs"] = result.beam_log_probs
+    if result.cum_log_probs is not None:
+        record["cum_log_probs"] = (
+            result.cum_log_probs if result.beams is not None else result.cum_log_probs[0]
+        )
     return record
+
+
+def write_logits(out_dir: Path, index: int, result: RequestResult) -> str | None:
+    """Logits go to ``logits/<index>.safetensors`` beside outputs.jsonl (never inline); returns the path
+    relative to the output directory, or None when the request asked for none."""
+    tensors = {
+        name: value.contiguous()
+        for name, value in (
+            ("context_logits", result.context_logits),
+            ("generation_logits", result.generation_logits),
+        )
+        if value is not None
+    }
+    if not tensors:
+        return None
+    from safetensors.torch import save_file
+
+    relative = Path("logits") / f"{index}.safetensors"
+    (out_dir / "logits").mkdir(exist_ok=True)
+    save_file(tensors, str(out_dir / relative))
+    return relative.as_posix()
 
 
 def run_prompts(
@@ -93,7 +124,8 @@ def run_prompts(
     loaded = load_model(config.model)
     encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
     default_end_id = None if ignore_eos else loaded.eos_token_id
-    lines = read_prompt_lines(prompts, encode, default_output_len, default_end_id)
+    encode_word = loaded.tokenizer.encode_word if loaded.tokenizer is not None else None
+    lines = read_prompt_lines(prompts, encode, default_output_len, default_end_id, encode_word)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary(num_requests=len(lines))
     finished: queue.Queue[RequestResult] = queue.Queue()
@@ -127,7 +159,11 @@ def run_prompts(
                     manager.cancel_all()
                     continue
                 line = by_index[result.request_id]
-                outputs.write(output_record(line, result, loaded))
+                record = output_record(line, result, loaded)
+                logits_file = write_logits(out_dir, line.index, result)
+                if logits_file is not None:
+                    record["logits_file"] = logits_file
+                outputs.write(record)
                 written.add(result.request_id)
                 summary.num_prompt_tokens += line.num_prompt_tokens or 0
                 summary.num_output_tokens += len(result.output_ids)

@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bm.config import BmConfig
+from bm.engine import response_tensors
 from bm.engine.execution import IterationExecutor, IterationResult
 from bm.engine.inference_request import InferenceRequest, RequestError, RequestLimits, parse_request
 from bm.engine.stats import IterationStats
 from bm.kv import KVCacheManager
-from bm.runtime import LoadedModel, ModelRunner, Sampler, load_model, num_kv_blocks
+from bm.runtime import LoadedModel, ModelRunner, load_model, num_kv_blocks
+from bm.runtime.decoding import Decoder
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.factory import build_scheduler
 
@@ -71,17 +73,28 @@ class BatchManager:
         num_blocks = num_kv_blocks(
             self.model, kv_cfg, max_useful_tokens=self.max_num_active_requests * self.max_seq_len
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, kv_cfg.tokens_per_block)
+        self.attention_window = self._attention_window()
+        sinks = kv_cfg.sink_token_length if self.attention_window is not None else 0
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            kv_cfg.tokens_per_block,
+            # V1 is the static baseline: a static-batching engine keeps no prefix cache.
+            enable_block_reuse=kv_cfg.enable_block_reuse and engine.batching_scheme != "v1",
+            max_attention_window=self.attention_window,
+            sink_token_length=sinks,
+        )
         self.runner = ModelRunner(
             self.model,
             num_blocks,
             kv_cfg.tokens_per_block,
             min(self.max_seq_len, num_blocks * kv_cfg.tokens_per_block),
+            max_attention_window=self.attention_window,
+            sink_token_length=sinks,
         )
-        self.sampler = Sampler()
+        self.decoder = Decoder()
         self.scheduler = build_scheduler(engine, self.kv_cache_manager)
         self.executor = IterationExecutor(
-            engine.batching_scheme, engine.max_num_tokens, self.kv_cache_manager, self.runner, self.sampler
+            engine.batching_scheme, engine.max_num_tokens, self.kv_cache_manager, self.runner, self.decoder
         )
         self.limits = RequestLimits(
             vocab_size=self.model.vocab_size,
@@ -154,7 +167,10 @@ class BatchManager:
             return False
         started = time.perf_counter()
         num_active = len(self._active)
+        kv = self.kv_cache_manager
+        reused_before, missed_before = kv.num_reused_blocks, kv.num_missed_blocks
         scheduled = self.scheduler.schedule_request(list(self._active.values()))
+        reuse = (kv.num_reused_blocks - reused_before, kv.num_missed_blocks - missed_before)
         self._pause(scheduled.paused_requests)
         result = self.executor.run(scheduled)
         used_blocks = self.kv_cache_manager.pool.num_used_blocks
@@ -162,7 +178,7 @@ class BatchManager:
         self._apply_stop_signals()
         if self._check_integrity:
             self._verify()
-        self._report_stats(scheduled, result, num_active, used_blocks, num_finished, started)
+        self._report_stats(scheduled, result, num_active, used_blocks, num_finished, started, reuse)
         return result.computed_tokens > 0
 
     # -- steps ----------------------------------------------------------------------------------------
@@ -254,6 +270,7 @@ class BatchManager:
         used_blocks: int,
         num_finished: int,
         started: float,
+        reuse: tuple[int, int] = (0, 0),
     ) -> None:
         self._iteration += 1
         if self._return_stats is None:
@@ -281,6 +298,9 @@ class BatchManager:
             finished_requests=num_finished,
             elapsed_s=now - self._start_time,
             latency_ms=(now - started) * 1e3,
+            reused_blocks=reuse[0],
+            missed_blocks=reuse[1],
+            cached_blocks=kv.pool.num_cached_blocks,
         )
         try:
             self._return_stats(stats.to_json())
@@ -293,7 +313,7 @@ class BatchManager:
         """Free everything the request holds; afterwards its id may be reused."""
         self.kv_cache_manager.free(req.request_id)
         self.kv_cache_manager.free(req.padding_key)
-        self.sampler.release(req.request_id)
+        self.decoder.release(req.request_id)
         self._active.pop(req.request_id, None)
         req.state = RequestState.GENERATION_COMPLETE
 
@@ -306,14 +326,21 @@ class BatchManager:
         self._held.clear()
 
     def _send(self, req: LlmRequest, final: bool, error: str = "") -> None:
-        start = req.num_streamed_tokens if req.streaming else 0
-        new_tokens = req.output_ids[start:]
-        req.num_streamed_tokens = len(req.output_ids)
-        tensors = {
-            "output_ids": torch.tensor([new_tokens], dtype=torch.int32),
-            "sequence_length": torch.tensor([len(new_tokens)], dtype=torch.int32),
-        }
+        if req.beam_width > 1 and req.decoding.beam is not None:
+            tensors = response_tensors.beam_outputs(req)
+        else:
+            start = req.num_streamed_tokens if req.streaming else 0
+            new_tokens = req.output_ids[start:]
+            req.num_streamed_tokens = len(req.output_ids)
+            tensors = {
+                "output_ids": torch.tensor([new_tokens], dtype=torch.int32),
+                "sequence_length": torch.tensor([len(new_tokens)], dtype=torch.int32),
+            }
+            if req.output_log_probs is not None:
+                tensors.update(response_tensors.log_probs(req, start))
         if final:
+            if req.decoding is not None:
+                tensors.update(response_tensors.logits(req))
             tensors.update(self._request_stats(req))
         self._deliver(req.request_id, tensors, final, error)
 
@@ -324,6 +351,9 @@ class BatchManager:
         return {
             "finish_reason": torch.tensor([int(req.finish_reason)], dtype=torch.int32),
             "num_pauses": torch.tensor([req.num_pauses], dtype=torch.int32),
+            # block reuse: blocks taken from the cache, and context blocks computed (every start summed)
+            "num_reused_blocks": torch.tensor([req.num_reused_blocks], dtype=torch.int32),
+            "num_missed_blocks": torch.tensor([req.num_missed_blocks], dtype=torch.int32),
             # seconds from admission to the first iteration that computed part of it (-1: never scheduled)
             "queue_time": torch.tensor(
                 [scheduled - req.arrival_time if scheduled is not None else -1.0], dtype=torch.float64
@@ -355,11 +385,18 @@ class BatchManager:
             raise AssertionError(f"{kv.num_requests - owned} block tables belong to no active request")
 
     def _max_seq_len(self) -> int:
-        limits = [
-            self.config.engine.max_seq_len,
-            self.model.max_position_embeddings,
-            self.model.sliding_window,
-        ]
+        limits = [self.config.engine.max_seq_len, self.model.max_position_embeddings]
+        if not self.model.sliding_window_on_every_layer:
+            # Only some layers slide: one engine window cannot serve them all, so a sequence never
+            # outgrows the window (attention is full there, windowed or not).
+            limits.append(self.model.sliding_window)
         given = [x for x in limits if x]
-        # A native sliding window is honoured by never letting a sequence outgrow it (attention is full there).
         return min(given) if given else 1 << 20
+
+    def _attention_window(self) -> int | None:
+        """The engine's attention window: the smaller of kv_cache.max_attention_window and the model's own
+        sliding window (when every layer slides); None when no sequence can outgrow it."""
+        native = self.model.sliding_window if self.model.sliding_window_on_every_layer else None
+        given = [w for w in (self.config.kv_cache.max_attention_window, native) if w]
+        window = min(given) if given else None
+        return window if window is not None and window < self.max_seq_len else None

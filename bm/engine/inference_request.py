@@ -7,12 +7,15 @@ not implement yet is refused by name, never silently ignored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from bm.runtime.beam_search import BeamSearch
+from bm.runtime.logits import DecodingOptions, LogitsPostProcessor
 from bm.scheduling.request import LlmRequest, SamplingParams
 
 UINT64_MAX = 2**64 - 1
@@ -51,20 +54,17 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "draft_logits": (torch.float32, "draft logits"),
 }
 
-SUPPORTED_INPUT_TENSORS = frozenset(
-    {
-        "input_ids",
-        "request_output_len",
-        "streaming",
-        "beam_width",
-        "temperature",
-        "runtime_top_k",
-        "runtime_top_p",
-        "random_seed",
-        "end_id",
-        "pad_id",
-    }
-)
+# LoRA, p-tuning and draft tokens are refused by name until they are implemented.
+SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - {
+    "prompt_embedding_table",
+    "prompt_vocab_size",
+    "lora_task_id",
+    "lora_weights",
+    "lora_config",
+    "draft_input_ids",
+    "draft_logits",
+}
+WORD_LISTS = ("bad_words_list", "stop_words_list")
 
 
 class RequestError(ValueError):
@@ -74,9 +74,17 @@ class RequestError(ValueError):
 class InferenceRequest:
     """A request id (uint64) and a map of named input tensors, as the seed's batch manager takes them."""
 
-    def __init__(self, request_id: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        logits_post_processor: LogitsPostProcessor | None = None,
+    ) -> None:
         self.request_id = request_id
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
+        # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
+        # controls, each step this request samples (rows: 1, or one per beam).
+        self.logits_post_processor = logits_post_processor
 
     @classmethod
     def from_values(cls, request_id: int, input_ids: list[int], request_output_len: int, **fields: Any):
@@ -92,7 +100,12 @@ class InferenceRequest:
         if name not in SPEC_INPUT_TENSORS:
             raise RequestError(f"unknown input tensor {name!r}; known: {', '.join(SPEC_INPUT_TENSORS)}")
         dtype = SPEC_INPUT_TENSORS[name][0]
-        self.tensors[name] = value if isinstance(value, torch.Tensor) else torch.tensor([value], dtype=dtype)
+        if isinstance(value, torch.Tensor):
+            self.tensors[name] = value
+        elif name in WORD_LISTS:
+            self.tensors[name] = word_list_tensor(value)
+        else:
+            self.tensors[name] = torch.tensor([value], dtype=dtype)
 
     def __repr__(self) -> str:
         return f"InferenceRequest(request_id={self.request_id}, tensors={sorted(self.tensors)})"
@@ -133,7 +146,14 @@ def _float(tensors: Mapping[str, torch.Tensor], name: str, default: float) -> fl
     value = _scalar(tensors, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise RequestError(f"{name}: expected a finite number, got {value!r}")
     return float(value)
+
+
+def _show(value: float) -> str:
+    """A float32 tensor's value as the user wrote it (1.01, not 1.0099999904632568)."""
+    return repr(float(f"{value:.7g}"))
 
 
 def _prompt(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> list[int]:
@@ -195,11 +215,11 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
 
     temperature = _float(tensors, "temperature", 0.0)
     if temperature < 0:
-        raise RequestError(f"temperature: {temperature} is out of range; allowed >= 0 (0 is greedy)")
+        raise RequestError(f"temperature: {_show(temperature)} is out of range; allowed >= 0 (0 is greedy)")
     top_k = _int(tensors, "runtime_top_k", 0, None, 0)
     top_p = _float(tensors, "runtime_top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise RequestError(f"runtime_top_p: {top_p} is out of range; allowed (0, 1]")
+        raise RequestError(f"runtime_top_p: {_show(top_p)} is out of range; allowed (0, 1]")
     if "temperature" not in tensors and (top_k > 1 or top_p < 1):
         temperature = 1.0  # asking for a filter means asking to sample
     sampling = SamplingParams(
@@ -210,7 +230,160 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
         end_id=_int(tensors, "end_id", -1, limits.vocab_size - 1, -1),
         pad_id=_int(tensors, "pad_id", 0, limits.vocab_size - 1, 0),
     )
-    streaming = bool(_scalar(tensors, "streaming")) if "streaming" in tensors else False
+    streaming = _bool(tensors, "streaming")
+    beam_width = _int(tensors, "beam_width", 1, limits.max_beam_width, 1)
+    options = _decoding_options(request, tensors, limits, max_new)
+    # Validated whatever the width; they only act on beams (as in TensorRT-LLM and HF).
+    len_penalty = _float(tensors, "len_penalty", 1.0)
+    early_stopping = _int(tensors, "early_stopping", 0, None, 1)
+    if beam_width > 1:
+        _check_beam_request(tensors, sampling, streaming, options)
+        options = options or DecodingOptions()
+        options.len_penalty, options.early_stopping = len_penalty, early_stopping
+        options.beam = BeamSearch(beam_width, max_new, sampling.end_id, len_penalty, early_stopping)
     return LlmRequest(
-        request_id=rid, prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling, streaming=streaming
+        request_id=rid,
+        prompt_ids=prompt,
+        max_new_tokens=max_new,
+        sampling=sampling,
+        streaming=streaming,
+        beam_width=beam_width,
+        decoding=options,
+        output_log_probs=[] if options is not None and options.return_log_probs else None,
     )
+
+
+def _bool(tensors: Mapping[str, torch.Tensor], name: str) -> bool:
+    if name not in tensors:
+        return False
+    value = _scalar(tensors, name)
+    if value not in (0, 1):
+        raise RequestError(f"{name}: expected true or false, got {value!r}")
+    return bool(value)
+
+
+def _decoding_options(
+    request: InferenceRequest, tensors: Mapping[str, torch.Tensor], limits: RequestLimits, max_new: int
+) -> DecodingOptions | None:
+    """The controls beyond temperature / top-k / top-p; None when the request asks for none of them."""
+    repetition = _float(tensors, "repetition_penalty", 1.0)
+    if repetition <= 0:
+        raise RequestError(f"repetition_penalty: {_show(repetition)} is out of range; allowed > 0 (1 is off)")
+    options = DecodingOptions(
+        repetition_penalty=repetition,
+        presence_penalty=_float(tensors, "presence_penalty", 0.0),
+        frequency_penalty=_float(tensors, "frequency_penalty", 0.0),
+        min_length=_int(tensors, "min_length", 0, max_new, 0),
+        no_repeat_ngram_size=_int(tensors, "no_repeat_ngram_size", 0, None, 0),
+        embedding_bias=_embedding_bias(tensors, limits.vocab_size),
+        bad_words=_word_list(tensors, "bad_words_list", limits.vocab_size),
+        stop_words=_word_list(tensors, "stop_words_list", limits.vocab_size),
+        return_log_probs=_bool(tensors, "return_log_probs"),
+        return_context_logits=_bool(tensors, "return_context_logits"),
+        return_generation_logits=_bool(tensors, "return_generation_logits"),
+        logits_post_processor=getattr(request, "logits_post_processor", None),
+    )
+    if options.logits_post_processor is not None and not callable(options.logits_post_processor):
+        raise RequestError(
+            "logits_post_processor: expected a callable (request_id, logits, tokens) -> logits"
+        )
+    asked = (
+        options.processes_logits
+        or options.stop_words
+        or options.return_log_probs
+        or options.return_context_logits
+        or options.return_generation_logits
+    )
+    return options if asked else None
+
+
+def _check_beam_request(
+    tensors: Mapping[str, torch.Tensor],
+    sampling: SamplingParams,
+    streaming: bool,
+    options: DecodingOptions | None,
+) -> None:
+    """Combinations bm does not implement with beam search are refused, never silently ignored."""
+    if not sampling.is_greedy:
+        raise RequestError(
+            "beam_width: beam search is deterministic in bm; drop temperature / runtime_top_k / runtime_top_p "
+            "or use beam_width 1"
+        )
+    if streaming:
+        raise RequestError("streaming: not supported with beam_width > 1; set streaming to false")
+    if options is not None and options.stop_words:
+        raise RequestError("stop_words_list: not supported with beam_width > 1")
+    if options is not None and options.return_generation_logits:
+        raise RequestError("return_generation_logits: not supported with beam_width > 1")
+
+
+def _embedding_bias(tensors: Mapping[str, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
+    if "embedding_bias" not in tensors:
+        return None
+    bias = tensors["embedding_bias"]
+    if not isinstance(bias, torch.Tensor) or bias.dtype == torch.bool or bias.dtype.is_complex:
+        raise RequestError("embedding_bias: expected a float tensor of shape [1, vocab_size]")
+    if bias.dim() == 2 and bias.shape[0] == 1:
+        bias = bias[0]
+    if bias.dim() != 1 or bias.shape[0] != vocab_size:
+        raise RequestError(
+            f"embedding_bias: expected shape [1, {vocab_size}] (one value per vocabulary token), "
+            f"got {list(tensors['embedding_bias'].shape)}"
+        )
+    bias = bias.to(torch.float32)
+    if not bool(torch.isfinite(bias).all()):
+        raise RequestError("embedding_bias: values must be finite numbers")
+    return bias
+
+
+def word_list_tensor(words: Any) -> torch.Tensor:
+    """A list of token-id lists as TensorRT-LLM's ``[2, n]`` form: flattened ids over end offsets (padded -1)."""
+    if not isinstance(words, (list, tuple)) or not all(
+        isinstance(w, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in w)
+        for w in words
+    ):
+        raise RequestError("word list: expected a list of token-id lists")
+    flat = [t for w in words for t in w]
+    offsets, end = [], 0
+    for w in words:
+        end += len(w)
+        offsets.append(end)
+    n = max(len(flat), 1)
+    return torch.tensor(
+        [flat + [0] * (n - len(flat)), offsets + [-1] * (n - len(offsets))], dtype=torch.int32
+    )
+
+
+def _word_list(
+    tensors: Mapping[str, torch.Tensor], name: str, vocab_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """Parse the ``[2, n]`` form: row 0 the words' ids back to back, row 1 each word's end offset, then -1."""
+    if name not in tensors:
+        return ()
+    t = tensors[name]
+    form = f"{name}: expected the [2, n] form (row 0: token ids of all words back to back; row 1: each word's end offset, then -1 padding)"
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise RequestError(form)
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2 or t.shape[0] != 2:
+        raise RequestError(f"{form}; got shape {list(t.shape)}")
+    ids, offsets = t[0].tolist(), t[1].tolist()
+    words, start = [], 0
+    for i, end in enumerate(offsets):
+        if end < 0:
+            if any(o >= 0 for o in offsets[i:]):
+                raise RequestError(
+                    f"{name}: offset -1 (padding) is followed by a real offset; {form[len(name) + 2 :]}"
+                )
+            break
+        if end <= start or end > len(ids):
+            raise RequestError(
+                f"{name}: offsets must increase strictly and stay within the {len(ids)} token ids; got {offsets}"
+            )
+        word = ids[start:end]
+        if min(word) < 0 or max(word) >= vocab_size:
+            raise RequestError(f"{name}: token id outside the vocabulary [0, {vocab_size}) in word {word}")
+        words.append(tuple(word))
+        start = end
+    return tuple(words)

@@ -28,10 +28,25 @@ class RequestResult:
     error: str = ""
     num_responses: int = 0
     num_pauses: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
+    # Only when asked for (return_log_probs, beam_width > 1, return_*_logits); see the spec's response table.
+    output_log_probs: list[float] | None = None
+    cum_log_probs: list[float] | None = None  # one per beam
+    beams: list[list[int]] | None = None  # every beam, best first (output_ids is the best)
+    beam_log_probs: list[list[float]] | None = None
+    context_logits: torch.Tensor | None = None  # [prompt, vocab]
+    generation_logits: torch.Tensor | None = None  # [output, vocab]
 
     @property
     def ok(self) -> bool:
         return not self.error
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
+        looked_up = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / looked_up if looked_up else 0.0
 
 
 class OfflineClient:
@@ -65,9 +80,7 @@ class OfflineClient:
             if result is None or result.finish_reason != FinishReason.NOT_FINISHED:
                 result = self.results[request_id] = RequestResult(request_id)
             result.num_responses += 1
-            ids = tensors.get("output_ids")
-            if ids is not None and ids.numel():
-                result.output_ids.extend(ids[0].tolist())
+            _collect(result, tensors)
             if final:
                 reason = tensors.get("finish_reason")
                 result.finish_reason = (
@@ -76,6 +89,9 @@ class OfflineClient:
                 result.error = error
                 pauses = tensors.get("num_pauses")
                 result.num_pauses = int(pauses[0]) if pauses is not None else 0
+                for name in ("num_reused_blocks", "num_missed_blocks"):
+                    value = tensors.get(name)
+                    setattr(result, name, int(value[0]) if value is not None else 0)
                 self.num_final += 1
         if final:
             if self._on_final is not None:
@@ -85,6 +101,32 @@ class OfflineClient:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
+
+
+def _collect(result: RequestResult, tensors: dict[str, torch.Tensor]) -> None:
+    """Append a (possibly streamed) response's tokens and optional tensors to the request's result."""
+    ids = tensors.get("output_ids")
+    lengths = tensors.get("sequence_length")
+    if ids is not None and ids.shape[0] > 1:  # beams: the final response carries them all
+        lens = lengths.tolist() if lengths is not None else [ids.shape[1]] * ids.shape[0]
+        result.beams = [ids[b, :n].tolist() for b, n in enumerate(lens)]
+        result.output_ids = list(result.beams[0])
+        lp = tensors.get("output_log_probs")
+        if lp is not None:
+            result.beam_log_probs = [lp[0, b, :n].tolist() for b, n in enumerate(lens)]
+            result.output_log_probs = list(result.beam_log_probs[0])
+    elif ids is not None and ids.numel():
+        result.output_ids.extend(ids[0].tolist())
+        lp = tensors.get("output_log_probs")
+        if lp is not None:
+            result.output_log_probs = (result.output_log_probs or []) + lp[0, 0].tolist()
+    cum = tensors.get("cum_log_probs")
+    if cum is not None:
+        result.cum_log_probs = cum[0].tolist()
+    if "context_logits" in tensors:
+        result.context_logits = tensors["context_logits"][0]
+    if "generation_logits" in tensors:
+        result.generation_logits = tensors["generation_logits"][0, 0]
 
 
 def generate(

@@ -34,6 +34,15 @@ class IterationStats:
     elapsed_s: float
     latency_ms: float
     micro_batch_id: int = 0
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    cached_blocks: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Reused over looked-up context blocks this iteration (0 when no lookup happened)."""
+        looked_up = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / looked_up if looked_up else 0.0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -63,5 +72,11 @@ class IterationStats:
                 "Finished Requests": self.finished_requests,
                 "Elapsed Time (s)": round(self.elapsed_s, 6),
                 "Iteration Latency (ms)": round(self.latency_ms, 3),
+                # block reuse: blocks taken from the cache by requests started this iteration, context
+                # blocks those requests had to compute, and unreferenced blocks kept for reuse
+                "Reused Blocks": self.reused_blocks,
+                "Missed Blocks": self.missed_blocks,
+                "Cache Hit Rate": round(self.cache_hit_rate, 6),
+                "Reusable KV cache blocks": self.cached_blocks,
             }
         )

@@ -1,6 +1,20 @@
 """The paged KV cache's bookkeeping: block ids, reference counts and block tables (no tensors, no torch)."""
 
+from bm.kv.block_hash import BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, OutOfBlocksError
-from bm.kv.manager import KVCacheManager, KVRequest, cdiv
+from bm.kv.manager import NO_BLOCK, NO_MATCH, KVCacheManager, KVRequest, PrefixMatch, beam_key, cdiv
 
-__all__ = ["BlockPool", "IntegrityError", "KVCacheManager", "KVRequest", "OutOfBlocksError", "cdiv"]
+__all__ = [
+    "NO_BLOCK",
+    "NO_MATCH",
+    "BlockKey",
+    "BlockPool",
+    "IntegrityError",
+    "KVCacheManager",
+    "KVRequest",
+    "OutOfBlocksError",
+    "PrefixMatch",
+    "beam_key",
+    "cdiv",
+    "chain_hash",
+]

@@ -3,13 +3,27 @@
 The manager is the only place that knows how many blocks a request needs, now and at completion, so the
 capacity policies above it never do block arithmetic of their own. It returns plain lists of block ids;
 the runtime turns them into slot mappings and block-table tensors.
+
+Two optional behaviours live here too:
+
+- block reuse: full blocks are registered by their content chain once computed, stay cached after their
+  request frees them, and a new request whose prefix matches takes them by reference
+  (:meth:`KVCacheManager.find_cached_prefix` then :meth:`KVCacheManager.take_cached_prefix`);
+- an attention window: blocks wholly older than the window (and not holding sink tokens) are released
+  while the request runs, and appear in its table as :data:`NO_BLOCK`, so positions still index it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
+from bm.kv.block_hash import ROOT_HASH, BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, require
+
+# A table entry whose block was released because it fell outside the attention window.
+NO_BLOCK = -1
 
 
 class KVRequest(Protocol):
@@ -23,21 +37,78 @@ class KVRequest(Protocol):
         """Prompt plus the most tokens it may still generate: the cache footprint at its end."""
         ...
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus the tokens generated so far (what a context phase computes)."""
+        ...
+
+    @property
+    def is_generation_phase(self) -> bool: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks a request starting now could take, in order from its first block."""
+
+    block_ids: tuple[int, ...] = ()
+    keys: tuple[BlockKey, ...] = ()
+    num_tokens: int = 0
+    # Of the matched blocks, those unreferenced now: taking them uses up reclaimable space.
+    num_cached: int = 0
+    # Blocks of the request's context that were looked up and had to be computed.
+    num_missed_blocks: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def cost(self, num_blocks_needed: int) -> int:
+        """Free-pool blocks a request needing ``num_blocks_needed`` blocks uses up when it takes this match."""
+        return max(0, num_blocks_needed - self.num_blocks) + self.num_cached
+
+
+NO_MATCH = PrefixMatch()
+
+
+def beam_key(request_id: int, beam: int) -> int | tuple[int, int]:
+    """The table id of one beam: beam 0 is the request's own table, so a request without beams has one."""
+    return request_id if beam == 0 else (request_id, beam)
+
+
 class KVCacheManager:
     """Block tables for active requests; allocation grows a table, completion frees it."""
 
-    def __init__(self, num_blocks: int, tokens_per_block: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        *,
+        enable_block_reuse: bool = False,
+        max_attention_window: int | None = None,
+        sink_token_length: int = 0,
+    ) -> None:
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        if max_attention_window is not None and max_attention_window < 1:
+            raise ValueError(f"max_attention_window must be >= 1, got {max_attention_window}")
         self.tokens_per_block = tokens_per_block
         self.pool = BlockPool(num_blocks)
+        self.enable_block_reuse = enable_block_reuse
+        self.max_attention_window = max_attention_window
+        self.sink_token_length = sink_token_length if max_attention_window is not None else 0
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._chains: dict[int, list[BlockKey | None]] = {}  # keys of a request's registered prefix
+        self._num_released: dict[int, int] = {}  # window: blocks below this index were looked at
+        self.num_reused_blocks = 0
+        self.num_missed_blocks = 0
+        self._num_beams: dict[int, int] = {}  # request id -> beam tables (absent: one)
 
     # -- capacity questions (what the schedulers ask) --------------------------------------------------
 
@@ -46,28 +117,91 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def get_num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: empty ones and cached ones it may reclaim."""
         return self.pool.num_free_blocks
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.tokens_per_block)
 
+    def max_window_blocks(self) -> int | None:
+        """Most blocks a generating request holds under the attention window (None: no window).
+
+        The window's tokens can straddle one more block than they fill, and sink blocks stay.
+        """
+        if self.max_attention_window is None:
+            return None
+        bs = self.tokens_per_block
+        return cdiv(self.sink_token_length, bs) + cdiv(self.max_attention_window, bs) + 1
+
     def get_needed_resource_to_completion(self, request: KVRequest) -> int:
-        """Blocks the request holds once it has all its tokens, counting the ones it holds already."""
-        return self.num_blocks_for_tokens(request.num_tokens_at_completion)
+        """Most blocks the request holds at once from now to its end.
+
+        Without a window that is every block of its final length. With one, a context phase still holds
+        its whole context at once at worst (the blocks behind the window are released after each
+        forward), and a generation holds at most the window's blocks. A beam request counts a full table
+        per beam and no window release (beams fork their tables, see :meth:`fork_beams`): an upper bound,
+        so a request admitted on it never runs short.
+        """
+        full = self.num_blocks_for_tokens(request.num_tokens_at_completion)
+        beams = getattr(request, "beam_width", 1)
+        if beams > 1:
+            return full * beams
+        bound = self.max_window_blocks()
+        if bound is None:
+            return full
+        if not request.is_generation_phase:
+            bound = max(bound, self.num_blocks_for_tokens(request.num_tokens))
+        return min(full, bound)
 
     def get_remaining_resource_to_completion(self, request: KVRequest) -> int:
         """Blocks still to allocate before the request completes."""
-        held = len(self._tables.get(request.request_id, ()))
+        held = len(self._distinct_blocks(request.request_id))
         return max(0, self.get_needed_resource_to_completion(request) - held)
 
+    def get_reserved_resource(self, requests: Iterable[KVRequest]) -> int:
+        """Blocks that started ``requests`` hold (a shared block once) plus all they may still allocate.
+
+        What a no-evict policy must keep back for them; the rest of the pool (cached blocks included,
+        which are reclaimable) is open to new requests.
+        """
+        held: set[int] = set()
+        remaining = 0
+        for request in requests:
+            held.update(self._distinct_blocks(request.request_id))
+            remaining += self.get_remaining_resource_to_completion(request)
+        return len(held) + remaining
+
     def num_blocks_to_allocate(self, request_id: int, num_tokens: int) -> int:
-        """Blocks :meth:`allocate` would take for the request to hold ``num_tokens`` tokens in total."""
-        held = len(self._tables.get(request_id, ()))
-        return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        """Blocks :meth:`allocate` would take for the request to hold ``num_tokens`` tokens in total.
+
+        For a request with beams: over every beam, plus a copy for each beam whose block at the next
+        written position is shared (see :meth:`copy_on_write`).
+        """
+        num_beams = self._num_beams.get(request_id, 1)
+        if num_beams == 1:
+            held = len(self._tables.get(request_id, ()))
+            return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        total = 0
+        index = (num_tokens - 1) // self.tokens_per_block
+        writers: dict[int, int] = {}  # block written at the next position -> beams writing into it
+        for beam in range(num_beams):
+            table = self._tables[beam_key(request_id, beam)]
+            total += max(0, self.num_blocks_for_tokens(num_tokens) - len(table))
+            if index < len(table):
+                writers[table[index]] = writers.get(table[index], 0) + 1
+        # every writer of a shared block copies it, except the last when no one else holds it
+        for block_id, count in writers.items():
+            total += count - (self.pool.ref_count(block_id) == count)
+        return total
 
     def num_freeable_blocks(self, request_id: int) -> int:
         """Blocks that :meth:`free` would return to the pool (those no other table references)."""
-        return sum(1 for b in self._tables.get(request_id, ()) if self.pool.ref_count(b) == 1)
+        refs: dict[int, int] = {}
+        for table in self._request_tables(request_id):
+            for b in table:
+                if b != NO_BLOCK:
+                    refs[b] = refs.get(b, 0) + 1
+        return sum(1 for b, n in refs.items() if self.pool.ref_count(b) == n)
 
     def can_allocate(self, request_id: int, num_tokens: int) -> bool:
         return self.pool.can_allocate(self.num_blocks_to_allocate(request_id, num_tokens))
@@ -92,18 +226,188 @@ class KVCacheManager:
         return self.allocate(request_id, self._num_tokens.get(request_id, 0) + num_new_tokens)
 
     def free(self, request_id: int) -> int:
-        """Release every block of the request; returns how many it held. Unknown ids free nothing."""
-        table = self._tables.pop(request_id, None)
-        self._num_tokens.pop(request_id, None)
+        """Release every block of the request; returns how many it held. Unknown ids free nothing.
+
+        Blocks go back tail first, so among a sequence's cached blocks the tail is evicted before the
+        head, which more requests are likely to share.
+        """
+        self._chains.pop(request_id, None)
+        self._num_released.pop(request_id, None)
+        freed = 0
+        for beam in range(1, self._num_beams.pop(request_id, 1)):
+            freed += self._free_table(beam_key(request_id, beam))
+        return freed + self._free_table(request_id)
+
+    def _free_table(self, key: int | tuple[int, int]) -> int:
+        table = self._tables.pop(key, None)
+        self._num_tokens.pop(key, None)
         if not table:
             return 0
-        self.pool.release(table)
-        return len(table)
+        live = [b for b in reversed(table) if b != NO_BLOCK]
+        self.pool.release(live)
+        return len(live)
+
+    # -- block reuse ----------------------------------------------------------------------------------
+
+    def block_extra_keys(self, request: KVRequest) -> tuple:
+        """Keys beside the tokens that change a block's values (a LoRA task id, ...): none yet."""
+        return ()
+
+    def find_cached_prefix(self, request: KVRequest) -> PrefixMatch:
+        """The longest verified chain of cached blocks matching the request's tokens; takes nothing.
+
+        At most ``num_tokens - 1`` tokens match, so a request whose whole context is cached still
+        computes its last token (the one whose logits are sampled).
+        """
+        if (
+            not self.enable_block_reuse
+            or request.request_id in self._tables
+            or getattr(request, "beam_width", 1) > 1  # beams fork their tables: no reuse (see README)
+        ):
+            return NO_MATCH
+        bs = self.tokens_per_block
+        extra = self.block_extra_keys(request)
+        block_ids: list[int] = []
+        keys: list[BlockKey] = []
+        num_cached = 0
+        parent_hash, parent_serial = ROOT_HASH, -1
+        for i in range((request.num_tokens - 1) // bs):
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            found = self.pool.lookup(chain_hash(parent_hash, tokens, extra))
+            if found is None or not found[1].matches(tokens, extra, parent_serial):
+                break
+            block_id, key = found
+            block_ids.append(block_id)
+            keys.append(key)
+            num_cached += self.pool.ref_count(block_id) == 0
+            parent_hash, parent_serial = key.block_hash, key.serial
+        missed = self.num_blocks_for_tokens(request.num_tokens) - len(block_ids)
+        return PrefixMatch(tuple(block_ids), tuple(keys), len(block_ids) * bs, num_cached, missed)
+
+    def take_cached_prefix(self, request: KVRequest, match: PrefixMatch) -> int:
+        """Start the request's table with the matched blocks (by reference); returns the tokens reused.
+
+        ``match`` must come from :meth:`find_cached_prefix` with no allocation in between.
+        """
+        if not self.enable_block_reuse:
+            return 0
+        rid = request.request_id
+        require(rid not in self._tables, f"request {rid} already holds blocks; a prefix is taken at start")
+        for block_id, key in zip(match.block_ids, match.keys, strict=True):
+            require(self.pool.key(block_id) is key, f"block {block_id} changed since it was matched")
+            self.pool.share_cached(block_id)
+        if match.block_ids:
+            self._tables[rid] = list(match.block_ids)
+            self._num_tokens[rid] = match.num_tokens
+        self._chains[rid] = list(match.keys)
+        self.num_reused_blocks += match.num_blocks
+        self.num_missed_blocks += match.num_missed_blocks
+        return match.num_tokens
+
+    def cache_computed_blocks(self, request: KVRequest, num_computed_tokens: int) -> int:
+        """Register the request's newly full, computed blocks for reuse; returns how many were added.
+
+        A block still being filled is never registered, so it is never shared.
+        """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not self.enable_block_reuse or not table or getattr(request, "beam_width", 1) > 1:
+            return 0
+        bs = self.tokens_per_block
+        chain = self._chains.setdefault(rid, [])
+        extra = self.block_extra_keys(request)
+        added = 0
+        for i in range(len(chain), num_computed_tokens // bs):
+            parent = chain[-1] if chain else None
+            if (chain and parent is None) or table[i] == NO_BLOCK:
+                break  # the chain was broken by a hash collision, or the block is already gone
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            parent_hash = parent.block_hash if parent else ROOT_HASH
+            parent_serial = parent.serial if parent else -1
+            key = self.pool.register(
+                table[i], chain_hash(parent_hash, tokens, extra), tokens, extra, parent_serial
+            )
+            chain.append(key)
+            added += key is not None
+        return added
+
+    # -- attention window -----------------------------------------------------------------------------
+
+    def release_outside_window(self, request_id: int, num_computed_tokens: int) -> int:
+        """Release blocks no later query of the request attends; returns how many.
+
+        The next query sits at ``num_computed_tokens`` and sees the keys after ``position - window``;
+        later queries see less. Blocks holding sink tokens stay.
+        """
+        window = self.max_attention_window
+        table = self._tables.get(request_id)
+        if window is None or not table or request_id in self._num_beams:
+            return 0
+        bs = self.tokens_per_block
+        first_sink_free = cdiv(self.sink_token_length, bs)
+        start = max(first_sink_free, self._num_released.get(request_id, 0))
+        end = max(0, num_computed_tokens - window + 1) // bs
+        released = [table[b] for b in range(start, end) if table[b] != NO_BLOCK]
+        for b in range(start, end):
+            table[b] = NO_BLOCK
+        if end > start:
+            self._num_released[request_id] = end
+        self.pool.release(released)
+        return len(released)
+
+    # -- beams: shared blocks, forked on write ---------------------------------------------------------
+
+    def fork_beams(self, request_id: int, parents: list[int]) -> None:
+        """Beam ``i`` now continues beam ``parents[i]``: its table becomes a shared copy of the parent's.
+
+        Called after each beam-search step (the first call turns the prompt's single table into one per
+        beam). No block is copied here; blocks are shared by reference count until a beam writes into a
+        shared one, which :meth:`copy_on_write` then forks.
+        """
+        old = [beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1))]
+        tables = [list(self._tables[old[p]]) for p in parents]
+        num_tokens = [self._num_tokens[old[p]] for p in parents]
+        for table in tables:
+            self.pool.share(table)
+        self.free(request_id)
+        for beam, (table, n) in enumerate(zip(tables, num_tokens, strict=True)):
+            self._tables[beam_key(request_id, beam)] = table
+            self._num_tokens[beam_key(request_id, beam)] = n
+        if len(parents) > 1:
+            self._num_beams[request_id] = len(parents)
+
+    def copy_on_write(self, key: int | tuple[int, int], position: int) -> tuple[int, int] | None:
+        """Before writing ``position`` into table ``key``: if its block is shared, give the table its own copy.
+
+        Returns ``(source, destination)`` block ids whose contents the runtime must copy, or None.
+        """
+        table = self._tables[key]
+        index = position // self.tokens_per_block
+        if index >= len(table) or self.pool.ref_count(table[index]) == 1:
+            return None
+        source = table[index]
+        (destination,) = self.pool.allocate(1)
+        table[index] = destination
+        self.pool.release([source])
+        return source, destination
+
+    def num_beams(self, request_id: int) -> int:
+        return self._num_beams.get(request_id, 1)
+
+    def _request_tables(self, request_id: int) -> list[list[int]]:
+        keys = (beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1)))
+        return [self._tables[k] for k in keys if k in self._tables]
+
+    def _distinct_blocks(self, request_id: int) -> set[int]:
+        return {b for table in self._request_tables(request_id) for b in table if b != NO_BLOCK}
 
     # -- views ----------------------------------------------------------------------------------------
 
     def block_ids(self, request_id: int) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def num_held_blocks(self, request_id: int) -> int:
+        return sum(1 for b in self._tables.get(request_id, ()) if b != NO_BLOCK)
 
     def num_tokens(self, request_id: int) -> int:
         return self._num_tokens.get(request_id, 0)
@@ -113,25 +417,39 @@ class KVCacheManager:
 
     @property
     def num_requests(self) -> int:
-        return len(self._tables)
+        """Owners of block tables (a request with beams counts once)."""
+        return len(self._tables) - sum(n - 1 for n in self._num_beams.values())
 
     def check_integrity(self) -> None:
-        """Pool accounting holds, every table covers its tokens, and no block is owned twice."""
+        """Pool accounting holds, every table covers its tokens, no table lists a block twice, and each
+        block's reference count is the number of tables holding it (without block reuse, a block is
+        shared only between the beams of one request)."""
         self.pool.check_integrity()
-        seen: dict[int, int] = {}
-        for request_id, table in self._tables.items():
+        holders: dict[int, int] = {}
+        owner: dict[int, int] = {}
+        for key, table in self._tables.items():
+            request_id = key[0] if isinstance(key, tuple) else key
             require(
-                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(request_id, 0)),
-                f"request {request_id}: {len(table)} blocks for {self._num_tokens.get(request_id)} tokens",
+                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(key, 0)),
+                f"table {key}: {len(table)} blocks for {self._num_tokens.get(key)} tokens",
             )
-            for block_id in table:
-                if block_id in seen:
+            live = [b for b in table if b != NO_BLOCK]
+            if len(live) != len(set(live)):
+                raise IntegrityError(f"table {key} lists a block twice: {table}")
+            for block_id in live:
+                holders[block_id] = holders.get(block_id, 0) + 1
+                if owner.setdefault(block_id, request_id) != request_id and not self.enable_block_reuse:
                     raise IntegrityError(
-                        f"block {block_id} owned by requests {seen[block_id]} and {request_id}"
+                        f"block {block_id} is shared by requests {owner[block_id]} and {request_id} "
+                        "without block reuse"
                     )
-                seen[block_id] = request_id
-                require(self.pool.ref_count(block_id) == 1, f"block {block_id} has a wrong reference count")
+        for block_id, count in holders.items():
+            require(
+                self.pool.ref_count(block_id) == count,
+                f"block {block_id} has reference count {self.pool.ref_count(block_id)} "
+                f"but {count} tables hold it",
+            )
         require(
-            len(seen) == self.pool.num_used_blocks,
-            f"{self.pool.num_used_blocks} blocks in use but {len(seen)} in tables",
+            len(holders) == self.pool.num_used_blocks,
+            f"{self.pool.num_used_blocks} blocks in use but {len(holders)} in tables",
         )

@@ -25,7 +25,7 @@ ATTENTION_NAME = "bm_paged"
 
 # Attention features some models pass per layer; bm's kernel does not implement them yet, so a model
 # using them must fail loudly instead of running with silently different attention. (A native sliding
-# window is honoured by the engine instead: it caps sequences at the window, where attention is full.)
+# window is honoured by the engine instead: see ModelRunner's attention window.)
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 
@@ -40,28 +40,22 @@ class PrefillSegment:
     start: int  # first token in the packed batch
     end: int
     prefix_len: int  # tokens already in the cache before this chunk
-    block_ids: torch.Tensor | None = None  # the request's blocks, when prefix_len > 0
-    mask: torch.Tensor | None = None  # [L, prefix_len + L] bool, when prefix_len > 0
+    # The blocks to read keys from, when prefix_len > 0: the request's first blocks, or under an
+    # attention window only those holding attended keys (sink blocks, then the window's).
+    block_ids: torch.Tensor | None = None
+    # [L, keys] bool: keys are the gathered blocks' slots (prefix_len + L of them without a window), or
+    # the chunk's own keys when nothing is gathered and the chunk is longer than the window.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
 class DecodeGroup:
-    """Single-token queries of similar context length, attended together in one batched matmul."""
+    """Single-token queries of similar context length, attended together in one fused attention call."""
 
     token_index: torch.Tensor  # [B] positions in the packed batch
     block_ids: torch.Tensor  # [B * num_blocks] flattened, padded block tables
     num_blocks: int
     row_bias: torch.Tensor  # [B, num_blocks * tokens_per_block]: 0 where attended, -inf past the end
-    _bias: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def bias(self, kv_heads: int) -> torch.Tensor:
-        """The row bias laid out for ``[kv_heads * B, group, length]`` scores; built once, shared by layers."""
-        bias = self._bias.get(kv_heads)
-        if bias is None:
-            rows, length = self.row_bias.shape
-            bias = self.row_bias.unsqueeze(0).expand(kv_heads, -1, -1).reshape(kv_heads * rows, 1, length)
-            self._bias[kv_heads] = bias
-        return bias
 
 
 @dataclass
@@ -128,15 +122,19 @@ def _prefill(
     scaling: float,
 ) -> None:
     qs = q[None, :, seg.start : seg.end]
-    if seg.prefix_len == 0:
+    if seg.block_ids is None:
         # A whole prompt in one chunk: its keys are right here, no need to read the cache.
         ks, vs = k[None, :, seg.start : seg.end], v[None, :, seg.start : seg.end]
-        res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        if seg.mask is None:
+            res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        else:  # longer than the attention window
+            res = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True
+            )
     else:
         kv_heads, head_dim = cache.shape[1], cache.shape[4]
-        ctx = seg.prefix_len + (seg.end - seg.start)
         blocks = cache.index_select(2, seg.block_ids)
-        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, :ctx]
+        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, : seg.mask.shape[-1]]
         res = F.scaled_dot_product_attention(
             qs, kv[0][None], kv[1][None], attn_mask=seg.mask, scale=scaling, enable_gqa=True
         )
@@ -156,25 +154,29 @@ def _decode(
     group_size = num_heads // kv_heads
     rows = group.token_index.numel()
     length = group.num_blocks * block_size
-    # [heads, B, d] -> [kv_heads, B, group, d]: a reshape of the query instead of repeating K/V.
-    qg = q.index_select(1, group.token_index).view(kv_heads, group_size, rows, head_dim)
-    qg = qg.transpose(1, 2).reshape(kv_heads * rows, group_size, head_dim)
+    # [heads, B, d] -> [kv_heads, B, group, d]: a reshape of the query instead of repeating K/V, so the
+    # kv heads are SDPA's batch and the requests its heads; each request's keys are its own "head".
+    qg = q.index_select(1, group.token_index).view(kv_heads, group_size, rows, head_dim).transpose(1, 2)
 
     shape = (kv_heads, rows * group.num_blocks, block_size, head_dim)
     numel = kv_heads * rows * length * head_dim
-    use_scratch = scratch is not None and scratch.numel() >= numel
+    use_scratch = scratch is not None and scratch.numel() >= 2 * numel
     keys = torch.index_select(
         cache[0], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
     )
-    scores = torch.baddbmm(
-        group.bias(kv_heads), qg, keys.view(kv_heads * rows, length, head_dim).transpose(1, 2), alpha=scaling
-    )
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     values = torch.index_select(
-        cache[1], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
+        cache[1], 1, group.block_ids, out=scratch[numel : 2 * numel].view(shape) if use_scratch else None
     )
-    res = torch.bmm(probs, values.view(kv_heads * rows, length, head_dim))  # [kv_heads*B, group, d]
-    res = res.view(kv_heads, rows, group_size, head_dim).transpose(0, 1).reshape(rows, num_heads, head_dim)
+    # One fused kernel (scores never materialized) instead of baddbmm + softmax + bmm: about 1.5-2x
+    # faster on CPU at decode shapes. The row bias masks each request's padding past its length.
+    res = F.scaled_dot_product_attention(
+        qg,
+        keys.view(kv_heads, rows, length, head_dim),
+        values.view(kv_heads, rows, length, head_dim),
+        attn_mask=group.row_bias[None, :, None, :],
+        scale=scaling,
+    )  # [kv_heads, B, group, d]
+    res = res.permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim)
     out.index_copy_(0, group.token_index, res)
 
 

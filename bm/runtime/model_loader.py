@@ -38,6 +38,8 @@ class LoadedModel:
     eos_token_id: int | None
     kv_shapes: dict[int, tuple[int, int]]  # layer_idx -> (kv_heads, head_dim), as measured
     sliding_window: int | None
+    # False when only some layers slide (e.g. Qwen2's max_window_layers): one window cannot serve all.
+    sliding_window_on_every_layer: bool = True
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -142,6 +144,7 @@ def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: st
         eos_token_id=eos,
         kv_shapes=probe_kv_shapes(model),
         sliding_window=sliding,
+        sliding_window_on_every_layer=all(t == "sliding_attention" for t in layer_types),
     )
 
 

@@ -37,10 +37,24 @@ class Segment:
     start_pos: int
     block_ids: list[int]
     sample: bool
+    # Return logits for every token of the segment, not only the last (context logits were asked for).
+    keep_all: bool = False
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, tokens_per_block: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        tokens_per_block: int,
+        max_seq_len: int,
+        max_attention_window: int | None = None,
+        sink_token_length: int = 0,
+    ) -> None:
+        """``max_attention_window``: a query at position p attends keys in (p - window, p] and the first
+        ``sink_token_length`` positions; blocks wholly outside may be gone (``NO_BLOCK`` in tables)."""
+        self.window = max_attention_window
+        self.sink = sink_token_length if max_attention_window is not None else 0
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -61,11 +75,13 @@ class ModelRunner:
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 shape = (2, heads, num_blocks, tokens_per_block, dim)
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
-            self.scratch = torch.empty(widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
+            # keys and values of the largest decode group, gathered side by side
+            self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
-        """Run every segment in one packed forward; return float32 logits ``[num_sampled, vocab]``."""
+        """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
+        sampled segment, or one per token for a ``keep_all`` segment, in segment order."""
         input_ids, positions, meta, sample_index = self._prepare(segments)
         out = self.model(
             input_ids=input_ids,
@@ -75,6 +91,17 @@ class ModelRunner:
             bm_attention=meta,
         )
         return out.logits[0].float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``source -> destination`` in every layer (a beam forking a shared block)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            if cache is not None:
+                cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def _prepare(
         self, segments: Sequence[Segment]
@@ -100,7 +127,9 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 prefill.append((offset, offset + n, start, table))
-            if seg.sample:
+            if seg.keep_all:
+                sample_index.extend(range(offset, offset + n))
+            elif seg.sample:
                 sample_index.append(offset + n - 1)
             offset += n
 
@@ -120,19 +149,90 @@ class ModelRunner:
         )
 
     def _prefill_segment(self, start: int, end: int, prefix: int, table: list[int]) -> PrefillSegment:
+        ctx = prefix + (end - start)
+        if self.window is not None and ctx > self.window:
+            return self._window_prefill_segment(start, end, prefix, table)
         if prefix == 0:
             return PrefillSegment(start, end, 0)
-        ctx = prefix + (end - start)
         dev = self.device
         blocks = torch.tensor(table[: cdiv(ctx, self.tokens_per_block)], dtype=torch.long, device=dev)
         query_pos = torch.arange(prefix, ctx, device=dev)
         mask = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]
         return PrefillSegment(start, end, prefix, blocks, mask)
 
+    # -- attention window ---------------------------------------------------------------------------------
+
+    def _attended_blocks(self, first_query: int, ctx: int) -> list[int]:
+        """Logical blocks holding a key that some query in positions ``[first_query, ctx)`` attends."""
+        bs = self.tokens_per_block
+        first = max(0, first_query - self.window + 1) // bs
+        return [*range(min(cdiv(self.sink, bs), first)), *range(first, cdiv(ctx, bs))]
+
+    def _window_mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """``[queries, keys]`` bool: causal, within the window or a sink (padding keys are negative)."""
+        q, k = query_pos[:, None], key_pos[None, :]
+        return (k >= 0) & (k <= q) & ((k < self.sink) | (k > q - self.window))
+
+    def _key_positions(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Positions of every slot of the given logical blocks (a negative block gives negative slots)."""
+        bs = self.tokens_per_block
+        pos = blocks[..., None] * bs + torch.arange(bs, device=self.device)
+        pos = pos.masked_fill(blocks[..., None] < 0, -1)
+        return pos.flatten(-2)
+
+    def _window_prefill_segment(self, start: int, end: int, prefix: int, table: list[int]) -> PrefillSegment:
+        dev = self.device
+        ctx = prefix + (end - start)
+        query_pos = torch.arange(prefix, ctx, device=dev)
+        if prefix == 0:
+            return PrefillSegment(start, end, 0, None, self._window_mask(query_pos, query_pos))
+        logical = self._attended_blocks(prefix, ctx)
+        blocks = torch.tensor([table[b] for b in logical], dtype=torch.long, device=dev)
+        key_pos = self._key_positions(torch.tensor(logical, device=dev))
+        return PrefillSegment(start, end, prefix, blocks, self._window_mask(query_pos, key_pos))
+
+    def _window_decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
+        """Like :meth:`_decode_groups`, but each query reads only its sink and window blocks."""
+        bs = self.tokens_per_block
+        spans = sorted(((r, self._attended_blocks(r[1] - 1, r[1])) for r in rows), key=lambda x: len(x[1]))
+        groups, current = [], []
+        for row, logical in spans:
+            if current and (len(current) + 1) * len(logical) * bs > DECODE_GROUP_TOKENS:
+                groups.append(self._window_decode_group(current))
+                current = []
+            current.append((row, logical))
+        groups.append(self._window_decode_group(current))
+        return groups
+
+    def _window_decode_group(self, rows: list[tuple[tuple[int, int, list[int]], list[int]]]) -> DecodeGroup:
+        dev = self.device
+        num_blocks = len(rows[-1][1])
+        flat: list[int] = []
+        padded: list[list[int]] = []
+        for (_, _, table), logical in rows:
+            ids = [table[b] for b in logical]
+            flat.extend(ids + [ids[0]] * (num_blocks - len(ids)))  # padding reads a valid block, masked
+            padded.append(logical + [-1] * (num_blocks - len(logical)))
+        key_pos = self._key_positions(torch.tensor(padded, device=dev))  # [B, num_blocks * bs]
+        query_pos = torch.tensor([r[0][1] - 1 for r in rows], device=dev)[:, None]
+        ok = (key_pos >= 0) & (key_pos <= query_pos)
+        ok &= (key_pos < self.sink) | (key_pos > query_pos - self.window)
+        bias = torch.zeros(ok.shape, dtype=self.loaded.dtype, device=dev).masked_fill_(~ok, float("-inf"))
+        return DecodeGroup(
+            token_index=torch.tensor([r[0][0] for r in rows], dtype=torch.long, device=dev),
+            block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
+            num_blocks=num_blocks,
+            row_bias=bias,
+        )
+
+    # -- decode -----------------------------------------------------------------------------------------
+
     def _decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
         """Sort single-token queries by context length and cut them into groups of bounded padded size."""
         if not rows:
             return []
+        if self.window is not None and max(r[1] for r in rows) > self.window:
+            return self._window_decode_groups(rows)
         bs = self.tokens_per_block
         rows = sorted(rows, key=lambda r: r[1])
         groups = []

@@ -11,6 +11,8 @@ class TextCodec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_word(self, text: str) -> list[int]: ...
+
     def decode(self, token_ids: list[int]) -> str: ...
 
 
@@ -26,6 +28,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + self.num_special for b in text.encode("utf-8")]
 
+    def encode_word(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decode(self, token_ids: list[int]) -> str:
         data = bytes(t - self.num_special for t in token_ids if self.num_special <= t < self.vocab_size)
         return data.decode("utf-8", errors="replace")
@@ -40,6 +45,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
+
+    def encode_word(self, text: str) -> list[int]:
+        """A stop or bad word: its tokens alone, without the BOS a prompt gets."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -53,6 +53,42 @@ class CapacityScheduler(ABC):
         self._starts += 1
         request.start_order = self._starts
 
+    def try_start(
+        self, request: LlmRequest, budget: IterationBudget, free_blocks: int, to_completion: bool
+    ) -> int | None:
+        """Start a new request if it fits, taking its cached prefix when block reuse finds one.
+
+        The cached prefix is not computed again, so the budget is asked only for the rest, and blocks
+        the prefix takes from the cache count against ``free_blocks`` only when nobody holds them yet.
+        ``to_completion``: check the blocks it needs to completion (no-evict), else this iteration's.
+        Returns the free-pool blocks it uses up, or None when it does not fit (nothing changed then).
+        """
+        kv = self.kv_cache_manager
+        match = kv.find_cached_prefix(request)
+        cost = match.cost(kv.get_needed_resource_to_completion(request)) if to_completion else 0
+        if cost > free_blocks:
+            return None
+        request.num_computed_tokens = match.num_tokens  # so the budget sees only what is left
+        tokens = budget.take(request)
+        if tokens and not to_completion:
+            if request.beam_width > 1:  # beams are reserved to completion even when others are not
+                blocks = kv.get_needed_resource_to_completion(request)
+            else:
+                blocks = kv.num_blocks_for_tokens(budget.tokens_to_hold(request, tokens))
+            cost = match.cost(blocks)
+            if cost > free_blocks:
+                budget.give_back(tokens)
+                tokens = 0
+        if not tokens:
+            request.num_computed_tokens = 0
+            return None
+        kv.take_cached_prefix(request, match)
+        if kv.enable_block_reuse:
+            request.num_reused_blocks += match.num_blocks
+            request.num_missed_blocks += match.num_missed_blocks
+        self.mark_started(request)
+        return cost
+
     @abstractmethod
     def schedule_request(
         self, active_requests: Sequence[LlmRequest]
@@ -91,16 +127,16 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
-        reserved = sum(kv.get_needed_resource_to_completion(r) for r in started)
+        # Held blocks count once however many requests share them; cached blocks count as free.
+        reserved = kv.get_reserved_resource(started)
         fitting = [r for r in started if budget.take(r)]
         available = kv.get_max_resource_count() - reserved
         for request in new:
-            needed = kv.get_needed_resource_to_completion(request)
-            if needed > available or not budget.take(request):
+            cost = self.try_start(request, budget, available, to_completion=True)
+            if cost is None:
                 break
-            self.mark_started(request)
             fitting.append(request)
-            available -= needed
+            available -= cost
         return fitting, []
 
 
@@ -119,8 +155,12 @@ class MaxUtilizationScheduler(CapacityScheduler):
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
-        alive = sorted(started, key=lambda r: r.start_order)  # candidates to pause, youngest last
-        free = kv.get_num_free_blocks()
+        # Beam requests are never paused (their beams could not be recomputed from one context): each
+        # reserves what it needs to completion once started, and the others share what is left.
+        alive = sorted((r for r in started if r.beam_width == 1), key=lambda r: r.start_order)
+        free = kv.get_num_free_blocks() - sum(
+            kv.get_remaining_resource_to_completion(r) for r in started if r.beam_width > 1
+        )
         fitting: list[LlmRequest] = []
         paused: list[LlmRequest] = []
         given: dict[int, tuple[int, int]] = {}  # request id -> (tokens, blocks) granted
@@ -131,11 +171,17 @@ class MaxUtilizationScheduler(CapacityScheduler):
             tokens = budget.take(request)
             if not tokens:
                 continue
+            if request.beam_width > 1:  # its blocks are reserved above
+                fitting.append(request)
+                continue
             need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
             while need > free and alive[-1] is not request:
                 victim = alive.pop()
                 paused.append(victim)
                 free += kv.num_freeable_blocks(victim.request_id)
+                # Freed now, not after scheduling, so a new request's prefix match sees its blocks as
+                # cached (reclaimable) rather than held; the batch manager's own free is then a no-op.
+                kv.free(victim.request_id)
                 if victim.request_id in given:
                     victim_tokens, victim_blocks = given.pop(victim.request_id)
                     fitting.remove(victim)
@@ -146,21 +192,17 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 alive.remove(request)
                 paused.append(request)
                 free += kv.num_freeable_blocks(request.request_id)
+                kv.free(request.request_id)
                 continue
             free -= need
             fitting.append(request)
             given[request.request_id] = (tokens, need)
 
         for request in new:
-            tokens = budget.take(request)
-            if not tokens:
+            cost = self.try_start(request, budget, free, to_completion=False)
+            if cost is None:
                 break
-            need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
-            if need > free:
-                budget.give_back(tokens)
-                break
-            free -= need
-            self.mark_started(request)
+            free -= cost
             fitting.append(request)
         return fitting, paused
 
@@ -186,10 +228,9 @@ class StaticBatchScheduler(GuaranteedNoEvictScheduler):
         started, new = split_started(self, members)
         budget = self.new_budget()
         fitting = [r for r in started if budget.take(r)]
-        for request in new:
-            if not budget.take(request):
+        for request in new:  # the batch was formed on full needs, so any cached prefix is a bonus
+            if self.try_start(request, budget, sys.maxsize, to_completion=False) is None:
                 break
-            self.mark_started(request)
             fitting.append(request)
         return fitting, []
 

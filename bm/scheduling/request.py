@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 
 class RequestState(IntEnum):
@@ -78,6 +79,10 @@ class LlmRequest:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     num_streamed_tokens: int = 0
     num_pauses: int = 0
+    # Block reuse, summed over every start (a resumed request looks its context up again): blocks taken
+    # from the cache, and context blocks that had to be computed.
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
     # When the request last started holding KV blocks (set by the capacity stage); MAX_UTILIZATION
     # pauses the most recent first.
     start_order: int = -1
@@ -91,6 +96,14 @@ class LlmRequest:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Beam search: beams share the prompt's blocks and fork them as they diverge (see bm.kv). While a beam
+    # request runs, ``output_ids`` is beam 0's running tokens (every beam has the same length).
+    beam_width: int = 1
+    # Runtime-owned decoding state (logits processors, beam hypotheses, requested logits): opaque here so
+    # the schedulers stay free of torch. None for a plain request, which keeps its hot path untouched.
+    decoding: Any = None
+    # Per generated token when return_log_probs is set (beam requests keep theirs in ``decoding``).
+    output_log_probs: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -69,7 +69,7 @@ class V1Scheduler(RequestScheduler):
             output = max(longest_output, request.max_new_tokens - len(request.output_ids))
             padded = [*members, request]
             need = sum(
-                kv.num_blocks_for_tokens(m.num_tokens + output)
+                kv.num_blocks_for_tokens(m.num_tokens + output) * m.beam_width
                 + kv.num_blocks_for_tokens(prompt - m.num_tokens)
                 for m in padded
             )

@@ -3,8 +3,8 @@
 Order matters and is the same for every format: read all rows -> check trace order -> shuffle (seeded)
 -> take ``num_requests`` -> tokenize text / scale lengths / cap them -> generate token ids where the
 dataset has lengths only. Generating last, in replay order, from one seeded ``random.Random`` makes
-the Azure trace with ``--input-scale 0.25 --output-scale 0.25`` reproduce ``make_workload.py``'s
-reference workload token for token.
+the Azure trace with ``--num-requests 128 --input-scale 0.25 --output-scale 0.25 --max-input-len 1024
+--max-output-len 256`` reproduce the shared reference workload (``make_workload.py``) token for token.
 """
 
 from __future__ import annotations

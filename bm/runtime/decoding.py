@@ -1,0 +1,86 @@
+"""From a forward's logits to each request's next token(s): controls, sampling, log probs, beam steps.
+
+A batch where no request asked for anything beyond temperature / top-k / top-p goes straight to the
+sampler, exactly as before these features existed. Otherwise the controls of :mod:`bm.runtime.logits`
+run over the batch, beam requests take a beam-search step on their rows (HF applies its processors to
+log-probabilities in beam search, so bm does too), and log probs are read off the processed
+distribution (``log_softmax(logits / temperature)`` before top-k/top-p; temperature 1 for greedy rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bm.runtime.beam_search import StepOutcome
+from bm.runtime.logits import DecodingOptions, Row, apply_controls
+from bm.runtime.sampler import Sampler
+from bm.scheduling.request import LlmRequest
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # one per row (beam rows: unused)
+    log_probs: list[float | None] | None = None  # one per row when some row asked for them
+    beams: dict[int, StepOutcome] = field(default_factory=dict)  # request id -> its beam step
+
+
+class Decoder:
+    def __init__(self) -> None:
+        self.sampler = Sampler()
+
+    def release(self, request_id: int) -> None:
+        self.sampler.release(request_id)
+
+    @torch.inference_mode()
+    def decode(
+        self, logits: torch.Tensor, requests: Sequence[LlmRequest], beams: Sequence[int]
+    ) -> DecodeResult:
+        """``logits [rows, vocab]``; row ``i`` belongs to ``requests[i]`` (beam ``beams[i]``)."""
+        params = [r.sampling for r in requests]
+        ids = [r.request_id for r in requests]
+        if all(r.decoding is None for r in requests):
+            return DecodeResult(self.sampler.sample(logits, params, ids))
+
+        rows: list[Row | None] = []
+        beam_rows: dict[int, list[int]] = {}
+        for i, (req, b) in enumerate(zip(requests, beams, strict=True)):
+            opts: DecodingOptions | None = req.decoding
+            if opts is None:
+                rows.append(None)
+                continue
+            if opts.return_generation_logits and opts.beam is None:
+                opts.generation_logits.append(logits[i].detach().to("cpu", copy=True))
+            output = opts.beam.tokens[b] if opts.beam is not None else req.output_ids
+            rows.append(Row(req.request_id, opts, req.prompt_ids, output, req.sampling.end_id))
+            if opts.beam is not None:
+                beam_rows.setdefault(req.request_id, []).append(i)
+        if beam_rows:
+            index = torch.tensor([i for rs in beam_rows.values() for i in rs], device=logits.device)
+            logits.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index), dim=-1))
+        logits = apply_controls(logits, rows)
+        tokens = self.sampler.sample(logits, params, ids)
+        result = DecodeResult(tokens)
+        for rid, indices in beam_rows.items():
+            opts = rows[indices[0]].options  # type: ignore[union-attr]
+            result.beams[rid] = opts.beam.step(logits[indices])  # type: ignore[union-attr]
+        wanted = [
+            i
+            for i, r in enumerate(rows)
+            if r is not None and r.options.return_log_probs and r.options.beam is None
+        ]
+        if wanted:
+            index = torch.tensor(wanted, device=logits.device)
+            temperature = torch.tensor(
+                [params[i].temperature if not params[i].is_greedy else 1.0 for i in wanted],
+                device=logits.device,
+            )
+            chosen = torch.tensor([tokens[i] for i in wanted], device=logits.device)
+            lp = torch.log_softmax(logits.index_select(0, index) / temperature[:, None], dim=-1)
+            values = lp.gather(1, chosen[:, None])[:, 0].tolist()
+            result.log_probs = [None] * len(rows)
+            for i, v in zip(wanted, values, strict=True):
+                result.log_probs[i] = v
+        return result

@@ -1,0 +1,197 @@
+"""Per-request logits controls, applied to a whole batch of rows at once.
+
+A request that asks for any control carries a :class:`DecodingOptions`; one that asks for none carries
+``None`` and costs nothing here. For the rows that need them, the controls are gathered into tensors
+(penalty columns, token-count matrices, lists of ``(row, token)`` bans) and applied with a handful of
+batched tensor operations. Python only walks each request's own short lists (its word lists, its n-gram
+index), never the vocabulary.
+
+Order, chosen so greedy output equals Hugging Face ``generate()`` with the equivalent processors:
+user post-processor, embedding bias, repetition penalty, presence/frequency penalties, no-repeat n-grams,
+bad words, min length. Temperature, top-k and top-p follow in the sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# (request_id, logits [rows, vocab], tokens so far per row) -> logits
+LogitsPostProcessor = Callable[[int, torch.Tensor, list[list[int]]], torch.Tensor]
+
+
+@dataclass(eq=False)
+class DecodingOptions:
+    """What a request asked of decoding beyond temperature / top-k / top-p, already validated."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_length: int = 0
+    no_repeat_ngram_size: int = 0
+    embedding_bias: torch.Tensor | None = None  # [vocab] float32
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    stop_words: tuple[tuple[int, ...], ...] = ()
+    len_penalty: float = 1.0
+    early_stopping: int = 1  # 1: stop at beam_width hypotheses; 0: heuristic; >1: never early
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    logits_post_processor: LogitsPostProcessor | None = None
+    # State, filled as the request runs.
+    context_logits: list[torch.Tensor] = field(default_factory=list)
+    num_context_logits: int = 0
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
+    beam: object | None = None  # bm.runtime.beam_search.BeamSearch while a beam request runs
+    _ngrams: list[dict[tuple[int, ...], set[int]]] = field(default_factory=list)
+
+    @property
+    def processes_logits(self) -> bool:
+        return (
+            self.logits_post_processor is not None
+            or self.embedding_bias is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_length > 0
+            or self.no_repeat_ngram_size > 0
+            or bool(self.bad_words)
+        )
+
+
+@dataclass(slots=True)
+class Row:
+    """One row of logits to decode: its request's options, the tokens so far, and the id for callbacks."""
+
+    request_id: int
+    options: DecodingOptions
+    prompt: list[int]
+    output: list[int]
+    end_id: int
+
+
+def apply_controls(logits: torch.Tensor, rows: Sequence[Row | None]) -> torch.Tensor:
+    """Apply every row's controls to ``logits [len(rows), vocab]`` (in place where possible).
+
+    ``None`` rows (requests without controls) are left untouched.
+    """
+    active = [(i, r) for i, r in enumerate(rows) if r is not None and r.options.processes_logits]
+    if not active:
+        return logits
+    logits = _post_processors(logits, active)
+    dev = logits.device
+    vocab = logits.shape[1]
+    biased = [(i, r.options.embedding_bias) for i, r in active if r.options.embedding_bias is not None]
+    if biased:
+        index = torch.tensor([i for i, _ in biased], device=dev)
+        logits.index_add_(0, index, torch.stack([b for _, b in biased]).to(dev, logits.dtype))
+    _penalties(logits, active, vocab)
+    bans: list[tuple[int, int]] = []
+    for i, r in active:
+        opts = r.options
+        if opts.no_repeat_ngram_size > 0:
+            bans.extend((i, t) for t in _ngram_bans(r))
+        for word in opts.bad_words:
+            if _ends_with(r.prompt, r.output, word[:-1]):
+                bans.append((i, word[-1]))
+        if len(r.output) < opts.min_length and r.end_id >= 0:
+            bans.append((i, r.end_id))
+    if bans:
+        rows_t = torch.tensor([b[0] for b in bans], device=dev)
+        cols_t = torch.tensor([b[1] for b in bans], device=dev)
+        logits[rows_t, cols_t] = float("-inf")
+    return logits
+
+
+def _post_processors(logits: torch.Tensor, active: list[tuple[int, Row]]) -> torch.Tensor:
+    """The user's callbacks, once per request (all its rows together, e.g. every beam)."""
+    by_request: dict[int, list[int]] = {}
+    for i, r in active:
+        if r.options.logits_post_processor is not None:
+            by_request.setdefault(r.request_id, []).append(i)
+    for request_id, indices in by_request.items():
+        rows = [r for i, r in active if i in indices]
+        fn = rows[0].options.logits_post_processor
+        index = torch.tensor(indices, device=logits.device)
+        out = fn(request_id, logits.index_select(0, index), [r.prompt + r.output for r in rows])
+        if not isinstance(out, torch.Tensor) or out.shape != (len(indices), logits.shape[1]):
+            raise ValueError(
+                f"logits_post_processor of request {request_id} must return a tensor of shape "
+                f"{[len(indices), logits.shape[1]]}"
+            )
+        logits.index_copy_(0, index, out.to(logits.dtype))
+    return logits
+
+
+def _penalties(logits: torch.Tensor, active: list[tuple[int, Row]], vocab: int) -> None:
+    """Repetition (over prompt + output, as HF), presence and frequency (over the output, as OpenAI and
+    TensorRT-LLM): one scatter to count tokens, then column-broadcast arithmetic."""
+    dev = logits.device
+    rep = [(i, r) for i, r in active if r.options.repetition_penalty != 1.0]
+    if rep:
+        index = torch.tensor([i for i, _ in rep], device=dev)
+        seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev) > 0
+        penalty = torch.tensor([r.options.repetition_penalty for _, r in rep], device=dev)[:, None]
+        sub = logits.index_select(0, index)
+        penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
+        logits.index_copy_(0, index, torch.where(seen, penalised, sub))
+    freq = [(i, r) for i, r in active if r.options.presence_penalty or r.options.frequency_penalty]
+    if freq:
+        index = torch.tensor([i for i, _ in freq], device=dev)
+        counts = _token_counts([r.output for _, r in freq], vocab, dev)
+        presence = torch.tensor([r.options.presence_penalty for _, r in freq], device=dev)[:, None]
+        frequency = torch.tensor([r.options.frequency_penalty for _, r in freq], device=dev)[:, None]
+        delta = (counts > 0).float() * presence + counts * frequency
+        logits.index_add_(0, index, -delta.to(logits.dtype))
+
+
+def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    longest = max((len(h) for h in histories), default=0)
+    counts = torch.zeros(len(histories), vocab + 1, device=device)
+    if longest:
+        ids = torch.full((len(histories), longest), vocab, dtype=torch.long)  # pads land in a spare column
+        for j, h in enumerate(histories):
+            ids[j, : len(h)] = torch.tensor(h, dtype=torch.long)
+        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _ends_with(prompt: list[int], output: list[int], suffix: Sequence[int]) -> bool:
+    """Whether prompt + output ends with ``suffix``, without building the concatenation."""
+    n = len(suffix)
+    if n == 0:
+        return True
+    if n > len(prompt) + len(output):
+        return False
+    if n <= len(output):
+        return tuple(output[len(output) - n :]) == tuple(suffix)
+    head = n - len(output)
+    return tuple(prompt[len(prompt) - head :]) == tuple(suffix[:head]) and tuple(output) == tuple(
+        suffix[head:]
+    )
+
+
+def ends_with_stop_word(row_prompt: list[int], row_output: list[int], words: Sequence[Sequence[int]]) -> bool:
+    return any(_ends_with(row_prompt, row_output, w) for w in words)
+
+
+def _ngram_bans(row: Row) -> list[int]:
+    """Tokens that would repeat an n-gram of prompt + output (HF's NoRepeatNGramLogitsProcessor).
+
+    Rebuilt from the row's tokens each step: beams of one request swap histories as they reorder, so
+    an index kept per request would follow the wrong beam. Cost is linear in the sequence, not the vocab.
+    """
+    n = row.options.no_repeat_ngram_size
+    seq = row.prompt + row.output
+    if len(seq) + 1 < n:
+        return []
+    if n == 1:
+        return list(set(seq))
+    prefix = tuple(seq[len(seq) - n + 1 :])
+    banned = []
+    for start in range(len(seq) - n + 1):
+        if tuple(seq[start : start + n - 1]) == prefix:
+            banned.append(seq[start + n - 1])
+    return banned

@@ -1,0 +1,139 @@
+"""`bm bench` end to end on the tiny model, and run_bench as a library for comparing variants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bm.bench import run_bench, write_results
+from bm.cli.main import app
+from bm.workloads import arrival_times, load_workload
+from tests.conftest import make_config
+
+runner = CliRunner()
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def bench(*args):
+    return runner.invoke(app, ["bench", *map(str, args), "--quiet", "--set", "model.device=cpu"])
+
+
+@pytest.fixture
+def trace(tmp_path):
+    rows = [
+        {
+            "id": f"r{i}",
+            "input_ids": [3 + i, 5, 7, 9][: 1 + i % 4],
+            "max_tokens": 2 + i % 3,
+            "arrival_time": 0.02 * i,
+        }
+        for i in range(6)
+    ]
+    rows.insert(3, {"id": "bad", "prompt": "", "max_tokens": 2, "arrival_time": 0.05})
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bench_replays_a_timed_trace_with_an_slo_and_writes_all_three_files(tmp_path, trace):
+    config = tmp_path / "bench.yaml"
+    config.write_text("kv_cache:\n  max_tokens: 2048\nbench:\n  warmup: 2\n  time_scale: 3.0\n")
+    out = tmp_path / "out"
+    result = bench(
+        trace, "-c", config, "--trace-timestamps", "--time-scale", "0.5", "--ignore-eos",
+        "--slo", "ttft=1e9,tpot=1e9", "--slo", "e2el=1e9", "--policy", "max_utilization", "-o", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["bench"]["time_scale"] == 0.5  # the flag overrides the file
+    assert results["config"]["bench"]["warmup"] == 2
+    assert results["scheduler_policy"] == "max_utilization"
+    assert results["arrivals"] == {"process": "trace", "time_scale": 0.5, "max_concurrency": None}
+    assert results["slo_ms"] == {"ttft": 1e9, "tpot": 1e9, "e2el": 1e9}
+    assert (results["num_requests"], results["completed"], results["failed"]) == (7, 6, 1)
+    assert results["total_output_tokens"] == sum(2 + i % 3 for i in range(6))
+    assert results["request_goodput"] == results["request_throughput"] > 0
+    assert results["bm_version"] and results["model"] == "embedded tiny-llama" and results["seed"] == 0
+    for key in ("mean_ttft_ms", "p99_tpot_ms", "median_itl_ms", "std_e2el_ms", "p90_queue_time_ms"):
+        assert results[key] is not None and results[key] >= 0
+
+    records = read_jsonl(out / "requests.jsonl")  # warm-up requests are not among them
+    assert [r["index"] for r in records] == list(range(7))
+    bad = records[3]
+    assert not bad["ok"] and bad["id"] == "bad" and bad["error"] == "line 4: prompt: the prompt is empty"
+    for r in records[:3] + records[4:]:
+        assert r["ok"] and r["output_tokens"] == len(r["itl_ms"]) + 1
+        assert r["send_s"] >= r["arrival_s"] and r["arrival_s"] == pytest.approx(0.01 * int(r["id"][1:]))
+    stats = read_jsonl(out / "stats.jsonl")
+    assert len(stats) == results["num_iterations"] > 0
+    assert "Successful requests" in result.output and "TTFT" in result.output
+
+
+def test_a_tight_slo_counts_no_good_request(tmp_path, trace):
+    result = bench(trace, "--slo", "ttft=0.000001", "-o", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.output
+    results = json.loads(result.stdout)  # --json: stdout holds only the results document
+    assert results["completed"] == 6 and results["request_goodput"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--rate", "2", "--trace-timestamps"],
+            "bench.trace_timestamps and bench.request_rate are exclusive",
+        ),
+        (["--slo", "latency=3"], "--slo 'latency=3'"),
+        (["--dataset-kind", "csvish"], "bench.dataset_kind"),
+        (["--rate", "-1"], "bench.request_rate"),
+        (["--time-scale", "2"], "bench.time_scale"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_key(trace, args, message):
+    result = bench(trace, *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_bad_dataset_exits_2_naming_the_row(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:49,3,3\n2023-11-16 18:15:47,3,3\n"
+    )
+    result = bench(path, "--trace-timestamps", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "line 3: timestamp goes backwards" in result.output, result.output
+
+
+def test_run_bench_compares_schemes_on_one_workload_in_one_process(tmp_path, tiny_model):
+    bench_section = {
+        "dataset_kind": "synthetic",
+        "num_requests": 6,
+        "input_len": 6,
+        "output_len": 4,
+        "range_ratio": 0.5,
+        "request_rate": 500.0,
+        "ignore_eos": True,
+    }
+    config = make_config(bench=bench_section)
+    workload = load_workload(config.bench, vocab_size=tiny_model.vocab_size, encode=None)
+    times = arrival_times(workload, config.bench)
+    results = {}
+    for scheme in ("v1", "inflight_fused"):
+        variant = make_config(engine={"batching_scheme": scheme}, bench=bench_section)
+        results[scheme] = run_bench(variant, tiny_model, workload, times)
+    v1, fused = results["v1"], results["inflight_fused"]
+    assert list(v1.records["output_tokens"]) == list(fused.records["output_tokens"])
+    assert list(v1.records["output_tokens"]) == [r.output_len for r in workload.requests]
+    assert list(v1.records["arrival_s"]) == pytest.approx(times)
+    assert v1.metrics.keys() == fused.metrics.keys()
+    assert fused.metrics["total_empty_generation_slots"] == 0
+    assert fused.metrics["total_computed_tokens"] == sum(
+        r.input_len + r.output_len - 1 for r in workload.requests
+    )
+    document = write_results(tmp_path / "v1", v1)
+    assert document["batching_scheme"] == "v1" and document["completed"] == 6
+    assert len(read_jsonl(tmp_path / "v1" / "requests.jsonl")) == 6
