@@ -94,7 +94,8 @@ def run_hf_continuous_batching(
 ) -> PeerResult:
     """transformers' continuous batching manager with every request queued at once."""
     ref = stock_copy(model)
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    # it logs an ERROR line on every CPU run (no psutil) that says nothing about the results
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     config = GenerationConfig(
         max_new_tokens=max(n for _, n in workload), do_sample=False, eos_token_id=-1, pad_token_id=0
     )

@@ -74,6 +74,24 @@ def test_bench_replays_a_timed_trace_with_an_slo_and_writes_all_three_files(tmp_
     assert "Successful requests" in result.output and "TTFT" in result.output
 
 
+def test_bench_plot_writes_the_same_pngs_as_report(tmp_path, trace):
+    out = tmp_path / "out"
+    result = bench(trace, "--ignore-eos", "-o", out, "--plot", "--set", "kv_cache.max_tokens=2048")
+    assert result.exit_code == 0, result.output
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == sorted(
+        [
+            "latency_cdf.png",
+            "throughput.png",
+            "batch_composition.png",
+            "kv_utilization.png",
+            "paused_requests.png",
+        ]
+    )
+    for name in pngs:
+        assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_tight_slo_counts_no_good_request(tmp_path, trace):
     result = bench(trace, "--slo", "ttft=0.000001", "-o", tmp_path / "out", "--json")
     assert result.exit_code == 0, result.output

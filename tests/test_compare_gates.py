@@ -164,7 +164,7 @@ def test_tolerance_accepts_percentages_and_fractions(text, value):
     assert parse_tolerance(text) == pytest.approx(value)
 
 
-@pytest.mark.parametrize("text", ["ten", "-5%", "10%%", "2000%"])
+@pytest.mark.parametrize("text", ["ten", "-5%", "10%%", "1e3", ""])
 def test_bad_tolerance_names_the_accepted_forms(text):
     with pytest.raises(ValueError, match="--tolerance"):
         parse_tolerance(text)

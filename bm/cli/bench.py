@@ -127,6 +127,7 @@ def bench(
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Results directory (default bm-out/bench-TIME).", rich_help_panel=RUN),
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
+    plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
     latency (vllm bench serve's metric names) and the batch manager's figures."""
@@ -136,7 +137,7 @@ def bench(
     except ConfigError as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
     console = Console(stderr=cfg.bench.json_output)
-    code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output))
+    code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output), plot=plot)
     if code:
         raise typer.Exit(code=code)
 
@@ -146,8 +147,11 @@ def _fail(console: Console, message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def run_command(cfg: BmConfig, console: Console, show_progress: bool) -> int:
-    """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code."""
+def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool = False) -> int:
+    """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code.
+
+    Plots are drawn from the written files (the path ``bm report`` takes), so a plot never shows anything
+    the saved results do not hold."""
     from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError, load_model
@@ -181,6 +185,12 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool) -> int:
             f"results: {out / 'results.json'}  requests: {out / 'requests.jsonl'}  stats: {out / 'stats.jsonl'}",
             soft_wrap=True,
         )
+    if plot:
+        from bm.compare.runner import load_plot_data
+        from bm.report.plots import write_plots
+
+        paths = write_plots(load_plot_data(out), out / "plots")
+        console.print(f"plots: {len(paths)} PNGs in {out / 'plots'}", soft_wrap=True)
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
     return 130 if result.interrupted else 0

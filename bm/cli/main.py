@@ -117,6 +117,17 @@ def _register_bench() -> None:
 _register_bench()
 
 
+def _register_compare() -> None:
+    """``bm compare`` and ``bm report`` share bench's flags; their heavy imports wait until they run."""
+    from bm.cli.compare import compare, report
+
+    app.command("compare")(compare)
+    app.command("report")(report)
+
+
+_register_compare()
+
+
 def main() -> None:
     app()
 

@@ -268,7 +268,7 @@ def parse_assertion(text: str) -> Assertion:
     return _Parser(text).assertion()
 
 
-Metrics = Mapping[str, Mapping[str, Any]]
+Metrics = Mapping[str, Any]  # variant -> {metric: value} (or the set of metric names, for check_refs)
 
 
 def check_refs(assertion: Assertion, metrics: Metrics) -> None:
@@ -288,9 +288,9 @@ def _lookup(ref: Ref, metrics: Metrics, text: str, check_value: bool = True) -> 
         close = difflib.get_close_matches(ref.metric, list(row), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise AssertionEvalError(f"{text!r}: variant {ref.variant!r} has no metric {ref.metric!r}{hint}")
-    value = row[ref.metric]
     if not check_value:
         return 0.0
+    value = row[ref.metric]
     if value is None or isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise AssertionEvalError(f"{text!r}: {ref} has no numeric value in this run ({value!r})")
     return float(value)

@@ -107,7 +107,13 @@ def _per_variant_axes(variants: Sequence[VariantData], title: str) -> tuple[plt.
     return fig, [row[0] for row in axes]
 
 
+def _with_stats(variants: Sequence[VariantData]) -> list[VariantData]:
+    """Variants that report per-iteration stats (the HF baselines do not)."""
+    return [v for v in variants if len(v.stats)]
+
+
 def _batch_composition(variants: Sequence[VariantData]) -> plt.Figure:
+    variants = _with_stats(variants) or list(variants[:1])
     fig, axes = _per_variant_axes(variants, "Batch composition per iteration (tokens)")
     for ax, v in zip(axes, variants, strict=False):
         s = v.stats

@@ -1,0 +1,285 @@
+"""``bm compare`` and ``bm report``: batching schemes and policies side by side, CI gates, plots.
+
+``bm compare`` takes the same dataset and arrival flags as ``bm bench`` (they set the same config keys),
+so a benchmark config runs unchanged under compare. Everything the user wrote is checked before the model
+loads: the variant names, every --assert expression (grammar and the variant/metric names it reads), the
+baseline file and the tolerance, so a typo never costs a long run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from bm.cli.bench import ARRIVE, DATA, MODEL, RUN, resolve_config
+from bm.config import BmConfig, ConfigError
+
+if TYPE_CHECKING:
+    from bm.compare.expr import Assertion
+    from bm.compare.runner import Variant
+
+GATES = "Gates"
+
+
+def compare(
+    dataset: Path | None = typer.Argument(None, help="Dataset file or directory (as for bm bench)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
+    schemes: str = typer.Option("v1,inflight,inflight_fused", "--schemes", help="Comma-separated batching schemes."),
+    policies: str = typer.Option("guaranteed_no_evict", "--policies", help="Comma-separated scheduler policies."),
+    baselines: str = typer.Option("", "--baselines", help="Reference baselines: hf-generate, hf-cb."),
+    repeat: int = typer.Option(1, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians."),
+    reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first]."),
+    hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch."),
+    out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Output directory [bm-out/compare-TIME].", rich_help_panel=RUN),
+    plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots.", rich_help_panel=RUN),
+    json_output: bool = typer.Option(False, "--json", help="Print only compare.json on stdout.", rich_help_panel=RUN),
+    asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
+    baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
+    tolerance: str = typer.Option("10%", "--tolerance", help="Allowed timing regression against --baseline.", rich_help_panel=GATES),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Override a config key, e.g. engine.max_batch_size=64.", rich_help_panel=MODEL),
+    model: str | None = typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL),
+    model_config: str | None = typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL),
+    dataset_kind: str | None = typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA),
+    input_len: int | None = typer.Option(None, "--input-len", help="synthetic: mean prompt length.", rich_help_panel=DATA),
+    output_len: int | None = typer.Option(None, "--output-len", help="synthetic: mean output length.", rich_help_panel=DATA),
+    input_scale: float | None = typer.Option(None, "--input-scale", help="Multiply prompt lengths.", rich_help_panel=DATA),
+    output_scale: float | None = typer.Option(None, "--output-scale", help="Multiply output lengths.", rich_help_panel=DATA),
+    num_requests: int | None = typer.Option(None, "--num-requests", "--num-prompts", "-n", help="First N requests.", rich_help_panel=DATA),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of shuffling, token ids, arrivals [0].", rich_help_panel=DATA),
+    rate: float | None = typer.Option(None, "--rate", "--request-rate", help="Poisson arrivals, requests/s [offline].", rich_help_panel=ARRIVE),
+    burstiness: float | None = typer.Option(None, "--burstiness", help="Gamma shape of the gaps at --rate [1].", rich_help_panel=ARRIVE),
+    trace_timestamps: bool | None = typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE),
+    time_scale: float | None = typer.Option(None, "--time-scale", help="Multiply trace gaps [1].", rich_help_panel=ARRIVE),
+    concurrency: int | None = typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE),
+    warmup: int | None = typer.Option(None, "--warmup", help="Requests run first in each run, not measured.", rich_help_panel=RUN),
+    slo: list[str] = typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN),
+    ignore_eos: bool | None = typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines.", rich_help_panel=RUN),
+) -> None:  # fmt: skip
+    """Run every scheme x policy (and baseline) on the identical workload in one process, print one
+    table, write compare.json and compare.md, and gate on --assert and --baseline (exit 1 on failure)."""
+    from bm.compare.expr import AssertionEvalError, AssertionSyntaxError, check_refs, parse_assertion
+    from bm.compare.regress import ToleranceError, parse_tolerance
+    from bm.compare.runner import plan_variants
+
+    err = Console(stderr=True)
+    flags = dict(locals())
+    flags.pop("out_dir")  # compare's own directory, not bench.out_dir
+    flags.pop("json_output")
+    try:
+        cfg = resolve_config(config, set_, flags, slo)
+        variants = plan_variants(schemes, policies, baselines)
+        if repeat < 1:
+            raise ConfigError(f"--repeat {repeat}: must be at least 1")
+        if hf_batch_size < 1:
+            raise ConfigError(f"--hf-batch-size {hf_batch_size}: must be at least 1")
+        names = [v.name for v in variants]
+        if reference is not None and reference not in names:
+            raise ConfigError(f"--reference {reference!r}: not one of the variants ({', '.join(names)})")
+        parsed = [parse_assertion(text) for text in asserts]
+        placeholder = {v.name: _known_metrics(v.kind) for v in variants}
+        for assertion in parsed:
+            check_refs(assertion, placeholder)
+        tol = parse_tolerance(tolerance)
+        previous = _read_baseline(baseline) if baseline is not None else None
+    except (ConfigError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    console = err if json_output else Console()
+    code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out_dir, plot, json_output, quiet, console)  # fmt: skip
+    if code:
+        raise typer.Exit(code=code)
+
+
+def _known_metrics(kind: str) -> set[str]:
+    """The metric names a variant will have, so --assert typos fail before the run, not after it."""
+    from bm.bench.metrics import LATENCIES, PERCENTILES
+    from bm.compare.runner import TABLE_COLUMNS
+
+    names = {k for k, _ in TABLE_COLUMNS} | {
+        "duration",
+        "num_requests",
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "num_paused_requests",
+        "total_pauses",
+        "max_kv_cache_utilization",
+        "mean_requests_per_iteration",
+        "mean_tokens_per_iteration",
+        "mean_iteration_latency_ms",
+        "max_paused_per_iteration",
+        "total_padded_context_tokens",
+    }
+    for name in LATENCIES:
+        names |= {f"{s}_{name}_ms" for s in ("mean", "median", "std")}
+        names |= {f"p{p}_{name}_ms" for p in PERCENTILES}
+    return names
+
+
+def _read_baseline(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--baseline {path}: no such file; save one with bm compare -o DIR (DIR/compare.json)"
+        ) from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--baseline {path}: not a readable compare.json ({exc})") from None
+    if not isinstance(document, dict) or not isinstance(document.get("variants"), dict):
+        raise ConfigError(f"--baseline {path}: not a compare.json (no 'variants' mapping)")
+    return document
+
+
+def _run(
+    cfg: BmConfig,
+    variants: list[Variant],
+    parsed: list[Assertion],
+    previous: dict[str, Any] | None,
+    baseline: Path | None,
+    tol: float,
+    repeat: int,
+    reference: str | None,
+    hf_batch_size: int,
+    out_dir: Path | None,
+    plot: bool,
+    json_output: bool,
+    quiet: bool,
+    console: Console,
+) -> int:
+    from bm.compare.expr import AssertionEvalError, evaluate_assertion
+    from bm.compare.regress import find_regressions
+    from bm.compare.runner import compare_document, run_compare, write_compare
+    from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError, load_model
+    from bm.workloads import DatasetError, arrival_times, load_workload
+
+    try:
+        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
+        loaded = load_model(cfg.model)
+        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
+        workload = load_workload(cfg.bench, vocab_size=loaded.vocab_size, encode=encode)
+        arrivals = arrival_times(workload, cfg.bench)
+    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    info = workload.describe()
+    console.print(f"dataset: {info['kind']} {info['path']}: {info['num_requests']} requests; "
+                  f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)  # fmt: skip
+    started: dict[str, float] = {}
+
+    def on_start(v: Variant, r: int, _m: dict[str, Any]) -> None:
+        started[v.name] = time.perf_counter()
+
+    def on_done(v: Variant, r: int, m: dict[str, Any]) -> None:
+        if not quiet:
+            took = time.perf_counter() - started[v.name]
+            console.print(
+                f"  [{r + 1}/{repeat}] {v.name:<32} {m.get('output_throughput') or 0:8.1f} out tok/s  ({took:.1f} s)",
+                highlight=False,
+            )
+
+    try:
+        result = run_compare(cfg, loaded, workload, arrivals, variants, repeat=repeat, reference=reference,
+                             hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done)  # fmt: skip
+    except (KVCacheSizeError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    metrics = result.metrics()
+    failed_eval = []
+    for assertion in parsed:
+        try:
+            result.assertions.append(evaluate_assertion(assertion, metrics))
+        except AssertionEvalError as exc:
+            failed_eval.append(str(exc))
+    if previous is not None:
+        result.baseline_path, result.tolerance = str(baseline), tol
+        result.regressions = find_regressions(previous, compare_document(result), tol)
+    out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
+    document = write_compare(out, result)
+    if plot:
+        from bm.compare.runner import load_plot_data
+        from bm.report.plots import write_plots
+
+        write_plots(load_plot_data(out), out / "plots")
+    if json_output:
+        print(json.dumps(document, indent=2))
+    else:
+        console.print(compare_table(result, console.width))
+        console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
+                      soft_wrap=True)  # fmt: skip
+    return _gate(console if not json_output else Console(stderr=True), result, failed_eval)
+
+
+def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
+    """Exit code 1 when any assertion fails (or cannot be evaluated) or a regression is found."""
+    bad = False
+    for a in result.assertions:
+        console.print(
+            ("[green]" if a.passed else "[red]") + a.message + "[/]", highlight=False, soft_wrap=True
+        )
+        bad |= not a.passed
+    for message in failed_eval:
+        console.print(f"[red]FAILED: {message}[/]", highlight=False, soft_wrap=True)
+        bad = True
+    if result.baseline_path is not None:
+        if result.regressions:
+            for r in result.regressions:
+                console.print(f"[red]regression: {r.message}[/]", highlight=False, soft_wrap=True)
+            bad = True
+        else:
+            console.print(f"[green]no regressions against {result.baseline_path}[/]", highlight=False)
+    return 1 if bad else 0
+
+
+def compare_table(result: Any, width: int = 200) -> Table:
+    """Variants as rows when the terminal is wide enough, else transposed (figures as rows), so no
+    column is truncated on an 80-column terminal or in a CI log."""
+    from bm.compare.runner import table_rows
+
+    header, rows = table_rows(result)
+    title = "bm compare (latencies in ms; medians over repeats)"
+    needed = sum(max(len(h), *(len(r[i]) for r in rows)) + 3 for i, h in enumerate(header))
+    table = Table(title=title, title_justify="left")
+    if needed <= width:
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        return table
+    table.add_column("")
+    for row in rows:
+        table.add_column(row[0], justify="right")
+    for i, h in enumerate(header[1:], start=1):
+        table.add_row(h, *(row[i] for row in rows))
+    return table
+
+
+def report(
+    out_dir: Path = typer.Argument(..., help="A bm bench or bm compare output directory."),
+    plots_dir: Path | None = typer.Option(None, "--plots-dir", help="Where the PNGs go [OUT_DIR/plots]."),
+) -> None:
+    """Draw the plots of a saved bench or compare run: latency CDFs, throughput bars, batch composition,
+    KV utilization and paused requests."""
+    from bm.compare.runner import load_plot_data
+    from bm.report.plots import write_plots
+
+    console = Console()
+    try:
+        data = load_plot_data(out_dir)
+    except (FileNotFoundError, json.JSONDecodeError, ValueError) as exc:
+        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    paths = write_plots(data, plots_dir or out_dir / "plots")
+    for path in paths:
+        console.print(str(path), highlight=False)

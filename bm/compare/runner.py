@@ -1,0 +1,433 @@
+"""``bm compare``'s library side: variants, interleaved repeats, summaries, ratios and the result files.
+
+Every variant runs in one process on one loaded model, on the identical workload and arrival times.
+Repeats are interleaved (v1, inflight, ..., v1, inflight, ...) rather than run back to back, so a slow
+stretch of the machine (another job, thermal throttling) spreads over all variants instead of landing on
+one. Each figure reported is the median over repeats; the spread of output throughput is kept.
+
+The reference baselines (``hf-generate``, ``hf-cb``) are run on the same model weights and the same
+requests. They have no notion of arrival times: they always run offline (everything at t=0), to each
+request's full output length, and report throughput only, since neither exposes per-token timing.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+import bm
+from bm.baselines import BASELINES, run_hf_continuous_batching, run_hf_generate
+from bm.bench import BenchResult, run_bench, write_results
+from bm.compare.expr import AssertionOutcome
+from bm.compare.regress import EXACT_IF_OFFLINE, Regression
+from bm.config import BATCHING_SCHEMES, SCHEDULER_POLICIES, BmConfig, ConfigError, config_from_dict
+from bm.runtime import LoadedModel
+from bm.workloads import Workload
+
+# Columns of the table (key in the summary, header); the ratio column is added after them.
+TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("output_throughput", "out tok/s"),
+    ("request_throughput", "req/s"),
+    ("median_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("p99_tpot_ms", "TPOT p99"),
+    ("median_e2el_ms", "E2EL p50"),
+    ("p99_e2el_ms", "E2EL p99"),
+    ("mean_kv_cache_utilization", "KV util"),
+    ("total_empty_generation_slots", "empty gen slots"),
+    ("num_iterations", "iterations"),
+    ("total_computed_tokens", "token-slots computed"),
+)
+# Ratios to the reference variant, for the figures where a ratio reads naturally.
+RATIO_METRICS = (
+    "output_throughput",
+    "request_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "total_computed_tokens",
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the comparison: a bm scheme/policy pair, or a reference baseline."""
+
+    name: str
+    kind: str  # "bm" or "baseline"
+    scheme: str | None = None
+    policy: str | None = None
+
+
+def _names(text: str | Sequence[str], option: str) -> list[str]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names = [i.strip() for i in items if i.strip()]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{option}: {', '.join(names)} lists a name twice")
+    return names
+
+
+def plan_variants(
+    schemes: str | Sequence[str], policies: str | Sequence[str], baselines: str | Sequence[str] = ()
+) -> list[Variant]:
+    """Every scheme x policy pair, then the baselines. A variant is named by its scheme alone when one
+    policy is compared, else ``scheme:policy`` (the names the --assert expressions use)."""
+    scheme_names, policy_names = _names(schemes, "--schemes"), _names(policies, "--policies")
+    if not scheme_names:
+        raise ConfigError("--schemes: name at least one of v1, inflight, inflight_fused")
+    if not policy_names:
+        raise ConfigError("--policies: name at least one of " + ", ".join(SCHEDULER_POLICIES))
+    resolved_schemes = [_resolve(s, BATCHING_SCHEMES, "--schemes") for s in scheme_names]
+    resolved_policies = [_resolve(p, SCHEDULER_POLICIES, "--policies") for p in policy_names]
+    variants = []
+    for scheme in dict.fromkeys(resolved_schemes):
+        for policy in dict.fromkeys(resolved_policies):
+            name = scheme if len(resolved_policies) == 1 else f"{scheme}:{policy}"
+            variants.append(Variant(name, "bm", scheme, policy))
+    for baseline in _names(baselines, "--baselines"):
+        if baseline not in BASELINES:
+            raise ConfigError(
+                f"--baselines: unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}"
+            )
+        variants.append(Variant(baseline, "baseline"))
+    return variants
+
+
+def _resolve(name: str, aliases: Mapping[str, str], option: str) -> str:
+    value = aliases.get(name.lower())
+    if value is None:
+        choices = ", ".join(dict.fromkeys(aliases.values()))
+        raise ConfigError(f"{option}: unknown name {name!r}; choose from {choices}")
+    return value
+
+
+def variant_config(config: BmConfig, variant: Variant) -> BmConfig:
+    data = config.to_dict()
+    data["engine"]["batching_scheme"] = variant.scheme
+    data["engine"]["scheduler_policy"] = variant.policy
+    return config_from_dict(data)
+
+
+@dataclass
+class VariantOutcome:
+    variant: Variant
+    repeats: list[dict[str, Any]] = field(default_factory=list)  # metrics of each repeat
+    last: BenchResult | None = None  # the last repeat, kept for files and plots
+
+    def summary(self) -> dict[str, Any]:
+        """Median over repeats of every numeric metric; other values from the last repeat."""
+        if not self.repeats:
+            return {}
+        out: dict[str, Any] = {}
+        for key in self.repeats[-1]:
+            values = [r.get(key) for r in self.repeats]
+            numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+            if numbers and len(numbers) == len(values):
+                median = statistics.median(numbers)
+                out[key] = (
+                    int(median)
+                    if all(isinstance(v, int) for v in numbers) and median == int(median)
+                    else median
+                )
+            else:
+                out[key] = values[-1]
+        return out
+
+    def unstable_counters(self) -> list[str]:
+        """Counters that differed between repeats (only meaningful when arrivals are offline)."""
+        return [key for key in EXACT_IF_OFFLINE if len({r.get(key) for r in self.repeats}) > 1]
+
+
+@dataclass
+class CompareResult:
+    variants: list[VariantOutcome]
+    reference: str
+    offline_arrivals: bool
+    config: BmConfig
+    model_name: str
+    workload: dict[str, Any]
+    repeat: int
+    assertions: list[AssertionOutcome] = field(default_factory=list)
+    regressions: list[Regression] = field(default_factory=list)
+    baseline_path: str | None = None
+    tolerance: float | None = None
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """``{variant: summary}``: what --assert expressions and --baseline checks read."""
+        return {v.variant.name: v.summary() for v in self.variants}
+
+    def ratios(self) -> dict[str, dict[str, float | None]]:
+        table = self.metrics()
+        ref = table.get(self.reference, {})
+        out: dict[str, dict[str, float | None]] = {}
+        for name, row in table.items():
+            out[name] = {}
+            for key in RATIO_METRICS:
+                a, b = row.get(key), ref.get(key)
+                ok = isinstance(a, int | float) and isinstance(b, int | float) and b
+                out[name][key] = a / b if ok else None
+        return out
+
+
+def engine_totals(stats: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Totals the table needs from the per-iteration stats: token slots computed and empty ones."""
+    return {
+        "total_computed_tokens": int(sum(s.get("Computed Tokens", 0) for s in stats)),
+        "total_empty_generation_slots": int(sum(s.get("Empty Generation Slots", 0) for s in stats)),
+        "total_padded_context_tokens": int(sum(s.get("Padded Context Tokens", 0) for s in stats)),
+    }
+
+
+def _baseline_metrics(
+    name: str, loaded: LoadedModel, workload: Workload, hf_batch_size: int
+) -> dict[str, Any]:
+    runnable = [(r.input_ids, r.output_len) for r in workload.requests if r.ok and r.input_ids is not None]
+    if name == "hf-generate":
+        peer = run_hf_generate(loaded.model, runnable, batch_size=hf_batch_size)
+    else:
+        peer = run_hf_continuous_batching(loaded.model, runnable)
+    wall = peer.wall_s
+    metrics: dict[str, Any] = {
+        "duration": wall,
+        "num_requests": len(workload.requests),
+        "completed": len(runnable),
+        "failed": len(workload.requests) - len(runnable),
+        "total_input_tokens": peer.num_prompt_tokens,
+        "total_output_tokens": peer.num_output_tokens,
+        "request_throughput": len(runnable) / wall if wall > 0 else 0.0,
+        "output_throughput": peer.output_tok_s,
+        "total_token_throughput": peer.total_tok_s,
+    }
+    for key, _ in TABLE_COLUMNS:
+        metrics.setdefault(key, None)
+    return metrics
+
+
+RunCallback = Callable[[Variant, int, dict[str, Any]], None]
+
+
+def run_compare(
+    config: BmConfig,
+    loaded: LoadedModel,
+    workload: Workload,
+    arrivals: Sequence[float],
+    variants: Sequence[Variant],
+    *,
+    repeat: int = 1,
+    reference: str | None = None,
+    hf_batch_size: int = 16,
+    on_start: RunCallback | None = None,
+    on_done: RunCallback | None = None,
+) -> CompareResult:
+    """Run ``repeat`` interleaved rounds of every variant and collect their metrics."""
+    if repeat < 1:
+        raise ConfigError(f"--repeat {repeat}: must be at least 1")
+    if not variants:
+        raise ConfigError("nothing to compare: give --schemes and/or --baselines")
+    names = [v.name for v in variants]
+    reference = reference or ("v1" if "v1" in names else names[0])
+    if reference not in names:
+        raise ConfigError(f"--reference {reference!r}: not one of the variants ({', '.join(names)})")
+    configs = {v.name: variant_config(config, v) for v in variants if v.kind == "bm"}
+    outcomes = [VariantOutcome(v) for v in variants]
+    for round_index in range(repeat):
+        for outcome in outcomes:
+            v = outcome.variant
+            if on_start:
+                on_start(v, round_index, {})
+            if v.kind == "bm":
+                result = run_bench(configs[v.name], loaded, workload, arrivals)
+                metrics = dict(result.metrics)
+                for key, value in engine_totals(result.stats).items():
+                    metrics.setdefault(key, value)
+                outcome.last = result
+            else:
+                metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size)
+            outcome.repeats.append(metrics)
+            if on_done:
+                on_done(v, round_index, metrics)
+    offline = bool(arrivals) and all(t == 0 for t in arrivals) and config.bench.max_concurrency is None
+    return CompareResult(
+        variants=outcomes,
+        reference=reference,
+        offline_arrivals=offline,
+        config=config,
+        model_name=loaded.name,
+        workload=workload.describe(),
+        repeat=repeat,
+    )
+
+
+def compare_document(result: CompareResult) -> dict[str, Any]:
+    """The content of compare.json."""
+    ratios = result.ratios()
+    variants = {}
+    for outcome in result.variants:
+        v = outcome.variant
+        throughputs = [r.get("output_throughput") for r in outcome.repeats]
+        variants[v.name] = {
+            "kind": v.kind,
+            "batching_scheme": v.scheme,
+            "scheduler_policy": v.policy,
+            "metrics": _strict(outcome.summary()),
+            "ratios_to_reference": _strict(ratios[v.name]),
+            "output_throughput_per_repeat": _strict(throughputs),
+            "unstable_counters": outcome.unstable_counters() if result.offline_arrivals else [],
+        }
+    return {
+        "bm_version": bm.__version__,
+        "model": result.model_name,
+        "dataset": result.workload,
+        "repeat": result.repeat,
+        "reference": result.reference,
+        "offline_arrivals": result.offline_arrivals,
+        "config": result.config.to_dict(),
+        "variants": variants,
+        "assertions": [a.to_dict() for a in result.assertions],
+        "baseline": None
+        if result.baseline_path is None
+        else {
+            "path": result.baseline_path,
+            "tolerance": result.tolerance,
+            "regressions": [r.to_dict() for r in result.regressions],
+        },
+    }
+
+
+def format_value(key: str, value: Any) -> str:
+    if value is None:
+        return "–"
+    if key == "mean_kv_cache_utilization":
+        return f"{value:.0%}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if key.endswith("_throughput"):
+        return f"{value:.1f}" if key == "output_throughput" else f"{value:.2f}"
+    return f"{value:.1f}"
+
+
+def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the comparison table, shared by the terminal and Markdown renderings."""
+    header = ["variant", *[h for _, h in TABLE_COLUMNS], f"× {result.reference} (out tok/s)"]
+    ratios = result.ratios()
+    rows = []
+    for outcome in result.variants:
+        summary = outcome.summary()
+        name = outcome.variant.name
+        ratio = ratios[name]["output_throughput"]
+        cells = [name, *[format_value(k, summary.get(k)) for k, _ in TABLE_COLUMNS]]
+        cells.append("–" if ratio is None else f"{ratio:.2f}×")
+        rows.append(cells)
+    return header, rows
+
+
+def compare_markdown(result: CompareResult) -> str:
+    """A Markdown report fit for a CI job summary or a PR comment."""
+    header, rows = table_rows(result)
+    info = result.workload
+    lines = [
+        "## bm compare",
+        "",
+        f"Model `{result.model_name}`, dataset `{info.get('kind')}` {info.get('path') or ''} "
+        f"({info.get('num_requests')} requests), {'offline arrivals' if result.offline_arrivals else 'timed arrivals'}, "
+        f"median of {result.repeat} interleaved repeat(s). Latencies in ms.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if any(v.variant.kind == "baseline" for v in result.variants):
+        lines += [
+            "",
+            "Baselines run offline, each request to its full output length; they report throughput only.",
+        ]
+    unstable = {v.variant.name: v.unstable_counters() for v in result.variants if result.offline_arrivals}
+    unstable = {k: u for k, u in unstable.items() if u}
+    if unstable:
+        lines += [
+            "",
+            "**Warning:** counters differed between repeats: "
+            + "; ".join(f"{k}: {', '.join(u)}" for k, u in unstable.items()),
+        ]
+    if result.assertions:
+        lines += ["", "### Assertions", ""]
+        for a in result.assertions:
+            mark = "✅" if a.passed else "❌"
+            lines.append(f"- {mark} `{a.text}` — {_fmt_pair(a)}")
+    if result.baseline_path is not None:
+        lines += ["", f"### Against baseline `{result.baseline_path}` (tolerance {result.tolerance:.0%})", ""]
+        if result.regressions:
+            lines += [f"- ❌ `{r.variant}.{r.metric}`: {r.detail}" for r in result.regressions]
+        else:
+            lines.append("- ✅ no regressions")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_pair(a: AssertionOutcome) -> str:
+    text = f"{a.left:.4g} {a.cmp} {a.right:.4g}"
+    if not a.passed:
+        gap = abs(a.left - a.right)
+        text += f", off by {gap:.4g}" + (f" ({gap / abs(a.right):.1%})" if a.right else "")
+    return text
+
+
+def write_compare(out_dir: Path, result: CompareResult) -> dict[str, Any]:
+    """compare.json, compare.md, and each bm variant's last-repeat files under ``variants/NAME/``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    document = compare_document(result)
+    (out_dir / "compare.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "compare.md").write_text(compare_markdown(result), encoding="utf-8")
+    for outcome in result.variants:
+        if outcome.last is not None:
+            write_results(variant_dir(out_dir, outcome.variant.name), outcome.last)
+    return document
+
+
+def variant_dir(out_dir: Path, name: str) -> Path:
+    return out_dir / "variants" / name.replace(":", "__")
+
+
+def load_plot_data(out_dir: Path) -> list[Any]:
+    """The plots' inputs from a saved bench or compare directory (for ``bm report``)."""
+    from bm.report.plots import VariantData, read_variant_dir
+
+    compare_json = out_dir / "compare.json"
+    if compare_json.exists():
+        document = json.loads(compare_json.read_text(encoding="utf-8"))
+        data = []
+        for name, info in document.get("variants", {}).items():
+            throughputs = [t for t in info.get("output_throughput_per_repeat", []) if t is not None]
+            directory = variant_dir(out_dir, name)
+            if directory.exists():
+                data.append(read_variant_dir(name, directory, throughputs))
+            else:
+                data.append(VariantData(name, pd.DataFrame(), pd.DataFrame(), throughputs))
+        return data
+    results_json = out_dir / "results.json"
+    if results_json.exists():
+        document = json.loads(results_json.read_text(encoding="utf-8"))
+        name = document.get("batching_scheme") or "bm"
+        throughput = document.get("output_throughput")
+        return [read_variant_dir(name, out_dir, [throughput] if throughput is not None else [])]
+    raise FileNotFoundError(
+        f"{out_dir}: holds neither compare.json nor results.json; point bm report at a bench or compare output directory"
+    )
+
+
+def _strict(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return value

@@ -1,0 +1,185 @@
+"""`bm compare` and `bm report` end to end on the embedded tiny model, and the sample CI workflow."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import matplotlib.image as mpimg
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from bm.cli.main import app
+from bm.report.plots import PLOT_FILES
+from tests.conftest import REPO
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "requests.jsonl"
+    rows = [{"input_ids": [5 + i, 17, 33 + i, 9] * (i + 1), "max_tokens": 3 + (i % 3)} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def compare(dataset, out, *extra):
+    args = ["compare", str(dataset), "-o", str(out), "--ignore-eos", "--quiet", "--set", "model.device=cpu"]
+    return runner.invoke(app, [*args, *map(str, extra)])
+
+
+@pytest.fixture(scope="module")
+def saved(dataset, tmp_path_factory):
+    """One comparison with two repeats, a baseline, plots and a passing gate, shared by several tests."""
+    out = tmp_path_factory.mktemp("cmp")
+    result = compare(
+        dataset, out,
+        "--schemes", "v1,inflight_fused", "--baselines", "hf-generate", "--repeat", "2", "--plot",
+        "--assert", "inflight_fused.total_computed_tokens < v1.total_computed_tokens",
+    )  # fmt: skip
+    return out, result
+
+
+def test_compare_writes_json_markdown_and_plots_and_passes_its_gate(saved):
+    out, result = saved
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "compare.json").read_text())
+    assert list(doc["variants"]) == ["v1", "inflight_fused", "hf-generate"]
+    assert doc["reference"] == "v1" and doc["repeat"] == 2 and doc["offline_arrivals"] is True
+    for name in ("v1", "inflight_fused"):
+        m = doc["variants"][name]["metrics"]
+        assert m["completed"] == 6 and m["failed"] == 0
+        assert m["total_output_tokens"] == sum(3 + (i % 3) for i in range(6))
+        assert m["output_throughput"] > 0 and m["p99_ttft_ms"] is not None
+        assert len(doc["variants"][name]["output_throughput_per_repeat"]) == 2
+        # offline arrivals: the engine's counters are the same in every repeat
+        assert doc["variants"][name]["unstable_counters"] == []
+    v1, fused = doc["variants"]["v1"]["metrics"], doc["variants"]["inflight_fused"]["metrics"]
+    # v1 pads every request to the batch's longest output: those slots are computed and reported empty
+    assert v1["total_empty_generation_slots"] > 0 == fused["total_empty_generation_slots"]
+    assert doc["variants"]["v1"]["ratios_to_reference"]["output_throughput"] == 1.0
+    assert doc["variants"]["hf-generate"]["metrics"]["total_output_tokens"] == v1["total_output_tokens"]
+    assert doc["assertions"][0]["passed"] is True
+
+    md = (out / "compare.md").read_text()
+    assert "| variant | out tok/s |" in md and "| inflight_fused |" in md and "| hf-generate |" in md
+    assert "✅" in md
+    for name in PLOT_FILES:
+        assert mpimg.imread(out / "plots" / name).ndim == 3
+    assert (out / "variants" / "v1" / "requests.jsonl").exists()
+
+
+def test_violated_assertion_exits_1_naming_the_figure_and_the_gap(dataset, tmp_path):
+    result = compare(
+        dataset, tmp_path, "--schemes", "inflight_fused",
+        "--assert", "inflight_fused.total_output_tokens >= 1000",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "FAILED: inflight_fused.total_output_tokens >= 1000" in result.output
+    assert "off by 976" in result.output
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert doc["assertions"][0]["passed"] is False  # the results are written even when the gate fails
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--assert", "__import__('os').system('touch pwned')"], "unexpected character"),
+        (["--assert", "v9.output_throughput > 1"], "no variant 'v9'"),
+        (["--assert", "v1.output_thruput > 1"], "did you mean output_throughput"),
+        (["--schemes", "v1,v2"], "--schemes: unknown name 'v2'"),
+        (["--baselines", "vllm"], "--baselines: unknown baseline 'vllm'"),
+        (["--tolerance", "lots"], "--tolerance 'lots'"),
+        (["--baseline", "missing.json"], "--baseline missing.json: no such file"),
+        (["--repeat", "0"], "--repeat 0"),
+    ],
+)
+def test_bad_options_fail_before_the_model_loads(dataset, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = compare(dataset, tmp_path / "out", *args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert "loading model" not in result.output
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_baseline_passes_against_itself_and_catches_a_changed_counter(saved, dataset, tmp_path):
+    out, _ = saved
+    result = compare(
+        dataset, tmp_path / "same", "--schemes", "v1,inflight_fused", "--baselines", "hf-generate",
+        "--baseline", out / "compare.json", "--tolerance", "10000%",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "no regressions" in result.output
+
+    doc = json.loads((out / "compare.json").read_text())
+    doc["variants"]["inflight_fused"]["metrics"]["num_iterations"] -= 1
+    tampered = tmp_path / "prev.json"
+    tampered.write_text(json.dumps(doc))
+    result = compare(
+        dataset, tmp_path / "changed", "--schemes", "v1,inflight_fused",
+        "--baseline", tampered, "--tolerance", "10000%",
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    flat = " ".join(result.output.split())
+    assert "regression: inflight_fused.num_iterations: counter changed" in flat
+    # hf-generate was in the saved run but not in this one: the gate says so
+    assert "regression: hf-generate.*: variant missing from this run" in flat
+    regressions = json.loads((tmp_path / "changed" / "compare.json").read_text())["baseline"]["regressions"]
+    assert {r["metric"] for r in regressions} == {"num_iterations", "*"}
+
+
+def test_report_redraws_the_plots_of_a_saved_compare(saved, tmp_path):
+    out, _ = saved
+    result = runner.invoke(app, ["report", str(out), "--plots-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for name in PLOT_FILES:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_on_a_directory_without_results_names_what_it_needs(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "neither compare.json nor results.json" in " ".join(result.output.split())
+
+
+def test_policies_name_variants_scheme_colon_policy_and_assertions_can_read_them(dataset, tmp_path):
+    result = compare(
+        dataset, tmp_path, "--schemes", "inflight_fused", "--policies", "guaranteed_no_evict,max_utilization",
+        "--reference", "inflight_fused:guaranteed_no_evict",
+        "--assert", "inflight_fused:max_utilization.total_output_tokens == inflight_fused:guaranteed_no_evict.total_output_tokens",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert list(doc["variants"]) == ["inflight_fused:guaranteed_no_evict", "inflight_fused:max_utilization"]
+    assert (tmp_path / "variants" / "inflight_fused__max_utilization" / "stats.jsonl").exists()
+
+
+def test_sample_ci_workflow_is_valid_yaml_and_uses_only_real_compare_options():
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "compare.yml").read_text())
+    assert workflow["name"] and workflow["jobs"]
+    triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
+    assert "pull_request" in triggers
+    steps = [s for job in workflow["jobs"].values() for s in job["steps"]]
+    runs = [s["run"] for s in steps if "run" in s]
+    compare_lines = [r for r in runs if "bm compare" in r]
+    assert compare_lines, "the workflow must run bm compare"
+
+    import typer
+    from typer.main import get_command
+
+    from bm.cli.compare import compare as compare_command
+
+    probe = typer.Typer()
+    probe.command()(compare_command)
+    known = {opt for p in get_command(probe).params for opt in p.opts + p.secondary_opts}
+    gated = False
+    for text in compare_lines:
+        words = shlex.split(text.replace("\\\n", " "), comments=True)
+        start = words.index("compare")
+        used = {w.split("=")[0] for w in words[start:] if w.startswith("--")}
+        assert used and used <= known, used - known
+        gated |= {"--assert", "--baseline"} <= used
+    assert gated, "one bm compare step must gate with --assert and --baseline"
