@@ -14,6 +14,7 @@ are never materialized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,17 @@ class DecodeGroup:
 
 
 @dataclass
+class NativeDecode:
+    """Every single-token query of the batch, for the compiled kernel that reads blocks in place."""
+
+    kernel: Callable[..., None]
+    token_index: torch.Tensor  # [B] positions in the packed batch
+    block_table: torch.Tensor  # [B, max_blocks] int64, rows padded with block 0 past their length
+    lengths: torch.Tensor  # [B] int64: keys each query attends (its position + 1)
+    max_len: int
+
+
+@dataclass
 class AttentionMetadata:
     kv_caches: list[
         torch.Tensor | None
@@ -66,6 +78,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     prefill: list[PrefillSegment] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    native_decode: NativeDecode | None = None  # instead of decode_groups, where the kernel is available
     scratch: torch.Tensor | None = None  # reusable gather buffer, sized for the largest decode group
     probe: dict[int, tuple[int, int]] | None = None  # set by probe_kv_shapes: record shapes, compute nothing
 
@@ -109,6 +122,9 @@ def paged_attention_forward(
         _prefill(out, q, k, v, cache, seg, scaling)
     for group in meta.decode_groups:
         _decode(out, q, cache, group, scaling, meta.scratch)
+    nd = meta.native_decode
+    if nd is not None:
+        nd.kernel(out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling)
     return out.unsqueeze(0), None
 
 

@@ -17,11 +17,13 @@ from bm.runtime.attention import (
     ATTENTION_NAME,
     AttentionMetadata,
     DecodeGroup,
+    NativeDecode,
     PrefillSegment,
     register,
 )
 from bm.runtime.host_memory import tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
+from bm.runtime.native import PagedDecodeKernel, paged_decode_kernel
 
 # Padded tokens per decode group: keeps one group's gathered keys (kv_heads x tokens x head_dim) small
 # enough to stay in cache between the gather and the matmul that reads it.
@@ -77,6 +79,12 @@ class ModelRunner:
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
             # keys and values of the largest decode group, gathered side by side
             self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
+        # Decode attention reading blocks in place, where the compiled kernel exists and fits the cache;
+        # otherwise (and under an attention window) the gather-then-SDPA groups below.
+        kernel = paged_decode_kernel()
+        caches = [c for c in self.kv_caches if c is not None]
+        supported = kernel is not None and all(PagedDecodeKernel.supports(c) for c in caches)
+        self.native_decode = kernel if supported else None
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
@@ -138,9 +146,12 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefill=[self._prefill_segment(*p) for p in prefill],
-            decode_groups=self._decode_groups(decode_rows),
             scratch=self.scratch,
         )
+        if self._native_decode_fits(decode_rows):
+            meta.native_decode = self._native_decode_rows(decode_rows)
+        else:
+            meta.decode_groups = self._decode_groups(decode_rows)
         return (
             torch.tensor([ids], dtype=torch.long, device=dev),
             torch.tensor([positions], dtype=torch.long, device=dev),
@@ -226,6 +237,29 @@ class ModelRunner:
         )
 
     # -- decode -----------------------------------------------------------------------------------------
+
+    def _native_decode_fits(self, rows: list[tuple[int, int, list[int]]]) -> bool:
+        if self.native_decode is None or not rows:
+            return False
+        return self.window is None or max(r[1] for r in rows) <= self.window
+
+    def _native_decode_rows(self, rows: list[tuple[int, int, list[int]]]) -> NativeDecode:
+        bs = self.tokens_per_block
+        dev = self.device
+        max_len = max(r[1] for r in rows)
+        width = cdiv(max_len, bs)
+        table: list[int] = []
+        for _, ctx, blocks in rows:
+            used = blocks[: cdiv(ctx, bs)]
+            table.extend(used)
+            table.extend([0] * (width - len(used)))  # never read: the kernel stops at the row's length
+        return NativeDecode(
+            kernel=self.native_decode,
+            token_index=torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev),
+            block_table=torch.tensor(table, dtype=torch.long, device=dev).view(len(rows), width),
+            lengths=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
+            max_len=max_len,
+        )
 
     def _decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
         """Sort single-token queries by context length and cut them into groups of bounded padded size."""

@@ -1,0 +1,135 @@
+"""Optional C kernels, compiled from source at first use with the machine's C compiler.
+
+bm ships no binaries and needs no build step at install: the first engine in a process compiles
+``native/paged_decode.c`` into a temporary directory (well under a second with gcc), loads it with
+ctypes and removes the file. Where that cannot happen (no compiler, an unusual platform, or
+``BM_NATIVE_KERNELS=0`` in the environment), bm runs its torch implementation of the same computation,
+which gives the same results up to float rounding; tests pin that the two agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "BM_NATIVE_KERNELS"
+_SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    # Let the compiler vectorize the scalar fallback's reductions; no -ffast-math, whose start-up code
+    # would flush denormals for the whole process (torch included).
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+]
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class PagedDecodeKernel:
+    """Single-token queries attending their own KV blocks, read in place (no gather)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.bm_paged_decode_f32
+        fn.restype = ctypes.c_int
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        fn.argtypes += [i64] * 8 + [ctypes.c_float, i64]
+        self._fn = fn
+
+    @staticmethod
+    def supports(cache: torch.Tensor) -> bool:
+        return cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.is_contiguous()
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        token_index: torch.Tensor,
+        block_table: torch.Tensor,
+        lengths: torch.Tensor,
+        max_len: int,
+        scaling: float,
+    ) -> None:
+        """``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``cache`` one layer's
+        [2, kv_heads, num_blocks, block_size, d]; ``block_table`` [rows, max_blocks] int64; ``lengths``
+        [rows] int64 keys per row (its position + 1); ``token_index`` [rows] int64 rows of ``q``/``out``."""
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        heads, _, head_dim = q.shape
+        _, kv_heads, num_blocks, block_size, _ = cache.shape
+        rows, max_blocks = block_table.shape
+        status = self._fn(
+            q.data_ptr(),
+            q.stride(1),
+            q.stride(0),
+            cache[0].data_ptr(),
+            cache[1].data_ptr(),
+            token_index.data_ptr(),
+            block_table.data_ptr(),
+            lengths.data_ptr(),
+            out.data_ptr(),
+            rows,
+            max_blocks,
+            heads,
+            kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            max_len,
+            scaling,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("paged decode attention: no memory for a thread's scratch buffer")
+
+
+def _compile(source: Path) -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        log.info("no C compiler found: decode attention runs on torch ops")
+        return None
+    with tempfile.TemporaryDirectory(prefix="bm-native-") as tmp:
+        lib_path = Path(tmp) / f"{source.stem}.so"
+        cmd = [compiler, *_FLAGS, str(source), "-o", str(lib_path), "-lm"]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            log.info("compiling %s failed, decode attention runs on torch ops: %s", source.name, detail)
+            return None
+        # dlopen maps the file; it may be deleted with the directory once loaded.
+        return ctypes.CDLL(str(lib_path))
+
+
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    """The compiled kernel, or None where it is switched off or cannot be built (then once per process)."""
+    if not native_kernels_enabled() or sys.platform == "win32":
+        return None
+    with _lock:
+        if "paged_decode" not in _loaded:
+            lib = _compile(_SOURCE)
+            _loaded["paged_decode"] = PagedDecodeKernel(lib) if lib is not None else None
+        return _loaded["paged_decode"]  # type: ignore[return-value]

@@ -1,0 +1,185 @@
+/* Paged decode attention for bm's KV layout, fp32 on the CPU.
+
+   Why a C kernel: on the CPU, attending single-token queries to paged keys through torch means first
+   gathering every request's blocks into a dense tensor (index_select), then reading that copy again in
+   SDPA; for the 15M benchmark model that was about a fifth of all engine time. This kernel reads each
+   request's keys and values straight from its blocks, once, by block table, and splits the
+   (request, kv head) pairs over threads. It is compiled from this file at first use (bm/runtime/native.py);
+   where no C compiler is found, bm keeps the torch path, which gives the same results.
+
+   Layout: k and v are one layer's [kv_heads, num_blocks, block_size, head_dim] halves of the cache; q is
+   [tokens, heads, head_dim] with arbitrary token and head strides (unit stride within a head); out is a
+   contiguous [tokens, heads, head_dim]. Query head h reads kv head h / (heads / kv_heads). */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define BM_AVX2 1
+#include <immintrin.h>
+
+/* Eight dot products q . k[r] (r = 0..7, rows d floats apart), returned as one vector. */
+static inline __m256 dot8(const float *q, const float *k, int64_t d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 0 * d + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 1 * d + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * d + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * d + i), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * d + i), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * d + i), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * d + i), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * d + i), a7);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2, a degree-6
+   polynomial; relative error about 2e-7, underflowing to 0 below about -87. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#else
+#define BM_AVX2 0
+#endif
+
+typedef struct {
+    const float *q;
+    int64_t q_stride_token, q_stride_head;
+    const float *k, *v; /* [kv_heads, num_blocks, block_size, head_dim], contiguous */
+    const int64_t *token_index, *block_table, *lengths;
+    float *out; /* [tokens, heads, head_dim], contiguous */
+    int64_t rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len;
+    float scale;
+    int64_t first, last; /* work items [first, last) of this thread */
+    int status;
+} job_t;
+
+static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
+    const int64_t g = a->heads / a->kv_heads, d = a->head_dim, bs = a->block_size;
+    const int64_t row = item / a->kv_heads, kvh = item % a->kv_heads;
+    const int64_t len = a->lengths[row], tok = a->token_index[row];
+    const int64_t *table = a->block_table + row * a->max_blocks;
+    const int64_t head_stride = a->num_blocks * bs * d;
+    const float *kh = a->k + kvh * head_stride, *vh = a->v + kvh * head_stride;
+    const float *q0 = a->q + tok * a->q_stride_token + kvh * g * a->q_stride_head;
+
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += bs, b++) {
+        const float *kb = kh + table[b] * bs * d;
+        const int64_t n = len - j0 < bs ? len - j0 : bs;
+        int64_t o = 0;
+#if BM_AVX2
+        if (d % 8 == 0)
+            for (; o + 8 <= n; o += 8)
+                for (int64_t h = 0; h < g; h++)
+                    _mm256_storeu_ps(scores + h * len + j0 + o,
+                                     _mm256_mul_ps(dot8(q0 + h * a->q_stride_head, kb + o * d, d),
+                                                   _mm256_set1_ps(a->scale)));
+#endif
+        for (; o < n; o++) {
+            const float *kp = kb + o * d;
+            for (int64_t h = 0; h < g; h++) {
+                const float *qp = q0 + h * a->q_stride_head;
+                float s = 0.f;
+                for (int64_t i = 0; i < d; i++) s += qp[i] * kp[i];
+                scores[h * len + j0 + o] = s * a->scale;
+            }
+        }
+    }
+    for (int64_t h = 0; h < g; h++) {
+        float *sh = scores + h * len;
+        float m = sh[0];
+        for (int64_t j = 1; j < len; j++) m = sh[j] > m ? sh[j] : m;
+        float total = 0.f;
+        int64_t j = 0;
+#if BM_AVX2
+        __m256 tot8 = _mm256_setzero_ps();
+        const __m256 m8 = _mm256_set1_ps(m);
+        for (; j + 8 <= len; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m8));
+            _mm256_storeu_ps(sh + j, e);
+            tot8 = _mm256_add_ps(tot8, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, tot8);
+        for (int l = 0; l < 8; l++) total += lanes[l];
+#endif
+        for (; j < len; j++) { sh[j] = expf(sh[j] - m); total += sh[j]; }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < len; j++) sh[j] *= inv;
+        for (int64_t i = 0; i < d; i++) acc[h * d + i] = 0.f;
+    }
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += bs, b++) {
+        const float *vb = vh + table[b] * bs * d;
+        const int64_t n = len - j0 < bs ? len - j0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const float *vp = vb + o * d;
+            for (int64_t h = 0; h < g; h++) {
+                const float w = scores[h * len + j0 + o];
+                float *ah = acc + h * d;
+                for (int64_t i = 0; i < d; i++) ah[i] += w * vp[i];
+            }
+        }
+    }
+    float *o0 = a->out + (tok * a->heads + kvh * g) * d;
+    for (int64_t x = 0; x < g * d; x++) o0[x] = acc[x];
+}
+
+static void *run(void *arg) {
+    job_t *a = (job_t *)arg;
+    const int64_t g = a->heads / a->kv_heads;
+    float *scores = malloc(sizeof(float) * (size_t)(g * (a->max_len > 0 ? a->max_len : 1) + g * a->head_dim));
+    if (!scores) { a->status = 1; return NULL; }
+    float *acc = scores + g * a->max_len;
+    for (int64_t it = a->first; it < a->last; it++) attend(a, it, scores, acc);
+    free(scores);
+    return NULL;
+}
+
+/* Returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller must
+   then discard `out`). A thread that cannot be started leaves its share to the calling thread. */
+int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
+                        const float *k, const float *v, const int64_t *token_index,
+                        const int64_t *block_table, const int64_t *lengths, float *out,
+                        int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
+                        float scale, int64_t threads) {
+    enum { MAX_THREADS = 64 };
+    job_t jobs[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    const int64_t items = rows * kv_heads;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > items) threads = items;
+    if (threads < 1) threads = 1;
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 0; t < threads; t++) {
+        jobs[t] = (job_t){q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
+                          rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
+                          scale, items * t / threads, items * (t + 1) / threads, 0};
+    }
+    for (int64_t t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
+    run(&jobs[0]);
+    int status = jobs[0].status;
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) { pthread_join(tid[t], NULL); status |= jobs[t].status; }
+        else { run(&jobs[t]); status |= jobs[t].status; }
+    }
+    return status;
+}

@@ -1,0 +1,103 @@
+"""The compiled paged decode kernel: same attention as torch, same engine output as the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bm.engine import BatchManager, InferenceRequest
+from bm.runtime import ModelRunner
+from bm.runtime.native import ENV_SWITCH, paged_decode_kernel
+from tests.clients import StaggeredClient
+from tests.conftest import hf_greedy, make_config, random_prompts
+
+kernel = paged_decode_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: bm runs the torch path")
+
+
+def reference_decode(q, cache, token_index, tables, lengths, scaling):
+    """Plain torch: each row's keys gathered block by block, softmax over exactly its length."""
+    heads = q.shape[0]
+    kv_heads, _, block_size, _ = cache.shape[1:]
+    out = {}
+    for row, tok in enumerate(token_index.tolist()):
+        n = int(lengths[row])
+        blocks = tables[row][: -(-n // block_size)]
+        k = cache[0][:, blocks].reshape(kv_heads, -1, cache.shape[-1])[:, :n]
+        v = cache[1][:, blocks].reshape(kv_heads, -1, cache.shape[-1])[:, :n]
+        k = k.repeat_interleave(heads // kv_heads, 0)
+        v = v.repeat_interleave(heads // kv_heads, 0)
+        scores = (q[:, tok, None, :] @ k.transpose(1, 2)).squeeze(1) * scaling  # [heads, n]
+        out[tok] = scores.softmax(-1)[:, None, :].matmul(v).squeeze(1)  # [heads, d]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(6, 2, 64, 32), (4, 4, 16, 8), (6, 3, 12, 4), (8, 1, 40, 16)],  # 12 and 40: the non-vector tail
+)
+def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    num_blocks = 64
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=g)
+    lengths = [1, 2, block_size - 1, block_size, block_size + 1, 7 * block_size + 3, 9, 100]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        k = -(-n // block_size)
+        tables.append(perm[used : used + k])
+        used += k
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    tokens = 20
+    # [heads, tokens, d] as a transposed view of [tokens, heads, d], the way transformers hands it over
+    q = torch.randn(tokens, heads, head_dim, generator=g).transpose(0, 1)
+    token_index = torch.tensor([3, 0, 19, 7, 8, 12, 1, 15])
+    out = torch.full((tokens, heads, head_dim), float("nan"))
+    scaling = head_dim**-0.5
+    kernel(out, q, cache, token_index, table, torch.tensor(lengths), max(lengths), scaling)
+    expected = reference_decode(q, cache, token_index, table.tolist(), lengths, scaling)
+    for tok, want in expected.items():
+        torch.testing.assert_close(out[tok], want, rtol=1e-5, atol=1e-5)
+    untouched = sorted(set(range(tokens)) - set(token_index.tolist()))
+    assert torch.isnan(out[untouched]).all()  # rows not asked for are never written
+
+
+@needs_kernel
+def test_runner_uses_native_decode_for_fp32_cpu_caches(tiny_model):
+    runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
+    assert runner.native_decode is kernel
+
+
+def test_env_switch_turns_native_kernels_off(tiny_model, monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert paged_decode_kernel() is None
+    runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
+    assert runner.native_decode is None
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
+    tiny_model, tiny_reference, monkeypatch, native
+):
+    monkeypatch.setenv(ENV_SWITCH, native)
+    specs = random_prompts(seed=11, count=16, vocab=tiny_model.vocab_size, max_prompt=40, max_output=20)
+    requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
+    client = StaggeredClient(requests, per_iteration=3)
+    config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 96})
+    with BatchManager(config, client.get_requests, client.send_response, model=tiny_model) as manager:
+        assert client.wait(120)
+        runner_native = manager.runner.native_decode is not None
+    assert runner_native == (native == "1" and kernel is not None)
+    for i, (prompt, max_new) in enumerate(specs):
+        assert client.results[i].output_ids == hf_greedy(tiny_reference, prompt, max_new), f"request {i}"
+
+
+def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
+    from bm.runtime import native
+
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.paged_decode_kernel() is None
