@@ -183,3 +183,28 @@ def test_sample_ci_workflow_is_valid_yaml_and_uses_only_real_compare_options():
         assert used and used <= known, used - known
         gated |= {"--assert", "--baseline"} <= used
     assert gated, "one bm compare step must gate with --assert and --baseline"
+
+
+def test_compare_takes_every_dataset_and_arrival_flag_of_bench():
+    """A benchmark written for bm bench must run unchanged under bm compare (the README promises it)."""
+    import inspect
+
+    from bm.cli.bench import bench
+    from bm.cli.compare import compare as compare_command
+
+    bench_only = {"scheme", "policy"}  # compare's --schemes / --policies take their place
+    missing = set(inspect.signature(bench).parameters) - set(inspect.signature(compare_command).parameters)
+    assert missing == bench_only
+
+
+def test_compare_runs_a_synthetic_shared_prefix_workload_from_flags(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["compare", "--dataset-kind", "synthetic", "--input-len", "24", "--output-len", "3"]
+    args += ["--prefix-len", "16", "--num-prefix-groups", "2", "--range-ratio", "0.2", "--num-requests", "6"]
+    args += ["--schemes", "inflight_fused", "-o", str(out), "--quiet", "--set", "model.device=cpu"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads((out / "compare.json").read_text())
+    assert document["variants"]["inflight_fused"]["metrics"]["completed"] == 6
+    bench = document["config"]["bench"]
+    assert (bench["prefix_len"], bench["num_prefix_groups"], bench["range_ratio"]) == (16, 2, 0.2)
