@@ -48,6 +48,7 @@ def test_compare_writes_json_markdown_and_plots_and_passes_its_gate(saved):
     doc = json.loads((out / "compare.json").read_text())
     assert list(doc["variants"]) == ["v1", "inflight_fused", "hf-generate"]
     assert doc["reference"] == "v1" and doc["repeat"] == 2 and doc["offline_arrivals"] is True
+    assert doc["runtime"]["decode_attention"] in ("native", "torch")
     for name in ("v1", "inflight_fused"):
         m = doc["variants"][name]["metrics"]
         assert m["completed"] == 6 and m["failed"] == 0

@@ -38,6 +38,7 @@ def results_document(result: BenchResult) -> dict[str, Any]:
             "slo_ms": {k: v for k, v in slo.items() if v is not None},
             "interrupted": result.interrupted,
             "config": result.config.to_dict(),
+            "runtime": result.runtime,
             **result.metrics,
         }
     )

@@ -24,6 +24,7 @@ from bm.bench.replayer import Replayer
 from bm.config import BmConfig
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import LoadedModel
+from bm.runtime.native import runtime_info
 from bm.workloads import ArrivalPlan, Workload, arrival_times
 
 # vLLM's names for request fields, accepted in bm JSONL rows as in `bm run`.
@@ -54,6 +55,7 @@ class BenchResult:
     model_name: str = ""
     workload: dict[str, Any] = field(default_factory=dict)  # Workload.describe()
     arrivals: dict[str, Any] = field(default_factory=dict)  # ArrivalPlan.describe()
+    runtime: dict[str, Any] = field(default_factory=dict)  # bm.runtime.native.runtime_info()
 
 
 class _Router:
@@ -161,6 +163,7 @@ def run_bench(
         model_name=model.name,
         workload=workload.describe(),
         arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
+        runtime=runtime_info(model.device, model.dtype),
     )
 
 

@@ -24,6 +24,7 @@ from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.engine import BatchManager, OfflineClient, RequestResult
 from bm.runtime import LoadedModel, load_model
+from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
 
 
@@ -187,6 +188,7 @@ def run_prompts(
                 "prompts": str(prompts),
                 "model": loaded.name,
                 "config": config.to_dict(),
+                "runtime": runtime_info(loaded.device, loaded.dtype),
                 **asdict(summary),
                 "output_tokens_per_s": summary.output_tokens_per_s,
                 "total_tokens_per_s": summary.total_tokens_per_s,

@@ -28,6 +28,7 @@ from bm.compare.expr import AssertionOutcome
 from bm.compare.regress import EXACT_IF_OFFLINE, Regression
 from bm.config import BATCHING_SCHEMES, SCHEDULER_POLICIES, BmConfig, ConfigError, config_from_dict
 from bm.runtime import LoadedModel
+from bm.runtime.native import runtime_info
 from bm.workloads import Workload
 
 # Columns of the table (key in the summary, header); the ratio column is added after them.
@@ -155,6 +156,7 @@ class CompareResult:
     model_name: str
     workload: dict[str, Any]
     repeat: int
+    runtime: dict[str, Any] = field(default_factory=dict)  # bm.runtime.native.runtime_info()
     assertions: list[AssertionOutcome] = field(default_factory=list)
     regressions: list[Regression] = field(default_factory=list)
     baseline_path: str | None = None
@@ -263,6 +265,7 @@ def run_compare(
         model_name=loaded.name,
         workload=workload.describe(),
         repeat=repeat,
+        runtime=runtime_info(loaded.device, loaded.dtype),
     )
 
 
@@ -290,6 +293,7 @@ def compare_document(result: CompareResult) -> dict[str, Any]:
         "reference": result.reference,
         "offline_arrivals": result.offline_arrivals,
         "config": result.config.to_dict(),
+        "runtime": result.runtime,
         "variants": variants,
         "assertions": [a.to_dict() for a in result.assertions],
         "baseline": None

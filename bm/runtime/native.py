@@ -120,8 +120,14 @@ def _compile(source: Path) -> ctypes.CDLL | None:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.info("compiling %s failed, decode attention runs on torch ops: %s", source.name, detail)
             return None
-        # dlopen maps the file; it may be deleted with the directory once loaded.
-        return ctypes.CDLL(str(lib_path))
+        try:
+            # dlopen maps the file; it may be deleted with the directory once loaded.
+            return ctypes.CDLL(str(lib_path))
+        except OSError as exc:  # e.g. a temporary directory mounted noexec
+            log.info(
+                "loading the compiled %s failed, decode attention runs on torch ops: %s", source.name, exc
+            )
+            return None
 
 
 def paged_decode_kernel() -> PagedDecodeKernel | None:
@@ -133,3 +139,15 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
             lib = _compile(_SOURCE)
             _loaded["paged_decode"] = PagedDecodeKernel(lib) if lib is not None else None
         return _loaded["paged_decode"]  # type: ignore[return-value]
+
+
+def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
+    """What a results file needs to say for its figures to be compared with another machine's."""
+    dev = torch.device(device)
+    native = dev.type == "cpu" and dtype == torch.float32 and paged_decode_kernel() is not None
+    return {
+        "torch": torch.__version__,
+        "device": str(dev),
+        "torch_threads": torch.get_num_threads(),
+        "decode_attention": "native" if native else "torch",
+    }
