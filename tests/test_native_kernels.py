@@ -32,12 +32,30 @@ def reference_decode(q, cache, token_index, tables, lengths, scaling):
     return out
 
 
+@pytest.fixture(scope="module")
+def own_threads_kernel():
+    """The build used where torch's OpenMP runtime cannot be found: the kernel starts its own threads."""
+    from bm.runtime import native
+
+    saved_loaded, saved_finder = native._loaded, native._loaded_openmp_runtime
+    native._loaded, native._loaded_openmp_runtime = {}, lambda: None
+    try:
+        return native.paged_decode_kernel()
+    finally:  # later tests see the process's usual kernel again
+        native._loaded, native._loaded_openmp_runtime = saved_loaded, saved_finder
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(6, 2, 64, 32), (4, 4, 16, 8), (6, 3, 12, 4), (8, 1, 40, 16)],  # 12 and 40: the non-vector tail
 )
-def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("build", ["torch_openmp", "own_threads"])
+def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_size, build, request):
+    kernel = (
+        paged_decode_kernel() if build == "torch_openmp" else request.getfixturevalue("own_threads_kernel")
+    )
+    assert kernel is not None
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     num_blocks = 64
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=g)

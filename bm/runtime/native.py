@@ -35,7 +35,6 @@ _FLAGS = [
     "-fno-signed-zeros",
     "-fassociative-math",
     "-fPIC",
-    "-shared",
     "-pthread",
 ]
 
@@ -106,6 +105,30 @@ class PagedDecodeKernel:
             raise MemoryError("paged decode attention: no memory for a thread's scratch buffer")
 
 
+def _loaded_openmp_runtime() -> Path | None:
+    """The OpenMP library torch runs its ops on, as mapped into this process (Linux)."""
+    torch.ones(2).sum()  # make sure torch has started its runtime
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        name = Path(path).name
+        if name.startswith(("libgomp", "libiomp5")) and ".so" in name and Path(path).is_file():
+            return Path(path)
+    return None
+
+
+def _run_compiler(cmd: list[str]) -> str | None:
+    """None on success, else why not."""
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return getattr(exc, "stderr", "") or str(exc)
+    return None
+
+
 def _compile(source: Path) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
@@ -113,12 +136,23 @@ def _compile(source: Path) -> ctypes.CDLL | None:
         return None
     with tempfile.TemporaryDirectory(prefix="bm-native-") as tmp:
         lib_path = Path(tmp) / f"{source.stem}.so"
-        cmd = [compiler, *_FLAGS, str(source), "-o", str(lib_path), "-lm"]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            log.info("compiling %s failed, decode attention runs on torch ops: %s", source.name, detail)
+        omp = _loaded_openmp_runtime()
+        error = "no OpenMP runtime found in this process"
+        if omp is not None:
+            # Threads from torch's own OpenMP pool: compile with OpenMP, link against the very library
+            # torch loaded (not the compiler's), so one runtime serves both.
+            obj = Path(tmp) / f"{source.stem}.o"
+            error = _run_compiler(
+                [compiler, *_FLAGS, "-fopenmp", "-DBM_OPENMP", "-c", str(source), "-o", str(obj)]
+            )
+            if error is None:
+                link = [compiler, "-shared", "-pthread", str(obj), str(omp), f"-Wl,-rpath,{omp.parent}"]
+                error = _run_compiler([*link, "-o", str(lib_path), "-lm"])
+        if error is not None:
+            log.info("OpenMP build of %s failed (%s); using its own threads", source.name, error.strip())
+            error = _run_compiler([compiler, *_FLAGS, "-shared", str(source), "-o", str(lib_path), "-lm"])
+        if error is not None:
+            log.info("compiling %s failed, decode attention runs on torch ops: %s", source.name, error)
             return None
         try:
             # dlopen maps the file; it may be deleted with the directory once loaded.

@@ -142,6 +142,7 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
     for (int64_t x = 0; x < g * d; x++) o0[x] = acc[x];
 }
 
+#ifndef BM_OPENMP
 static void *run(void *arg) {
     job_t *a = (job_t *)arg;
     const int64_t g = a->heads / a->kv_heads;
@@ -152,6 +153,7 @@ static void *run(void *arg) {
     free(scores);
     return NULL;
 }
+#endif
 
 /* Returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller must
    then discard `out`). A thread that cannot be started leaves its share to the calling thread. */
@@ -161,25 +163,47 @@ int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride
                         int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
                         int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
                         float scale, int64_t threads) {
+    const int64_t items = rows * kv_heads;
+    if (threads > items) threads = items;
+    if (threads < 1) threads = 1;
+    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
+                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
+                       scale, 0, items, 0};
+#ifdef BM_OPENMP
+    /* torch's own OpenMP runtime (bm links this file against the copy torch loaded): its worker threads
+       are still spinning from the last torch op, so they take these items at once instead of competing
+       for the cores with threads of our own. Dynamic chunks even out rows of different lengths. */
+    const int64_t g = heads / kv_heads;
+    int status = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : status)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(g * (max_len > 0 ? max_len : 1) + g * head_dim));
+        if (!scores) status |= 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t it = 0; it < items; it++)
+            if (scores) attend(&job, it, scores, scores + g * max_len);
+        free(scores);
+    }
+    return status;
+#else
     enum { MAX_THREADS = 64 };
     job_t jobs[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
-    const int64_t items = rows * kv_heads;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > items) threads = items;
-    if (threads < 1) threads = 1;
     int started[MAX_THREADS] = {0};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
     for (int64_t t = 0; t < threads; t++) {
-        jobs[t] = (job_t){q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
-                          rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                          scale, items * t / threads, items * (t + 1) / threads, 0};
+        jobs[t] = job;
+        jobs[t].first = items * t / threads;
+        jobs[t].last = items * (t + 1) / threads;
     }
     for (int64_t t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
     run(&jobs[0]);
     int status = jobs[0].status;
     for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) { pthread_join(tid[t], NULL); status |= jobs[t].status; }
-        else { run(&jobs[t]); status |= jobs[t].status; }
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run(&jobs[t]);
+        status |= jobs[t].status;
     }
     return status;
+#endif
 }
