@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPTS ?= datasets/prompts.jsonl
 WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
 TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
-TIME_SCALE ?= 0.3
+TIME_SCALE ?= 0.25
 
 .PHONY: run test lint bench bench-trace clean
 
