@@ -7,8 +7,10 @@ and the flags override it; the config's own checks judge every value, flags and 
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,49 +93,72 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
     return load_config(config, overrides)
 
 
+# Options bm bench and bm compare share, declared once so the two commands cannot drift apart: a
+# benchmark written for one runs unchanged under the other. name -> (type, typer option).
+SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "set_": (list[str], typer.Option([], "--set", "-s", help="Override a config key, e.g. bench.warmup=8.", rich_help_panel=MODEL)),
+    "model": (str | None, typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL)),
+    "model_config": (str | None, typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL)),
+    "dataset_kind": (str | None, typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA)),
+    "prompt_column": (str | None, typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA)),
+    "output_column": (str | None, typer.Option(None, "--output-column", help="hf: output length or completion column.", rich_help_panel=DATA)),
+    "split": (str | None, typer.Option(None, "--split", help="hf: split (default train).", rich_help_panel=DATA)),
+    "input_len": (int | None, typer.Option(None, "--input-len", help="synthetic: mean prompt length (default 1024).", rich_help_panel=DATA)),
+    "output_len": (int | None, typer.Option(None, "--output-len", help="synthetic: mean output length; also for rows that give none (default 128).", rich_help_panel=DATA)),
+    "range_ratio": (float | None, typer.Option(None, "--range-ratio", help="synthetic: lengths uniform in len*(1±r) (default 0).", rich_help_panel=DATA)),
+    "prefix_len": (int | None, typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens (default 0).", rich_help_panel=DATA)),
+    "num_prefix_groups": (int | None, typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes (default 1).", rich_help_panel=DATA)),
+    "hash_block_size": (int | None, typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id (default 512).", rich_help_panel=DATA)),
+    "input_scale": (float | None, typer.Option(None, "--input-scale", help="Multiply prompt lengths (default 1).", rich_help_panel=DATA)),
+    "output_scale": (float | None, typer.Option(None, "--output-scale", help="Multiply output lengths (default 1).", rich_help_panel=DATA)),
+    "max_input_len": (int | None, typer.Option(None, "--max-input-len", help="Cap prompt lengths.", rich_help_panel=DATA)),
+    "max_output_len": (int | None, typer.Option(None, "--max-output-len", help="Cap output lengths.", rich_help_panel=DATA)),
+    "num_requests": (int | None, typer.Option(None, "--num-requests", "--num-prompts", "-n", help="First N requests (default all; 1000 synthetic).", rich_help_panel=DATA)),
+    "shuffle": (bool | None, typer.Option(None, "--shuffle/--no-shuffle", help="Shuffle rows with the seed.", rich_help_panel=DATA)),
+    "seed": (int | None, typer.Option(None, "--seed", help="Seed of shuffling, token ids, arrivals (default 0).", rich_help_panel=DATA)),
+    "rate": (float | None, typer.Option(None, "--rate", "--request-rate", help="Poisson arrivals, requests/s (default offline: all at t=0).", rich_help_panel=ARRIVE)),
+    "burstiness": (float | None, typer.Option(None, "--burstiness", help="Gamma shape of the gaps at --rate (default 1: Poisson).", rich_help_panel=ARRIVE)),
+    "trace_timestamps": (bool | None, typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE)),
+    "time_scale": (float | None, typer.Option(None, "--time-scale", help="Multiply trace gaps (0.5: twice as fast) (default 1).", rich_help_panel=ARRIVE)),
+    "concurrency": (int | None, typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE)),
+    "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN)),
+    "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
+    "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN)),
+}  # fmt: skip
+
+
+def with_shared_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` (which takes ``**shared``) every option of :data:`SHARED_OPTIONS` as its own.
+
+    typer reads a command's parameters from its signature, so the signature is extended instead of
+    repeating the declarations; typer copies each option object, so sharing them is safe."""
+    signature = inspect.signature(command)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+        for name, (kind, option) in SHARED_OPTIONS.items()
+    ]
+    command.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
+    return command
+
+
+@with_shared_options
 def bench(
     dataset: Path | None = typer.Argument(None, help="Dataset file or directory (kind detected unless given)."),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
-    set_: list[str] = typer.Option([], "--set", "-s", help="Override a config key, e.g. bench.warmup=8.", rich_help_panel=MODEL),
-    model: str | None = typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL),
-    model_config: str | None = typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL),
     scheme: str | None = typer.Option(None, "--scheme", help="engine.batching_scheme.", rich_help_panel=MODEL),
     policy: str | None = typer.Option(None, "--policy", help="engine.scheduler_policy.", rich_help_panel=MODEL),
-    dataset_kind: str | None = typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA),
-    prompt_column: str | None = typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA),
-    output_column: str | None = typer.Option(None, "--output-column", help="hf: output length or completion column.", rich_help_panel=DATA),
-    split: str | None = typer.Option(None, "--split", help="hf: split (default train).", rich_help_panel=DATA),
-    input_len: int | None = typer.Option(None, "--input-len", help="synthetic: mean prompt length (default 1024).", rich_help_panel=DATA),
-    output_len: int | None = typer.Option(None, "--output-len", help="synthetic: mean output length; also for rows that give none (default 128).", rich_help_panel=DATA),
-    range_ratio: float | None = typer.Option(None, "--range-ratio", help="synthetic: lengths uniform in len*(1±r) (default 0).", rich_help_panel=DATA),
-    prefix_len: int | None = typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens (default 0).", rich_help_panel=DATA),
-    num_prefix_groups: int | None = typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes (default 1).", rich_help_panel=DATA),
-    hash_block_size: int | None = typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id (default 512).", rich_help_panel=DATA),
-    input_scale: float | None = typer.Option(None, "--input-scale", help="Multiply prompt lengths (default 1).", rich_help_panel=DATA),
-    output_scale: float | None = typer.Option(None, "--output-scale", help="Multiply output lengths (default 1).", rich_help_panel=DATA),
-    max_input_len: int | None = typer.Option(None, "--max-input-len", help="Cap prompt lengths.", rich_help_panel=DATA),
-    max_output_len: int | None = typer.Option(None, "--max-output-len", help="Cap output lengths.", rich_help_panel=DATA),
-    num_requests: int | None = typer.Option(None, "--num-requests", "--num-prompts", "-n", help="First N requests (default all; 1000 synthetic).", rich_help_panel=DATA),
-    shuffle: bool | None = typer.Option(None, "--shuffle/--no-shuffle", help="Shuffle rows with the seed.", rich_help_panel=DATA),
-    seed: int | None = typer.Option(None, "--seed", help="Seed of shuffling, token ids, arrivals (default 0).", rich_help_panel=DATA),
-    rate: float | None = typer.Option(None, "--rate", "--request-rate", help="Poisson arrivals, requests/s (default offline: all at t=0).", rich_help_panel=ARRIVE),
-    burstiness: float | None = typer.Option(None, "--burstiness", help="Gamma shape of the gaps at --rate (default 1: Poisson).", rich_help_panel=ARRIVE),
-    trace_timestamps: bool | None = typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE),
-    time_scale: float | None = typer.Option(None, "--time-scale", help="Multiply trace gaps (0.5: twice as fast) (default 1).", rich_help_panel=ARRIVE),
-    concurrency: int | None = typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE),
-    warmup: int | None = typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN),
-    slo: list[str] = typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN),
-    ignore_eos: bool | None = typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Results directory (default bm-out/bench-TIME).", rich_help_panel=RUN),
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
+    **shared: Any,
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
     latency (vllm bench serve's metric names) and the batch manager's figures."""
-    flags = dict(locals())
+    flags = {**locals(), **shared}
     try:
-        cfg = resolve_config(config, set_, flags, slo)
+        cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
     except ConfigError as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
     console = Console(stderr=cfg.bench.json_output)

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bm.cli.bench import ARRIVE, DATA, MODEL, RUN, resolve_config
+from bm.cli.bench import RUN, resolve_config, with_shared_options
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 GATES = "Gates"
 
 
+@with_shared_options
 def compare(
     dataset: Path | None = typer.Argument(None, help="Dataset file or directory (as for bm bench)."),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
@@ -42,35 +43,8 @@ def compare(
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
     tolerance: str = typer.Option("10%", "--tolerance", help="Allowed timing regression against --baseline.", rich_help_panel=GATES),
-    set_: list[str] = typer.Option([], "--set", "-s", help="Override a config key, e.g. engine.max_batch_size=64.", rich_help_panel=MODEL),
-    model: str | None = typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL),
-    model_config: str | None = typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL),
-    dataset_kind: str | None = typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA),
-    prompt_column: str | None = typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA),
-    output_column: str | None = typer.Option(None, "--output-column", help="hf: output length or completion column.", rich_help_panel=DATA),
-    split: str | None = typer.Option(None, "--split", help="hf: split [train].", rich_help_panel=DATA),
-    input_len: int | None = typer.Option(None, "--input-len", help="synthetic: mean prompt length.", rich_help_panel=DATA),
-    output_len: int | None = typer.Option(None, "--output-len", help="synthetic: mean output length.", rich_help_panel=DATA),
-    range_ratio: float | None = typer.Option(None, "--range-ratio", help="synthetic: lengths uniform in len*(1±r) [0].", rich_help_panel=DATA),
-    prefix_len: int | None = typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens [0].", rich_help_panel=DATA),
-    num_prefix_groups: int | None = typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes [1].", rich_help_panel=DATA),
-    hash_block_size: int | None = typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id [512].", rich_help_panel=DATA),
-    input_scale: float | None = typer.Option(None, "--input-scale", help="Multiply prompt lengths.", rich_help_panel=DATA),
-    output_scale: float | None = typer.Option(None, "--output-scale", help="Multiply output lengths.", rich_help_panel=DATA),
-    max_input_len: int | None = typer.Option(None, "--max-input-len", help="Cap prompt lengths.", rich_help_panel=DATA),
-    max_output_len: int | None = typer.Option(None, "--max-output-len", help="Cap output lengths.", rich_help_panel=DATA),
-    num_requests: int | None = typer.Option(None, "--num-requests", "--num-prompts", "-n", help="First N requests.", rich_help_panel=DATA),
-    shuffle: bool | None = typer.Option(None, "--shuffle/--no-shuffle", help="Shuffle rows with the seed.", rich_help_panel=DATA),
-    seed: int | None = typer.Option(None, "--seed", help="Seed of shuffling, token ids, arrivals [0].", rich_help_panel=DATA),
-    rate: float | None = typer.Option(None, "--rate", "--request-rate", help="Poisson arrivals, requests/s [offline].", rich_help_panel=ARRIVE),
-    burstiness: float | None = typer.Option(None, "--burstiness", help="Gamma shape of the gaps at --rate [1].", rich_help_panel=ARRIVE),
-    trace_timestamps: bool | None = typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE),
-    time_scale: float | None = typer.Option(None, "--time-scale", help="Multiply trace gaps [1].", rich_help_panel=ARRIVE),
-    concurrency: int | None = typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE),
-    warmup: int | None = typer.Option(None, "--warmup", help="Requests run first in each run, not measured.", rich_help_panel=RUN),
-    slo: list[str] = typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN),
-    ignore_eos: bool | None = typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines.", rich_help_panel=RUN),
+    **shared: Any,
 ) -> None:  # fmt: skip
     """Run every scheme x policy (and baseline) on the identical workload in one process, print one
     table, write compare.json and compare.md, and gate on --assert and --baseline (exit 1 on failure)."""
@@ -79,11 +53,11 @@ def compare(
     from bm.compare.runner import plan_variants
 
     err = Console(stderr=True)
-    flags = dict(locals())
+    flags = {**locals(), **shared}
     flags.pop("out_dir")  # compare's own directory, not bench.out_dir
     flags.pop("json_output")
     try:
-        cfg = resolve_config(config, set_, flags, slo)
+        cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
         variants = plan_variants(schemes, policies, baselines)
         if repeat < 1:
             raise ConfigError(f"--repeat {repeat}: must be at least 1")
