@@ -119,3 +119,13 @@ def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(native, "_loaded", {})
     assert native.paged_decode_kernel() is None
+
+
+@needs_kernel
+def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
+    cache = torch.zeros(2, 2, 4, 8, 16)
+    q = torch.zeros(6, 3, 32)  # head size 32 against the cache's 16
+    out = torch.zeros(3, 6, 32)
+    idx = torch.tensor([0])
+    with pytest.raises(ValueError, match="head size"):
+        kernel(out, q, cache, idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1, 1.0)

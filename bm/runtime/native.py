@@ -1,7 +1,7 @@
 """Optional C kernels, compiled from source at first use with the machine's C compiler.
 
 bm ships no binaries and needs no build step at install: the first engine in a process compiles
-``native/paged_decode.c`` into a temporary directory (well under a second with gcc), loads it with
+``native/paged_decode.c`` into a temporary directory (about a second with gcc), loads it with
 ctypes and removes the file. Where that cannot happen (no compiler, an unusual platform, or
 ``BM_NATIVE_KERNELS=0`` in the environment), bm runs its torch implementation of the same computation,
 which gives the same results up to float rounding; tests pin that the two agree.
@@ -78,7 +78,18 @@ class PagedDecodeKernel:
         if q.stride(2) != 1:
             q = q.contiguous()
         heads, _, head_dim = q.shape
-        _, kv_heads, num_blocks, block_size, _ = cache.shape
+        _, kv_heads, num_blocks, block_size, cache_dim = cache.shape
+        # The C code trusts these; a mismatch would read or write out of bounds, so check them here.
+        if q.dtype != torch.float32 or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("paged decode kernel: q and out must be float32, out contiguous")
+        if head_dim != cache_dim or heads % kv_heads or out.shape[1:] != (heads, head_dim):
+            raise ValueError(
+                f"paged decode kernel: q {tuple(q.shape)}, out {tuple(out.shape)} and cache "
+                f"{tuple(cache.shape)} disagree on heads or head size"
+            )
+        for t in (token_index, block_table, lengths):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError("paged decode kernel: index tensors must be contiguous int64")
         rows, max_blocks = block_table.shape
         status = self._fn(
             q.data_ptr(),
