@@ -45,19 +45,22 @@ def tiny_reference(tiny_model: LoadedModel) -> torch.nn.Module:
     return reference_model(tiny_model)
 
 
+def hf_generate(ref: torch.nn.Module, prompt: list[int], max_new_tokens: int, **kwargs):
+    """HF generate() on one request alone, deterministic (no sampling, no end token unless given)."""
+    with torch.no_grad():
+        return ref.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            **{"do_sample": False, "pad_token_id": 0, "eos_token_id": None, **kwargs},
+        )
+
+
 def hf_greedy(
     ref: torch.nn.Module, prompt: list[int], max_new_tokens: int, end_id: int | None = None
 ) -> list[int]:
     """HF generate() on one request alone: the oracle bm's greedy output must equal."""
-    with torch.no_grad():
-        out = ref.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=end_id,
-            pad_token_id=0,
-        )
+    out = hf_generate(ref, prompt, max_new_tokens, eos_token_id=end_id)
     return out[0, len(prompt) :].tolist()
 
 

@@ -14,7 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from bm.engine import BatchManager, InferenceRequest
 from bm.scheduling import FinishReason
 from tests.clients import StaggeredClient
-from tests.conftest import hf_greedy, make_config, random_prompts
+from tests.conftest import hf_generate, hf_greedy, make_config, random_prompts
 
 TOL = 1e-4
 
@@ -31,17 +31,7 @@ def run_batch(model, requests, per_iteration=3, **sections):
 
 def hf_run(ref, prompt, max_new, **kwargs):
     """HF generate() alone; returns (new tokens, per-token log probs of the processed distribution)."""
-    with torch.no_grad():
-        out = ref.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **{"eos_token_id": None, **kwargs},
-        )
+    out = hf_generate(ref, prompt, max_new, output_scores=True, return_dict_in_generate=True, **kwargs)
     tokens = out.sequences[0, len(prompt) :].tolist()
     log_probs = [
         torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens, strict=False)
@@ -209,21 +199,18 @@ def test_beam_search_matches_hf_while_batched(
         kv_cache={"tokens_per_block": 4, "max_tokens": 4096},
     )
     for i, (prompt, max_new) in enumerate(specs):
-        with torch.no_grad():
-            out = tiny_reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new,
-                do_sample=False,
-                num_beams=beam_width,
-                num_return_sequences=beam_width,
-                length_penalty=len_penalty,
-                early_stopping=hf_early_stopping,
-                eos_token_id=end_ids[i],
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
+        out = hf_generate(
+            tiny_reference,
+            prompt,
+            max_new,
+            num_beams=beam_width,
+            num_return_sequences=beam_width,
+            length_penalty=len_penalty,
+            early_stopping=hf_early_stopping,
+            eos_token_id=end_ids[i],
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         # per-token log probs of each returned beam, as HF's beam search scored them
         transitions = tiny_reference.compute_transition_scores(
             out.sequences, out.scores, out.beam_indices, normalize_logits=False
@@ -285,16 +272,7 @@ def test_context_and_generation_logits_equal_the_reference_model(tiny_model, tin
     for i, (prompt, max_new) in enumerate(specs):
         with torch.no_grad():
             context = tiny_reference(torch.tensor([prompt])).logits[0].float()
-            out = tiny_reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
+        out = hf_generate(tiny_reference, prompt, max_new, output_logits=True, return_dict_in_generate=True)
         assert results[i].context_logits.shape == (len(prompt), vocab)
         assert torch.allclose(results[i].context_logits, context, atol=TOL)
         generation = torch.cat(out.logits).float()
@@ -329,15 +307,5 @@ def test_beam_requests_match_hf_under_every_scheme_and_a_tight_cache(tiny_model,
         if i % 2:
             assert results[i].output_ids == hf_greedy(tiny_reference, prompt, max_new)
             continue
-        with torch.no_grad():
-            out = tiny_reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new,
-                do_sample=False,
-                num_beams=3,
-                early_stopping=True,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
+        out = hf_generate(tiny_reference, prompt, max_new, num_beams=3, early_stopping=True)
         assert results[i].output_ids == out[0, len(prompt) :].tolist(), f"request {i}"

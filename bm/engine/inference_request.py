@@ -239,7 +239,6 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
     if beam_width > 1:
         _check_beam_request(tensors, sampling, streaming, options)
         options = options or DecodingOptions()
-        options.len_penalty, options.early_stopping = len_penalty, early_stopping
         options.beam = BeamSearch(beam_width, max_new, sampling.end_id, len_penalty, early_stopping)
     return LlmRequest(
         request_id=rid,

@@ -34,8 +34,6 @@ class DecodingOptions:
     embedding_bias: torch.Tensor | None = None  # [vocab] float32
     bad_words: tuple[tuple[int, ...], ...] = ()
     stop_words: tuple[tuple[int, ...], ...] = ()
-    len_penalty: float = 1.0
-    early_stopping: int = 1  # 1: stop at beam_width hypotheses; 0: heuristic; >1: never early
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False

@@ -179,10 +179,14 @@ class ModelRunner:
         first = max(0, first_query - self.window + 1) // bs
         return [*range(min(cdiv(self.sink, bs), first)), *range(first, cdiv(ctx, bs))]
 
-    def _window_mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """``[queries, keys]`` bool: causal, within the window or a sink (padding keys are negative)."""
-        q, k = query_pos[:, None], key_pos[None, :]
+    def _attends(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Whether query position ``q`` attends key position ``k`` (broadcast): causal, within the window
+        or a sink; padding keys are negative and never attended."""
         return (k >= 0) & (k <= q) & ((k < self.sink) | (k > q - self.window))
+
+    def _window_mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """``[queries, keys]`` bool, every query against every key."""
+        return self._attends(query_pos[:, None], key_pos[None, :])
 
     def _key_positions(self, blocks: torch.Tensor) -> torch.Tensor:
         """Positions of every slot of the given logical blocks (a negative block gives negative slots)."""
@@ -226,8 +230,7 @@ class ModelRunner:
             padded.append(logical + [-1] * (num_blocks - len(logical)))
         key_pos = self._key_positions(torch.tensor(padded, device=dev))  # [B, num_blocks * bs]
         query_pos = torch.tensor([r[0][1] - 1 for r in rows], device=dev)[:, None]
-        ok = (key_pos >= 0) & (key_pos <= query_pos)
-        ok &= (key_pos < self.sink) | (key_pos > query_pos - self.window)
+        ok = self._attends(query_pos, key_pos)  # each row's query against its own keys
         bias = torch.zeros(ok.shape, dtype=self.loaded.dtype, device=dev).masked_fill_(~ok, float("-inf"))
         return DecodeGroup(
             token_index=torch.tensor([r[0][0] for r in rows], dtype=torch.long, device=dev),

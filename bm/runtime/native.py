@@ -58,8 +58,12 @@ class PagedDecodeKernel:
         self._fn = fn
 
     @staticmethod
-    def supports(cache: torch.Tensor) -> bool:
-        return cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.is_contiguous()
+    def handles(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32
+
+    @classmethod
+    def supports(cls, cache: torch.Tensor) -> bool:
+        return cls.handles(cache.device, cache.dtype) and cache.is_contiguous()
 
     def __call__(
         self,
@@ -189,7 +193,7 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
     """What a results file needs to say for its figures to be compared with another machine's."""
     dev = torch.device(device)
-    native = dev.type == "cpu" and dtype == torch.float32 and paged_decode_kernel() is not None
+    native = PagedDecodeKernel.handles(dev, dtype) and paged_decode_kernel() is not None
     return {
         "torch": torch.__version__,
         "device": str(dev),
