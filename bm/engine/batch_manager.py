@@ -270,7 +270,7 @@ class BatchManager:
         used_blocks: int,
         num_finished: int,
         started: float,
-        reuse: tuple[int, int] = (0, 0),
+        reuse: tuple[int, int],
     ) -> None:
         self._iteration += 1
         if self._return_stats is None:

@@ -66,7 +66,7 @@ class IterationExecutor:
         self._copies: list[tuple[int, int]] = []  # KV blocks to fork before the next forward (beams)
 
     def run(self, scheduled: SchedulerOutput) -> IterationResult:
-        items = self._last_items = self._allocate(scheduled)
+        items = self._allocate(scheduled)
         self.runner.copy_blocks(self._copies)
         self._copies = []
         result = IterationResult()
@@ -77,7 +77,7 @@ class IterationExecutor:
             result.num_forwards += 1
         self._update(items, sampled, result)
         self._after_compute(items)
-        self._update_beams(beams, result)
+        self._update_beams(items, beams, result)
         return result
 
     # -- allocate ---------------------------------------------------------------------------------------
@@ -248,11 +248,13 @@ class IterationExecutor:
                 self.kv.cache_computed_blocks(req, req.num_computed_tokens)
                 self.kv.release_outside_window(req.request_id, req.num_computed_tokens)
 
-    def _update_beams(self, beams: dict[int, StepOutcome], result: IterationResult) -> None:
+    def _update_beams(
+        self, items: list[WorkItem], beams: dict[int, StepOutcome], result: IterationResult
+    ) -> None:
         """Apply each beam request's step: fork its block tables, or finish it with its hypotheses."""
         if not beams:
             return
-        by_id = {item.request.request_id: item.request for item in self._last_items}
+        by_id = {item.request.request_id: item.request for item in items}
         now = time.perf_counter()
         for request_id, outcome in beams.items():
             req = by_id[request_id]

@@ -16,6 +16,7 @@ import torch
 from bm.config import BmConfig
 from bm.engine.batch_manager import BatchManager
 from bm.engine.inference_request import InferenceRequest
+from bm.engine.stats import hit_rate
 from bm.runtime import LoadedModel
 from bm.scheduling import FinishReason
 
@@ -45,8 +46,7 @@ class RequestResult:
     @property
     def cache_hit_rate(self) -> float:
         """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
-        looked_up = self.num_reused_blocks + self.num_missed_blocks
-        return self.num_reused_blocks / looked_up if looked_up else 0.0
+        return hit_rate(self.num_reused_blocks, self.num_missed_blocks)
 
 
 class OfflineClient:
@@ -119,7 +119,9 @@ def _collect(result: RequestResult, tensors: dict[str, torch.Tensor]) -> None:
         result.output_ids.extend(ids[0].tolist())
         lp = tensors.get("output_log_probs")
         if lp is not None:
-            result.output_log_probs = (result.output_log_probs or []) + lp[0, 0].tolist()
+            if result.output_log_probs is None:
+                result.output_log_probs = []
+            result.output_log_probs.extend(lp[0, 0].tolist())
     cum = tensors.get("cum_log_probs")
     if cum is not None:
         result.cum_log_probs = cum[0].tolist()

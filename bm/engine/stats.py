@@ -11,6 +11,12 @@ import time
 from dataclasses import dataclass
 
 
+def hit_rate(reused: int, missed: int) -> float:
+    """Reused over looked-up context blocks (0 when nothing was looked up)."""
+    looked_up = reused + missed
+    return reused / looked_up if looked_up else 0.0
+
+
 @dataclass
 class IterationStats:
     iteration: int
@@ -41,8 +47,7 @@ class IterationStats:
     @property
     def cache_hit_rate(self) -> float:
         """Reused over looked-up context blocks this iteration (0 when no lookup happened)."""
-        looked_up = self.reused_blocks + self.missed_blocks
-        return self.reused_blocks / looked_up if looked_up else 0.0
+        return hit_rate(self.reused_blocks, self.missed_blocks)
 
     def to_json(self) -> str:
         return json.dumps(

@@ -167,8 +167,9 @@ class KVCacheManager:
         held: set[int] = set()
         remaining = 0
         for request in requests:
-            held.update(self._distinct_blocks(request.request_id))
-            remaining += self.get_remaining_resource_to_completion(request)
+            own = self._distinct_blocks(request.request_id)
+            held |= own
+            remaining += max(0, self.get_needed_resource_to_completion(request) - len(own))
         return len(held) + remaining
 
     def num_blocks_to_allocate(self, request_id: int, num_tokens: int) -> int:
@@ -390,9 +391,6 @@ class KVCacheManager:
         table[index] = destination
         self.pool.release([source])
         return source, destination
-
-    def num_beams(self, request_id: int) -> int:
-        return self._num_beams.get(request_id, 1)
 
     def _request_tables(self, request_id: int) -> list[list[int]]:
         keys = (beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1)))

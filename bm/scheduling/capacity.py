@@ -63,6 +63,8 @@ class CapacityScheduler(ABC):
         ``to_completion``: check the blocks it needs to completion (no-evict), else this iteration's.
         Returns the free-pool blocks it uses up, or None when it does not fit (nothing changed then).
         """
+        if budget.slots_left <= 0:  # before hashing the prompt for a prefix it could not use
+            return None
         kv = self.kv_cache_manager
         match = kv.find_cached_prefix(request)
         cost = match.cost(kv.get_needed_resource_to_completion(request)) if to_completion else 0
@@ -83,9 +85,8 @@ class CapacityScheduler(ABC):
             request.num_computed_tokens = 0
             return None
         kv.take_cached_prefix(request, match)
-        if kv.enable_block_reuse:
-            request.num_reused_blocks += match.num_blocks
-            request.num_missed_blocks += match.num_missed_blocks
+        request.num_reused_blocks += match.num_blocks  # both 0 without reuse (NO_MATCH)
+        request.num_missed_blocks += match.num_missed_blocks
         self.mark_started(request)
         return cost
 
