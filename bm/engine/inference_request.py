@@ -195,7 +195,7 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
 
     prompt = _prompt(tensors, limits.vocab_size)
     max_new = _int(tensors, "request_output_len", 1, None, 0)
-    _int(tensors, "beam_width", 1, limits.max_beam_width, 1)
+    beam_width = _int(tensors, "beam_width", 1, limits.max_beam_width, 1)
     if len(prompt) > limits.max_seq_len:
         raise RequestError(
             f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's maximum of "
@@ -231,13 +231,12 @@ def parse_request(request: InferenceRequest, limits: RequestLimits) -> LlmReques
         pad_id=_int(tensors, "pad_id", 0, limits.vocab_size - 1, 0),
     )
     streaming = _bool(tensors, "streaming")
-    beam_width = _int(tensors, "beam_width", 1, limits.max_beam_width, 1)
     options = _decoding_options(request, tensors, limits, max_new)
     # Validated whatever the width; they only act on beams (as in TensorRT-LLM and HF).
     len_penalty = _float(tensors, "len_penalty", 1.0)
     early_stopping = _int(tensors, "early_stopping", 0, None, 1)
     if beam_width > 1:
-        _check_beam_request(tensors, sampling, streaming, options)
+        _check_beam_request(sampling, streaming, options)
         options = options or DecodingOptions()
         options.beam = BeamSearch(beam_width, max_new, sampling.end_id, len_penalty, early_stopping)
     return LlmRequest(
@@ -297,7 +296,6 @@ def _decoding_options(
 
 
 def _check_beam_request(
-    tensors: Mapping[str, torch.Tensor],
     sampling: SamplingParams,
     streaming: bool,
     options: DecodingOptions | None,

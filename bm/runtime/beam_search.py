@@ -33,10 +33,6 @@ class Hypothesis:
     log_probs: list[float]
     score: float  # length-penalised
 
-    @property
-    def cum_log_prob(self) -> float:
-        return float(sum(self.log_probs))
-
 
 class BeamSearch:
     def __init__(

@@ -43,7 +43,6 @@ class DecodingOptions:
     num_context_logits: int = 0
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     beam: object | None = None  # bm.runtime.beam_search.BeamSearch while a beam request runs
-    _ngrams: list[dict[tuple[int, ...], set[int]]] = field(default_factory=list)
 
     @property
     def processes_logits(self) -> bool:
