@@ -209,3 +209,12 @@ def test_compare_runs_a_synthetic_shared_prefix_workload_from_flags(tmp_path):
     assert document["variants"]["inflight_fused"]["metrics"]["completed"] == 6
     bench = document["config"]["bench"]
     assert (bench["prefix_len"], bench["num_prefix_groups"], bench["range_ratio"]) == (16, 2, 0.2)
+
+
+def test_every_metric_a_bm_variant_reports_can_be_asserted_on(saved):
+    from bm.cli.compare import _known_metrics
+
+    out, _ = saved
+    reported = json.loads((out / "compare.json").read_text())["variants"]["v1"]["metrics"]
+    assert set(reported) <= _known_metrics()
+    assert "mean_computed_tokens_per_iteration" in _known_metrics()  # once missing from a hand-kept list

@@ -67,7 +67,8 @@ def compare(
         if reference is not None and reference not in names:
             raise ConfigError(f"--reference {reference!r}: not one of the variants ({', '.join(names)})")
         parsed = [parse_assertion(text) for text in asserts]
-        placeholder = {v.name: _known_metrics(v.kind) for v in variants}
+        known = _known_metrics()
+        placeholder = {v.name: known for v in variants}
         for assertion in parsed:
             check_refs(assertion, placeholder)
         tol = parse_tolerance(tolerance)
@@ -81,35 +82,16 @@ def compare(
         raise typer.Exit(code=code)
 
 
-def _known_metrics(kind: str) -> set[str]:
-    """The metric names a variant will have, so --assert typos fail before the run, not after it."""
-    from bm.bench.metrics import LATENCIES, PERCENTILES
-    from bm.compare.runner import TABLE_COLUMNS
+def _known_metrics() -> set[str]:
+    """The metric names a bm variant reports, so --assert typos fail before the run, not after it.
 
-    names = {k for k, _ in TABLE_COLUMNS} | {
-        "duration",
-        "num_requests",
-        "completed",
-        "failed",
-        "total_input_tokens",
-        "total_output_tokens",
-        "request_throughput",
-        "request_goodput",
-        "output_throughput",
-        "total_token_throughput",
-        "num_paused_requests",
-        "total_pauses",
-        "max_kv_cache_utilization",
-        "mean_requests_per_iteration",
-        "mean_tokens_per_iteration",
-        "mean_iteration_latency_ms",
-        "max_paused_per_iteration",
-        "total_padded_context_tokens",
-    }
-    for name in LATENCIES:
-        names |= {f"{s}_{name}_ms" for s in ("mean", "median", "std")}
-        names |= {f"p{p}_{name}_ms" for p in PERCENTILES}
-    return names
+    Asked of the metric functions themselves (on an empty run), so the list cannot fall behind them."""
+    import pandas as pd
+
+    from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, run_metrics
+
+    records = pd.DataFrame(columns=list(RECORD_COLUMNS))
+    return set(run_metrics(records, 0.0, {"ttft": 1.0})) | set(engine_metrics(pd.DataFrame(), records))
 
 
 def _read_baseline(path: Path) -> dict[str, Any]:

@@ -179,15 +179,6 @@ class CompareResult:
         return out
 
 
-def engine_totals(stats: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """Totals the table needs from the per-iteration stats: token slots computed and empty ones."""
-    return {
-        "total_computed_tokens": int(sum(s.get("Computed Tokens", 0) for s in stats)),
-        "total_empty_generation_slots": int(sum(s.get("Empty Generation Slots", 0) for s in stats)),
-        "total_padded_context_tokens": int(sum(s.get("Padded Context Tokens", 0) for s in stats)),
-    }
-
-
 def _baseline_metrics(
     name: str, loaded: LoadedModel, workload: Workload, hf_batch_size: int
 ) -> dict[str, Any]:
@@ -248,8 +239,6 @@ def run_compare(
             if v.kind == "bm":
                 result = run_bench(configs[v.name], loaded, workload, arrivals)
                 metrics = dict(result.metrics)
-                for key, value in engine_totals(result.stats).items():
-                    metrics.setdefault(key, value)
                 outcome.last = result
             else:
                 metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size)
