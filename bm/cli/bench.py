@@ -211,7 +211,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
             soft_wrap=True,
         )
     if plot:
-        from bm.compare.runner import load_plot_data
+        from bm.report.data import load_plot_data
         from bm.report.plots import write_plots
 
         paths = write_plots(load_plot_data(out), out / "plots")

@@ -174,7 +174,7 @@ def _run(
     out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
     document = write_compare(out, result)
     if plot:
-        from bm.compare.runner import load_plot_data
+        from bm.report.data import load_plot_data
         from bm.report.plots import write_plots
 
         write_plots(load_plot_data(out), out / "plots")
@@ -237,7 +237,7 @@ def report(
 ) -> None:
     """Draw the plots of a saved bench or compare run: latency CDFs, throughput bars, batch composition,
     KV utilization and paused requests."""
-    from bm.compare.runner import load_plot_data
+    from bm.report.data import load_plot_data
     from bm.report.plots import write_plots
 
     console = Console()

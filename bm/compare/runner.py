@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 import bm
 from bm.baselines import BASELINES, run_hf_continuous_batching, run_hf_generate
 from bm.bench import BenchResult, run_bench, write_results
 from bm.compare.expr import AssertionOutcome
 from bm.compare.regress import EXACT_IF_OFFLINE, Regression
 from bm.config import BATCHING_SCHEMES, SCHEDULER_POLICIES, BmConfig, ConfigError, config_from_dict
+from bm.report.data import variant_dir
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.workloads import Workload
@@ -382,37 +381,6 @@ def write_compare(out_dir: Path, result: CompareResult) -> dict[str, Any]:
         if outcome.last is not None:
             write_results(variant_dir(out_dir, outcome.variant.name), outcome.last)
     return document
-
-
-def variant_dir(out_dir: Path, name: str) -> Path:
-    return out_dir / "variants" / name.replace(":", "__")
-
-
-def load_plot_data(out_dir: Path) -> list[Any]:
-    """The plots' inputs from a saved bench or compare directory (for ``bm report``)."""
-    from bm.report.plots import VariantData, read_variant_dir
-
-    compare_json = out_dir / "compare.json"
-    if compare_json.exists():
-        document = json.loads(compare_json.read_text(encoding="utf-8"))
-        data = []
-        for name, info in document.get("variants", {}).items():
-            throughputs = [t for t in info.get("output_throughput_per_repeat", []) if t is not None]
-            directory = variant_dir(out_dir, name)
-            if directory.exists():
-                data.append(read_variant_dir(name, directory, throughputs))
-            else:
-                data.append(VariantData(name, pd.DataFrame(), pd.DataFrame(), throughputs))
-        return data
-    results_json = out_dir / "results.json"
-    if results_json.exists():
-        document = json.loads(results_json.read_text(encoding="utf-8"))
-        name = document.get("batching_scheme") or "bm"
-        throughput = document.get("output_throughput")
-        return [read_variant_dir(name, out_dir, [throughput] if throughput is not None else [])]
-    raise FileNotFoundError(
-        f"{out_dir}: holds neither compare.json nor results.json; point bm report at a bench or compare output directory"
-    )
 
 
 def _strict(value: Any) -> Any:

@@ -10,7 +10,6 @@ redraw any saved run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +20,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from bm.report.data import VariantData, read_variant_dir
+
+__all__ = ["PLOT_FILES", "VariantData", "read_variant_dir", "write_plots"]
+
 PLOT_FILES = (
     "latency_cdf.png",
     "throughput.png",
@@ -28,16 +31,6 @@ PLOT_FILES = (
     "kv_utilization.png",
     "paused_requests.png",
 )
-
-
-@dataclass
-class VariantData:
-    """What one variant's plots need: its requests, its per-iteration stats, its throughput per repeat."""
-
-    name: str
-    requests: pd.DataFrame
-    stats: pd.DataFrame
-    output_throughputs: list[float] = field(default_factory=list)
 
 
 def write_plots(variants: Sequence[VariantData], out_dir: Path) -> list[Path]:
@@ -169,16 +162,3 @@ def _paused_requests(variants: Sequence[VariantData]) -> plt.Figure:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     return fig
-
-
-def read_variant_dir(name: str, directory: Path, output_throughputs: list[float]) -> VariantData:
-    """Load a variant's requests.jsonl and stats.jsonl as written by bench and compare."""
-    requests = _read_jsonl(directory / "requests.jsonl")
-    stats = _read_jsonl(directory / "stats.jsonl")
-    return VariantData(name, requests, stats, output_throughputs)
-
-
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    if not path.exists() or path.stat().st_size == 0:
-        return pd.DataFrame()
-    return pd.read_json(path, lines=True)
