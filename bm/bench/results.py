@@ -21,7 +21,7 @@ from bm.bench.runner import BenchResult
 def results_document(result: BenchResult) -> dict[str, Any]:
     bench = result.config.bench
     slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
-    return _strict(
+    return json_safe(
         {
             "bm_version": bm.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -51,21 +51,22 @@ def write_results(out_dir: Path, result: BenchResult) -> dict[str, Any]:
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     with (out_dir / "requests.jsonl").open("w", encoding="utf-8") as f:
         for record in result.records.to_dict("records"):
-            f.write(json.dumps(_strict(record), ensure_ascii=False) + "\n")
+            f.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
     with (out_dir / "stats.jsonl").open("w", encoding="utf-8") as f:
         for stats in result.stats:
             f.write(json.dumps(stats) + "\n")
     return document
 
 
-def _strict(value: Any) -> Any:
-    """Plain JSON: NaN (pandas' missing value) becomes null, numpy scalars become Python numbers."""
+def json_safe(value: Any) -> Any:
+    """Plain, strict JSON: NaN (pandas' missing value) and infinities become null, numpy scalars become
+    Python numbers, tuples lists."""
     if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
+        return [json_safe(v) for v in value]
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         value = value.item()
-    if isinstance(value, float) and math.isnan(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -12,12 +12,16 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 
 from bm.config import BmConfig, ConfigError, load_config, parse_override
+
+if TYPE_CHECKING:
+    from bm.runtime import LoadedModel
+    from bm.workloads import Workload
 
 DATA, ARRIVE, RUN, MODEL = "Dataset", "Arrivals", "Run and output", "Model and engine"
 
@@ -179,19 +183,13 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     the saved results do not hold."""
     from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
-    from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError, load_model
-    from bm.workloads import DatasetError, load_workload
+    from bm.runtime import KVCacheSizeError
 
     bench = cfg.bench
-    try:
-        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
-        loaded = load_model(cfg.model)
-        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-        workload = load_workload(bench, vocab_size=loaded.vocab_size, encode=encode)
-    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    loaded_pair = load_model_and_workload(cfg, console)
+    if loaded_pair is None:
         return 2
-    _report_dataset(console, workload)
+    loaded, workload = loaded_pair
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
     progress = bench_progress(console, show_progress)
     task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
@@ -219,6 +217,24 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
     return 130 if result.interrupted else 0
+
+
+def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
+    """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
+    rows included); on a bad model or dataset print the error and return None (exit code 2)."""
+    from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
+    from bm.workloads import DatasetError, load_workload
+
+    try:
+        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
+        loaded = load_model(cfg.model)
+        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
+        workload = load_workload(cfg.bench, vocab_size=loaded.vocab_size, encode=encode)
+    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return None
+    _report_dataset(console, workload)
+    return loaded, workload
 
 
 def _report_dataset(console: Console, workload: Any) -> None:

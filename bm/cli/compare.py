@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bm.cli.bench import RUN, resolve_config, with_shared_options
+from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:
@@ -127,21 +127,19 @@ def _run(
     from bm.compare.expr import AssertionEvalError, evaluate_assertion
     from bm.compare.regress import find_regressions
     from bm.compare.runner import compare_document, run_compare, write_compare
-    from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError, load_model
-    from bm.workloads import DatasetError, arrival_times, load_workload
+    from bm.runtime import KVCacheSizeError
+    from bm.workloads import DatasetError, arrival_times
 
+    loaded_pair = load_model_and_workload(cfg, console)
+    if loaded_pair is None:
+        return 2
+    loaded, workload = loaded_pair
     try:
-        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
-        loaded = load_model(cfg.model)
-        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-        workload = load_workload(cfg.bench, vocab_size=loaded.vocab_size, encode=encode)
         arrivals = arrival_times(workload, cfg.bench)
-    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
+    except (DatasetError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
-    info = workload.describe()
-    console.print(f"dataset: {info['kind']} {info['path']}: {info['num_requests']} requests; "
-                  f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)  # fmt: skip
+    console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)
     started: dict[str, float] = {}
 
     def on_start(v: Variant, r: int, _m: dict[str, Any]) -> None:
@@ -184,7 +182,7 @@ def _run(
         console.print(compare_table(result, console.width))
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
-    return _gate(console if not json_output else Console(stderr=True), result, failed_eval)
+    return _gate(console, result, failed_eval)  # already stderr under --json
 
 
 def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import bm
 from bm.baselines import BASELINES, run_hf_continuous_batching, run_hf_generate
 from bm.bench import BenchResult, run_bench, write_results
+from bm.bench.results import json_safe
 from bm.compare.expr import AssertionOutcome
 from bm.compare.regress import EXACT_IF_OFFLINE, Regression
 from bm.config import BATCHING_SCHEMES, SCHEDULER_POLICIES, BmConfig, ConfigError, config_from_dict
@@ -141,8 +142,10 @@ class VariantOutcome:
                 out[key] = values[-1]
         return out
 
-    def unstable_counters(self) -> list[str]:
-        """Counters that differed between repeats (only meaningful when arrivals are offline)."""
+    def unstable_counters(self, offline_arrivals: bool) -> list[str]:
+        """Counters that differed between repeats; none are expected to match under timed arrivals."""
+        if not offline_arrivals:
+            return []
         return [key for key in EXACT_IF_OFFLINE if len({r.get(key) for r in self.repeats}) > 1]
 
 
@@ -268,10 +271,10 @@ def compare_document(result: CompareResult) -> dict[str, Any]:
             "kind": v.kind,
             "batching_scheme": v.scheme,
             "scheduler_policy": v.policy,
-            "metrics": _strict(outcome.summary()),
-            "ratios_to_reference": _strict(ratios[v.name]),
-            "output_throughput_per_repeat": _strict(throughputs),
-            "unstable_counters": outcome.unstable_counters() if result.offline_arrivals else [],
+            "metrics": json_safe(outcome.summary()),
+            "ratios_to_reference": json_safe(ratios[v.name]),
+            "output_throughput_per_repeat": json_safe(throughputs),
+            "unstable_counters": outcome.unstable_counters(result.offline_arrivals),
         }
     return {
         "bm_version": bm.__version__,
@@ -341,7 +344,7 @@ def compare_markdown(result: CompareResult) -> str:
             "",
             "Baselines run offline, each request to its full output length; they report throughput only.",
         ]
-    unstable = {v.variant.name: v.unstable_counters() for v in result.variants if result.offline_arrivals}
+    unstable = {v.variant.name: v.unstable_counters(result.offline_arrivals) for v in result.variants}
     unstable = {k: u for k, u in unstable.items() if u}
     if unstable:
         lines += [
@@ -381,14 +384,3 @@ def write_compare(out_dir: Path, result: CompareResult) -> dict[str, Any]:
         if outcome.last is not None:
             write_results(variant_dir(out_dir, outcome.variant.name), outcome.last)
     return document
-
-
-def _strict(value: Any) -> Any:
-    """NaN/inf are not JSON: write them as null."""
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strict(v) for v in value]
-    return value
