@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,8 +92,13 @@ def test_reference_lists_every_knob():
 
 
 def test_shipped_yaml_configs_are_valid():
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        load_config(path)
+    paths = sorted((REPO / "configs").glob("*.yaml"))
+    assert {p.name for p in paths} >= {"default.yaml", "bench.yaml"}
+    for path in paths:
+        config = load_config(path)  # raises on any invalid value
+        # a model config a shipped file names resolves to a file that is there
+        assert config.model.config is None or Path(config.model.config).exists(), path
+    assert load_config(REPO / "configs" / "bench.yaml").engine.max_batch_size == 128
 
 
 def test_shipped_tiny_llama_config_equals_the_embedded_default():
