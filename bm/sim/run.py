@@ -9,6 +9,7 @@ very code a real run uses, in simulated seconds; the wall time is reported besid
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -117,12 +118,16 @@ def run_sim(
     clock = VirtualClock()
     executor = SimExecutor(model.cost_model(), clock)
     core = EngineCore(config, executor, clock=clock)
-    requests = [r for _, r in built]
+    # Tokens are timestamped here, from what the executor sampled, rather than streamed back one
+    # response per token: the same times a streaming client would record, without a response object per
+    # token. Only final responses go through the replayer (with their tokens already counted).
+    requests = [dataclasses.replace(r, streaming=False) for _, r in built]
     replayer = Replayer(
         requests, [times[i] for i, _ in built], max_concurrency=bench.max_concurrency, clock=clock
     )
     replayer.start()
-    arrival_of = [replayer.timelines[r.request_id].arrival_s for r in requests]
+    timelines = replayer.timelines
+    arrival_of = [timelines[r.request_id].arrival_s for r in requests]
     stats: list[dict[str, Any]] = []
     iterations = 0
     while not replayer.done:
@@ -133,10 +138,16 @@ def run_sim(
                 replayer.send_response(refused)
         if core.num_active:
             out = core.step()
+            now = clock.now
+            for rid in executor.last_sampled:
+                timelines[rid].token_s.append(now)
+            replayer.num_output_tokens += len(executor.last_sampled)
             for response in out.responses:
+                if response.output_ids:
+                    response = dataclasses.replace(response, output_ids=[])
                 replayer.send_response(response)
             if out.stats is not None:
-                stats.append(json.loads(out.stats.to_json()))
+                stats.append(stats_row(out.stats))
             iterations += 1
             if progress is not None and iterations % _PROGRESS_EVERY == 0:
                 progress(_snapshot(replayer))
@@ -188,6 +199,17 @@ def run_sim(
         arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
         runtime=model.runtime(),
     )
+
+
+_WALL_CLOCK_STAT = "Timestamp"
+
+
+def stats_row(stats: Any) -> dict[str, Any]:
+    """One stats.jsonl row as a real run writes it, its wall-clock timestamp replaced by simulated
+    seconds (a simulated run's stats are a function of its inputs alone)."""
+    row = json.loads(stats.to_json())
+    row[_WALL_CLOCK_STAT] = round(stats.elapsed_s, 6)
+    return row
 
 
 def _snapshot(replayer: Any) -> Any:
