@@ -106,7 +106,8 @@ class CostModel:
     def time_forward(self, cost: ForwardCost, out: IterationCost) -> float:
         tp, flops, bw = self.tp, self.peak_flops, self.bandwidth
         hw = self.hardware
-        linear_c, linear_m = cost.linear_flops / tp / flops, cost.linear_bytes / tp / bw
+        ramp = cost.tokens / (cost.tokens + hw.gemm_half_tokens) if cost.tokens else 1.0
+        linear_c, linear_m = cost.linear_flops / tp / (flops * ramp), cost.linear_bytes / tp / bw
         attn_c, attn_m = cost.attention_flops / tp / flops, cost.kv_read_bytes / tp / bw
         write_m = cost.kv_write_bytes / tp / bw
         comm = 0.0

@@ -38,6 +38,8 @@ class Hardware:
     iteration_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     allreduce_latency_s: float = 5e-6
+    # GEMMs of few rows run below peak: throughput = peak * T / (T + gemm_half_tokens) for T tokens
+    gemm_half_tokens: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
@@ -146,8 +148,25 @@ def measure_gemm(dtype: str = "float32", m: int = 256, k: int = 1024, n: int = 1
     a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
     torch.mm(a, b)
     reps = 10
-    seconds = _best(lambda: [torch.mm(a, b) for _ in range(reps)], 5) / reps
+    seconds = (
+        _best(lambda: [torch.mm(a, b) for _ in range(reps)], 15) / reps
+    )  # best of many: other load only slows
     return 2 * m * k * n / seconds
+
+
+def gemm_curve(dtype: str, small: int = 128, large: int = 1024) -> tuple[float | None, float]:
+    """Peak FLOP/s and the row count at which a GEMM reaches half of it, from two matmuls of ``small``
+    and ``large`` rows: ``f(m) = peak * m / (m + h)`` through both points (decode GEMMs have few rows)."""
+    f_small, f_large = measure_gemm(dtype, m=small), measure_gemm(dtype, m=large)
+    if not f_small or not f_large:
+        return f_large, 0.0
+    h_over_p = (1 / f_small - 1 / f_large) / (1 / small - 1 / large)
+    if h_over_p <= 0:
+        return max(f_small, f_large), 0.0
+    inv_peak = 1 / f_large - h_over_p / large
+    if inv_peak <= 0:
+        return f_large, 0.0
+    return 1 / inv_peak, h_over_p / inv_peak
 
 
 def measure_op_overhead() -> float:
@@ -194,13 +213,8 @@ def calibrate(path: Path | None = None) -> dict[str, Any]:
         threads = torch.get_num_threads()
     except ImportError:  # pragma: no cover
         threads = os.cpu_count() or 1
-    fp32 = measure_gemm("float32")
+    fp32, half_tokens = gemm_curve("float32")
     flops = {"float32": fp32} if fp32 else {}
-    if fp32:
-        bf16 = measure_gemm("bfloat16")
-        if bf16:
-            flops["bfloat16"] = bf16
-            flops["float16"] = bf16
     op = measure_op_overhead()
     row = {
         "name": f"this machine ({platform.processor() or platform.machine()}, {threads} threads)",
@@ -214,6 +228,7 @@ def calibrate(path: Path | None = None) -> dict[str, Any]:
         "memory_efficiency": 1.0,
         "iteration_overhead_s": measure_step_overhead(),
         "layer_overhead_s": OPS_PER_LAYER * op,
+        "gemm_half_tokens": half_tokens,
         "op_overhead_s": op,
         "torch_threads": threads,
         "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
