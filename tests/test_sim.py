@@ -259,3 +259,50 @@ def test_the_sim_schedules_every_iteration_exactly_as_the_torch_engine(tiny_mode
     simulated = trace(SimExecutor(CostModel(shape, load_hardware("h100-sxm"), "float32")))
     assert len(real) > 5
     assert simulated == real
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+def test_bench_executor_sim_writes_the_three_files_and_prints_the_cost(tmp_path):
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    model_config = tmp_path / "tiny.json"
+    model_config.write_text(json.dumps(TINY | {"vocab_size": 512}))
+    out = tmp_path / "out"
+    args = ["bench", "--executor", "sim", "--hardware", "l40s", "--tensor-parallel", "2",
+            "--model-config", str(model_config), "--dataset-kind", "synthetic", "-n", "12",
+            "--input-len", "32", "--output-len", "8", "--rate", "20", "-o", str(out), "--quiet"]  # fmt: skip
+    result = CliRunner().invoke(app, args, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "Cost per million output tokens (USD)" in result.output and "l40s x 2" in result.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["executor"] == "sim" and doc["completed"] == 12
+    assert doc["cost_per_million_output_tokens"] > 0
+    stats = [json.loads(line) for line in (out / "stats.jsonl").read_text().splitlines()]
+    assert len(stats) == doc["num_iterations"]
+    assert sum(json.loads(line)["output_tokens"] for line in (out / "requests.jsonl").open()) == 12 * 8
+
+
+def test_bench_executor_sim_without_a_model_config_exits_2_naming_the_option(tmp_path):
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    args = ["bench", "--executor", "sim", "--dataset-kind", "synthetic", "-n", "2", "--quiet"]
+    result = CliRunner().invoke(app, args, terminal_width=200)
+    assert result.exit_code == 2
+    assert "--model-config" in result.output
+
+
+def test_sim_calibrate_writes_the_cpu_local_row(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["sim", "calibrate"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cpu-local.yaml").is_file() and "memory_bw" in result.output
