@@ -156,15 +156,26 @@ class Run:
     num_reused_blocks: int | None
 
 
-def run_case(case: Case, max_iterations: int = 2000) -> Run:
-    """Step the real engine core over the fake executor until every request ends (or the case's stop)."""
+def core_request(request_id: int, tokens: list[int], max_new: int, beam_width: int = 1):
+    """The engine's typed request for a prompt and a length (the fake executor never samples an end id)."""
+    from bm.engine.request import Request
+
+    return Request(request_id=request_id, input_ids=tokens, max_new_tokens=max_new, beam_width=beam_width)
+
+
+def new_core(config: dict):
+    """An engine core over the fake executor (no model, no torch)."""
     from bm.engine.core import EngineCore
     from bm.engine.fake_executor import FakeExecutor
-    from bm.engine.request import Request
 
     from bm.config import config_from_dict
 
-    core = EngineCore(config_from_dict(case.config()), FakeExecutor(vocab_size=1000))
+    return EngineCore(config_from_dict(config), FakeExecutor(vocab_size=1000))
+
+
+def run_case(case: Case, max_iterations: int = 2000) -> Run:
+    """Step the real engine core over the fake executor until every request ends (or the case's stop)."""
+    core = new_core(case.config())
     arrivals: dict[int, list[Req]] = {}
     for req in case.requests:
         arrivals.setdefault(req.arrives, []).append(req)
@@ -175,14 +186,9 @@ def run_case(case: Case, max_iterations: int = 2000) -> Run:
     while len(iterations) < limit:
         it = len(iterations)
         for req in arrivals.get(it, []):
-            core.add_request(
-                Request(
-                    request_id=req.id,
-                    input_ids=req.tokens,
-                    max_new_tokens=req.max_new,
-                    beam_width=req.beam_width,
-                )
-            )
+            refused = core.add_request(core_request(req.id, req.tokens, req.max_new, req.beam_width))
+            if refused is not None:
+                raise AssertionError(f"request {req.id} refused: {refused}")
             active.append(req.id)
         if not active and it > last_arrival:
             break
