@@ -15,6 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from bm.config import config_from_dict
+from bm.engine.core import EngineCore
+from bm.engine.fake_executor import FakeExecutor
+from bm.engine.request import Request
+
 # A budget that never binds: TRT-LLM's capacity tests run no micro-batch stage (no token limit), and its
 # micro-batch tests run no KV cache manager (no block limit).
 UNLIMITED_TOKENS = 1 << 20
@@ -156,20 +161,13 @@ class Run:
     num_reused_blocks: int | None
 
 
-def core_request(request_id: int, tokens: list[int], max_new: int, beam_width: int = 1):
+def core_request(request_id: int, tokens: list[int], max_new: int, beam_width: int = 1) -> Request:
     """The engine's typed request for a prompt and a length (the fake executor never samples an end id)."""
-    from bm.engine.request import Request
-
-    return Request(request_id=request_id, input_ids=tokens, max_new_tokens=max_new, beam_width=beam_width)
+    return Request(request_id=request_id, input_ids=tokens, request_output_len=max_new, beam_width=beam_width)
 
 
-def new_core(config: dict):
+def new_core(config: dict) -> EngineCore:
     """An engine core over the fake executor (no model, no torch)."""
-    from bm.engine.core import EngineCore
-    from bm.engine.fake_executor import FakeExecutor
-
-    from bm.config import config_from_dict
-
     return EngineCore(config_from_dict(config), FakeExecutor(vocab_size=1000))
 
 
