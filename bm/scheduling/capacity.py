@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from bm.kv import KVCacheManager, PrefixMatch
 from bm.scheduling.budget import ChunkingConfig, IterationBudget
 from bm.scheduling.request import LlmRequest, RequestState
+from bm.scheduling.reuse import ContributedBlocks
 
 
 @dataclass
@@ -137,12 +138,18 @@ def split_started(
     return generation + contexts, new
 
 
+def running_contexts(started: Sequence[LlmRequest]) -> list[LlmRequest]:
+    """Contexts under way (chunked, not finished): they go on computing their prefix this iteration."""
+    return [r for r in started if r.is_context_phase]
+
+
 class GuaranteedNoEvictScheduler(CapacityScheduler):
     """Admit a request only when the blocks it needs to completion are still unreserved.
 
     Requests that already hold blocks reserve their full need first; new requests then enter in arrival
     order until the first that does not fit (first come, first served), so a started request always
-    finishes without eviction.
+    finishes without eviction. With block reuse, a new request whose prefix another context computes this
+    iteration waits for it (:mod:`bm.scheduling.reuse`).
     """
 
     def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
@@ -153,7 +160,10 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         reserved = kv.get_reserved_resource(started)
         plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
         available = kv.get_max_resource_count() - reserved
+        contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
+            if contributed.beneficial_to_skip(request):
+                continue
             cost = self.try_start(request, budget, available, True, plan)
             if cost is None:
                 break
@@ -170,6 +180,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
     get its blocks, the youngest started requests are paused (their blocks freed, their context
     recomputed later) until it can, or it is paused itself if it is the youngest. New requests never
     displace started ones, and none that arrived after a request paused this iteration starts in it.
+    With block reuse, a new request whose prefix another context computes this iteration waits for it.
     """
 
     def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
@@ -226,9 +237,12 @@ class MaxUtilizationScheduler(CapacityScheduler):
         # request paused now starts now (it would take the blocks the pause just gave back).
         position = {r.request_id: i for i, r in enumerate(active_requests)}
         cutoff = min((position[r.request_id] for r in plan.paused), default=len(active_requests))
+        contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
             if position[request.request_id] > cutoff:
                 break
+            if contributed.beneficial_to_skip(request):
+                continue
             cost = self.try_start(request, budget, free, False, plan, releasing)
             if cost is None:
                 break
