@@ -19,6 +19,8 @@ from bm.engine.request import Request
 OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
 REQUEST_FIELDS = sorted(SUPPORTED_INPUT_TENSORS - {"input_ids", "request_output_len"})
+# Fields whose JSONL value is a nested list of numbers (the engine checks shapes and values).
+NESTED_FIELDS = ("prompt_embedding_table",)
 # Read by `bm bench`; `bm run` is offline and accepts the field so one file serves both.
 IGNORED_KEYS = ("arrival_time",)
 KNOWN_KEYS = {
@@ -129,6 +131,8 @@ def _to_request(
             value = _word_list(key, value, encode_word)
         elif name == "embedding_bias":
             value = _bias(key, value)
+        elif name in NESTED_FIELDS:
+            value = _nested_numbers(key, value)
         elif not isinstance(value, (int, float, bool)):
             raise LineError(f"{key}: expected a number or true/false, got {value!r}")
         fields[name] = value
@@ -164,6 +168,12 @@ def _prompt_ids(data: dict[str, Any], encode: Callable[[str], list[int]] | None)
     if not ids:
         raise LineError("input_ids: the prompt is empty")
     return ids
+
+
+def _nested_numbers(key: str, value: Any) -> list[list[float]]:
+    if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
+        raise LineError(f"{key}: expected a nested list of numbers (one list per row), got {value!r:.60}")
+    return value
 
 
 def _output_len(data: dict[str, Any], default: int) -> int:

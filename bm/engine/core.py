@@ -115,6 +115,7 @@ class EngineCore:
             # with chunking a prompt of any length fits the budget piece by piece
             max_num_tokens=None if engine.enable_chunked_context else engine.max_num_tokens,
             max_beam_width=engine.max_beam_width,
+            hidden_size=model.hidden_size,
         )
         self._active: dict[int, LlmRequest] = {}  # insertion order is arrival order
         self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)

@@ -76,6 +76,7 @@ class ModelLimits:
     max_position_embeddings: int | None = None
     sliding_window: int | None = None
     sliding_window_on_every_layer: bool = False
+    hidden_size: int | None = None  # the embedding width, when the executor knows it
 
 
 @dataclass(frozen=True)

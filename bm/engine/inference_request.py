@@ -48,8 +48,8 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "embedding_bias": (torch.float32, "[1, vocab_size] logit bias"),
     "bad_words_list": (torch.int32, "[2, n] bad words"),
     "stop_words_list": (torch.int32, "[2, n] stop words"),
-    "prompt_embedding_table": (torch.float16, "p-tuning table"),
-    "prompt_vocab_size": (torch.int32, "p-tuning vocab size"),
+    "prompt_embedding_table": (torch.float32, "[1, num_virtual_tokens, hidden] p-tuning table (any float)"),
+    "prompt_vocab_size": (torch.int32, "[1] rows of the p-tuning table"),
     "lora_task_id": (torch.int64, "LoRA task id"),
     "lora_weights": (torch.float32, "LoRA weights"),
     "lora_config": (torch.int32, "LoRA config"),
@@ -60,7 +60,7 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "draft_logits": (torch.float32, "draft logits"),
 }
 
-# LoRA, p-tuning and draft tokens are refused by name until they are implemented.
+# LoRA and draft tokens are refused by name until they are implemented.
 SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - set(UNSUPPORTED_FIELDS)
 WORD_LISTS = ("bad_words_list", "stop_words_list")
 BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
@@ -154,6 +154,8 @@ def to_core_request(request: InferenceRequest) -> Request:
             values[name] = [list(w) for w in _word_list(tensors, name)]
         elif name == "embedding_bias":
             values[name] = _embedding_bias(tensors)
+        elif name == "prompt_embedding_table":
+            values[name] = _prompt_table(tensors)
         else:
             values[name] = _scalar(tensors, name)
     return Request(
@@ -251,6 +253,19 @@ def response_from_tensors(
         if value is not None:
             setattr(response, name, int(value[0]))
     return response
+
+
+def _prompt_table(tensors: Mapping[str, torch.Tensor]) -> list[list[float]]:
+    table = tensors["prompt_embedding_table"]
+    if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point:
+        raise RequestError("prompt_embedding_table: expected a float tensor [num_virtual_tokens, hidden]")
+    if table.dim() == 3 and table.shape[0] == 1:
+        table = table[0]
+    if table.dim() != 2:
+        raise RequestError(
+            f"prompt_embedding_table: expected shape [1, num_virtual_tokens, hidden], got {list(table.shape)}"
+        )
+    return table.float().tolist()
 
 
 def _embedding_bias(tensors: Mapping[str, torch.Tensor]) -> list[float]:

@@ -10,6 +10,7 @@ type is refused, never coerced (``beam_width: 1.9`` is an error, not 1).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,8 +22,6 @@ UINT64_MAX = 2**64 - 1
 
 # Fields of the spec table bm refuses by name until they are implemented.
 UNSUPPORTED_FIELDS = (
-    "prompt_embedding_table",
-    "prompt_vocab_size",
     "lora_task_id",
     "lora_weights",
     "lora_config",
@@ -41,6 +40,7 @@ class RequestLimits:
     max_seq_len: int
     max_num_tokens: int | None  # None: chunked context, any prompt fits piece by piece
     max_beam_width: int
+    hidden_size: int | None = None  # the model's embedding width (checks a prompt table's rows)
 
 
 @dataclass
@@ -71,6 +71,9 @@ class Request:
     return_log_probs: bool | None = None
     return_context_logits: bool | None = None
     return_generation_logits: bool | None = None
+    # Prompt tuning: [num_virtual_tokens, hidden] rows; prompt id vocab_size + i embeds as row i.
+    prompt_embedding_table: list[list[float]] | None = None
+    prompt_vocab_size: int | None = None
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
@@ -240,7 +243,9 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     rid = request.request_id
     if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid <= UINT64_MAX:
         raise RequestError(f"request id {rid!r} is not a uint64")
-    prompt = _token_ids("input_ids", request.input_ids, limits.vocab_size)
+    table = _prompt_table(request, limits)
+    num_virtual = len(table.rows) if table is not None else 0
+    prompt = _token_ids("input_ids", request.input_ids, limits.vocab_size + num_virtual)
     if not prompt:
         raise RequestError("input_ids: the prompt is empty; give at least one token")
     if request.request_output_len is None:
@@ -270,6 +275,8 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     controls = _controls(request, limits, max_new)
     if beam_width > 1:
         _check_beam_request(sampling, streaming, controls)
+    if table is not None:
+        _check_prompt_table_request(controls)
     return LlmRequest(
         request_id=rid,
         prompt_ids=prompt,
@@ -279,6 +286,7 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         beam_width=beam_width,
         controls=controls if controls.needs_runtime_state or beam_width > 1 else None,
         output_log_probs=[] if controls.return_log_probs and beam_width == 1 else None,
+        model_inputs=ModelInputs(prompt_table=table) if table is not None else None,
     )
 
 
@@ -342,3 +350,80 @@ def _check_beam_request(sampling: SamplingParams, streaming: bool, controls: Con
         raise RequestError("stop_words_list: not supported with beam_width > 1")
     if controls.return_generation_logits:
         raise RequestError("return_generation_logits: not supported with beam_width > 1")
+
+
+# -- inputs beyond token ids ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """A validated prompt-tuning table: ``rows[i]`` is the embedding of prompt id ``vocab_size + i``."""
+
+    rows: tuple[tuple[float, ...], ...]
+    key: str  # digest of the values: block reuse only between requests with an identical table
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What changes a request's activations beside its token ids, as plain values the runtime turns into
+    tensors. Blocks computed under different inputs never share a cache entry (:attr:`block_extra_keys`)."""
+
+    prompt_table: PromptTable | None = None
+
+    @property
+    def block_extra_keys(self) -> tuple:
+        return ("ptable", self.prompt_table.key) if self.prompt_table is not None else ()
+
+
+def _prompt_table(request: Request, limits: RequestLimits) -> PromptTable | None:
+    table, size = request.prompt_embedding_table, request.prompt_vocab_size
+    if table is None:
+        if size is not None:
+            raise RequestError(
+                "prompt_vocab_size: given without prompt_embedding_table; give the table too or drop it"
+            )
+        return None
+    if not isinstance(table, (list, tuple)) or not table:
+        raise RequestError(
+            "prompt_embedding_table: expected a non-empty list of rows [num_virtual_tokens, hidden_size]"
+        )
+    width = limits.hidden_size
+    rows = []
+    for i, row in enumerate(table):
+        if not isinstance(row, (list, tuple)):
+            raise RequestError(f"prompt_embedding_table: row {i} is not a list of numbers")
+        if width is None:
+            width = len(row)
+        if len(row) != width:
+            raise RequestError(
+                f"prompt_embedding_table: row {i} has {len(row)} values; every row needs the model's "
+                f"hidden size {width}"
+            )
+        for v in row:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RequestError(
+                    f"prompt_embedding_table: row {i} holds {v!r}; values must be finite numbers"
+                )
+        rows.append(tuple(float(v) for v in row))
+    if size is not None:
+        _int("prompt_vocab_size", size, 1, None, len(rows))
+        if size != len(rows):
+            raise RequestError(
+                f"prompt_vocab_size: {size} does not match prompt_embedding_table's {len(rows)} rows; "
+                "give the number of rows (or leave it out)"
+            )
+    frozen = tuple(rows)
+    digest = hashlib.sha256(repr(frozen).encode()).hexdigest()
+    return PromptTable(frozen, digest)
+
+
+def _check_prompt_table_request(controls: Controls) -> None:
+    """Controls that read the prompt's ids as vocabulary entries have no meaning for virtual tokens."""
+    if controls.repetition_penalty != 1.0:
+        raise RequestError(
+            "repetition_penalty: not supported with prompt_embedding_table (the prompt holds virtual tokens)"
+        )
+    if controls.no_repeat_ngram_size > 0:
+        raise RequestError(
+            "no_repeat_ngram_size: not supported with prompt_embedding_table (the prompt holds virtual tokens)"
+        )

@@ -297,8 +297,8 @@ class KVCacheManager:
     # -- block reuse ----------------------------------------------------------------------------------
 
     def block_extra_keys(self, request: KVRequest) -> tuple:
-        """Keys beside the tokens that change a block's values (a LoRA task id, ...): none yet."""
-        return ()
+        """Keys beside the tokens that change a block's values (a prompt table's digest, a LoRA task id)."""
+        return tuple(getattr(request, "block_extra_keys", ()))
 
     def find_cached_prefix(self, request: KVRequest, releasing: Iterable[int] = ()) -> PrefixMatch:
         """The longest verified chain of cached blocks matching the request's tokens; takes nothing.

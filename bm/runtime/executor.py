@@ -39,7 +39,9 @@ class TorchExecutor:
             max_position_embeddings=model.max_position_embeddings,
             sliding_window=model.sliding_window,
             sliding_window_on_every_layer=model.sliding_window_on_every_layer,
+            hidden_size=model.model.get_input_embeddings().embedding_dim,
         )
+        self._prompt_tables: dict[int, torch.Tensor] = {}  # request id -> [num_virtual, hidden]
 
     @property
     def limits(self) -> ModelLimits:
@@ -59,7 +61,13 @@ class TorchExecutor:
         )
 
     def admit(self, request: LlmRequest) -> None:
-        """The runtime's decoding state for a request that asked for more than temperature/top-k/top-p."""
+        """The runtime's state for a request: its prompt table as a tensor, and decoding state when it
+        asked for more than temperature/top-k/top-p."""
+        inputs = request.model_inputs
+        if inputs is not None and inputs.prompt_table is not None:
+            self._prompt_tables[request.request_id] = torch.tensor(
+                inputs.prompt_table.rows, dtype=self.model.dtype, device=self.model.device
+            )
         controls = request.controls
         if controls is None:
             return
@@ -101,7 +109,9 @@ class TorchExecutor:
     def _forward(self, group: list[WorkItem], result: ExecutionResult) -> None:
         for item in group:
             item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
-        logits = self.runner.forward(group)
+        tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
+        tables = {i: t for i, t in tables.items() if t is not None}
+        logits = self.runner.forward(group, tables or None)
         if any(item.keep_all for item in group):
             logits = self._take_context_logits(group, logits)
         to_sample = [item for item in group if item.sample]
@@ -159,6 +169,7 @@ class TorchExecutor:
 
     def release(self, request: LlmRequest) -> None:
         self.decoder.release(request.request_id)
+        self._prompt_tables.pop(request.request_id, None)
 
 
 def _beam_step(req: LlmRequest, parents: list[int], done: bool) -> BeamStep:
