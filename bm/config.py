@@ -1,4 +1,5 @@
-"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache`` and ``bench``, validated up front.
+"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache``, ``peft_cache``, ``bench``, validated
+up front.
 
 Every knob is declared once, as a dataclass field with its help text and its check, so the loader, the
 ``--set`` overrides and the ``bm run --help`` reference all read the same declaration. A bad file never
@@ -250,6 +251,21 @@ class KvCacheConfig:
     )
 
 
+@dataclass
+class PeftCacheConfig:
+    max_adapters: int = _knob(
+        8,
+        "Most LoRA adapters kept loaded at once; when full, the least recently used adapter no active "
+        "request holds is evicted, and a request whose adapter cannot be loaded waits.",
+        _int_at_least(1),
+    )
+    max_bytes: int | None = _knob(
+        None,
+        "Most bytes of LoRA weights kept loaded (in the model's dtype); default: no byte limit.",
+        _int_at_least(1, optional=True),
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The bench section (``bm bench``): every flag of the command has its key here, so a YAML file can hold a
 # whole benchmark. Kept in one block: its checks, its allowed values and its cross-field rules.
@@ -411,6 +427,7 @@ class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    peft_cache: PeftCacheConfig = field(default_factory=PeftCacheConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -421,6 +438,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "engine": EngineConfig,
     "kv_cache": KvCacheConfig,
+    "peft_cache": PeftCacheConfig,
     "bench": BenchConfig,
 }
 

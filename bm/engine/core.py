@@ -30,6 +30,7 @@ from bm.engine.executor import (
     WorkKind,
 )
 from bm.engine.limits import attention_window, max_seq_len
+from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
 from bm.engine.stats import IterationStats
 from bm.kv import KVCacheManager
@@ -117,6 +118,10 @@ class EngineCore:
             max_beam_width=engine.max_beam_width,
             hidden_size=model.hidden_size,
         )
+        peft = config.peft_cache
+        self.peft_cache = PeftCache(
+            peft.max_adapters, peft.max_bytes, model.weight_bytes, executor.load_adapter
+        )
         self._active: dict[int, LlmRequest] = {}  # insertion order is arrival order
         self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)
         self._iteration = 0
@@ -145,6 +150,12 @@ class EngineCore:
             self.executor.admit(llm_request)
         except RequestError as exc:
             return error_response(rid, str(exc))
+        if PeftCache.task_of(llm_request) is not None:
+            try:
+                self.peft_cache.admit(llm_request)
+            except RequestError as exc:
+                self.executor.release(llm_request)
+                return error_response(rid, str(exc))
         llm_request.arrival_time = self.clock()
         self._active[rid] = llm_request
         return None
@@ -168,7 +179,9 @@ class EngineCore:
             return StepOutput()
         started = self.clock()
         num_active = len(self._active)
-        plan = self.scheduler.schedule_request(list(self._active.values()))
+        # A request whose LoRA adapter cannot be loaded yet (every slot held) waits unscheduled.
+        ready = [r for r in self._active.values() if self.peft_cache.ready(r)]
+        plan = self.scheduler.schedule_request(ready)
         prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
         self._pause(plan)
         reuse = self._start(plan, prepared.reused_tokens)
@@ -184,6 +197,7 @@ class EngineCore:
         self._iteration += 1
         out.stats = self._stats(plan, counts, num_active, used_blocks, len(out.finished_ids), started, reuse)
         out.stats.num_forwards = result.num_forwards
+        out.stats.peft = self.peft_cache.snapshot(num_active - len(ready))
         return out
 
     def _pause(self, plan: SchedulerOutput) -> None:
@@ -302,6 +316,7 @@ class EngineCore:
         response = self._response(req, final=True, error=error)
         self.kv_cache_manager.free(req.request_id)
         self.executor.release(req)
+        self.peft_cache.release(req)
         self._active.pop(req.request_id, None)
         req.state = RequestState.GENERATION_COMPLETE
         return response

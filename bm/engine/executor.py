@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from bm.engine.request import LoraSpec
 from bm.scheduling.request import LlmRequest
 
 
@@ -77,6 +78,7 @@ class ModelLimits:
     sliding_window: int | None = None
     sliding_window_on_every_layer: bool = False
     hidden_size: int | None = None  # the embedding width, when the executor knows it
+    weight_bytes: int = 4  # bytes of one LoRA weight value once loaded (the model's dtype)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,11 @@ class Executor(Protocol):
 
     def admit(self, request: LlmRequest) -> None:
         """Build the runtime's per-request state from ``request.controls`` (may raise RequestError)."""
+        ...
+
+    def load_adapter(self, slot: int, adapter: LoraSpec) -> None:
+        """Write a LoRA adapter into cache slot ``slot`` (replacing whatever was there); requests of
+        ``adapter.task_id`` then run with it. Called by the core's PEFT cache, which picks the slot."""
         ...
 
     def execute(self, batch: ExecutionBatch) -> ExecutionResult: ...

@@ -20,6 +20,7 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
+from bm.engine.request import LoraSpec
 from bm.kv import NO_BLOCK
 from bm.scheduling.request import LlmRequest
 
@@ -48,6 +49,7 @@ class FakeExecutor:
         self.end_at = dict(end_at or {})
         self.layout: CacheLayout | None = None
         self.num_executed_tokens = 0
+        self.adapter_loads: list[tuple[int, int]] = []  # (slot, task id), in load order
 
     @property
     def limits(self) -> ModelLimits:
@@ -64,6 +66,9 @@ class FakeExecutor:
 
     def admit(self, request: LlmRequest) -> None:
         return None
+
+    def load_adapter(self, slot: int, adapter: LoraSpec) -> None:
+        self.adapter_loads.append((slot, adapter.task_id))
 
     def execute(self, batch: ExecutionBatch) -> ExecutionResult:
         result = ExecutionResult(num_forwards=len(batch.forwards))

@@ -50,9 +50,9 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "stop_words_list": (torch.int32, "[2, n] stop words"),
     "prompt_embedding_table": (torch.float32, "[1, num_virtual_tokens, hidden] p-tuning table (any float)"),
     "prompt_vocab_size": (torch.int32, "[1] rows of the p-tuning table"),
-    "lora_task_id": (torch.int64, "LoRA task id"),
-    "lora_weights": (torch.float32, "LoRA weights"),
-    "lora_config": (torch.int32, "LoRA config"),
+    "lora_task_id": (torch.uint64, "[1] LoRA task id"),
+    "lora_weights": (torch.float32, "[num_lora_modules_layers, D x Hi + Ho x D] LoRA weights"),
+    "lora_config": (torch.int32, "[num_lora_modules_layers, 3] rows [module_id, layer_idx, adapter_size]"),
     "return_log_probs": (torch.bool, "[1] return log probs"),
     "return_context_logits": (torch.bool, "[1] return context logits"),
     "return_generation_logits": (torch.bool, "[1] return generation logits"),
@@ -60,7 +60,7 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "draft_logits": (torch.float32, "draft logits"),
 }
 
-# LoRA and draft tokens are refused by name until they are implemented.
+# Draft tokens are refused by name until they are implemented.
 SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - set(UNSUPPORTED_FIELDS)
 WORD_LISTS = ("bad_words_list", "stop_words_list")
 BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
@@ -156,6 +156,10 @@ def to_core_request(request: InferenceRequest) -> Request:
             values[name] = _embedding_bias(tensors)
         elif name == "prompt_embedding_table":
             values[name] = _prompt_table(tensors)
+        elif name == "lora_weights":
+            values[name] = _lora_tensor(tensors, name, floating=True)
+        elif name == "lora_config":
+            values[name] = _lora_tensor(tensors, name, floating=False).tolist()
         else:
             values[name] = _scalar(tensors, name)
     return Request(
@@ -266,6 +270,19 @@ def _prompt_table(tensors: Mapping[str, torch.Tensor]) -> list[list[float]]:
             f"prompt_embedding_table: expected shape [1, num_virtual_tokens, hidden], got {list(table.shape)}"
         )
     return table.float().tolist()
+
+
+def _lora_tensor(tensors: Mapping[str, torch.Tensor], name: str, floating: bool) -> torch.Tensor:
+    """The rows of a LoRA tensor ([1, rows, width] or [rows, width]); weights stay a tensor."""
+    value = tensors[name]
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point != floating:
+        kind = "float" if floating else "integer"
+        raise RequestError(f"{name}: expected a {kind} tensor [num_lora_modules_layers, ...]")
+    if value.dim() == 3 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 2:
+        raise RequestError(f"{name}: expected shape [num_lora_modules_layers, ...], got {list(value.shape)}")
+    return value
 
 
 def _embedding_bias(tensors: Mapping[str, torch.Tensor]) -> list[float]:

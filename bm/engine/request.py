@@ -22,9 +22,6 @@ UINT64_MAX = 2**64 - 1
 
 # Fields of the spec table bm refuses by name until they are implemented.
 UNSUPPORTED_FIELDS = (
-    "lora_task_id",
-    "lora_weights",
-    "lora_config",
     "draft_input_ids",
     "draft_logits",
 )
@@ -74,6 +71,12 @@ class Request:
     # Prompt tuning: [num_virtual_tokens, hidden] rows; prompt id vocab_size + i embeds as row i.
     prompt_embedding_table: list[list[float]] | None = None
     prompt_vocab_size: int | None = None
+    # LoRA: the adapter's task id; its first request also carries the weights
+    # [num_lora_modules_layers, D x Hi + Ho x D] (rows of A [D, Hi] then B [Ho, D], row-major; a list of
+    # lists or any array the runtime reads) and config rows [module_id, layer_idx, adapter_size D].
+    lora_task_id: int | None = None
+    lora_weights: Any = None
+    lora_config: list[list[int]] | None = None
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
@@ -277,6 +280,7 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         _check_beam_request(sampling, streaming, controls)
     if table is not None:
         _check_prompt_table_request(controls)
+    lora = _lora(request)
     return LlmRequest(
         request_id=rid,
         prompt_ids=prompt,
@@ -286,7 +290,7 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         beam_width=beam_width,
         controls=controls if controls.needs_runtime_state or beam_width > 1 else None,
         output_log_probs=[] if controls.return_log_probs and beam_width == 1 else None,
-        model_inputs=ModelInputs(prompt_table=table) if table is not None else None,
+        model_inputs=ModelInputs(prompt_table=table, lora=lora) if table or lora else None,
     )
 
 
@@ -363,16 +367,50 @@ class PromptTable:
     key: str  # digest of the values: block reuse only between requests with an identical table
 
 
+# TensorRT-LLM's LoRA module ids (its LoraModule types), by name; bm maps each to the model's layers.
+LORA_MODULES = {
+    "attn_qkv": 0,
+    "attn_q": 1,
+    "attn_k": 2,
+    "attn_v": 3,
+    "attn_dense": 4,
+    "mlp_h_to_4h": 5,
+    "mlp_4h_to_h": 6,
+    "mlp_gate": 7,
+}
+LORA_MODULE_NAMES = {v: k for k, v in LORA_MODULES.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class LoraSpec:
+    """A request's adapter: its task id, and on the first request of a task its weights and config
+    (``weights`` stays as given, a list of rows or an array; the runtime checks its widths)."""
+
+    task_id: int
+    config: tuple[tuple[int, int, int], ...] | None = None
+    weights: Any = None
+
+    @property
+    def num_values(self) -> int:
+        return sum(len(row) for row in self.weights) if self.weights is not None else 0
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """What changes a request's activations beside its token ids, as plain values the runtime turns into
     tensors. Blocks computed under different inputs never share a cache entry (:attr:`block_extra_keys`)."""
 
     prompt_table: PromptTable | None = None
+    lora: LoraSpec | None = None
 
     @property
     def block_extra_keys(self) -> tuple:
-        return ("ptable", self.prompt_table.key) if self.prompt_table is not None else ()
+        keys: tuple = ()
+        if self.prompt_table is not None:
+            keys += ("ptable", self.prompt_table.key)
+        if self.lora is not None:
+            keys += ("lora", self.lora.task_id)
+        return keys
 
 
 def _prompt_table(request: Request, limits: RequestLimits) -> PromptTable | None:
@@ -427,3 +465,57 @@ def _check_prompt_table_request(controls: Controls) -> None:
         raise RequestError(
             "no_repeat_ngram_size: not supported with prompt_embedding_table (the prompt holds virtual tokens)"
         )
+
+
+def _lora(request: Request) -> LoraSpec | None:
+    task, weights, config = request.lora_task_id, request.lora_weights, request.lora_config
+    if task is None:
+        if weights is not None or config is not None:
+            raise RequestError(
+                "lora_task_id: missing; lora_weights and lora_config need the task id they load"
+            )
+        return None
+    task = _int("lora_task_id", task, 0, UINT64_MAX, 0)
+    if (weights is None) != (config is None):
+        given, missing = (
+            ("lora_weights", "lora_config") if config is None else ("lora_config", "lora_weights")
+        )
+        raise RequestError(f"{missing}: missing; {given} needs it (the first request of a task carries both)")
+    if config is None:
+        return LoraSpec(task)
+    if not isinstance(config, (list, tuple)) or not config:
+        raise RequestError("lora_config: expected rows [module_id, layer_idx, adapter_size]")
+    rows = []
+    seen = set()
+    for i, row in enumerate(config):
+        if (
+            not isinstance(row, (list, tuple))
+            or len(row) != 3
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in row)
+        ):
+            raise RequestError(
+                f"lora_config: row {i} is {row!r}; expected [module_id, layer_idx, adapter_size]"
+            )
+        module, layer, size = row
+        if module not in LORA_MODULE_NAMES:
+            known = ", ".join(f"{v} ({k})" for k, v in LORA_MODULES.items())
+            raise RequestError(f"lora_config: row {i} has module id {module}; supported module ids: {known}")
+        if layer < 0 or size < 1:
+            raise RequestError(
+                f"lora_config: row {i} needs layer_idx >= 0 and adapter_size >= 1, got {list(row)}"
+            )
+        if (module, layer) in seen:
+            raise RequestError(
+                f"lora_config: row {i} repeats module {LORA_MODULE_NAMES[module]} of layer {layer}"
+            )
+        seen.add((module, layer))
+        rows.append((module, layer, size))
+    try:
+        num_rows = len(weights)
+    except TypeError:
+        raise RequestError("lora_weights: expected rows [num_lora_modules_layers, D x Hi + Ho x D]") from None
+    if num_rows != len(rows):
+        raise RequestError(
+            f"lora_weights: {num_rows} rows but lora_config has {len(rows)}; give one weight row per config row"
+        )
+    return LoraSpec(task, tuple(rows), weights)

@@ -20,10 +20,12 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
+from bm.engine.request import LoraSpec
 from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult
 from bm.runtime.kv_sizing import num_kv_blocks
 from bm.runtime.logits import DecodingOptions
+from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.model_runner import ModelRunner
 from bm.scheduling import FinishReason, LlmRequest
@@ -40,7 +42,10 @@ class TorchExecutor:
             sliding_window=model.sliding_window,
             sliding_window_on_every_layer=model.sliding_window_on_every_layer,
             hidden_size=model.model.get_input_embeddings().embedding_dim,
+            weight_bytes=torch.empty((), dtype=model.dtype).element_size(),
         )
+        self.lora: LoraLayers | None = None  # built when the first adapter arrives
+        self._adapter_slots: dict[int, int] = {}  # LoRA task id -> its slot
         self._prompt_tables: dict[int, torch.Tensor] = {}  # request id -> [num_virtual, hidden]
 
     @property
@@ -64,6 +69,10 @@ class TorchExecutor:
         """The runtime's state for a request: its prompt table as a tensor, and decoding state when it
         asked for more than temperature/top-k/top-p."""
         inputs = request.model_inputs
+        if inputs is not None and inputs.lora is not None and inputs.lora.weights is not None:
+            if self.lora is None:
+                self.lora = LoraLayers(self.model.model, self.model.dtype, self.model.device)
+            self.lora.check(inputs.lora)
         if inputs is not None and inputs.prompt_table is not None:
             self._prompt_tables[request.request_id] = torch.tensor(
                 inputs.prompt_table.rows, dtype=self.model.dtype, device=self.model.device
@@ -98,6 +107,12 @@ class TorchExecutor:
             )
         request.decoding = options
 
+    def load_adapter(self, slot: int, adapter: LoraSpec) -> None:
+        assert self.lora is not None, "an adapter is loaded only after a request bringing it was admitted"
+        self.lora.load(slot, adapter)
+        self._adapter_slots = {t: s for t, s in self._adapter_slots.items() if s != slot}
+        self._adapter_slots[adapter.task_id] = slot
+
     def execute(self, batch: ExecutionBatch) -> ExecutionResult:
         assert self.runner is not None, "bind() the executor before executing"
         self.runner.copy_blocks(batch.block_copies)
@@ -111,7 +126,13 @@ class TorchExecutor:
             item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
         tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
         tables = {i: t for i, t in tables.items() if t is not None}
-        logits = self.runner.forward(group, tables or None)
+        if self._adapter_slots:
+            self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
+        try:
+            logits = self.runner.forward(group, tables or None)
+        finally:
+            if self.lora is not None:
+                self.lora.end()
         if any(item.keep_all for item in group):
             logits = self._take_context_logits(group, logits)
         to_sample = [item for item in group if item.sample]
@@ -129,6 +150,12 @@ class TorchExecutor:
             decoding = item.request.decoding
             if decoding is None or decoding.beam is None:
                 result.sampled.append((item, token, lp))
+
+    def _slot(self, request: LlmRequest) -> int:
+        inputs = request.model_inputs
+        if inputs is None or inputs.lora is None:
+            return -1
+        return self._adapter_slots[inputs.lora.task_id]
 
     def _take_context_logits(self, group: list[WorkItem], logits: torch.Tensor) -> torch.Tensor:
         """Store the prompt positions' logits of ``keep_all`` items; return one row per sampled item."""
