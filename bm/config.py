@@ -97,6 +97,24 @@ def _class_path(key: str, value: Any) -> Any:
     return value
 
 
+def _speculative(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping {{method: ngram, num_draft_tokens: K, max_ngram: N}}")
+    allowed = {"method", "num_draft_tokens", "max_ngram"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
+    if value.get("method") != "ngram":
+        raise ConfigError(f"{key}.method: unknown value {value.get('method')!r}; allowed: ngram")
+    return {
+        "method": "ngram",
+        "num_draft_tokens": _int_at_least(1)(f"{key}.num_draft_tokens", value.get("num_draft_tokens", 4)),
+        "max_ngram": _int_at_least(1)(f"{key}.max_ngram", value.get("max_ngram", 3)),
+    }
+
+
 class _Named(str, Enum):
     """A config choice: compares equal to its spelling and prints as it (``v1``, not ``BatchingScheme.V1``)."""
 
@@ -215,6 +233,13 @@ class EngineConfig:
         None,
         "Your RequestScheduler (schedule_request implemented directly), 'package.module:ClassName'.",
         _class_path,
+    )
+    speculative: dict | None = _knob(  # noqa: RUF009
+        None,
+        "Draft tokens without a draft model: {method: ngram, num_draft_tokens: K, max_ngram: N} proposes "
+        "the K tokens that followed the latest earlier occurrence of the sequence's last N (down to 1) "
+        "tokens (prompt lookup); one forward verifies them. Default: off.",
+        _speculative,
     )
 
 

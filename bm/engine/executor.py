@@ -42,6 +42,10 @@ class WorkItem:
     sample: bool
     beam: int = 0
     keep_all: bool = False
+    # Generation with drafts: the last ``num_draft`` of ``token_ids`` are draft tokens to verify;
+    # ``draft_logits`` their rows of the request's draft_logits (None: deterministic drafts).
+    num_draft: int = 0
+    draft_logits: Any = None
 
 
 @dataclass
@@ -61,11 +65,21 @@ class BeamStep:
 
 
 @dataclass
+class DraftOutcome:
+    """A verified step: ``tokens`` are the accepted drafts then the one token the model adds."""
+
+    tokens: list[int]
+    num_draft: int
+    num_accepted: int
+
+
+@dataclass
 class ExecutionResult:
     # (item, token, log prob or None) for every sampled item that is not part of a beam request
     sampled: list[tuple[WorkItem, int, float | None]] = field(default_factory=list)
     beams: dict[int, BeamStep] = field(default_factory=dict)  # request id -> its step
     faults: dict[int, str] = field(default_factory=dict)  # request id -> why it must end with an error
+    drafts: dict[int, DraftOutcome] = field(default_factory=dict)  # request id -> its verified step
     num_forwards: int = 0
 
 

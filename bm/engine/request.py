@@ -21,10 +21,7 @@ from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
 UINT64_MAX = 2**64 - 1
 
 # Fields of the spec table bm refuses by name until they are implemented.
-UNSUPPORTED_FIELDS = (
-    "draft_input_ids",
-    "draft_logits",
-)
+UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 
 
 class RequestError(ValueError):
@@ -77,6 +74,10 @@ class Request:
     lora_task_id: int | None = None
     lora_weights: Any = None
     lora_config: list[list[int]] | None = None
+    # Draft tokens: a guess of the continuation, verified in one forward; draft_logits [num_draft, vocab]
+    # (rows as lists or an array) make sampled requests accept them by rejection sampling.
+    draft_input_ids: list[int] | None = None
+    draft_logits: Any = None
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
@@ -106,6 +107,10 @@ class Response:
     num_pauses: int = 0
     num_reused_blocks: int = 0
     num_missed_blocks: int = 0
+    # Draft tokens verified and accepted over the request, and the steps that verified some.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_draft_steps: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -281,6 +286,7 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     if table is not None:
         _check_prompt_table_request(controls)
     lora = _lora(request)
+    speculation = _drafts(request, limits, beam_width, controls)
     return LlmRequest(
         request_id=rid,
         prompt_ids=prompt,
@@ -291,6 +297,7 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         controls=controls if controls.needs_runtime_state or beam_width > 1 else None,
         output_log_probs=[] if controls.return_log_probs and beam_width == 1 else None,
         model_inputs=ModelInputs(prompt_table=table, lora=lora) if table or lora else None,
+        speculation=speculation,
     )
 
 
@@ -519,3 +526,32 @@ def _lora(request: Request) -> LoraSpec | None:
             f"lora_weights: {num_rows} rows but lora_config has {len(rows)}; give one weight row per config row"
         )
     return LoraSpec(task, tuple(rows), weights)
+
+
+def _drafts(request: Request, limits: RequestLimits, beam_width: int, controls: Controls) -> Any:
+    from bm.engine.speculative import SpecState
+
+    drafts, logits = request.draft_input_ids, request.draft_logits
+    if drafts is None:
+        if logits is not None:
+            raise RequestError("draft_logits: given without draft_input_ids; give the drafts too or drop it")
+        return None
+    drafts = _token_ids("draft_input_ids", drafts, limits.vocab_size)
+    if beam_width > 1:
+        raise RequestError("draft_input_ids: not supported with beam_width > 1")
+    if controls.needs_runtime_state:
+        raise RequestError(
+            "draft_input_ids: not supported beside logits controls, stop words, log probs or returned logits "
+            "(each draft position would need them); drop the drafts or those fields"
+        )
+    if logits is not None:
+        try:
+            rows = len(logits)
+            widths = {len(logits[i]) for i in range(rows)}
+        except TypeError:
+            raise RequestError("draft_logits: expected rows [num_draft_tokens, vocab_size]") from None
+        if rows != len(drafts) or widths - {limits.vocab_size}:
+            raise RequestError(
+                f"draft_logits: expected shape [{len(drafts)}, {limits.vocab_size}] (one row per draft token)"
+            )
+    return SpecState(tuple(drafts), logits)

@@ -46,6 +46,8 @@ class IterationStats:
     missed_blocks: int = 0
     cached_blocks: int = 0
     peft: PeftCacheCounts = field(default_factory=PeftCacheCounts)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -94,5 +96,11 @@ class IterationStats:
                 "PEFT Waiting Requests": self.peft.waiting_requests,
                 "PEFT Loads": self.peft.loads,
                 "PEFT Evictions": self.peft.evictions,
+                # draft tokens verified this iteration, how many were accepted, and the rate
+                "Draft Tokens": self.draft_tokens,
+                "Accepted Draft Tokens": self.accepted_draft_tokens,
+                "Draft Acceptance Rate": round(self.accepted_draft_tokens / self.draft_tokens, 6)
+                if self.draft_tokens
+                else 0.0,
             }
         )

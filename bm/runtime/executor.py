@@ -28,6 +28,7 @@ from bm.runtime.logits import DecodingOptions
 from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.model_runner import ModelRunner
+from bm.runtime.speculative import verify_drafts
 from bm.scheduling import FinishReason, LlmRequest
 
 
@@ -123,7 +124,9 @@ class TorchExecutor:
 
     def _forward(self, group: list[WorkItem], result: ExecutionResult) -> None:
         for item in group:
-            item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
+            item.keep_all = item.num_draft > 0 or (
+                item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
+            )
         tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
         tables = {i: t for i, t in tables.items() if t is not None}
         if self._adapter_slots:
@@ -133,9 +136,14 @@ class TorchExecutor:
         finally:
             if self.lora is not None:
                 self.lora.end()
+        draft_rows: list[tuple[WorkItem, torch.Tensor]] = []
         if any(item.keep_all for item in group):
-            logits = self._take_context_logits(group, logits)
-        to_sample = [item for item in group if item.sample]
+            logits = self._take_context_logits(group, logits, draft_rows)
+        for item, rows in draft_rows:
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft :]
+            outcome = verify_drafts(rows, drafts, item.request, self.decoder.sampler, item.draft_logits)
+            result.drafts[item.request.request_id] = outcome
+        to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
             return
         decoded: DecodeResult = self.decoder.decode(
@@ -157,12 +165,19 @@ class TorchExecutor:
             return -1
         return self._adapter_slots[inputs.lora.task_id]
 
-    def _take_context_logits(self, group: list[WorkItem], logits: torch.Tensor) -> torch.Tensor:
-        """Store the prompt positions' logits of ``keep_all`` items; return one row per sampled item."""
+    def _take_context_logits(
+        self, group: list[WorkItem], logits: torch.Tensor, draft_rows: list[tuple[WorkItem, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Store the prompt positions' logits of ``keep_all`` items and hand every row of a draft item to
+        ``draft_rows``; return one row per other sampled item."""
         keep: list[int] = []
         row = 0
         for item in group:
             n = len(item.token_ids) if item.keep_all else int(item.sample)
+            if item.num_draft:
+                draft_rows.append((item, logits[row : row + n]))
+                row += n
+                continue
             if item.keep_all:
                 opts = item.request.decoding
                 first = max(0, opts.num_context_logits - item.start_pos)  # skip what an earlier pass stored

@@ -105,6 +105,8 @@ class LlmRequest:
     # Inputs beside the token ids that change the activations (prompt-tuning table, ...):
     # bm.engine.request.ModelInputs, plain values; None for a plain request.
     model_inputs: Any = None
+    # Draft tokens and their counts (bm.engine.speculative.SpecState); None: no drafts so far.
+    speculation: Any = None
 
     @property
     def block_extra_keys(self) -> tuple:
