@@ -207,6 +207,7 @@ class EngineCore:
         out.stats = self._stats(plan, counts, num_active, used_blocks, len(out.finished_ids), started, reuse)
         out.stats.num_forwards = result.num_forwards
         out.stats.peft = self.peft_cache.snapshot(num_active - len(ready))
+        out.stats.draft_steps = len(result.drafts)
         out.stats.draft_tokens = sum(o.num_draft for o in result.drafts.values())
         out.stats.accepted_draft_tokens = sum(o.num_accepted for o in result.drafts.values())
         return out

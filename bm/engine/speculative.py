@@ -41,17 +41,22 @@ class NgramConfig:
 
 
 def ngram_drafts(tokens: Sequence[int], max_ngram: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens (n from
-    ``max_ngram`` down to 1; the longest match wins)."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the last n tokens (n from ``max_ngram``
+    down to 1; the longest match wins). Among occurrences, the latest with ``k`` tokens after it, else
+    the latest (one near the end has few tokens after it: a short draft)."""
     total = len(tokens)
     for n in range(min(max_ngram, total - 1), 0, -1):
         suffix = list(tokens[total - n :])
         first = suffix[0]
+        partial: list[int] = []
         for start in range(total - n - 1, -1, -1):
             if tokens[start] == first and list(tokens[start : start + n]) == suffix:
                 follow = list(tokens[start + n : start + n + k])
-                if follow:
+                if len(follow) == k:
                     return follow
+                partial = partial or follow
+        if partial:
+            return partial
     return []
 
 

@@ -48,6 +48,7 @@ class IterationStats:
     peft: PeftCacheCounts = field(default_factory=PeftCacheCounts)
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_steps: int = 0  # requests that verified drafts this iteration
 
     @property
     def cache_hit_rate(self) -> float:
@@ -96,7 +97,8 @@ class IterationStats:
                 "PEFT Waiting Requests": self.peft.waiting_requests,
                 "PEFT Loads": self.peft.loads,
                 "PEFT Evictions": self.peft.evictions,
-                # draft tokens verified this iteration, how many were accepted, and the rate
+                # requests that verified drafts this iteration, their draft tokens, how many were accepted
+                "Draft Steps": self.draft_steps,
                 "Draft Tokens": self.draft_tokens,
                 "Accepted Draft Tokens": self.accepted_draft_tokens,
                 "Draft Acceptance Rate": round(self.accepted_draft_tokens / self.draft_tokens, 6)
