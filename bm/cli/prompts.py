@@ -20,7 +20,9 @@ OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "out
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
 REQUEST_FIELDS = sorted(SUPPORTED_INPUT_TENSORS - {"input_ids", "request_output_len"})
 # Fields whose JSONL value is a nested list of numbers (the engine checks shapes and values).
-NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config")
+NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
+# Fields whose JSONL value is a flat list of token ids.
+ID_LIST_FIELDS = ("draft_input_ids",)
 # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), read into lora_config and
 # lora_weights; relative paths are taken from the prompts file's directory.
 LORA_DIR = "lora_dir"
@@ -140,6 +142,11 @@ def _to_request(
             value = _bias(key, value)
         elif name in NESTED_FIELDS:
             value = _nested_numbers(key, value)
+        elif name in ID_LIST_FIELDS:
+            if not isinstance(value, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value
+            ):
+                raise LineError(f"{key}: expected a list of integer token ids")
         elif not isinstance(value, (int, float, bool)):
             raise LineError(f"{key}: expected a number or true/false, got {value!r}")
         fields[name] = value
