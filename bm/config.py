@@ -1,4 +1,5 @@
-"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache`` and ``bench``, validated up front.
+"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache``, ``peft_cache``, ``bench``, validated
+up front.
 
 Every knob is declared once, as a dataclass field with its help text and its check, so the loader, the
 ``--set`` overrides and the ``bm run --help`` reference all read the same declaration. A bad file never
@@ -94,6 +95,24 @@ def _class_path(key: str, value: Any) -> Any:
     if not (sep and module and name.isidentifier()):
         raise ConfigError(f"{key}: expected 'package.module:ClassName', got {value!r}")
     return value
+
+
+def _speculative(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping {{method: ngram, num_draft_tokens: K, max_ngram: N}}")
+    allowed = {"method", "num_draft_tokens", "max_ngram"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
+    if value.get("method") != "ngram":
+        raise ConfigError(f"{key}.method: unknown value {value.get('method')!r}; allowed: ngram")
+    return {
+        "method": "ngram",
+        "num_draft_tokens": _int_at_least(1)(f"{key}.num_draft_tokens", value.get("num_draft_tokens", 4)),
+        "max_ngram": _int_at_least(1)(f"{key}.max_ngram", value.get("max_ngram", 3)),
+    }
 
 
 class _Named(str, Enum):
@@ -221,6 +240,13 @@ class EngineConfig:
         "model of sim.hardware, simulated time; needs model.config).",
         _choice({"torch": "torch", "sim": "sim"}),
     )
+    speculative: dict | None = _knob(  # noqa: RUF009
+        None,
+        "Draft tokens without a draft model: {method: ngram, num_draft_tokens: K, max_ngram: N} proposes "
+        "the K tokens that followed the latest earlier occurrence of the sequence's last N (down to 1) "
+        "tokens (prompt lookup); one forward verifies them. Default: off.",
+        _speculative,
+    )
 
 
 @dataclass
@@ -253,6 +279,21 @@ class KvCacheConfig:
         0,
         "With max_attention_window: the first tokens of a sequence, always attended (StreamingLLM sinks).",
         _int_at_least(0),
+    )
+
+
+@dataclass
+class PeftCacheConfig:
+    max_adapters: int = _knob(
+        8,
+        "Most LoRA adapters kept loaded at once; when full, the least recently used adapter no active "
+        "request holds is evicted, and a request whose adapter cannot be loaded waits.",
+        _int_at_least(1),
+    )
+    max_bytes: int | None = _knob(
+        None,
+        "Most bytes of LoRA weights kept loaded (in the model's dtype); default: no byte limit.",
+        _int_at_least(1, optional=True),
     )
 
 
@@ -430,6 +471,7 @@ class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    peft_cache: PeftCacheConfig = field(default_factory=PeftCacheConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -441,6 +483,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "engine": EngineConfig,
     "kv_cache": KvCacheConfig,
+    "peft_cache": PeftCacheConfig,
     "bench": BenchConfig,
     "sim": SimConfig,
 }
