@@ -494,11 +494,20 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(p)!r} is not a YAML text file (not UTF-8: byte "
+                f"0x{exc.object[exc.start]:02x} at offset {exc.start})"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({exc.strerror})") from None
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(

@@ -156,14 +156,20 @@ def bench(
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
     latency (vllm bench serve's metric names) and the batch manager's figures."""
+    from bm.cli.outdir import BENCH_FILES, OutDirError, prepare_out_dir
+
     flags = {**locals(), **shared}
     try:
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
-    except ConfigError as exc:
+        out = Path(cfg.bench.out_dir or Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S"))
+        prepare_out_dir(out, resume=False, overwrite=overwrite, files=BENCH_FILES)
+        cfg.bench.out_dir = str(out)
+    except (ConfigError, OutDirError) as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
     console = Console(stderr=cfg.bench.json_output)
     code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output), plot=plot)
@@ -172,7 +178,7 @@ def bench(
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False)
+    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
 
 
@@ -181,14 +187,14 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
 
     Plots are drawn from the written files (the path ``bm report`` takes), so a plot never shows anything
     the saved results do not hold."""
-    from bm.bench import run_bench, write_results
-    from bm.cli.bench_report import bench_progress, print_results, tick
-    from bm.runtime import KVCacheSizeError
-
     bench = cfg.bench
     loaded_pair = load_model_and_workload(cfg, console)
     if loaded_pair is None:
         return 2
+    from bm.bench import run_bench, write_results
+    from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.runtime import KVCacheSizeError
+
     loaded, workload = loaded_pair
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
     progress = bench_progress(console, show_progress)
@@ -222,14 +228,26 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
+    from bm.workloads import DatasetError, load_workload, read_workload
+
+    try:
+        rows = read_workload(cfg.bench)  # the dataset first: a bad file is reported before the model loads
+    except (DatasetError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return None
     from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
-    from bm.workloads import DatasetError, load_workload
 
     try:
         console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
         loaded = load_model(cfg.model)
-        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-        workload = load_workload(cfg.bench, vocab_size=loaded.vocab_size, encode=encode)
+        tokenizer = loaded.tokenizer
+        workload = load_workload(
+            cfg.bench,
+            vocab_size=loaded.vocab_size,
+            encode=tokenizer.encode if tokenizer is not None else None,
+            encode_word=tokenizer.encode_word if tokenizer is not None else None,
+            workload=rows,
+        )
     except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return None
