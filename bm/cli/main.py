@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 
+from bm.cli.interrupts import Interrupts
 from bm.config import ConfigError, config_reference, load_config, parse_override
 
 # No hub access at run time: models come from local paths or configs.
@@ -85,6 +87,25 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
+    with Interrupts() as interrupts:  # from the start: a Ctrl-C while torch loads shows no traceback
+        _run(**locals())
+
+
+def _run(
+    prompts: Path,
+    config: Path | None,
+    out_dir: Path | None,
+    set_: list[str],
+    model: str | None,
+    model_config: str | None,
+    max_tokens: int,
+    ignore_eos: bool,
+    chat_template: Path | None,
+    resume: bool,
+    overwrite: bool,
+    quiet: bool,
+    interrupts: Any,
+) -> None:
     console = Console(stderr=False)
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
@@ -113,6 +134,7 @@ def run(
             resume=resume,
             chat_template=template,
             batch_lines=batch_lines,
+            interrupts=interrupts,
         )
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
@@ -152,7 +174,6 @@ def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) ->
 def _read_requests(prompts: Path) -> tuple[list, list | None]:
     """The parsed lines, and the OpenAI batch lines when the file is one (``None`` otherwise)."""
     from bm.cli.openai_batch import is_batch_file, read_batch_file
-
     from bm.workloads.jsonl import read_request_file
 
     if is_batch_file(prompts):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import threading
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import bm
+from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import read_final_records, write_run_identity
 from bm.cli.prompts import PromptLine, build_prompt_lines, codec_for
 from bm.cli.writers import JsonlWriter
@@ -149,35 +149,6 @@ class _Feeder:
         return taken
 
 
-class _Interrupts:
-    """SIGINT and SIGTERM: the first stops the feeder and cancels what is active (records and summary are
-    still written); the second exits at once, keeping every record already flushed."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.signal_name: str | None = None
-        self.on_first: list[Any] = []
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.signal_name is not None:
-            os.write(2, b"\ninterrupted again: exiting now (finished records are in outputs.jsonl)\n")
-            os._exit(130)
-        self.signal_name = signal.Signals(signum).name
-        for callback in self.on_first:
-            callback()
-
-
 def run_prompts(
     parsed: list[ParsedLine],
     config: BmConfig,
@@ -191,11 +162,15 @@ def run_prompts(
     resume: bool = False,
     chat_template: str | None = None,
     batch_lines: list[Any] | None = None,
+    interrupts: Interrupts | None = None,
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
     With ``resume`` the final records already in ``outputs.jsonl`` are kept and only the other lines run;
     ``batch_lines`` (OpenAI batch input) also gets ``batch_output.jsonl`` in OpenAI's format."""
+    if interrupts is None:
+        with Interrupts() as own:
+            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     loaded = load_model(config.model)
     default_end_id = None if ignore_eos else loaded.eos_token_id
@@ -219,7 +194,7 @@ def run_prompts(
     for record in kept.values():
         summary.num_resumed += 1
         _count_record(summary, record)
-    with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats, _Interrupts(console) as interrupts:  # fmt: skip
+    with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         for line in to_run:
             if line.error is not None:
                 outputs.write(output_record(line, None, loaded))
@@ -239,6 +214,8 @@ def run_prompts(
             summary.records_before_interrupt = len(written)
 
         interrupts.on_first.append(first_interrupt)
+        if interrupts.signal_name is not None:  # the signal came while the model loaded
+            first_interrupt()
         progress = _progress(console, show_progress)
         task = progress.add_task("generating", total=len(valid), tps="0")
         drained = False
