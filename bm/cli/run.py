@@ -309,7 +309,7 @@ def cancelled_record(line: PromptLine) -> dict[str, Any]:
 
 
 def _model_label(config: BmConfig) -> str:
-    return config.model.path or config.model.config or "embedded tiny-llama"
+    return config.model.preset or config.model.path or config.model.config or "embedded tiny-llama"
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
