@@ -108,7 +108,8 @@ def iter_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
 
 
 def _load_object(text: str) -> dict[str, Any] | RowError:
-    depth = _max_depth(text)
+    # scanned only when there are enough brackets to matter: a plain 200 KB prompt costs two counts
+    depth = _max_depth(text) if text.count("[") + text.count("{") > MAX_DEPTH else 0
     if depth > MAX_DEPTH:
         return RowError(f"JSON nested {depth} levels deep; bm's request format needs at most a few")
     try:
