@@ -203,3 +203,14 @@ def test_usage_config_and_file_errors_are_found_before_torch_loads(tmp_path, mak
     )
     assert "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
     assert "HEAVY []" in proc.stdout, proc.stdout
+
+
+def test_bm_bench_names_the_line_of_an_error_the_engine_found(tmp_path):
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text('{"prompt": "fine", "max_tokens": 2}\n{"prompt": "x", "temperature": -1}\n')
+    out = tmp_path / "out"
+    result = run_cli("bench", dataset, "-o", out, "-q", "--set", "model.device=cpu")
+    assert result.exit_code == 0, result.output
+    records = read_jsonl(out / "requests.jsonl")
+    errors = [r["error"] for r in records if r["error"]]
+    assert len(errors) == 1 and errors[0].startswith("line 2: ") and "temperature" in errors[0]

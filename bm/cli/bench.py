@@ -207,6 +207,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     except KVCacheSizeError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
+    name_rows(result.records, workload)
     results = write_results(out, result)
     if bench.json_output:
         print(json.dumps(results, indent=2))
@@ -225,6 +226,19 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
     return 130 if result.interrupted else 0
+
+
+def name_rows(records: Any, workload: Workload) -> None:
+    """Prefix errors found by the engine with the row they came from ("line 12: ..."): the engine only
+    knows request ids, the CLI knows which line of the dataset each one was."""
+    if "error" not in records or "index" not in records:
+        return
+    for position, (index, error) in enumerate(zip(records["index"], records["error"], strict=False)):
+        if not isinstance(error, str) or not error or not 0 <= int(index) < len(workload.requests):
+            continue
+        source = workload.requests[int(index)].source
+        if not error.startswith(f"{source}:"):
+            records.iat[position, records.columns.get_loc("error")] = f"{source}: {error}"
 
 
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
