@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
 from bm.config import DATASET_KINDS, BenchConfig
@@ -19,7 +20,6 @@ from bm.workloads.jsonl import WORD_LISTS, iter_lines, resolve_word_list
 from bm.workloads.records import load_bm_jsonl, load_sharegpt, load_trtllm_jsonl
 from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, check_order
 from bm.workloads.synthetic import load_synthetic
-from bm.workloads.traces import load_azure, load_mooncake
 
 Encode = Callable[[str], list[int]]
 FIRST_RANDOM_ID = 3  # ids 0-2 are pad/bos/eos in most vocabularies (and in make_workload.py)
@@ -28,8 +28,9 @@ LOADERS: dict[str, Callable[[Path, BenchConfig], Workload]] = {
     "bm": lambda path, b: load_bm_jsonl(path, b.output_len),
     "trtllm": lambda path, _b: load_trtllm_jsonl(path),
     "sharegpt": lambda path, _b: load_sharegpt(path),
-    "azure": lambda path, _b: load_azure(path),
-    "mooncake": lambda path, b: load_mooncake(path, b.hash_block_size),
+    # the trace readers need pandas: imported when a trace is read, so other errors are reported at once
+    "azure": lambda path, _b: import_module("bm.workloads.traces").load_azure(path),
+    "mooncake": lambda path, b: import_module("bm.workloads.traces").load_mooncake(path, b.hash_block_size),
     "hf": lambda path, b: load_hf(path, b.split, b.prompt_column, b.output_column, b.output_len),
 }
 
