@@ -73,6 +73,8 @@ def test_a_signal_mid_run_cancels_queued_requests_and_keeps_every_record(tmp_pat
     cancelled = [r for r in records if r["finish_reason"] == "cancelled"]
     assert len(cancelled) == n - len(by_length) and len(cancelled) > n // 2
     assert all(r["error"] is None for r in records)
+    ran = [r for r in records if r["num_output_tokens"]]  # requests cancelled before starting ran nothing
+    assert summary["num_prompt_tokens"] == sum(r["num_prompt_tokens"] for r in ran)
 
 
 def test_a_second_interrupt_exits_at_once(tmp_path):

@@ -288,7 +288,8 @@ def run_prompts(
 def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     """Tokens count only for requests that ran: a refused 200 KB prompt adds nothing to tok/s."""
     reason = record["finish_reason"]
-    if reason != "error":
+    never_started = reason == "cancelled" and not record.get("num_output_tokens")
+    if reason != "error" and not never_started:
         summary.num_prompt_tokens += record.get("num_prompt_tokens") or 0
         summary.num_output_tokens += record.get("num_output_tokens") or 0
     summary.count(reason, ok=reason != "error")
