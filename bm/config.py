@@ -507,7 +507,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. engine.max_batch_size=64")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({exc})") from None
     return key, value
 
