@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -104,6 +105,9 @@ def checkpoint_dir(name: str, preset: GgufPreset) -> Path:
     target = cache_root() / f"{name}-{key}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    print(
+        f"bm: converting {gguf.name} once into {target} (later runs load it in seconds) ...", file=sys.stderr
+    )
     convert_gguf(gguf, target)
     return target
 
