@@ -11,6 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPTS ?= datasets/chat.jsonl
 MODEL ?= smollm2-135m
 RUN_OUT ?= bm-out/make-run
+# A KV cache for a dozen chats: by default the cache takes 90% of free memory, which on a CPU means
+# allocating many GB before the first token.
+RUN_FLAGS ?= --set kv_cache.max_tokens=16384
 WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
 TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
 TIME_SCALE ?= 0.25
@@ -31,7 +34,7 @@ $(MODEL_STAMP): $(STAMP)
 	touch $(MODEL_STAMP)
 
 run: $(MODEL_STAMP)
-	$(VENV)/bin/bm run $(PROMPTS) --model $(MODEL) -o $(RUN_OUT) --overwrite --show
+	$(VENV)/bin/bm run $(PROMPTS) --model $(MODEL) -o $(RUN_OUT) --overwrite --show $(RUN_FLAGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
