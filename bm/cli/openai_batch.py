@@ -47,9 +47,11 @@ class BatchLine:
 
 
 def is_batch_file(path: Path) -> bool:
-    """True when the first JSON line looks like an OpenAI batch request (``custom_id`` and ``body``)."""
+    """True when the first JSON object looks like an OpenAI batch request (``custom_id`` and ``body``);
+    lines before it that are not objects do not decide (they become error records either way)."""
     for _number, data in iter_lines(path):
-        return isinstance(data, dict) and "custom_id" in data and "body" in data
+        if isinstance(data, dict):
+            return "custom_id" in data and "body" in data
     return False
 
 
