@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bm.cli.chat import jinja_renderer
-from bm.engine.inference_request import InferenceRequest
+from bm.engine.request import Request
 from bm.workloads.jsonl import WORD_LISTS, ParsedLine, resolve_word_list
 from bm.workloads.request import RowError
 
@@ -24,7 +24,7 @@ class PromptLine:
     index: int  # 0-based position among the file's non-blank lines; the batch manager's request id
     line_number: int  # 1-based line in the file, for messages
     user_id: Any
-    request: InferenceRequest | None = None
+    request: Request | None = None
     num_prompt_tokens: int | None = None
     error: str | None = None
     stop: list[str] = field(default_factory=list)  # stop strings: the text is cut at the first one
@@ -95,7 +95,7 @@ def build_prompt_lines(
 
 def _to_request(
     entry: ParsedLine, index: int, codec: Codec, default_output_len: int, default_end_id: int | None
-) -> tuple[InferenceRequest, int]:
+) -> tuple[Request, int]:
     prompt_ids = _prompt_ids(entry, codec)
     fields: dict[str, Any] = dict(entry.fields)
     for name in WORD_LISTS:
@@ -117,10 +117,8 @@ def _to_request(
     if "end_id" not in fields and default_end_id is not None:
         fields["end_id"] = default_end_id
     output_len = entry.output_len or default_output_len
-    try:
-        request = InferenceRequest.from_values(index, prompt_ids, output_len, **fields)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise RowError(str(exc)) from None
+    # typed values as parsed; the engine's validate_request judges ranges and names the field
+    request = Request(request_id=index, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
     return request, len(prompt_ids)
 
 

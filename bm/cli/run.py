@@ -27,7 +27,7 @@ from bm.cli.outdir import read_final_records, write_run_identity
 from bm.cli.prompts import PromptLine, build_prompt_lines, codec_for
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.engine import BatchManager, InferenceRequest, OfflineClient, RequestResult
+from bm.engine import EngineLoop, OfflineClient, Request, RequestResult
 from bm.runtime import LoadedModel, load_model
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
@@ -129,19 +129,19 @@ class _Feeder:
     """Hands the run's requests to the batch manager; once stopped it hands out nothing more, so an
     interrupt also ends the queued requests (they get a ``cancelled`` record from the CLI)."""
 
-    def __init__(self, requests: list[InferenceRequest]) -> None:
+    def __init__(self, requests: list[Request]) -> None:
         self._pending = deque(requests)
         self._lock = threading.Lock()
         self.stopped = False
 
-    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+    def get_requests(self, max_new: int) -> list[Request]:
         if self.stopped:
             return []
         with self._lock:
             count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
             return [self._pending.popleft() for _ in range(count)]
 
-    def take_pending(self) -> list[InferenceRequest]:
+    def take_pending(self) -> list[Request]:
         self.stopped = True
         with self._lock:
             taken = list(self._pending)
@@ -202,7 +202,7 @@ def run_prompts(
         feeder = _Feeder([line.request for line in valid])  # type: ignore[misc]
         client = OfflineClient([], on_final=finished.put)
         started = time.perf_counter()
-        manager = BatchManager(
+        manager = EngineLoop(
             config, feeder.get_requests, client.send_response, return_stats=stats.write, model=loaded
         )
         written: set[int] = set()
