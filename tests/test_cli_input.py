@@ -3,6 +3,7 @@ every unusable file or directory is one usage error (exit 2) before anything loa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bm.cli.main import app
-from bm.engine.inference_request import SUPPORTED_INPUT_TENSORS
+from bm.engine.request import Request
 from bm.workloads.jsonl import REQUEST_FIELDS, read_request_file
 from tests.conftest import REPO
 
@@ -119,7 +120,13 @@ def test_wrong_types_are_refused_never_coerced_by_the_shared_parser(tmp_path):
 
 
 def test_the_parser_knows_every_request_field_the_engine_supports():
-    assert set(REQUEST_FIELDS) == SUPPORTED_INPUT_TENSORS - {"input_ids", "request_output_len"}
+    engine_fields = {f.name for f in dataclasses.fields(Request)}
+    assert set(REQUEST_FIELDS) == engine_fields - {
+        "request_id",
+        "input_ids",
+        "request_output_len",
+        "logits_post_processor",
+    }
 
 
 def test_bm_run_and_bm_bench_read_the_same_file_the_same_way(tmp_path):
