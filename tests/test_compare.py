@@ -193,7 +193,9 @@ def test_compare_takes_every_dataset_and_arrival_flag_of_bench():
     from bm.cli.bench import bench
     from bm.cli.compare import compare as compare_command
 
-    bench_only = {"scheme", "policy"}  # compare's --schemes / --policies take their place
+    # compare's --schemes / --policies take the place of the first two; --overwrite guards bench's results
+    # directory, which compare does not share
+    bench_only = {"scheme", "policy", "overwrite"}
     missing = set(inspect.signature(bench).parameters) - set(inspect.signature(compare_command).parameters)
     assert missing == bench_only
 
