@@ -1,0 +1,228 @@
+"""Scheduling decisions pinned to exact values worked out by hand from the policies' definitions.
+
+Outcome tests (outputs equal HF generate()) cannot see these: a request paused in the wrong order, a chunk
+that ends off a block boundary or a context one token too long for the budget still produces the right
+tokens, only later or never. Each test here states the situation and the one correct decision.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bm.engine import InferenceRequest
+from tests.conftest import make_config
+from tests.engine_wait import generate_or_fail
+from tests.sched_helpers import Harness
+
+POLICIES = ["guaranteed_no_evict", "max_utilization", "static_batch"]
+
+
+# -- the token budget: a context equal to it fits, one token more does not -----------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("prompt_len", "scheduled"), [(15, True), (16, True), (17, False)])
+def test_unchunked_context_runs_when_it_fits_the_token_budget_exactly(policy, prompt_len, scheduled):
+    h = Harness(policy=policy, max_num_tokens=16)
+    decision = h.schedule([h.waiting(0, prompt_len)])
+    assert decision.context == ({0: prompt_len} if scheduled else {})
+
+
+@pytest.mark.parametrize("policy", POLICIES[:2])
+@pytest.mark.parametrize(("prompt_len", "scheduled"), [(14, True), (15, True), (16, False)])
+def test_generation_tokens_count_against_the_budget_a_context_must_fit(policy, prompt_len, scheduled):
+    # One generation token leaves 15 of the 16: a 15-token context fits exactly, 16 does not.
+    h = Harness(policy=policy, max_num_tokens=16)
+    running = h.generating(0, prompt_len=4, generated=1)
+    decision = h.schedule([running, h.waiting(1, prompt_len)])
+    assert decision.generation == [0]
+    assert decision.context == ({1: prompt_len} if scheduled else {})
+
+
+def test_a_prompt_exactly_the_token_budget_completes_end_to_end(tiny_model):
+    stats: list[str] = []
+    config = make_config(engine={"max_num_tokens": 16}, kv_cache={"tokens_per_block": 4})
+    results = generate_or_fail(
+        [InferenceRequest.from_values(0, [5] * 16, 3)],
+        config,
+        model=tiny_model,
+        return_stats=stats.append,
+        timeout=10,
+    )
+    assert len(results[0].output_ids) == 3
+    assert json.loads(stats[0])["Total Context Tokens"] == 16
+
+
+# -- chunk boundaries ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "prompt_len", "chunk"),
+    [
+        (10, 20, 8),  # not the last chunk: 10 rounded down to a multiple of the 4-token block
+        (12, 20, 12),  # the budget is itself a multiple of the block
+        (15, 20, 12),
+        (10, 10, 10),  # the last chunk may end anywhere: the whole context fits
+        (10, 11, 8),  # one token over the budget: a non-final chunk again
+        (16, 16, 16),
+    ],
+)
+@pytest.mark.parametrize("chunking", ["first_come_first_served", "equal_progress"])
+def test_first_chunk_of_one_context_ends_on_a_block_boundary_unless_it_is_the_last(
+    chunking, budget, prompt_len, chunk
+):
+    h = Harness(max_num_tokens=budget, chunking=chunking)
+    assert h.schedule([h.waiting(0, prompt_len)]).context == {0: chunk}
+
+
+def test_fcfs_fills_the_budget_in_arrival_order_with_block_aligned_chunks():
+    # Budget 10, blocks of 4: the first context takes 8 (a block multiple); the 2 tokens left cannot
+    # hold a block, so the second waits.
+    h = Harness(max_num_tokens=10, chunking="first_come_first_served")
+    assert h.schedule([h.waiting(0, 20), h.waiting(1, 20)]).context == {0: 8}
+    # A short first context leaves room: 6 (its last chunk), then 4 of the 10 remain, exactly one block.
+    h = Harness(max_num_tokens=10, chunking="first_come_first_served")
+    assert h.schedule([h.waiting(0, 6), h.waiting(1, 20)]).context == {0: 6, 1: 4}
+
+
+def test_fcfs_chunk_after_a_generation_token_still_ends_on_a_block_boundary():
+    # 1 generation token leaves 9 of 10; a non-final chunk of 9 would straddle blocks, so 8.
+    h = Harness(max_num_tokens=10, chunking="first_come_first_served")
+    running = h.generating(0, prompt_len=4, generated=1)
+    decision = h.schedule([running, h.waiting(1, 20)])
+    assert decision.generation == [0] and decision.context == {1: 8}
+
+
+@pytest.mark.parametrize(
+    ("budget", "prompts", "chunks"),
+    [
+        (10, [20, 20], {0: 4, 1: 4}),  # one block each; the 2 tokens left hold no further step
+        (12, [20, 20, 20], {0: 4, 1: 4, 2: 4}),
+        (10, [20, 20, 20], {0: 4, 1: 4}),  # the third gets nothing rather than a partial block
+        (16, [20, 20], {0: 8, 1: 8}),  # two rounds
+        (10, [6, 20], {0: 6, 1: 4}),  # round 1: 4 + 4; round 2: the first's last 2 tokens
+        (10, [3, 20], {0: 3, 1: 4}),  # a context shorter than a block finishes in one step
+    ],
+)
+def test_equal_progress_advances_every_context_one_block_per_round(budget, prompts, chunks):
+    h = Harness(max_num_tokens=budget, chunking="equal_progress")
+    assert h.schedule([h.waiting(i, n) for i, n in enumerate(prompts)]).context == chunks
+
+
+@pytest.mark.parametrize(
+    ("chunking", "per_iteration"),
+    [("first_come_first_served", [8, 8, 4]), ("equal_progress", [8, 8, 4])],
+)
+def test_chunked_context_iterations_end_to_end(tiny_model, chunking, per_iteration):
+    # One 20-token prompt, budget 10, blocks of 4: chunks of 8, 8 and the last 4 (both policies agree
+    # with a single context). The context tokens per iteration show it in the engine's own stats.
+    stats: list[str] = []
+    config = make_config(
+        engine={"max_num_tokens": 10, "enable_chunked_context": True, "context_chunking_policy": chunking},
+        kv_cache={"tokens_per_block": 4},
+    )
+    generate_or_fail(
+        [InferenceRequest.from_values(0, [5] * 20, 2)],
+        config,
+        model=tiny_model,
+        return_stats=stats.append,
+        timeout=10,
+    )
+    context = [json.loads(s)["Total Context Tokens"] for s in stats]
+    assert [c for c in context if c] == per_iteration
+
+
+def test_equal_progress_shares_each_iteration_end_to_end(tiny_model):
+    # Prompts of 16 and 20, budget 10, blocks of 4: 4 + 4 a round for four iterations (16 each), then
+    # the second's last 4 beside the first's first generation token.
+    stats: list[str] = []
+    config = make_config(
+        engine={
+            "max_num_tokens": 10,
+            "enable_chunked_context": True,
+            "context_chunking_policy": "equal_progress",
+        },
+        kv_cache={"tokens_per_block": 4},
+    )
+    generate_or_fail(
+        [InferenceRequest.from_values(0, [5] * 16, 2), InferenceRequest.from_values(1, [6] * 20, 2)],
+        config,
+        model=tiny_model,
+        return_stats=stats.append,
+        timeout=10,
+    )
+    rows = [json.loads(s) for s in stats]
+    assert [r["Total Context Tokens"] for r in rows[:5]] == [8, 8, 8, 8, 4]
+    assert [r["Context Requests"] for r in rows[:5]] == [2, 2, 2, 2, 1]
+
+
+# -- who is paused -------------------------------------------------------------------------------------
+
+
+def test_max_utilization_pauses_the_most_recently_started_request():
+    # 3 blocks of 4, all held. Request 0 (started first) needs a second block for its 5th token; 1 and 2
+    # fit in theirs. The latest started (2) is paused and its block goes to 0.
+    h = Harness(policy="max_utilization", num_blocks=3)
+    active = [h.generating(0, 4, 1), h.generating(1, 2, 1), h.generating(2, 2, 1)]
+    decision = h.schedule(active)
+    assert decision.paused == [2]
+    assert decision.generation == [0, 1]
+
+
+def test_max_utilization_pauses_in_reverse_start_order_not_list_order():
+    # 4 blocks of 4, all held; started in the order 1, 2, 3, 0 (0 arrived first but was resumed last).
+    # 1 and 2 each need one more block: 0 (latest started) is paused for 1, then 3 for 2.
+    h = Harness(policy="max_utilization", num_blocks=4)
+    r1, r2, r3 = h.generating(1, 4, 1), h.generating(2, 4, 1), h.generating(3, 2, 1)
+    r0 = h.generating(0, 2, 1)
+    decision = h.schedule([r0, r1, r2, r3])
+    assert decision.paused == [0, 3]
+    assert decision.generation == [1, 2]
+    assert h.held_blocks(0) == 0 and h.held_blocks(3) == 0
+
+
+def test_max_utilization_pauses_the_request_itself_when_it_is_the_latest_started():
+    # 2 blocks, both held; the latest started (1) needs a second block: nobody younger to pause.
+    h = Harness(policy="max_utilization", num_blocks=2)
+    active = [h.generating(0, 2, 1), h.generating(1, 4, 1)]
+    decision = h.schedule(active)
+    assert decision.paused == [1] and decision.generation == [0]
+
+
+def test_max_utilization_pauses_nobody_when_the_blocks_suffice():
+    # 5 blocks, 3 held: 0 and 1 each take one of the 2 free for their 5th token.
+    h = Harness(policy="max_utilization", num_blocks=5)
+    active = [h.generating(0, 4, 1), h.generating(1, 4, 1), h.generating(2, 2, 1)]
+    decision = h.schedule(active)
+    assert decision.paused == [] and decision.generation == [0, 1, 2]
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "static_batch"])
+def test_reserving_policies_never_pause(policy):
+    # Same squeeze as above: these policies reserved the blocks to completion up front, so they pause
+    # nobody and keep every started request running.
+    h = Harness(policy=policy, num_blocks=64)
+    active = [h.generating(0, 4, 1), h.generating(1, 2, 1), h.generating(2, 2, 1)]
+    decision = h.schedule(active)
+    assert decision.paused == [] and decision.generation == [0, 1, 2]
+
+
+def test_max_utilization_pauses_the_latest_started_end_to_end(tiny_model):
+    # Three 4-token prompts, 8 new tokens each, blocks of 4, a cache of 7 blocks. They start together
+    # in arrival order (0, 1, 2) and each needs a third block at its 9th token: 9 > 7, so the latest
+    # started (2) is paused, then resumes once 0 and 1 finish. 0 and 1 are never paused.
+    config = make_config(
+        engine={"scheduler_policy": "max_utilization", "max_batch_size": 8, "max_num_tokens": 64},
+        kv_cache={"tokens_per_block": 4, "max_tokens": 28},
+    )
+    results = generate_or_fail(
+        [InferenceRequest.from_values(i, [5 + i] * 4, 8) for i in range(3)],
+        config,
+        model=tiny_model,
+        check_integrity=True,
+        timeout=10,
+    )
+    assert [results[i].num_pauses for i in range(3)] == [0, 0, 1]
+    assert all(len(results[i].output_ids) == 8 for i in range(3))
