@@ -49,7 +49,6 @@ def test_a_prompt_exactly_the_token_budget_completes_end_to_end(tiny_model):
         config,
         model=tiny_model,
         return_stats=stats.append,
-        timeout=10,
     )
     assert len(results[0].output_ids) == 3
     assert json.loads(stats[0])["Total Context Tokens"] == 16
@@ -128,7 +127,6 @@ def test_chunked_context_iterations_end_to_end(tiny_model, chunking, per_iterati
         config,
         model=tiny_model,
         return_stats=stats.append,
-        timeout=10,
     )
     context = [json.loads(s)["Total Context Tokens"] for s in stats]
     assert [c for c in context if c] == per_iteration
@@ -151,7 +149,6 @@ def test_equal_progress_shares_each_iteration_end_to_end(tiny_model):
         config,
         model=tiny_model,
         return_stats=stats.append,
-        timeout=10,
     )
     rows = [json.loads(s) for s in stats]
     assert [r["Total Context Tokens"] for r in rows[:5]] == [8, 8, 8, 8, 4]
@@ -222,7 +219,6 @@ def test_max_utilization_pauses_the_latest_started_end_to_end(tiny_model):
         config,
         model=tiny_model,
         check_integrity=True,
-        timeout=10,
     )
     assert [results[i].num_pauses for i in range(3)] == [0, 0, 1]
     assert all(len(results[i].output_ids) == 8 for i in range(3))
