@@ -37,6 +37,7 @@ class Harness:
         max_batch_size: int = 8,
         max_num_tokens: int = 64,
         chunking: str | None = None,
+        context_chunk_size: int | None = None,
     ) -> None:
         engine: dict = {
             "scheduler_policy": policy,
@@ -45,6 +46,8 @@ class Harness:
         }
         if chunking:
             engine.update(enable_chunked_context=True, context_chunking_policy=chunking)
+        if context_chunk_size is not None:
+            engine["context_chunk_size"] = context_chunk_size
         config = make_config(
             engine=engine,
             kv_cache={"tokens_per_block": tokens_per_block, "max_tokens": num_blocks * tokens_per_block},

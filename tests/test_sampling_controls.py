@@ -109,6 +109,15 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p(top_p, expected):
     assert_distribution(measured, expected)
 
 
+@pytest.mark.parametrize(("top_p", "kept"), [(0.25, 1), (0.5, 2), (0.75, 3), (0.7501, 4)])
+def test_top_p_equal_to_a_nucleus_mass_keeps_exactly_that_nucleus(top_p, kept):
+    # Four equal logits: probabilities are exactly 0.25 each, so the masses 0.25, 0.5, 0.75 are exact
+    # and top_p equal to one of them is reached with that many tokens, no more.
+    measured = filtered_distribution([0.0] * 4, temperature=1.0, top_p=top_p)
+    assert len(measured) == kept
+    assert all(p == pytest.approx(1 / kept, abs=1.5 / GRID) for p in measured.values())
+
+
 def test_top_k_then_top_p_then_temperature_combine():
     # T = 0.5 squares (0.4, 0.3, 0.2, 0.1) -> (16, 9, 4, 1) / 30; top_k 3 keeps 16, 9, 4 (/ 29);
     # top_p 0.8: 16/29 = 0.55 < 0.8, 25/29 = 0.86 >= 0.8 -> the first two, 16/25 and 9/25.
@@ -234,6 +243,8 @@ def test_embedding_bias_is_added_to_the_logits():
         (3, [1, 2, 3, 2, 2], set()),  # (2, 2) never started a trigram
         (3, [1, 2], set()),  # too short for any trigram to repeat
         (1, [4, 1, 4], {1, 4}),  # unigrams: every seen token
+        (2, [1, 1], {1}),  # the bigram ending at the last token counts too
+        (2, [4, 2, 2], {2}),
     ],
 )
 def test_no_repeat_ngram_bans_tokens_that_would_repeat_an_ngram(n, sequence, banned):

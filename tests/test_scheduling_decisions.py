@@ -222,3 +222,78 @@ def test_max_utilization_pauses_the_latest_started_end_to_end(tiny_model):
     )
     assert [results[i].num_pauses for i in range(3)] == [0, 0, 1]
     assert all(len(results[i].output_ids) == 8 for i in range(3))
+
+
+# -- slots and blocks at their limits ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_max_batch_size_admits_exactly_that_many_in_arrival_order(policy):
+    h = Harness(policy=policy, max_batch_size=2)
+    assert h.schedule([h.waiting(i, 4) for i in range(3)]).context == {0: 4, 1: 4}
+
+
+@pytest.mark.parametrize("policy", POLICIES[:2])
+def test_generation_requests_fill_a_token_budget_equal_to_their_number(policy):
+    # 3 generation requests and a budget of 3 tokens: each gets its one token, nothing is left over.
+    h = Harness(policy=policy, max_num_tokens=3, num_blocks=64)
+    active = [h.generating(i, 4, 1) for i in range(3)]
+    decision = h.schedule([*active, h.waiting(3, 1)])
+    assert decision.generation == [0, 1, 2] and decision.context == {}
+
+
+@pytest.mark.parametrize(("num_blocks", "admitted"), [(9, [0]), (10, [0, 1]), (11, [0, 1])])
+def test_guaranteed_no_evict_admits_a_request_whose_need_equals_the_free_blocks(num_blocks, admitted):
+    # Each needs ceil((8 + 9) / 4) = 5 blocks to completion: two fit in 10 exactly, not in 9.
+    h = Harness(policy="guaranteed_no_evict", num_blocks=num_blocks)
+    decision = h.schedule([h.waiting(0, 8, max_new=9), h.waiting(1, 8, max_new=9)])
+    assert list(decision.context) == admitted
+
+
+def test_fcfs_stops_at_the_first_context_that_does_not_fit():
+    # Budget 10: 8 to the first; the second cannot take a block in the 2 left, and the 1-token third
+    # behind it waits too (first come, first served).
+    h = Harness(max_num_tokens=10, chunking="first_come_first_served")
+    assert h.schedule([h.waiting(0, 20), h.waiting(1, 20), h.waiting(2, 1)]).context == {0: 8}
+
+
+def test_equal_progress_shares_among_at_most_max_batch_size_contexts():
+    h = Harness(max_num_tokens=64, max_batch_size=2, chunking="equal_progress")
+    assert h.schedule([h.waiting(i, 20) for i in range(3)]).context == {0: 20, 1: 20}
+
+
+EP_CAP_BUG = (
+    "bug: EQUAL_PROGRESS cuts a step to context_chunk_size (bm/scheduling/micro_batch.py, _equal_progress: "
+    "step = min(step, cap - done)), so a cap that is not a block multiple gives a non-final chunk off a block "
+    "boundary, larger than the blocks the capacity stage sized it for (budget.tokens_to_hold uses the "
+    "FCFS rule); under MAX_UTILIZATION the engine then dies with OutOfBlocksError"
+)
+
+
+@pytest.mark.parametrize(
+    "chunking",
+    [
+        "first_come_first_served",
+        pytest.param("equal_progress", marks=pytest.mark.xfail(strict=True, reason=EP_CAP_BUG)),
+    ],
+)
+def test_a_chunk_cap_off_the_block_size_still_gives_block_aligned_chunks(chunking):
+    # context_chunk_size 6 with blocks of 4: a non-final chunk is at most 6 and a block multiple: 4.
+    h = Harness(max_num_tokens=64, chunking=chunking, context_chunk_size=6)
+    assert h.schedule([h.waiting(0, 20)]).context == {0: 4}
+
+
+@pytest.mark.xfail(strict=True, reason=EP_CAP_BUG)
+def test_max_utilization_with_equal_progress_and_an_unaligned_chunk_cap_completes(tiny_model):
+    config = make_config(
+        engine={
+            "scheduler_policy": "max_utilization",
+            "enable_chunked_context": True,
+            "context_chunking_policy": "equal_progress",
+            "context_chunk_size": 6,
+        },
+        kv_cache={"tokens_per_block": 4, "max_tokens": 40},
+    )
+    requests = [InferenceRequest.from_values(i, [5 + i] * 20, 4) for i in range(3)]
+    results = generate_or_fail(requests, config, model=tiny_model, check_integrity=True)
+    assert all(len(results[i].output_ids) == 4 for i in range(3))
