@@ -7,13 +7,37 @@ how the engine core represents them, so when that core changes, this is the file
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
+
 from bm.kv import KVCacheManager
-from bm.scheduling import LlmRequest, RequestState
-from bm.scheduling.factory import build_scheduler
+from bm.scheduling import LlmRequest, MicroBatchScheduler, RequestState
+from bm.scheduling.factory import build_scheduler, chunking_config
 from tests.conftest import make_config
+
+# A scheduling call on a handful of requests takes microseconds; one that has not returned after this
+# many seconds is looping forever.
+SCHEDULE_WAIT_S = 5.0
+
+
+@contextmanager
+def returns_within(seconds: float, what: str) -> Iterator[None]:
+    """Fail the test if the block runs longer than ``seconds`` (a scheduler looping forever)."""
+
+    def on_alarm(signum: int, frame: object) -> None:
+        pytest.fail(f"{what} did not return within {seconds} s: it loops forever", pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass
@@ -54,6 +78,10 @@ class Harness:
         )
         self.kv = KVCacheManager(num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.scheduler = build_scheduler(config.engine, self.kv)
+        # The micro-batch stage alone, as a custom capacity scheduler would feed it.
+        self.micro_batch_stage = MicroBatchScheduler(
+            max_batch_size, max_num_tokens, chunking_config(config.engine, tokens_per_block)
+        )
 
     def waiting(self, request_id: int, prompt_len: int, max_new: int = 4) -> LlmRequest:
         """A request that has not started: its whole prompt is still to compute."""
@@ -82,9 +110,50 @@ class Harness:
         return self.kv.num_held_blocks(request_id)
 
     def schedule(self, active: Sequence[LlmRequest]) -> Decision:
-        out = self.scheduler.schedule_request(list(active))
+        ids = [r.request_id for r in active]
+        with returns_within(SCHEDULE_WAIT_S, f"scheduling requests {ids}"):
+            out = self.scheduler.schedule_request(list(active))
         return Decision(
             context={r.request_id: r.context_chunk_size for r in out.context_requests},
             generation=[r.request_id for r in out.generation_requests],
             paused=[r.request_id for r in out.paused_requests],
         )
+
+    def micro_batch(self, fitting: Sequence[LlmRequest]) -> Decision:
+        """The micro-batch stage alone on ``fitting`` (what a capacity stage, maybe a user's, passed on)."""
+        ids = [r.request_id for r in fitting]
+        with returns_within(SCHEDULE_WAIT_S, f"micro-batching requests {ids}"):
+            context, generation = self.micro_batch_stage.schedule(list(fitting))
+        return Decision(
+            {r.request_id: r.context_chunk_size for r in context}, [r.request_id for r in generation], []
+        )
+
+
+class ReuseCache:
+    """A KV cache with block reuse, for decisions that depend on blocks shared between requests."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int = 4) -> None:
+        self.kv = KVCacheManager(
+            num_blocks=num_blocks, tokens_per_block=tokens_per_block, enable_block_reuse=True
+        )
+
+    def run_context(self, request_id: int, prompt: list[int]) -> LlmRequest:
+        """Start a request (taking any cached prefix), compute its whole prompt and register its blocks."""
+        request = LlmRequest(request_id=request_id, prompt_ids=prompt, max_new_tokens=4)
+        self.kv.take_cached_prefix(request, self.kv.find_cached_prefix(request))
+        self.kv.allocate(request_id, len(prompt))
+        self.kv.cache_computed_blocks(request, len(prompt))
+        return request
+
+    def freeable(self, request_id: int) -> int:
+        """Blocks that pausing (freeing) the request would return to the pool."""
+        return self.kv.num_freeable_blocks(request_id)
+
+    def held(self, request_id: int) -> int:
+        return self.kv.num_held_blocks(request_id)
+
+    def free_blocks(self) -> int:
+        return self.kv.get_num_free_blocks()
+
+    def can_allocate(self, request_id: int, num_tokens: int) -> bool:
+        return self.kv.can_allocate(request_id, num_tokens)

@@ -164,6 +164,16 @@ def test_each_seed_draws_the_same_token_whatever_shares_the_batch():
     assert together == alone
 
 
+def test_the_seed_not_the_request_id_decides_the_draws():
+    # Two requests with one seed draw the same 16 tokens; a third with another seed does not.
+    logits = torch.tensor([[0.0] * 8] * 3)
+    params = [SamplingParams(temperature=1.0, random_seed=s) for s in (5, 5, 6)]
+    sampler = Sampler()
+    draws = [sampler.sample(logits, params, [10, 11, 12]) for _ in range(16)]
+    assert [d[0] for d in draws] == [d[1] for d in draws]
+    assert [d[0] for d in draws] != [d[2] for d in draws]
+
+
 # -- logits controls (bm/runtime/logits.py) ------------------------------------------------------------
 
 

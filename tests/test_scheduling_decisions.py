@@ -14,7 +14,7 @@ import pytest
 from bm.engine import InferenceRequest
 from tests.conftest import make_config
 from tests.engine_wait import generate_or_fail
-from tests.sched_helpers import Harness
+from tests.sched_helpers import Harness, ReuseCache
 
 POLICIES = ["guaranteed_no_evict", "max_utilization", "static_batch"]
 
@@ -242,10 +242,11 @@ def test_generation_requests_fill_a_token_budget_equal_to_their_number(policy):
     assert decision.generation == [0, 1, 2] and decision.context == {}
 
 
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "static_batch"])
 @pytest.mark.parametrize(("num_blocks", "admitted"), [(9, [0]), (10, [0, 1]), (11, [0, 1])])
-def test_guaranteed_no_evict_admits_a_request_whose_need_equals_the_free_blocks(num_blocks, admitted):
+def test_reserving_policies_admit_a_request_whose_need_equals_the_free_blocks(policy, num_blocks, admitted):
     # Each needs ceil((8 + 9) / 4) = 5 blocks to completion: two fit in 10 exactly, not in 9.
-    h = Harness(policy="guaranteed_no_evict", num_blocks=num_blocks)
+    h = Harness(policy=policy, num_blocks=num_blocks)
     decision = h.schedule([h.waiting(0, 8, max_new=9), h.waiting(1, 8, max_new=9)])
     assert list(decision.context) == admitted
 
@@ -297,3 +298,63 @@ def test_max_utilization_with_equal_progress_and_an_unaligned_chunk_cap_complete
     requests = [InferenceRequest.from_values(i, [5 + i] * 20, 4) for i in range(3)]
     results = generate_or_fail(requests, config, model=tiny_model, check_integrity=True)
     assert all(len(results[i].output_ids) == 4 for i in range(3))
+
+
+@pytest.mark.parametrize("chunking", ["first_come_first_served", "equal_progress"])
+def test_max_utilization_with_chunking_in_a_tight_cache_completes(tiny_model, chunking):
+    # 10 blocks of 4 for three 20-token prompts with 4 new tokens (6 blocks each at completion): the
+    # capacity stage must size every chunk's blocks for what the micro batch then hands out.
+    config = make_config(
+        engine={
+            "scheduler_policy": "max_utilization",
+            "enable_chunked_context": True,
+            "context_chunking_policy": chunking,
+        },
+        kv_cache={"tokens_per_block": 4, "max_tokens": 40},
+    )
+    requests = [InferenceRequest.from_values(i, [5 + i] * 20, 4) for i in range(3)]
+    results = generate_or_fail(requests, config, model=tiny_model, check_integrity=True)
+    assert all(len(results[i].output_ids) == 4 for i in range(3))
+
+
+@pytest.mark.parametrize(("budget", "generation"), [(64, [1, 2]), (2, [1, 2])])
+def test_a_paused_requests_token_goes_back_to_the_budget(budget, generation):
+    # As in the reverse-start-order test, but with only 2 tokens: 0 (youngest, first in the list) takes
+    # one, 1 takes the other, then 0 is paused for 1's block and its token goes back, so 2 can run.
+    h = Harness(policy="max_utilization", num_blocks=4, max_num_tokens=budget)
+    r1, r2, r3 = h.generating(1, 4, 1), h.generating(2, 4, 1), h.generating(3, 2, 1)
+    r0 = h.generating(0, 2, 1)
+    decision = h.schedule([r0, r1, r2, r3])
+    assert decision.generation == generation and decision.paused == [0, 3]
+
+
+def test_micro_batch_alone_respects_max_batch_size_under_equal_progress():
+    # A custom capacity scheduler may pass on more than fits: the micro batch still caps the slots.
+    h = Harness(max_num_tokens=64, max_batch_size=2, chunking="equal_progress")
+    assert h.micro_batch([h.waiting(i, 20) for i in range(3)]).context == {0: 20, 1: 20}
+
+
+def test_micro_batch_alone_serves_contexts_first_come_first_served():
+    # Budget 10: 8 to the first; the second cannot take a block in the 2 left; the 1-token third
+    # behind it must not jump the queue.
+    h = Harness(max_num_tokens=10, chunking="first_come_first_served")
+    assert h.micro_batch([h.waiting(0, 20), h.waiting(1, 20), h.waiting(2, 1)]).context == {0: 8}
+
+
+def test_pausing_frees_only_the_blocks_no_other_request_shares():
+    # Blocks of 4. Request 0 computes 8 prompt tokens (2 full blocks, registered for reuse); request 1
+    # has the same 8 and 1 more: it takes both blocks by reference and allocates a third of its own.
+    # Pausing 0 would free nothing (1 still holds both), pausing 1 only its own block.
+    cache = ReuseCache(num_blocks=6)
+    cache.run_context(0, [9] * 8)
+    cache.run_context(1, [9] * 8 + [7])
+    assert (cache.held(0), cache.held(1)) == (2, 3)
+    assert cache.freeable(0) == 0 and cache.freeable(1) == 1
+
+
+def test_the_last_free_block_can_be_allocated():
+    cache = ReuseCache(num_blocks=3)
+    cache.run_context(0, [9] * 8)  # 2 of 3 blocks
+    assert cache.free_blocks() == 1
+    assert cache.can_allocate(0, 12)  # a third block: exactly the one left
+    assert not cache.can_allocate(0, 13)

@@ -128,3 +128,10 @@ def test_no_iterations_at_all_gives_zero_totals():
     m = engine_metrics(pd.DataFrame(), pd.DataFrame({"num_pauses": []}))
     assert m["num_iterations"] == 0 and m["total_padded_context_tokens"] == 0
     assert m["mean_tokens_per_iteration"] is None
+
+
+def test_max_paused_is_the_largest_per_iteration_count_not_the_total():
+    row = dict.fromkeys(STATS_COLUMNS, 0) | {"Max KV cache blocks": 10, "Iteration Latency (ms)": 1.0}
+    stats = pd.DataFrame([row | {"Paused Requests": n} for n in (1, 2, 0)])
+    m = engine_metrics(stats, pd.DataFrame({"num_pauses": [1, 2]}))
+    assert m["max_paused_per_iteration"] == 2

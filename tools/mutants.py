@@ -1,0 +1,626 @@
+"""The mutants ``tools/mutate.py`` applies: one-line wrong changes a test should catch.
+
+Each is matched by content: ``find`` must occur exactly once in ``file`` (include enough context to make
+it unique); a mutant whose snippet has gone is reported STALE so it can be updated, not counted. ``tests``
+are the targeted test files or node ids that should fail (run with ``-x -q``); ``k`` an optional ``-k``.
+``why`` says what real defect the mutant stands for. Mutants marked ``[issue 20]`` are the bugs the issue
+planted by hand that survived the whole suite before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]
+    why: str
+    k: str | None = None
+
+
+SCHED = ("tests/test_scheduling_decisions.py", "tests/test_scheduling.py")
+KV = ("tests/test_kv.py", "tests/test_block_reuse.py")
+SAMPLING = ("tests/test_sampling_controls.py",)
+GATES = ("tests/test_gate_boundaries.py", "tests/test_compare_gates.py")
+METRICS = ("tests/test_bench_metrics.py", "tests/test_stats_fields.py")
+
+BUDGET = "bm/scheduling/budget.py"
+MICRO = "bm/scheduling/micro_batch.py"
+CAPACITY = "bm/scheduling/capacity.py"
+REQUEST = "bm/scheduling/request.py"
+KVM = "bm/kv/manager.py"
+POOL = "bm/kv/block_pool.py"
+SAMPLER = "bm/runtime/sampler.py"
+LOGITS = "bm/runtime/logits.py"
+EXPR = "bm/compare/expr.py"
+MET = "bm/bench/metrics.py"
+
+MUTANTS: list[Mutant] = [
+    # -- bm/scheduling: budget and chunking -------------------------------------------------------------
+    Mutant(
+        "budget-context-equal-budget",
+        BUDGET,
+        "return remaining if remaining <= tokens_left else 0",
+        "return remaining if remaining < tokens_left else 0",
+        SCHED,
+        "[issue 20] a context exactly as long as the token budget is never scheduled (hangs)",
+    ),
+    Mutant(
+        "budget-chunk-off-block",
+        BUDGET,
+        "end = (request.num_computed_tokens + limit) // chunking.unit * chunking.unit",
+        "end = request.num_computed_tokens + limit",
+        SCHED,
+        "[issue 20] a non-final chunk no longer ends on a tokens_per_block boundary",
+    ),
+    Mutant(
+        "budget-last-chunk-equal",
+        BUDGET,
+        "    if remaining <= limit:\n        return remaining",
+        "    if remaining < limit:\n        return remaining",
+        SCHED,
+        "a last chunk exactly the size of the budget is cut to a block multiple",
+    ),
+    Mutant(
+        "budget-generation-last-token",
+        BUDGET,
+        "tokens = 1 if self.tokens_left >= 1 else 0",
+        "tokens = 1 if self.tokens_left > 1 else 0",
+        SCHED,
+        "a generation request cannot take the budget's last token",
+    ),
+    Mutant(
+        "budget-slots-limit",
+        BUDGET,
+        "if self.slots_left <= 0:\n            return 0",
+        "if self.slots_left < 0:\n            return 0",
+        SCHED,
+        "one request more than max_batch_size is scheduled",
+    ),
+    Mutant(
+        "budget-ep-step-equal",
+        BUDGET,
+        "tokens = cost if 0 < cost <= self.tokens_left else 0",
+        "tokens = cost if 0 < cost < self.tokens_left else 0",
+        SCHED,
+        "EQUAL_PROGRESS capacity stage refuses a step exactly the tokens left",
+    ),
+    Mutant(
+        "budget-ep-hold-bound",
+        BUDGET,
+        "taken = max(taken, context_chunk(request, self.max_num_tokens, self.chunking))",
+        "taken = min(taken, context_chunk(request, self.max_num_tokens, self.chunking))",
+        SCHED,
+        "EQUAL_PROGRESS sizes blocks for the smallest step, not the most it may get",
+    ),
+    Mutant(
+        "budget-give-back-sign",
+        BUDGET,
+        "        self.tokens_left += tokens",
+        "        self.tokens_left -= tokens",
+        SCHED,
+        "a paused request's tokens are not returned to the budget",
+    ),
+    # -- bm/scheduling: micro batch ------------------------------------------------------------------------
+    Mutant(
+        "micro-ep-slots",
+        MICRO,
+        "chosen = contexts[: budget.slots_left]",
+        "chosen = contexts[: budget.slots_left + 1]",
+        SCHED,
+        "EQUAL_PROGRESS schedules one context more than the free slots",
+    ),
+    Mutant(
+        "micro-ep-step-equal",
+        MICRO,
+        "if step > tokens_left:",
+        "if step >= tokens_left:",
+        SCHED,
+        "EQUAL_PROGRESS leaves a step unscheduled that fits exactly",
+    ),
+    Mutant(
+        "micro-fcfs-skips-ahead",
+        MICRO,
+        "            if not tokens:\n                break",
+        "            if not tokens:\n                continue",
+        SCHED,
+        "FCFS lets a later context jump one that does not fit",
+    ),
+    Mutant(
+        "micro-ep-done-loops",
+        MICRO,
+        "if remaining <= 0 or (cap is not None and done >= cap):",
+        "if remaining < 0 or (cap is not None and done >= cap):",
+        SCHED,
+        "EQUAL_PROGRESS spins forever once a context is fully shared out (a hang)",
+    ),
+    # -- bm/scheduling: capacity policies --------------------------------------------------------------------
+    Mutant(
+        "capacity-pause-oldest",
+        CAPACITY,
+        "key=lambda r: r.start_order)",
+        "key=lambda r: -r.start_order)",
+        SCHED,
+        "[issue 20] MAX_UTILIZATION pauses the oldest request instead of the newest",
+    ),
+    Mutant(
+        "capacity-pause-pop-front",
+        CAPACITY,
+        "victim = alive.pop()",
+        "victim = alive.pop(0)",
+        SCHED,
+        "MAX_UTILIZATION picks its victim from the wrong end",
+    ),
+    Mutant(
+        "capacity-pause-when-enough",
+        CAPACITY,
+        "while need > free and alive[-1] is not request:",
+        "while need >= free and alive[-1] is not request:",
+        SCHED,
+        "MAX_UTILIZATION pauses someone though the free blocks suffice exactly",
+    ),
+    Mutant(
+        "capacity-self-pause-equal",
+        CAPACITY,
+        "if need > free:  # it is the youngest itself",
+        "if need >= free:  # it is the youngest itself",
+        SCHED,
+        "the youngest request pauses itself though the blocks suffice exactly",
+    ),
+    Mutant(
+        "capacity-free-sign",
+        CAPACITY,
+        "            free -= need\n",
+        "            free += need\n",
+        SCHED,
+        "blocks granted to a started request are not taken off the free count",
+    ),
+    Mutant(
+        "capacity-victim-frees",
+        CAPACITY,
+        "free += kv.num_freeable_blocks(victim.request_id)",
+        "free -= kv.num_freeable_blocks(victim.request_id)",
+        SCHED,
+        "a paused victim's blocks are not counted as freed",
+    ),
+    Mutant(
+        "capacity-new-fits-exactly",
+        CAPACITY,
+        "        if cost > free_blocks:\n            return None",
+        "        if cost >= free_blocks:\n            return None",
+        SCHED,
+        "a new request whose need equals the free blocks is refused",
+    ),
+    Mutant(
+        "capacity-reserved-sign",
+        CAPACITY,
+        "available = kv.get_max_resource_count() - reserved",
+        "available = kv.get_max_resource_count() + reserved",
+        SCHED,
+        "GUARANTEED_NO_EVICT ignores what started requests reserve (would evict)",
+    ),
+    Mutant(
+        "capacity-available-sign",
+        CAPACITY,
+        "            available -= cost",
+        "            available += cost",
+        SCHED,
+        "GUARANTEED_NO_EVICT admits new requests without counting the earlier ones",
+    ),
+    Mutant(
+        "capacity-static-fits-exactly",
+        CAPACITY,
+        "if len(members) >= self.max_num_requests or needed > available:",
+        "if len(members) >= self.max_num_requests or needed >= available:",
+        SCHED,
+        "STATIC_BATCH refuses a member whose need equals the blocks left",
+    ),
+    Mutant(
+        "capacity-finished-schedulable",
+        CAPACITY,
+        "return self.no_schedule_until_state <= request.state < self.no_schedule_after_state",
+        "return self.no_schedule_until_state <= request.state <= self.no_schedule_after_state",
+        SCHED,
+        "finished requests are scheduled again",
+    ),
+    Mutant(
+        "request-completion-length",
+        REQUEST,
+        "return len(self.prompt_ids) + self.max_new_tokens\n",
+        "return len(self.prompt_ids) + self.max_new_tokens - 1\n",
+        SCHED,
+        "the need to completion is one token short (a block short at a boundary)",
+    ),
+    Mutant(
+        "request-greedy-top-k",
+        REQUEST,
+        "return self.temperature == 0.0 or self.top_k == 1",
+        "return self.temperature == 0.0 or self.top_k == 0",
+        SAMPLING,
+        "every request without a top-k is decoded greedily",
+    ),
+    # -- bm/kv ----------------------------------------------------------------------------------------------
+    Mutant(
+        "kv-cdiv-floor",
+        KVM,
+        "return -(-a // b)",
+        "return a // b",
+        KV,
+        "a partly filled block is not counted",
+    ),
+    Mutant(
+        "kv-allocate-extra",
+        KVM,
+        "return max(0, self.num_blocks_for_tokens(num_tokens) - held)",
+        "return max(0, self.num_blocks_for_tokens(num_tokens) - held + 1)",
+        (*KV, *SCHED),
+        "schedulers are told a request needs one block more than it does",
+    ),
+    Mutant(
+        "kv-freeable-shared",
+        KVM,
+        "return sum(1 for b, n in refs.items() if self.pool.ref_count(b) == n)",
+        "return sum(1 for b, n in refs.items() if self.pool.ref_count(b) >= n)",
+        (*KV, *SCHED),
+        "blocks shared with another request are counted as freed by a pause",
+    ),
+    Mutant(
+        "kv-prefix-whole-prompt",
+        KVM,
+        "for i in range((request.num_tokens - 1) // bs):",
+        "for i in range(request.num_tokens // bs):",
+        KV,
+        "a prefix match covers the whole prompt, leaving no token to compute (hung the engine before)",
+    ),
+    Mutant(
+        "kv-reserved-held-twice",
+        KVM,
+        "remaining += max(0, self.get_needed_resource_to_completion(request) - len(own))",
+        "remaining += max(0, self.get_needed_resource_to_completion(request))",
+        KV,
+        "held blocks are reserved twice, so fewer requests are admitted",
+    ),
+    Mutant(
+        "kv-window-context-bound",
+        KVM,
+        "bound = max(bound, self.num_blocks_for_tokens(request.num_tokens))",
+        "bound = min(bound, self.num_blocks_for_tokens(request.num_tokens))",
+        KV,
+        "a windowed context is admitted on fewer blocks than it holds at once",
+    ),
+    Mutant(
+        "kv-register-partial-block",
+        KVM,
+        "for i in range(len(chain), num_computed_tokens // bs):",
+        "for i in range(len(chain), num_computed_tokens // bs + 1):",
+        KV,
+        "a block still being filled is registered for reuse",
+    ),
+    Mutant(
+        "kv-pool-can-allocate-equal",
+        POOL,
+        "return num_blocks <= self.num_free_blocks",
+        "return num_blocks < self.num_free_blocks",
+        (*KV, *SCHED),
+        "the last free block can never be allocated through can_allocate",
+    ),
+    Mutant(
+        "kv-pool-allocate-equal",
+        POOL,
+        "if num_blocks > self.num_free_blocks:",
+        "if num_blocks >= self.num_free_blocks:",
+        KV,
+        "allocating exactly the free blocks raises OutOfBlocksError",
+    ),
+    Mutant(
+        "kv-pool-used-ignores-cached",
+        POOL,
+        "return self.num_blocks - len(self._free) - len(self._cached)",
+        "return self.num_blocks - len(self._free)",
+        KV,
+        "cached (reclaimable) blocks are reported as used",
+    ),
+    Mutant(
+        "kv-pool-release-caches-unregistered",
+        POOL,
+        "if block_id in self._keys:",
+        "if block_id not in self._keys:",
+        KV,
+        "released blocks go to the wrong list (registered ones lost, others kept as cached)",
+    ),
+    # -- bm/runtime/sampler.py --------------------------------------------------------------------------------
+    Mutant(
+        "sampler-top-k-one-more",
+        SAMPLER,
+        "ranks[None, :] >= top_k[:, None]",
+        "ranks[None, :] > top_k[:, None]",
+        SAMPLING,
+        "top-k keeps k + 1 tokens",
+    ),
+    Mutant(
+        "sampler-top-p-one-too-few",
+        SAMPLER,
+        "before = probs.cumsum(dim=-1) - probs",
+        "before = probs.cumsum(dim=-1)",
+        SAMPLING,
+        "[issue 20] top-p keeps one token too few",
+    ),
+    Mutant(
+        "sampler-top-p-boundary",
+        SAMPLER,
+        "probs.masked_fill_(before >= top_p[:, None], 0.0)",
+        "probs.masked_fill_(before > top_p[:, None], 0.0)",
+        SAMPLING,
+        "top-p keeps one token too many when a nucleus reaches p exactly",
+    ),
+    Mutant(
+        "sampler-temperature-multiplies",
+        SAMPLER,
+        "logits / temperature[:, None]",
+        "logits * temperature[:, None]",
+        SAMPLING,
+        "temperature multiplies the logits instead of dividing them",
+    ),
+    Mutant(
+        "sampler-no-renormalise",
+        SAMPLER,
+        "target = (u * cdf[:, -1])[:, None]",
+        "target = u[:, None]",
+        SAMPLING,
+        "the kept mass is not renormalised, so filtered tokens are drawn",
+    ),
+    Mutant(
+        "sampler-top-k-zero",
+        SAMPLER,
+        "p.top_k if p.top_k > 0 else vocab",
+        "p.top_k if p.top_k >= 0 else vocab",
+        SAMPLING,
+        "top_k 0 (no filter) filters out everything",
+    ),
+    Mutant(
+        "sampler-seed-from-id",
+        SAMPLER,
+        "torch.Generator().manual_seed(seed)",
+        "torch.Generator().manual_seed(request_id)",
+        SAMPLING,
+        "random_seed is ignored: draws depend on the request id",
+    ),
+    # -- bm/runtime/logits.py ----------------------------------------------------------------------------------
+    Mutant(
+        "logits-repetition-sign",
+        LOGITS,
+        "torch.where(sub < 0, sub * penalty, sub / penalty)",
+        "torch.where(sub > 0, sub * penalty, sub / penalty)",
+        SAMPLING,
+        "repetition penalty boosts positive seen logits",
+    ),
+    Mutant(
+        "logits-repetition-output-only",
+        LOGITS,
+        "seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev) > 0",
+        "seen = _token_counts([r.output for _, r in rep], vocab, dev) > 0",
+        SAMPLING,
+        "repetition penalty ignores the prompt (HF counts it)",
+    ),
+    Mutant(
+        "logits-frequency-counts-prompt",
+        LOGITS,
+        "counts = _token_counts([r.output for _, r in freq], vocab, dev)",
+        "counts = _token_counts([r.prompt + r.output for _, r in freq], vocab, dev)",
+        SAMPLING,
+        "presence/frequency penalties count the prompt",
+    ),
+    Mutant(
+        "logits-presence-per-count",
+        LOGITS,
+        "delta = (counts > 0).float() * presence + counts * frequency",
+        "delta = counts * presence + counts * frequency",
+        SAMPLING,
+        "presence penalty applied once per occurrence",
+    ),
+    Mutant(
+        "logits-min-length-equal",
+        LOGITS,
+        "if len(r.output) < opts.min_length and r.end_id >= 0:",
+        "if len(r.output) <= opts.min_length and r.end_id >= 0:",
+        SAMPLING,
+        "min_length bans the end token one step too long",
+    ),
+    Mutant(
+        "logits-bad-word-first-token",
+        LOGITS,
+        "bans.append((i, word[-1]))",
+        "bans.append((i, word[0]))",
+        SAMPLING,
+        "bad words ban their first token instead of the completing one",
+    ),
+    Mutant(
+        "logits-ends-with-across-prompt",
+        LOGITS,
+        "tuple(prompt[len(prompt) - head :]) == tuple(suffix[:head])",
+        "tuple(prompt[len(prompt) - head :]) == tuple(suffix[head:])",
+        SAMPLING,
+        "a bad word spanning prompt and output is not recognised",
+    ),
+    Mutant(
+        "logits-ngram-prefix-length",
+        LOGITS,
+        "prefix = tuple(seq[len(seq) - n + 1 :])",
+        "prefix = tuple(seq[len(seq) - n :])",
+        SAMPLING,
+        "no_repeat_ngram matches n tokens instead of n - 1",
+    ),
+    Mutant(
+        "logits-ngram-last-start",
+        LOGITS,
+        "for start in range(len(seq) - n + 1):",
+        "for start in range(len(seq) - n):",
+        SAMPLING,
+        "no_repeat_ngram misses the n-gram ending at the last token",
+    ),
+    Mutant(
+        "logits-bias-sign",
+        LOGITS,
+        "torch.stack([b for _, b in biased]).to(dev, logits.dtype)",
+        "-torch.stack([b for _, b in biased]).to(dev, logits.dtype)",
+        SAMPLING,
+        "embedding bias subtracted",
+    ),
+    Mutant(
+        "logits-ngram-one-ignored",
+        LOGITS,
+        "or self.no_repeat_ngram_size > 0",
+        "or self.no_repeat_ngram_size > 1",
+        SAMPLING,
+        "no_repeat_ngram_size 1 is silently ignored",
+    ),
+    # -- bm/compare/expr.py ------------------------------------------------------------------------------------
+    Mutant(
+        "expr-ge-as-gt",
+        EXPR,
+        '">=": operator.ge,',
+        '">=": operator.gt,',
+        GATES,
+        "[issue 20] >= in --assert evaluated as >",
+    ),
+    Mutant("expr-le-as-lt", EXPR, '"<=": operator.le,', '"<=": operator.lt,', GATES, "<= evaluated as <"),
+    Mutant("expr-ne-as-eq", EXPR, '"!=": operator.ne,', '"!=": operator.eq,', GATES, "!= evaluated as =="),
+    Mutant("expr-eq-as-ge", EXPR, '"==": operator.eq,', '"==": operator.ge,', GATES, "== evaluated as >="),
+    Mutant("expr-gt-as-ge", EXPR, '">": operator.gt,', '">": operator.ge,', GATES, "> evaluated as >="),
+    Mutant("expr-lt-as-le", EXPR, '"<": operator.lt,', '"<": operator.le,', GATES, "< evaluated as <="),
+    Mutant(
+        "expr-token-order",
+        EXPR,
+        "(?P<cmp>>=|<=|==|!=|>|<)",
+        "(?P<cmp>>|>=|<=|==|!=|<)",
+        GATES,
+        ">= tokenised as > followed by a stray =",
+    ),
+    Mutant(
+        "expr-percent",
+        EXPR,
+        "return Num(float(tok.text[:-1]) / 100)",
+        "return Num(float(tok.text[:-1]) / 10)",
+        GATES,
+        "95% read as 9.5",
+    ),
+    Mutant(
+        "expr-sum-associativity",
+        EXPR,
+        "node = BinOp(tok.text, node, self.product())",
+        "node = BinOp(tok.text, self.product(), node)",
+        GATES,
+        "a - b evaluated as b - a",
+    ),
+    Mutant(
+        "expr-negation-dropped",
+        EXPR,
+        "return -_evaluate(node.operand, metrics, text)",
+        "return _evaluate(node.operand, metrics, text)",
+        GATES,
+        "unary minus ignored",
+    ),
+    Mutant(
+        "expr-division-floors",
+        EXPR,
+        '"/": operator.truediv,',
+        '"/": operator.floordiv,',
+        GATES,
+        "division rounds down",
+    ),
+    # -- bm/bench/metrics.py --------------------------------------------------------------------------------
+    Mutant(
+        "metrics-padded-field-typo",
+        MET,
+        'int(stats["Padded Context Tokens"].sum())',
+        'int(stats["Padded Context Token"].sum())',
+        METRICS,
+        "[issue 20] a misspelt stats field (used to read as 0)",
+    ),
+    Mutant(
+        "metrics-missing-column-tolerated",
+        MET,
+        "missing = [c for c in STATS_COLUMNS if c not in stats.columns]",
+        "missing = []",
+        METRICS,
+        "a missing stats field is not reported by name",
+    ),
+    Mutant(
+        "metrics-utilization-free",
+        MET,
+        'utilization = stats["Used KV cache blocks"] / max_blocks.where(max_blocks > 0)',
+        'utilization = stats["Free KV cache blocks"] / max_blocks.where(max_blocks > 0)',
+        METRICS,
+        "KV utilization from the free blocks",
+    ),
+    Mutant(
+        "metrics-tokens-generation-sign",
+        MET,
+        'tokens = stats["Total Context Tokens"] + stats["Total Generation Tokens"]',
+        'tokens = stats["Total Context Tokens"] - stats["Total Generation Tokens"]',
+        METRICS,
+        "tokens per iteration subtract generation tokens",
+    ),
+    Mutant(
+        "metrics-max-paused-sums",
+        MET,
+        'int(stats["Paused Requests"].max())',
+        'int(stats["Paused Requests"].sum())',
+        METRICS,
+        "max paused per iteration reports the total",
+    ),
+    Mutant(
+        "metrics-tpot-denominator",
+        MET,
+        "tpot_ms=_ms((e2el - ttft) / (len(tokens) - 1))",
+        "tpot_ms=_ms((e2el - ttft) / len(tokens))",
+        METRICS,
+        "TPOT divides by all tokens, not the gaps",
+    ),
+    Mutant(
+        "metrics-std-sample",
+        MET,
+        "values.std(ddof=0)",
+        "values.std(ddof=1)",
+        METRICS,
+        "sample std instead of vLLM's population std",
+    ),
+    Mutant(
+        "metrics-goodput-boundary",
+        MET,
+        "good &= values <= limit",
+        "good &= values < limit",
+        METRICS,
+        "a request exactly at its SLO does not count as good",
+    ),
+    Mutant(
+        "metrics-queue-time-sign",
+        MET,
+        "timeline.taken_s - timeline.send_s + timeline.engine_queue_s",
+        "timeline.taken_s - timeline.send_s - timeline.engine_queue_s",
+        METRICS,
+        "queue time subtracts the engine's queue",
+    ),
+    Mutant(
+        "metrics-ok-reasons",
+        MET,
+        "timeline.finish_reason in OK_REASONS",
+        "timeline.finish_reason not in OK_REASONS",
+        METRICS,
+        "completed and failed requests swapped",
+    ),
+    # The stats writer's side of the field typo (bm/engine is being rewritten: may go stale).
+    Mutant(
+        "stats-writer-padded-typo",
+        "bm/engine/stats.py",
+        '"Padded Context Tokens": self.padding_tokens,',
+        '"Padded Context Token": self.padding_tokens,',
+        ("tests/test_stats_fields.py",),
+        "[issue 20] the engine writes a misspelt stats field",
+    ),
+]
