@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 
 from bm.config import BmConfig
-from bm.engine import BatchManager, InferenceRequest, OfflineClient
+from bm.engine import EngineLoop, InferenceRequest, OfflineClient
+from bm.engine.executor import Executor
 from bm.engine.offline import RequestResult
-from bm.runtime import LoadedModel
+from bm.engine.request import Request
 from bm.scheduling import FinishReason
 
 # Seconds to wait for a workload on the tiny model. The largest in the suite takes about 1.4 s on one
@@ -43,10 +45,11 @@ def wait_or_fail(client: OfflineClient, request_ids: Iterable[int], timeout: flo
 
 
 def generate_or_fail(
-    requests: Iterable[InferenceRequest],
+    requests: Iterable[Request | InferenceRequest],
     config: BmConfig,
     *,
-    model: LoadedModel,
+    model: Any = None,
+    executor: Executor | None = None,
     return_stats: Callable[[str], None] | None = None,
     check_integrity: bool = False,
     timeout: float = ENGINE_WAIT_S,
@@ -54,12 +57,13 @@ def generate_or_fail(
     """:func:`bm.engine.generate`, but a hang fails within ``timeout`` naming the unfinished requests."""
     requests = list(requests)
     client = OfflineClient(requests)
-    with BatchManager(
+    with EngineLoop(
         config,
         client.get_requests,
         client.send_response,
         return_stats=return_stats,
         model=model,
+        executor=executor,
         check_integrity=check_integrity,
     ) as manager:
         if not client.wait(timeout):

@@ -78,6 +78,7 @@ class Harness:
         )
         self.kv = KVCacheManager(num_blocks=num_blocks, tokens_per_block=tokens_per_block)
         self.scheduler = build_scheduler(config.engine, self.kv)
+        self._starts = 0
         # The micro-batch stage alone, as a custom capacity scheduler would feed it.
         self.micro_batch_stage = MicroBatchScheduler(
             max_batch_size, max_num_tokens, chunking_config(config.engine, tokens_per_block)
@@ -103,7 +104,8 @@ class Harness:
         )
         request.num_computed_tokens = request.num_tokens - 1
         self.kv.allocate(request_id, request.num_computed_tokens)
-        self.scheduler.capacity_scheduler.mark_started(request)
+        self._starts += 1  # what the engine core records when a request starts holding blocks
+        request.start_order = self._starts
         return request
 
     def held_blocks(self, request_id: int) -> int:
@@ -114,7 +116,7 @@ class Harness:
         with returns_within(SCHEDULE_WAIT_S, f"scheduling requests {ids}"):
             out = self.scheduler.schedule_request(list(active))
         return Decision(
-            context={r.request_id: r.context_chunk_size for r in out.context_requests},
+            context={r.request_id: out.context_chunk_sizes[r.request_id] for r in out.context_requests},
             generation=[r.request_id for r in out.generation_requests],
             paused=[r.request_id for r in out.paused_requests],
         )

@@ -177,7 +177,6 @@ def test_max_utilization_pauses_in_reverse_start_order_not_list_order():
     decision = h.schedule([r0, r1, r2, r3])
     assert decision.paused == [0, 3]
     assert decision.generation == [1, 2]
-    assert h.held_blocks(0) == 0 and h.held_blocks(3) == 0
 
 
 def test_max_utilization_pauses_the_request_itself_when_it_is_the_latest_started():
