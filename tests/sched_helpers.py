@@ -62,6 +62,7 @@ class Harness:
         max_num_tokens: int = 64,
         chunking: str | None = None,
         context_chunk_size: int | None = None,
+        block_reuse: bool = False,
     ) -> None:
         engine: dict = {
             "scheduler_policy": policy,
@@ -74,9 +75,15 @@ class Harness:
             engine["context_chunk_size"] = context_chunk_size
         config = make_config(
             engine=engine,
-            kv_cache={"tokens_per_block": tokens_per_block, "max_tokens": num_blocks * tokens_per_block},
+            kv_cache={
+                "tokens_per_block": tokens_per_block,
+                "max_tokens": num_blocks * tokens_per_block,
+                "enable_block_reuse": block_reuse,
+            },
         )
-        self.kv = KVCacheManager(num_blocks=num_blocks, tokens_per_block=tokens_per_block)
+        self.kv = KVCacheManager(
+            num_blocks=num_blocks, tokens_per_block=tokens_per_block, enable_block_reuse=block_reuse
+        )
         self.scheduler = build_scheduler(config.engine, self.kv)
         self._starts = 0
         # The micro-batch stage alone, as a custom capacity scheduler would feed it.
@@ -84,26 +91,39 @@ class Harness:
             max_batch_size, max_num_tokens, chunking_config(config.engine, tokens_per_block)
         )
 
-    def waiting(self, request_id: int, prompt_len: int, max_new: int = 4) -> LlmRequest:
-        """A request that has not started: its whole prompt is still to compute."""
-        return LlmRequest(
-            request_id=request_id, prompt_ids=[3 + request_id] * prompt_len, max_new_tokens=max_new
-        )
+    def waiting(
+        self, request_id: int, prompt_len: int, max_new: int = 4, prompt: list[int] | None = None
+    ) -> LlmRequest:
+        """A request that has not started: its whole prompt is still to compute.
 
-    def generating(self, request_id: int, prompt_len: int, generated: int, max_new: int = 32) -> LlmRequest:
-        """A request in generation that started now: every token but its newest one is in the cache.
+        ``prompt``: its tokens (default ``prompt_len`` copies of a token of its own).
+        """
+        prompt = prompt if prompt is not None else [3 + request_id] * prompt_len
+        return LlmRequest(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new)
+
+    def generating(
+        self,
+        request_id: int,
+        prompt_len: int,
+        generated: int,
+        max_new: int = 32,
+        prompt: list[int] | None = None,
+    ) -> LlmRequest:
+        """A request in generation that started now: every token but its newest one is in the cache
+        (and, with block reuse, its full blocks registered for reuse).
 
         Create them in the order they should count as started (MAX_UTILIZATION pauses the latest).
         """
         request = LlmRequest(
             request_id=request_id,
-            prompt_ids=[3 + request_id] * prompt_len,
+            prompt_ids=prompt if prompt is not None else [3 + request_id] * prompt_len,
             max_new_tokens=max_new,
             state=RequestState.GENERATION_IN_PROGRESS,
             output_ids=[7] * generated,
         )
         request.num_computed_tokens = request.num_tokens - 1
         self.kv.allocate(request_id, request.num_computed_tokens)
+        self.kv.cache_computed_blocks(request, request.num_computed_tokens)  # no-op without reuse
         self._starts += 1  # what the engine core records when a request starts holding blocks
         request.start_order = self._starts
         return request

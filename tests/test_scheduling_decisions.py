@@ -357,3 +357,25 @@ def test_the_last_free_block_can_be_allocated():
     assert cache.free_blocks() == 1
     assert cache.can_allocate(0, 12)  # a third block: exactly the one left
     assert not cache.can_allocate(0, 13)
+
+
+def test_blocks_freed_by_two_pauses_are_counted_once_each():
+    # As in the reverse-start-order test (0 and 3 paused, one block each), plus a waiting 4-token
+    # prompt: the two pauses free exactly the two blocks 1 and 2 grow into, so nothing is left for it.
+    h = Harness(policy="max_utilization", num_blocks=4)
+    r1, r2, r3 = h.generating(1, 4, 1), h.generating(2, 4, 1), h.generating(3, 2, 1)
+    r0 = h.generating(0, 2, 1)
+    decision = h.schedule([r0, r1, r2, r3, h.waiting(4, 4)])
+    assert decision.paused == [0, 3] and decision.generation == [1, 2] and decision.context == {}
+
+
+def test_a_prefix_only_a_paused_request_held_costs_its_blocks_when_taken():
+    # Block reuse, blocks of 4, 4 blocks. 0 holds 1 block and needs a 2nd; 1 (started later) holds 2
+    # registered blocks of [9] * 8 and needs a 3rd, so it pauses itself: its 2 blocks become cached and
+    # are all that is free. Request 2 ([9] * 8 + [5]) would take them as its prefix and need 1 block
+    # more: 3 blocks from a free pool of 2, so it must wait.
+    h = Harness(policy="max_utilization", num_blocks=4, block_reuse=True)
+    r0 = h.generating(0, 4, 1, prompt=[1] * 4)
+    r1 = h.generating(1, 8, 1, prompt=[9] * 8)
+    decision = h.schedule([r0, r1, h.waiting(2, 9, prompt=[9] * 8 + [5])])
+    assert decision.generation == [0] and decision.paused == [1] and decision.context == {}
