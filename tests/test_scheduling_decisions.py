@@ -262,28 +262,15 @@ def test_equal_progress_shares_among_at_most_max_batch_size_contexts():
     assert h.schedule([h.waiting(i, 20) for i in range(3)]).context == {0: 20, 1: 20}
 
 
-EP_CAP_BUG = (
-    "bug: EQUAL_PROGRESS cuts a step to context_chunk_size (bm/scheduling/micro_batch.py, _equal_progress: "
-    "step = min(step, cap - done)), so a cap that is not a block multiple gives a non-final chunk off a block "
-    "boundary, larger than the blocks the capacity stage sized it for (budget.tokens_to_hold uses the "
-    "FCFS rule); under MAX_UTILIZATION the engine then dies with OutOfBlocksError"
-)
-
-
-@pytest.mark.parametrize(
-    "chunking",
-    [
-        "first_come_first_served",
-        pytest.param("equal_progress", marks=pytest.mark.xfail(strict=True, reason=EP_CAP_BUG)),
-    ],
-)
+@pytest.mark.parametrize("chunking", ["first_come_first_served", "equal_progress"])
 def test_a_chunk_cap_off_the_block_size_still_gives_block_aligned_chunks(chunking):
+    # (EQUAL_PROGRESS used to cut a step at the cap, giving 6 and, under MAX_UTILIZATION, an
+    # OutOfBlocksError; fixed on main in "EQUAL_PROGRESS stops a context at its chunk cap".)
     # context_chunk_size 6 with blocks of 4: a non-final chunk is at most 6 and a block multiple: 4.
     h = Harness(max_num_tokens=64, chunking=chunking, context_chunk_size=6)
     assert h.schedule([h.waiting(0, 20)]).context == {0: 4}
 
 
-@pytest.mark.xfail(strict=True, reason=EP_CAP_BUG)
 def test_max_utilization_with_equal_progress_and_an_unaligned_chunk_cap_completes(tiny_model):
     config = make_config(
         engine={

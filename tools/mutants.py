@@ -69,8 +69,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "budget-generation-last-token",
         BUDGET,
-        "tokens = 1 if self.tokens_left >= 1 else 0",
-        "tokens = 1 if self.tokens_left > 1 else 0",
+        "tokens = request.beam_width if self.tokens_left >= request.beam_width else 0",
+        "tokens = request.beam_width if self.tokens_left > request.beam_width else 0",
         SCHED,
         "a generation request cannot take the budget's last token",
     ),
@@ -122,6 +122,14 @@ MUTANTS: list[Mutant] = [
         "if step >= tokens_left:",
         SCHED,
         "EQUAL_PROGRESS leaves a step unscheduled that fits exactly",
+    ),
+    Mutant(
+        "micro-ep-cap-cuts-block",
+        MICRO,
+        "if cap is not None and done + step > cap:",
+        "if cap is not None and done >= cap:",
+        SCHED,
+        "EQUAL_PROGRESS lets a step run past context_chunk_size (the bug fixed on main in f8e2e0b)",
     ),
     Mutant(
         "micro-fcfs-skips-ahead",
