@@ -347,13 +347,13 @@ def test_the_last_free_block_can_be_allocated():
 
 
 def test_blocks_freed_by_two_pauses_are_counted_once_each():
-    # As in the reverse-start-order test (0 and 3 paused, one block each), plus a waiting 4-token
-    # prompt: the two pauses free exactly the two blocks 1 and 2 grow into, so nothing is left for it.
-    h = Harness(policy="max_utilization", num_blocks=4)
-    r1, r2, r3 = h.generating(1, 4, 1), h.generating(2, 4, 1), h.generating(3, 2, 1)
-    r0 = h.generating(0, 2, 1)
-    decision = h.schedule([r0, r1, r2, r3, h.waiting(4, 4)])
-    assert decision.paused == [0, 3] and decision.generation == [1, 2] and decision.context == {}
+    # 5 blocks of 4, all held; started in the order 1..5. 1, 2 and 3 each need a second block; 4 and 5
+    # fit in theirs. 5 is paused for 1, 4 for 2 (one block each); then 3 is the youngest left and
+    # nothing is free, so it pauses itself. (Counting 5's block again at 4's pause would let 3 run.)
+    h = Harness(policy="max_utilization", num_blocks=5)
+    active = [h.generating(i, 4 if i <= 3 else 2, 1) for i in range(1, 6)]
+    decision = h.schedule(active)
+    assert decision.paused == [5, 4, 3] and decision.generation == [1, 2]
 
 
 def test_a_prefix_only_a_paused_request_held_costs_its_blocks_when_taken():
@@ -364,5 +364,6 @@ def test_a_prefix_only_a_paused_request_held_costs_its_blocks_when_taken():
     h = Harness(policy="max_utilization", num_blocks=4, block_reuse=True)
     r0 = h.generating(0, 4, 1, prompt=[1] * 4)
     r1 = h.generating(1, 8, 1, prompt=[9] * 8)
-    decision = h.schedule([r0, r1, h.waiting(2, 9, prompt=[9] * 8 + [5])])
+    # (2 is listed before 1: a request that arrived after one paused now would not start anyway.)
+    decision = h.schedule([r0, h.waiting(2, 9, prompt=[9] * 8 + [5]), r1])
     assert decision.generation == [0] and decision.paused == [1] and decision.context == {}

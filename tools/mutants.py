@@ -91,14 +91,6 @@ MUTANTS: list[Mutant] = [
         "EQUAL_PROGRESS capacity stage refuses a step exactly the tokens left",
     ),
     Mutant(
-        "budget-ep-hold-bound",
-        BUDGET,
-        "taken = max(taken, context_chunk(request, self.max_num_tokens, self.chunking, computed))",
-        "taken = min(taken, context_chunk(request, self.max_num_tokens, self.chunking, computed))",
-        SCHED,
-        "EQUAL_PROGRESS sizes blocks for the smallest step, not the most it may get",
-    ),
-    Mutant(
         "budget-give-back-sign",
         BUDGET,
         "        self.tokens_left += tokens",
