@@ -9,11 +9,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bm.config import ModelConfig
-from bm.engine import InferenceRequest, generate
+from bm.engine import InferenceRequest
 from bm.runtime import UnsupportedAttentionError, load_model
 from bm.runtime.model_loader import describe_model
 from bm.runtime.model_runner import ModelRunner, Segment
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.engine_wait import generate_or_fail
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)  # fmt: skip
@@ -45,7 +46,7 @@ def test_other_architectures_match_hf_generate(model_type):
     loaded = build(model_type)
     ref = reference_model(loaded)
     specs = random_prompts(seed=3, count=8, vocab=300, max_prompt=30, max_output=12)
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
         make_config(engine={"max_num_tokens": 64}),
         model=loaded,
@@ -62,7 +63,7 @@ def test_native_sliding_window_model_matches_hf_beyond_its_window():
     ref = reference_model(loaded)
     g = torch.Generator().manual_seed(4)
     specs = [(torch.randint(3, 300, (n,), generator=g).tolist(), m) for n, m in ((40, 30), (70, 12), (5, 60))]
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
         make_config(engine={"max_num_tokens": 128}),
         model=loaded,
@@ -80,7 +81,7 @@ def test_sliding_window_on_some_layers_only_caps_sequence_length():
     )
     loaded = describe_model(AutoModelForCausalLM.from_config(cfg).eval(), None, "qwen2")
     assert not loaded.sliding_window_on_every_layer
-    results = generate([InferenceRequest.from_values(1, [5] * 40, 20)], make_config(), model=loaded)
+    results = generate_or_fail([InferenceRequest.from_values(1, [5] * 40, 20)], make_config(), model=loaded)
     assert "exceed the maximum sequence length 48" in results[1].error
 
 
@@ -122,5 +123,5 @@ def test_checkpoint_directory_with_tokenizer_loads_and_generates(tmp_path, tiny_
     loaded = load_model(ModelConfig(path=str(tmp_path), device="cpu"))
     assert loaded.tokenizer is not None
     ids = loaded.tokenizer.encode("abc")
-    results = generate([InferenceRequest.from_values(1, ids, 6)], make_config(), model=loaded)
+    results = generate_or_fail([InferenceRequest.from_values(1, ids, 6)], make_config(), model=loaded)
     assert results[1].output_ids == hf_greedy(ref, ids, 6)

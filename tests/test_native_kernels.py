@@ -105,7 +105,7 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
     client = StaggeredClient(requests, per_iteration=3)
     config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 96})
     with BatchManager(config, client.get_requests, client.send_response, model=tiny_model) as manager:
-        assert client.wait(120)
+        client.wait_or_fail()
         runner_native = manager.runner.native_decode is not None
     assert runner_native == (native == "1" and kernel is not None)
     for i, (prompt, max_new) in enumerate(specs):
