@@ -24,6 +24,8 @@ ARCHITECTURES = {
     "gemma": {"head_dim": 16},
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},  # learned positions
     "gpt_neox": {"num_key_value_heads": None},  # ignores num_key_value_heads: shapes are probed
+    # its decoder layer drops **kwargs before attention: the batch metadata must not travel as a kwarg
+    "stablelm": {},
 }
 
 
@@ -91,6 +93,13 @@ def test_a_model_that_bypasses_attention_interface_is_refused():
     )
     with pytest.raises(UnsupportedAttentionError, match="AttentionInterface"):
         describe_model(AutoModelForCausalLM.from_config(cfg), None, "falcon")
+
+
+def test_paged_attention_outside_a_runner_forward_names_the_runner_not_the_model(tiny_model):
+    """Calling a model set to bm's attention directly is the caller's doing; the message says so."""
+    runner = ModelRunner(tiny_model, num_blocks=4, tokens_per_block=8, max_seq_len=32)
+    with pytest.raises(UnsupportedAttentionError, match=r"outside a bm forward.*ModelRunner\.forward"):
+        runner.model(input_ids=torch.tensor([[5, 6]]), use_cache=False)
 
 
 def test_packed_forward_matches_unpacked_logits(tiny_model, tiny_reference):

@@ -2,8 +2,10 @@
 
 The model runs one packed, unpadded sequence of tokens (``[1, T]``) that holds every scheduled request:
 context chunks and single generation tokens side by side. transformers computes the projections and
-rotary embeddings as usual and calls :func:`paged_attention_forward` once per layer with the batch
-metadata passed as a forward kwarg (``bm_attention``). That function writes the new keys and values into
+rotary embeddings as usual and calls :func:`paged_attention_forward` once per layer. The batch metadata
+does not travel as a forward kwarg: some decoder layers (stablelm's, for one) drop ``**kwargs`` before
+calling attention, so the runner sets it for the duration of each forward (:func:`batch_metadata`) and the
+attention function reads it from there. That function writes the new keys and values into
 the preallocated block tensors by slot mapping, then attends each sequence to its own blocks only.
 
 KV layout per layer: ``[2, num_kv_heads, num_blocks, tokens_per_block, head_dim]``. Gathering a
@@ -14,7 +16,9 @@ are never materialized.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +87,23 @@ class AttentionMetadata:
     probe: dict[int, tuple[int, int]] | None = None  # set by probe_kv_shapes: record shapes, compute nothing
 
 
+_current = threading.local()
+
+
+@contextmanager
+def batch_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` the metadata every paged attention call reads until the block exits.
+
+    Per thread, so two runners in two threads never see each other's batch; nested uses restore the outer.
+    """
+    previous = getattr(_current, "meta", None)
+    _current.meta = meta
+    try:
+        yield
+    finally:
+        _current.meta = previous
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -93,11 +114,11 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata | None = kwargs.get("bm_attention")
+    meta: AttentionMetadata | None = getattr(_current, "meta", None)
     if meta is None:
         raise UnsupportedAttentionError(
-            "the model is set to bm's paged attention but was called without bm's batch metadata; "
-            "run it through bm.runtime.ModelRunner"
+            "bm's paged attention ran outside a bm forward: a model set to it runs only inside "
+            "ModelRunner.forward (the runner owns the KV cache it writes to)"
         )
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -231,13 +252,13 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     zero = torch.zeros((1, 1), dtype=torch.long, device=device)
     shapes: dict[int, tuple[int, int]] = {}
     meta = AttentionMetadata(kv_caches=[], slot_mapping=zero[0], probe=shapes)
-    model(
-        input_ids=zero,
-        position_ids=zero,
-        use_cache=False,
-        logits_to_keep=torch.zeros(1, dtype=torch.long, device=device),
-        bm_attention=meta,
-    )
+    with batch_metadata(meta):
+        model(
+            input_ids=zero,
+            position_ids=zero,
+            use_cache=False,
+            logits_to_keep=torch.zeros(1, dtype=torch.long, device=device),
+        )
     if not shapes:
         raise UnsupportedAttentionError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "

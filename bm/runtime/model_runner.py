@@ -19,6 +19,7 @@ from bm.runtime.attention import (
     DecodeGroup,
     NativeDecode,
     PrefillSegment,
+    batch_metadata,
     register,
 )
 from bm.runtime.host_memory import tune_host_allocator
@@ -91,13 +92,10 @@ class ModelRunner:
         """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
         sampled segment, or one per token for a ``keep_all`` segment, in segment order."""
         input_ids, positions, meta, sample_index = self._prepare(segments)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=sample_index,
-            bm_attention=meta,
-        )
+        with batch_metadata(meta):
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=sample_index
+            )
         return out.logits[0].float()
 
     @torch.inference_mode()
