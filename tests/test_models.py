@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "gpt_neox": {"num_key_value_heads": None},  # ignores num_key_value_heads: shapes are probed
     # its decoder layer drops **kwargs before attention: the batch metadata must not travel as a kwarg
     "stablelm": {},
+    "gemma2": {"head_dim": 16, "attn_logit_softcapping": 3.0},  # soft-capped attention scores
 }
 
 

@@ -28,10 +28,12 @@ from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "bm_paged"
 
-# Attention features some models pass per layer; bm's kernel does not implement them yet, so a model
-# using them must fail loudly instead of running with silently different attention. (A native sliding
-# window is honoured by the engine instead: see ModelRunner's attention window.)
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+# Attention features some models pass per layer that bm does not implement, so a model using them fails
+# loudly instead of running with silently different attention. (A native sliding window is honoured by
+# the runner instead, per layer: see ModelRunner; soft-capping and ALiBi are implemented below.)
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks (learned per-head logits)", "sinks": "attention sinks"}
+# Set on an attention module by an adapter (bm.runtime.adapters): per query head ALiBi slopes, float32.
+ALIBI_ATTR = "bm_alibi_slopes"
 
 
 class UnsupportedAttentionError(RuntimeError):
@@ -51,6 +53,9 @@ class PrefillSegment:
     # [L, keys] bool: keys are the gathered blocks' slots (prefix_len + L of them without a window), or
     # the chunk's own keys when nothing is gathered and the chunk is longer than the window.
     mask: torch.Tensor | None = None
+    # [keys] positions of the mask's keys, where they are not simply 0, 1, ... (windowed gathers); read
+    # only by ALiBi, whose bias depends on the distance between query and key.
+    key_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,6 +66,8 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [B * num_blocks] flattened, padded block tables
     num_blocks: int
     row_bias: torch.Tensor  # [B, num_blocks * tokens_per_block]: 0 where attended, -inf past the end
+    query_pos: torch.Tensor | None = None  # [B], for ALiBi
+    key_pos: torch.Tensor | None = None  # [B, num_blocks * tokens_per_block] where not 0, 1, ... (ALiBi)
 
 
 @dataclass
@@ -72,6 +79,7 @@ class NativeDecode:
     block_table: torch.Tensor  # [B, max_blocks] int64, rows padded with block 0 past their length
     lengths: torch.Tensor  # [B] int64: keys each query attends (its position + 1)
     max_len: int
+    window: int | None = None  # each query attends only its last ``window`` keys
 
 
 @dataclass
@@ -85,6 +93,8 @@ class AttentionMetadata:
     native_decode: NativeDecode | None = None  # instead of decode_groups, where the kernel is available
     scratch: torch.Tensor | None = None  # reusable gather buffer, sized for the largest decode group
     probe: dict[int, tuple[int, int]] | None = None  # set by probe_kv_shapes: record shapes, compute nothing
+    # Layers that attend differently from this metadata's layout (another attention window), by layer_idx.
+    layers: dict[int, AttentionMetadata] | None = None
 
 
 _current = threading.local()
@@ -120,15 +130,18 @@ def paged_attention_forward(
             "bm's paged attention ran outside a bm forward: a model set to it runs only inside "
             "ModelRunner.forward (the runner owns the KV cache it writes to)"
         )
-    for name in _UNSUPPORTED_KWARGS:
+    for name, feature in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedAttentionError(
-                f"this model uses attention feature {name!r}, not supported by bm yet"
+                f"this model uses {feature} ({name!r} in its attention call), which bm does not implement"
             )
     if meta.probe is not None:
         return _record_shape(module, query, key, value, meta.probe)
+    if meta.layers:
+        meta = meta.layers.get(module.layer_idx, meta)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    extra = _Extras(kwargs.get("softcap") or None, getattr(module, ALIBI_ATTR, None))
 
     cache = meta.kv_caches[module.layer_idx]
     kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
@@ -140,13 +153,59 @@ def paged_attention_forward(
     num_heads, num_tokens, _ = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in meta.prefill:
-        _prefill(out, q, k, v, cache, seg, scaling)
+        _prefill(out, q, k, v, cache, seg, scaling, extra)
     for group in meta.decode_groups:
-        _decode(out, q, cache, group, scaling, meta.scratch)
+        _decode(out, q, cache, group, scaling, meta.scratch, extra)
     nd = meta.native_decode
     if nd is not None:
-        nd.kernel(out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling)
+        nd.kernel(
+            out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling,
+            extra.softcap, extra.alibi, nd.window,
+        )  # fmt: skip
     return out.unsqueeze(0), None
+
+
+@dataclass(slots=True)
+class _Extras:
+    """Per-layer changes to the scores that a fused SDPA call cannot express."""
+
+    softcap: float | None  # Gemma 2: scores become softcap * tanh(scores / softcap)
+    alibi: torch.Tensor | None  # [heads] slopes: slope * (key - query) is added to each score
+
+    def __bool__(self) -> bool:
+        return self.softcap is not None or self.alibi is not None
+
+
+NO_EXTRAS = _Extras(None, None)
+
+
+def _scores_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    extra: _Extras,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Attention with the scores written out, for soft-capping and ALiBi.
+
+    ``q`` [kv_heads, B, group, L, d]; ``k``/``v`` [kv_heads, B, K, d]; ``allowed`` bool or additive
+    float, broadcastable to [B, L, K]; ``query_pos`` [B, L] and ``key_pos`` [B, K] for ALiBi.
+    """
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scaling  # [kv_heads, B, group, L, K]
+    if extra.softcap is not None:
+        scores = torch.tanh(scores / extra.softcap) * extra.softcap
+    if extra.alibi is not None:
+        slopes = extra.alibi.to(scores.dtype).view(q.shape[0], 1, q.shape[2], 1, 1)
+        distance = (key_pos[:, None, :] - query_pos[:, :, None]).to(scores.dtype)  # [B, L, K]
+        scores = scores + slopes * distance[None, :, None]
+    if allowed.dtype == torch.bool:
+        scores = scores.masked_fill(~allowed[None, :, None], float("-inf"))
+    else:
+        scores = scores + allowed[None, :, None]
+    return torch.matmul(scores.softmax(-1), v.unsqueeze(2))  # [kv_heads, B, group, L, d]
 
 
 def _prefill(
@@ -157,7 +216,11 @@ def _prefill(
     cache: torch.Tensor,
     seg: PrefillSegment,
     scaling: float,
+    extra: _Extras,
 ) -> None:
+    if extra:
+        _prefill_scores(out, q, k, v, cache, seg, scaling, extra)
+        return
     qs = q[None, :, seg.start : seg.end]
     if seg.block_ids is None:
         # A whole prompt in one chunk: its keys are right here, no need to read the cache.
@@ -178,6 +241,37 @@ def _prefill(
     out[seg.start : seg.end] = res[0].transpose(0, 1)
 
 
+def _prefill_scores(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    seg: PrefillSegment,
+    scaling: float,
+    extra: _Extras,
+) -> None:
+    kv_heads, head_dim = cache.shape[1], cache.shape[4]
+    length = seg.end - seg.start
+    dev = q.device
+    query_pos = torch.arange(seg.prefix_len, seg.prefix_len + length, device=dev)
+    if seg.block_ids is None:
+        ks, vs = k[:, seg.start : seg.end], v[:, seg.start : seg.end]
+        key_pos = query_pos
+        allowed = seg.mask if seg.mask is not None else key_pos[None, :] <= query_pos[:, None]
+    else:
+        blocks = cache.index_select(2, seg.block_ids)
+        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, : seg.mask.shape[-1]]
+        ks, vs = kv[0], kv[1]
+        key_pos = seg.key_pos if seg.key_pos is not None else torch.arange(ks.shape[1], device=dev)
+        allowed = seg.mask
+    qg = q[:, seg.start : seg.end].reshape(kv_heads, -1, length, head_dim)[:, None]  # [kvh, 1, g, L, d]
+    res = _scores_attention(
+        qg, ks[:, None], vs[:, None], allowed[None], scaling, extra, query_pos[None], key_pos[None]
+    )
+    out[seg.start : seg.end] = res[:, 0].reshape(-1, length, head_dim).transpose(0, 1)
+
+
 def _decode(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -185,6 +279,7 @@ def _decode(
     group: DecodeGroup,
     scaling: float,
     scratch: torch.Tensor | None,
+    extra: _Extras = NO_EXTRAS,
 ) -> None:
     kv_heads, _, block_size, head_dim = cache.shape[1:]
     num_heads = q.shape[0]
@@ -204,6 +299,22 @@ def _decode(
     values = torch.index_select(
         cache[1], 1, group.block_ids, out=scratch[numel : 2 * numel].view(shape) if use_scratch else None
     )
+    if extra:
+        key_pos = group.key_pos
+        if key_pos is None:
+            key_pos = torch.arange(length, device=q.device).expand(rows, length)
+        res = _scores_attention(
+            qg[:, :, :, None],  # one query per row: [kv_heads, B, group, 1, d]
+            keys.view(kv_heads, rows, length, head_dim),
+            values.view(kv_heads, rows, length, head_dim),
+            group.row_bias[:, None, :],
+            scaling,
+            extra,
+            group.query_pos[:, None],
+            key_pos,
+        )[:, :, :, 0]
+        out.index_copy_(0, group.token_index, res.permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim))
+        return
     # One fused kernel (scores never materialized) instead of baddbmm + softmax + bmm: about 1.5-2x
     # faster on CPU at decode shapes. The row bias masks each request's padding past its length.
     res = F.scaled_dot_product_attention(
