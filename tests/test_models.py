@@ -87,13 +87,13 @@ def test_sliding_window_on_some_layers_only_caps_sequence_length():
     assert "exceed the maximum sequence length 48" in results[1].error
 
 
-def test_a_model_that_bypasses_attention_interface_is_refused():
+def test_a_model_that_bypasses_attention_interface_without_an_adapter_is_refused_by_class():
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        "falcon", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4
+        "xglm", vocab_size=300, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128
     )
-    with pytest.raises(UnsupportedAttentionError, match="AttentionInterface"):
-        describe_model(AutoModelForCausalLM.from_config(cfg), None, "falcon")
+    with pytest.raises(UnsupportedAttentionError, match=r"inline \(its attention classes: XGLMAttention\)"):
+        describe_model(AutoModelForCausalLM.from_config(cfg), None, "xglm")
 
 
 def test_paged_attention_outside_a_runner_forward_names_the_runner_not_the_model(tiny_model):

@@ -114,6 +114,11 @@ def batch_metadata(meta: AttentionMetadata) -> Iterator[None]:
         _current.meta = previous
 
 
+def in_bm_forward() -> bool:
+    """Whether a bm forward is in progress on this thread (adapted modules otherwise run their own code)."""
+    return getattr(_current, "meta", None) is not None
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -357,7 +362,10 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     shapes the attention function receives are the truth. A model that never calls the registered
     function (one that bypasses ``AttentionInterface``) is refused here rather than run wrongly.
     """
+    from bm.runtime.adapters import adapt_attention_modules
+
     register()
+    adapt_attention_modules(model)
     model.set_attn_implementation(ATTENTION_NAME)
     device = next(model.parameters()).device
     zero = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -371,9 +379,11 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
             logits_to_keep=torch.zeros(1, dtype=torch.long, device=device),
         )
     if not shapes:
+        own = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        named = f" (its attention classes: {', '.join(own)})" if own else ""
         raise UnsupportedAttentionError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so bm cannot plug its paged attention into it"
+            f"{type(model).__name__} computes attention inline{named} instead of through transformers' "
+            "AttentionInterface, and bm has no adapter for it, so bm cannot plug its paged attention in"
         )
     return shapes
 
