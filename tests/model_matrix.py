@@ -159,9 +159,7 @@ MATRIX: list[Entry] = [
         "fused qkv in model-parallel order, own attention class (adapted)",
         no_base=True,
     ),
-    Entry(
-        "gpt_oss", {**MOE, "head_dim": 16, "sliding_window": 16}, "attention sinks", refused="attention sinks"
-    ),
+    Entry("gpt_oss", {**MOE, "head_dim": 16}, "attention sink logits, experts"),
     Entry(
         "xglm",
         {

@@ -1,4 +1,4 @@
-"""Soft-capping, ALiBi and per-layer windows in paged attention, checked against attention computed
+"""Soft-capping, ALiBi, sink logits and per-layer windows in paged attention, checked against attention computed
 directly: whole prompts, a chunk on a cached prefix, and decoding (torch path and compiled kernel)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from bm.runtime.model_runner import ModelRunner, Segment
 from bm.runtime.native import ENV_SWITCH
 
 
-def direct_attention(q, keys, values, positions, window=None, softcap=None, slopes=None):
+def direct_attention(q, keys, values, positions, window=None, softcap=None, slopes=None, sinks=None):
     """Each query (at ``positions``) over the keys it may see, scores written out one head at a time."""
     heads, kv_heads = q.shape[0], keys.shape[0]
     out = torch.empty(q.shape[1], heads, q.shape[2])
@@ -26,16 +26,28 @@ def direct_attention(q, keys, values, positions, window=None, softcap=None, slop
                 scores = softcap * torch.tanh(scores / softcap)
             if slopes is not None:
                 scores = scores + slopes[h] * (torch.tensor(seen) - p)
-            out[i, h] = torch.softmax(scores, 0) @ values[kh, seen]
+            if sinks is not None:
+                probs = torch.softmax(torch.cat([scores, sinks[h : h + 1]]), 0)[:-1]
+            else:
+                probs = torch.softmax(scores, 0)
+            out[i, h] = probs @ values[kh, seen]
     return out
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize(
-    ("softcap", "alibi", "window"), [(1.5, False, None), (None, True, None), (None, True, 6), (2.0, False, 7)]
+    ("softcap", "alibi", "window", "sink"),
+    [
+        (1.5, False, None, False),
+        (None, True, None, False),
+        (None, True, 6, False),
+        (2.0, False, 7, False),
+        (None, False, None, True),
+        (None, False, 5, True),
+    ],
 )
-def test_paged_attention_with_softcap_alibi_and_window_matches_direct(
-    tiny_model, monkeypatch, native, softcap, alibi, window
+def test_paged_attention_with_softcap_alibi_sinks_and_window_matches_direct(
+    tiny_model, monkeypatch, native, softcap, alibi, window, sink
 ):
     monkeypatch.setenv(ENV_SWITCH, native)
     bs = 4
@@ -49,6 +61,7 @@ def test_paged_attention_with_softcap_alibi_and_window_matches_direct(
     keys, values = torch.randn(2, kv_heads, n, dim, generator=g) * 2
     queries = torch.randn(heads, n, dim, generator=g) * 2
     slopes = 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32) / 2) if alibi else None
+    sinks = torch.randn(heads, generator=g) * 2 if sink else None
     module = SimpleNamespace(layer_idx=layer, **({ALIBI_ATTR: slopes} if alibi else {}))
     table = list(range(10, 16))
 
@@ -57,11 +70,11 @@ def test_paged_attention_with_softcap_alibi_and_window_matches_direct(
         _, _, meta, _ = runner._prepare([segment])
         q, k, v = (x[None, :, first : first + count] for x in (queries, keys, values))
         with batch_metadata(meta):
-            return paged_attention_forward(module, q, k, v, None, softcap=softcap)[0][0]
+            return paged_attention_forward(module, q, k, v, None, softcap=softcap, s_aux=sinks)[0][0]
 
     def want(first, count):
         return direct_attention(queries[:, first : first + count], keys, values, range(first, first + count),
-                                window, softcap, slopes)  # fmt: skip
+                                window, softcap, slopes, sinks)  # fmt: skip
 
     torch.testing.assert_close(
         attend(Segment([0] * 15, 0, table, False), 0, 15), want(0, 15), atol=1e-5, rtol=1e-5

@@ -15,7 +15,9 @@ kernel = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: bm runs the torch path")
 
 
-def reference_decode(q, cache, token_index, tables, lengths, scaling, softcap=None, alibi=None, window=None):
+def reference_decode(
+    q, cache, token_index, tables, lengths, scaling, softcap=None, alibi=None, window=None, sinks=None
+):
     """Plain torch: each row's keys gathered block by block, softmax over exactly its length (its last
     ``window`` keys), scores soft-capped and ALiBi-biased as written in the Gemma 2 and BLOOM papers."""
     heads = q.shape[0]
@@ -35,7 +37,11 @@ def reference_decode(q, cache, token_index, tables, lengths, scaling, softcap=No
             scores = scores + alibi[:, None] * (torch.arange(n) - (n - 1))[None, :]
         if window is not None:
             scores[:, : max(0, n - window)] = float("-inf")
-        out[tok] = scores.softmax(-1)[:, None, :].matmul(v).squeeze(1)  # [heads, d]
+        if sinks is not None:  # gpt-oss: a per-head logit that takes probability and gives no value
+            probs = torch.cat([scores, sinks[:, None]], 1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[tok] = probs[:, None, :].matmul(v).squeeze(1)  # [heads, d]
     return out
 
 
@@ -91,12 +97,19 @@ def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("softcap", "alibi", "window"),
-    [(2.0, False, None), (None, True, None), (None, False, 5), (None, True, 11), (0.5, False, 9)],
+    ("softcap", "alibi", "window", "sink"),
+    [
+        (2.0, False, None, False),
+        (None, True, None, False),
+        (None, False, 5, False),
+        (None, True, 11, False),
+        (0.5, False, 9, False),
+        (None, False, 6, True),
+    ],
 )
-def test_native_decode_softcap_alibi_and_window_match_direct_attention(softcap, alibi, window):
-    """Scores soft-capped (Gemma 2), ALiBi-biased (bloom/mpt/falcon), or limited to the last ``window``
-    keys; under a window the blocks wholly before it are never read (released ones hold NaN here)."""
+def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(softcap, alibi, window, sink):
+    """Scores soft-capped (Gemma 2), ALiBi-biased (bloom/mpt/falcon), with sink logits (gpt-oss), or
+    limited to the last ``window`` keys; under a window the blocks wholly before it are never read (released ones hold NaN here)."""
     heads, kv_heads, head_dim, bs = 8, 2, 32, 4
     g = torch.Generator().manual_seed(7)
     num_blocks = 48
@@ -120,22 +133,12 @@ def test_native_decode_softcap_alibi_and_window_match_direct_attention(softcap, 
     slopes = 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32)) if alibi else None
     out = torch.full((12, heads, head_dim), float("nan"))
     scaling = head_dim**-0.5
-    kernel(
-        out,
-        q,
-        cache,
-        token_index,
-        table,
-        torch.tensor(lengths),
-        max(lengths),
-        scaling,
-        softcap,
-        slopes,
-        window,
-    )
+    sinks = torch.randn(heads, generator=g) * 3 if sink else None
+    lens = torch.tensor(lengths)
+    kernel(out, q, cache, token_index, table, lens, max(lengths), scaling, softcap, slopes, window, sinks)
     safe = torch.nan_to_num(cache)  # the reference reads every key, then masks those outside the window
     expected = reference_decode(q, safe, token_index, table.clamp(min=0).tolist(), lengths, scaling,
-                                softcap, slopes, window)  # fmt: skip
+                                softcap, slopes, window, sinks)  # fmt: skip
     for tok, want in expected.items():
         torch.testing.assert_close(out[tok], want, rtol=1e-5, atol=1e-5)
 

@@ -31,7 +31,7 @@ ATTENTION_NAME = "bm_paged"
 # Attention features some models pass per layer that bm does not implement, so a model using them fails
 # loudly instead of running with silently different attention. (A native sliding window is honoured by
 # the runner instead, per layer: see ModelRunner; soft-capping and ALiBi are implemented below.)
-_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks (learned per-head logits)", "sinks": "attention sinks"}
+_UNSUPPORTED_KWARGS = {"sinks": "attention sinks passed as 'sinks'"}
 # Set on an attention module by an adapter (bm.runtime.adapters): per query head ALiBi slopes, float32.
 ALIBI_ATTR = "bm_alibi_slopes"
 
@@ -146,7 +146,12 @@ def paged_attention_forward(
         meta = meta.layers.get(module.layer_idx, meta)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    extra = _Extras(kwargs.get("softcap") or None, getattr(module, ALIBI_ATTR, None))
+    sinks = kwargs.get("s_aux")
+    extra = _Extras(
+        kwargs.get("softcap") or None,
+        getattr(module, ALIBI_ATTR, None),
+        None if sinks is None else sinks.detach().float().contiguous(),
+    )
 
     cache = meta.kv_caches[module.layer_idx]
     kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
@@ -165,7 +170,7 @@ def paged_attention_forward(
     if nd is not None:
         nd.kernel(
             out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling,
-            extra.softcap, extra.alibi, nd.window,
+            extra.softcap, extra.alibi, nd.window, extra.sinks,
         )  # fmt: skip
     return out.unsqueeze(0), None
 
@@ -176,9 +181,11 @@ class _Extras:
 
     softcap: float | None  # Gemma 2: scores become softcap * tanh(scores / softcap)
     alibi: torch.Tensor | None  # [heads] slopes: slope * (key - query) is added to each score
+    # [heads] float32: gpt-oss's learned sink logit per head, in the softmax's denominator only
+    sinks: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
-        return self.softcap is not None or self.alibi is not None
+        return self.softcap is not None or self.alibi is not None or self.sinks is not None
 
 
 NO_EXTRAS = _Extras(None, None)
@@ -194,7 +201,7 @@ def _scores_attention(
     query_pos: torch.Tensor,
     key_pos: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention with the scores written out, for soft-capping and ALiBi.
+    """Attention with the scores written out, for soft-capping, ALiBi and sink logits.
 
     ``q`` [kv_heads, B, group, L, d]; ``k``/``v`` [kv_heads, B, K, d]; ``allowed`` bool or additive
     float, broadcastable to [B, L, K]; ``query_pos`` [B, L] and ``key_pos`` [B, K] for ALiBi.
@@ -210,7 +217,12 @@ def _scores_attention(
         scores = scores.masked_fill(~allowed[None, :, None], float("-inf"))
     else:
         scores = scores + allowed[None, :, None]
-    return torch.matmul(scores.softmax(-1), v.unsqueeze(2))  # [kv_heads, B, group, L, d]
+    if extra.sinks is None:
+        return torch.matmul(scores.softmax(-1), v.unsqueeze(2))  # [kv_heads, B, group, L, d]
+    # one extra logit per head that takes probability mass and contributes no value
+    sink = extra.sinks.to(scores.dtype).view(q.shape[0], 1, q.shape[2], 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.unsqueeze(2))
 
 
 def _prefill(

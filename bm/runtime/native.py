@@ -54,7 +54,7 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
-        fn.argtypes += [i64] * 8 + [ctypes.c_float, ctypes.c_float, ptr, i64, i64]
+        fn.argtypes += [i64] * 8 + [ctypes.c_float, ctypes.c_float, ptr, i64, ptr, i64]
         self._fn = fn
 
     @staticmethod
@@ -78,13 +78,15 @@ class PagedDecodeKernel:
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``cache`` one layer's
         [2, kv_heads, num_blocks, block_size, d]; ``block_table`` [rows, max_blocks] int64; ``lengths``
         [rows] int64 keys per row (its position + 1); ``token_index`` [rows] int64 rows of ``q``/``out``.
         ``softcap``: scores become ``softcap * tanh(score / softcap)``; ``alibi_slopes`` [heads] float32:
         ``slope * (key - query)`` is added to each score; ``window``: a row attends only its last
-        ``window`` keys (table entries before them are never read)."""
+        ``window`` keys (table entries before them are never read); ``sinks`` [heads] float32: one more
+        logit per head in the softmax's denominator (gpt-oss)."""
         if q.stride(2) != 1:
             q = q.contiguous()
         heads, _, head_dim = q.shape
@@ -129,6 +131,7 @@ class PagedDecodeKernel:
             softcap or 0.0,
             alibi_slopes.data_ptr() if alibi_slopes is not None else None,
             window or 0,
+            sinks.data_ptr() if sinks is not None else None,
             torch.get_num_threads(),
         )
         if status:

@@ -10,8 +10,8 @@
    Layout: k and v are one layer's [kv_heads, num_blocks, block_size, head_dim] halves of the cache; q is
    [tokens, heads, head_dim] with arbitrary token and head strides (unit stride within a head); out is a
    contiguous [tokens, heads, head_dim]. Query head h reads kv head h / (heads / kv_heads).
-   Per layer, optionally: Gemma 2's logit soft-capping, ALiBi slopes (bloom, mpt, falcon) and a sliding
-   window (a layer of a model whose layers attend different spans). */
+   Per layer, optionally: Gemma 2's logit soft-capping, ALiBi slopes (bloom, mpt, falcon), gpt-oss's sink
+   logits, and a sliding window (a layer of a model whose layers attend different spans). */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -73,6 +73,7 @@ typedef struct {
     float softcap;        /* > 0: scores become softcap * tanh(score / softcap) */
     const float *alibi;   /* NULL, or one ALiBi slope per query head */
     int64_t window;       /* > 0: each row attends only its last `window` keys */
+    const float *sinks;   /* NULL, or per query head a logit in the softmax's denominator only */
     int64_t first, last; /* work items [first, last) of this thread */
     int status;
 } job_t;
@@ -129,7 +130,9 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         float *sh = scores + h * span;
         float m = sh[0];
         for (int64_t j = 1; j < span; j++) m = sh[j] > m ? sh[j] : m;
-        float total = 0.f;
+        const float sink = a->sinks ? a->sinks[kvh * g + h] : -INFINITY;
+        m = sink > m ? sink : m;
+        float total = a->sinks ? expf(sink - m) : 0.f;
         int64_t j = 0;
 #if BM_AVX2
         __m256 tot8 = _mm256_setzero_ps();
@@ -186,13 +189,13 @@ int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride
                         int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
                         int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
                         float scale, float softcap, const float *alibi, int64_t window,
-                        int64_t threads) {
+                        const float *sinks, int64_t threads) {
     const int64_t items = rows * kv_heads;
     if (threads > items) threads = items;
     if (threads < 1) threads = 1;
     const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
                        rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                       scale, softcap, alibi, window, 0, items, 0};
+                       scale, softcap, alibi, window, sinks, 0, items, 0};
 #ifdef BM_OPENMP
     /* torch's own OpenMP runtime (bm links this file against the copy torch loaded): its worker threads
        are still spinning from the last torch op, so they take these items at once instead of competing
