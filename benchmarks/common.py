@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bm.baselines import PeerResult
 from bm.config import BmConfig
-from bm.engine import BatchManager, InferenceRequest, OfflineClient
+from bm.engine import EngineLoop, OfflineClient, Request
 from bm.runtime import LoadedModel
 
 Workload = list[tuple[list[int], int]]
@@ -28,11 +28,11 @@ def read_workload(path: Path, limit: int | None = None) -> Workload:
 
 def run_bm(loaded: LoadedModel, config: BmConfig, workload: Workload) -> tuple[PeerResult, list[dict]]:
     """Everything submitted at t=0; wall time from the batch manager's construction to the last result."""
-    requests = [InferenceRequest.from_values(i, p, n) for i, (p, n) in enumerate(workload)]
+    requests = [Request(i, list(p), n) for i, (p, n) in enumerate(workload)]
     client = OfflineClient(requests)
     stats: list[str] = []
     start = time.perf_counter()
-    with BatchManager(
+    with EngineLoop(
         config, client.get_requests, client.send_response, return_stats=stats.append, model=loaded
     ):
         client.wait()

@@ -154,6 +154,10 @@ def main() -> None:
         "ttft_p99": round(a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"], 2),
         "wall": round(a["wall_s"] / b["wall_s"], 2),
     }
+    # The least any engine must compute: each shared prefix once, and every request's own suffix.
+    ideal = args.groups * args.prefix_len + sum(len(prompt) - args.prefix_len for prompt, _ in workload)
+    report["ideal_prefill_tokens"] = ideal
+    report["reuse_on_prefill_over_ideal"] = round(b["prefill_tokens_computed"] / ideal, 3)
     report["output_throughput_on/off"] = round(b["output_throughput_tok_s"] / a["output_throughput_tok_s"], 2)
     print(json.dumps(report, indent=2))
 

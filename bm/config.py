@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -95,22 +96,39 @@ def _class_path(key: str, value: Any) -> Any:
     return value
 
 
+class _Named(str, Enum):
+    """A config choice: compares equal to its spelling and prints as it (``v1``, not ``BatchingScheme.V1``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class BatchingScheme(_Named):
+    V1 = "v1"
+    INFLIGHT = "inflight"
+    INFLIGHT_FUSED = "inflight_fused"
+
+
+class SchedulerPolicy(_Named):
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+    MAX_UTILIZATION = "max_utilization"
+    STATIC_BATCH = "static_batch"
+
+
+class ContextChunkingPolicy(_Named):
+    FIRST_COME_FIRST_SERVED = "first_come_first_served"
+    EQUAL_PROGRESS = "equal_progress"
+
+
 BATCHING_SCHEMES = {
-    "v1": "v1",
-    "inflight": "inflight",
-    "inflightbatching": "inflight",
-    "inflight_fused": "inflight_fused",
-    "inflightfusedbatching": "inflight_fused",
+    **{s.value: s for s in BatchingScheme},
+    "inflightbatching": BatchingScheme.INFLIGHT,
+    "inflightfusedbatching": BatchingScheme.INFLIGHT_FUSED,
 }
-SCHEDULER_POLICIES = {
-    "guaranteed_no_evict": "guaranteed_no_evict",
-    "max_utilization": "max_utilization",
-    "static_batch": "static_batch",
-}
+SCHEDULER_POLICIES = {p.value: p for p in SchedulerPolicy}
 CHUNKING_POLICIES = {
-    "first_come_first_served": "first_come_first_served",
-    "fcfs": "first_come_first_served",
-    "equal_progress": "equal_progress",
+    **{p.value: p for p in ContextChunkingPolicy},
+    "fcfs": ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
 }
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # fmt: skip
@@ -142,15 +160,15 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    batching_scheme: str = _knob(
-        "inflight_fused",
+    batching_scheme: BatchingScheme = _knob(  # noqa: RUF009 (a field spec, not a shared default)
+        BatchingScheme.INFLIGHT_FUSED,
         "v1 (static batches padded and run in lockstep), inflight (context and generation as separate "
         "forwards), inflight_fused (one packed forward per iteration). Seed names (V1, InflightBatching, "
         "InflightFusedBatching) accepted.",
         _choice(BATCHING_SCHEMES),
     )
-    scheduler_policy: str = _knob(
-        "guaranteed_no_evict",
+    scheduler_policy: SchedulerPolicy = _knob(  # noqa: RUF009
+        SchedulerPolicy.GUARANTEED_NO_EVICT,
         "guaranteed_no_evict (reserve blocks to completion), max_utilization (pack the iteration, pause "
         "the latest started when short), static_batch (no new request until the batch drains).",
         _choice(SCHEDULER_POLICIES),
@@ -173,8 +191,8 @@ class EngineConfig:
     enable_chunked_context: bool = _knob(
         False, "Split long contexts across iterations so generation keeps flowing beside them.", _bool
     )
-    context_chunking_policy: str = _knob(
-        "first_come_first_served",
+    context_chunking_policy: ContextChunkingPolicy = _knob(  # noqa: RUF009
+        ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
         "first_come_first_served (fill the token budget in arrival order) or equal_progress (advance "
         "every context one block at a time).",
         _choice(CHUNKING_POLICIES),

@@ -252,3 +252,42 @@ def test_get_requests_is_told_how_many_it_may_return(tiny_model):
         client.push(*[InferenceRequest.from_values(i, prompt(4, i), 3) for i in range(5)])
         client.wait_finals(5)
     assert max(asked) == 2 and min(asked) == 0
+
+
+def test_an_object_that_is_not_a_request_fails_alone_and_its_neighbours_complete(tiny_model, tiny_reference):
+    client = ScriptedClient()
+    with start(tiny_model, client):
+        client.push(
+            {"request_id": 7, "input_ids": [5, 6]}, object(), InferenceRequest.from_values(8, prompt(6), 4)
+        )
+        client.wait_finals(2, timeout=20)
+    ((_, error),) = client.finals_for(7)
+    assert "request 7" in error or "dict" in error, error
+    ((tensors, error8),) = client.finals_for(8)
+    assert error8 == ""
+    assert tensors["output_ids"][0].tolist() == hf_greedy(tiny_reference, prompt(6), 4)
+
+
+def test_a_raising_logits_post_processor_ends_only_its_own_request(tiny_model, tiny_reference):
+    def broken(request_id, logits, tokens):
+        raise RuntimeError("user bug")
+
+    bad = InferenceRequest(
+        1,
+        {
+            "input_ids": torch.tensor([prompt(5)], dtype=torch.int32),
+            "request_output_len": torch.tensor([[4]], dtype=torch.int32),
+        },
+        logits_post_processor=broken,
+    )
+    good = InferenceRequest.from_values(2, prompt(7, 3), 5)
+    client = ScriptedClient()
+    with start(tiny_model, client):
+        client.push(bad, good)
+        client.wait_finals(2, timeout=20)
+    ((tensors1, error1),) = client.finals_for(1)
+    assert "logits_post_processor failed" in error1 and "user bug" in error1
+    assert tensors1["finish_reason"].tolist() == [int(FinishReason.ERROR)]
+    ((tensors2, error2),) = client.finals_for(2)
+    assert error2 == ""
+    assert tensors2["output_ids"][0].tolist() == hf_greedy(tiny_reference, prompt(7, 3), 5)

@@ -6,11 +6,11 @@ import itertools
 import statistics
 
 import pytest
-import torch
 
 from bm.bench import Replayer
 from bm.config import config_from_dict
-from bm.engine import InferenceRequest
+from bm.engine import Request, Response
+from bm.scheduling import FinishReason
 from bm.workloads import (
     ArrivalPlan,
     Workload,
@@ -34,18 +34,14 @@ class FakeClock:
         return self.t
 
 
-def requests(count: int) -> list[InferenceRequest]:
-    return [InferenceRequest.from_values(i, [5, 6, 7], 2, streaming=True) for i in range(count)]
+def requests(count: int) -> list[Request]:
+    return [Request(i, [5, 6, 7], 2, streaming=True) for i in range(count)]
 
 
 def final(rid: int, replayer: Replayer, tokens: int = 1) -> None:
-    tensors = {
-        "output_ids": torch.zeros(1, tokens, dtype=torch.int32),
-        "finish_reason": torch.tensor([3]),  # LENGTH
-        "queue_time": torch.tensor([0.0], dtype=torch.float64),
-        "num_pauses": torch.tensor([0]),
-    }
-    replayer.send_response(rid, tensors, True, "")
+    replayer.send_response(
+        Response(rid, [0] * tokens, final=True, finish_reason=FinishReason.LENGTH, first_scheduled_time=0.0)
+    )
 
 
 def test_poisson_rate_of_a_long_sample_is_within_two_percent_of_the_asked_rate():
@@ -130,7 +126,7 @@ def test_every_token_is_timestamped_and_final_closes_the_request_once():
     replayer.start()
     replayer.get_requests(-1)
     clock.t += 0.1
-    replayer.send_response(0, {"output_ids": torch.zeros(1, 1, dtype=torch.int32)}, False, "")
+    replayer.send_response(Response(0, [0]))
     clock.t += 0.2
     final(0, replayer, tokens=2)
     final(0, replayer)  # a duplicate final is ignored

@@ -69,7 +69,7 @@ def test_check_integrity_detects_a_block_owned_twice():
     kv = KVCacheManager(num_blocks=4, tokens_per_block=2)
     kv.allocate(1, 2)
     kv.allocate(2, 2)
-    kv._tables[2][0] = kv._tables[1][0]  # corrupt on purpose
+    kv.block_ids(2)[0] = kv.block_ids(1)[0]  # corrupt on purpose
     with pytest.raises(IntegrityError):
         kv.check_integrity()
 

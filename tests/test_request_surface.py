@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from bm.engine import BatchManager, InferenceRequest, generate
-from bm.kv import KVCacheManager, beam_key
+from bm.kv import KVCacheManager
 from bm.scheduling import FinishReason, LlmRequest
 from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
 from tests.clients import ScriptedClient, StaggeredClient
@@ -145,14 +145,14 @@ def test_beams_share_prompt_blocks_and_fork_the_one_they_write():
     kv = KVCacheManager(num_blocks=16, tokens_per_block=4)
     kv.allocate(7, 6)  # prompt of 6 tokens: one full block and a partial one
     kv.fork_beams(7, [0, 0, 0])
-    tables = [kv.block_ids(beam_key(7, b)) for b in range(3)]
+    tables = [kv.block_ids(7, b) for b in range(3)]
     assert tables[0] == tables[1] == tables[2] and kv.pool.num_used_blocks == 2
     kv.check_integrity()
     assert kv.num_blocks_to_allocate(7, 7) == 2  # two of three beams must copy the shared partial block
-    copies = [kv.copy_on_write(beam_key(7, b), 6) for b in range(3)]
+    copies = [kv.copy_on_write(7, b, 6) for b in range(3)]
     assert copies[0] is not None and copies[1] is not None and copies[2] is None  # the last holds it alone
     assert {c[0] for c in copies if c} == {tables[2][1]}
-    assert kv.block_ids(beam_key(7, 0))[0] == kv.block_ids(beam_key(7, 2))[0]  # full block still shared
+    assert kv.block_ids(7, 0)[0] == kv.block_ids(7, 2)[0]  # full block still shared
     kv.check_integrity()
     kv.fork_beams(7, [2, 2, 0])  # beams 0 and 1 continue beam 2; beam 0's copy is no longer referenced
     kv.check_integrity()

@@ -21,9 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from bm.engine import InferenceRequest
+from bm.engine.request import Request, Response
 from bm.scheduling import FinishReason
 
 
@@ -52,7 +50,7 @@ class Replayer:
 
     def __init__(
         self,
-        requests: Sequence[InferenceRequest],
+        requests: Sequence[Request],
         arrivals: Sequence[float],
         *,
         max_concurrency: int | None = None,
@@ -105,13 +103,13 @@ class Replayer:
 
     # -- the callbacks ------------------------------------------------------------------------------
 
-    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+    def get_requests(self, max_new: int) -> list[Request]:
         """Requests whose arrival has passed (and that have a concurrency slot), oldest first."""
         if self._t0 is None:
             return []
         with self._lock:
             now = self.now()
-            out: list[InferenceRequest] = []
+            out: list[Request] = []
             while self._next < len(self._requests) and (max_new < 0 or len(out) < max_new):
                 request = self._requests[self._next]
                 timeline = self.timelines[request.request_id]
@@ -124,31 +122,25 @@ class Replayer:
                 self._next += 1
             return out
 
-    def send_response(
-        self, request_id: int, tensors: dict[str, torch.Tensor], final: bool, error: str
-    ) -> None:
+    def send_response(self, response: Response) -> None:
         now = self.now()
         with self._lock:
-            timeline = self.timelines.get(request_id)
+            timeline = self.timelines.get(response.request_id)
             if timeline is None or timeline.done_s is not None:
                 return
-            ids = tensors.get("output_ids")
-            count = int(ids.shape[-1]) if ids is not None and ids.dim() > 0 else 0
+            count = len(response.beams[0]) if response.beams else len(response.output_ids)
             timeline.token_s.extend([now] * count)
             self.num_output_tokens += count
-            if final:
-                self._finish(timeline, tensors, error, now)
+            if response.final:
+                self._finish(timeline, response, now)
 
-    def _finish(self, timeline: Timeline, tensors: dict[str, torch.Tensor], error: str, now: float) -> None:
-        reason = tensors.get("finish_reason")
-        timeline.finish_reason = FinishReason(int(reason[0])).label if reason is not None else "error"
-        if error:
-            timeline.error, timeline.finish_reason = error, FinishReason.ERROR.label
-        queue_time = tensors.get("queue_time")
-        if queue_time is not None and float(queue_time[0]) >= 0:
-            timeline.engine_queue_s = float(queue_time[0])
-        pauses = tensors.get("num_pauses")
-        timeline.num_pauses = int(pauses[0]) if pauses is not None else 0
+    def _finish(self, timeline: Timeline, response: Response, now: float) -> None:
+        timeline.finish_reason = response.finish_reason.label
+        if response.error:
+            timeline.error, timeline.finish_reason = response.error, FinishReason.ERROR.label
+        if response.first_scheduled_time is not None:
+            timeline.engine_queue_s = response.first_scheduled_time - response.arrival_time
+        timeline.num_pauses = response.num_pauses
         self._close(timeline, now)
 
     def _close(self, timeline: Timeline, now: float) -> None:

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-import torch
 
 from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, request_record, run_metrics
 from bm.bench.replayer import Replayer
 from bm.config import BmConfig
-from bm.engine import BatchManager, InferenceRequest
+from bm.engine import EngineLoop, Request, Response
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.workloads import ArrivalPlan, Workload, arrival_times
@@ -65,20 +64,20 @@ class _Router:
         self.replayer: Replayer | None = None
         self.stats: list[str] | None = None
 
-    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+    def get_requests(self, max_new: int) -> list[Request]:
         replayer = self.replayer
         return replayer.get_requests(max_new) if replayer is not None else []
 
-    def send_response(self, rid: int, tensors: dict[str, torch.Tensor], final: bool, error: str) -> None:
+    def send_response(self, response: Response) -> None:
         if self.replayer is not None:
-            self.replayer.send_response(rid, tensors, final, error)
+            self.replayer.send_response(response)
 
     def return_stats(self, line: str) -> None:
         if self.stats is not None:
             self.stats.append(line)
 
 
-def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, InferenceRequest]]:
+def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, Request]]:
     """(index, request) for every runnable row; a row whose fields cannot make a request gets its error.
 
     Every request streams: the client timestamps each token, which is what TTFT and ITL need."""
@@ -90,10 +89,8 @@ def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, In
         if end_id is not None:
             fields.setdefault("end_id", end_id)
         try:
-            request = InferenceRequest.from_values(
-                index, req.input_ids, req.output_len, streaming=True, **fields
-            )
-        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+            request = Request(index, list(req.input_ids), req.output_len, streaming=True, **fields)
+        except TypeError as exc:
             req.error = f"{req.source}: {exc}"
             continue
         built.append((index, request))
@@ -126,7 +123,7 @@ def run_bench(
     router = _Router()
     stats_lines: list[str] = []
     interrupted = False
-    manager = BatchManager(
+    manager = EngineLoop(
         config, router.get_requests, router.send_response, return_stats=router.return_stats, model=model
     )
     try:
@@ -173,7 +170,7 @@ def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def _drain(
-    manager: BatchManager, replayer: Replayer, progress: Callable[[ReplayProgress], None] | None
+    manager: EngineLoop, replayer: Replayer, progress: Callable[[ReplayProgress], None] | None
 ) -> bool:
     """Wait until every request of ``replayer`` has its final record; returns whether Ctrl-C cut it short."""
     interrupted = False

@@ -13,15 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bm.engine.inference_request import (
-    SPEC_INPUT_TENSORS,
-    SUPPORTED_INPUT_TENSORS,
-    WORD_LISTS,
-    InferenceRequest,
-    word_list_tensor,
-)
+from bm.engine.inference_request import SPEC_INPUT_TENSORS, SUPPORTED_INPUT_TENSORS, WORD_LISTS
+from bm.engine.request import Request
 
 OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
@@ -44,7 +37,7 @@ class PromptLine:
     index: int  # 0-based position among the file's non-blank lines; the batch manager's request id
     line_number: int  # 1-based line in the file, for messages
     user_id: Any
-    request: InferenceRequest | None = None
+    request: Request | None = None
     num_prompt_tokens: int | None = None
     error: str | None = None
 
@@ -116,7 +109,7 @@ def _to_request(
     default_output_len: int,
     default_end_id: int | None,
     encode_word: Callable[[str], list[int]] | None = None,
-) -> tuple[InferenceRequest, int]:
+) -> tuple[Request, int]:
     unknown = sorted(k for k in data if k not in KNOWN_KEYS)
     if unknown:
         allowed = ", ".join(["id", "prompt", "input_ids", *OUTPUT_LEN_ALIASES, *REQUEST_FIELDS])
@@ -141,11 +134,10 @@ def _to_request(
         fields[name] = value
     if "end_id" not in fields and default_end_id is not None:
         fields["end_id"] = default_end_id
-    try:
-        request = InferenceRequest.from_values(index, prompt_ids, output_len, **fields)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise LineError(str(exc)) from None
-    return request, len(prompt_ids)
+    # Values go to the engine as written: it refuses a wrong type by name rather than coercing it.
+    return Request(request_id=index, input_ids=prompt_ids, request_output_len=output_len, **fields), len(
+        prompt_ids
+    )
 
 
 def _prompt_ids(data: dict[str, Any], encode: Callable[[str], list[int]] | None) -> list[int]:
@@ -201,8 +193,8 @@ def _is_offsets_form(value: list[Any]) -> bool:
     return all(b > a for a, b in zip([0, *real], real, strict=False)) and real[-1] <= len(value[0])
 
 
-def _word_list(key: str, value: Any, encode_word: Callable[[str], list[int]] | None) -> torch.Tensor:
-    """A word list in any accepted form, as the [2, n] tensor the engine validates."""
+def _word_list(key: str, value: Any, encode_word: Callable[[str], list[int]] | None) -> list[list[int]]:
+    """A word list in any accepted form, as the list of token-id lists the engine validates."""
     form = (
         f'{key}: expected a list of strings or of token-id lists (e.g. ["stop", [13, 13]]), or the '
         "[2, n] form [[ids...], [end offsets..., -1...]]"
@@ -210,7 +202,8 @@ def _word_list(key: str, value: Any, encode_word: Callable[[str], list[int]] | N
     if not isinstance(value, list):
         raise LineError(form)
     if _is_offsets_form(value):
-        return torch.tensor(value, dtype=torch.int32)
+        ids, ends = value[0], [o for o in value[1] if o >= 0]
+        return [ids[a:b] for a, b in zip([0, *ends], ends, strict=False)]
     words = []
     for word in value:
         if isinstance(word, str):
@@ -228,12 +221,12 @@ def _word_list(key: str, value: Any, encode_word: Callable[[str], list[int]] | N
             words.append(word)
         else:
             raise LineError(f"{form}; got the item {word!r}")
-    return word_list_tensor(words)
+    return words
 
 
-def _bias(key: str, value: Any) -> torch.Tensor:
+def _bias(key: str, value: Any) -> list[float]:
     if not isinstance(value, list) or not all(
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
     ):
         raise LineError(f"{key}: expected a list of numbers, one per vocabulary token")
-    return torch.tensor([value], dtype=torch.float32)
+    return [float(v) for v in value]

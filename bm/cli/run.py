@@ -22,7 +22,7 @@ import bm
 from bm.cli.prompts import PromptLine, read_prompt_lines
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.engine import BatchManager, OfflineClient, RequestResult
+from bm.engine import EngineLoop, OfflineClient, RequestResult
 from bm.runtime import LoadedModel, load_model
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
@@ -140,7 +140,7 @@ def run_prompts(
                 summary.count("error", ok=False)
         client = OfflineClient([line.request for line in valid], on_final=finished.put)
         started = time.perf_counter()
-        manager = BatchManager(
+        manager = EngineLoop(
             config, client.get_requests, client.send_response, return_stats=stats.write, model=loaded
         )
         progress = _progress(console, show_progress)

@@ -1,16 +1,37 @@
-"""The Batch Manager loop and its request surface (the seed's callbacks and InferenceRequest)."""
+"""The engine: a model-free core loop, its executors' protocol, the typed request surface, and the seed's
+Batch Manager (callbacks and InferenceRequest tensor maps) as an adapter over them.
 
-from bm.engine.batch_manager import BatchManager
-from bm.engine.inference_request import InferenceRequest, RequestError, RequestLimits, parse_request
-from bm.engine.offline import OfflineClient, RequestResult, generate
+Names load lazily, so ``import bm.engine.core`` (no torch) does not pull in the torch-backed adapter.
+"""
 
-__all__ = [
-    "BatchManager",
-    "InferenceRequest",
-    "OfflineClient",
-    "RequestError",
-    "RequestLimits",
-    "RequestResult",
-    "generate",
-    "parse_request",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BatchManager": "bm.engine.batch_manager",
+    "EngineCore": "bm.engine.core",
+    "StepOutput": "bm.engine.core",
+    "InferenceRequest": "bm.engine.inference_request",
+    "parse_request": "bm.engine.inference_request",
+    "to_core_request": "bm.engine.inference_request",
+    "EngineLoop": "bm.engine.loop",
+    "OfflineClient": "bm.engine.offline",
+    "RequestResult": "bm.engine.offline",
+    "generate": "bm.engine.offline",
+    "Request": "bm.engine.request",
+    "RequestError": "bm.engine.request",
+    "RequestLimits": "bm.engine.request",
+    "Response": "bm.engine.request",
+    "validate_request": "bm.engine.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bm.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,23 +1,25 @@
-"""The simplest client of the batch manager: a fixed list of requests in, one result per request out.
+"""The simplest client of the engine: a fixed list of requests in, one result per request out.
 
 It uses only the public callbacks, exactly as a library user would, and is what ``bm run`` and the
-tests build on. Streamed responses are stitched back into one result per request.
+tests build on. It speaks the typed core (:class:`~bm.engine.request.Request`, plain lists); seed
+``InferenceRequest`` objects are translated once at the door. Streamed responses are stitched back into
+one result per request.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from bm.config import BmConfig
-from bm.engine.batch_manager import BatchManager
-from bm.engine.inference_request import InferenceRequest
+from bm.engine.executor import Executor
+from bm.engine.inference_request import InferenceRequest, response_from_tensors, to_core_request
+from bm.engine.loop import EngineLoop
+from bm.engine.request import Request, RequestError, Response, error_response
 from bm.engine.stats import hit_rate
-from bm.runtime import LoadedModel
 from bm.scheduling import FinishReason
 
 
@@ -36,8 +38,8 @@ class RequestResult:
     cum_log_probs: list[float] | None = None  # one per beam
     beams: list[list[int]] | None = None  # every beam, best first (output_ids is the best)
     beam_log_probs: list[list[float]] | None = None
-    context_logits: torch.Tensor | None = None  # [prompt, vocab]
-    generation_logits: torch.Tensor | None = None  # [output, vocab]
+    context_logits: Any = None  # [prompt, vocab] tensor
+    generation_logits: Any = None  # [output, vocab] tensor
 
     @property
     def ok(self) -> bool:
@@ -50,11 +52,11 @@ class RequestResult:
 
 
 class OfflineClient:
-    """Hands requests to the batch manager as it asks for them and collects every response."""
+    """Hands requests to the engine as it asks for them and collects every response."""
 
     def __init__(
         self,
-        requests: Iterable[InferenceRequest],
+        requests: Iterable[Request | InferenceRequest],
         on_final: Callable[[RequestResult], None] | None = None,
     ) -> None:
         self._pending = deque(requests)
@@ -67,33 +69,49 @@ class OfflineClient:
         if self._expected == 0:
             self._done.set()
 
-    def get_requests(self, max_new: int) -> list[InferenceRequest]:
+    def get_requests(self, max_new: int) -> list[Request | Response]:
         with self._lock:
             count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
-            return [self._pending.popleft() for _ in range(count)]
+            taken = [self._pending.popleft() for _ in range(count)]
+        return [_typed(r) for r in taken]
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def take_pending(self) -> list[Request | InferenceRequest]:
+        """Remove and return every request not yet handed to the engine (an interrupted run)."""
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+            return taken
 
     def send_response(
-        self, request_id: int, tensors: dict[str, torch.Tensor], final: bool, error: str
+        self,
+        response: Response | int,
+        tensors: Mapping[str, Any] | None = None,
+        final: bool = False,
+        error: str = "",
     ) -> None:
+        """Takes a core :class:`Response`, or the seed's ``(request_id, tensors, final, error)`` when the
+        client is handed to a :class:`~bm.engine.batch_manager.BatchManager`."""
+        if not isinstance(response, Response):
+            response = response_from_tensors(response, tensors or {}, final, error)
         with self._lock:
-            result = self.results.get(request_id)
+            result = self.results.get(response.request_id)
             if result is None or result.finish_reason != FinishReason.NOT_FINISHED:
-                result = self.results[request_id] = RequestResult(request_id)
+                result = self.results[response.request_id] = RequestResult(response.request_id)
             result.num_responses += 1
-            _collect(result, tensors)
-            if final:
-                reason = tensors.get("finish_reason")
-                result.finish_reason = (
-                    FinishReason(int(reason[0])) if reason is not None else FinishReason.ERROR
-                )
-                result.error = error
-                pauses = tensors.get("num_pauses")
-                result.num_pauses = int(pauses[0]) if pauses is not None else 0
-                for name in ("num_reused_blocks", "num_missed_blocks"):
-                    value = tensors.get(name)
-                    setattr(result, name, int(value[0]) if value is not None else 0)
+            _collect(result, response)
+            if response.final:
+                result.finish_reason = response.finish_reason
+                result.error = response.error
+                result.num_pauses = response.num_pauses
+                result.num_reused_blocks = response.num_reused_blocks
+                result.num_missed_blocks = response.num_missed_blocks
                 self.num_final += 1
-        if final:
+        if response.final:
             if self._on_final is not None:
                 self._on_final(result)
             if self.num_final >= self._expected:
@@ -103,51 +121,57 @@ class OfflineClient:
         return self._done.wait(timeout)
 
 
-def _collect(result: RequestResult, tensors: dict[str, torch.Tensor]) -> None:
-    """Append a (possibly streamed) response's tokens and optional tensors to the request's result."""
-    ids = tensors.get("output_ids")
-    lengths = tensors.get("sequence_length")
-    if ids is not None and ids.shape[0] > 1:  # beams: the final response carries them all
-        lens = lengths.tolist() if lengths is not None else [ids.shape[1]] * ids.shape[0]
-        result.beams = [ids[b, :n].tolist() for b, n in enumerate(lens)]
-        result.output_ids = list(result.beams[0])
-        lp = tensors.get("output_log_probs")
-        if lp is not None:
-            result.beam_log_probs = [lp[0, b, :n].tolist() for b, n in enumerate(lens)]
-            result.output_log_probs = list(result.beam_log_probs[0])
-    elif ids is not None and ids.numel():
-        result.output_ids.extend(ids[0].tolist())
-        lp = tensors.get("output_log_probs")
-        if lp is not None:
+def _typed(request: Request | InferenceRequest) -> Request | Response:
+    """Seed requests are read once here; one that cannot be read becomes its own error response."""
+    if isinstance(request, InferenceRequest):
+        try:
+            return to_core_request(request)
+        except RequestError as exc:
+            return error_response(request.request_id, str(exc))
+    return request
+
+
+def _collect(result: RequestResult, response: Response) -> None:
+    """Append a (possibly streamed) response's tokens and optional outputs to the request's result."""
+    if response.beams is not None:  # beams: the final response carries them all
+        result.beams = [list(b) for b in response.beams]
+        result.output_ids = list(result.beams[0]) if result.beams else []
+        if response.cum_log_probs is not None and response.beam_log_probs is not None:
+            result.beam_log_probs = [list(v) for v in response.beam_log_probs]
+            result.output_log_probs = list(result.beam_log_probs[0]) if result.beam_log_probs else []
+    else:
+        result.output_ids.extend(response.output_ids)
+        if response.output_log_probs is not None:
             if result.output_log_probs is None:
                 result.output_log_probs = []
-            result.output_log_probs.extend(lp[0, 0].tolist())
-    cum = tensors.get("cum_log_probs")
-    if cum is not None:
-        result.cum_log_probs = cum[0].tolist()
-    if "context_logits" in tensors:
-        result.context_logits = tensors["context_logits"][0]
-    if "generation_logits" in tensors:
-        result.generation_logits = tensors["generation_logits"][0, 0]
+            result.output_log_probs.extend(response.output_log_probs)
+    if response.cum_log_probs is not None:
+        result.cum_log_probs = list(response.cum_log_probs)
+    if response.context_logits is not None:
+        result.context_logits = response.context_logits
+    if response.generation_logits is not None:
+        result.generation_logits = response.generation_logits
 
 
 def generate(
-    requests: Iterable[InferenceRequest],
+    requests: Iterable[Request | InferenceRequest],
     config: BmConfig | None = None,
     *,
-    model: LoadedModel | None = None,
+    model: Any = None,
+    executor: Executor | None = None,
     return_stats: Callable[[str], None] | None = None,
     check_integrity: bool = False,
     timeout: float | None = None,
 ) -> dict[int, RequestResult]:
     """Run ``requests`` to completion and return one :class:`RequestResult` per request id."""
     client = OfflineClient(requests)
-    with BatchManager(
+    with EngineLoop(
         config or BmConfig(),
         client.get_requests,
         client.send_response,
         return_stats=return_stats,
         model=model,
+        executor=executor,
         check_integrity=check_integrity,
     ) as manager:
         if not client.wait(timeout):

@@ -2,7 +2,16 @@
 
 from bm.kv.block_hash import BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, OutOfBlocksError
-from bm.kv.manager import NO_BLOCK, NO_MATCH, KVCacheManager, KVRequest, PrefixMatch, beam_key, cdiv
+from bm.kv.manager import (
+    NO_MATCH,
+    KVCacheManager,
+    KVRequest,
+    PrefixMatch,
+    PreparedResources,
+    ResourcePlan,
+    cdiv,
+)
+from bm.kv.tables import NO_BLOCK, RequestBlocks
 
 __all__ = [
     "NO_BLOCK",
@@ -14,7 +23,9 @@ __all__ = [
     "KVRequest",
     "OutOfBlocksError",
     "PrefixMatch",
-    "beam_key",
+    "PreparedResources",
+    "RequestBlocks",
+    "ResourcePlan",
     "cdiv",
     "chain_hash",
 ]

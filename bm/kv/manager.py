@@ -16,14 +16,12 @@ Two optional behaviours live here too:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from bm.kv.block_hash import ROOT_HASH, BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, require
-
-# A table entry whose block was released because it fell outside the attention window.
-NO_BLOCK = -1
+from bm.kv.tables import NO_BLOCK, RequestBlocks
 
 
 class KVRequest(Protocol):
@@ -76,9 +74,24 @@ class PrefixMatch:
 NO_MATCH = PrefixMatch()
 
 
-def beam_key(request_id: int, beam: int) -> int | tuple[int, int]:
-    """The table id of one beam: beam 0 is the request's own table, so a request without beams has one."""
-    return request_id if beam == 0 else (request_id, beam)
+@dataclass
+class ResourcePlan:
+    """What one iteration needs of the cache, in the order :meth:`KVCacheManager.prepare_resources` applies
+    it: paused requests give everything back, starting requests take their cached prefix, then tables grow.
+    """
+
+    release: list[int] = field(default_factory=list)
+    starts: list[tuple[KVRequest, PrefixMatch]] = field(default_factory=list)
+    grow: list[tuple[int, int]] = field(default_factory=list)  # (request id, tokens each table holds)
+    pad: list[tuple[int, int]] = field(default_factory=list)  # V1: (request id, pad tokens held)
+
+
+@dataclass
+class PreparedResources:
+    """What :meth:`KVCacheManager.prepare_resources` did that the caller must know."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks to copy
+    reused_tokens: dict[int, int] = field(default_factory=dict)  # request id -> tokens taken from cache
 
 
 class KVCacheManager:
@@ -102,13 +115,9 @@ class KVCacheManager:
         self.enable_block_reuse = enable_block_reuse
         self.max_attention_window = max_attention_window
         self.sink_token_length = sink_token_length if max_attention_window is not None else 0
-        self._tables: dict[int, list[int]] = {}
-        self._num_tokens: dict[int, int] = {}
-        self._chains: dict[int, list[BlockKey | None]] = {}  # keys of a request's registered prefix
-        self._num_released: dict[int, int] = {}  # window: blocks below this index were looked at
+        self._requests: dict[int, RequestBlocks] = {}
         self.num_reused_blocks = 0
         self.num_missed_blocks = 0
-        self._num_beams: dict[int, int] = {}  # request id -> beam tables (absent: one)
 
     # -- capacity questions (what the schedulers ask) --------------------------------------------------
 
@@ -178,16 +187,16 @@ class KVCacheManager:
         For a request with beams: over every beam, plus a copy for each beam whose block at the next
         written position is shared (see :meth:`copy_on_write`).
         """
-        num_beams = self._num_beams.get(request_id, 1)
-        if num_beams == 1:
-            held = len(self._tables.get(request_id, ()))
-            return max(0, self.num_blocks_for_tokens(num_tokens) - held)
+        blocks = self._requests.get(request_id)
+        needed = self.num_blocks_for_tokens(num_tokens)
+        if blocks is None or blocks.num_beams == 1:
+            held = len(blocks.tables[0]) if blocks is not None else 0
+            return max(0, needed - held)
         total = 0
         index = (num_tokens - 1) // self.tokens_per_block
         writers: dict[int, int] = {}  # block written at the next position -> beams writing into it
-        for beam in range(num_beams):
-            table = self._tables[beam_key(request_id, beam)]
-            total += max(0, self.num_blocks_for_tokens(num_tokens) - len(table))
+        for table in blocks.tables:
+            total += max(0, needed - len(table))
             if index < len(table):
                 writers[table[index]] = writers.get(table[index], 0) + 1
         # every writer of a shared block copies it, except the last when no one else holds it
@@ -195,58 +204,95 @@ class KVCacheManager:
             total += count - (self.pool.ref_count(block_id) == count)
         return total
 
-    def num_freeable_blocks(self, request_id: int) -> int:
-        """Blocks that :meth:`free` would return to the pool (those no other table references)."""
-        refs: dict[int, int] = {}
-        for table in self._request_tables(request_id):
-            for b in table:
-                if b != NO_BLOCK:
-                    refs[b] = refs.get(b, 0) + 1
+    def num_blocks_freed_by(self, request_ids: Iterable[int]) -> int:
+        """Blocks that freeing all of ``request_ids`` would return to the pool (free or cached): those no
+        other request references."""
+        refs = self._references(request_ids)
         return sum(1 for b, n in refs.items() if self.pool.ref_count(b) == n)
+
+    def num_freeable_blocks(self, request_id: int) -> int:
+        """Blocks that :meth:`free` would return to the pool (those no other request references)."""
+        return self.num_blocks_freed_by((request_id,))
 
     def can_allocate(self, request_id: int, num_tokens: int) -> bool:
         return self.pool.can_allocate(self.num_blocks_to_allocate(request_id, num_tokens))
 
-    # -- allocation -----------------------------------------------------------------------------------
+    # -- the resource-manager steps -------------------------------------------------------------------
 
-    def allocate(self, request_id: int, num_tokens: int) -> list[int]:
-        """Grow the request's table to hold ``num_tokens`` tokens (a context chunk, or one more token).
+    def prepare_resources(self, plan: ResourcePlan) -> PreparedResources:
+        """Apply one iteration's plan: the only place, with :meth:`free`, that blocks change hands.
+
+        Order matters: paused requests give their blocks back first (their registered blocks become
+        cached, so a request starting now can take them), every starting request then takes its cached
+        prefix before any allocation could evict it, and tables grow last. Raises
+        :class:`OutOfBlocksError` when the plan asks for more than the pool holds (a scheduler bug).
+        """
+        prepared = PreparedResources()
+        for request_id in plan.release:
+            self.free(request_id)
+        for request, match in plan.starts:
+            prepared.reused_tokens[request.request_id] = self.take_cached_prefix(request, match)
+        for request_id, num_tokens in plan.grow:
+            blocks = self._requests.get(request_id)
+            if blocks is not None and blocks.num_beams > 1:
+                for beam in range(blocks.num_beams):
+                    copy = self.copy_on_write(request_id, beam, num_tokens - 1)
+                    if copy is not None:
+                        prepared.copies.append(copy)
+                    self.allocate(request_id, num_tokens, beam)
+            else:
+                self.allocate(request_id, num_tokens)
+        for request_id, num_tokens in plan.pad:
+            self.allocate_padding(request_id, num_tokens)
+        return prepared
+
+    def allocate(self, request_id: int, num_tokens: int, beam: int = 0) -> list[int]:
+        """Grow one table of the request to hold ``num_tokens`` tokens (a context chunk, or one more token).
 
         Returns the full block table. Raises :class:`OutOfBlocksError` when the pool is short; the
         capacity scheduler is expected to have checked.
         """
-        table = self._tables.setdefault(request_id, [])
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            blocks = self._requests[request_id] = RequestBlocks()
+        table = blocks.tables[beam]
         missing = self.num_blocks_for_tokens(num_tokens) - len(table)
         if missing > 0:
             table.extend(self.pool.allocate(missing))
-        self._num_tokens[request_id] = max(num_tokens, self._num_tokens.get(request_id, 0))
+        blocks.num_tokens[beam] = max(num_tokens, blocks.num_tokens[beam])
         return table
 
     def append(self, request_id: int, num_new_tokens: int = 1) -> list[int]:
         """Room for generated tokens: the same growth as :meth:`allocate`, counted from the current size."""
-        return self.allocate(request_id, self._num_tokens.get(request_id, 0) + num_new_tokens)
+        return self.allocate(request_id, self.num_tokens(request_id) + num_new_tokens)
+
+    def allocate_padding(self, request_id: int, num_tokens: int) -> list[int]:
+        """V1: grow the request's pad-token table to hold ``num_tokens`` pad tokens."""
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            blocks = self._requests[request_id] = RequestBlocks()
+        missing = self.num_blocks_for_tokens(num_tokens) - len(blocks.padding)
+        if missing > 0:
+            blocks.padding.extend(self.pool.allocate(missing))
+        blocks.num_padding_tokens = max(num_tokens, blocks.num_padding_tokens)
+        return blocks.padding
 
     def free(self, request_id: int) -> int:
-        """Release every block of the request; returns how many it held. Unknown ids free nothing.
+        """Release every block of the request (the resource manager's ``free_resources``); returns how
+        many references it dropped. Unknown ids free nothing.
 
         Blocks go back tail first, so among a sequence's cached blocks the tail is evicted before the
         head, which more requests are likely to share.
         """
-        self._chains.pop(request_id, None)
-        self._num_released.pop(request_id, None)
-        freed = 0
-        for beam in range(1, self._num_beams.pop(request_id, 1)):
-            freed += self._free_table(beam_key(request_id, beam))
-        return freed + self._free_table(request_id)
-
-    def _free_table(self, key: int | tuple[int, int]) -> int:
-        table = self._tables.pop(key, None)
-        self._num_tokens.pop(key, None)
-        if not table:
+        blocks = self._requests.pop(request_id, None)
+        if blocks is None:
             return 0
-        live = [b for b in reversed(table) if b != NO_BLOCK]
-        self.pool.release(live)
-        return len(live)
+        freed = 0
+        for table in [*blocks.tables[1:], blocks.padding, blocks.tables[0]]:
+            live = [b for b in reversed(table) if b != NO_BLOCK]
+            self.pool.release(live)
+            freed += len(live)
+        return freed
 
     # -- block reuse ----------------------------------------------------------------------------------
 
@@ -254,20 +300,22 @@ class KVCacheManager:
         """Keys beside the tokens that change a block's values (a LoRA task id, ...): none yet."""
         return ()
 
-    def find_cached_prefix(self, request: KVRequest) -> PrefixMatch:
+    def find_cached_prefix(self, request: KVRequest, releasing: Iterable[int] = ()) -> PrefixMatch:
         """The longest verified chain of cached blocks matching the request's tokens; takes nothing.
 
         At most ``num_tokens - 1`` tokens match, so a request whose whole context is cached still
-        computes its last token (the one whose logits are sampled).
+        computes its last token (the one whose logits are sampled). ``releasing``: requests the same plan
+        frees first (paused), whose blocks then count as cached rather than held.
         """
         if (
             not self.enable_block_reuse
-            or request.request_id in self._tables
+            or request.request_id in self._requests
             or getattr(request, "beam_width", 1) > 1  # beams fork their tables: no reuse (see README)
         ):
             return NO_MATCH
         bs = self.tokens_per_block
         extra = self.block_extra_keys(request)
+        released = self._references(releasing)
         block_ids: list[int] = []
         keys: list[BlockKey] = []
         num_cached = 0
@@ -280,7 +328,7 @@ class KVCacheManager:
             block_id, key = found
             block_ids.append(block_id)
             keys.append(key)
-            num_cached += self.pool.ref_count(block_id) == 0
+            num_cached += self.pool.ref_count(block_id) == released.get(block_id, 0)
             parent_hash, parent_serial = key.block_hash, key.serial
         missed = self.num_blocks_for_tokens(request.num_tokens) - len(block_ids)
         return PrefixMatch(tuple(block_ids), tuple(keys), len(block_ids) * bs, num_cached, missed)
@@ -293,14 +341,14 @@ class KVCacheManager:
         if not self.enable_block_reuse:
             return 0
         rid = request.request_id
-        require(rid not in self._tables, f"request {rid} already holds blocks; a prefix is taken at start")
+        require(rid not in self._requests, f"request {rid} already holds blocks; a prefix is taken at start")
         for block_id, key in zip(match.block_ids, match.keys, strict=True):
             require(self.pool.key(block_id) is key, f"block {block_id} changed since it was matched")
             self.pool.share_cached(block_id)
-        if match.block_ids:
-            self._tables[rid] = list(match.block_ids)
-            self._num_tokens[rid] = match.num_tokens
-        self._chains[rid] = list(match.keys)
+        blocks = self._requests[rid] = RequestBlocks()
+        blocks.tables[0] = list(match.block_ids)
+        blocks.num_tokens[0] = match.num_tokens
+        blocks.chain = list(match.keys)
         self.num_reused_blocks += match.num_blocks
         self.num_missed_blocks += match.num_missed_blocks
         return match.num_tokens
@@ -308,17 +356,19 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: KVRequest, num_computed_tokens: int) -> int:
         """Register the request's newly full, computed blocks for reuse; returns how many were added.
 
-        A block still being filled is never registered, so it is never shared.
+        A block still being filled is never registered, so it is never shared. Beam requests never
+        register (their tables fork and copy on write).
         """
-        rid = request.request_id
-        table = self._tables.get(rid)
-        if not self.enable_block_reuse or not table or getattr(request, "beam_width", 1) > 1:
+        blocks = self._requests.get(request.request_id)
+        if not self.enable_block_reuse or blocks is None or blocks.num_beams > 1:
             return 0
+        if getattr(request, "beam_width", 1) > 1:
+            return 0
+        table, chain = blocks.tables[0], blocks.chain
         bs = self.tokens_per_block
-        chain = self._chains.setdefault(rid, [])
         extra = self.block_extra_keys(request)
         added = 0
-        for i in range(len(chain), num_computed_tokens // bs):
+        for i in range(len(chain), min(num_computed_tokens // bs, len(table))):
             parent = chain[-1] if chain else None
             if (chain and parent is None) or table[i] == NO_BLOCK:
                 break  # the chain was broken by a hash collision, or the block is already gone
@@ -338,21 +388,22 @@ class KVCacheManager:
         """Release blocks no later query of the request attends; returns how many.
 
         The next query sits at ``num_computed_tokens`` and sees the keys after ``position - window``;
-        later queries see less. Blocks holding sink tokens stay.
+        later queries see less. Blocks holding sink tokens stay. Beam requests keep every block.
         """
         window = self.max_attention_window
-        table = self._tables.get(request_id)
-        if window is None or not table or request_id in self._num_beams:
+        blocks = self._requests.get(request_id)
+        if window is None or blocks is None or blocks.num_beams > 1 or not blocks.tables[0]:
             return 0
+        table = blocks.tables[0]
         bs = self.tokens_per_block
         first_sink_free = cdiv(self.sink_token_length, bs)
-        start = max(first_sink_free, self._num_released.get(request_id, 0))
+        start = max(first_sink_free, blocks.num_released)
         end = max(0, num_computed_tokens - window + 1) // bs
         released = [table[b] for b in range(start, end) if table[b] != NO_BLOCK]
         for b in range(start, end):
             table[b] = NO_BLOCK
         if end > start:
-            self._num_released[request_id] = end
+            blocks.num_released = end
         self.pool.release(released)
         return len(released)
 
@@ -365,24 +416,21 @@ class KVCacheManager:
         beam). No block is copied here; blocks are shared by reference count until a beam writes into a
         shared one, which :meth:`copy_on_write` then forks.
         """
-        old = [beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1))]
-        tables = [list(self._tables[old[p]]) for p in parents]
-        num_tokens = [self._num_tokens[old[p]] for p in parents]
+        blocks = self._requests[request_id]
+        tables = [list(blocks.tables[p]) for p in parents]
+        num_tokens = [blocks.num_tokens[p] for p in parents]
         for table in tables:
-            self.pool.share(table)
-        self.free(request_id)
-        for beam, (table, n) in enumerate(zip(tables, num_tokens, strict=True)):
-            self._tables[beam_key(request_id, beam)] = table
-            self._num_tokens[beam_key(request_id, beam)] = n
-        if len(parents) > 1:
-            self._num_beams[request_id] = len(parents)
+            self.pool.share([b for b in table if b != NO_BLOCK])
+        for table in blocks.tables:
+            self.pool.release([b for b in reversed(table) if b != NO_BLOCK])
+        blocks.tables, blocks.num_tokens = tables, num_tokens
 
-    def copy_on_write(self, key: int | tuple[int, int], position: int) -> tuple[int, int] | None:
-        """Before writing ``position`` into table ``key``: if its block is shared, give the table its own copy.
+    def copy_on_write(self, request_id: int, beam: int, position: int) -> tuple[int, int] | None:
+        """Before beam ``beam`` writes ``position``: if its block is shared, give its table its own copy.
 
         Returns ``(source, destination)`` block ids whose contents the runtime must copy, or None.
         """
-        table = self._tables[key]
+        table = self._requests[request_id].tables[beam]
         index = position // self.tokens_per_block
         if index >= len(table) or self.pool.ref_count(table[index]) == 1:
             return None
@@ -392,49 +440,71 @@ class KVCacheManager:
         self.pool.release([source])
         return source, destination
 
-    def _request_tables(self, request_id: int) -> list[list[int]]:
-        keys = (beam_key(request_id, b) for b in range(self._num_beams.get(request_id, 1)))
-        return [self._tables[k] for k in keys if k in self._tables]
+    def _references(self, request_ids: Iterable[int]) -> dict[int, int]:
+        """Block id -> references the given requests hold on it."""
+        refs: dict[int, int] = {}
+        for request_id in request_ids:
+            blocks = self._requests.get(request_id)
+            if blocks is not None:
+                for b in blocks.live_blocks():
+                    refs[b] = refs.get(b, 0) + 1
+        return refs
 
     def _distinct_blocks(self, request_id: int) -> set[int]:
-        return {b for table in self._request_tables(request_id) for b in table if b != NO_BLOCK}
+        blocks = self._requests.get(request_id)
+        return blocks.distinct_blocks() if blocks is not None else set()
 
     # -- views ----------------------------------------------------------------------------------------
 
-    def block_ids(self, request_id: int) -> list[int]:
-        return self._tables.get(request_id, [])
+    def block_ids(self, request_id: int, beam: int = 0) -> list[int]:
+        blocks = self._requests.get(request_id)
+        return blocks.tables[beam] if blocks is not None else []
+
+    def padding_block_ids(self, request_id: int) -> list[int]:
+        blocks = self._requests.get(request_id)
+        return blocks.padding if blocks is not None else []
+
+    def num_beams(self, request_id: int) -> int:
+        blocks = self._requests.get(request_id)
+        return blocks.num_beams if blocks is not None else 1
 
     def num_held_blocks(self, request_id: int) -> int:
-        return sum(1 for b in self._tables.get(request_id, ()) if b != NO_BLOCK)
+        return sum(1 for b in self.block_ids(request_id) if b != NO_BLOCK)
 
     def num_tokens(self, request_id: int) -> int:
-        return self._num_tokens.get(request_id, 0)
+        blocks = self._requests.get(request_id)
+        return blocks.num_tokens[0] if blocks is not None else 0
 
     def has_request(self, request_id: int) -> bool:
-        return request_id in self._tables
+        return request_id in self._requests
+
+    def request_ids(self) -> list[int]:
+        return list(self._requests)
 
     @property
     def num_requests(self) -> int:
-        """Owners of block tables (a request with beams counts once)."""
-        return len(self._tables) - sum(n - 1 for n in self._num_beams.values())
+        """Requests holding block tables (a request with beams counts once)."""
+        return len(self._requests)
 
     def check_integrity(self) -> None:
         """Pool accounting holds, every table covers its tokens, no table lists a block twice, and each
         block's reference count is the number of tables holding it (without block reuse, a block is
-        shared only between the beams of one request)."""
+        shared only between the tables of one request)."""
         self.pool.check_integrity()
         holders: dict[int, int] = {}
         owner: dict[int, int] = {}
-        for key, table in self._tables.items():
-            request_id = key[0] if isinstance(key, tuple) else key
-            require(
-                len(table) == self.num_blocks_for_tokens(self._num_tokens.get(key, 0)),
-                f"table {key}: {len(table)} blocks for {self._num_tokens.get(key)} tokens",
-            )
-            live = [b for b in table if b != NO_BLOCK]
-            if len(live) != len(set(live)):
-                raise IntegrityError(f"table {key} lists a block twice: {table}")
-            for block_id in live:
+        for request_id, blocks in self._requests.items():
+            sized = list(zip(blocks.tables, blocks.num_tokens, strict=True))
+            sized.append((blocks.padding, blocks.num_padding_tokens))
+            for table, num_tokens in sized:
+                require(
+                    len(table) == self.num_blocks_for_tokens(num_tokens),
+                    f"request {request_id}: a table of {len(table)} blocks for {num_tokens} tokens",
+                )
+                live = [b for b in table if b != NO_BLOCK]
+                if len(live) != len(set(live)):
+                    raise IntegrityError(f"request {request_id}: a table lists a block twice: {table}")
+            for block_id in blocks.live_blocks():
                 holders[block_id] = holders.get(block_id, 0) + 1
                 if owner.setdefault(block_id, request_id) != request_id and not self.enable_block_reuse:
                     raise IntegrityError(

@@ -25,6 +25,7 @@ class DecodeResult:
     tokens: list[int]  # one per row (beam rows: unused)
     log_probs: list[float | None] | None = None  # one per row when some row asked for them
     beams: dict[int, StepOutcome] = field(default_factory=dict)  # request id -> its beam step
+    faults: dict[int, str] = field(default_factory=dict)  # request id -> why its decoding failed
 
 
 class Decoder:
@@ -60,10 +61,13 @@ class Decoder:
         if beam_rows:
             index = torch.tensor([i for rs in beam_rows.values() for i in rs], device=logits.device)
             logits.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index), dim=-1))
-        logits = apply_controls(logits, rows)
+        faults: dict[int, str] = {}
+        logits = apply_controls(logits, rows, faults)
         tokens = self.sampler.sample(logits, params, ids)
-        result = DecodeResult(tokens)
+        result = DecodeResult(tokens, faults=faults)
         for rid, indices in beam_rows.items():
+            if rid in faults:
+                continue
             opts = rows[indices[0]].options  # type: ignore[union-attr]
             result.beams[rid] = opts.beam.step(logits[indices])  # type: ignore[union-attr]
         wanted = [

@@ -69,15 +69,18 @@ class Row:
     end_id: int
 
 
-def apply_controls(logits: torch.Tensor, rows: Sequence[Row | None]) -> torch.Tensor:
+def apply_controls(
+    logits: torch.Tensor, rows: Sequence[Row | None], faults: dict[int, str] | None = None
+) -> torch.Tensor:
     """Apply every row's controls to ``logits [len(rows), vocab]`` (in place where possible).
 
-    ``None`` rows (requests without controls) are left untouched.
+    ``None`` rows (requests without controls) are left untouched. ``faults``: where a user's
+    post-processor that raises is recorded (request id -> message) instead of failing the whole batch.
     """
     active = [(i, r) for i, r in enumerate(rows) if r is not None and r.options.processes_logits]
     if not active:
         return logits
-    logits = _post_processors(logits, active)
+    logits = _post_processors(logits, active, faults)
     dev = logits.device
     vocab = logits.shape[1]
     biased = [(i, r.options.embedding_bias) for i, r in active if r.options.embedding_bias is not None]
@@ -102,8 +105,11 @@ def apply_controls(logits: torch.Tensor, rows: Sequence[Row | None]) -> torch.Te
     return logits
 
 
-def _post_processors(logits: torch.Tensor, active: list[tuple[int, Row]]) -> torch.Tensor:
-    """The user's callbacks, once per request (all its rows together, e.g. every beam)."""
+def _post_processors(
+    logits: torch.Tensor, active: list[tuple[int, Row]], faults: dict[int, str] | None
+) -> torch.Tensor:
+    """The user's callbacks, once per request (all its rows together, e.g. every beam); one that fails
+    is recorded in ``faults`` (its rows left as they were) so only its own request ends."""
     by_request: dict[int, list[int]] = {}
     for i, r in active:
         if r.options.logits_post_processor is not None:
@@ -112,12 +118,18 @@ def _post_processors(logits: torch.Tensor, active: list[tuple[int, Row]]) -> tor
         rows = [r for i, r in active if i in indices]
         fn = rows[0].options.logits_post_processor
         index = torch.tensor(indices, device=logits.device)
-        out = fn(request_id, logits.index_select(0, index), [r.prompt + r.output for r in rows])
-        if not isinstance(out, torch.Tensor) or out.shape != (len(indices), logits.shape[1]):
-            raise ValueError(
-                f"logits_post_processor of request {request_id} must return a tensor of shape "
-                f"{[len(indices), logits.shape[1]]}"
-            )
+        try:
+            out = fn(request_id, logits.index_select(0, index), [r.prompt + r.output for r in rows])
+            if not isinstance(out, torch.Tensor) or out.shape != (len(indices), logits.shape[1]):
+                raise ValueError(
+                    f"logits_post_processor of request {request_id} must return a tensor of shape "
+                    f"{[len(indices), logits.shape[1]]}"
+                )
+        except Exception as exc:
+            if faults is None:
+                raise
+            faults[request_id] = f"logits_post_processor failed: {type(exc).__name__}: {exc}"
+            continue
         logits.index_copy_(0, index, out.to(logits.dtype))
     return logits
 

@@ -1,16 +1,25 @@
 """Two-stage scheduling over plain-Python requests (no torch): capacity policy, then micro-batch budgets."""
 
-from bm.scheduling.capacity import CapacityScheduler, GuaranteedNoEvictScheduler
+from bm.scheduling.capacity import CapacityPlan, CapacityScheduler, GuaranteedNoEvictScheduler
 from bm.scheduling.micro_batch import MicroBatchScheduler
 from bm.scheduling.request import FinishReason, LlmRequest, RequestState, SamplingParams
-from bm.scheduling.scheduler import RequestScheduler, SchedulerOutput, SimpleScheduler
+from bm.scheduling.scheduler import (
+    EmptySlot,
+    PaddingWork,
+    RequestScheduler,
+    SchedulerOutput,
+    SimpleScheduler,
+)
 
 __all__ = [
+    "CapacityPlan",
     "CapacityScheduler",
+    "EmptySlot",
     "FinishReason",
     "GuaranteedNoEvictScheduler",
     "LlmRequest",
     "MicroBatchScheduler",
+    "PaddingWork",
     "RequestScheduler",
     "RequestState",
     "SamplingParams",

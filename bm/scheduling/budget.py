@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bm.config import ContextChunkingPolicy
 from bm.scheduling.request import LlmRequest
 
-FIRST_COME_FIRST_SERVED = "first_come_first_served"
-EQUAL_PROGRESS = "equal_progress"
+FIRST_COME_FIRST_SERVED = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+EQUAL_PROGRESS = ContextChunkingPolicy.EQUAL_PROGRESS
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,25 @@ class ChunkingConfig:
     """
 
     enabled: bool = False
-    policy: str = FIRST_COME_FIRST_SERVED
+    policy: ContextChunkingPolicy = FIRST_COME_FIRST_SERVED
     unit: int = 32
     max_chunk: int | None = None
 
 
-def context_chunk(request: LlmRequest, tokens_left: int, chunking: ChunkingConfig) -> int:
+def context_chunk(
+    request: LlmRequest, tokens_left: int, chunking: ChunkingConfig, computed: int | None = None
+) -> int:
     """Tokens of ``request``'s context to compute now, given ``tokens_left`` in the budget (0: none).
+
+    ``computed``: tokens already in the cache when the request starts (a cached prefix the capacity stage
+    matched but has not taken yet); by default its own ``num_computed_tokens``.
 
     Without chunking a context goes whole or not at all, except a resumed one: recomputing a paused
     request's prompt plus output may have outgrown the budget, so it is always chunkable.
     """
-    remaining = request.num_context_tokens_remaining
+    if computed is None:
+        computed = request.num_computed_tokens
+    remaining = request.num_tokens - computed
     if remaining <= 0:
         return 0
     if not chunking.enabled and request.num_pauses == 0:
@@ -44,8 +52,8 @@ def context_chunk(request: LlmRequest, tokens_left: int, chunking: ChunkingConfi
     if remaining <= limit:
         return remaining
     # Not the last chunk: end on a unit boundary so the context fills whole blocks.
-    end = (request.num_computed_tokens + limit) // chunking.unit * chunking.unit
-    return max(0, end - request.num_computed_tokens)
+    end = (computed + limit) // chunking.unit * chunking.unit
+    return max(0, end - computed)
 
 
 def unit_step(position: int, remaining: int, unit: int) -> int:
@@ -53,12 +61,12 @@ def unit_step(position: int, remaining: int, unit: int) -> int:
     return min(remaining, unit - position % unit)
 
 
-def min_context_cost(request: LlmRequest, chunking: ChunkingConfig) -> int:
+def min_context_cost(request: LlmRequest, chunking: ChunkingConfig, computed: int) -> int:
     """The fewest tokens a context can advance by in one iteration."""
-    remaining = request.num_context_tokens_remaining
+    remaining = request.num_tokens - computed
     if not chunking.enabled and request.num_pauses == 0:
         return remaining
-    return unit_step(request.num_computed_tokens, remaining, chunking.unit)
+    return unit_step(computed, remaining, chunking.unit)
 
 
 class IterationBudget:
@@ -74,20 +82,23 @@ class IterationBudget:
     def equal_progress(self) -> bool:
         return self.chunking.enabled and self.chunking.policy == EQUAL_PROGRESS
 
-    def take(self, request: LlmRequest) -> int:
+    def take(self, request: LlmRequest, computed: int | None = None) -> int:
         """Reserve what ``request`` would compute; returns those tokens (0: it does not fit).
 
-        Under EQUAL_PROGRESS only the smallest step is reserved: the micro-batch stage shares the rest.
+        ``computed``: as for :func:`context_chunk`. Under EQUAL_PROGRESS only the smallest step is
+        reserved: the micro-batch stage shares the rest.
         """
         if self.slots_left <= 0:
             return 0
-        if request.is_generation_phase:
-            tokens = 1 if self.tokens_left >= 1 else 0
+        if computed is None:
+            computed = request.num_computed_tokens
+        if request.is_generation_phase:  # every beam computes a token (TRT-LLM counts them all)
+            tokens = request.beam_width if self.tokens_left >= request.beam_width else 0
         elif self.equal_progress:
-            cost = min_context_cost(request, self.chunking)
+            cost = min_context_cost(request, self.chunking, computed)
             tokens = cost if 0 < cost <= self.tokens_left else 0
         else:
-            tokens = context_chunk(request, self.tokens_left, self.chunking)
+            tokens = context_chunk(request, self.tokens_left, self.chunking, computed)
         if tokens:
             self.slots_left -= 1
             self.tokens_left -= tokens
@@ -97,12 +108,14 @@ class IterationBudget:
         self.slots_left += 1
         self.tokens_left += tokens
 
-    def tokens_to_hold(self, request: LlmRequest, taken: int) -> int:
+    def tokens_to_hold(self, request: LlmRequest, taken: int, computed: int | None = None) -> int:
         """Tokens to size ``request``'s blocks for after :meth:`take` gave it ``taken``.
 
         Exact, except under EQUAL_PROGRESS, where the final share is decided later: then the most it could
         get (an upper bound, so allocation can never fall short).
         """
+        if computed is None:
+            computed = request.num_computed_tokens
         if self.equal_progress and not request.is_generation_phase:
-            taken = max(taken, context_chunk(request, self.max_num_tokens, self.chunking))
-        return request.num_computed_tokens + taken
+            taken = max(taken, context_chunk(request, self.max_num_tokens, self.chunking, computed))
+        return computed + taken

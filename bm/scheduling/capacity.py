@@ -13,16 +13,35 @@ contexts already under way, then new contexts.
 from __future__ import annotations
 
 import sys
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from bm.kv import KVCacheManager
+from bm.kv import KVCacheManager, PrefixMatch
 from bm.scheduling.budget import ChunkingConfig, IterationBudget
 from bm.scheduling.request import LlmRequest, RequestState
+from bm.scheduling.reuse import ContributedBlocks
 
 
-class CapacityScheduler(ABC):
-    """Base class of capacity policies. Subclass it to plug in a policy of your own."""
+@dataclass
+class CapacityPlan:
+    """The capacity stage's decision, with no side effect on requests or the cache.
+
+    ``prefixes``: for each request that starts holding blocks this iteration, the cached prefix it will
+    take (``NO_MATCH`` when none); ``prepare_resources`` takes them.
+    """
+
+    fitting: list[LlmRequest] = field(default_factory=list)
+    paused: list[LlmRequest] = field(default_factory=list)
+    prefixes: dict[int, PrefixMatch] = field(default_factory=dict)
+
+
+class CapacityScheduler(ABC):  # noqa: B024 (schedule_request or plan, either one)
+    """Base class of capacity policies. Subclass it to plug in a policy of your own.
+
+    A policy implements ``schedule_request`` as on the scheduler page; the built-in ones implement
+    :meth:`plan`, which also says which cached prefix each starting request takes.
+    """
 
     # Only requests with no_schedule_until_state <= state < no_schedule_after_state are considered.
     no_schedule_until_state = RequestState.CONTEXT_INIT
@@ -39,7 +58,6 @@ class CapacityScheduler(ABC):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_tokens = max_num_tokens
         self.chunking = chunking or ChunkingConfig()
-        self._starts = 0
 
     def is_schedulable(self, request: LlmRequest) -> bool:
         return self.no_schedule_until_state <= request.state < self.no_schedule_after_state
@@ -48,53 +66,59 @@ class CapacityScheduler(ABC):
         """This iteration's slots and tokens (unbounded tokens when the scheduler was given no budget)."""
         return IterationBudget(self.max_num_requests, self.max_num_tokens or sys.maxsize, self.chunking)
 
-    def mark_started(self, request: LlmRequest) -> None:
-        """Record that ``request`` starts holding blocks now (MAX_UTILIZATION pauses the latest first)."""
-        self._starts += 1
-        request.start_order = self._starts
+    def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
+        """The decision for this iteration; by default ``schedule_request``'s, with no cached prefixes."""
+        fitting, paused = self.schedule_request(active_requests)
+        return CapacityPlan(list(fitting), list(paused))
+
+    def schedule_request(
+        self, active_requests: Sequence[LlmRequest]
+    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+        """Return ``(fitting_requests, paused_requests)``; subclasses implement this or :meth:`plan`."""
+        if type(self).plan is CapacityScheduler.plan:
+            raise TypeError(f"{type(self).__name__} must implement schedule_request or plan")
+        decision = self.plan(active_requests)
+        return decision.fitting, decision.paused
 
     def try_start(
-        self, request: LlmRequest, budget: IterationBudget, free_blocks: int, to_completion: bool
+        self,
+        request: LlmRequest,
+        budget: IterationBudget,
+        free_blocks: int,
+        to_completion: bool,
+        plan: CapacityPlan,
+        releasing: Sequence[int] = (),
     ) -> int | None:
-        """Start a new request if it fits, taking its cached prefix when block reuse finds one.
+        """Plan to start a new request if it fits, with its cached prefix when block reuse finds one.
 
         The cached prefix is not computed again, so the budget is asked only for the rest, and blocks
-        the prefix takes from the cache count against ``free_blocks`` only when nobody holds them yet.
+        the prefix takes from the cache count against ``free_blocks`` only when nobody holds them yet
+        (``releasing``: requests this plan pauses, whose blocks will be cached by then).
         ``to_completion``: check the blocks it needs to completion (no-evict), else this iteration's.
         Returns the free-pool blocks it uses up, or None when it does not fit (nothing changed then).
         """
         if budget.slots_left <= 0:  # before hashing the prompt for a prefix it could not use
             return None
         kv = self.kv_cache_manager
-        match = kv.find_cached_prefix(request)
+        match = kv.find_cached_prefix(request, releasing)
         cost = match.cost(kv.get_needed_resource_to_completion(request)) if to_completion else 0
         if cost > free_blocks:
             return None
-        request.num_computed_tokens = match.num_tokens  # so the budget sees only what is left
-        tokens = budget.take(request)
+        tokens = budget.take(request, computed=match.num_tokens)  # the budget sees only what is left
         if tokens and not to_completion:
             if request.beam_width > 1:  # beams are reserved to completion even when others are not
                 blocks = kv.get_needed_resource_to_completion(request)
-            else:
-                blocks = kv.num_blocks_for_tokens(budget.tokens_to_hold(request, tokens))
+            else:  # its whole context, not this chunk only, so its later chunks never run short
+                blocks = kv.num_blocks_for_tokens(request.num_tokens)
             cost = match.cost(blocks)
             if cost > free_blocks:
                 budget.give_back(tokens)
                 tokens = 0
         if not tokens:
-            request.num_computed_tokens = 0
             return None
-        kv.take_cached_prefix(request, match)
-        request.num_reused_blocks += match.num_blocks  # both 0 without reuse (NO_MATCH)
-        request.num_missed_blocks += match.num_missed_blocks
-        self.mark_started(request)
+        plan.prefixes[request.request_id] = match
+        plan.fitting.append(request)
         return cost
-
-    @abstractmethod
-    def schedule_request(
-        self, active_requests: Sequence[LlmRequest]
-    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
-        """Return ``(fitting_requests, paused_requests)``."""
 
 
 def split_started(
@@ -114,45 +138,52 @@ def split_started(
     return generation + contexts, new
 
 
+def running_contexts(started: Sequence[LlmRequest]) -> list[LlmRequest]:
+    """Contexts under way (chunked, not finished): they go on computing their prefix this iteration."""
+    return [r for r in started if r.is_context_phase]
+
+
 class GuaranteedNoEvictScheduler(CapacityScheduler):
     """Admit a request only when the blocks it needs to completion are still unreserved.
 
     Requests that already hold blocks reserve their full need first; new requests then enter in arrival
     order until the first that does not fit (first come, first served), so a started request always
-    finishes without eviction.
+    finishes without eviction. With block reuse, a new request whose prefix another context computes this
+    iteration waits for it (:mod:`bm.scheduling.reuse`).
     """
 
-    def schedule_request(
-        self, active_requests: Sequence[LlmRequest]
-    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+    def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
         # Held blocks count once however many requests share them; cached blocks count as free.
         reserved = kv.get_reserved_resource(started)
-        fitting = [r for r in started if budget.take(r)]
+        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
         available = kv.get_max_resource_count() - reserved
+        contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
-            cost = self.try_start(request, budget, available, to_completion=True)
+            if contributed.beneficial_to_skip(request):
+                continue
+            cost = self.try_start(request, budget, available, True, plan)
             if cost is None:
                 break
-            fitting.append(request)
             available -= cost
-        return fitting, []
+        return plan
 
 
 class MaxUtilizationScheduler(CapacityScheduler):
     """Run as much as fits this iteration; when blocks run short, pause the most recently started.
 
-    Only the blocks this iteration's tokens need are considered, not the need to completion. Started
-    requests are served oldest first; when one cannot get its blocks, the youngest started requests are
-    paused (their blocks freed, their context recomputed later) until it can, or it is paused itself if
-    it is the youngest. New requests never displace started ones.
+    Only the blocks this iteration needs are considered, not the need to completion; a context counts its
+    whole context though (TensorRT-LLM's rule for a first chunk), so a chunked context that starts can
+    finish its context without evicting anyone. Started requests are served oldest first; when one cannot
+    get its blocks, the youngest started requests are paused (their blocks freed, their context
+    recomputed later) until it can, or it is paused itself if it is the youngest. New requests never
+    displace started ones, and none that arrived after a request paused this iteration starts in it.
+    With block reuse, a new request whose prefix another context computes this iteration waits for it.
     """
 
-    def schedule_request(
-        self, active_requests: Sequence[LlmRequest]
-    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+    def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
@@ -162,50 +193,61 @@ class MaxUtilizationScheduler(CapacityScheduler):
         free = kv.get_num_free_blocks() - sum(
             kv.get_remaining_resource_to_completion(r) for r in started if r.beam_width > 1
         )
-        fitting: list[LlmRequest] = []
-        paused: list[LlmRequest] = []
+        plan = CapacityPlan()
+        releasing: list[int] = []  # ids of the paused, whose blocks prepare_resources frees first
         given: dict[int, tuple[int, int]] = {}  # request id -> (tokens, blocks) granted
 
+        def pause(victim: LlmRequest) -> int:
+            """Blocks pausing ``victim`` gives back, counted over everything paused so far."""
+            before = kv.num_blocks_freed_by(releasing)
+            releasing.append(victim.request_id)
+            plan.paused.append(victim)
+            return kv.num_blocks_freed_by(releasing) - before
+
         for request in started:
-            if request in paused:
+            if request in plan.paused:
                 continue
             tokens = budget.take(request)
             if not tokens:
                 continue
             if request.beam_width > 1:  # its blocks are reserved above
-                fitting.append(request)
+                plan.fitting.append(request)
                 continue
-            need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
+            # A context under way keeps the rest of its context reserved, as when it started.
+            hold = request.num_tokens if request.is_context_phase else budget.tokens_to_hold(request, tokens)
+            need = kv.num_blocks_to_allocate(request.request_id, hold)
             while need > free and alive[-1] is not request:
                 victim = alive.pop()
-                paused.append(victim)
-                free += kv.num_freeable_blocks(victim.request_id)
-                # Freed now, not after scheduling, so a new request's prefix match sees its blocks as
-                # cached (reclaimable) rather than held; the batch manager's own free is then a no-op.
-                kv.free(victim.request_id)
+                free += pause(victim)
                 if victim.request_id in given:
                     victim_tokens, victim_blocks = given.pop(victim.request_id)
-                    fitting.remove(victim)
+                    plan.fitting.remove(victim)
                     budget.give_back(victim_tokens)
                     free += victim_blocks
             if need > free:  # it is the youngest itself
                 budget.give_back(tokens)
                 alive.remove(request)
-                paused.append(request)
-                free += kv.num_freeable_blocks(request.request_id)
-                kv.free(request.request_id)
+                free += pause(request)
                 continue
             free -= need
-            fitting.append(request)
+            plan.fitting.append(request)
             given[request.request_id] = (tokens, need)
 
+        # As in TensorRT-LLM's single pass over the queue, a pause ends it: nothing that arrived after a
+        # request paused now starts now (it would take the blocks the pause just gave back).
+        position = {r.request_id: i for i, r in enumerate(active_requests)}
+        cutoff = min((position[r.request_id] for r in plan.paused), default=len(active_requests))
+        contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
-            cost = self.try_start(request, budget, free, to_completion=False)
+            if position[request.request_id] > cutoff:
+                break
+            if contributed.beneficial_to_skip(request):
+                continue
+            cost = self.try_start(request, budget, free, False, plan, releasing)
             if cost is None:
                 break
             free -= cost
-            fitting.append(request)
-        return fitting, paused
+        return plan
 
 
 class StaticBatchScheduler(GuaranteedNoEvictScheduler):
@@ -220,20 +262,17 @@ class StaticBatchScheduler(GuaranteedNoEvictScheduler):
         super().__init__(*args, **kwargs)
         self._batch: set[int] = set()
 
-    def schedule_request(
-        self, active_requests: Sequence[LlmRequest]
-    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+    def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
         members = [r for r in active_requests if r.request_id in self._batch and self.is_schedulable(r)]
         if not members:
             members = self._form_batch(active_requests)
         started, new = split_started(self, members)
         budget = self.new_budget()
-        fitting = [r for r in started if budget.take(r)]
+        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
         for request in new:  # the batch was formed on full needs, so any cached prefix is a bonus
-            if self.try_start(request, budget, sys.maxsize, to_completion=False) is None:
+            if self.try_start(request, budget, sys.maxsize, False, plan) is None:
                 break
-            fitting.append(request)
-        return fitting, []
+        return plan
 
     def _form_batch(self, active_requests: Sequence[LlmRequest]) -> list[LlmRequest]:
         kv = self.kv_cache_manager

@@ -17,7 +17,7 @@ import importlib
 import inspect
 from typing import Any
 
-from bm.config import ConfigError, EngineConfig
+from bm.config import BatchingScheme, ConfigError, EngineConfig, SchedulerPolicy
 from bm.kv import KVCacheManager
 from bm.scheduling.budget import ChunkingConfig
 from bm.scheduling.capacity import (
@@ -30,10 +30,10 @@ from bm.scheduling.micro_batch import MicroBatchScheduler
 from bm.scheduling.scheduler import RequestScheduler, SimpleScheduler
 from bm.scheduling.v1 import V1Scheduler
 
-POLICIES: dict[str, type[CapacityScheduler]] = {
-    "guaranteed_no_evict": GuaranteedNoEvictScheduler,
-    "max_utilization": MaxUtilizationScheduler,
-    "static_batch": StaticBatchScheduler,
+POLICIES: dict[SchedulerPolicy, type[CapacityScheduler]] = {
+    SchedulerPolicy.GUARANTEED_NO_EVICT: GuaranteedNoEvictScheduler,
+    SchedulerPolicy.MAX_UTILIZATION: MaxUtilizationScheduler,
+    SchedulerPolicy.STATIC_BATCH: StaticBatchScheduler,
 }
 
 
@@ -67,9 +67,9 @@ def build_scheduler(engine: EngineConfig, kv: KVCacheManager) -> RequestSchedule
     chunking = chunking_config(engine, kv.tokens_per_block)
     if engine.scheduler:
         return load_class("engine.scheduler", engine.scheduler, RequestScheduler)(engine, kv)
-    if engine.batching_scheme == "v1":
+    if engine.batching_scheme == BatchingScheme.V1:
         return V1Scheduler(engine.max_batch_size, engine.max_num_tokens, kv, chunking)
-    capacity_cls = POLICIES[engine.scheduler_policy]
+    capacity_cls = POLICIES[SchedulerPolicy(engine.scheduler_policy)]
     if engine.capacity_scheduler:
         capacity_cls = load_class("engine.capacity_scheduler", engine.capacity_scheduler, CapacityScheduler)
     extra: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from bm.scheduling.budget import ChunkingConfig, IterationBudget, unit_step
 from bm.scheduling.request import LlmRequest
@@ -12,8 +12,9 @@ class MicroBatchScheduler:
     """Hand out this iteration's tokens under ``max_batch_size`` and ``max_num_tokens``.
 
     Requests are served in the order the capacity stage gives them (generation first). Each context
-    request gets its ``context_chunk_size``: its whole remaining context, or with chunking enabled a
-    chunk chosen by the policy: FIRST_COME_FIRST_SERVED fills the budget in arrival order,
+    request gets its ``context_chunk_size`` (as TensorRT-LLM's ``setContextChunkSize``: this
+    iteration's decision, read back into the plan at once): its whole remaining context, or with chunking
+    enabled a chunk chosen by the policy: FIRST_COME_FIRST_SERVED fills the budget in arrival order,
     EQUAL_PROGRESS advances every context by one unit per round until the budget is spent.
     """
 
@@ -28,8 +29,14 @@ class MicroBatchScheduler:
         self,
         fitting_requests: Sequence[LlmRequest],
         inflight_request_ids: frozenset[int] = frozenset(),
+        computed: Mapping[int, int] | None = None,
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
-        """Return ``(context_requests, generation_requests)``."""
+        """Return ``(context_requests, generation_requests)``.
+
+        ``computed``: request id -> tokens in the cache once the request starts (the cached prefix the
+        capacity stage planned); requests not named count their own ``num_computed_tokens``.
+        """
+        computed = computed or {}
         budget = IterationBudget(self.max_batch_size, self.max_num_tokens, self.chunking)
         generation: list[LlmRequest] = []
         contexts: list[LlmRequest] = []
@@ -42,17 +49,19 @@ class MicroBatchScheduler:
             elif request.is_context_phase:
                 contexts.append(request)
         if budget.equal_progress:
-            return self._equal_progress(contexts, budget), generation
+            return self._equal_progress(contexts, budget, computed), generation
         scheduled = []
         for request in contexts:
-            tokens = budget.take(request)
+            tokens = budget.take(request, computed.get(request.request_id))
             if not tokens:
                 break
             request.context_chunk_size = tokens
             scheduled.append(request)
         return scheduled, generation
 
-    def _equal_progress(self, contexts: list[LlmRequest], budget: IterationBudget) -> list[LlmRequest]:
+    def _equal_progress(
+        self, contexts: list[LlmRequest], budget: IterationBudget, computed_at_start: Mapping[int, int]
+    ) -> list[LlmRequest]:
         """Round-robin one unit step at a time, so every context advances at the same pace."""
         chosen = contexts[: budget.slots_left]
         chunk = dict.fromkeys((r.request_id for r in chosen), 0)
@@ -63,12 +72,15 @@ class MicroBatchScheduler:
             progressing = False
             for request in chosen:
                 done = chunk[request.request_id]
-                remaining = request.num_context_tokens_remaining - done
+                computed = computed_at_start.get(request.request_id, request.num_computed_tokens)
+                remaining = request.num_tokens - computed - done
                 if remaining <= 0 or (cap is not None and done >= cap):
                     continue
-                step = unit_step(request.num_computed_tokens + done, remaining, self.chunking.unit)
-                if cap is not None:
-                    step = min(step, cap - done)
+                step = unit_step(computed + done, remaining, self.chunking.unit)
+                # A chunk that is not the context's last ends on a unit boundary, so past the cap the
+                # request stops growing rather than taking a partial unit.
+                if cap is not None and done + step > cap:
+                    continue
                 if step > tokens_left:
                     continue
                 chunk[request.request_id] = done + step

@@ -83,26 +83,24 @@ class LlmRequest:
     # from the cache, and context blocks that had to be computed.
     num_reused_blocks: int = 0
     num_missed_blocks: int = 0
-    # When the request last started holding KV blocks (set by the capacity stage); MAX_UTILIZATION
+    # When the request last started holding KV blocks (set by the engine when it starts); MAX_UTILIZATION
     # pauses the most recent first.
     start_order: int = -1
-    # V1 only: pad tokens executed beside the context (up to the batch's longest prompt, in a table of
-    # their own), and dummy generation steps executed after the request finished while its batch runs on.
-    num_padding_tokens: int = 0
-    num_padding_computed: int = 0
-    padding_chunk_size: int = 0
-    num_empty_slots: int = 0
-    # Seconds on the batch manager's clock (time.perf_counter).
+    # Seconds on the engine's clock.
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Beam search: beams share the prompt's blocks and fork them as they diverge (see bm.kv). While a beam
-    # request runs, ``output_ids`` is beam 0's running tokens (every beam has the same length).
+    # request runs, ``beam_tokens`` holds every beam's tokens so far and ``output_ids`` is beam 0's.
     beam_width: int = 1
-    # Runtime-owned decoding state (logits processors, beam hypotheses, requested logits): opaque here so
-    # the schedulers stay free of torch. None for a plain request, which keeps its hot path untouched.
+    beam_tokens: list[list[int]] | None = None
+    # The validated controls beyond temperature / top-k / top-p (bm.engine.request.Controls), plain
+    # values; None for a plain request, which keeps its hot path untouched.
+    controls: Any = None
+    # Runtime-owned decoding state built from ``controls`` (logits processors, beam hypotheses, requested
+    # logits): opaque here so the engine core and schedulers stay free of torch.
     decoding: Any = None
-    # Per generated token when return_log_probs is set (beam requests keep theirs in ``decoding``).
+    # Per generated token when return_log_probs is set (beam requests keep theirs in the runtime).
     output_log_probs: list[float] | None = None
 
     @property
@@ -139,11 +137,6 @@ class LlmRequest:
     def holds_blocks(self) -> bool:
         """Started: some of its tokens are in the cache (a generation, or a chunked context under way)."""
         return self.num_computed_tokens > 0 or self.is_generation_phase
-
-    @property
-    def padding_key(self) -> int:
-        """The KV table id of its V1 pad tokens: negative, so it never collides with a uint64 request id."""
-        return -1 - self.request_id
 
     def pause(self) -> None:
         """Back to the queue: its cache is gone (the caller frees it); prompt + output will be recomputed."""

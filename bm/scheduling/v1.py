@@ -13,12 +13,23 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bm.kv import KVCacheManager
 from bm.scheduling.budget import ChunkingConfig
 from bm.scheduling.micro_batch import MicroBatchScheduler
 from bm.scheduling.request import LlmRequest, RequestState
-from bm.scheduling.scheduler import RequestScheduler, SchedulerOutput
+from bm.scheduling.scheduler import EmptySlot, PaddingWork, RequestScheduler, SchedulerOutput
+
+
+@dataclass
+class _Member:
+    """A request's place in the static batch: the padding it owes and the empty slots it has run."""
+
+    request: LlmRequest
+    num_padding_tokens: int
+    num_padding_computed: int = 0
+    num_empty_slots: int = 0
 
 
 class V1Scheduler(RequestScheduler):
@@ -37,24 +48,36 @@ class V1Scheduler(RequestScheduler):
         # the forward to respect max_num_tokens); with chunking they share the token budget.
         tokens = max_num_tokens if self.chunking.enabled else sys.maxsize
         self._contexts = MicroBatchScheduler(max_batch_size, tokens, self.chunking)
-        self._batch: list[LlmRequest] = []
+        self._batch: list[_Member] = []
 
     def holds(self, request: LlmRequest) -> bool:
         """A finished member stays (as an empty slot) until every member of its batch has finished."""
-        return any(m is request for m in self._batch) and not all(m.is_finished for m in self._batch)
+        return any(m.request is request for m in self._batch) and not all(
+            m.request.is_finished for m in self._batch
+        )
 
     def schedule_request(
         self, active_requests: Sequence[LlmRequest], inflight_request_ids: frozenset[int] = frozenset()
     ) -> SchedulerOutput:
-        self._batch = [m for m in self._batch if m.state < RequestState.GENERATION_COMPLETE]
+        """Plan the batch's next step; the padding and empty slots it emits are counted as done."""
+        self._batch = [m for m in self._batch if m.request.state < RequestState.GENERATION_COMPLETE]
         if not self._batch:
             self._batch = self._form(active_requests)
-        members = [m for m in self._batch if m.request_id not in inflight_request_ids]
-        if any(m.is_context_phase or m.num_padding_computed < m.num_padding_tokens for m in members):
-            return SchedulerOutput(context_requests=self._context_work(members))
-        return SchedulerOutput(generation_requests=members)
+        members = [m for m in self._batch if m.request.request_id not in inflight_request_ids]
+        if any(m.request.is_context_phase or m.num_padding_computed < m.num_padding_tokens for m in members):
+            return self._context_work(members)
+        out = SchedulerOutput()
+        for m in members:
+            if m.request.is_finished:
+                out.empty_slots.append(
+                    EmptySlot(m.request, m.request.num_computed_tokens + m.num_empty_slots)
+                )
+                m.num_empty_slots += 1
+            else:
+                out.generation_requests.append(m.request)
+        return out
 
-    def _form(self, active_requests: Sequence[LlmRequest]) -> list[LlmRequest]:
+    def _form(self, active_requests: Sequence[LlmRequest]) -> list[_Member]:
         """Members in arrival order while the padded batch's blocks fit in the free pool."""
         kv = self.kv_cache_manager
         free = kv.get_num_free_blocks()
@@ -76,28 +99,25 @@ class V1Scheduler(RequestScheduler):
             if need > free:
                 break
             members, longest_prompt, longest_output = padded, prompt, output
-        for member in members:
-            member.num_padding_tokens = longest_prompt - member.num_tokens
-            member.num_padding_computed = 0
-            member.num_empty_slots = 0
-        return members
+        return [_Member(m, longest_prompt - m.num_tokens) for m in members]
 
-    def _context_work(self, members: list[LlmRequest]) -> list[LlmRequest]:
+    def _context_work(self, members: list[_Member]) -> SchedulerOutput:
         """Real context chunks by the chunking policy, then pad tokens in what is left of the budget."""
-        real, _ = self._contexts.schedule([m for m in members if m.is_context_phase])
+        real, _ = self._contexts.schedule([m.request for m in members if m.request.is_context_phase])
+        out = SchedulerOutput(context_requests=real)
         tokens_left = self.max_num_tokens if self.chunking.enabled else sys.maxsize
-        tokens_left -= sum(m.context_chunk_size for m in real)
-        work = list(real)
+        tokens_left -= out.num_context_tokens
         for member in members:
+            request = member.request
             pads = member.num_padding_tokens - member.num_padding_computed
-            real_done = not member.is_context_phase or (
-                member in real and member.context_chunk_size == member.num_context_tokens_remaining
+            real_done = not request.is_context_phase or (
+                request in real
+                and out.context_chunk_sizes[request.request_id] == request.num_context_tokens_remaining
             )
             if pads <= 0 or not real_done or tokens_left <= 0:
                 continue
-            member.padding_chunk_size = min(pads, tokens_left)
-            tokens_left -= member.padding_chunk_size
-            if member not in real:
-                member.context_chunk_size = 0
-                work.append(member)
-        return work
+            n = min(pads, tokens_left)
+            out.padding.append(PaddingWork(request, member.num_padding_computed, n))
+            member.num_padding_computed += n
+            tokens_left -= n
+        return out

@@ -1,0 +1,443 @@
+"""The engine core: one iteration of in-flight batching as a flat list of named steps, with no torch.
+
+::
+
+    schedule -> pause -> prepare_resources -> execute -> update -> respond -> stats
+
+The scheduler returns a plan and changes nothing; the KV cache manager's ``prepare_resources`` applies
+it (frees the paused, takes cached prefixes, grows tables, forks beam blocks on write) and is, with
+``free`` when a request ends, the only place blocks change hands. The executor computes the batch the
+core describes and returns sampled tokens. The core runs the same under the torch executor, the fake
+one in tests, or a simulator, so every decision it makes is testable without a model.
+
+The core is synchronous and single-threaded; :mod:`bm.engine.batch_manager` puts it on a worker thread
+behind the seed's callbacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bm.config import BatchingScheme, BmConfig
+from bm.engine.batching import build_batch, resource_plan
+from bm.engine.executor import (
+    CacheLayout,
+    ExecutionBatch,
+    ExecutionResult,
+    Executor,
+    WorkKind,
+)
+from bm.engine.limits import attention_window, max_seq_len
+from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
+from bm.engine.stats import IterationStats
+from bm.kv import KVCacheManager
+from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
+from bm.scheduling.factory import build_scheduler
+
+
+@dataclass
+class ScheduleRecord:
+    """Which requests an iteration scheduled, by id (what conformance tests and stats compare)."""
+
+    context_ids: list[int] = field(default_factory=list)
+    context_chunks: dict[int, int] = field(default_factory=dict)
+    generation_ids: list[int] = field(default_factory=list)
+    paused_ids: list[int] = field(default_factory=list)
+    padding_ids: list[int] = field(default_factory=list)
+    empty_slot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    responses: list[Response] = field(default_factory=list)
+    stats: IterationStats | None = None
+    schedule: ScheduleRecord = field(default_factory=ScheduleRecord)
+    finished_ids: list[int] = field(default_factory=list)
+    computed_tokens: int = 0
+
+
+@dataclass
+class _Counts:
+    computed: int = 0
+    context: int = 0
+    padding: int = 0
+    generation: int = 0
+    empty_slots: int = 0
+
+
+class EngineCore:
+    """Requests in (:meth:`add_request`), one iteration per :meth:`step`, responses out."""
+
+    def __init__(
+        self,
+        config: BmConfig,
+        executor: Executor,
+        *,
+        check_integrity: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.check_integrity = check_integrity
+        self.clock = clock
+        engine, kv_cfg = config.engine, config.kv_cache
+        model = executor.limits
+        self.max_seq_len = max_seq_len(config, model)
+        self.max_num_active_requests = engine.max_num_active_requests or engine.max_batch_size
+        num_blocks = executor.num_kv_blocks(kv_cfg, self.max_num_active_requests * self.max_seq_len)
+        self.attention_window = attention_window(config, model, self.max_seq_len)
+        sinks = kv_cfg.sink_token_length if self.attention_window is not None else 0
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            kv_cfg.tokens_per_block,
+            # V1 is the static baseline: a static-batching engine keeps no prefix cache.
+            enable_block_reuse=kv_cfg.enable_block_reuse and engine.batching_scheme != BatchingScheme.V1,
+            max_attention_window=self.attention_window,
+            sink_token_length=sinks,
+        )
+        executor.bind(
+            CacheLayout(
+                num_blocks,
+                kv_cfg.tokens_per_block,
+                min(self.max_seq_len, num_blocks * kv_cfg.tokens_per_block),
+                self.attention_window,
+                sinks,
+            )
+        )
+        self.scheduler = build_scheduler(engine, self.kv_cache_manager)
+        self.scheme = BatchingScheme(engine.batching_scheme)
+        self.max_num_tokens = engine.max_num_tokens
+        self.limits = RequestLimits(
+            vocab_size=model.vocab_size,
+            max_seq_len=self.max_seq_len,
+            # with chunking a prompt of any length fits the budget piece by piece
+            max_num_tokens=None if engine.enable_chunked_context else engine.max_num_tokens,
+            max_beam_width=engine.max_beam_width,
+        )
+        self._active: dict[int, LlmRequest] = {}  # insertion order is arrival order
+        self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)
+        self._iteration = 0
+        self._num_starts = 0
+        self._start_time = clock()
+
+    # -- requests in ----------------------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def has_request(self, request_id: int) -> bool:
+        return request_id in self._active
+
+    def add_request(self, request: Request) -> Response | None:
+        """Admit a request; returns its final error response instead when it is refused."""
+        rid = request.request_id
+        if isinstance(rid, int) and rid in self._active:
+            return error_response(
+                rid, f"request id {rid} is already active; an id may be reused after its final response"
+            )
+        try:
+            llm_request = validate_request(request, self.limits)
+            self._check_fits(llm_request)
+            self.executor.admit(llm_request)
+        except RequestError as exc:
+            return error_response(rid, str(exc))
+        llm_request.arrival_time = self.clock()
+        self._active[rid] = llm_request
+        return None
+
+    def _check_fits(self, request: LlmRequest) -> None:
+        kv = self.kv_cache_manager
+        needed = kv.get_needed_resource_to_completion(request)
+        if needed > kv.get_max_resource_count():
+            raise RequestError(
+                f"the request needs {needed} KV cache blocks (prompt {request.num_prompt_tokens} + output "
+                f"{request.max_new_tokens} tokens) but the cache holds {kv.get_max_resource_count()} blocks "
+                f"of {kv.tokens_per_block} tokens; raise kv_cache.max_tokens or kv_cache.free_memory_fraction, "
+                "or lower request_output_len"
+            )
+
+    # -- one iteration --------------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """Run one iteration over the active requests (nothing when none is active)."""
+        if not self._active:
+            return StepOutput()
+        started = self.clock()
+        num_active = len(self._active)
+        plan = self.scheduler.schedule_request(list(self._active.values()))
+        prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
+        self._pause(plan)
+        reuse = self._start(plan, prepared.reused_tokens)
+        batch = build_batch(plan, self.kv_cache_manager, self.scheme, self.max_num_tokens)
+        batch.block_copies = prepared.copies
+        result = self.executor.execute(batch)
+        counts = self._update(batch, result)
+        out = StepOutput(schedule=_record(plan), computed_tokens=counts.computed)
+        used_blocks = self.kv_cache_manager.pool.num_used_blocks
+        self._respond(batch, result, out)
+        if self.check_integrity:
+            self.verify()
+        self._iteration += 1
+        out.stats = self._stats(plan, counts, num_active, used_blocks, len(out.finished_ids), started, reuse)
+        out.stats.num_forwards = result.num_forwards
+        return out
+
+    def _pause(self, plan: SchedulerOutput) -> None:
+        """Paused requests (their blocks already freed) wait in the queue and recompute prompt + output."""
+        for req in plan.paused_requests:
+            req.pause()
+
+    def _start(self, plan: SchedulerOutput, reused_tokens: dict[int, int]) -> tuple[int, int]:
+        """Requests starting to hold blocks now: their cached prefix counts as computed, and they get a
+        start order (MAX_UTILIZATION pauses the latest first). Returns (reused, missed) blocks."""
+        reused = missed = 0
+        for req in plan.context_requests:
+            if req.holds_blocks:
+                continue
+            self._num_starts += 1
+            req.start_order = self._num_starts
+            match = plan.prefixes.get(req.request_id)
+            if match is None:
+                continue
+            req.num_computed_tokens = reused_tokens.get(req.request_id, 0)
+            if self.kv_cache_manager.enable_block_reuse:
+                req.num_reused_blocks += match.num_blocks
+                req.num_missed_blocks += match.num_missed_blocks
+                reused += match.num_blocks
+                missed += match.num_missed_blocks
+        return reused, missed
+
+    # -- update ---------------------------------------------------------------------------------------
+
+    def _update(self, batch: ExecutionBatch, result: ExecutionResult) -> _Counts:
+        """Apply what was computed: progress, new tokens, finish reasons, then the cache's bookkeeping."""
+        now = self.clock()
+        counts = _Counts()
+        kv = self.kv_cache_manager
+        for forward in batch.forwards:
+            for item in forward:
+                req, n = item.request, len(item.token_ids)
+                counts.computed += n
+                if item.kind is WorkKind.CONTEXT:
+                    req.num_computed_tokens += n
+                    counts.context += n
+                    if req.first_scheduled_time is None:
+                        req.first_scheduled_time = now
+                elif item.kind is WorkKind.PADDING:
+                    counts.padding += n
+                elif item.kind is WorkKind.GENERATION:
+                    req.num_computed_tokens += item.beam == 0  # every beam computes the same position
+                    counts.generation += 1
+                else:
+                    counts.empty_slots += 1
+        for item, token, log_prob in result.sampled:
+            if item.kind is not WorkKind.EMPTY_SLOT:
+                self._append_token(item.request, token, log_prob, now)
+        for forward in batch.forwards:
+            for item in forward:
+                req = item.request
+                if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and req.beam_width == 1:
+                    kv.cache_computed_blocks(req, req.num_computed_tokens)
+                    kv.release_outside_window(req.request_id, req.num_computed_tokens)
+        for request_id, step in result.beams.items():
+            req = self._active[request_id]
+            req.beam_tokens = step.beam_tokens
+            req.output_ids = list(step.beam_tokens[0])
+            req.state = RequestState.GENERATION_IN_PROGRESS
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if step.done:
+                req.finish_reason = FinishReason.END_ID if step.ended_by_end_id else FinishReason.LENGTH
+                req.state = RequestState.GENERATION_TO_COMPLETE
+            else:
+                kv.fork_beams(request_id, step.parents)
+        return counts
+
+    def _append_token(self, req: LlmRequest, token: int, log_prob: float | None, now: float) -> None:
+        req.output_ids.append(token)
+        if req.output_log_probs is not None and log_prob is not None:
+            req.output_log_probs.append(log_prob)
+        req.state = RequestState.GENERATION_IN_PROGRESS
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason = _stop_reason(req, token)
+        if reason is not FinishReason.NOT_FINISHED:
+            req.finish_reason = reason
+            req.state = RequestState.GENERATION_TO_COMPLETE
+
+    # -- respond --------------------------------------------------------------------------------------
+
+    def _respond(self, batch: ExecutionBatch, result: ExecutionResult, out: StepOutput) -> None:
+        """Streamed tokens for every request that produced one; a final response for each that ended
+        (and is not held as a V1 empty slot), after its resources are freed."""
+        for request_id, message in result.faults.items():
+            req = self._active.get(request_id)
+            if req is not None:
+                req.finish_reason = FinishReason.ERROR
+                out.responses.append(self._finish(req, error=message))
+                out.finished_ids.append(request_id)
+        produced: dict[int, LlmRequest] = {}
+        for forward in batch.forwards:
+            for item in forward:
+                if item.sample and item.kind is not WorkKind.EMPTY_SLOT:
+                    produced[item.request.request_id] = item.request
+        for req in produced.values():
+            live = req.streaming and self._active.get(req.request_id) is req
+            if live and (not req.is_finished or self.scheduler.holds(req)):
+                out.responses.append(self._response(req, final=False))
+        ended = [r for r in produced.values() if r.is_finished and self._active.get(r.request_id) is r]
+        for req in [*self._held, *ended]:
+            if self.scheduler.holds(req) or self._active.get(req.request_id) is not req:
+                continue
+            out.responses.append(self._finish(req))
+            out.finished_ids.append(req.request_id)
+        self._held = [r for r in self._active.values() if r.is_finished]
+
+    def _finish(self, req: LlmRequest, error: str = "") -> Response:
+        """Free everything the request holds and build its final response; its id may then be reused."""
+        response = self._response(req, final=True, error=error)
+        self.kv_cache_manager.free(req.request_id)
+        self.executor.release(req)
+        self._active.pop(req.request_id, None)
+        req.state = RequestState.GENERATION_COMPLETE
+        return response
+
+    def _response(self, req: LlmRequest, final: bool, error: str = "") -> Response:
+        start = req.num_streamed_tokens if req.streaming else 0
+        response = Response(req.request_id, req.output_ids[start:], final=final, error=error)
+        req.num_streamed_tokens = len(req.output_ids)
+        if req.output_log_probs is not None:
+            response.output_log_probs = req.output_log_probs[start:]
+            response.cum_log_probs = [sum(req.output_log_probs)]
+        if final:
+            extras = self.executor.final_outputs(req)
+            if extras.beams is not None:
+                response.beams = extras.beams
+                response.output_ids = list(extras.beams[0]) if extras.beams else []
+                response.beam_log_probs = extras.beam_log_probs
+                end_id = req.sampling.end_id
+                response.pad_fill = end_id if end_id >= 0 else req.sampling.pad_id
+                if req.controls is not None and req.controls.return_log_probs:
+                    response.output_log_probs = (
+                        list(extras.beam_log_probs[0]) if extras.beam_log_probs else []
+                    )
+                    response.cum_log_probs = extras.cum_log_probs
+            response.context_logits = extras.context_logits
+            response.generation_logits = extras.generation_logits
+            response.finish_reason = req.finish_reason
+            response.num_pauses = req.num_pauses
+            response.num_reused_blocks = req.num_reused_blocks
+            response.num_missed_blocks = req.num_missed_blocks
+            response.arrival_time = req.arrival_time
+            response.first_scheduled_time = req.first_scheduled_time
+            response.first_token_time = req.first_token_time
+        return response
+
+    # -- ending requests from outside ------------------------------------------------------------------
+
+    def cancel(
+        self, request_id: int, reason: FinishReason = FinishReason.CANCELLED, error: str = ""
+    ) -> Response | None:
+        """End an active request now (a stop signal); None when it is not active."""
+        req = self._active.get(request_id)
+        if req is None:
+            return None
+        if not req.is_finished:
+            req.finish_reason = reason
+        self._held = [r for r in self._held if r is not req]
+        return self._finish(req, error)
+
+    def finish_all(self, reason: FinishReason, error: str = "") -> list[Response]:
+        """End every active request (cancel all, or an internal error)."""
+        responses = [self.cancel(rid, reason, error) for rid in list(self._active)]
+        self._held.clear()
+        return [r for r in responses if r is not None]
+
+    # -- stats and checks -----------------------------------------------------------------------------
+
+    def _stats(
+        self,
+        plan: SchedulerOutput,
+        counts: _Counts,
+        num_active: int,
+        used_blocks: int,
+        num_finished: int,
+        started: float,
+        reuse: tuple[int, int],
+    ) -> IterationStats:
+        kv = self.kv_cache_manager
+        now = self.clock()
+        context_ids = {r.request_id for r in plan.context_requests} | {
+            w.request.request_id for w in plan.padding
+        }
+        num_generation = len(plan.generation_requests) + len(plan.empty_slots)
+        return IterationStats(
+            iteration=self._iteration,
+            active_requests=num_active,
+            max_requests=self.max_num_active_requests,
+            max_blocks=kv.get_max_resource_count(),
+            free_blocks=kv.get_max_resource_count() - used_blocks,
+            used_blocks=used_blocks,
+            tokens_per_block=kv.tokens_per_block,
+            context_requests=len(context_ids),
+            generation_requests=num_generation,
+            context_tokens=counts.context,
+            generation_tokens=counts.generation,
+            empty_generation_slots=counts.empty_slots,
+            padding_tokens=counts.padding,
+            computed_tokens=counts.computed,
+            num_forwards=0,
+            paused_requests=len(plan.paused_requests),
+            queued_requests=num_active - len(context_ids) - num_generation,
+            finished_requests=num_finished,
+            elapsed_s=now - self._start_time,
+            latency_ms=(now - started) * 1e3,
+            reused_blocks=reuse[0],
+            missed_blocks=reuse[1],
+            cached_blocks=kv.pool.num_cached_blocks,
+        )
+
+    def verify(self) -> None:
+        """The cache's own invariants, and every block table belongs to an active request."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        stray = [rid for rid in kv.request_ids() if rid not in self._active]
+        if stray:
+            raise AssertionError(f"block tables belong to no active request: {stray}")
+
+
+def _record(plan: SchedulerOutput) -> ScheduleRecord:
+    return ScheduleRecord(
+        context_ids=[r.request_id for r in plan.context_requests],
+        context_chunks=dict(plan.context_chunk_sizes),
+        generation_ids=[r.request_id for r in plan.generation_requests],
+        paused_ids=[r.request_id for r in plan.paused_requests],
+        padding_ids=[w.request.request_id for w in plan.padding],
+        empty_slot_ids=[s.request.request_id for s in plan.empty_slots],
+    )
+
+
+def _ends_with(prompt: list[int], output: list[int], word: tuple[int, ...]) -> bool:
+    """Whether prompt + output ends with ``word``, without building the concatenation."""
+    n = len(word)
+    if n > len(prompt) + len(output):
+        return False
+    if n <= len(output):
+        return tuple(output[len(output) - n :]) == word
+    head = n - len(output)
+    return tuple(prompt[len(prompt) - head :]) + tuple(output) == word
+
+
+def _stop_reason(req: LlmRequest, token: int) -> FinishReason:
+    if token == req.sampling.end_id:
+        return FinishReason.END_ID
+    controls = req.controls
+    stop_words = controls.stop_words if controls is not None else ()
+    if any(_ends_with(req.prompt_ids, req.output_ids, w) for w in stop_words):
+        return FinishReason.STOP_WORDS
+    if len(req.output_ids) >= req.max_new_tokens:
+        return FinishReason.LENGTH
+    return FinishReason.NOT_FINISHED

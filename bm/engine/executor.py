@@ -1,0 +1,127 @@
+"""The executor protocol: what the engine core hands to whatever computes tokens, and what it gets back.
+
+The core decides everything (schedule, KV blocks, positions, which tokens to sample) and describes one
+iteration as :class:`ExecutionBatch`: forwards of work items, each a run of tokens at positions with the
+block table to read and write. An executor computes and returns sampled tokens; it never allocates or
+frees a block. The torch ``ModelRunner`` path (:class:`bm.runtime.executor.TorchExecutor`) is one
+executor, :class:`bm.engine.fake_executor.FakeExecutor` (a token that is a pure function of request and
+position) another, so the real loop runs in tests and what-ifs without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from bm.scheduling.request import LlmRequest
+
+
+class WorkKind(Enum):
+    CONTEXT = "context"
+    PADDING = "padding"  # V1: pad tokens executed beside a shorter prompt
+    GENERATION = "generation"
+    EMPTY_SLOT = "empty_slot"  # V1: a finished member still computing while its batch runs on
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """Tokens ``token_ids`` at positions ``start_pos...`` of one sequence, read/written via ``block_ids``.
+
+    ``sample``: a token is sampled from the last position. ``keep_all``: the runtime also keeps every
+    position's logits (context logits were asked for). The attribute names are those the runtime's
+    packed forward reads, so a work item is passed to it as is.
+    """
+
+    request: LlmRequest
+    kind: WorkKind
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    beam: int = 0
+    keep_all: bool = False
+
+
+@dataclass
+class ExecutionBatch:
+    forwards: list[list[WorkItem]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # before the first forward
+
+
+@dataclass
+class BeamStep:
+    """One beam-search step of a request: beam ``i`` continues beam ``parents[i]``."""
+
+    parents: list[int]
+    beam_tokens: list[list[int]]  # every running beam's tokens so far, after this step
+    done: bool
+    ended_by_end_id: bool = False
+
+
+@dataclass
+class ExecutionResult:
+    # (item, token, log prob or None) for every sampled item that is not part of a beam request
+    sampled: list[tuple[WorkItem, int, float | None]] = field(default_factory=list)
+    beams: dict[int, BeamStep] = field(default_factory=dict)  # request id -> its step
+    faults: dict[int, str] = field(default_factory=dict)  # request id -> why it must end with an error
+    num_forwards: int = 0
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the core needs to know of the model to size the cache and validate requests."""
+
+    vocab_size: int
+    max_position_embeddings: int | None = None
+    sliding_window: int | None = None
+    sliding_window_on_every_layer: bool = False
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The KV cache the core manages, for the executor to allocate tensors for."""
+
+    num_blocks: int
+    tokens_per_block: int
+    max_seq_len: int
+    max_attention_window: int | None = None
+    sink_token_length: int = 0
+
+
+@dataclass
+class FinalOutputs:
+    """What a finished request's final response carries beyond its tokens (beams, logits)."""
+
+    beams: list[list[int]] | None = None
+    beam_log_probs: list[list[float]] | None = None
+    cum_log_probs: list[float] | None = None
+    context_logits: Any = None
+    generation_logits: Any = None
+
+
+class Executor(Protocol):
+    """Computes what the core schedules. Implementations: TorchExecutor, FakeExecutor."""
+
+    @property
+    def limits(self) -> ModelLimits: ...
+
+    def num_kv_blocks(self, kv_config: Any, max_useful_tokens: int) -> int:
+        """How many blocks of ``kv_config.tokens_per_block`` tokens the cache gets."""
+        ...
+
+    def bind(self, layout: CacheLayout) -> None:
+        """Allocate the cache for ``layout``; called once, before the first :meth:`execute`."""
+        ...
+
+    def admit(self, request: LlmRequest) -> None:
+        """Build the runtime's per-request state from ``request.controls`` (may raise RequestError)."""
+        ...
+
+    def execute(self, batch: ExecutionBatch) -> ExecutionResult: ...
+
+    def final_outputs(self, request: LlmRequest) -> FinalOutputs: ...
+
+    def release(self, request: LlmRequest) -> None:
+        """Forget the request's runtime state (its id may be reused afterwards)."""
+        ...

@@ -1,0 +1,122 @@
+"""A deterministic executor without a model: each token is a pure function of request, position and beam.
+
+It runs the real engine loop (scheduler, KV manager, pausing, chunking, reuse, beams) with no torch, so
+scheduler behaviour is tested exactly as the engine drives it, and because a token depends only on where
+it is produced, outputs are identical whatever the batching: the same invariant the model oracle checks.
+It also checks what a real executor relies on: every position it is asked to compute has a block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bm.engine.executor import (
+    BeamStep,
+    CacheLayout,
+    ExecutionBatch,
+    ExecutionResult,
+    FinalOutputs,
+    ModelLimits,
+    WorkItem,
+    WorkKind,
+)
+from bm.kv import NO_BLOCK
+from bm.scheduling.request import LlmRequest
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def fake_token(request_id: int, position: int, beam: int, vocab_size: int, low: int = 3) -> int:
+    """The token sampled at ``position`` (the position of the token produced) of a request's beam."""
+    h = (request_id * 1_000_003 + position * 8191 + beam * 131 + 17) * _MIX & 0xFFFFFFFFFFFF
+    return low + h % (vocab_size - low)
+
+
+class FakeExecutor:
+    """Tokens from :func:`fake_token`; ``end_at``: request id -> output length at which it samples its end id."""
+
+    def __init__(
+        self,
+        vocab_size: int = 1000,
+        *,
+        max_position_embeddings: int | None = None,
+        end_at: dict[int, int] | None = None,
+    ) -> None:
+        if vocab_size < 4:
+            raise ValueError("the fake executor needs a vocabulary of at least 4 tokens")
+        self._limits = ModelLimits(vocab_size, max_position_embeddings)
+        self.end_at = dict(end_at or {})
+        self.layout: CacheLayout | None = None
+        self.num_executed_tokens = 0
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
+
+    def num_kv_blocks(self, kv_config: Any, max_useful_tokens: int) -> int:
+        """Without a device the cache is as large as ``kv_cache.max_tokens`` says (required)."""
+        if kv_config.max_tokens is None:
+            raise ValueError("the fake executor needs kv_cache.max_tokens to size its cache")
+        return max(1, kv_config.max_tokens // kv_config.tokens_per_block)
+
+    def bind(self, layout: CacheLayout) -> None:
+        self.layout = layout
+
+    def admit(self, request: LlmRequest) -> None:
+        return None
+
+    def execute(self, batch: ExecutionBatch) -> ExecutionResult:
+        result = ExecutionResult(num_forwards=len(batch.forwards))
+        rows: dict[int, list[WorkItem]] = {}
+        for forward in batch.forwards:
+            for item in forward:
+                self._check_blocks(item)
+                self.num_executed_tokens += len(item.token_ids)
+                if not item.sample or item.kind is WorkKind.PADDING:
+                    continue
+                if item.request.beam_width > 1 and item.kind is not WorkKind.EMPTY_SLOT:
+                    rows.setdefault(item.request.request_id, []).append(item)
+                    continue
+                result.sampled.append((item, self._token(item), None))
+        for request_id, items in rows.items():
+            result.beams[request_id] = self._beam_step(items)
+        return result
+
+    def final_outputs(self, request: LlmRequest) -> FinalOutputs:
+        if request.beam_width > 1 and request.beam_tokens is not None:
+            beams = [list(b) for b in request.beam_tokens]
+            return FinalOutputs(beams=beams, beam_log_probs=[[0.0] * len(b) for b in beams])
+        return FinalOutputs()
+
+    def release(self, request: LlmRequest) -> None:
+        return None
+
+    def _token(self, item: WorkItem, beam: int = 0) -> int:
+        req = item.request
+        position = item.start_pos + len(item.token_ids)
+        num_output = position - req.num_prompt_tokens
+        if self.end_at.get(req.request_id) == num_output + 1 and req.sampling.end_id >= 0:
+            return req.sampling.end_id
+        return fake_token(req.request_id, position, beam, self._limits.vocab_size)
+
+    def _beam_step(self, items: list[WorkItem]) -> BeamStep:
+        """Beams never reorder here: beam i continues beam i (the first step fans the prompt out)."""
+        req = items[0].request
+        width = req.beam_width
+        previous = req.beam_tokens or [[] for _ in range(width)]
+        parents = [0] * width if len(items) == 1 else list(range(width))
+        tokens = [[*previous[p], self._token(items[0], b)] for b, p in enumerate(parents)]
+        done = len(tokens[0]) >= req.max_new_tokens
+        return BeamStep(parents, tokens, done)
+
+    def _check_blocks(self, item: WorkItem) -> None:
+        assert self.layout is not None, "bind() the executor before executing"
+        bs = self.layout.tokens_per_block
+        end = item.start_pos + len(item.token_ids)
+        for position in range(item.start_pos, end):
+            index = position // bs
+            if index >= len(item.block_ids) or item.block_ids[index] == NO_BLOCK:
+                raise AssertionError(
+                    f"request {item.request.request_id}: no KV block for position {position} "
+                    f"(table {item.block_ids})"
+                )

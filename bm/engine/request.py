@@ -1,0 +1,344 @@
+"""The typed core request and response: plain Python values, no tensors, no torch.
+
+:class:`Request` holds the InferenceRequest table's fields under their spec names, as plain values (lists
+of ints, floats, bools); a field left ``None`` was not given and takes the spec's default. The seed's
+tensor-map API (:mod:`bm.engine.inference_request`) is an adapter that builds one of these; ``bm run``,
+``bm bench`` and ``bm compare`` build them directly. :func:`validate_request` is the one place every
+value is checked, so both doors refuse the same things with the same messages, and a value of the wrong
+type is refused, never coerced (``beam_width: 1.9`` is an error, not 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
+
+UINT64_MAX = 2**64 - 1
+
+# Fields of the spec table bm refuses by name until they are implemented.
+UNSUPPORTED_FIELDS = (
+    "prompt_embedding_table",
+    "prompt_vocab_size",
+    "lora_task_id",
+    "lora_weights",
+    "lora_config",
+    "draft_input_ids",
+    "draft_logits",
+)
+
+
+class RequestError(ValueError):
+    """A request the batch manager refuses; the message is sent back as the error response."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_seq_len: int
+    max_num_tokens: int | None  # None: chunked context, any prompt fits piece by piece
+    max_beam_width: int
+
+
+@dataclass
+class Request:
+    """One generation request with the InferenceRequest table's fields (None: not given)."""
+
+    request_id: int
+    input_ids: list[int]
+    request_output_len: int
+    streaming: bool | None = None
+    beam_width: int | None = None
+    temperature: float | None = None
+    runtime_top_k: int | None = None
+    runtime_top_p: float | None = None
+    len_penalty: float | None = None
+    early_stopping: int | None = None
+    repetition_penalty: float | None = None
+    min_length: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    random_seed: int | None = None
+    end_id: int | None = None
+    pad_id: int | None = None
+    embedding_bias: list[float] | None = None
+    bad_words_list: list[list[int]] | None = None
+    stop_words_list: list[list[int]] | None = None
+    return_log_probs: bool | None = None
+    return_context_logits: bool | None = None
+    return_generation_logits: bool | None = None
+    # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
+    # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
+    logits_post_processor: Callable[..., Any] | None = None
+
+
+@dataclass
+class Response:
+    """What the engine reports for one request: new tokens (streaming) or everything (final).
+
+    ``output_ids`` are the tokens this response carries: the new ones when streaming, all of them in a
+    final non-streamed response. ``beams`` (beam search, final only) holds every beam best first, and
+    ``output_ids`` is then the best. Logits are runtime objects (tensors), passed through untouched.
+    """
+
+    request_id: int
+    output_ids: list[int] = field(default_factory=list)
+    final: bool = False
+    error: str = ""
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    output_log_probs: list[float] | None = None  # for the tokens this response carries
+    cum_log_probs: list[float] | None = None  # one per beam (one for a plain request)
+    beams: list[list[int]] | None = None
+    beam_log_probs: list[list[float]] | None = None
+    pad_fill: int = 0  # what pads shorter beams in a [beam_width, n] tensor (the end id, else pad id)
+    context_logits: Any = None  # [prompt, vocab]
+    generation_logits: Any = None  # [output, vocab]
+    num_pauses: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+def error_response(request_id: int, message: str) -> Response:
+    return Response(request_id, final=True, error=message, finish_reason=FinishReason.ERROR)
+
+
+# -- validation --------------------------------------------------------------------------------------
+
+
+def _int(name: str, value: Any, low: int, high: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name}: expected an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise RequestError(f"{name}: {value} is out of range; allowed {bound}")
+    return value
+
+
+def _float(name: str, value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise RequestError(f"{name}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
+def show(value: float) -> str:
+    """A float as the user wrote it (1.01, not 1.0099999904632568 from a float32 tensor)."""
+    return repr(float(f"{value:.7g}"))
+
+
+def _token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise RequestError(f"{name}: expected a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestError(f"{name}: expected integer token ids, got {t!r}")
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return list(ids)
+
+
+def _words(name: str, words: Any, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    if words is None:
+        return ()
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, (list, tuple)) for w in words):
+        raise RequestError(f"{name}: expected a list of token-id lists")
+    out = []
+    for word in words:
+        if not word:
+            raise RequestError(f"{name}: a word is empty; give at least one token id per word")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in word):
+            raise RequestError(f"{name}: expected integer token ids, got the word {list(word)}")
+        if min(word) < 0 or max(word) >= vocab_size:
+            raise RequestError(
+                f"{name}: token id outside the vocabulary [0, {vocab_size}) in word {list(word)}"
+            )
+        out.append(tuple(word))
+    return tuple(out)
+
+
+def _embedding_bias(value: Any, vocab_size: int) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != vocab_size:
+        got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+        raise RequestError(
+            f"embedding_bias: expected shape [1, {vocab_size}] (one value per vocabulary token), got {got}"
+        )
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RequestError("embedding_bias: values must be finite numbers")
+    return tuple(float(v) for v in value)
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The validated controls beyond temperature / top-k / top-p, as plain values (the runtime turns them
+    into its own decoding state)."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_length: int = 0
+    no_repeat_ngram_size: int = 0
+    embedding_bias: tuple[float, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    stop_words: tuple[tuple[int, ...], ...] = ()
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    logits_post_processor: Callable[..., Any] | None = None
+    len_penalty: float = 1.0
+    early_stopping: int = 1
+
+    @property
+    def processes_logits(self) -> bool:
+        return (
+            self.logits_post_processor is not None
+            or self.embedding_bias is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_length > 0
+            or self.no_repeat_ngram_size > 0
+            or bool(self.bad_words)
+        )
+
+    @property
+    def needs_runtime_state(self) -> bool:
+        return bool(
+            self.processes_logits
+            or self.stop_words
+            or self.return_log_probs
+            or self.return_context_logits
+            or self.return_generation_logits
+        )
+
+
+def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
+    """Check every field of ``request``; return the engine's record or raise :class:`RequestError`."""
+    rid = request.request_id
+    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid <= UINT64_MAX:
+        raise RequestError(f"request id {rid!r} is not a uint64")
+    prompt = _token_ids("input_ids", request.input_ids, limits.vocab_size)
+    if not prompt:
+        raise RequestError("input_ids: the prompt is empty; give at least one token")
+    if request.request_output_len is None:
+        raise RequestError("missing mandatory input tensor 'request_output_len'")
+    max_new = _int("request_output_len", request.request_output_len, 1, None, 0)
+    beam_width = _int("beam_width", request.beam_width, 1, limits.max_beam_width, 1)
+    _check_lengths(prompt, max_new, limits)
+
+    temperature = _float("temperature", request.temperature, 0.0)
+    if temperature < 0:
+        raise RequestError(f"temperature: {show(temperature)} is out of range; allowed >= 0 (0 is greedy)")
+    top_k = _int("runtime_top_k", request.runtime_top_k, 0, None, 0)
+    top_p = _float("runtime_top_p", request.runtime_top_p, 1.0)
+    if not 0 < top_p <= 1:
+        raise RequestError(f"runtime_top_p: {show(top_p)} is out of range; allowed (0, 1]")
+    if request.temperature is None and (top_k > 1 or top_p < 1):
+        temperature = 1.0  # asking for a filter means asking to sample
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        random_seed=_int("random_seed", request.random_seed, 0, UINT64_MAX, 0),
+        end_id=_int("end_id", request.end_id, -1, limits.vocab_size - 1, -1),
+        pad_id=_int("pad_id", request.pad_id, 0, limits.vocab_size - 1, 0),
+    )
+    streaming = _bool("streaming", request.streaming)
+    controls = _controls(request, limits, max_new)
+    if beam_width > 1:
+        _check_beam_request(sampling, streaming, controls)
+    return LlmRequest(
+        request_id=rid,
+        prompt_ids=prompt,
+        max_new_tokens=max_new,
+        sampling=sampling,
+        streaming=streaming,
+        beam_width=beam_width,
+        controls=controls if controls.needs_runtime_state or beam_width > 1 else None,
+        output_log_probs=[] if controls.return_log_probs and beam_width == 1 else None,
+    )
+
+
+def _check_lengths(prompt: Sequence[int], max_new: int, limits: RequestLimits) -> None:
+    if len(prompt) > limits.max_seq_len:
+        raise RequestError(
+            f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's maximum of "
+            f"{limits.max_seq_len} (engine.max_seq_len)"
+        )
+    if len(prompt) + max_new > limits.max_seq_len:
+        raise RequestError(
+            f"request_output_len: prompt ({len(prompt)}) + output ({max_new}) tokens exceed the maximum "
+            f"sequence length {limits.max_seq_len}; lower request_output_len to at most "
+            f"{limits.max_seq_len - len(prompt)}"
+        )
+    if limits.max_num_tokens is not None and len(prompt) > limits.max_num_tokens:
+        raise RequestError(
+            f"input_ids: the prompt has {len(prompt)} tokens but an iteration computes at most "
+            f"{limits.max_num_tokens} (engine.max_num_tokens); raise it or set engine.enable_chunked_context"
+        )
+
+
+def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls:
+    repetition = _float("repetition_penalty", request.repetition_penalty, 1.0)
+    if repetition <= 0:
+        raise RequestError(f"repetition_penalty: {show(repetition)} is out of range; allowed > 0 (1 is off)")
+    processor = request.logits_post_processor
+    if processor is not None and not callable(processor):
+        raise RequestError(
+            "logits_post_processor: expected a callable (request_id, logits, tokens) -> logits"
+        )
+    return Controls(
+        repetition_penalty=repetition,
+        presence_penalty=_float("presence_penalty", request.presence_penalty, 0.0),
+        frequency_penalty=_float("frequency_penalty", request.frequency_penalty, 0.0),
+        min_length=_int("min_length", request.min_length, 0, max_new, 0),
+        no_repeat_ngram_size=_int("no_repeat_ngram_size", request.no_repeat_ngram_size, 0, None, 0),
+        embedding_bias=_embedding_bias(request.embedding_bias, limits.vocab_size),
+        bad_words=_words("bad_words_list", request.bad_words_list, limits.vocab_size),
+        stop_words=_words("stop_words_list", request.stop_words_list, limits.vocab_size),
+        return_log_probs=_bool("return_log_probs", request.return_log_probs),
+        return_context_logits=_bool("return_context_logits", request.return_context_logits),
+        return_generation_logits=_bool("return_generation_logits", request.return_generation_logits),
+        logits_post_processor=processor,
+        # Validated whatever the width; they only act on beams (as in TensorRT-LLM and HF).
+        len_penalty=_float("len_penalty", request.len_penalty, 1.0),
+        early_stopping=_int("early_stopping", request.early_stopping, 0, None, 1),
+    )
+
+
+def _check_beam_request(sampling: SamplingParams, streaming: bool, controls: Controls) -> None:
+    """Combinations bm does not implement with beam search are refused, never silently ignored."""
+    if not sampling.is_greedy:
+        raise RequestError(
+            "beam_width: beam search is deterministic in bm; drop temperature / runtime_top_k / runtime_top_p "
+            "or use beam_width 1"
+        )
+    if streaming:
+        raise RequestError("streaming: not supported with beam_width > 1; set streaming to false")
+    if controls.stop_words:
+        raise RequestError("stop_words_list: not supported with beam_width > 1")
+    if controls.return_generation_logits:
+        raise RequestError("return_generation_logits: not supported with beam_width > 1")

@@ -1,0 +1,180 @@
+"""The torch executor: runs the engine core's batches through the model and samples.
+
+It owns every tensor of an iteration: the packed forward (:class:`ModelRunner`), the block copies a beam
+fork asks for, context/generation logits kept for the response, and decoding (controls, sampling, beam
+steps). Block tables, positions and what to sample come from the core; nothing here allocates a block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bm.config import KvCacheConfig
+from bm.engine.executor import (
+    BeamStep,
+    CacheLayout,
+    ExecutionBatch,
+    ExecutionResult,
+    FinalOutputs,
+    ModelLimits,
+    WorkItem,
+    WorkKind,
+)
+from bm.runtime.beam_search import BeamSearch
+from bm.runtime.decoding import Decoder, DecodeResult
+from bm.runtime.kv_sizing import num_kv_blocks
+from bm.runtime.logits import DecodingOptions
+from bm.runtime.model_loader import LoadedModel
+from bm.runtime.model_runner import ModelRunner
+from bm.scheduling import FinishReason, LlmRequest
+
+
+class TorchExecutor:
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+        self.runner: ModelRunner | None = None
+        self.decoder = Decoder()
+        self._limits = ModelLimits(
+            vocab_size=model.vocab_size,
+            max_position_embeddings=model.max_position_embeddings,
+            sliding_window=model.sliding_window,
+            sliding_window_on_every_layer=model.sliding_window_on_every_layer,
+        )
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
+
+    def num_kv_blocks(self, kv_config: KvCacheConfig, max_useful_tokens: int) -> int:
+        return num_kv_blocks(self.model, kv_config, max_useful_tokens=max_useful_tokens)
+
+    def bind(self, layout: CacheLayout) -> None:
+        self.runner = ModelRunner(
+            self.model,
+            layout.num_blocks,
+            layout.tokens_per_block,
+            layout.max_seq_len,
+            max_attention_window=layout.max_attention_window,
+            sink_token_length=layout.sink_token_length,
+        )
+
+    def admit(self, request: LlmRequest) -> None:
+        """The runtime's decoding state for a request that asked for more than temperature/top-k/top-p."""
+        controls = request.controls
+        if controls is None:
+            return
+        bias = None
+        if controls.embedding_bias is not None:
+            bias = torch.tensor(controls.embedding_bias, dtype=torch.float32)
+        options = DecodingOptions(
+            repetition_penalty=controls.repetition_penalty,
+            presence_penalty=controls.presence_penalty,
+            frequency_penalty=controls.frequency_penalty,
+            min_length=controls.min_length,
+            no_repeat_ngram_size=controls.no_repeat_ngram_size,
+            embedding_bias=bias,
+            bad_words=controls.bad_words,
+            stop_words=controls.stop_words,
+            return_log_probs=controls.return_log_probs,
+            return_context_logits=controls.return_context_logits,
+            return_generation_logits=controls.return_generation_logits,
+            logits_post_processor=controls.logits_post_processor,
+        )
+        if request.beam_width > 1:
+            options.beam = BeamSearch(
+                request.beam_width,
+                request.max_new_tokens,
+                request.sampling.end_id,
+                controls.len_penalty,
+                controls.early_stopping,
+            )
+        request.decoding = options
+
+    def execute(self, batch: ExecutionBatch) -> ExecutionResult:
+        assert self.runner is not None, "bind() the executor before executing"
+        self.runner.copy_blocks(batch.block_copies)
+        result = ExecutionResult(num_forwards=len(batch.forwards))
+        for group in batch.forwards:
+            self._forward(group, result)
+        return result
+
+    def _forward(self, group: list[WorkItem], result: ExecutionResult) -> None:
+        for item in group:
+            item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
+        logits = self.runner.forward(group)
+        if any(item.keep_all for item in group):
+            logits = self._take_context_logits(group, logits)
+        to_sample = [item for item in group if item.sample]
+        if not to_sample:
+            return
+        decoded: DecodeResult = self.decoder.decode(
+            logits, [item.request for item in to_sample], [item.beam for item in to_sample]
+        )
+        result.faults.update(decoded.faults)
+        for request_id, outcome in decoded.beams.items():
+            req = next(item.request for item in to_sample if item.request.request_id == request_id)
+            result.beams[request_id] = _beam_step(req, outcome.parents, outcome.done)
+        log_probs = decoded.log_probs or [None] * len(to_sample)
+        for item, token, lp in zip(to_sample, decoded.tokens, log_probs, strict=True):
+            decoding = item.request.decoding
+            if decoding is None or decoding.beam is None:
+                result.sampled.append((item, token, lp))
+
+    def _take_context_logits(self, group: list[WorkItem], logits: torch.Tensor) -> torch.Tensor:
+        """Store the prompt positions' logits of ``keep_all`` items; return one row per sampled item."""
+        keep: list[int] = []
+        row = 0
+        for item in group:
+            n = len(item.token_ids) if item.keep_all else int(item.sample)
+            if item.keep_all:
+                opts = item.request.decoding
+                first = max(0, opts.num_context_logits - item.start_pos)  # skip what an earlier pass stored
+                last = min(n, item.request.num_prompt_tokens - item.start_pos)
+                if first < last:
+                    opts.context_logits.append(logits[row + first : row + last].detach().to("cpu", copy=True))
+                    opts.num_context_logits += last - first
+            if item.sample:
+                keep.append(row + n - 1)
+            row += n
+        return logits[keep]
+
+    def final_outputs(self, request: LlmRequest) -> FinalOutputs:
+        opts = request.decoding
+        if opts is None:
+            return FinalOutputs()
+        out = FinalOutputs()
+        if opts.beam is not None:
+            search = opts.beam
+            if request.finish_reason in (FinishReason.END_ID, FinishReason.LENGTH):
+                hyps = search.results()
+                out.beams, out.beam_log_probs = [h.tokens for h in hyps], [h.log_probs for h in hyps]
+            else:  # cancelled: the running beams
+                out.beams, out.beam_log_probs = search.tokens, search.log_probs
+            out.cum_log_probs = [float(sum(v)) for v in out.beam_log_probs]
+        if opts.return_context_logits and opts.context_logits:
+            out.context_logits = torch.cat(opts.context_logits)
+        if opts.return_generation_logits and opts.generation_logits:
+            out.generation_logits = torch.stack(opts.generation_logits)
+        return out
+
+    def release(self, request: LlmRequest) -> None:
+        self.decoder.release(request.request_id)
+
+
+def _beam_step(req: LlmRequest, parents: list[int], done: bool) -> BeamStep:
+    search = req.decoding.beam
+    ended = False
+    if done:
+        best = search.results()[0]
+        ended = bool(best.tokens) and best.tokens[-1] == req.sampling.end_id
+    return BeamStep(parents, [list(t) for t in search.tokens], done, ended)
+
+
+def _wants_context_logits(item: WorkItem) -> bool:
+    opts = item.request.decoding
+    return (
+        opts is not None
+        and opts.return_context_logits
+        and item.start_pos < item.request.num_prompt_tokens
+        and opts.num_context_logits < item.request.num_prompt_tokens
+    )
