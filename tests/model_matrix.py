@@ -64,7 +64,23 @@ MATRIX: list[Entry] = [
         "q/k norms, experts",
     ),
     Entry("gemma", {"head_dim": 16}, "scaled embeddings, GeGLU"),
-    Entry("gemma2", {"head_dim": 16, "attn_logit_softcapping": 3.0}, "attention logit soft-capping"),
+    Entry(
+        "gemma2",
+        {"head_dim": 16, "attn_logit_softcapping": 3.0, "sliding_window": 16},
+        "soft-capping; every other layer slides (16)",
+    ),
+    Entry(
+        "gemma3_text",
+        {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 16},
+        "five of six layers slide (16), the sixth attends everything",
+    ),
+    Entry(
+        "qwen2",
+        {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1},
+        "sliding window above max_window_layers only",
+        variant="window-layers",
+    ),
+    Entry("cohere2", {"sliding_window": 16}, "sliding and full layers interleaved"),
     Entry("cohere", {}, "parallel attention/MLP, logit scale"),
     Entry("phi", {}, "partial rotary, dense biases"),
     Entry("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, "fused qkv projection"),
@@ -159,7 +175,11 @@ MATRIX: list[Entry] = [
         "fused qkv in model-parallel order, own attention class (adapted)",
         no_base=True,
     ),
-    Entry("gpt_oss", {**MOE, "head_dim": 16}, "attention sink logits, experts"),
+    Entry(
+        "gpt_oss",
+        {**MOE, "head_dim": 16, "sliding_window": 16},
+        "attention sink logits, experts, sliding and full layers",
+    ),
     Entry(
         "xglm",
         {

@@ -146,6 +146,7 @@ def test_native_window_and_user_window_take_the_smaller(full_attention_mistral):
 
     loaded = copy.copy(full_attention_mistral[0])
     loaded.sliding_window = 24
+    loaded.layer_windows = (24,) * len(loaded.layer_windows)
     for given, effective in ((None, 24), (16, 16), (40, 24), (600, 24)):
         config = make_config(kv_cache={"max_attention_window": given})
         with BatchManager(config, lambda n: [], lambda *a: None, model=loaded) as manager:

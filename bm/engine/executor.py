@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from bm.kv.window_layout import AttentionWindowLayout
 from bm.scheduling.request import LlmRequest
 
 
@@ -76,6 +77,8 @@ class ModelLimits:
     max_position_embeddings: int | None = None
     sliding_window: int | None = None
     sliding_window_on_every_layer: bool = False
+    # the model's own window per layer index (None: full attention); empty when not known
+    layer_windows: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class CacheLayout:
     max_seq_len: int
     max_attention_window: int | None = None
     sink_token_length: int = 0
+    # every layer's window, where they differ (then max_attention_window, the released-blocks window, is None)
+    window_layout: AttentionWindowLayout | None = None
 
 
 @dataclass
