@@ -1,4 +1,5 @@
-"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache`` and ``bench``, validated up front.
+"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache``, ``peft_cache``, ``bench``, validated
+up front.
 
 Every knob is declared once, as a dataclass field with its help text and its check, so the loader, the
 ``--set`` overrides and the ``bm run --help`` reference all read the same declaration. A bad file never
@@ -107,6 +108,24 @@ def _class_path(key: str, value: Any) -> Any:
     if not (sep and module and name.isidentifier()):
         raise ConfigError(f"{key}: expected 'package.module:ClassName', got {value!r}")
     return value
+
+
+def _speculative(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping {{method: ngram, num_draft_tokens: K, max_ngram: N}}")
+    allowed = {"method", "num_draft_tokens", "max_ngram"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
+    if value.get("method") != "ngram":
+        raise ConfigError(f"{key}.method: unknown value {value.get('method')!r}; allowed: ngram")
+    return {
+        "method": "ngram",
+        "num_draft_tokens": _int_at_least(1)(f"{key}.num_draft_tokens", value.get("num_draft_tokens", 4)),
+        "max_ngram": _int_at_least(1)(f"{key}.max_ngram", value.get("max_ngram", 3)),
+    }
 
 
 class _Named(str, Enum):
@@ -228,6 +247,19 @@ class EngineConfig:
         "Your RequestScheduler (schedule_request implemented directly), 'package.module:ClassName'.",
         _class_path,
     )
+    executor: str = _knob(
+        "torch",
+        "torch (run the model) or sim (bm.sim: the same scheduler, forwards priced by a roofline cost "
+        "model of sim.hardware, simulated time; needs model.config).",
+        _choice({"torch": "torch", "sim": "sim"}),
+    )
+    speculative: dict | None = _knob(  # noqa: RUF009
+        None,
+        "Draft tokens without a draft model: {method: ngram, num_draft_tokens: K, max_ngram: N} proposes "
+        "the K tokens that followed the latest earlier occurrence of the sequence's last N (down to 1) "
+        "tokens (prompt lookup); one forward verifies them. Default: off.",
+        _speculative,
+    )
 
 
 @dataclass
@@ -261,6 +293,21 @@ class KvCacheConfig:
         0,
         "With max_attention_window: the first tokens of a sequence, always attended (StreamingLLM sinks).",
         _int_at_least(0),
+    )
+
+
+@dataclass
+class PeftCacheConfig:
+    max_adapters: int = _knob(
+        8,
+        "Most LoRA adapters kept loaded at once; when full, the least recently used adapter no active "
+        "request holds is evicted, and a request whose adapter cannot be loaded waits.",
+        _int_at_least(1),
+    )
+    max_bytes: int | None = _knob(
+        None,
+        "Most bytes of LoRA weights kept loaded (in the model's dtype); default: no byte limit.",
+        _int_at_least(1, optional=True),
     )
 
 
@@ -421,11 +468,26 @@ def _validate_bench(bench: BenchConfig) -> None:
 
 
 @dataclass
+class SimConfig:
+    """The simulated executor's device (used when ``engine.executor`` is ``sim``)."""
+
+    hardware: str = _knob(
+        "h100-sxm",
+        "Row of bm/sim/hardware.yaml (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or cpu-local "
+        "(this machine, measured by `bm sim calibrate`).",
+        _optional_str,
+    )
+    tensor_parallel: int = _knob(1, "Devices the model is split over (tensor parallelism).", _int_at_least(1))
+
+
+@dataclass
 class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    peft_cache: PeftCacheConfig = field(default_factory=PeftCacheConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -435,7 +497,9 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "engine": EngineConfig,
     "kv_cache": KvCacheConfig,
+    "peft_cache": PeftCacheConfig,
     "bench": BenchConfig,
+    "sim": SimConfig,
 }
 
 
@@ -504,6 +568,10 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(
             f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "
             f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
+        )
+    if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
+        raise ConfigError(
+            "engine.executor: sim needs the model's shape: give --model-config CFG.json (model.config)"
         )
     _validate_bench(cfg.bench)
 

@@ -19,6 +19,13 @@ from bm.engine.request import Request
 OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
 REQUEST_FIELDS = sorted(SUPPORTED_INPUT_TENSORS - {"input_ids", "request_output_len"})
+# Fields whose JSONL value is a nested list of numbers (the engine checks shapes and values).
+NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
+# Fields whose JSONL value is a flat list of token ids.
+ID_LIST_FIELDS = ("draft_input_ids",)
+# A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), read into lora_config and
+# lora_weights; relative paths are taken from the prompts file's directory.
+LORA_DIR = "lora_dir"
 # Read by `bm bench`; `bm run` is offline and accepts the field so one file serves both.
 IGNORED_KEYS = ("arrival_time",)
 KNOWN_KEYS = {
@@ -29,6 +36,7 @@ KNOWN_KEYS = {
     *FIELD_ALIASES,
     *SPEC_INPUT_TENSORS,
     *IGNORED_KEYS,
+    LORA_DIR,
 }
 
 
@@ -59,6 +67,7 @@ def read_prompt_lines(
     """
     lines: list[PromptLine] = []
     seen_ids: dict[Any, int] = {}
+    adapters: dict[Path, tuple[Any, Any]] = {}  # each adapter directory is read once
     with path.open(encoding="utf-8") as f:
         for line_number, text in enumerate(f, start=1):
             if not text.strip():
@@ -77,6 +86,8 @@ def read_prompt_lines(
                 entry.request, entry.num_prompt_tokens = _to_request(
                     data, index, encode, default_output_len, default_end_id, encode_word
                 )
+                if LORA_DIR in data:
+                    _add_lora_dir(entry.request, data, path.parent, adapters)
             except LineError as exc:
                 entry.error = f"line {line_number}: {exc}"
             lines.append(entry)
@@ -119,7 +130,7 @@ def _to_request(
     fields: dict[str, Any] = {}
     for key, value in data.items():
         name = FIELD_ALIASES.get(key, key)
-        if name in ("id", "prompt", "input_ids", *OUTPUT_LEN_ALIASES, *IGNORED_KEYS):
+        if name in ("id", "prompt", "input_ids", LORA_DIR, *OUTPUT_LEN_ALIASES, *IGNORED_KEYS):
             continue
         if name in fields:
             raise LineError(f"{key}: given twice (as {name!r} and an alias); keep one")
@@ -129,6 +140,13 @@ def _to_request(
             value = _word_list(key, value, encode_word)
         elif name == "embedding_bias":
             value = _bias(key, value)
+        elif name in NESTED_FIELDS:
+            value = _nested_numbers(key, value)
+        elif name in ID_LIST_FIELDS:
+            if not isinstance(value, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value
+            ):
+                raise LineError(f"{key}: expected a list of integer token ids")
         elif not isinstance(value, (int, float, bool)):
             raise LineError(f"{key}: expected a number or true/false, got {value!r}")
         fields[name] = value
@@ -164,6 +182,34 @@ def _prompt_ids(data: dict[str, Any], encode: Callable[[str], list[int]] | None)
     if not ids:
         raise LineError("input_ids: the prompt is empty")
     return ids
+
+
+def _add_lora_dir(request: Request, data: dict[str, Any], base: Path, adapters: dict) -> None:
+    """The line's adapter directory as the seed's fields; the task id derives from the directory unless
+    the line gives ``lora_task_id``. Every line carries the weights, so no line depends on another's."""
+    from bm.runtime.lora import read_peft_adapter, task_id_for_directory
+
+    value = data[LORA_DIR]
+    if not isinstance(value, str) or not value:
+        raise LineError(f"{LORA_DIR}: expected a directory path, got {value!r}")
+    if "lora_weights" in data or "lora_config" in data:
+        raise LineError(f"{LORA_DIR}: give either lora_dir or lora_weights + lora_config, not both")
+    path = Path(value) if Path(value).is_absolute() else base / value
+    key = path.resolve()
+    if key not in adapters:
+        try:
+            adapters[key] = read_peft_adapter(path)
+        except ValueError as exc:
+            raise LineError(str(exc)) from None
+    request.lora_config, request.lora_weights = adapters[key]
+    if request.lora_task_id is None:
+        request.lora_task_id = task_id_for_directory(path)
+
+
+def _nested_numbers(key: str, value: Any) -> list[list[float]]:
+    if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
+        raise LineError(f"{key}: expected a nested list of numbers (one list per row), got {value!r:.60}")
+    return value
 
 
 def _output_len(data: dict[str, Any], default: int) -> int:
