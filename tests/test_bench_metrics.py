@@ -112,6 +112,9 @@ def stats_row(used: int, ctx: int, gen: int, computed: int, paused: int = 0, emp
         "Empty Generation Slots": empty,
         "Paused Requests": paused,
         "Iteration Latency (ms)": 10.0 if ctx else 2.0,
+        "Draft Steps": 0,
+        "Draft Tokens": 0,
+        "Accepted Draft Tokens": 0,
     }
 
 
