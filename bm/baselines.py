@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-BASELINES = ("hf-generate", "hf-cb")
-
 
 @dataclass
 class PeerResult:

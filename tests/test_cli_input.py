@@ -195,6 +195,8 @@ print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules))
         lambda t: ["bench", t / "missing.jsonl"],
         lambda t: ["bench", t / "p.jsonl", "--set", "bench.warmup=-1"],
         lambda t: ["compare", t / "p.jsonl", "--baseline", t / "binary.yaml"],
+        lambda t: ["compare", t / "p.jsonl", "--schemes", "v1,bogus"],
+        lambda t: ["compare", t / "p.jsonl", "--assert", "v1.output_throughput >>> 2"],
     ],
 )
 def test_usage_config_and_file_errors_are_found_before_torch_loads(tmp_path, make_args):

@@ -63,7 +63,7 @@ def compare(
         previous = _read_baseline(baseline) if baseline is not None else None
         if out_dir is not None:
             check_writable_dir(out_dir, "-o")
-        from bm.compare.runner import plan_variants
+        from bm.compare.variants import plan_variants
 
         variants = plan_variants(schemes, policies, baselines)
         if repeat < 1:
