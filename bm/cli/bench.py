@@ -156,6 +156,9 @@ def bench(
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
+    data_parallel: int | None = typer.Option(None, "--data-parallel", help="Run N engine replicas as processes (torch.distributed); requests go to the least loaded.", rich_help_panel=MODEL),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Shard the model over N ranks per replica (tp_plan='auto'; needs --model).", rich_help_panel=MODEL),
+    rank_timeout: float = typer.Option(300.0, "--rank-timeout", help="Seconds a rank may stay silent before the run ends with an error.", rich_help_panel=MODEL),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
@@ -166,7 +169,11 @@ def bench(
     except ConfigError as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
     console = Console(stderr=cfg.bench.json_output)
+    from bm.distributed.cli import end_ranks, start_ranks
+
+    multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
     code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output), plot=plot)
+    end_ranks(console, multi_rank)
     if code:
         raise typer.Exit(code=code)
 

@@ -37,6 +37,9 @@ def _root(
 
 
 CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys below)."
+DP_HELP = "Run N engine replicas as processes (torch.distributed, gloo); requests go to the least loaded."
+TP_HELP = "Shard the model over N ranks per replica (transformers tp_plan='auto'; needs --model)."
+RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
 SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeatable)."
 
 
@@ -74,6 +77,9 @@ def run(
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Output length for lines that give none."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's end token."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help=TP_HELP),
+    rank_timeout: float = typer.Option(300.0, "--rank-timeout", help=RANK_TIMEOUT_HELP),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
     from bm.cli.run import run_prompts, summary_table
@@ -87,6 +93,9 @@ def run(
     except ConfigError as exc:
         raise _fail(console, str(exc)) from None
     out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
+    from bm.distributed.cli import end_ranks, start_ranks
+
+    multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
     try:
         summary = run_prompts(
             prompts,
@@ -103,6 +112,7 @@ def run(
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
     if summary.num_failed:
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
+    end_ranks(console, multi_rank)
     if summary.interrupted:
         raise typer.Exit(code=130)
 

@@ -22,7 +22,9 @@ import bm
 from bm.cli.prompts import PromptLine, read_prompt_lines
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.engine import EngineLoop, OfflineClient, RequestResult
+from bm.distributed import parallel_info
+from bm.distributed.engine import engine_loop
+from bm.engine import OfflineClient, RequestResult
 from bm.runtime import LoadedModel, load_model
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
@@ -140,7 +142,7 @@ def run_prompts(
                 summary.count("error", ok=False)
         client = OfflineClient([line.request for line in valid], on_final=finished.put)
         started = time.perf_counter()
-        manager = EngineLoop(
+        manager = engine_loop(
             config, client.get_requests, client.send_response, return_stats=stats.write, model=loaded
         )
         progress = _progress(console, show_progress)
@@ -189,6 +191,7 @@ def run_prompts(
                 "model": loaded.name,
                 "config": config.to_dict(),
                 "runtime": runtime_info(loaded.device, loaded.dtype),
+                "parallel": parallel_info(),
                 **asdict(summary),
                 "output_tokens_per_s": summary.output_tokens_per_s,
                 "total_tokens_per_s": summary.total_tokens_per_s,
