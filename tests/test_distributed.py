@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from bm.cli.main import app
 from bm.distributed.engine import TokenBalancer
 from bm.engine import Request
-from tests.conftest import REPO
+from tests.conftest import REPO, hf_greedy, random_prompts
 
 RUN_TIMEOUT_S = 180
 
@@ -160,3 +160,50 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_within_the_timeout_with_a_record
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_failed"] == len(failed) and "failed" in summary["parallel"]["fault"]
     assert Counter(r["finish_reason"] for r in records)["error"] == len(failed)
+
+
+def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outputs(
+    tmp_path, tiny_model, tiny_reference
+):
+    checkpoint = tmp_path / "ckpt"
+    tiny_reference.save_pretrained(checkpoint)  # the tiny model's weights, as a checkpoint to shard
+    specs = random_prompts(seed=1, count=24, vocab=tiny_model.vocab_size, max_prompt=48, max_output=24)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p, "max_tokens": m}) + "\n" for p, m in specs))
+    common = ["--model", checkpoint, "--ignore-eos", "-s", "engine.max_batch_size=8"]
+    common += ["-s", "engine.max_num_tokens=96", "-s", "kv_cache.tokens_per_block=8"]
+    single = CliRunner().invoke(
+        app,
+        ["run", str(prompts), "-o", str(tmp_path / "tp1"), *map(str, common), "-q", "-s", "model.device=cpu"],
+    )
+    assert single.exit_code == 0, single.output
+    done = subprocess.run(
+        bm_command("run", prompts, "-o", tmp_path / "tp2", "--tensor-parallel", 2, *common),
+        env=bm_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    one = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp1" / "outputs.jsonl")}
+    two = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp2" / "outputs.jsonl")}
+    assert sorted(two) == list(range(len(specs))) and two == one
+    for i, (prompt, max_new) in enumerate(specs):
+        assert two[i] == hf_greedy(tiny_reference, prompt, max_new), f"request {i}"
+    parallel = json.loads((tmp_path / "tp2" / "summary.json").read_text())["parallel"]
+    assert (parallel["tensor_parallel"], parallel["data_parallel"]) == (2, 1)
+    assert parallel["kv_heads_per_rank"] == [1]  # 2 KV heads split over 2 ranks: each caches its own
+    stats = read_jsonl(tmp_path / "tp2" / "stats.jsonl")  # one line per iteration, not one per shard
+    assert [s["Iteration Counter"] for s in stats] == list(range(1, len(stats) + 1))
+    assert all((s["TP Size"], s["DP Size"]) == (2, 1) for s in stats)
+
+
+def test_tensor_parallel_refuses_a_model_built_from_a_config_naming_why(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 2, 4)
+    result = CliRunner().invoke(
+        app, ["run", str(prompts), "-o", str(tmp_path / "out"), "--tensor-parallel", "2", "-q"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--tensor-parallel needs model.path" in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()

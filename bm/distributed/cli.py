@@ -68,6 +68,12 @@ def start_ranks(
     if (data_parallel or 1) * tensor_parallel == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     try:
+        if tensor_parallel > 1 and not cfg.model.path:
+            raise ParallelError(
+                "--tensor-parallel needs model.path (a checkpoint directory): transformers shards "
+                "weights while loading them from a checkpoint, and a model built from a config has none "
+                "to shard; save one with save_pretrained() and pass --model DIR"
+            )
         start(cfg, tensor_parallel, data_parallel, rank_timeout)
     except ParallelError as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)

@@ -244,6 +244,9 @@ class DistributedEngineLoop:
             for r in range(dp)
         ]
         _layout._state.replicas = self.replicas
+        loaded = getattr(self.model, "kv_shapes", None)
+        if loaded is not None:  # what each rank caches: its own heads only under tensor parallel
+            _layout._state.kv_heads_per_rank = sorted({heads for heads, _dim in loaded.values()})
         _layout._state.fault = None
         self._shutdown = threading.Event()
         self._cancel = threading.Event()

@@ -67,6 +67,7 @@ class _State:
     tp_group: Any = None
     replicas: list[dict[str, Any]] = field(default_factory=list)  # rank 0: per-replica figures
     fault: str | None = None  # rank 0: why the run ended early
+    kv_heads_per_rank: list[int] = field(default_factory=list)  # rank 0's KV heads per layer (distinct)
 
 
 _state = _State()
@@ -82,6 +83,8 @@ def parallel_info() -> dict[str, Any]:
     info: dict[str, Any] = dict(_state.layout.to_dict())
     if _state.replicas:
         info["replicas"] = [dict(r) for r in _state.replicas]
+    if _state.kv_heads_per_rank:
+        info["kv_heads_per_rank"] = list(_state.kv_heads_per_rank)
     if _state.fault:
         info["fault"] = _state.fault
     return info

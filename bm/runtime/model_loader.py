@@ -66,7 +66,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.path {cfg.path!r} is not a checkpoint directory (no config.json)")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, **_tensor_parallel_kwargs(path)
+            )
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
         tokenizer = _try_tokenizer(cfg.tokenizer or str(path))
@@ -86,6 +88,15 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
     return describe_model(model, tokenizer, name)
+
+
+def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
+    """Under ``--tensor-parallel N`` each rank loads only its shard, by the model's own tp_plan."""
+    from bm.distributed.layout import current_layout
+    from bm.distributed.tensor_parallel import distributed_config
+
+    layout = current_layout()
+    return {} if layout.tensor_parallel == 1 else {"distributed_config": distributed_config(path, layout)}
 
 
 def _config_from_file(path_text: str) -> PretrainedConfig:
