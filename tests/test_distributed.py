@@ -199,6 +199,38 @@ def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outp
     assert all((s["TP Size"], s["DP Size"]) == (2, 1) for s in stats)
 
 
+def test_data_and_tensor_parallel_compose_into_two_replicas_of_two_shards(
+    tmp_path, tiny_model, tiny_reference
+):
+    checkpoint = tmp_path / "ckpt"
+    tiny_reference.save_pretrained(checkpoint)
+    specs = random_prompts(seed=3, count=8, vocab=tiny_model.vocab_size, max_prompt=24, max_output=12)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p, "max_tokens": m}) + "\n" for p, m in specs))
+    done = subprocess.run(
+        bm_command(
+            "run", prompts, "-o", tmp_path / "out", "--model", checkpoint, "--ignore-eos",
+            "--tensor-parallel", 2, "--data-parallel", 2,
+        ),
+        env=bm_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    outputs = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "out" / "outputs.jsonl")}
+    assert sorted(outputs) == list(range(len(specs)))
+    for i, (prompt, max_new) in enumerate(specs):
+        assert outputs[i] == hf_greedy(tiny_reference, prompt, max_new), f"request {i}"
+    parallel = json.loads((tmp_path / "out" / "summary.json").read_text())["parallel"]
+    assert (parallel["tensor_parallel"], parallel["data_parallel"], parallel["world_size"]) == (2, 2, 4)
+    assert parallel["kv_heads_per_rank"] == [1]
+    assert all(r["num_requests"] > 0 for r in parallel["replicas"])
+    stats = read_jsonl(tmp_path / "out" / "stats.jsonl")
+    assert sorted({s["DP Rank"] for s in stats}) == [0, 1]
+    assert all((s["TP Size"], s["DP Size"]) == (2, 2) for s in stats)
+
+
 def test_tensor_parallel_refuses_a_model_built_from_a_config_naming_why(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 2, 4)
     result = CliRunner().invoke(

@@ -14,7 +14,12 @@ from bm.distributed.layout import ParallelLayout
 
 
 def distributed_config(path: Path, layout: ParallelLayout) -> Any:
-    """transformers' DistributedConfig for this layout, after checking the model can be split."""
+    """transformers' DistributedConfig for this layout, after checking the model can be split.
+
+    With one replica, ``from_pretrained`` loads each rank's shard directly. With several, its loader
+    would build a mesh with a data-parallel dimension and wrap the model in FSDP2 (which cannot run
+    under inference mode), so there the full model is loaded and :func:`shard_replica` applies the
+    same plan on the replica's own sub-mesh instead (more memory while loading, the same shards)."""
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
 
@@ -22,12 +27,6 @@ def distributed_config(path: Path, layout: ParallelLayout) -> Any:
 
     config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     tp = layout.tensor_parallel
-    if layout.data_parallel > 1:
-        raise ModelLoadError(
-            f"--tensor-parallel {tp} with --data-parallel {layout.data_parallel}: transformers' tp_plan "
-            "loader builds its device mesh over the whole world, and a mesh with a data-parallel "
-            "dimension makes it wrap the model in FSDP2; run tensor parallel on its own (one replica)"
-        )
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
         raise ModelLoadError(
@@ -42,4 +41,22 @@ def distributed_config(path: Path, layout: ParallelLayout) -> Any:
                 f"model.path {str(path)!r}: {name} is {heads}, which {tp} ranks cannot split evenly; "
                 f"use a --tensor-parallel that divides it"
             )
+    if layout.data_parallel > 1:
+        return None
     return DistributedConfig(tp_plan="auto", tp_size=tp)
+
+
+def shard_replica(model: Any, layout: ParallelLayout) -> Any:
+    """Split a fully loaded model over this replica's ranks with the model's own tp plan (the path for
+    ``--data-parallel`` with ``--tensor-parallel``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    mesh = init_device_mesh(
+        "cpu", (layout.data_parallel, layout.tensor_parallel), mesh_dim_names=("dp", "tp")
+    )["tp"]
+    plan, _ep, _fsdp = model._resolve_parallel_plans(
+        DistributedConfig(tp_plan="auto", tp_size=layout.tensor_parallel)
+    )
+    return apply_tensor_parallelism(model, mesh, plan)
