@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import typer
@@ -17,6 +18,7 @@ from rich.markup import escape
 
 from bm.config import BmConfig
 from bm.distributed.layout import (
+    LAUNCHED_BY_BM,
     ParallelError,
     ParallelLayout,
     finish_parallel,
@@ -35,6 +37,10 @@ def start(
     layout = setup_parallel(tensor_parallel, data_parallel, rank_timeout_s)
     if layout.rank == 0:
         return layout
+    if os.environ.get(LAUNCHED_BY_BM):
+        # Ctrl-C in the terminal reaches every rank bm started; rank 0 alone handles it (it cancels the
+        # run, and every request still gets its record), so the others must not die of it mid-exchange.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     from bm.distributed.engine import run_worker
     from bm.runtime import load_model
 

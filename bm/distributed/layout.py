@@ -144,6 +144,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCHED_BY_BM = "BM_LAUNCHED_RANK"
+
+
 def _launch_children(layout: ParallelLayout) -> None:
     """Ranks 1..N-1 re-run this very command line (``python -m bm ...``) with torchrun's variables."""
     port = str(_free_port())
@@ -156,7 +159,7 @@ def _launch_children(layout: ParallelLayout) -> None:
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
     argv = [sys.executable, "-m", "bm", *sys.argv[1:]]
     for rank in range(1, layout.world_size):
-        env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), LAUNCHED_BY_BM: "1"}
         # Rank 0 owns the terminal; the others' progress would only garble it (errors still show).
         _state.children.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
     atexit.register(_reap_children)
