@@ -92,8 +92,8 @@ class IterationBudget:
             return 0
         if computed is None:
             computed = request.num_computed_tokens
-        if request.is_generation_phase:
-            tokens = 1 if self.tokens_left >= 1 else 0
+        if request.is_generation_phase:  # every beam computes a token (TRT-LLM counts them all)
+            tokens = request.beam_width if self.tokens_left >= request.beam_width else 0
         elif self.equal_progress:
             cost = min_context_cost(request, self.chunking, computed)
             tokens = cost if 0 < cost <= self.tokens_left else 0

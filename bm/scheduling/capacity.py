@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from bm.kv import KVCacheManager, PrefixMatch
 from bm.scheduling.budget import ChunkingConfig, IterationBudget
 from bm.scheduling.request import LlmRequest, RequestState
+from bm.scheduling.reuse import ContributedBlocks
 
 
 @dataclass
@@ -107,8 +108,8 @@ class CapacityScheduler(ABC):  # noqa: B024 (schedule_request or plan, either on
         if tokens and not to_completion:
             if request.beam_width > 1:  # beams are reserved to completion even when others are not
                 blocks = kv.get_needed_resource_to_completion(request)
-            else:
-                blocks = kv.num_blocks_for_tokens(budget.tokens_to_hold(request, tokens, match.num_tokens))
+            else:  # its whole context, not this chunk only, so its later chunks never run short
+                blocks = kv.num_blocks_for_tokens(request.num_tokens)
             cost = match.cost(blocks)
             if cost > free_blocks:
                 budget.give_back(tokens)
@@ -137,12 +138,18 @@ def split_started(
     return generation + contexts, new
 
 
+def running_contexts(started: Sequence[LlmRequest]) -> list[LlmRequest]:
+    """Contexts under way (chunked, not finished): they go on computing their prefix this iteration."""
+    return [r for r in started if r.is_context_phase]
+
+
 class GuaranteedNoEvictScheduler(CapacityScheduler):
     """Admit a request only when the blocks it needs to completion are still unreserved.
 
     Requests that already hold blocks reserve their full need first; new requests then enter in arrival
     order until the first that does not fit (first come, first served), so a started request always
-    finishes without eviction.
+    finishes without eviction. With block reuse, a new request whose prefix another context computes this
+    iteration waits for it (:mod:`bm.scheduling.reuse`).
     """
 
     def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
@@ -153,7 +160,10 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         reserved = kv.get_reserved_resource(started)
         plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
         available = kv.get_max_resource_count() - reserved
+        contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
+            if contributed.beneficial_to_skip(request):
+                continue
             cost = self.try_start(request, budget, available, True, plan)
             if cost is None:
                 break
@@ -164,10 +174,13 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
 class MaxUtilizationScheduler(CapacityScheduler):
     """Run as much as fits this iteration; when blocks run short, pause the most recently started.
 
-    Only the blocks this iteration's tokens need are considered, not the need to completion. Started
-    requests are served oldest first; when one cannot get its blocks, the youngest started requests are
-    paused (their blocks freed, their context recomputed later) until it can, or it is paused itself if
-    it is the youngest. New requests never displace started ones.
+    Only the blocks this iteration needs are considered, not the need to completion; a context counts its
+    whole context though (TensorRT-LLM's rule for a first chunk), so a chunked context that starts can
+    finish its context without evicting anyone. Started requests are served oldest first; when one cannot
+    get its blocks, the youngest started requests are paused (their blocks freed, their context
+    recomputed later) until it can, or it is paused itself if it is the youngest. New requests never
+    displace started ones, and none that arrived after a request paused this iteration starts in it.
+    With block reuse, a new request whose prefix another context computes this iteration waits for it.
     """
 
     def plan(self, active_requests: Sequence[LlmRequest]) -> CapacityPlan:
@@ -200,7 +213,9 @@ class MaxUtilizationScheduler(CapacityScheduler):
             if request.beam_width > 1:  # its blocks are reserved above
                 plan.fitting.append(request)
                 continue
-            need = kv.num_blocks_to_allocate(request.request_id, budget.tokens_to_hold(request, tokens))
+            # A context under way keeps the rest of its context reserved, as when it started.
+            hold = request.num_tokens if request.is_context_phase else budget.tokens_to_hold(request, tokens)
+            need = kv.num_blocks_to_allocate(request.request_id, hold)
             while need > free and alive[-1] is not request:
                 victim = alive.pop()
                 free += pause(victim)
@@ -218,7 +233,16 @@ class MaxUtilizationScheduler(CapacityScheduler):
             plan.fitting.append(request)
             given[request.request_id] = (tokens, need)
 
+        # As in TensorRT-LLM's single pass over the queue, a pause ends it: nothing that arrived after a
+        # request paused now starts now (it would take the blocks the pause just gave back).
+        position = {r.request_id: i for i, r in enumerate(active_requests)}
+        cutoff = min((position[r.request_id] for r in plan.paused), default=len(active_requests))
+        contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
+            if position[request.request_id] > cutoff:
+                break
+            if contributed.beneficial_to_skip(request):
+                continue
             cost = self.try_start(request, budget, free, False, plan, releasing)
             if cost is None:
                 break

@@ -77,8 +77,10 @@ class MicroBatchScheduler:
                 if remaining <= 0 or (cap is not None and done >= cap):
                     continue
                 step = unit_step(computed + done, remaining, self.chunking.unit)
-                if cap is not None:
-                    step = min(step, cap - done)
+                # A chunk that is not the context's last ends on a unit boundary, so past the cap the
+                # request stops growing rather than taking a partial unit.
+                if cap is not None and done + step > cap:
+                    continue
                 if step > tokens_left:
                     continue
                 chunk[request.request_id] = done + step
