@@ -49,7 +49,9 @@ from bm.scheduling.request import LlmRequest
 
 log = logging.getLogger("bm")
 
-_IDLE_SLEEP_S = 0.0005
+# Between rounds with nothing to compute (waiting for arrivals): every round is two collectives on every
+# rank, so an idle run should not spin them as fast as it can.
+_IDLE_SLEEP_S = 0.001
 _RUN, _CANCEL, _STOP = "run", "cancel", "stop"
 
 
