@@ -215,6 +215,12 @@ class EngineConfig:
         "Your RequestScheduler (schedule_request implemented directly), 'package.module:ClassName'.",
         _class_path,
     )
+    executor: str = _knob(
+        "torch",
+        "torch (run the model) or sim (bm.sim: the same scheduler, forwards priced by a roofline cost "
+        "model of sim.hardware, simulated time; needs model.config).",
+        _choice({"torch": "torch", "sim": "sim"}),
+    )
 
 
 @dataclass
@@ -407,11 +413,25 @@ def _validate_bench(bench: BenchConfig) -> None:
 
 
 @dataclass
+class SimConfig:
+    """The simulated executor's device (used when ``engine.executor`` is ``sim``)."""
+
+    hardware: str = _knob(
+        "h100-sxm",
+        "Row of bm/sim/hardware.yaml (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or cpu-local "
+        "(this machine, measured by `bm sim calibrate`).",
+        _optional_str,
+    )
+    tensor_parallel: int = _knob(1, "Devices the model is split over (tensor parallelism).", _int_at_least(1))
+
+
+@dataclass
 class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -422,6 +442,7 @@ SECTIONS: dict[str, type] = {
     "engine": EngineConfig,
     "kv_cache": KvCacheConfig,
     "bench": BenchConfig,
+    "sim": SimConfig,
 }
 
 
@@ -488,6 +509,10 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(
             f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "
             f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
+        )
+    if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
+        raise ConfigError(
+            "engine.executor: sim needs the model's shape: give --model-config CFG.json (model.config)"
         )
     _validate_bench(cfg.bench)
 

@@ -113,6 +113,10 @@ def run_bench(
     to several runs to compare them on identical arrivals. ``progress`` is called from the calling
     thread about ten times a second. Ctrl-C ends the run early with every record kept.
     """
+    if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.sim.run)
+        from bm.sim.run import run_sim
+
+        return run_sim(config, model, workload, arrivals, progress=progress)
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
     if len(times) != len(workload.requests):

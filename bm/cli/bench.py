@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from bm.workloads import Workload
 
 DATA, ARRIVE, RUN, MODEL = "Dataset", "Arrivals", "Run and output", "Model and engine"
+SIM = "Simulator"
 
 # flag parameter -> config key; a flag left unset (None) keeps the config file's value.
 FLAG_KEYS = {
@@ -63,6 +64,9 @@ FLAG_KEYS = {
     "rate": "bench.request_rate",
     "concurrency": "bench.max_concurrency",
     "json_output": "bench.json_output",
+    "executor": "engine.executor",
+    "hardware": "sim.hardware",
+    "tensor_parallel": "sim.tensor_parallel",
 }
 SLO_KEYS = {"ttft": "bench.slo_ttft_ms", "tpot": "bench.slo_tpot_ms", "e2el": "bench.slo_e2el_ms"}
 
@@ -128,6 +132,9 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN)),
     "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
     "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN)),
+    "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
+    "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row (h100-sxm, h200, b200, a100-80gb, l40s, mi300x, cpu-local).", rich_help_panel=SIM)),
+    "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="sim: devices the model is split over (default 1).", rich_help_panel=SIM)),
 }  # fmt: skip
 
 
@@ -234,7 +241,12 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
 
     try:
         console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
-        loaded = load_model(cfg.model)
+        if cfg.engine.executor == "sim":  # no weights: the model's shape and a hardware row
+            from bm.sim.run import load_sim_model
+
+            loaded = load_sim_model(cfg)
+        else:
+            loaded = load_model(cfg.model)
         encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
         workload = load_workload(cfg.bench, vocab_size=loaded.vocab_size, encode=encode)
     except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:

@@ -119,3 +119,29 @@ def _percent(value: float | None) -> str | None:
 def print_results(console: Console, results: dict[str, Any]) -> None:
     for table in (summary_table(results), latency_table(results), engine_table(results)):
         console.print(table)
+    if results.get("executor") == "sim":
+        console.print(sim_table(results))
+
+
+def sim_table(results: dict[str, Any]) -> Table:
+    """A simulated run: the device it priced, its cost, and the wall time the simulation itself took."""
+    table = Table(title="Simulator (times above are simulated)", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    runtime = results["runtime"]
+    hw = runtime["hardware"]
+    rows = [
+        (
+            "Hardware",
+            f"{hw['key']} x {runtime['num_devices']} (tensor parallel {runtime['tensor_parallel']})",
+        ),
+        ("Price per device-hour (USD)", hw["price_per_hour"]),
+        ("KV cache capacity (tokens)", results.get("kv_cache_capacity_tokens")),
+        ("Cost (USD)", results.get("cost_usd")),
+        ("Cost per million output tokens (USD)", results.get("cost_per_million_output_tokens")),
+        ("Cost per million total tokens (USD)", results.get("cost_per_million_total_tokens")),
+        ("Wall time of the simulation (s)", results.get("wall_time_s")),
+    ]
+    for name, value in rows:
+        table.add_row(name, _fmt(value, 4) if isinstance(value, float) and value < 1 else _fmt(value))
+    return table

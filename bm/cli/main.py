@@ -138,6 +138,23 @@ def _register_compare() -> None:
 _register_compare()
 
 
+sim_app = typer.Typer(help="The simulator's hardware rows (bm bench --executor sim).", no_args_is_help=True)
+app.add_typer(sim_app, name="sim")
+
+
+@sim_app.command("calibrate")
+def sim_calibrate() -> None:
+    """Measure this machine (GEMM throughput, memory bandwidth, per-op and per-step overheads) and cache
+    it as the cpu-local hardware row (~/.cache/bm/cpu-local.yaml)."""
+    import yaml
+
+    from bm.sim.hardware import calibrate, cpu_local_path
+
+    row = calibrate()
+    typer.echo(yaml.safe_dump(row, sort_keys=False).rstrip())
+    typer.echo(f"written: {cpu_local_path()}")
+
+
 def main() -> None:
     app()
 

@@ -231,6 +231,10 @@ def run_compare(
     reference = reference or ("v1" if "v1" in names else names[0])
     if reference not in names:
         raise ConfigError(f"--reference {reference!r}: not one of the variants ({', '.join(names)})")
+    if config.engine.executor == "sim" and any(v.kind != "bm" for v in variants):
+        raise ConfigError(
+            "--baselines run the model itself and cannot be simulated; drop them with --executor sim"
+        )
     configs = {v.name: variant_config(config, v) for v in variants if v.kind == "bm"}
     outcomes = [VariantOutcome(v) for v in variants]
     for round_index in range(repeat):
@@ -256,7 +260,9 @@ def run_compare(
         model_name=loaded.name,
         workload=workload.describe(),
         repeat=repeat,
-        runtime=runtime_info(loaded.device, loaded.dtype),
+        runtime=loaded.runtime()
+        if config.engine.executor == "sim"
+        else runtime_info(loaded.device, loaded.dtype),
     )
 
 

@@ -1,0 +1,141 @@
+"""A roofline cost model of one engine iteration: how long the scheduled :class:`ExecutionBatch` takes.
+
+Per forward, each operator group costs ``max(compute time, memory time)`` (it is bound by whichever is
+slower), groups add up, then tensor-parallel communication and fixed overheads are added:
+
+- linear (GEMMs): ``2 * tokens * weights`` FLOPs; reads every weight once per forward, plus the
+  activations in and out;
+- LM head: only the rows that sample (or keep logits) are projected to the vocabulary;
+- attention: ``4 * heads * head_dim`` FLOPs per (query, key) pair, summed from each item's context
+  length (causal within the item); reads each item's KV history once (a fused, flash-style kernel);
+- KV write: the new tokens' K and V;
+- communication: two all-reduces of the hidden states per layer under tensor parallelism (ring:
+  ``2 (tp - 1) / tp`` of the bytes over one direction of the link), not overlapped.
+
+Work is divided evenly over the tensor-parallel ranks. The model knows nothing of time; the hardware
+row gives peak rates, derating efficiencies and overheads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
+from bm.sim.hardware import Hardware
+from bm.sim.model import DTYPE_BYTES, ModelShape
+
+
+@dataclass
+class ForwardCost:
+    """Totals of one forward, over all ranks (before dividing by the tensor-parallel degree)."""
+
+    tokens: int = 0
+    logit_rows: int = 0
+    linear_flops: float = 0.0
+    linear_bytes: float = 0.0
+    attention_flops: float = 0.0
+    kv_read_bytes: float = 0.0
+    kv_write_bytes: float = 0.0
+    allreduce_bytes: float = 0.0  # per rank, summed over the forward's all-reduces
+
+
+@dataclass
+class IterationCost:
+    forwards: list[ForwardCost] = field(default_factory=list)
+    seconds: float = 0.0
+    compute_s: float = 0.0  # sum of the compute-side times of every group (for reports)
+    memory_s: float = 0.0
+    comm_s: float = 0.0
+    overhead_s: float = 0.0
+
+
+class CostModel:
+    """Times batches of ``model`` in ``dtype`` on ``tensor_parallel`` devices of ``hardware``."""
+
+    def __init__(
+        self, model: ModelShape, hardware: Hardware, dtype: str = "bfloat16", tensor_parallel: int = 1
+    ):
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+        self.model = model
+        self.hardware = hardware
+        self.dtype = dtype
+        self.tp = tensor_parallel
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.peak_flops = hardware.peak_flops(dtype) * hardware.compute_efficiency
+        self.bandwidth = hardware.memory_bw * hardware.memory_efficiency
+        self.kv_bytes_per_token = model.kv_bytes_per_token(self.dtype_bytes)
+        m = model
+        self._linear_weights = m.num_layers * m.layer_linear_params
+        # per token: attention FLOPs per key, summed over layers
+        self._attn_flops_per_pair = 4.0 * m.num_heads * m.head_dim * m.num_layers
+        self._hidden_bytes = m.hidden_size * self.dtype_bytes
+
+    # -- accounting -----------------------------------------------------------------------------------
+
+    def forward_cost(self, items: list[WorkItem]) -> ForwardCost:
+        m, b = self.model, self.dtype_bytes
+        cost = ForwardCost()
+        pairs = 0
+        history = 0
+        tokens = 0
+        rows = 0
+        for item in items:
+            n = len(item.token_ids)
+            p = item.start_pos
+            tokens += n
+            if item.keep_all:
+                rows += n
+            elif item.sample and item.kind is not WorkKind.PADDING:
+                rows += 1
+            # query i (0-based) of the item attends to p + i + 1 keys
+            pairs += n * p + n * (n + 1) // 2
+            history += p + n
+        cost.tokens, cost.logit_rows = tokens, rows
+        cost.linear_flops = 2.0 * tokens * self._linear_weights + 2.0 * rows * m.lm_head_params
+        activations = tokens * (4 * m.hidden_size + 2 * m.intermediate_size) * m.num_layers * b
+        cost.linear_bytes = (self._linear_weights + (m.lm_head_params if rows else 0)) * b + activations
+        cost.attention_flops = self._attn_flops_per_pair * pairs
+        cost.kv_read_bytes = float(history * self.kv_bytes_per_token)
+        cost.kv_write_bytes = float(tokens * self.kv_bytes_per_token)
+        if self.tp > 1:
+            per_allreduce = tokens * self._hidden_bytes
+            cost.allreduce_bytes = 2 * m.num_layers * per_allreduce * 2 * (self.tp - 1) / self.tp
+        return cost
+
+    def time_forward(self, cost: ForwardCost, out: IterationCost) -> float:
+        tp, flops, bw = self.tp, self.peak_flops, self.bandwidth
+        hw = self.hardware
+        ramp = cost.tokens / (cost.tokens + hw.gemm_half_tokens) if cost.tokens else 1.0
+        linear_c, linear_m = cost.linear_flops / tp / (flops * ramp), cost.linear_bytes / tp / bw
+        attn_c, attn_m = cost.attention_flops / tp / flops, cost.kv_read_bytes / tp / bw
+        write_m = cost.kv_write_bytes / tp / bw
+        comm = 0.0
+        if tp > 1:
+            comm = (
+                cost.allreduce_bytes / (hw.interconnect_bw / 2)
+                + 2 * self.model.num_layers * hw.allreduce_latency_s
+            )
+        overhead = hw.layer_overhead_s * self.model.num_layers
+        out.compute_s += linear_c + attn_c
+        out.memory_s += linear_m + attn_m + write_m
+        out.comm_s += comm
+        out.overhead_s += overhead
+        return max(linear_c, linear_m) + max(attn_c, attn_m) + write_m + comm + overhead
+
+    def iteration(self, batch: ExecutionBatch) -> IterationCost:
+        """The cost of one iteration: its forwards one after another, plus the fixed per-iteration cost."""
+        out = IterationCost()
+        total = 0.0
+        for forward in batch.forwards:
+            cost = self.forward_cost(forward)
+            out.forwards.append(cost)
+            total += self.time_forward(cost, out)
+        if batch.forwards:
+            out.overhead_s += self.hardware.iteration_overhead_s
+            total += self.hardware.iteration_overhead_s
+        out.seconds = total
+        return out
+
+    def weight_bytes_per_rank(self) -> float:
+        return self.model.num_params * self.dtype_bytes / self.tp

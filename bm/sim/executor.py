@@ -1,0 +1,131 @@
+"""The simulated executor: the fake executor's placeholder tokens, timed by the roofline cost model.
+
+It computes no tensors. Each :meth:`SimExecutor.execute` prices the batch the engine core built, records
+the duration as ``last_duration_s`` and advances the shared :class:`VirtualClock` by it, so everything
+the core timestamps after the forward (first token, stats) reads simulated time. The scheduler, KV
+manager, chunking and reuse around it are bm's own, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bm.engine.executor import ExecutionBatch, ExecutionResult, ModelLimits, WorkKind
+from bm.engine.fake_executor import FakeExecutor, fake_token
+from bm.engine.request import RequestError
+from bm.scheduling.request import LlmRequest
+from bm.sim.cost import CostModel, IterationCost
+
+
+class VirtualClock:
+    """Simulated seconds; callable like ``time.perf_counter`` so the core and the replayer can read it."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def advance_to(self, t: float) -> None:
+        if t > self.now:
+            self.now = t
+
+
+# Fields of a request whose answer only real logits can give: (what the check reads, the request field).
+_LOGIT_FIELDS = (
+    ("stop_words", "stop_words_list"),
+    ("return_log_probs", "return_log_probs"),
+    ("return_context_logits", "return_context_logits"),
+    ("return_generation_logits", "return_generation_logits"),
+    ("logits_post_processor", "logits_post_processor"),
+)
+
+
+def logit_fields(request: LlmRequest) -> list[str]:
+    """The request fields the simulator cannot honour, by their request-field names."""
+    out = []
+    if request.beam_width > 1:
+        out.append("beam_width")
+    controls = request.controls
+    if controls is not None:
+        out += [name for attr, name in _LOGIT_FIELDS if getattr(controls, attr)]
+    return out
+
+
+class SimExecutor(FakeExecutor):
+    """Placeholder tokens, ``last_duration_s`` per iteration from ``cost_model``, KV capacity from memory."""
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        clock: VirtualClock | None = None,
+        *,
+        kv_blocks_override: int | None = None,
+    ) -> None:
+        model = cost_model.model
+        super().__init__(max(model.vocab_size, 4), max_position_embeddings=model.max_position_embeddings)
+        self._limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
+        self.cost_model = cost_model
+        self.clock = clock or VirtualClock()
+        self.last_duration_s = 0.0
+        self.last_cost: IterationCost | None = None
+        self.total_duration_s = 0.0
+        self.kv_capacity_tokens: int | None = None
+        self.last_sampled: list[int] = []  # request ids that got a token in the last execute()
+        self._kv_blocks_override = kv_blocks_override
+
+    def num_kv_blocks(self, kv_config: Any, max_useful_tokens: int) -> int:
+        """Device memory minus this rank's weights, times ``free_memory_fraction``, over one token's KV
+        (per rank); ``kv_cache.max_tokens`` caps it as in a real run."""
+        cm = self.cost_model
+        free = cm.hardware.memory - cm.weight_bytes_per_rank()
+        if free <= 0:
+            raise RequestError(
+                f"the model's weights ({cm.weight_bytes_per_rank() / 1e9:.1f} GB per device) do not fit "
+                f"{cm.hardware.key}'s {cm.hardware.memory / 1e9:.0f} GB; raise --tensor-parallel"
+            )
+        per_token = cm.kv_bytes_per_token / cm.tp
+        tokens = int(free * kv_config.free_memory_fraction / per_token)
+        if kv_config.max_tokens is not None:
+            tokens = min(tokens, kv_config.max_tokens)
+        self.kv_capacity_tokens = tokens
+        if self._kv_blocks_override is not None:
+            return self._kv_blocks_override
+        return max(1, tokens // kv_config.tokens_per_block)
+
+    def admit(self, request: LlmRequest) -> None:
+        fields = logit_fields(request)
+        if fields:
+            raise RequestError(
+                f"request {request.request_id}: field {fields[0]!r} needs real logits, which the simulated "
+                "executor does not compute (its tokens are placeholders); drop the field or run without "
+                "--executor sim"
+            )
+
+    def execute(self, batch: ExecutionBatch) -> ExecutionResult:
+        """Placeholder tokens for every sampling item (never the end id: lengths come from the dataset)."""
+        result = ExecutionResult(num_forwards=len(batch.forwards))
+        vocab = self._limits.vocab_size
+        sampled = result.sampled
+        self.last_sampled = produced = []
+        for forward in batch.forwards:
+            for item in forward:
+                if not item.sample or item.kind is WorkKind.PADDING:
+                    continue
+                req = item.request
+                position = item.start_pos + len(item.token_ids)
+                token = fake_token(req.request_id, position, 0, vocab)
+                if token == req.sampling.end_id:
+                    token = token + 1 if token + 1 < vocab else 3
+                sampled.append((item, token, None))
+                if item.kind is not WorkKind.EMPTY_SLOT:
+                    produced.append(req.request_id)
+        cost = self.cost_model.iteration(batch)
+        self.last_cost = cost
+        self.last_duration_s = cost.seconds
+        self.total_duration_s += cost.seconds
+        self.clock.advance(cost.seconds)
+        return result

@@ -1,0 +1,308 @@
+"""The simulator: its cost model, its refusals, its cost fields, and that it schedules exactly as the
+real engine does (the property that makes its what-ifs worth anything)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bm.config import ConfigError, load_config
+from bm.engine.core import EngineCore
+from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
+from bm.engine.request import Request
+from bm.scheduling.request import LlmRequest
+from bm.sim import CostModel, Hardware, ModelShape, SimExecutor, hardware_table, load_hardware
+from bm.sim.run import cost_metrics
+
+from .conftest import REPO, make_config
+
+TINY = {
+    "hidden_size": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 16,
+    "vocab_size": 32,
+}
+
+
+def unit_hardware(**overrides) -> Hardware:
+    """1 FLOP/s and 1 byte/s, no derating, no overheads: a time is then a count of FLOPs or bytes."""
+    row = dict(
+        key="unit",
+        name="unit",
+        flops={"float32": 1.0},
+        memory_bw=1.0,
+        memory=1e12,
+        interconnect_bw=2.0,
+        price_per_hour=3.6,
+        source="test",
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        iteration_overhead_s=0.0,
+        layer_overhead_s=0.0,
+        allreduce_latency_s=0.0,
+    )
+    return Hardware(**(row | overrides))
+
+
+def request(rid: int, prompt: int, output: int = 4) -> LlmRequest:
+    return LlmRequest(rid, list(range(3, 3 + prompt)), output)
+
+
+def item(req: LlmRequest, kind: WorkKind, n: int, start: int, sample: bool = True) -> WorkItem:
+    return WorkItem(req, kind, [5] * n, start, [0] * 64, sample)
+
+
+def test_cost_model_counts_flops_and_bytes_of_a_tiny_config_by_hand():
+    shape = ModelShape.from_dict(TINY)
+    # per layer: q 8x8, o 8x8, k 8x4, v 8x4 (head_dim 4, one kv head) = 192; MLP 3x8x16 = 384
+    assert shape.layer_linear_params == 192 + 384
+    assert shape.kv_bytes_per_token(4) == 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 head of 4, fp32
+    cm = CostModel(shape, unit_hardware(), "float32")
+    # a 3-token prompt from position 0, and one decode token at position 5
+    prompt, decode = request(0, 3), request(1, 5)
+    forward = [item(prompt, WorkKind.CONTEXT, 3, 0), item(decode, WorkKind.GENERATION, 1, 5)]
+    cost = cm.forward_cost(forward)
+    assert cost.tokens == 4 and cost.logit_rows == 2
+    assert cost.linear_flops == 2 * 4 * (2 * 576) + 2 * 2 * (8 * 32)
+    # activations: (4h + 2i) per token per layer, read or written once
+    assert cost.linear_bytes == (2 * 576 + 8 * 32) * 4 + 4 * (4 * 8 + 2 * 16) * 2 * 4
+    # (query, key) pairs: the prompt 1 + 2 + 3, the decode token 6; 4 * heads * head_dim * layers each
+    assert cost.attention_flops == 4 * 2 * 4 * 2 * (6 + 6)
+    assert cost.kv_read_bytes == (3 + 6) * 64 and cost.kv_write_bytes == 4 * 64
+    seconds = cm.iteration(ExecutionBatch([forward])).seconds
+    expected = (
+        max(cost.linear_flops, cost.linear_bytes)
+        + max(cost.attention_flops, cost.kv_read_bytes)
+        + cost.kv_write_bytes
+    )
+    assert seconds == pytest.approx(expected)
+
+
+def test_tensor_parallel_divides_the_work_and_adds_two_all_reduces_per_layer():
+    shape = ModelShape.from_dict(TINY)
+    one = CostModel(shape, unit_hardware(), "float32", 1)
+    two = CostModel(shape, unit_hardware(), "float32", 2)
+    forward = [item(request(0, 4), WorkKind.CONTEXT, 4, 0)]
+    c1, c2 = one.forward_cost(forward), two.forward_cost(forward)
+    # ring all-reduce of 4 tokens x 8 hidden x 4 bytes, 2 per layer, 2 layers, 2 (tp-1)/tp = 1
+    assert c1.allreduce_bytes == 0 and c2.allreduce_bytes == 2 * 2 * (4 * 8 * 4) * 1
+    t1 = one.iteration(ExecutionBatch([forward])).seconds
+    t2 = two.iteration(ExecutionBatch([forward])).seconds
+    assert t2 == pytest.approx(t1 / 2 + c2.allreduce_bytes / 1.0)  # half of the 2 B/s link per direction
+
+
+def test_kv_capacity_is_memory_minus_weights_times_the_free_fraction():
+    shape = ModelShape.from_dict(TINY)
+    hw = unit_hardware(memory=shape.num_params * 4 + 64 * 1000)  # room for 1000 tokens of KV
+    executor = SimExecutor(CostModel(shape, hw, "float32"))
+    config = make_config(kv_cache={"max_tokens": None, "free_memory_fraction": 0.5, "tokens_per_block": 10})
+    assert executor.num_kv_blocks(config.kv_cache, 10**9) == 50
+    assert executor.kv_capacity_tokens == 500
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"stop_words_list": [[7, 8]]}, "stop_words_list"),
+        ({"return_log_probs": True}, "return_log_probs"),
+        ({"return_generation_logits": True}, "return_generation_logits"),
+        ({"beam_width": 2}, "beam_width"),
+    ],
+)
+def test_requests_needing_real_logits_are_refused_naming_the_field(fields, named):
+    shape = ModelShape.from_dict(TINY)
+    core = EngineCore(
+        make_config(engine={"max_beam_width": 2}), SimExecutor(CostModel(shape, unit_hardware(), "float32"))
+    )
+    refused = core.add_request(Request(0, [3, 4, 5], 4, **fields))
+    assert refused is not None and refused.final
+    assert f"field {named!r} needs real logits" in refused.error
+    assert "--executor sim" in refused.error
+
+
+def test_cost_is_price_times_devices_times_simulated_hours_per_million_tokens():
+    hw = unit_hardware(price_per_hour=2.0)
+    out = cost_metrics(hw, 4, 1800.0, output_tokens=500_000, total_tokens=2_000_000)
+    assert out["cost_usd"] == pytest.approx(4.0)  # 2 $/h x 4 devices x 0.5 h
+    assert out["cost_per_million_output_tokens"] == pytest.approx(8.0)
+    assert out["cost_per_million_total_tokens"] == pytest.approx(2.0)
+    assert cost_metrics(hw, 1, 10.0, 0, 0)["cost_per_million_output_tokens"] is None
+
+
+def test_every_shipped_hardware_row_has_its_figures_and_a_datasheet_source():
+    table = hardware_table()
+    assert set(table) == {"h100-sxm", "h200", "b200", "a100-80gb", "l40s", "mi300x"}
+    for row in table.values():
+        assert row.peak_flops("bfloat16") > 1e14 and row.memory_bw > 1e11 and row.memory > 1e10
+        assert row.source.startswith("https://") and row.price_per_hour > 0
+    with pytest.raises(ConfigError, match="--hardware 'h300': unknown; allowed: h100-sxm"):
+        load_hardware("h300")
+
+
+def test_cpu_local_is_calibrated_once_and_read_from_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
+    first = load_hardware("cpu-local")
+    cached = tmp_path / "cpu-local.yaml"
+    assert cached.is_file()
+    assert first.peak_flops("float32") > 0 and first.memory_bw > 0 and first.iteration_overhead_s > 0
+    assert load_hardware("cpu-local") == first  # read back, not measured again
+
+
+def test_the_sim_package_imports_without_torch():
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'): raise ImportError('no torch here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import bm.sim, bm.sim.run\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# -- whole runs ---------------------------------------------------------------------------------------
+
+
+def sim_config(tmp_path: Path, **sets) -> object:
+    model_config = tmp_path / "tiny.json"
+    model_config.write_text(json.dumps(TINY | {"vocab_size": 512, "max_position_embeddings": 4096}))
+    overrides = {
+        "engine.executor": "sim",
+        "sim.hardware": "a100-80gb",
+        "model.config": str(model_config),
+        "bench.dataset_kind": "synthetic",
+        "bench.num_requests": 40,
+        "bench.input_len": 64,
+        "bench.output_len": 24,
+        "bench.range_ratio": 0.5,
+        "bench.request_rate": 50.0,
+        "bench.seed": 3,
+        "engine.max_batch_size": 8,
+    }
+    return load_config(None, overrides | sets)
+
+
+def run_document(config) -> dict:
+    from bm.bench import results_document, run_bench
+    from bm.sim.run import load_sim_model
+    from bm.workloads import load_workload
+
+    model = load_sim_model(config)
+    workload = load_workload(config.bench, vocab_size=model.vocab_size, encode=None)
+    return results_document(run_bench(config, model, workload))
+
+
+def test_two_simulated_runs_with_the_same_seed_write_the_same_results(tmp_path):
+    wall_clock = ("date", "wall_time_s")
+    first, second = (run_document(sim_config(tmp_path)) for _ in range(2))
+    assert first["completed"] == 40 and first["num_iterations"] > 40
+    assert {k: v for k, v in first.items() if k not in wall_clock} == {
+        k: v for k, v in second.items() if k not in wall_clock
+    }
+
+
+def test_a_simulated_run_is_marked_sim_with_its_hardware_row_and_its_cost(tmp_path):
+    doc = run_document(sim_config(tmp_path, **{"sim.tensor_parallel": 2}))
+    assert doc["executor"] == "sim"
+    assert doc["runtime"]["hardware"]["key"] == "a100-80gb"
+    assert doc["runtime"]["num_devices"] == 2
+    assert doc["config"]["engine"]["executor"] == "sim"
+    hours = doc["duration"] / 3600
+    dollars = doc["runtime"]["hardware"]["price_per_hour"] * 2 * hours
+    assert doc["cost_per_million_output_tokens"] == pytest.approx(dollars / doc["total_output_tokens"] * 1e6)
+    total = doc["total_output_tokens"] + doc["total_input_tokens"]
+    assert doc["cost_per_million_total_tokens"] == pytest.approx(dollars / total * 1e6)
+    # simulated time: every iteration takes the cost model's time, so latencies are positive and finite
+    assert doc["median_ttft_ms"] > 0 and doc["mean_itl_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"batching_scheme": "inflight_fused", "scheduler_policy": "guaranteed_no_evict"},
+        {"batching_scheme": "inflight", "scheduler_policy": "max_utilization"},
+        {"batching_scheme": "v1", "scheduler_policy": "static_batch"},
+        {"enable_chunked_context": True, "max_num_tokens": 64, "max_batch_size": 6},
+    ],
+)
+def test_the_sim_schedules_every_iteration_exactly_as_the_torch_engine(tiny_model, engine):
+    """Every request at t=0: scheduling does not depend on time, so the simulated run's schedule (ids,
+    context/generation tokens, KV blocks) must equal the real one's, iteration by iteration."""
+    from bm.runtime.executor import TorchExecutor
+
+    config = make_config(engine={"max_batch_size": 4, **engine}, kv_cache={"max_tokens": 320})
+    shape = ModelShape.from_dict(tiny_model.model.config.to_dict())
+    requests = [Request(i, [3 + (i * 7 + j) % 200 for j in range(9 + 13 * i % 40)], 3 + 5 * i % 11)
+                for i in range(10)]  # fmt: skip
+
+    def trace(executor) -> list[tuple]:
+        core = EngineCore(config, executor)
+        for r in requests:
+            assert core.add_request(r) is None
+        rows = []
+        while core.num_active:
+            out = core.step()
+            s, st = out.schedule, out.stats
+            rows.append((s.context_ids, s.context_chunks, s.generation_ids, s.paused_ids, s.padding_ids,
+                         s.empty_slot_ids, st.context_tokens, st.generation_tokens, st.used_blocks,
+                         st.max_blocks, st.computed_tokens))  # fmt: skip
+            assert len(rows) < 1000
+        return rows
+
+    real = trace(TorchExecutor(tiny_model))
+    simulated = trace(SimExecutor(CostModel(shape, load_hardware("h100-sxm"), "float32")))
+    assert len(real) > 5
+    assert simulated == real
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+def test_bench_executor_sim_writes_the_three_files_and_prints_the_cost(tmp_path):
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    model_config = tmp_path / "tiny.json"
+    model_config.write_text(json.dumps(TINY | {"vocab_size": 512}))
+    out = tmp_path / "out"
+    args = ["bench", "--executor", "sim", "--hardware", "l40s", "--tensor-parallel", "2",
+            "--model-config", str(model_config), "--dataset-kind", "synthetic", "-n", "12",
+            "--input-len", "32", "--output-len", "8", "--rate", "20", "-o", str(out), "--quiet"]  # fmt: skip
+    result = CliRunner().invoke(app, args, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "Cost per million output tokens (USD)" in result.output and "l40s x 2" in result.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["executor"] == "sim" and doc["completed"] == 12
+    assert doc["cost_per_million_output_tokens"] > 0
+    stats = [json.loads(line) for line in (out / "stats.jsonl").read_text().splitlines()]
+    assert len(stats) == doc["num_iterations"]
+    assert sum(json.loads(line)["output_tokens"] for line in (out / "requests.jsonl").open()) == 12 * 8
+
+
+def test_bench_executor_sim_without_a_model_config_exits_2_naming_the_option(tmp_path):
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    args = ["bench", "--executor", "sim", "--dataset-kind", "synthetic", "-n", "2", "--quiet"]
+    result = CliRunner().invoke(app, args, terminal_width=200)
+    assert result.exit_code == 2
+    assert "--model-config" in result.output
+
+
+def test_sim_calibrate_writes_the_cpu_local_row(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["sim", "calibrate"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cpu-local.yaml").is_file() and "memory_bw" in result.output
