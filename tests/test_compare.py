@@ -196,7 +196,7 @@ def test_compare_takes_every_dataset_and_arrival_flag_of_bench():
     bench_only = {"scheme", "policy"}  # compare's --schemes / --policies take their place
     # compare runs its variants one after another in one process on one loaded model; multi-rank runs
     # are bench's alone
-    bench_only |= {"data_parallel", "tensor_parallel", "rank_timeout"}
+    bench_only |= {"data_parallel", "rank_timeout"}
     missing = set(inspect.signature(bench).parameters) - set(inspect.signature(compare_command).parameters)
     assert missing == bench_only
 

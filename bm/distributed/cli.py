@@ -74,6 +74,11 @@ def start_ranks(
     if (data_parallel or 1) * tensor_parallel == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     try:
+        if getattr(cfg.engine, "executor", "torch") == "sim":
+            raise ParallelError(
+                "engine.executor is sim: the simulator replays on a virtual clock in one process; "
+                "drop --data-parallel or set engine.executor=torch"
+            )
         if tensor_parallel > 1 and not cfg.model.path:
             raise ParallelError(
                 "--tensor-parallel needs model.path (a checkpoint directory): transformers shards "
