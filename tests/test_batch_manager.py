@@ -142,7 +142,7 @@ def test_request_too_large_for_the_cache_errors_and_others_complete(tiny_model):
         ({"runtime_top_p": 0.0}, "runtime_top_p: 0.0 is out of range; allowed (0, 1]"),
         ({"runtime_top_p": 1.5}, "runtime_top_p: 1.5 is out of range; allowed (0, 1]"),
         ({"beam_width": 2}, "beam_width: 2 is out of range; allowed [1, 1]"),
-        ({"lora_task_id": 3}, "input tensor 'lora_task_id' is not supported yet"),
+        ({"lora_task_id": 3}, "lora_task_id: task 3 is not in the PEFT cache"),
         ({"end_id": 100000}, "end_id: 100000 is out of range"),
     ],
 )

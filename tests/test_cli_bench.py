@@ -156,3 +156,18 @@ def test_run_bench_compares_schemes_on_one_workload_in_one_process(tmp_path, tin
     document = write_results(tmp_path / "v1", v1)
     assert document["batching_scheme"] == "v1" and document["completed"] == 6
     assert len(read_jsonl(tmp_path / "v1" / "requests.jsonl")) == 6
+
+
+def test_bench_with_ngram_speculation_reports_the_mean_acceptance_length(tmp_path):
+    rows = [{"input_ids": [5, 6, 7, 8] * 6 + [5, 6], "max_tokens": 12} for _ in range(3)]
+    path = tmp_path / "copy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    spec = "engine.speculative={method: ngram, num_draft_tokens: 3, max_ngram: 2}"
+    result = bench(path, "--ignore-eos", "--set", "kv_cache.max_tokens=2048", "--set", spec, "-o", out)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["total_draft_tokens"] > 0
+    assert results["mean_acceptance_length"] >= 1.0
+    assert 0.0 <= results["draft_acceptance_rate"] <= 1.0
+    assert "Mean acceptance length" in result.output

@@ -104,3 +104,23 @@ def test_run_help_documents_the_config_keys():
     assert result.exit_code == 0
     for key in ("tokens_per_block", "free_memory_fraction", "max_num_tokens", "batching_scheme"):
         assert key in result.output
+
+
+def test_run_takes_drafts_and_prompt_lookup_without_changing_greedy_outputs(tmp_path):
+    lines = [
+        {"input_ids": [5, 6, 7, 8] * 4, "max_tokens": 10},
+        {"input_ids": [9, 10, 11], "max_tokens": 10, "draft_input_ids": [12, 13, 14]},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plain = invoke(prompts, "-o", tmp_path / "plain", "--set", "kv_cache.max_tokens=1024")
+    spec = "engine.speculative={method: ngram, num_draft_tokens: 3, max_ngram: 2}"
+    drafted = invoke(prompts, "-o", tmp_path / "spec", "--set", "kv_cache.max_tokens=1024", "--set", spec)
+    assert plain.exit_code == 0 and drafted.exit_code == 0, plain.output + drafted.output
+    a = read_jsonl(tmp_path / "plain" / "outputs.jsonl")
+    b = read_jsonl(tmp_path / "spec" / "outputs.jsonl")
+    assert all(r["error"] is None for r in a + b)
+    assert sorted((r["index"], r["output_ids"]) for r in a) == sorted(
+        (r["index"], r["output_ids"]) for r in b
+    )
+    assert sum(s["Draft Tokens"] for s in read_jsonl(tmp_path / "spec" / "stats.jsonl")) > 0

@@ -239,4 +239,4 @@ def test_cli_accepts_every_field_and_writes_log_probs_and_logits_files(tmp_path)
     gen = load_file(tmp_path / "out" / c["logits_file"])["generation_logits"]
     assert gen.shape == (c["num_output_tokens"], 259) and "logits_file" not in a
     assert "stop_words_list" in records["d"]["error"] and "[x]" not in json.dumps(records["d"])
-    assert "embedding_bias: expected shape [1, 259]" in records["e"]["error"]
+    assert "embedding_bias: expected 259 numbers" in records["e"]["error"]

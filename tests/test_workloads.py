@@ -60,7 +60,7 @@ def test_bm_jsonl_bad_rows_keep_their_place_with_an_error_naming_line_and_field(
     errors = [r.error for r in w.requests]
     assert errors[0] is None
     assert errors[1].startswith("line 2: malformed JSON")
-    assert errors[2].startswith("line 3: missing field 'prompt'")
+    assert errors[2].startswith("line 3: missing prompt: give 'prompt'")
     assert errors[3] == "line 4: max_tokens: must be at least 1, got 0"
     assert errors[4] == "line 5: output_tokens: must be at least 1, got -4"
 

@@ -192,6 +192,7 @@ def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]
         "total_computed_tokens": _total(stats, "Computed Tokens"),
         "total_padded_context_tokens": _total(stats, "Padded Context Tokens"),
         "total_empty_generation_slots": _total(stats, "Empty Generation Slots"),
+        **decoding_metrics(stats),
     }
     if not len(stats):
         return out | dict.fromkeys(ENGINE_KEYS)
@@ -206,6 +207,21 @@ def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]
         "max_kv_cache_utilization": float(utilization.max()),
         "mean_iteration_latency_ms": float(stats["Iteration Latency (ms)"].mean()),
         "max_paused_per_iteration": int(stats["Paused Requests"].max()),
+    }
+
+
+def decoding_metrics(stats: pd.DataFrame) -> dict[str, Any]:
+    """Draft tokens (speculative decoding), as trtllm-bench's decoding stats: the acceptance length is
+    the tokens a verifying step produced on average (accepted drafts plus the model's own), 1 without
+    drafts."""
+    steps = _total(stats, "Draft Steps")
+    drafted = _total(stats, "Draft Tokens")
+    accepted = _total(stats, "Accepted Draft Tokens")
+    return {
+        "total_draft_tokens": drafted,
+        "total_accepted_draft_tokens": accepted,
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": (accepted + steps) / steps if steps else None,
     }
 
 

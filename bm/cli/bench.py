@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 
-from bm.config import BmConfig, ConfigError, load_config, parse_override
+from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config, parse_override
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -96,6 +96,8 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
     for name, key in FLAG_KEYS.items():
         value = flags.get(name)
         if value is not None:
+            if name == "model" and value in MODEL_PRESETS and not Path(value).exists():
+                key = "model.preset"  # --model NAME picks a preset, as in bm run
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
     return load_config(config, overrides)
@@ -105,7 +107,7 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
 # benchmark written for one runs unchanged under the other. name -> (type, typer option).
 SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "set_": (list[str], typer.Option([], "--set", "-s", help="Override a config key, e.g. bench.warmup=8.", rich_help_panel=MODEL)),
-    "model": (str | None, typer.Option(None, "--model", help="Local checkpoint directory.", rich_help_panel=MODEL)),
+    "model": (str | None, typer.Option(None, "--model", help="A preset (smollm2-135m, tiny-random) or a local checkpoint directory.", rich_help_panel=MODEL)),
     "model_config": (str | None, typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL)),
     "dataset_kind": (str | None, typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA)),
     "prompt_column": (str | None, typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA)),
@@ -163,24 +165,33 @@ def bench(
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help="Run N engine replicas as processes (torch.distributed); requests go to the least loaded.", rich_help_panel=MODEL),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help="Seconds a rank may stay silent before the run ends with an error.", rich_help_panel=MODEL),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
     latency (vllm bench serve's metric names) and the batch manager's figures."""
+    from bm.cli.outdir import BENCH_FILES, OutDirError, prepare_out_dir
+    from bm.distributed.cli import end_ranks, start_ranks
+
     flags = {**locals(), **shared}
     try:
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
     except ConfigError as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
     console = Console(stderr=cfg.bench.json_output)
-    from bm.distributed.cli import end_ranks, start_ranks
-
     # --tensor-parallel (shared with compare) splits the simulated model under engine.executor=sim; under
-    # the torch executor bm bench splits the real one over that many ranks.
+    # the torch executor bm bench splits the real one over that many ranks. Ranks other than 0 serve the
+    # run from here and exit: they touch no output file.
     tensor_parallel = 1 if cfg.engine.executor == "sim" else (shared["tensor_parallel"] or 1)
     multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
+    try:
+        out = Path(cfg.bench.out_dir or Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S"))
+        prepare_out_dir(out, resume=False, overwrite=overwrite, files=BENCH_FILES)
+        cfg.bench.out_dir = str(out)
+    except (ConfigError, OutDirError) as exc:
+        raise _fail(Console(stderr=True), str(exc)) from None
     code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output), plot=plot)
     end_ranks(console, multi_rank)
     if code:
@@ -188,7 +199,7 @@ def bench(
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False)
+    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
 
 
@@ -197,14 +208,14 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
 
     Plots are drawn from the written files (the path ``bm report`` takes), so a plot never shows anything
     the saved results do not hold."""
-    from bm.bench import run_bench, write_results
-    from bm.cli.bench_report import bench_progress, print_results, tick
-    from bm.runtime import KVCacheSizeError
-
     bench = cfg.bench
     loaded_pair = load_model_and_workload(cfg, console)
     if loaded_pair is None:
         return 2
+    from bm.bench import run_bench, write_results
+    from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.runtime import KVCacheSizeError
+
     loaded, workload = loaded_pair
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
     progress = bench_progress(console, show_progress)
@@ -215,6 +226,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     except KVCacheSizeError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
+    name_rows(result.records, workload)
     results = write_results(out, result)
     if bench.json_output:
         print(json.dumps(results, indent=2))
@@ -235,22 +247,49 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     return 130 if result.interrupted else 0
 
 
+def name_rows(records: Any, workload: Workload) -> None:
+    """Prefix errors found by the engine with the row they came from ("line 12: ..."): the engine only
+    knows request ids, the CLI knows which line of the dataset each one was."""
+    if "error" not in records or "index" not in records:
+        return
+    for position, (index, error) in enumerate(zip(records["index"], records["error"], strict=False)):
+        if not isinstance(error, str) or not error or not 0 <= int(index) < len(workload.requests):
+            continue
+        source = workload.requests[int(index)].source
+        if not error.startswith(f"{source}:"):
+            records.iat[position, records.columns.get_loc("error")] = f"{source}: {error}"
+
+
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
-    from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
-    from bm.workloads import DatasetError, load_workload
+    from bm.workloads import DatasetError, load_workload, read_workload
 
     try:
-        console.print(f"loading model ({cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ...")
+        rows = read_workload(cfg.bench)  # the dataset first: a bad file is reported before the model loads
+    except (DatasetError, ConfigError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return None
+    from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
+
+    try:
+        console.print(
+            f"loading model ({cfg.model.preset or cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ..."
+        )
         if cfg.engine.executor == "sim":  # no weights: the model's shape and a hardware row
             from bm.sim.run import load_sim_model
 
             loaded = load_sim_model(cfg)
         else:
             loaded = load_model(cfg.model)
-        encode = loaded.tokenizer.encode if loaded.tokenizer is not None else None
-        workload = load_workload(cfg.bench, vocab_size=loaded.vocab_size, encode=encode)
+        tokenizer = loaded.tokenizer
+        workload = load_workload(
+            cfg.bench,
+            vocab_size=loaded.vocab_size,
+            encode=tokenizer.encode if tokenizer is not None else None,
+            encode_word=tokenizer.encode_word if tokenizer is not None else None,
+            workload=rows,
+        )
     except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return None

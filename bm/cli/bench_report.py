@@ -107,6 +107,15 @@ def engine_table(results: dict[str, Any]) -> Table:
         ("Paused requests", results["num_paused_requests"]),
         ("Total pauses", results["total_pauses"]),
     ]
+    if results.get("total_draft_tokens"):
+        rows += [
+            (
+                "Draft tokens (accepted)",
+                f"{results['total_draft_tokens']} ({results['total_accepted_draft_tokens']})",
+            ),
+            ("Draft acceptance rate", _percent(results["draft_acceptance_rate"])),
+            ("Mean acceptance length", results["mean_acceptance_length"]),
+        ]
     for name, value in rows:
         table.add_row(name, _fmt(value))
     return table

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
+from bm.cli.outdir import OutDirError, check_writable_dir
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ def compare(
     table, write compare.json and compare.md, and gate on --assert and --baseline (exit 1 on failure)."""
     from bm.compare.expr import AssertionEvalError, AssertionSyntaxError, check_refs, parse_assertion
     from bm.compare.regress import ToleranceError, parse_tolerance
-    from bm.compare.runner import plan_variants
 
     err = Console(stderr=True)
     flags = {**locals(), **shared}
@@ -58,6 +58,13 @@ def compare(
     flags.pop("json_output")
     try:
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
+        # files first: these checks need no torch, so a bad baseline or -o is reported at once
+        tol = parse_tolerance(tolerance)
+        previous = _read_baseline(baseline) if baseline is not None else None
+        if out_dir is not None:
+            check_writable_dir(out_dir, "-o")
+        from bm.compare.runner import plan_variants
+
         variants = plan_variants(schemes, policies, baselines)
         if repeat < 1:
             raise ConfigError(f"--repeat {repeat}: must be at least 1")
@@ -71,9 +78,7 @@ def compare(
         placeholder = {v.name: known for v in variants}
         for assertion in parsed:
             check_refs(assertion, placeholder)
-        tol = parse_tolerance(tolerance)
-        previous = _read_baseline(baseline) if baseline is not None else None
-    except (ConfigError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
+    except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
@@ -101,10 +106,24 @@ def _read_baseline(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"--baseline {path}: no such file; save one with bm compare -o DIR (DIR/compare.json)"
         ) from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except IsADirectoryError:
+        raise ConfigError(f"--baseline {path}: is a directory; give DIR/compare.json") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--baseline {path}: not a compare.json (not UTF-8 text: byte 0x{exc.object[exc.start]:02x} "
+            f"at offset {exc.start})"
+        ) from None
+    except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"--baseline {path}: not a readable compare.json ({exc})") from None
     if not isinstance(document, dict) or not isinstance(document.get("variants"), dict):
         raise ConfigError(f"--baseline {path}: not a compare.json (no 'variants' mapping)")
+    # checked now, not after the run: a malformed baseline must not cost the results
+    for name, variant in document["variants"].items():
+        if not isinstance(variant, dict) or not isinstance(variant.get("metrics", {}), dict):
+            raise ConfigError(
+                f"--baseline {path}: variants.{name}: expected an object with a 'metrics' mapping, "
+                f"got {json.dumps(variant)[:40]}; regenerate it with bm compare -o DIR"
+            )
     return document
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 
-from bm.config import ConfigError, config_reference, load_config, parse_override
+from bm.cli.interrupts import Interrupts
+from bm.config import MODEL_PRESETS, ConfigError, config_reference, load_config, parse_override
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,7 +52,9 @@ def _fail(console: Console, message: str) -> typer.Exit:
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
     pairs = dict(parse_override(o) for o in overrides)
-    if model:
+    if model in MODEL_PRESETS and not Path(model).exists():
+        pairs["model.preset"] = model
+    elif model:
         pairs["model.path"] = model
     if model_config:
         pairs["model.config"] = model_config
@@ -60,7 +64,9 @@ def build_config(config: Path | None, overrides: list[str], model: str | None, m
 @app.command(epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"))
 def run(
     prompts: Path = typer.Argument(
-        ..., help="JSONL file: one request per line ({'prompt'|'input_ids', ...})."
+        ...,
+        help="JSONL file: one request per line ({'prompt'|'input_ids'|'messages', ...}), or an OpenAI "
+        "Batch API input file.",
     ),
     config: Path | None = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     out_dir: Path | None = typer.Option(
@@ -70,51 +76,141 @@ def run(
         help="Where outputs.jsonl, stats.jsonl and summary.json go [bm-out/run-TIME].",
     ),
     set_: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
-    model: str | None = typer.Option(None, "--model", help="Local checkpoint directory (sets model.path)."),
+    model: str | None = typer.Option(
+        None, "--model", help="A preset (smollm2-135m, tiny-random) or a local checkpoint directory."
+    ),
     model_config: str | None = typer.Option(
         None, "--model-config", help="Model config JSON, random weights (sets model.config)."
     ),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Output length for lines that give none."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's end token."),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template", help="Jinja chat template for 'messages' lines (overrides the checkpoint's)."
+    ),
+    resume: bool = typer.Option(False, "--resume", help="Keep OUT_DIR's finished records; run the rest."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    show: bool = typer.Option(False, "--show", help="Print every answer (id and text) after the run."),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", help=TP_HELP),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help=RANK_TIMEOUT_HELP),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
+    with Interrupts() as interrupts:  # from the start: a Ctrl-C while torch loads shows no traceback
+        _run(**locals())
+
+
+def _run(
+    prompts: Path,
+    config: Path | None,
+    out_dir: Path | None,
+    set_: list[str],
+    model: str | None,
+    model_config: str | None,
+    max_tokens: int,
+    ignore_eos: bool,
+    chat_template: Path | None,
+    resume: bool,
+    overwrite: bool,
+    quiet: bool,
+    show: bool,
+    data_parallel: int | None,
+    tensor_parallel: int,
+    rank_timeout: float,
+    interrupts: Any,
+) -> None:
+    from bm.distributed.cli import end_ranks, start_ranks
+
+    console = Console(stderr=False)
+    # Everything the user wrote is checked here, before torch and transformers load (seconds).
+    try:
+        _check_input_file(prompts)
+        cfg = build_config(config, set_, model, model_config)
+        # Ranks other than 0 serve the run from here and exit: they touch no output file.
+        multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
+        template = _read_template(chat_template)
+        out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
+        _prepare_out_dir(out, resume, overwrite, prompts)
+        parsed, batch_lines = _read_requests(prompts)
+    except (ConfigError, ValueError) as exc:
+        raise _fail(console, str(exc)) from None
+
     from bm.cli.run import run_prompts, summary_table
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
-    console = Console(stderr=False)
-    if not prompts.is_file():
-        raise _fail(console, f"prompts file {str(prompts)!r} does not exist")
-    try:
-        cfg = build_config(config, set_, model, model_config)
-    except ConfigError as exc:
-        raise _fail(console, str(exc)) from None
-    out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
-    from bm.distributed.cli import end_ranks, start_ranks
-
-    multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
     try:
         summary = run_prompts(
-            prompts,
+            parsed,
             cfg,
             out,
             default_output_len=max_tokens,
             ignore_eos=ignore_eos,
             console=console,
             show_progress=not quiet,
+            prompts=prompts,
+            resume=resume,
+            chat_template=template,
+            batch_lines=batch_lines,
+            interrupts=interrupts,
         )
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
+    if show:
+        _show_answers(console, out / "outputs.jsonl")
     console.print(summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
+    if batch_lines is not None:
+        console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
     if summary.num_failed:
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
     end_ranks(console, multi_rank)
     if summary.interrupted:
         raise typer.Exit(code=130)
+
+
+def _show_answers(console: Console, outputs: Path) -> None:
+    from rich.markup import escape
+
+    from bm.workloads.jsonl import iter_lines
+
+    records = [r for _, r in iter_lines(outputs) if isinstance(r, dict)]
+    for record in sorted(records, key=lambda r: r.get("index", 0)):
+        answer = record.get("text") if record.get("error") is None else f"[error] {record['error']}"
+        console.print(f"[bold cyan]{escape(str(record.get('id')))}[/]: {escape(str(answer))}", soft_wrap=True)
+
+
+def _check_input_file(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"prompts file {str(path)!r} is a directory; give a JSONL file")
+    if not path.exists():
+        raise ValueError(f"prompts file {str(path)!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"prompts file {str(path)!r} is not readable (permissions)")
+
+
+def _read_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    from bm.cli.chat import read_chat_template
+
+    return read_chat_template(path)
+
+
+def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) -> None:
+    from bm.cli.outdir import prepare_out_dir
+
+    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
+
+
+def _read_requests(prompts: Path) -> tuple[list, list | None]:
+    """The parsed lines, and the OpenAI batch lines when the file is one (``None`` otherwise)."""
+    from bm.cli.openai_batch import is_batch_file, read_batch_file
+    from bm.workloads.jsonl import read_request_file
+
+    if is_batch_file(prompts):
+        batch_lines = read_batch_file(prompts)
+        return [b.parsed for b in batch_lines], batch_lines
+    return read_request_file(prompts), None
 
 
 def _register_bench() -> None:

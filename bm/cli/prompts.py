@@ -1,35 +1,24 @@
-"""Reading a prompts JSONL file into requests, one problem per bad line and no line lost.
+"""From checked request lines to the batch manager's requests, once the model (and tokenizer) is loaded.
 
-A line is ``{"id"?, "prompt" | "input_ids", "request_output_len"?, <request fields by spec name>}``.
-The batch manager gets each line's index as its request id (always unique); the user's ``id``, which
-may be any string or integer, is echoed back in the output record.
+The file itself is read by :mod:`bm.workloads.jsonl` (or :mod:`bm.cli.openai_batch`) before the model
+loads, so a bad file is reported at once; here text is tokenized, chats are rendered with the chat
+template, word lists become token ids and token ids are checked against the vocabulary. Every line keeps
+its place: the batch manager gets each line's index as its request id (always unique), and the user's
+``id`` is echoed back in the output record.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bm.engine.inference_request import SPEC_INPUT_TENSORS, SUPPORTED_INPUT_TENSORS, WORD_LISTS
+from bm.cli.chat import jinja_renderer
 from bm.engine.request import Request
-
-OUTPUT_LEN_ALIASES = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
-FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
-REQUEST_FIELDS = sorted(SUPPORTED_INPUT_TENSORS - {"input_ids", "request_output_len"})
-# Read by `bm bench`; `bm run` is offline and accepts the field so one file serves both.
-IGNORED_KEYS = ("arrival_time",)
-KNOWN_KEYS = {
-    "id",
-    "prompt",
-    "input_ids",
-    *OUTPUT_LEN_ALIASES,
-    *FIELD_ALIASES,
-    *SPEC_INPUT_TENSORS,
-    *IGNORED_KEYS,
-}
+from bm.workloads.jsonl import WORD_LISTS, ParsedLine, resolve_word_list
+from bm.workloads.request import RowError
 
 
 @dataclass
@@ -40,193 +29,143 @@ class PromptLine:
     request: Request | None = None
     num_prompt_tokens: int | None = None
     error: str | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings: the text is cut at the first one
+    extra: dict[str, Any] = field(default_factory=dict)  # what an input format needs back (OpenAI batch)
 
 
-class LineError(ValueError):
-    pass
+@dataclass
+class Codec:
+    """What building requests needs of the model: its tokenizer (if any), vocabulary and chat template."""
+
+    vocab_size: int
+    encode: Callable[[str], list[int]] | None = None
+    encode_word: Callable[[str], list[int]] | None = None
+    render_chat: Callable[[list[dict[str, Any]]], list[int]] | None = None
 
 
-def read_prompt_lines(
-    path: Path,
-    encode: Callable[[str], list[int]] | None,
+def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
+    """The :class:`Codec` of a loaded model; ``chat_template`` (Jinja text) overrides the checkpoint's."""
+    tokenizer = loaded.tokenizer
+    codec = Codec(vocab_size=loaded.vocab_size)
+    if tokenizer is None:
+        return codec
+    codec.encode, codec.encode_word = tokenizer.encode, tokenizer.encode_word
+    hf = getattr(tokenizer, "tokenizer", None)  # the transformers tokenizer behind HFTokenizer
+    if hf is not None and (chat_template is not None or getattr(hf, "chat_template", None)):
+
+        def render_hf(messages: list[dict[str, Any]]) -> list[int]:
+            try:
+                text = hf.apply_chat_template(
+                    messages, chat_template=chat_template, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # a template is a program: any of its errors is the user's to fix
+                raise RowError(f"messages: the chat template failed: {exc}") from None
+            return list(hf(text, add_special_tokens=False)["input_ids"])
+
+        codec.render_chat = render_hf
+    elif chat_template is not None:
+        render = jinja_renderer(chat_template, getattr(tokenizer, "eos_token_id", None))
+
+        def render_plain(messages: list[dict[str, Any]]) -> list[int]:
+            return tokenizer.encode(render(messages))
+
+        codec.render_chat = render_plain
+    return codec
+
+
+def build_prompt_lines(
+    parsed: list[ParsedLine],
+    codec: Codec,
     default_output_len: int,
     default_end_id: int | None,
-    encode_word: Callable[[str], list[int]] | None = None,
 ) -> list[PromptLine]:
-    """Parse every non-blank line; a bad line becomes a :class:`PromptLine` carrying its error.
-
-    ``encode_word`` tokenizes the strings of a word list (without the special tokens a prompt gets).
-    """
-    lines: list[PromptLine] = []
-    seen_ids: dict[Any, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            index = len(lines)
-            entry = PromptLine(index=index, line_number=line_number, user_id=index)
+    """One :class:`PromptLine` per parsed line; a line that cannot become a request carries its error."""
+    lines = []
+    for index, entry in enumerate(parsed):
+        line = PromptLine(index=index, line_number=entry.line_number, user_id=entry.user_id, stop=entry.stop)
+        line.error = entry.error
+        if line.error is None:
             try:
-                data = _load_object(text)
-                entry.user_id = _user_id(data, index)
-                hashable = json.dumps(entry.user_id)
-                if hashable in seen_ids:
-                    raise LineError(
-                        f"duplicate id {entry.user_id!r} (also on line {seen_ids[hashable]}); ids must be unique"
-                    )
-                seen_ids[hashable] = line_number
-                entry.request, entry.num_prompt_tokens = _to_request(
-                    data, index, encode, default_output_len, default_end_id, encode_word
+                line.request, line.num_prompt_tokens = _to_request(
+                    entry, index, codec, default_output_len, default_end_id
                 )
-            except LineError as exc:
-                entry.error = f"line {line_number}: {exc}"
-            lines.append(entry)
+            except RowError as exc:
+                line.error = f"{entry.where}: {exc}"
+        lines.append(line)
     return lines
 
 
-def _load_object(text: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LineError(f"malformed JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise LineError(f"expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _user_id(data: dict[str, Any], index: int) -> Any:
-    if "id" not in data:
-        return index
-    value = data["id"]
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise LineError(f"id: expected a string or an integer, got {value!r}")
-    return value
-
-
 def _to_request(
-    data: dict[str, Any],
-    index: int,
-    encode: Callable[[str], list[int]] | None,
-    default_output_len: int,
-    default_end_id: int | None,
-    encode_word: Callable[[str], list[int]] | None = None,
+    entry: ParsedLine, index: int, codec: Codec, default_output_len: int, default_end_id: int | None
 ) -> tuple[Request, int]:
-    unknown = sorted(k for k in data if k not in KNOWN_KEYS)
-    if unknown:
-        allowed = ", ".join(["id", "prompt", "input_ids", *OUTPUT_LEN_ALIASES, *REQUEST_FIELDS])
-        raise LineError(f"unknown field {unknown[0]!r}; allowed fields: {allowed}")
-    prompt_ids = _prompt_ids(data, encode)
-    output_len = _output_len(data, default_output_len)
-    fields: dict[str, Any] = {}
-    for key, value in data.items():
-        name = FIELD_ALIASES.get(key, key)
-        if name in ("id", "prompt", "input_ids", *OUTPUT_LEN_ALIASES, *IGNORED_KEYS):
-            continue
+    prompt_ids = _prompt_ids(entry, codec)
+    fields: dict[str, Any] = dict(entry.fields)
+    for name in WORD_LISTS:
         if name in fields:
-            raise LineError(f"{key}: given twice (as {name!r} and an alias); keep one")
-        if value is None:
-            continue
-        if name in WORD_LISTS:
-            value = _word_list(key, value, encode_word)
-        elif name == "embedding_bias":
-            value = _bias(key, value)
-        elif not isinstance(value, (int, float, bool)):
-            raise LineError(f"{key}: expected a number or true/false, got {value!r}")
-        fields[name] = value
+            fields[name] = resolve_word_list(fields[name], name, codec.encode_word)
+    if entry.stop:
+        stops = resolve_word_list(entry.stop, "stop", codec.encode_word)
+        fields["stop_words_list"] = [*fields.get("stop_words_list", []), *stops]
+    for name, words in ((n, fields.get(n)) for n in WORD_LISTS):
+        for word in words or ():
+            bad = next((t for t in word if t >= codec.vocab_size), None)
+            if bad is not None:
+                raise RowError(f"{name}: token id {bad} is outside the vocabulary [0, {codec.vocab_size})")
+    if "embedding_bias" in fields and len(fields["embedding_bias"]) != codec.vocab_size:
+        raise RowError(
+            f"embedding_bias: expected {codec.vocab_size} numbers (one per vocabulary token), "
+            f"got {len(fields['embedding_bias'])}"
+        )
     if "end_id" not in fields and default_end_id is not None:
         fields["end_id"] = default_end_id
-    # Values go to the engine as written: it refuses a wrong type by name rather than coercing it.
-    return Request(request_id=index, input_ids=prompt_ids, request_output_len=output_len, **fields), len(
-        prompt_ids
-    )
+    if entry.lora_dir is not None:
+        _add_lora_dir(fields, entry.lora_dir)
+    output_len = entry.output_len or default_output_len
+    # typed values as parsed; the engine's validate_request judges ranges and names the field
+    request = Request(request_id=index, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
+    return request, len(prompt_ids)
 
 
-def _prompt_ids(data: dict[str, Any], encode: Callable[[str], list[int]] | None) -> list[int]:
-    has_prompt, has_ids = "prompt" in data, "input_ids" in data
-    if has_prompt and has_ids:
-        raise LineError("give either 'prompt' or 'input_ids', not both")
-    if not has_prompt and not has_ids:
-        raise LineError("missing prompt: give 'prompt' (text) or 'input_ids' (token ids)")
-    if has_prompt:
-        prompt = data["prompt"]
-        if not isinstance(prompt, str):
-            raise LineError(f"prompt: expected a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise LineError("prompt: the prompt is empty")
-        if encode is None:
-            raise LineError("prompt: this model has no tokenizer; give 'input_ids' instead")
-        ids = encode(prompt)
-        if not ids:
-            raise LineError("prompt: the prompt encodes to no tokens")
+def _add_lora_dir(fields: dict[str, Any], directory: str) -> None:
+    """A PEFT adapter directory as the seed's fields; the task id derives from the directory unless the
+    line gives ``lora_task_id``. Every line carries the weights, so no line depends on another's."""
+    from bm.runtime.lora import task_id_for_directory
+
+    try:
+        fields["lora_config"], fields["lora_weights"] = _read_adapter(directory)
+    except ValueError as exc:
+        raise RowError(str(exc)) from None
+    fields.setdefault("lora_task_id", task_id_for_directory(Path(directory)))
+
+
+@functools.lru_cache(maxsize=64)
+def _read_adapter(directory: str) -> tuple[Any, Any]:
+    """Each adapter directory is read once per process, however many lines name it."""
+    from bm.runtime.lora import read_peft_adapter
+
+    return read_peft_adapter(Path(directory))
+
+
+def _prompt_ids(entry: ParsedLine, codec: Codec) -> list[int]:
+    if entry.input_ids is not None:
+        ids = entry.input_ids
+        bad = next((t for t in ids if t >= codec.vocab_size), None)
+        if bad is not None:
+            raise RowError(f"input_ids: token id {bad} is outside the vocabulary [0, {codec.vocab_size})")
         return ids
-    ids = data["input_ids"]
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise LineError("input_ids: expected a list of integer token ids")
+    if entry.messages is not None:
+        if codec.render_chat is None:
+            raise RowError(
+                "messages: this model has no chat template; give one with --chat-template FILE, "
+                "or send the prompt as text"
+            )
+        ids = codec.render_chat(entry.messages)
+        if not ids:
+            raise RowError("messages: the chat renders to no tokens")
+        return ids
+    if codec.encode is None:
+        raise RowError("prompt: this model has no tokenizer; give 'input_ids' instead")
+    ids = codec.encode(entry.prompt or "")
     if not ids:
-        raise LineError("input_ids: the prompt is empty")
+        raise RowError("prompt: the prompt encodes to no tokens")
     return ids
-
-
-def _output_len(data: dict[str, Any], default: int) -> int:
-    given = [k for k in OUTPUT_LEN_ALIASES if k in data]
-    if len(given) > 1:
-        raise LineError(f"output length given twice ({', '.join(given)}); keep one")
-    if not given:
-        return default
-    value = data[given[0]]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LineError(f"{given[0]}: expected a positive integer, got {value!r}")
-    if value < 1:
-        raise LineError(f"{given[0]}: must be at least 1, got {value}")
-    return value
-
-
-def _is_offsets_form(value: list[Any]) -> bool:
-    """Two equal-length integer rows whose second is a valid end-offset row: TensorRT-LLM's [2, n] form."""
-    if len(value) != 2 or not all(isinstance(r, list) for r in value) or len(value[0]) != len(value[1]):
-        return False
-    if not all(isinstance(t, int) and not isinstance(t, bool) for r in value for t in r):
-        return False
-    offsets = value[1]
-    real = [o for o in offsets if o >= 0]
-    if not real or offsets[: len(real)] != real or any(o != -1 for o in offsets[len(real) :]):
-        return False
-    return all(b > a for a, b in zip([0, *real], real, strict=False)) and real[-1] <= len(value[0])
-
-
-def _word_list(key: str, value: Any, encode_word: Callable[[str], list[int]] | None) -> list[list[int]]:
-    """A word list in any accepted form, as the list of token-id lists the engine validates."""
-    form = (
-        f'{key}: expected a list of strings or of token-id lists (e.g. ["stop", [13, 13]]), or the '
-        "[2, n] form [[ids...], [end offsets..., -1...]]"
-    )
-    if not isinstance(value, list):
-        raise LineError(form)
-    if _is_offsets_form(value):
-        ids, ends = value[0], [o for o in value[1] if o >= 0]
-        return [ids[a:b] for a, b in zip([0, *ends], ends, strict=False)]
-    words = []
-    for word in value:
-        if isinstance(word, str):
-            if encode_word is None:
-                raise LineError(f"{key}: this model has no tokenizer; give words as token-id lists")
-            ids = encode_word(word)
-            if not ids:
-                raise LineError(f"{key}: the word {word!r} encodes to no tokens")
-            words.append(ids)
-        elif (
-            isinstance(word, list)
-            and word
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in word)
-        ):
-            words.append(word)
-        else:
-            raise LineError(f"{form}; got the item {word!r}")
-    return words
-
-
-def _bias(key: str, value: Any) -> list[float]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-    ):
-        raise LineError(f"{key}: expected a list of numbers, one per vocabulary token")
-    return [float(v) for v in value]

@@ -9,9 +9,9 @@ from typing import Any
 
 
 class JsonlWriter:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool = False) -> None:
         self.path = path
-        self._file = path.open("w", encoding="utf-8")
+        self._file = path.open("a" if append else "w", encoding="utf-8")
         self._lock = threading.Lock()
         self.num_records = 0
 

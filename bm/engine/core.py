@@ -24,13 +24,16 @@ from bm.config import BatchingScheme, BmConfig
 from bm.engine.batching import build_batch, resource_plan
 from bm.engine.executor import (
     CacheLayout,
+    DraftOutcome,
     ExecutionBatch,
     ExecutionResult,
     Executor,
     WorkKind,
 )
 from bm.engine.limits import attention_window, max_seq_len
+from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
+from bm.engine.speculative import NgramConfig, SpecState, can_speculate, request_drafts
 from bm.engine.stats import IterationStats
 from bm.kv import KVCacheManager
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
@@ -115,7 +118,17 @@ class EngineCore:
             # with chunking a prompt of any length fits the budget piece by piece
             max_num_tokens=None if engine.enable_chunked_context else engine.max_num_tokens,
             max_beam_width=engine.max_beam_width,
+            hidden_size=model.hidden_size,
         )
+        peft = config.peft_cache
+        self.peft_cache = PeftCache(
+            peft.max_adapters, peft.max_bytes, model.weight_bytes, executor.load_adapter
+        )
+        spec = engine.speculative
+        self.ngram = NgramConfig(spec["num_draft_tokens"], spec["max_ngram"]) if spec else None
+        # Drafts roll back KV by trimming a single table; V1's lockstep batches and an attention window
+        # (blocks released behind it) keep one token a step.
+        self.drafts_enabled = self.scheme != BatchingScheme.V1 and self.attention_window is None
         self._active: dict[int, LlmRequest] = {}  # insertion order is arrival order
         self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)
         self._iteration = 0
@@ -144,6 +157,12 @@ class EngineCore:
             self.executor.admit(llm_request)
         except RequestError as exc:
             return error_response(rid, str(exc))
+        if PeftCache.task_of(llm_request) is not None:
+            try:
+                self.peft_cache.admit(llm_request)
+            except RequestError as exc:
+                self.executor.release(llm_request)
+                return error_response(rid, str(exc))
         llm_request.arrival_time = self.clock()
         self._active[rid] = llm_request
         return None
@@ -167,12 +186,16 @@ class EngineCore:
             return StepOutput()
         started = self.clock()
         num_active = len(self._active)
-        plan = self.scheduler.schedule_request(list(self._active.values()))
+        # A request whose LoRA adapter cannot be loaded yet (every slot held) waits unscheduled.
+        ready = [r for r in self._active.values() if self.peft_cache.ready(r)]
+        plan = self.scheduler.schedule_request(ready)
         prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
         self._pause(plan)
         reuse = self._start(plan, prepared.reused_tokens)
+        drafts = self._propose_drafts(plan) if self.drafts_enabled else {}
         batch = build_batch(plan, self.kv_cache_manager, self.scheme, self.max_num_tokens)
         batch.block_copies = prepared.copies
+        _attach_drafts(batch, drafts)
         result = self.executor.execute(batch)
         counts = self._update(batch, result)
         out = StepOutput(schedule=_record(plan), computed_tokens=counts.computed)
@@ -183,6 +206,37 @@ class EngineCore:
         self._iteration += 1
         out.stats = self._stats(plan, counts, num_active, used_blocks, len(out.finished_ids), started, reuse)
         out.stats.num_forwards = result.num_forwards
+        out.stats.peft = self.peft_cache.snapshot(num_active - len(ready))
+        out.stats.draft_steps = len(result.drafts)
+        out.stats.draft_tokens = sum(o.num_draft for o in result.drafts.values())
+        out.stats.accepted_draft_tokens = sum(o.num_accepted for o in result.drafts.values())
+        return out
+
+    def _propose_drafts(self, plan: SchedulerOutput) -> dict[int, tuple[list[int], object]]:
+        """Drafts for this step's generation requests, within the token budget the plan leaves and the
+        free KV blocks (a draft never pauses or delays anything: short of room, fewer drafts)."""
+        budget = self.max_num_tokens - sum(plan.context_chunk_sizes.values()) - len(plan.generation_requests)
+        budget -= sum(w.num_tokens for w in plan.padding) + len(plan.empty_slots)
+        kv = self.kv_cache_manager
+        out: dict[int, tuple[list[int], object]] = {}
+        for req in plan.generation_requests:
+            if budget <= 0:
+                break
+            if (req.speculation is None and self.ngram is None) or not can_speculate(req):
+                continue
+            room = min(budget, req.max_new_tokens - len(req.output_ids) - 1)
+            if room <= 0:
+                continue
+            drafts, logits = request_drafts(req, self.ngram, room)
+            while drafts and not kv.can_allocate(req.request_id, req.num_tokens + len(drafts)):
+                drafts.pop()
+            if not drafts:
+                continue
+            kv.allocate(req.request_id, req.num_tokens + len(drafts))
+            budget -= len(drafts)
+            if logits is not None:
+                logits = logits[: len(drafts)]
+            out[req.request_id] = (drafts, logits)
         return out
 
     def _pause(self, plan: SchedulerOutput) -> None:
@@ -236,6 +290,8 @@ class EngineCore:
         for item, token, log_prob in result.sampled:
             if item.kind is not WorkKind.EMPTY_SLOT:
                 self._append_token(item.request, token, log_prob, now)
+        for request_id, outcome in result.drafts.items():
+            self._accept_drafts(self._active[request_id], outcome, now)
         for forward in batch.forwards:
             for item in forward:
                 req = item.request
@@ -255,6 +311,22 @@ class EngineCore:
             else:
                 kv.fork_beams(request_id, step.parents)
         return counts
+
+    def _accept_drafts(self, req: LlmRequest, outcome: DraftOutcome, now: float) -> None:
+        """Append the accepted drafts and the model's next token (stopping where the request ends); the
+        KV of the accepted drafts is kept, the rest of the step's blocks are rolled back."""
+        for token in outcome.tokens:
+            self._append_token(req, token, None, now)
+            if req.is_finished:
+                break
+        req.num_computed_tokens += outcome.num_accepted  # the fed token was counted with the item
+        self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens)
+        if req.speculation is None:
+            req.speculation = SpecState()
+        spec = req.speculation
+        spec.num_draft_tokens += outcome.num_draft
+        spec.num_accepted_tokens += outcome.num_accepted
+        spec.num_draft_steps += 1
 
     def _append_token(self, req: LlmRequest, token: int, log_prob: float | None, now: float) -> None:
         req.output_ids.append(token)
@@ -301,6 +373,7 @@ class EngineCore:
         response = self._response(req, final=True, error=error)
         self.kv_cache_manager.free(req.request_id)
         self.executor.release(req)
+        self.peft_cache.release(req)
         self._active.pop(req.request_id, None)
         req.state = RequestState.GENERATION_COMPLETE
         return response
@@ -331,6 +404,10 @@ class EngineCore:
             response.num_pauses = req.num_pauses
             response.num_reused_blocks = req.num_reused_blocks
             response.num_missed_blocks = req.num_missed_blocks
+            if req.speculation is not None:
+                response.num_draft_tokens = req.speculation.num_draft_tokens
+                response.num_accepted_draft_tokens = req.speculation.num_accepted_tokens
+                response.num_draft_steps = req.speculation.num_draft_steps
             response.arrival_time = req.arrival_time
             response.first_scheduled_time = req.first_scheduled_time
             response.first_token_time = req.first_token_time
@@ -407,6 +484,18 @@ class EngineCore:
         stray = [rid for rid in kv.request_ids() if rid not in self._active]
         if stray:
             raise AssertionError(f"block tables belong to no active request: {stray}")
+
+
+def _attach_drafts(batch: ExecutionBatch, drafts: dict[int, tuple[list[int], object]]) -> None:
+    if not drafts:
+        return
+    for forward in batch.forwards:
+        for item in forward:
+            found = drafts.get(item.request.request_id) if item.kind is WorkKind.GENERATION else None
+            if found is not None:
+                item.token_ids = [*item.token_ids, *found[0]]
+                item.num_draft = len(found[0])
+                item.draft_logits = found[1]
 
 
 def _record(plan: SchedulerOutput) -> ScheduleRecord:

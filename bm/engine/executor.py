@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from bm.engine.request import LoraSpec
 from bm.scheduling.request import LlmRequest
 
 
@@ -41,6 +42,10 @@ class WorkItem:
     sample: bool
     beam: int = 0
     keep_all: bool = False
+    # Generation with drafts: the last ``num_draft`` of ``token_ids`` are draft tokens to verify;
+    # ``draft_logits`` their rows of the request's draft_logits (None: deterministic drafts).
+    num_draft: int = 0
+    draft_logits: Any = None
 
 
 @dataclass
@@ -60,11 +65,21 @@ class BeamStep:
 
 
 @dataclass
+class DraftOutcome:
+    """A verified step: ``tokens`` are the accepted drafts then the one token the model adds."""
+
+    tokens: list[int]
+    num_draft: int
+    num_accepted: int
+
+
+@dataclass
 class ExecutionResult:
     # (item, token, log prob or None) for every sampled item that is not part of a beam request
     sampled: list[tuple[WorkItem, int, float | None]] = field(default_factory=list)
     beams: dict[int, BeamStep] = field(default_factory=dict)  # request id -> its step
     faults: dict[int, str] = field(default_factory=dict)  # request id -> why it must end with an error
+    drafts: dict[int, DraftOutcome] = field(default_factory=dict)  # request id -> its verified step
     num_forwards: int = 0
 
 
@@ -76,6 +91,8 @@ class ModelLimits:
     max_position_embeddings: int | None = None
     sliding_window: int | None = None
     sliding_window_on_every_layer: bool = False
+    hidden_size: int | None = None  # the embedding width, when the executor knows it
+    weight_bytes: int = 4  # bytes of one LoRA weight value once loaded (the model's dtype)
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,11 @@ class Executor(Protocol):
 
     def admit(self, request: LlmRequest) -> None:
         """Build the runtime's per-request state from ``request.controls`` (may raise RequestError)."""
+        ...
+
+    def load_adapter(self, slot: int, adapter: LoraSpec) -> None:
+        """Write a LoRA adapter into cache slot ``slot`` (replacing whatever was there); requests of
+        ``adapter.task_id`` then run with it. Called by the core's PEFT cache, which picks the slot."""
         ...
 
     def execute(self, batch: ExecutionBatch) -> ExecutionResult: ...

@@ -13,6 +13,7 @@ from typing import Any
 from bm.engine.executor import (
     BeamStep,
     CacheLayout,
+    DraftOutcome,
     ExecutionBatch,
     ExecutionResult,
     FinalOutputs,
@@ -20,6 +21,7 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
+from bm.engine.request import LoraSpec
 from bm.kv import NO_BLOCK
 from bm.scheduling.request import LlmRequest
 
@@ -48,6 +50,7 @@ class FakeExecutor:
         self.end_at = dict(end_at or {})
         self.layout: CacheLayout | None = None
         self.num_executed_tokens = 0
+        self.adapter_loads: list[tuple[int, int]] = []  # (slot, task id), in load order
 
     @property
     def limits(self) -> ModelLimits:
@@ -65,6 +68,9 @@ class FakeExecutor:
     def admit(self, request: LlmRequest) -> None:
         return None
 
+    def load_adapter(self, slot: int, adapter: LoraSpec) -> None:
+        self.adapter_loads.append((slot, adapter.task_id))
+
     def execute(self, batch: ExecutionBatch) -> ExecutionResult:
         result = ExecutionResult(num_forwards=len(batch.forwards))
         rows: dict[int, list[WorkItem]] = {}
@@ -76,6 +82,9 @@ class FakeExecutor:
                     continue
                 if item.request.beam_width > 1 and item.kind is not WorkKind.EMPTY_SLOT:
                     rows.setdefault(item.request.request_id, []).append(item)
+                    continue
+                if item.num_draft:
+                    result.drafts[item.request.request_id] = self._verify(item)
                     continue
                 result.sampled.append((item, self._token(item), None))
         for request_id, items in rows.items():
@@ -91,9 +100,20 @@ class FakeExecutor:
     def release(self, request: LlmRequest) -> None:
         return None
 
+    def _verify(self, item: WorkItem) -> DraftOutcome:
+        """Greedy verification against this executor's own tokens (what it would produce one a step)."""
+        k = item.num_draft
+        drafts = item.token_ids[len(item.token_ids) - k :]
+        targets = [self._token_at(item.request, item.start_pos + 1 + i) for i in range(k + 1)]
+        n = 0
+        while n < k and drafts[n] == targets[n]:
+            n += 1
+        return DraftOutcome([*drafts[:n], targets[n]], k, n)
+
     def _token(self, item: WorkItem, beam: int = 0) -> int:
-        req = item.request
-        position = item.start_pos + len(item.token_ids)
+        return self._token_at(item.request, item.start_pos + len(item.token_ids), beam)
+
+    def _token_at(self, req: LlmRequest, position: int, beam: int = 0) -> int:
         num_output = position - req.num_prompt_tokens
         if self.end_at.get(req.request_id) == num_output + 1 and req.sampling.end_id >= 0:
             return req.sampling.end_id

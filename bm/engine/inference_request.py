@@ -48,19 +48,18 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "embedding_bias": (torch.float32, "[1, vocab_size] logit bias"),
     "bad_words_list": (torch.int32, "[2, n] bad words"),
     "stop_words_list": (torch.int32, "[2, n] stop words"),
-    "prompt_embedding_table": (torch.float16, "p-tuning table"),
-    "prompt_vocab_size": (torch.int32, "p-tuning vocab size"),
-    "lora_task_id": (torch.int64, "LoRA task id"),
-    "lora_weights": (torch.float32, "LoRA weights"),
-    "lora_config": (torch.int32, "LoRA config"),
+    "prompt_embedding_table": (torch.float32, "[1, num_virtual_tokens, hidden] p-tuning table (any float)"),
+    "prompt_vocab_size": (torch.int32, "[1] rows of the p-tuning table"),
+    "lora_task_id": (torch.uint64, "[1] LoRA task id"),
+    "lora_weights": (torch.float32, "[num_lora_modules_layers, D x Hi + Ho x D] LoRA weights"),
+    "lora_config": (torch.int32, "[num_lora_modules_layers, 3] rows [module_id, layer_idx, adapter_size]"),
     "return_log_probs": (torch.bool, "[1] return log probs"),
     "return_context_logits": (torch.bool, "[1] return context logits"),
     "return_generation_logits": (torch.bool, "[1] return generation logits"),
-    "draft_input_ids": (torch.int32, "draft tokens"),
-    "draft_logits": (torch.float32, "draft logits"),
+    "draft_input_ids": (torch.int32, "[num_draft_tokens] a guess of the continuation"),
+    "draft_logits": (torch.float32, "[num_draft_tokens, vocab_size] the drafts' logits"),
 }
 
-# LoRA, p-tuning and draft tokens are refused by name until they are implemented.
 SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - set(UNSUPPORTED_FIELDS)
 WORD_LISTS = ("bad_words_list", "stop_words_list")
 BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
@@ -154,6 +153,16 @@ def to_core_request(request: InferenceRequest) -> Request:
             values[name] = [list(w) for w in _word_list(tensors, name)]
         elif name == "embedding_bias":
             values[name] = _embedding_bias(tensors)
+        elif name == "prompt_embedding_table":
+            values[name] = _prompt_table(tensors)
+        elif name == "draft_input_ids":
+            values[name] = _draft_ids(tensors)
+        elif name == "draft_logits":
+            values[name] = _rows_tensor(tensors, name, True, "[num_draft_tokens, vocab_size]")
+        elif name == "lora_weights":
+            values[name] = _rows_tensor(tensors, name, True, "[num_lora_modules_layers, D x Hi + Ho x D]")
+        elif name == "lora_config":
+            values[name] = _rows_tensor(tensors, name, False, "[num_lora_modules_layers, 3]").tolist()
         else:
             values[name] = _scalar(tensors, name)
     return Request(
@@ -208,6 +217,9 @@ def response_tensors(response: Response) -> dict[str, torch.Tensor]:
             # block reuse: blocks taken from the cache, and context blocks computed (every start summed)
             num_reused_blocks=torch.tensor([response.num_reused_blocks], dtype=torch.int32),
             num_missed_blocks=torch.tensor([response.num_missed_blocks], dtype=torch.int32),
+            num_draft_tokens=torch.tensor([response.num_draft_tokens], dtype=torch.int32),
+            num_accepted_draft_tokens=torch.tensor([response.num_accepted_draft_tokens], dtype=torch.int32),
+            num_draft_steps=torch.tensor([response.num_draft_steps], dtype=torch.int32),
             # seconds from admission to the first iteration that computed part of it (-1: never scheduled)
             queue_time=torch.tensor(
                 [scheduled - response.arrival_time if scheduled is not None else -1.0], dtype=torch.float64
@@ -246,11 +258,51 @@ def response_from_tensors(
     response.finish_reason = FinishReason(int(reason[0])) if reason is not None else FinishReason.NOT_FINISHED
     if final and reason is None:
         response.finish_reason = FinishReason.ERROR
-    for name in ("num_pauses", "num_reused_blocks", "num_missed_blocks"):
+    for name in (
+        "num_pauses",
+        "num_reused_blocks",
+        "num_missed_blocks",
+        "num_draft_tokens",
+        "num_accepted_draft_tokens",
+        "num_draft_steps",
+    ):
         value = tensors.get(name)
         if value is not None:
             setattr(response, name, int(value[0]))
     return response
+
+
+def _prompt_table(tensors: Mapping[str, torch.Tensor]) -> list[list[float]]:
+    table = tensors["prompt_embedding_table"]
+    if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point:
+        raise RequestError("prompt_embedding_table: expected a float tensor [num_virtual_tokens, hidden]")
+    if table.dim() == 3 and table.shape[0] == 1:
+        table = table[0]
+    if table.dim() != 2:
+        raise RequestError(
+            f"prompt_embedding_table: expected shape [1, num_virtual_tokens, hidden], got {list(table.shape)}"
+        )
+    return table.float().tolist()
+
+
+def _rows_tensor(tensors: Mapping[str, torch.Tensor], name: str, floating: bool, shape: str) -> torch.Tensor:
+    """A 2-D tensor field ([1, rows, width] accepted too); float rows stay a tensor for the runtime."""
+    value = tensors[name]
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point != floating:
+        kind = "float" if floating else "integer"
+        raise RequestError(f"{name}: expected a {kind} tensor {shape}")
+    if value.dim() == 3 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 2:
+        raise RequestError(f"{name}: expected shape {shape}, got {list(value.shape)}")
+    return value
+
+
+def _draft_ids(tensors: Mapping[str, torch.Tensor]) -> list[int]:
+    ids = tensors["draft_input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise RequestError("draft_input_ids: expected an integer tensor [num_draft_tokens]")
+    return ids.reshape(-1).tolist()
 
 
 def _embedding_bias(tensors: Mapping[str, torch.Tensor]) -> list[float]:

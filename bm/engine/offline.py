@@ -33,6 +33,10 @@ class RequestResult:
     num_pauses: int = 0
     num_reused_blocks: int = 0
     num_missed_blocks: int = 0
+    # Draft tokens verified / accepted, and the steps that verified drafts (speculative decoding).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_draft_steps: int = 0
     # Only when asked for (return_log_probs, beam_width > 1, return_*_logits); see the spec's response table.
     output_log_probs: list[float] | None = None
     cum_log_probs: list[float] | None = None  # one per beam
@@ -44,6 +48,11 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return not self.error
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens (0 without drafts)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -110,6 +119,9 @@ class OfflineClient:
                 result.num_pauses = response.num_pauses
                 result.num_reused_blocks = response.num_reused_blocks
                 result.num_missed_blocks = response.num_missed_blocks
+                result.num_draft_tokens = response.num_draft_tokens
+                result.num_accepted_draft_tokens = response.num_accepted_draft_tokens
+                result.num_draft_steps = response.num_draft_steps
                 self.num_final += 1
         if response.final:
             if self._on_final is not None:

@@ -10,6 +10,7 @@ type is refused, never coerced (``beam_width: 1.9`` is an error, not 1).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,15 +21,7 @@ from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
 UINT64_MAX = 2**64 - 1
 
 # Fields of the spec table bm refuses by name until they are implemented.
-UNSUPPORTED_FIELDS = (
-    "prompt_embedding_table",
-    "prompt_vocab_size",
-    "lora_task_id",
-    "lora_weights",
-    "lora_config",
-    "draft_input_ids",
-    "draft_logits",
-)
+UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 
 
 class RequestError(ValueError):
@@ -41,6 +34,7 @@ class RequestLimits:
     max_seq_len: int
     max_num_tokens: int | None  # None: chunked context, any prompt fits piece by piece
     max_beam_width: int
+    hidden_size: int | None = None  # the model's embedding width (checks a prompt table's rows)
 
 
 @dataclass
@@ -71,6 +65,19 @@ class Request:
     return_log_probs: bool | None = None
     return_context_logits: bool | None = None
     return_generation_logits: bool | None = None
+    # Prompt tuning: [num_virtual_tokens, hidden] rows; prompt id vocab_size + i embeds as row i.
+    prompt_embedding_table: list[list[float]] | None = None
+    prompt_vocab_size: int | None = None
+    # LoRA: the adapter's task id; its first request also carries the weights
+    # [num_lora_modules_layers, D x Hi + Ho x D] (rows of A [D, Hi] then B [Ho, D], row-major; a list of
+    # lists or any array the runtime reads) and config rows [module_id, layer_idx, adapter_size D].
+    lora_task_id: int | None = None
+    lora_weights: Any = None
+    lora_config: list[list[int]] | None = None
+    # Draft tokens: a guess of the continuation, verified in one forward; draft_logits [num_draft, vocab]
+    # (rows as lists or an array) make sampled requests accept them by rejection sampling.
+    draft_input_ids: list[int] | None = None
+    draft_logits: Any = None
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
@@ -100,6 +107,10 @@ class Response:
     num_pauses: int = 0
     num_reused_blocks: int = 0
     num_missed_blocks: int = 0
+    # Draft tokens verified and accepted over the request, and the steps that verified some.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_draft_steps: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -240,7 +251,9 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     rid = request.request_id
     if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid <= UINT64_MAX:
         raise RequestError(f"request id {rid!r} is not a uint64")
-    prompt = _token_ids("input_ids", request.input_ids, limits.vocab_size)
+    table = _prompt_table(request, limits)
+    num_virtual = len(table.rows) if table is not None else 0
+    prompt = _token_ids("input_ids", request.input_ids, limits.vocab_size + num_virtual)
     if not prompt:
         raise RequestError("input_ids: the prompt is empty; give at least one token")
     if request.request_output_len is None:
@@ -270,6 +283,10 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     controls = _controls(request, limits, max_new)
     if beam_width > 1:
         _check_beam_request(sampling, streaming, controls)
+    if table is not None:
+        _check_prompt_table_request(controls)
+    lora = _lora(request)
+    speculation = _drafts(request, limits, beam_width, controls)
     return LlmRequest(
         request_id=rid,
         prompt_ids=prompt,
@@ -279,6 +296,8 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         beam_width=beam_width,
         controls=controls if controls.needs_runtime_state or beam_width > 1 else None,
         output_log_probs=[] if controls.return_log_probs and beam_width == 1 else None,
+        model_inputs=ModelInputs(prompt_table=table, lora=lora) if table or lora else None,
+        speculation=speculation,
     )
 
 
@@ -342,3 +361,197 @@ def _check_beam_request(sampling: SamplingParams, streaming: bool, controls: Con
         raise RequestError("stop_words_list: not supported with beam_width > 1")
     if controls.return_generation_logits:
         raise RequestError("return_generation_logits: not supported with beam_width > 1")
+
+
+# -- inputs beyond token ids ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """A validated prompt-tuning table: ``rows[i]`` is the embedding of prompt id ``vocab_size + i``."""
+
+    rows: tuple[tuple[float, ...], ...]
+    key: str  # digest of the values: block reuse only between requests with an identical table
+
+
+# TensorRT-LLM's LoRA module ids (its LoraModule types), by name; bm maps each to the model's layers.
+LORA_MODULES = {
+    "attn_qkv": 0,
+    "attn_q": 1,
+    "attn_k": 2,
+    "attn_v": 3,
+    "attn_dense": 4,
+    "mlp_h_to_4h": 5,
+    "mlp_4h_to_h": 6,
+    "mlp_gate": 7,
+}
+LORA_MODULE_NAMES = {v: k for k, v in LORA_MODULES.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class LoraSpec:
+    """A request's adapter: its task id, and on the first request of a task its weights and config
+    (``weights`` stays as given, a list of rows or an array; the runtime checks its widths)."""
+
+    task_id: int
+    config: tuple[tuple[int, int, int], ...] | None = None
+    weights: Any = None
+
+    @property
+    def num_values(self) -> int:
+        return sum(len(row) for row in self.weights) if self.weights is not None else 0
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What changes a request's activations beside its token ids, as plain values the runtime turns into
+    tensors. Blocks computed under different inputs never share a cache entry (:attr:`block_extra_keys`)."""
+
+    prompt_table: PromptTable | None = None
+    lora: LoraSpec | None = None
+
+    @property
+    def block_extra_keys(self) -> tuple:
+        keys: tuple = ()
+        if self.prompt_table is not None:
+            keys += ("ptable", self.prompt_table.key)
+        if self.lora is not None:
+            keys += ("lora", self.lora.task_id)
+        return keys
+
+
+def _prompt_table(request: Request, limits: RequestLimits) -> PromptTable | None:
+    table, size = request.prompt_embedding_table, request.prompt_vocab_size
+    if table is None:
+        if size is not None:
+            raise RequestError(
+                "prompt_vocab_size: given without prompt_embedding_table; give the table too or drop it"
+            )
+        return None
+    if not isinstance(table, (list, tuple)) or not table:
+        raise RequestError(
+            "prompt_embedding_table: expected a non-empty list of rows [num_virtual_tokens, hidden_size]"
+        )
+    width = limits.hidden_size
+    rows = []
+    for i, row in enumerate(table):
+        if not isinstance(row, (list, tuple)):
+            raise RequestError(f"prompt_embedding_table: row {i} is not a list of numbers")
+        if width is None:
+            width = len(row)
+        if len(row) != width:
+            raise RequestError(
+                f"prompt_embedding_table: row {i} has {len(row)} values; every row needs the model's "
+                f"hidden size {width}"
+            )
+        for v in row:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RequestError(
+                    f"prompt_embedding_table: row {i} holds {v!r}; values must be finite numbers"
+                )
+        rows.append(tuple(float(v) for v in row))
+    if size is not None:
+        _int("prompt_vocab_size", size, 1, None, len(rows))
+        if size != len(rows):
+            raise RequestError(
+                f"prompt_vocab_size: {size} does not match prompt_embedding_table's {len(rows)} rows; "
+                "give the number of rows (or leave it out)"
+            )
+    frozen = tuple(rows)
+    digest = hashlib.sha256(repr(frozen).encode()).hexdigest()
+    return PromptTable(frozen, digest)
+
+
+def _check_prompt_table_request(controls: Controls) -> None:
+    """Controls that read the prompt's ids as vocabulary entries have no meaning for virtual tokens."""
+    if controls.repetition_penalty != 1.0:
+        raise RequestError(
+            "repetition_penalty: not supported with prompt_embedding_table (the prompt holds virtual tokens)"
+        )
+    if controls.no_repeat_ngram_size > 0:
+        raise RequestError(
+            "no_repeat_ngram_size: not supported with prompt_embedding_table (the prompt holds virtual tokens)"
+        )
+
+
+def _lora(request: Request) -> LoraSpec | None:
+    task, weights, config = request.lora_task_id, request.lora_weights, request.lora_config
+    if task is None:
+        if weights is not None or config is not None:
+            raise RequestError(
+                "lora_task_id: missing; lora_weights and lora_config need the task id they load"
+            )
+        return None
+    task = _int("lora_task_id", task, 0, UINT64_MAX, 0)
+    if (weights is None) != (config is None):
+        given, missing = (
+            ("lora_weights", "lora_config") if config is None else ("lora_config", "lora_weights")
+        )
+        raise RequestError(f"{missing}: missing; {given} needs it (the first request of a task carries both)")
+    if config is None:
+        return LoraSpec(task)
+    if not isinstance(config, (list, tuple)) or not config:
+        raise RequestError("lora_config: expected rows [module_id, layer_idx, adapter_size]")
+    rows = []
+    seen = set()
+    for i, row in enumerate(config):
+        if (
+            not isinstance(row, (list, tuple))
+            or len(row) != 3
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in row)
+        ):
+            raise RequestError(
+                f"lora_config: row {i} is {row!r}; expected [module_id, layer_idx, adapter_size]"
+            )
+        module, layer, size = row
+        if module not in LORA_MODULE_NAMES:
+            known = ", ".join(f"{v} ({k})" for k, v in LORA_MODULES.items())
+            raise RequestError(f"lora_config: row {i} has module id {module}; supported module ids: {known}")
+        if layer < 0 or size < 1:
+            raise RequestError(
+                f"lora_config: row {i} needs layer_idx >= 0 and adapter_size >= 1, got {list(row)}"
+            )
+        if (module, layer) in seen:
+            raise RequestError(
+                f"lora_config: row {i} repeats module {LORA_MODULE_NAMES[module]} of layer {layer}"
+            )
+        seen.add((module, layer))
+        rows.append((module, layer, size))
+    try:
+        num_rows = len(weights)
+    except TypeError:
+        raise RequestError("lora_weights: expected rows [num_lora_modules_layers, D x Hi + Ho x D]") from None
+    if num_rows != len(rows):
+        raise RequestError(
+            f"lora_weights: {num_rows} rows but lora_config has {len(rows)}; give one weight row per config row"
+        )
+    return LoraSpec(task, tuple(rows), weights)
+
+
+def _drafts(request: Request, limits: RequestLimits, beam_width: int, controls: Controls) -> Any:
+    from bm.engine.speculative import SpecState
+
+    drafts, logits = request.draft_input_ids, request.draft_logits
+    if drafts is None:
+        if logits is not None:
+            raise RequestError("draft_logits: given without draft_input_ids; give the drafts too or drop it")
+        return None
+    drafts = _token_ids("draft_input_ids", drafts, limits.vocab_size)
+    if beam_width > 1:
+        raise RequestError("draft_input_ids: not supported with beam_width > 1")
+    if controls.needs_runtime_state:
+        raise RequestError(
+            "draft_input_ids: not supported beside logits controls, stop words, log probs or returned logits "
+            "(each draft position would need them); drop the drafts or those fields"
+        )
+    if logits is not None:
+        try:
+            rows = len(logits)
+            widths = {len(logits[i]) for i in range(rows)}
+        except TypeError:
+            raise RequestError("draft_logits: expected rows [num_draft_tokens, vocab_size]") from None
+        if rows != len(drafts) or widths - {limits.vocab_size}:
+            raise RequestError(
+                f"draft_logits: expected shape [{len(drafts)}, {limits.vocab_size}] (one row per draft token)"
+            )
+    return SpecState(tuple(drafts), logits)

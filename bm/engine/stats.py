@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from bm.engine.peft_cache import PeftCacheCounts
 
 
 def hit_rate(reused: int, missed: int) -> float:
@@ -43,6 +45,10 @@ class IterationStats:
     reused_blocks: int = 0
     missed_blocks: int = 0
     cached_blocks: int = 0
+    peft: PeftCacheCounts = field(default_factory=PeftCacheCounts)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_steps: int = 0  # requests that verified drafts this iteration
 
     @property
     def cache_hit_rate(self) -> float:
@@ -83,5 +89,20 @@ class IterationStats:
                 "Missed Blocks": self.missed_blocks,
                 "Cache Hit Rate": round(self.cache_hit_rate, 6),
                 "Reusable KV cache blocks": self.cached_blocks,
+                # the PEFT (LoRA) cache: adapters loaded / waiting for a slot, their bytes, requests
+                # waiting for their adapter, and loads and evictions since the engine started
+                "PEFT Loaded Adapters": self.peft.loaded,
+                "PEFT Pending Adapters": self.peft.pending,
+                "PEFT Loaded Bytes": self.peft.loaded_bytes,
+                "PEFT Waiting Requests": self.peft.waiting_requests,
+                "PEFT Loads": self.peft.loads,
+                "PEFT Evictions": self.peft.evictions,
+                # requests that verified drafts this iteration, their draft tokens, how many were accepted
+                "Draft Steps": self.draft_steps,
+                "Draft Tokens": self.draft_tokens,
+                "Accepted Draft Tokens": self.accepted_draft_tokens,
+                "Draft Acceptance Rate": round(self.accepted_draft_tokens / self.draft_tokens, 6)
+                if self.draft_tokens
+                else 0.0,
             }
         )

@@ -266,6 +266,20 @@ class KVCacheManager:
         """Room for generated tokens: the same growth as :meth:`allocate`, counted from the current size."""
         return self.allocate(request_id, self.num_tokens(request_id) + num_new_tokens)
 
+    def trim(self, request_id: int, num_tokens: int) -> int:
+        """Roll a single-table request back to ``num_tokens`` tokens: the blocks past them (written by
+        rejected draft tokens, never registered for reuse) go back to the pool. Returns how many."""
+        blocks = self._requests.get(request_id)
+        if blocks is None or blocks.num_beams > 1:
+            return 0
+        table = blocks.tables[0]
+        keep = self.num_blocks_for_tokens(num_tokens)
+        extra = [b for b in reversed(table[keep:]) if b != NO_BLOCK]
+        del table[keep:]
+        self.pool.release(extra)
+        blocks.num_tokens[0] = min(blocks.num_tokens[0], num_tokens)
+        return len(extra)
+
     def allocate_padding(self, request_id: int, num_tokens: int) -> list[int]:
         """V1: grow the request's pad-token table to hold ``num_tokens`` pad tokens."""
         blocks = self._requests.get(request_id)
@@ -297,8 +311,8 @@ class KVCacheManager:
     # -- block reuse ----------------------------------------------------------------------------------
 
     def block_extra_keys(self, request: KVRequest) -> tuple:
-        """Keys beside the tokens that change a block's values (a LoRA task id, ...): none yet."""
-        return ()
+        """Keys beside the tokens that change a block's values (a prompt table's digest, a LoRA task id)."""
+        return tuple(getattr(request, "block_extra_keys", ()))
 
     def find_cached_prefix(self, request: KVRequest, releasing: Iterable[int] = ()) -> PrefixMatch:
         """The longest verified chain of cached blocks matching the request's tokens; takes nothing.

@@ -20,12 +20,15 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
+from bm.engine.request import LoraSpec
 from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult
 from bm.runtime.kv_sizing import num_kv_blocks
 from bm.runtime.logits import DecodingOptions
+from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.model_runner import ModelRunner
+from bm.runtime.speculative import verify_drafts
 from bm.scheduling import FinishReason, LlmRequest
 
 
@@ -39,7 +42,12 @@ class TorchExecutor:
             max_position_embeddings=model.max_position_embeddings,
             sliding_window=model.sliding_window,
             sliding_window_on_every_layer=model.sliding_window_on_every_layer,
+            hidden_size=model.model.get_input_embeddings().embedding_dim,
+            weight_bytes=torch.empty((), dtype=model.dtype).element_size(),
         )
+        self.lora: LoraLayers | None = None  # built when the first adapter arrives
+        self._adapter_slots: dict[int, int] = {}  # LoRA task id -> its slot
+        self._prompt_tables: dict[int, torch.Tensor] = {}  # request id -> [num_virtual, hidden]
 
     @property
     def limits(self) -> ModelLimits:
@@ -59,7 +67,17 @@ class TorchExecutor:
         )
 
     def admit(self, request: LlmRequest) -> None:
-        """The runtime's decoding state for a request that asked for more than temperature/top-k/top-p."""
+        """The runtime's state for a request: its prompt table as a tensor, and decoding state when it
+        asked for more than temperature/top-k/top-p."""
+        inputs = request.model_inputs
+        if inputs is not None and inputs.lora is not None and inputs.lora.weights is not None:
+            if self.lora is None:
+                self.lora = LoraLayers(self.model.model, self.model.dtype, self.model.device)
+            self.lora.check(inputs.lora)
+        if inputs is not None and inputs.prompt_table is not None:
+            self._prompt_tables[request.request_id] = torch.tensor(
+                inputs.prompt_table.rows, dtype=self.model.dtype, device=self.model.device
+            )
         controls = request.controls
         if controls is None:
             return
@@ -90,6 +108,12 @@ class TorchExecutor:
             )
         request.decoding = options
 
+    def load_adapter(self, slot: int, adapter: LoraSpec) -> None:
+        assert self.lora is not None, "an adapter is loaded only after a request bringing it was admitted"
+        self.lora.load(slot, adapter)
+        self._adapter_slots = {t: s for t, s in self._adapter_slots.items() if s != slot}
+        self._adapter_slots[adapter.task_id] = slot
+
     def execute(self, batch: ExecutionBatch) -> ExecutionResult:
         assert self.runner is not None, "bind() the executor before executing"
         self.runner.copy_blocks(batch.block_copies)
@@ -100,11 +124,26 @@ class TorchExecutor:
 
     def _forward(self, group: list[WorkItem], result: ExecutionResult) -> None:
         for item in group:
-            item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
-        logits = self.runner.forward(group)
+            item.keep_all = item.num_draft > 0 or (
+                item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
+            )
+        tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
+        tables = {i: t for i, t in tables.items() if t is not None}
+        if self._adapter_slots:
+            self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
+        try:
+            logits = self.runner.forward(group, tables or None)
+        finally:
+            if self.lora is not None:
+                self.lora.end()
+        draft_rows: list[tuple[WorkItem, torch.Tensor]] = []
         if any(item.keep_all for item in group):
-            logits = self._take_context_logits(group, logits)
-        to_sample = [item for item in group if item.sample]
+            logits = self._take_context_logits(group, logits, draft_rows)
+        for item, rows in draft_rows:
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft :]
+            outcome = verify_drafts(rows, drafts, item.request, self.decoder.sampler, item.draft_logits)
+            result.drafts[item.request.request_id] = outcome
+        to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
             return
         decoded: DecodeResult = self.decoder.decode(
@@ -120,12 +159,25 @@ class TorchExecutor:
             if decoding is None or decoding.beam is None:
                 result.sampled.append((item, token, lp))
 
-    def _take_context_logits(self, group: list[WorkItem], logits: torch.Tensor) -> torch.Tensor:
-        """Store the prompt positions' logits of ``keep_all`` items; return one row per sampled item."""
+    def _slot(self, request: LlmRequest) -> int:
+        inputs = request.model_inputs
+        if inputs is None or inputs.lora is None:
+            return -1
+        return self._adapter_slots[inputs.lora.task_id]
+
+    def _take_context_logits(
+        self, group: list[WorkItem], logits: torch.Tensor, draft_rows: list[tuple[WorkItem, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Store the prompt positions' logits of ``keep_all`` items and hand every row of a draft item to
+        ``draft_rows``; return one row per other sampled item."""
         keep: list[int] = []
         row = 0
         for item in group:
             n = len(item.token_ids) if item.keep_all else int(item.sample)
+            if item.num_draft:
+                draft_rows.append((item, logits[row : row + n]))
+                row += n
+                continue
             if item.keep_all:
                 opts = item.request.decoding
                 first = max(0, opts.num_context_logits - item.start_pos)  # skip what an earlier pass stored
@@ -159,6 +211,7 @@ class TorchExecutor:
 
     def release(self, request: LlmRequest) -> None:
         self.decoder.release(request.request_id)
+        self._prompt_tables.pop(request.request_id, None)
 
 
 def _beam_step(req: LlmRequest, parents: list[int], done: bool) -> BeamStep:

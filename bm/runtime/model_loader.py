@@ -58,6 +58,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
+    if cfg.preset is not None:  # a named model becomes a checkpoint path (bm/runtime/presets.py)
+        from bm.runtime.presets import PresetError, resolve_preset
+
+        try:
+            cfg = resolve_preset(cfg)
+        except PresetError as exc:
+            raise ModelLoadError(str(exc)) from None
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     tokenizer: TextCodec | None = None

@@ -7,7 +7,7 @@ once per forward, shares them with every layer, and returns logits only where a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,18 +87,47 @@ class ModelRunner:
         self.native_decode = kernel if supported else None
 
     @torch.inference_mode()
-    def forward(self, segments: Sequence[Segment]) -> torch.Tensor:
+    def forward(
+        self, segments: Sequence[Segment], prompt_tables: Mapping[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
-        sampled segment, or one per token for a ``keep_all`` segment, in segment order."""
+        sampled segment, or one per token for a ``keep_all`` segment, in segment order.
+
+        ``prompt_tables``: segment index -> its prompt-tuning table; there a token id ``vocab + i`` embeds
+        as the table's row ``i`` (the rest of the batch embeds as usual, in the same forward)."""
         input_ids, positions, meta, sample_index = self._prepare(segments)
+        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        if prompt_tables:
+            inputs = {"inputs_embeds": self._embed(segments, input_ids, prompt_tables)}
         out = self.model(
-            input_ids=input_ids,
+            **inputs,
             position_ids=positions,
             use_cache=False,
             logits_to_keep=sample_index,
             bm_attention=meta,
         )
         return out.logits[0].float()
+
+    def _embed(
+        self, segments: Sequence[Segment], input_ids: torch.Tensor, tables: Mapping[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """Token embeddings ``[1, T, hidden]`` with virtual ids (>= vocab) replaced by table rows."""
+        embedding = self.model.get_input_embeddings()
+        vocab = self.loaded.vocab_size  # the embedding may hold padding rows past it
+        ids = input_ids[0]
+        embeds = embedding(ids.masked_fill(ids >= vocab, 0))
+        offset = 0
+        for i, seg in enumerate(segments):
+            n = len(seg.token_ids)
+            table = tables.get(i)
+            if table is not None:
+                piece = ids[offset : offset + n]
+                virtual = (piece >= vocab).nonzero()[:, 0]
+                if virtual.numel():
+                    rows = table.index_select(0, piece[virtual] - vocab)
+                    embeds[offset + virtual] = rows.to(embeds.dtype)
+            offset += n
+        return embeds[None]
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:

@@ -38,6 +38,17 @@ class Sampler:
             tokens.index_copy_(0, rows, chosen)
         return tokens.tolist()
 
+    def uniform(self, request_id: int, seed: int) -> float:
+        """The request's next uniform number from its own generator."""
+        return self._uniform(request_id, seed)
+
+    def probabilities(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """``[rows, vocab]``: the distribution each row samples from (temperature, top-k, top-p applied),
+        in vocabulary order, all rows under one request's parameters."""
+        sorted_ids, probs = self._filtered(logits, [params] * logits.shape[0])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
+
     def _uniform(self, request_id: int, seed: int) -> float:
         gen = self._generators.get(request_id)
         if gen is None:
@@ -49,14 +60,27 @@ class Sampler:
     ) -> torch.Tensor:
         dev = logits.device
         vocab = logits.shape[1]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         u = torch.tensor(
             [self._uniform(rid, p.random_seed) for rid, p in zip(request_ids, params, strict=True)],
             dtype=torch.float32,
             device=dev,
         )
+        sorted_ids, probs = self._filtered(logits, params)
+        cdf = probs.cumsum(dim=-1)
+        target = (u * cdf[:, -1])[:, None]
+        choice = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+        return sorted_ids.gather(1, choice).squeeze(1)
+
+    def _filtered(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids by descending logit, and their probabilities after temperature / top-k / top-p
+        (not renormalized: sampling scales by the total)."""
+        dev = logits.device
+        vocab = logits.shape[1]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         sorted_logits, sorted_ids = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev)
         sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
@@ -64,7 +88,4 @@ class Sampler:
         # Nucleus: drop a token once the mass strictly before it already reaches top_p (the first stays).
         before = probs.cumsum(dim=-1) - probs
         probs.masked_fill_(before >= top_p[:, None], 0.0)
-        cdf = probs.cumsum(dim=-1)
-        target = (u * cdf[:, -1])[:, None]
-        choice = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
-        return sorted_ids.gather(1, choice).squeeze(1)
+        return sorted_ids, probs

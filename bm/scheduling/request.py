@@ -102,6 +102,16 @@ class LlmRequest:
     decoding: Any = None
     # Per generated token when return_log_probs is set (beam requests keep theirs in the runtime).
     output_log_probs: list[float] | None = None
+    # Inputs beside the token ids that change the activations (prompt-tuning table, ...):
+    # bm.engine.request.ModelInputs, plain values; None for a plain request.
+    model_inputs: Any = None
+    # Draft tokens and their counts (bm.engine.speculative.SpecState); None: no drafts so far.
+    speculation: Any = None
+
+    @property
+    def block_extra_keys(self) -> tuple:
+        """What a cached block's key holds beside its tokens (blocks are shared only when equal)."""
+        return self.model_inputs.block_extra_keys if self.model_inputs is not None else ()
 
     @property
     def num_prompt_tokens(self) -> int:

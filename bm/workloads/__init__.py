@@ -3,31 +3,37 @@
 ``load_workload(bench_config, vocab_size=..., encode=...)`` reads any supported dataset into
 :class:`Workload` (one :class:`WorkloadRequest` per row, bad rows kept with their error);
 :class:`ArrivalPlan` turns the bench config into arrival times.
+
+The names are imported lazily: ``bm.workloads.jsonl`` (the request-file parser every command uses before
+anything else) must not pay for pandas and numpy, which the loaders and arrival processes need.
 """
 
-from bm.workloads.arrivals import (
-    ArrivalPlan,
-    arrival_times,
-    gamma_arrivals,
-    offline_arrivals,
-    poisson_arrivals,
-    trace_arrivals,
-)
-from bm.workloads.load import LOADERS, detect_kind, load_workload, read_workload
-from bm.workloads.request import DatasetError, Workload, WorkloadRequest
+from __future__ import annotations
 
-__all__ = [
-    "LOADERS",
-    "ArrivalPlan",
-    "DatasetError",
-    "Workload",
-    "WorkloadRequest",
-    "arrival_times",
-    "detect_kind",
-    "gamma_arrivals",
-    "load_workload",
-    "offline_arrivals",
-    "poisson_arrivals",
-    "read_workload",
-    "trace_arrivals",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "ArrivalPlan": "bm.workloads.arrivals",
+    "arrival_times": "bm.workloads.arrivals",
+    "gamma_arrivals": "bm.workloads.arrivals",
+    "offline_arrivals": "bm.workloads.arrivals",
+    "poisson_arrivals": "bm.workloads.arrivals",
+    "trace_arrivals": "bm.workloads.arrivals",
+    "LOADERS": "bm.workloads.load",
+    "detect_kind": "bm.workloads.load",
+    "load_workload": "bm.workloads.load",
+    "read_workload": "bm.workloads.load",
+    "DatasetError": "bm.workloads.request",
+    "Workload": "bm.workloads.request",
+    "WorkloadRequest": "bm.workloads.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bm.workloads' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -9,17 +9,17 @@ the Azure trace with ``--num-requests 128 --input-scale 0.25 --output-scale 0.25
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
 from bm.config import DATASET_KINDS, BenchConfig
 from bm.workloads.hf import BUILDERS, load_hf
+from bm.workloads.jsonl import WORD_LISTS, iter_lines, resolve_word_list
 from bm.workloads.records import load_bm_jsonl, load_sharegpt, load_trtllm_jsonl
 from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, check_order
 from bm.workloads.synthetic import load_synthetic
-from bm.workloads.traces import load_azure, load_mooncake
 
 Encode = Callable[[str], list[int]]
 FIRST_RANDOM_ID = 3  # ids 0-2 are pad/bos/eos in most vocabularies (and in make_workload.py)
@@ -28,8 +28,9 @@ LOADERS: dict[str, Callable[[Path, BenchConfig], Workload]] = {
     "bm": lambda path, b: load_bm_jsonl(path, b.output_len),
     "trtllm": lambda path, _b: load_trtllm_jsonl(path),
     "sharegpt": lambda path, _b: load_sharegpt(path),
-    "azure": lambda path, _b: load_azure(path),
-    "mooncake": lambda path, b: load_mooncake(path, b.hash_block_size),
+    # the trace readers need pandas: imported when a trace is read, so other errors are reported at once
+    "azure": lambda path, _b: import_module("bm.workloads.traces").load_azure(path),
+    "mooncake": lambda path, b: import_module("bm.workloads.traces").load_mooncake(path, b.hash_block_size),
     "hf": lambda path, b: load_hf(path, b.split, b.prompt_column, b.output_column, b.output_len),
 }
 
@@ -68,14 +69,8 @@ def detect_kind(path: Path) -> str:
 
 
 def _first_json_line(path: Path) -> dict:
-    with path.open(encoding="utf-8-sig") as f:
-        for text in f:
-            if text.strip():
-                try:
-                    data = json.loads(text)
-                except json.JSONDecodeError:
-                    return {}
-                return data if isinstance(data, dict) else {}
+    for _number, data in iter_lines(path):
+        return data if isinstance(data, dict) else {}
     return {}
 
 
@@ -88,18 +83,29 @@ def read_workload(bench: BenchConfig) -> Workload:
     path = Path(bench.dataset)
     if not path.exists():
         raise DatasetError(f"dataset {str(path)!r} does not exist")
-    kind = detect_kind(path) if bench.dataset_kind == "auto" else bench.dataset_kind
-    if kind != "hf" and path.is_dir():
-        raise DatasetError(f"{path} is a directory; only --dataset-kind hf reads directories")
     try:
+        kind = detect_kind(path) if bench.dataset_kind == "auto" else bench.dataset_kind
+        if kind != "hf" and path.is_dir():
+            raise DatasetError(f"{path} is a directory; only --dataset-kind hf reads directories")
         return LOADERS[kind](path, bench)
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-def load_workload(bench: BenchConfig, *, vocab_size: int, encode: Encode | None) -> Workload:
-    """The workload ``bm bench`` replays: selected, tokenized, scaled and capped, in replay order."""
-    workload = read_workload(bench)
+def load_workload(
+    bench: BenchConfig,
+    *,
+    vocab_size: int,
+    encode: Encode | None,
+    encode_word: Encode | None = None,
+    workload: Workload | None = None,
+) -> Workload:
+    """The workload ``bm bench`` replays: selected, tokenized, scaled and capped, in replay order.
+
+    ``encode_word`` tokenizes the strings of word lists (without the special tokens a prompt gets);
+    ``workload`` is the result of :func:`read_workload` when the caller read the file already (before
+    loading the model, so a bad file is reported at once)."""
+    workload = workload if workload is not None else read_workload(bench)
     requests = workload.requests
     if bench.trace_timestamps:
         missing = next((r for r in requests if r.ok and r.timestamp is None), None)
@@ -114,7 +120,7 @@ def load_workload(bench: BenchConfig, *, vocab_size: int, encode: Encode | None)
         random.Random(bench.seed).shuffle(requests)
     if bench.num_requests is not None:
         del requests[bench.num_requests :]
-    _finalize(workload, bench, vocab_size, encode)
+    _finalize(workload, bench, vocab_size, encode, encode_word or encode)
     return workload
 
 
@@ -122,7 +128,9 @@ def _scaled(value: int, scale: float) -> int:
     return value if scale == 1.0 else max(1, round(value * scale))
 
 
-def _finalize(workload: Workload, bench: BenchConfig, vocab_size: int, encode: Encode | None) -> None:
+def _finalize(
+    workload: Workload, bench: BenchConfig, vocab_size: int, encode: Encode | None, encode_word: Encode | None
+) -> None:
     id_rng = random.Random(bench.seed)
     low = FIRST_RANDOM_ID if vocab_size > FIRST_RANDOM_ID + 1 else 0
     block_size = _scaled(workload.hash_block_size, bench.input_scale) if workload.hash_block_size else 0
@@ -139,6 +147,9 @@ def _finalize(workload: Workload, bench: BenchConfig, vocab_size: int, encode: E
             continue
         try:
             _tokenize(req, encode)
+            for name in WORD_LISTS:
+                if name in req.fields:
+                    req.fields[name] = resolve_word_list(req.fields[name], name, encode_word)
         except RowError as exc:
             req.error = f"{req.source}: {exc}"
             continue

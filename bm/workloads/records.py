@@ -15,37 +15,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bm.workloads.jsonl import iter_lines, read_request_file
 from bm.workloads.request import (
     DatasetError,
     RowError,
     Workload,
     WorkloadRequest,
     positive_int,
-    timestamp,
     token_ids,
 )
 
-OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
-BM_KEYS = ("id", "prompt", "input_ids", "arrival_time", *OUTPUT_LEN_KEYS)
 TRTLLM_KEYS = ("task_id", "prompt", "input_ids", "output_tokens")
 
 
 def iter_json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any] | RowError]]:
-    """(``"line N"``, object) per non-blank line; a malformed line yields its error instead."""
-    with path.open(encoding="utf-8-sig") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            where = f"line {number}"
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield where, RowError(f"malformed JSON ({exc.msg} at column {exc.colno})")
-                continue
-            if not isinstance(data, dict):
-                yield where, RowError(f"expected a JSON object, got {type(data).__name__}")
-                continue
-            yield where, data
+    """(``"line N"``, object) per non-blank line; a bad line (bytes, JSON, nesting) yields its error."""
+    for number, data in iter_lines(path):
+        yield f"line {number}", data
 
 
 def _prompt(data: dict[str, Any], req: WorkloadRequest) -> None:
@@ -78,23 +64,27 @@ def _row(where: str, parsed: dict[str, Any] | RowError, fill) -> WorkloadRequest
 
 
 def load_bm_jsonl(path: Path, default_output_len: int) -> Workload:
-    def fill(data: dict[str, Any], req: WorkloadRequest) -> None:
-        if "arrival_time" in data and data["arrival_time"] is not None:
-            req.timestamp = timestamp(data["arrival_time"], req.source, "arrival_time")
-        req.user_id = data.get("id")
-        _prompt(data, req)
-        given = [k for k in OUTPUT_LEN_KEYS if k in data]
-        if len(given) > 1:
-            raise RowError(f"output length given twice ({', '.join(given)}); keep one")
-        req.output_len = positive_int(data[given[0]], given[0]) if given else default_output_len
-        for key, value in data.items():
-            if key in BM_KEYS or value is None:
-                continue
-            if isinstance(value, (list, dict, str)):
-                raise RowError(f"{key}: expected a number or true/false, got {value!r}")
-            req.fields[key] = value
-
-    requests = [_row(where, parsed, fill) for where, parsed in iter_json_lines(path)]
+    """bm's own format through the one parser ``bm run`` uses, so a file means the same to both."""
+    requests = []
+    for line in read_request_file(path):
+        req = WorkloadRequest(source=line.where, user_id=line.user_id, error=line.error)
+        if line.ok:
+            req.timestamp = line.arrival_time
+            req.output_len = line.output_len or default_output_len
+            req.fields = dict(line.fields)
+            if line.input_ids is not None:
+                req.input_ids = line.input_ids
+                req.input_len = len(line.input_ids)
+            elif line.prompt is not None:
+                req.prompt_text = line.prompt
+            else:
+                req.error = (
+                    f"{line.where}: messages: bm bench replays 'prompt' or 'input_ids' lines; "
+                    "render the chat with bm run, or give the prompt as text"
+                )
+            if line.stop and req.ok:
+                req.error = f"{line.where}: stop: stop strings are read by bm run; give stop_words_list"
+        requests.append(req)
     return Workload("bm", str(path), requests)
 
 

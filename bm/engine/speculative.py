@@ -1,0 +1,81 @@
+"""Draft tokens: which ones a generation step verifies, and what a request counts of them (no torch).
+
+A step of a request with drafts feeds its last token followed by ``k`` draft tokens; the runtime reads the
+``k + 1`` positions' logits in the same forward, accepts the longest valid prefix of the drafts and adds
+the next token (greedy: exact match; sampling: rejection sampling, so the output distribution is the
+model's). The core then rolls back the KV entries written for rejected drafts.
+
+Drafts come from the request (``draft_input_ids``, a guess of its continuation: used as long as the
+output follows it) or from prompt lookup (``engine.speculative: {method: ngram}``): the tokens that
+followed the latest earlier occurrence of the sequence's last n-gram.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bm.scheduling.request import LlmRequest
+
+
+@dataclass
+class SpecState:
+    """A request's drafts and counts (``draft_logits``: rows as given, read by the runtime)."""
+
+    drafts: tuple[int, ...] = ()
+    draft_logits: Any = None
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_draft_steps: int = 0  # generation steps that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    num_draft_tokens: int
+    max_ngram: int
+
+
+def ngram_drafts(tokens: Sequence[int], max_ngram: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed an earlier occurrence of the last n tokens (n from ``max_ngram``
+    down to 1; the longest match wins). Among occurrences, the latest with ``k`` tokens after it, else
+    the latest (one near the end has few tokens after it: a short draft)."""
+    total = len(tokens)
+    for n in range(min(max_ngram, total - 1), 0, -1):
+        suffix = list(tokens[total - n :])
+        first = suffix[0]
+        partial: list[int] = []
+        for start in range(total - n - 1, -1, -1):
+            if tokens[start] == first and list(tokens[start : start + n]) == suffix:
+                follow = list(tokens[start + n : start + n + k])
+                if len(follow) == k:
+                    return follow
+                partial = partial or follow
+        if partial:
+            return partial
+    return []
+
+
+def request_drafts(req: LlmRequest, ngram: NgramConfig | None, k: int) -> tuple[list[int], Any]:
+    """At most ``k`` drafts for the request's next step, and their draft logits rows (or None)."""
+    spec: SpecState | None = req.speculation
+    if spec is not None and spec.drafts:
+        done = len(req.output_ids)
+        if done < len(spec.drafts) and tuple(req.output_ids) == spec.drafts[:done]:
+            drafts = list(spec.drafts[done : done + k])
+            logits = spec.draft_logits[done : done + len(drafts)] if spec.draft_logits is not None else None
+            return drafts, logits
+    if ngram is None:
+        return [], None
+    tokens = [*req.prompt_ids, *req.output_ids]
+    return ngram_drafts(tokens, ngram.max_ngram, min(k, ngram.num_draft_tokens)), None
+
+
+def can_speculate(req: LlmRequest) -> bool:
+    """Drafts need a plain request: one beam and no per-token controls (their state would have to follow
+    every draft position)."""
+    return req.beam_width == 1 and req.controls is None

@@ -1,0 +1,458 @@
+"""bm's JSONL request format, parsed in one place for ``bm run``, ``bm bench`` and ``bm compare``.
+
+A line is ``{"id"?, "prompt" | "input_ids" | "messages", "request_output_len"? (or ``max_tokens``,
+``max_new_tokens``, ``output_tokens``), "arrival_time"?, "stop"?, <request fields by spec name>}``.
+
+Plain Python only (no torch), so a whole file is checked before the model loads. Types are strict: a
+value of the wrong type is refused with the field and the fix, never truncated or read for its
+truthiness (``beam_width: 1.9`` and ``temperature: true`` are errors). Reading never raises on what a
+file holds: bad bytes, a lone surrogate, 100k-deep nesting or a BOM each end as one line's error (or,
+for the BOM, as nothing at all).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bm.workloads.request import RowError
+
+OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
+FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+# Every request field the engine implements, by its spec name, with the JSON type it must have.
+# (A test keeps this equal to the engine's SUPPORTED_INPUT_TENSORS.)
+INT_FIELDS: dict[str, tuple[int, int]] = {
+    "beam_width": (1, INT32_MAX),
+    "runtime_top_k": (0, INT32_MAX),
+    "early_stopping": (INT32_MIN, INT32_MAX),
+    "min_length": (0, INT32_MAX),
+    "no_repeat_ngram_size": (0, INT32_MAX),
+    "random_seed": (0, UINT64_MAX),
+    "end_id": (-1, INT32_MAX),
+    "pad_id": (INT32_MIN, INT32_MAX),
+    "lora_task_id": (0, UINT64_MAX),
+    "prompt_vocab_size": (1, INT32_MAX),
+}
+FLOAT_FIELDS = (
+    "temperature",
+    "runtime_top_p",
+    "len_penalty",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
+WORD_LISTS = ("bad_words_list", "stop_words_list")
+LIST_FIELDS = ("embedding_bias",)
+# Nested lists of numbers (the engine checks their shapes and values).
+NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
+ID_LIST_FIELDS = ("draft_input_ids",)  # flat lists of token ids
+REQUEST_FIELDS = (
+    *INT_FIELDS,
+    *FLOAT_FIELDS,
+    *BOOL_FIELDS,
+    *WORD_LISTS,
+    *LIST_FIELDS,
+    *NESTED_FIELDS,
+    *ID_LIST_FIELDS,
+)
+# A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), read into lora_config and
+# lora_weights; a relative path is taken from the request file's directory.
+LORA_DIR = "lora_dir"
+PROMPT_KEYS = ("prompt", "input_ids", "messages")
+KNOWN_KEYS = frozenset(
+    {"id", "arrival_time", "stop", LORA_DIR, *PROMPT_KEYS, *OUTPUT_LEN_KEYS, *FIELD_ALIASES, *REQUEST_FIELDS}
+)
+MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse
+MAX_TOKEN_ID = INT32_MAX
+
+
+@dataclass
+class ParsedLine:
+    """One line of a request file, checked but not tokenized. Exactly one of the prompt forms is set."""
+
+    line_number: int  # 1-based line in the file: every message about this request names it
+    user_id: Any = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    output_len: int | None = None  # None: the command's default
+    arrival_time: float | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (OpenAI's ``stop``)
+    lora_dir: str | None = None  # a PEFT adapter directory, resolved against the file's directory
+    # Request fields by spec name, plain values: word lists as [str | list[int], ...] or the [2, n] form.
+    fields: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # "line N: field: problem; fix", when the line cannot run
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def where(self) -> str:
+        return f"line {self.line_number}"
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """(line number, object) per non-blank line; a line that is not a JSON object yields its error.
+
+    The file is read as bytes and decoded line by line, so one bad byte costs one line, not the file."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 BOM, as Windows editors write it: not part of the data
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield (
+                    number,
+                    RowError(
+                        f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                        "save the file as UTF-8"
+                    ),
+                )
+                continue
+            if not text.strip():
+                continue
+            yield number, _load_object(text)
+
+
+def _load_object(text: str) -> dict[str, Any] | RowError:
+    # scanned only when there are enough brackets to matter: a plain 200 KB prompt costs two counts
+    depth = _max_depth(text) if text.count("[") + text.count("{") > MAX_DEPTH else 0
+    if depth > MAX_DEPTH:
+        return RowError(f"JSON nested {depth} levels deep; bm's request format needs at most a few")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return RowError(f"malformed JSON ({exc.msg} at column {exc.colno})")
+    except (RecursionError, ValueError) as exc:  # belt and braces: json's own limits
+        return RowError(f"unreadable JSON ({type(exc).__name__})")
+    if not isinstance(data, dict):
+        return RowError(f"expected a JSON object, got {type(data).__name__}")
+    surrogate = _find_surrogate(data, "")
+    if surrogate is not None:
+        return RowError(
+            f"{surrogate or 'a key'}: contains a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+            "text; remove it or write the character it was meant to be"
+        )
+    return data
+
+
+def _max_depth(text: str) -> int:
+    """Bracket depth outside strings, found without recursion (json.loads would recurse)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_DEPTH:
+                    return deepest
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _find_surrogate(value: Any, path: str) -> str | None:
+    """The dotted path of the first string holding a lone surrogate (it cannot be encoded or written)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _find_surrogate(key, path) is not None:
+                return path or "a key"
+            found = _find_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _find_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def read_request_file(path: Path) -> list[ParsedLine]:
+    """Every non-blank line of a bm JSONL file, checked; a bad line keeps its place with its error."""
+    lines: list[ParsedLine] = []
+    seen_ids: dict[str, int] = {}
+    for number, data in iter_lines(path):
+        entry = ParsedLine(line_number=number, user_id=len(lines))
+        try:
+            if isinstance(data, RowError):
+                raise data
+            parse_request(data, entry)
+            if entry.lora_dir is not None and not Path(entry.lora_dir).is_absolute():
+                entry.lora_dir = str(path.parent / entry.lora_dir)
+            if "id" in data:
+                key = json.dumps(entry.user_id)
+                if key in seen_ids:
+                    raise RowError(
+                        f"id: duplicate id {entry.user_id!r} (also on line {seen_ids[key]}); ids must be unique"
+                    )
+                seen_ids[key] = number
+        except RowError as exc:
+            entry.error = f"{entry.where}: {exc}"
+        lines.append(entry)
+    return lines
+
+
+def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
+    """Fill ``entry`` from one line's object or raise :class:`RowError` naming the field and the fix."""
+    unknown = sorted(k for k in data if k not in KNOWN_KEYS)
+    if unknown:
+        allowed = ", ".join(
+            ["id", *PROMPT_KEYS, *OUTPUT_LEN_KEYS, "stop", "arrival_time", LORA_DIR, *REQUEST_FIELDS]
+        )
+        raise RowError(f"unknown field {unknown[0]!r}; allowed fields: {allowed}")
+    if "id" in data:
+        value = data["id"]
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise RowError(f"id: expected a string or an integer, got {_show(value)}")
+        entry.user_id = value
+    _prompt(data, entry)
+    given = [k for k in OUTPUT_LEN_KEYS if k in data]
+    if len(given) > 1:
+        raise RowError(f"{given[1]}: output length given twice ({', '.join(given)}); keep one")
+    if given and data[given[0]] is not None:
+        entry.output_len = strict_int(data[given[0]], given[0], 1, INT32_MAX)
+    if data.get("arrival_time") is not None:
+        entry.arrival_time = finite_number(data["arrival_time"], "arrival_time", low=0.0)
+    if data.get("stop") is not None:
+        entry.stop = stop_strings(data["stop"], "stop")
+    if data.get(LORA_DIR) is not None:
+        value = data[LORA_DIR]
+        if not isinstance(value, str) or not value:
+            raise RowError(f"{LORA_DIR}: expected a directory path, got {_show(value)}")
+        if "lora_weights" in data or "lora_config" in data:
+            raise RowError(f"{LORA_DIR}: give either lora_dir or lora_weights + lora_config, not both")
+        entry.lora_dir = value
+    for key, value in data.items():
+        name = FIELD_ALIASES.get(key, key)
+        if name not in REQUEST_FIELDS:
+            continue
+        if name in entry.fields:
+            raise RowError(f"{key}: given twice (as {name!r} and an alias); keep one")
+        if value is None:
+            continue
+        entry.fields[name] = request_field(name, key, value)
+
+
+def _prompt(data: dict[str, Any], entry: ParsedLine) -> None:
+    given = [k for k in PROMPT_KEYS if k in data]
+    if len(given) > 1:
+        raise RowError(
+            f"{given[1]}: give one of 'prompt', 'input_ids', 'messages', not {' and '.join(given)}"
+        )
+    if not given:
+        raise RowError(
+            "missing prompt: give 'prompt' (text), 'input_ids' (token ids) or 'messages' (chat turns)"
+        )
+    key = given[0]
+    value = data[key]
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise RowError(f"prompt: expected a string, got {_show(value)}")
+        if not value:
+            raise RowError("prompt: the prompt is empty")
+        entry.prompt = value
+    elif key == "input_ids":
+        entry.input_ids = token_ids(value, "input_ids")
+    else:
+        entry.messages = chat_messages(value, "messages")
+
+
+def token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise RowError(f"{name}: expected a list of integer token ids, e.g. [1, 415, 2936]")
+    if not value:
+        raise RowError(f"{name}: the prompt is empty; give at least one token")
+    bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise RowError(
+            f"{name}: token id {bad} is out of range; token ids are vocabulary indices in [0, {MAX_TOKEN_ID}]"
+        )
+    return value
+
+
+def chat_messages(value: Any, name: str) -> list[dict[str, Any]]:
+    """OpenAI chat turns: ``[{"role": ..., "content": "text"}, ...]`` (content parts of type text too)."""
+    if not isinstance(value, list) or not value:
+        raise RowError(f'{name}: expected a non-empty list of {{"role": ..., "content": ...}} turns')
+    out = []
+    for i, turn in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(turn, dict):
+            raise RowError(f'{where}: expected {{"role": ..., "content": ...}}, got {_show(turn)}')
+        role, content = turn.get("role"), turn.get("content")
+        if not isinstance(role, str) or not role:
+            raise RowError(f"{where}.role: expected a string such as 'system', 'user' or 'assistant'")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise RowError(
+                        f"{where}.content[{j}]: only text parts are supported ({{'type': 'text', 'text': ...}})"
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise RowError(f"{where}.content: expected a string, got {_show(content)}")
+        extra = sorted(set(turn) - {"role", "content", "name"})
+        if extra:
+            raise RowError(f"{where}.{extra[0]}: not supported in a chat turn (role, content and name are)")
+        out.append({**turn, "content": content})
+    return out
+
+
+def stop_strings(value: Any, name: str) -> list[str]:
+    words = [value] if isinstance(value, str) else value
+    if not isinstance(words, list) or not words or not all(isinstance(w, str) and w for w in words):
+        raise RowError(f'{name}: expected a non-empty string or a list of them, e.g. ["\\n\\n", "User:"]')
+    return list(words)
+
+
+def request_field(name: str, key: str, value: Any) -> Any:
+    """One request field's value, checked against its declared JSON type (spec name ``name``)."""
+    if name in INT_FIELDS:
+        low, high = INT_FIELDS[name]
+        return strict_int(value, key, low, high)
+    if name in FLOAT_FIELDS:
+        return finite_number(value, key)
+    if name in BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise RowError(f"{key}: expected true or false, got {_show(value)}")
+        return value
+    if name in WORD_LISTS:
+        return word_list(value, key)
+    if name in NESTED_FIELDS:
+        if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
+            raise RowError(f"{key}: expected a nested list of numbers (one list per row)")
+        return value
+    if name in ID_LIST_FIELDS:
+        if not isinstance(value, list) or not all(_is_int(t) for t in value):
+            raise RowError(f"{key}: expected a list of integer token ids")
+        return value
+    if not isinstance(value, list) or not value or not all(_is_number(v) for v in value):
+        raise RowError(f"{key}: expected a list of finite numbers, one per vocabulary token")
+    return value
+
+
+def strict_int(value: Any, name: str, low: int, high: int) -> int:
+    """An integer in [low, high]; 12.0 and true are refused, not read as 12 and 1."""
+    if not _is_int(value):
+        raise RowError(f"{name}: expected an integer in [{low}, {high}], got {_show(value)}")
+    if value < low:
+        raise RowError(f"{name}: must be at least {low}, got {value}")
+    if value > high:
+        raise RowError(f"{name}: must be at most {high}, got {value}")
+    return value
+
+
+def finite_number(value: Any, name: str, low: float | None = None) -> float:
+    if not _is_number(value):
+        raise RowError(f"{name}: expected a finite number, got {_show(value)}")
+    if low is not None and value < low:
+        raise RowError(f"{name}: must be >= {low:g}, got {value}")
+    return value
+
+
+def word_list(value: Any, name: str) -> list[Any]:
+    """Words as strings or token-id lists, or TensorRT-LLM's [2, n] form; tokenized later."""
+    form = (
+        f'{name}: expected a list of strings or of token-id lists (e.g. ["stop", [13, 13]]), or the '
+        "[2, n] form [[ids...], [end offsets..., -1...]]"
+    )
+    if not isinstance(value, list) or not value:
+        raise RowError(form)
+    if is_offsets_form(value):
+        return value
+    for word in value:
+        if isinstance(word, str) and word:
+            continue
+        if isinstance(word, list) and word and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in word):
+            continue
+        raise RowError(f"{form}; got the item {_show(word)}")
+    return value
+
+
+def is_offsets_form(value: list[Any]) -> bool:
+    """Two equal-length integer rows whose second is a valid end-offset row: TensorRT-LLM's [2, n] form."""
+    if len(value) != 2 or not all(isinstance(r, list) for r in value) or len(value[0]) != len(value[1]):
+        return False
+    if not all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for r in value for t in r):
+        return False
+    offsets = value[1]
+    real = [o for o in offsets if o >= 0]
+    if not real or offsets[: len(real)] != real or any(o != -1 for o in offsets[len(real) :]):
+        return False
+    return all(b > a for a, b in zip([0, *real], real, strict=False)) and real[-1] <= len(value[0])
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number that fits a float32 tensor's conversion (true/false are not numbers)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < 2**63
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _show(value: Any) -> str:
+    """A value for a message, cut short: a 200 KB prompt must not become a 200 KB error."""
+    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def resolve_word_list(
+    value: list[Any], name: str, encode_word: Callable[[str], list[int]] | None
+) -> list[list[int]]:
+    """A parsed word list as token-id words: strings tokenized (without special tokens), [2, n] unpacked.
+
+    Raises :class:`RowError` when a string cannot be tokenized (no tokenizer, or no tokens)."""
+    if is_offsets_form(value):
+        ids, offsets = value
+        ends = [o for o in offsets if o >= 0]
+        return [ids[a:b] for a, b in zip([0, *ends], ends, strict=False)]
+    words = []
+    for word in value:
+        if isinstance(word, str):
+            if encode_word is None:
+                raise RowError(f"{name}: this model has no tokenizer; give words as token-id lists")
+            ids = encode_word(word)
+            if not ids:
+                raise RowError(f"{name}: the word {word!r} encodes to no tokens")
+            words.append(list(ids))
+        else:
+            words.append(list(word))
+    return words
