@@ -109,6 +109,15 @@ class ParallelExecutor:
     def release(self, request: LlmRequest) -> None:
         self.inner.release(request)
 
+    def load_adapter(self, slot: int, adapter: Any) -> None:
+        self.inner.load_adapter(slot, adapter)
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else the executor protocol grows is the inner executor's (nothing to agree on)."""
+        if name == "inner":  # not yet set (unpickling, early failure): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
 
 def build_core(config: BmConfig, layout: ParallelLayout, model: Any = None) -> EngineCore:
     """This rank's core over its (sharded, when tensor-parallel) model."""
