@@ -18,7 +18,7 @@ WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
 TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
 TIME_SCALE ?= 0.25
 
-.PHONY: run test lint bench bench-trace clean
+.PHONY: run test lint bench bench-trace mutate clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +50,11 @@ bench: $(STAMP)
 bench-trace: $(STAMP)
 	$(VENV)/bin/bm bench $(TRACE) -c configs/bench.yaml --num-requests 128 --input-scale 0.25 \
 		--output-scale 0.25 --ignore-eos --trace-timestamps --time-scale $(TIME_SCALE) --slo ttft=1000,tpot=100
+
+# Developer tool, not CI: apply each mutant in tools/mutants.py, run its targeted tests, print the score
+# and survivors. MUTATE_ARGS="-k sampler" runs a subset; "--check" only checks the snippets still match.
+mutate: $(STAMP)
+	$(PY) tools/mutate.py $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) bm-out .pytest_cache .ruff_cache

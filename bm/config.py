@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -43,6 +43,19 @@ def _int_at_least(minimum: int, optional: bool = False) -> Callable[[str, Any], 
         return value
 
     return check
+
+
+def _attention_window(key: str, value: Any) -> Any:
+    """One window for every layer, or a list of windows repeated over the layers (TensorRT-LLM's form)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{key}: an empty list; give one window (e.g. 4096) or one per layer")
+        return [_int_at_least(1)(f"{key}[{i}]", w) for i, w in enumerate(value)]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer >= 1 or a list of them (one per layer), got {value!r}")
+    return _int_at_least(1)(key, value)
 
 
 def _fraction(key: str, value: Any) -> Any:
@@ -287,11 +300,12 @@ class KvCacheConfig:
         "instead of recomputing it (not used by the v1 scheme).",
         _bool,
     )
-    max_attention_window: int | None = _knob(
+    max_attention_window: int | Sequence[int] | None = _knob(
         None,
         "Each token attends to at most this many latest tokens (plus the sink tokens); older blocks are "
-        "released while a request runs. Default: no window beyond the model's own sliding window.",
-        _int_at_least(1, optional=True),
+        "released while a request runs. A list gives each layer its own window, repeated over the layers "
+        "when shorter (as TensorRT-LLM's). Default: no window beyond the model's own sliding windows.",
+        _attention_window,
     )
     sink_token_length: int = _knob(
         0,
@@ -566,10 +580,12 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(
             "kv_cache.sink_token_length needs kv_cache.max_attention_window; set a window or drop the sinks"
         )
-    if kv.max_attention_window is not None and kv.sink_token_length >= kv.max_attention_window:
+    windows = kv.max_attention_window
+    smallest = min(windows) if isinstance(windows, list) else windows
+    if smallest is not None and kv.sink_token_length >= smallest:
         raise ConfigError(
             f"kv_cache.sink_token_length ({kv.sink_token_length}) must be smaller than "
-            f"kv_cache.max_attention_window ({kv.max_attention_window})"
+            f"kv_cache.max_attention_window ({smallest})"
         )
     if kv.max_tokens is not None and kv.max_tokens < kv.tokens_per_block:
         raise ConfigError(

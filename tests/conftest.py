@@ -34,7 +34,10 @@ def tiny_model() -> LoadedModel:
 def reference_model(loaded: LoadedModel) -> torch.nn.Module:
     """An independent copy running transformers' own attention, for HF generate()."""
     ref = copy.deepcopy(loaded.model)
-    ref.set_attn_implementation("sdpa")
+    try:
+        ref.set_attn_implementation("sdpa")
+    except ValueError:  # e.g. Gemma 2: SDPA cannot soft-cap, transformers runs it eagerly
+        ref.set_attn_implementation("eager")
     ref.generation_config.eos_token_id = None
     ref.generation_config.pad_token_id = 0
     return ref

@@ -12,12 +12,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bm.config import ConfigError, config_from_dict
-from bm.engine import InferenceRequest, generate
+from bm.engine import InferenceRequest
 from bm.kv import NO_BLOCK
-from bm.runtime.attention import paged_attention_forward
+from bm.runtime.attention import batch_metadata, paged_attention_forward
 from bm.runtime.model_loader import describe_model
 from bm.runtime.model_runner import ModelRunner, Segment
 from tests.conftest import hf_greedy, make_config, reference_model
+from tests.engine_wait import generate_or_fail
 
 
 def reference_attention(q, keys, values, positions, window, sink):
@@ -56,7 +57,8 @@ def test_windowed_paged_attention_matches_attention_computed_directly(tiny_model
         tokens in the long sequence (the short sequence's keys are the long one's first ones)."""
         _, _, meta, _ = runner._prepare(segments)
         q, k, v = (torch.cat([x[:, s : s + c] for s, c in rows], 1)[None] for x in (queries, keys, values))
-        return paged_attention_forward(module, q, k, v, None, bm_attention=meta)[0][0]
+        with batch_metadata(meta):
+            return paged_attention_forward(module, q, k, v, None)[0][0]
 
     # 1. a whole prompt longer than the window, beside a short one
     out = attend([Segment([0] * 15, 0, long_table, False), Segment([0] * 3, 0, short_table, False)],
@@ -104,10 +106,10 @@ def test_long_generations_fit_a_small_cache_under_a_window_and_match_hf(full_att
     specs = [(torch.randint(3, 300, (n,), generator=g).tolist(), m) for n, m in ((20, 60), (9, 70), (30, 40))]
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
     cache = {"tokens_per_block": 4, "max_tokens": 48}  # 12 blocks; every request outgrows the cache
-    rejected = generate(requests, make_config(kv_cache=cache), model=loaded)
+    rejected = generate_or_fail(requests, make_config(kv_cache=cache), model=loaded)
     assert all("KV cache blocks" in rejected[i].error for i in range(3))
     stats: list[str] = []
-    results = generate(
+    results = generate_or_fail(
         requests,
         make_config(kv_cache={**cache, "max_attention_window": 16}),
         model=loaded,
@@ -129,7 +131,7 @@ def test_window_with_chunked_context_and_reuse_matches_hf(full_attention_mistral
         engine={"enable_chunked_context": True, "max_num_tokens": 16, "max_batch_size": 2},
         kv_cache={"tokens_per_block": 4, "max_attention_window": 16, "enable_block_reuse": True},
     )
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
         config,
         model=loaded,
@@ -145,6 +147,7 @@ def test_native_window_and_user_window_take_the_smaller(full_attention_mistral):
 
     loaded = copy.copy(full_attention_mistral[0])
     loaded.sliding_window = 24
+    loaded.layer_windows = (24,) * len(loaded.layer_windows)
     for given, effective in ((None, 24), (16, 16), (40, 24), (600, 24)):
         config = make_config(kv_cache={"max_attention_window": given})
         with BatchManager(config, lambda n: [], lambda *a: None, model=loaded) as manager:

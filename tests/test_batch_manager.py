@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
-from bm.engine import BatchManager, InferenceRequest, generate
+from bm.engine import BatchManager, InferenceRequest
 from bm.scheduling import FinishReason
 from tests.clients import ScriptedClient
 from tests.conftest import hf_greedy, make_config
+from tests.engine_wait import generate_or_fail, wait_until
 
 SEED_STATS_FIELDS = {
     "Timestamp",
@@ -82,9 +83,10 @@ def test_stop_signal_cancels_with_partial_output_and_frees_blocks(tiny_model):
     manager = start(tiny_model, client)
     try:
         client.push(InferenceRequest.from_values(9, prompt(12), 500))
-        deadline = time.time() + 30
-        while manager.kv_cache_manager.num_tokens(9) < 20 and time.time() < deadline:
-            time.sleep(0.005)
+        wait_until(
+            lambda: manager.kv_cache_manager.num_tokens(9) >= 20,
+            lambda: f"request 9 holds {manager.kv_cache_manager.num_tokens(9)} tokens in the cache, not 20",
+        )
         client.stop_ids = {9}
         client.wait_finals(1)
         ((tensors, error),) = client.finals_for(9)
@@ -147,7 +149,7 @@ def test_request_too_large_for_the_cache_errors_and_others_complete(tiny_model):
     ],
 )
 def test_invalid_request_fields_get_an_error_naming_the_field(tiny_model, fields, message):
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(1, prompt(4), 4, **fields)], make_config(), model=tiny_model
     )
     assert message in results[1].error
@@ -173,7 +175,7 @@ def test_malformed_tensors_are_rejected(tiny_model):
             },
         ),
     ]
-    results = generate(bad, make_config(), model=tiny_model)
+    results = generate_or_fail(bad, make_config(), model=tiny_model)
     assert "missing mandatory input tensor 'request_output_len'" in results[1].error
     assert "prompt is empty" in results[2].error
     assert "outside the vocabulary" in results[3].error
@@ -182,7 +184,7 @@ def test_malformed_tensors_are_rejected(tiny_model):
 
 
 def test_prompt_longer_than_model_maximum_is_rejected(tiny_model):
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(1, prompt(3000), 2)],
         make_config(kv_cache={"max_tokens": 8192}, engine={"max_num_tokens": 4096}),
         model=tiny_model,
@@ -208,16 +210,16 @@ def test_streaming_yields_the_non_streamed_tokens_one_step_at_a_time(tiny_model)
 
 def test_sampling_with_a_seed_is_reproducible_and_independent_of_the_batch(tiny_model):
     fields = {"temperature": 0.9, "runtime_top_p": 0.95, "runtime_top_k": 50, "random_seed": 1234}
-    alone = generate(
+    alone = generate_or_fail(
         [InferenceRequest.from_values(1, prompt(7), 20, **fields)], make_config(), model=tiny_model
     )
     crowd = [InferenceRequest.from_values(1, prompt(7), 20, **fields)] + [
         InferenceRequest.from_values(i, prompt(5 + i, i), 15, temperature=1.0, random_seed=i)
         for i in range(2, 9)
     ]
-    batched = generate(crowd, make_config(), model=tiny_model)
+    batched = generate_or_fail(crowd, make_config(), model=tiny_model)
     assert alone[1].output_ids == batched[1].output_ids
-    other_seed = generate(
+    other_seed = generate_or_fail(
         [InferenceRequest.from_values(1, prompt(7), 20, **{**fields, "random_seed": 99})],
         make_config(),
         model=tiny_model,
@@ -229,9 +231,10 @@ def test_shutdown_with_cancel_ends_every_active_request(tiny_model):
     client = ScriptedClient()
     manager = start(tiny_model, client, kv_cache={"max_tokens": 8192})
     client.push(*[InferenceRequest.from_values(i, prompt(6, i), 1500) for i in range(4)])
-    deadline = time.time() + 30
-    while manager.kv_cache_manager.num_requests < 4 and time.time() < deadline:
-        time.sleep(0.005)
+    wait_until(
+        lambda: manager.kv_cache_manager.num_requests >= 4,
+        lambda: f"{manager.kv_cache_manager.num_requests} of requests 0-3 hold blocks",
+    )
     manager.shutdown(cancel=True)
     assert not manager.is_alive()
     reasons = [client.finals_for(i)[0][0]["finish_reason"].item() for i in range(4)]

@@ -112,6 +112,9 @@ def stats_row(used: int, ctx: int, gen: int, computed: int, paused: int = 0, emp
         "Empty Generation Slots": empty,
         "Paused Requests": paused,
         "Iteration Latency (ms)": 10.0 if ctx else 2.0,
+        "Draft Steps": 0,
+        "Draft Tokens": 0,
+        "Accepted Draft Tokens": 0,
     }
 
 
@@ -130,3 +133,11 @@ def test_engine_metrics_from_iteration_stats():
     assert m["total_computed_tokens"] == 12 and m["total_empty_generation_slots"] == 1
     assert m["mean_iteration_latency_ms"] == pytest.approx(6.0)
     assert m["num_paused_requests"] == 1 and m["total_pauses"] == 2 and m["max_paused_per_iteration"] == 1
+
+
+@pytest.mark.parametrize(("slo", "good"), [(250.0, 1), (249.0, 0), (251.0, 1)])
+def test_a_request_exactly_at_its_slo_counts_as_good(slo, good):
+    # TTFT 0.25 s is exactly 250 ms; vLLM counts a request as good when its latency is <= the SLO.
+    records = records_frame([record(0, ttft=0.25, tokens=1, gap=0.0)])
+    m = run_metrics(records, duration_s=1.0, slo_ms={"ttft": slo})
+    assert m["request_goodput"] == good

@@ -9,21 +9,25 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from bm.config import ModelConfig
-from bm.engine import InferenceRequest, generate
+from bm.engine import InferenceRequest
 from bm.runtime import UnsupportedAttentionError, load_model
 from bm.runtime.model_loader import describe_model
 from bm.runtime.model_runner import ModelRunner, Segment
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.engine_wait import generate_or_fail
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)  # fmt: skip
 
 ARCHITECTURES = {
     "qwen2": {},  # q/k/v biases
-    "mistral": {"sliding_window": 48},  # a native window: sequences are capped at it
+    "mistral": {"sliding_window": 48},  # a native window on every layer: blocks behind it are released
     "gemma": {"head_dim": 16},
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},  # learned positions
     "gpt_neox": {"num_key_value_heads": None},  # ignores num_key_value_heads: shapes are probed
+    # its decoder layer drops **kwargs before attention: the batch metadata must not travel as a kwarg
+    "stablelm": {},
+    "gemma2": {"head_dim": 16, "attn_logit_softcapping": 3.0},  # soft-capped attention scores
 }
 
 
@@ -45,7 +49,7 @@ def test_other_architectures_match_hf_generate(model_type):
     loaded = build(model_type)
     ref = reference_model(loaded)
     specs = random_prompts(seed=3, count=8, vocab=300, max_prompt=30, max_output=12)
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
         make_config(engine={"max_num_tokens": 64}),
         model=loaded,
@@ -62,7 +66,7 @@ def test_native_sliding_window_model_matches_hf_beyond_its_window():
     ref = reference_model(loaded)
     g = torch.Generator().manual_seed(4)
     specs = [(torch.randint(3, 300, (n,), generator=g).tolist(), m) for n, m in ((40, 30), (70, 12), (5, 60))]
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
         make_config(engine={"max_num_tokens": 128}),
         model=loaded,
@@ -73,24 +77,20 @@ def test_native_sliding_window_model_matches_hf_beyond_its_window():
         assert results[i].output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
 
 
-def test_sliding_window_on_some_layers_only_caps_sequence_length():
+def test_a_model_that_bypasses_attention_interface_without_an_adapter_is_refused_by_class():
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        "qwen2", **SMALL, sliding_window=48, use_sliding_window=True, max_window_layers=1
+        "xglm", vocab_size=300, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128
     )
-    loaded = describe_model(AutoModelForCausalLM.from_config(cfg).eval(), None, "qwen2")
-    assert not loaded.sliding_window_on_every_layer
-    results = generate([InferenceRequest.from_values(1, [5] * 40, 20)], make_config(), model=loaded)
-    assert "exceed the maximum sequence length 48" in results[1].error
+    with pytest.raises(UnsupportedAttentionError, match=r"inline \(its attention classes: XGLMAttention\)"):
+        describe_model(AutoModelForCausalLM.from_config(cfg), None, "xglm")
 
 
-def test_a_model_that_bypasses_attention_interface_is_refused():
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        "falcon", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4
-    )
-    with pytest.raises(UnsupportedAttentionError, match="AttentionInterface"):
-        describe_model(AutoModelForCausalLM.from_config(cfg), None, "falcon")
+def test_paged_attention_outside_a_runner_forward_names_the_runner_not_the_model(tiny_model):
+    """Calling a model set to bm's attention directly is the caller's doing; the message says so."""
+    runner = ModelRunner(tiny_model, num_blocks=4, tokens_per_block=8, max_seq_len=32)
+    with pytest.raises(UnsupportedAttentionError, match=r"outside a bm forward.*ModelRunner\.forward"):
+        runner.model(input_ids=torch.tensor([[5, 6]]), use_cache=False)
 
 
 def test_packed_forward_matches_unpacked_logits(tiny_model, tiny_reference):
@@ -122,5 +122,5 @@ def test_checkpoint_directory_with_tokenizer_loads_and_generates(tmp_path, tiny_
     loaded = load_model(ModelConfig(path=str(tmp_path), device="cpu"))
     assert loaded.tokenizer is not None
     ids = loaded.tokenizer.encode("abc")
-    results = generate([InferenceRequest.from_values(1, ids, 6)], make_config(), model=loaded)
+    results = generate_or_fail([InferenceRequest.from_values(1, ids, 6)], make_config(), model=loaded)
     assert results[1].output_ids == hf_greedy(ref, ids, 6)

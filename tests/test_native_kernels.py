@@ -15,8 +15,11 @@ kernel = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: bm runs the torch path")
 
 
-def reference_decode(q, cache, token_index, tables, lengths, scaling):
-    """Plain torch: each row's keys gathered block by block, softmax over exactly its length."""
+def reference_decode(
+    q, cache, token_index, tables, lengths, scaling, softcap=None, alibi=None, window=None, sinks=None
+):
+    """Plain torch: each row's keys gathered block by block, softmax over exactly its length (its last
+    ``window`` keys), scores soft-capped and ALiBi-biased as written in the Gemma 2 and BLOOM papers."""
     heads = q.shape[0]
     kv_heads, _, block_size, _ = cache.shape[1:]
     out = {}
@@ -28,7 +31,17 @@ def reference_decode(q, cache, token_index, tables, lengths, scaling):
         k = k.repeat_interleave(heads // kv_heads, 0)
         v = v.repeat_interleave(heads // kv_heads, 0)
         scores = (q[:, tok, None, :] @ k.transpose(1, 2)).squeeze(1) * scaling  # [heads, n]
-        out[tok] = scores.softmax(-1)[:, None, :].matmul(v).squeeze(1)  # [heads, d]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi is not None:
+            scores = scores + alibi[:, None] * (torch.arange(n) - (n - 1))[None, :]
+        if window is not None:
+            scores[:, : max(0, n - window)] = float("-inf")
+        if sinks is not None:  # gpt-oss: a per-head logit that takes probability and gives no value
+            probs = torch.cat([scores, sinks[:, None]], 1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[tok] = probs[:, None, :].matmul(v).squeeze(1)  # [heads, d]
     return out
 
 
@@ -83,6 +96,54 @@ def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("softcap", "alibi", "window", "sink"),
+    [
+        (2.0, False, None, False),
+        (None, True, None, False),
+        (None, False, 5, False),
+        (None, True, 11, False),
+        (0.5, False, 9, False),
+        (None, False, 6, True),
+    ],
+)
+def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(softcap, alibi, window, sink):
+    """Scores soft-capped (Gemma 2), ALiBi-biased (bloom/mpt/falcon), with sink logits (gpt-oss), or
+    limited to the last ``window`` keys; under a window the blocks wholly before it are never read (released ones hold NaN here)."""
+    heads, kv_heads, head_dim, bs = 8, 2, 32, 4
+    g = torch.Generator().manual_seed(7)
+    num_blocks = 48
+    cache = torch.randn(2, kv_heads, num_blocks, bs, head_dim, generator=g) * 3  # large scores: softcap bites
+    lengths = [1, 3, 4, 5, 13, 40, 9, 27]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        k = -(-n // bs)
+        tables.append(perm[used : used + k])
+        used += k
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    if window is not None:  # blocks wholly before the window are released: poison and unlink them
+        for row, n in enumerate(lengths):
+            for b in range(max(0, n - window) // bs):
+                cache[:, :, table[row, b]] = float("nan")
+                table[row, b] = -1
+    q = torch.randn(12, heads, head_dim, generator=g).transpose(0, 1)
+    token_index = torch.tensor([3, 0, 11, 7, 8, 2, 1, 5])
+    slopes = 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32)) if alibi else None
+    out = torch.full((12, heads, head_dim), float("nan"))
+    scaling = head_dim**-0.5
+    sinks = torch.randn(heads, generator=g) * 3 if sink else None
+    lens = torch.tensor(lengths)
+    kernel(out, q, cache, token_index, table, lens, max(lengths), scaling, softcap, slopes, window, sinks)
+    safe = torch.nan_to_num(cache)  # the reference reads every key, then masks those outside the window
+    expected = reference_decode(q, safe, token_index, table.clamp(min=0).tolist(), lengths, scaling,
+                                softcap, slopes, window, sinks)  # fmt: skip
+    for tok, want in expected.items():
+        torch.testing.assert_close(out[tok], want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_runner_uses_native_decode_for_fp32_cpu_caches(tiny_model):
     runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
     assert runner.native_decode is kernel
@@ -105,7 +166,7 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
     client = StaggeredClient(requests, per_iteration=3)
     config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 96})
     with BatchManager(config, client.get_requests, client.send_response, model=tiny_model) as manager:
-        assert client.wait(120)
+        client.wait_or_fail()
         runner_native = manager.runner.native_decode is not None
     assert runner_native == (native == "1" and kernel is not None)
     for i, (prompt, max_new) in enumerate(specs):

@@ -14,7 +14,7 @@ def run_staggered(model, config, specs, per_iteration=3, **fields):
     requests = [InferenceRequest.from_values(i, p, m, **fields) for i, (p, m) in enumerate(specs)]
     client = StaggeredClient(requests, per_iteration=per_iteration)
     with BatchManager(config, client.get_requests, client.send_response, model=model, check_integrity=True):
-        assert client.wait(120)
+        client.wait_or_fail()
     return client
 
 
@@ -49,7 +49,7 @@ def test_generation_stops_at_end_id_like_hf(tiny_model, tiny_reference):
     requests = [InferenceRequest.from_values(i, p, m, end_id=end_ids[i]) for i, (p, m) in enumerate(specs)]
     client = StaggeredClient(requests, per_iteration=4)
     with BatchManager(make_config(), client.get_requests, client.send_response, model=tiny_model):
-        assert client.wait(60)
+        client.wait_or_fail()
     for i, (prompt, max_new) in enumerate(specs):
         expected = hf_greedy(tiny_reference, prompt, max_new, end_id=end_ids[i])
         assert client.results[i].output_ids == expected

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from bm.engine import InferenceRequest, generate
+from bm.engine import InferenceRequest
 from tests.conftest import hf_greedy, make_config, random_prompts
+from tests.engine_wait import generate_or_fail
 from tests.test_schemes import SMALL_CACHE, engine_config, run
 
 REUSE = {"enable_block_reuse": True}
@@ -87,7 +88,7 @@ def test_oracle_workload_is_unchanged_by_reuse(tiny_model, tiny_reference):
 def test_a_wholly_cached_prompt_computes_only_its_last_block(tiny_model, tiny_reference):
     prompt = list(range(3, 43))  # 40 tokens: 5 blocks of 8
     stats: list[str] = []
-    results = generate(
+    results = generate_or_fail(
         [InferenceRequest.from_values(i, prompt, 4) for i in range(3)],
         make_config(engine={"max_batch_size": 1}, kv_cache=REUSE),  # one after the other
         model=tiny_model,
@@ -143,7 +144,7 @@ def test_beam_requests_beside_reuse_and_windows_keep_every_output(tiny_model, sh
             engine={"max_beam_width": 2, "max_batch_size": 4},
             kv_cache={**window_cfg, "enable_block_reuse": reuse},
         )
-        results[reuse] = generate(requests(), config, model=tiny_model, check_integrity=True, timeout=120)
+        results[reuse] = generate_or_fail(requests(), config, model=tiny_model, check_integrity=True)
     off, on = results[False], results[True]
     for rid in off:
         assert off[rid].error == on[rid].error == ""

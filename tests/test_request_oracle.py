@@ -23,7 +23,7 @@ def run_batch(model, requests, per_iteration=3, **sections):
     config = make_config(**sections)
     client = StaggeredClient(requests, per_iteration=per_iteration)
     with BatchManager(config, client.get_requests, client.send_response, model=model, check_integrity=True):
-        assert client.wait(120)
+        client.wait_or_fail()
     for rid, result in client.results.items():
         assert result.ok, (rid, result.error)
     return client.results

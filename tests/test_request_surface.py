@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from bm.engine import BatchManager, InferenceRequest, generate
+from bm.engine import BatchManager, InferenceRequest
 from bm.kv import KVCacheManager
 from bm.scheduling import FinishReason, LlmRequest
 from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
 from tests.clients import ScriptedClient, StaggeredClient
 from tests.conftest import make_config, random_prompts
+from tests.engine_wait import generate_or_fail, wait_until
 from tests.test_cli_run import invoke, read_jsonl
 
 
 def sampled(model, requests, per_iteration=2):
     client = StaggeredClient(requests, per_iteration=per_iteration)
     with BatchManager(make_config(), client.get_requests, client.send_response, model=model):
-        assert client.wait(60)
+        client.wait_or_fail()
     return client.results
 
 
@@ -48,7 +48,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_model
 def test_streaming_yields_the_non_streamed_tokens_one_step_at_a_time(tiny_model):
     specs = random_prompts(seed=22, count=4, vocab=tiny_model.vocab_size, max_prompt=20, max_output=12)
     fields = {"repetition_penalty": 1.4, "return_log_probs": True}
-    plain = generate(
+    plain = generate_or_fail(
         [InferenceRequest.from_values(i, p, m, **fields) for i, (p, m) in enumerate(specs)],
         make_config(),
         model=tiny_model,
@@ -88,12 +88,12 @@ def test_stop_signal_cancels_with_partial_output_and_frees_blocks(tiny_model):
             InferenceRequest.from_values(2, [8, 9], 200, beam_width=2),
             InferenceRequest.from_values(3, [10, 11], 6),
         )
-        for _ in range(2000):
+
+        def streamed() -> int:
             with client.lock:
-                streamed = sum(1 for r in client.responses if r[0] == 1)
-            if streamed >= 5:
-                break
-            time.sleep(0.005)
+                return sum(1 for r in client.responses if r[0] == 1)
+
+        wait_until(lambda: streamed() >= 5, lambda: f"request 1 streamed {streamed()} responses, not 5")
         with client.lock:
             client.stop_ids = {1, 2}
         client.wait_finals(3)
@@ -136,7 +136,9 @@ def test_stop_signal_cancels_with_partial_output_and_frees_blocks(tiny_model):
 )
 def test_invalid_decoding_fields_get_an_error_naming_the_field_and_range(tiny_model, fields, message):
     config = make_config(engine={"max_beam_width": 4})
-    results = generate([InferenceRequest.from_values(1, [5, 6], 4, **fields)], config, model=tiny_model)
+    results = generate_or_fail(
+        [InferenceRequest.from_values(1, [5, 6], 4, **fields)], config, model=tiny_model
+    )
     assert message in results[1].error, results[1].error
     assert results[1].finish_reason == FinishReason.ERROR
 

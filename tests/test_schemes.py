@@ -8,9 +8,10 @@ import json
 import pytest
 
 from bm.config import ConfigError
-from bm.engine import BatchManager, InferenceRequest, generate
+from bm.engine import BatchManager, InferenceRequest
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
+from tests.engine_wait import generate_or_fail
 
 SCHEMES = ["inflight_fused", "inflight", "v1"]
 POLICIES = ["guaranteed_no_evict", "max_utilization", "static_batch"]
@@ -50,7 +51,7 @@ def run(model, config, specs, per_iteration=3):
         model=model,
         check_integrity=True,
     ):
-        assert client.wait(120)
+        client.wait_or_fail()
     return client.results, [json.loads(s) for s in stats]
 
 
@@ -81,7 +82,7 @@ def test_a_request_larger_than_the_cache_fails_alone_and_the_rest_complete(tiny_
     )
     requests = [InferenceRequest.from_values(i, [5 + i] * 10, 8) for i in range(6)]
     requests.insert(3, InferenceRequest.from_values(99, [7] * 40, 30))  # 70 tokens > 64 in the whole cache
-    results = generate(requests, config, model=tiny_model, check_integrity=True, timeout=120)
+    results = generate_or_fail(requests, config, model=tiny_model, check_integrity=True)
     assert "KV cache blocks" in results[99].error
     assert all(results[i].error == "" and len(results[i].output_ids) == 8 for i in range(6))
 
@@ -96,7 +97,7 @@ def hand_workload():
 def counters(model, scheme, max_batch_size):
     stats: list[str] = []
     config = make_config(engine={"batching_scheme": scheme, "max_batch_size": max_batch_size})
-    generate(hand_workload(), config, model=model, return_stats=stats.append)
+    generate_or_fail(hand_workload(), config, model=model, return_stats=stats.append)
     records = [json.loads(s) for s in stats]
     return {
         k: sum(r[k] for r in records)
@@ -136,7 +137,7 @@ def test_inflight_runs_context_and_generation_as_separate_forwards(tiny_model):
     with BatchManager(
         config, client.get_requests, client.send_response, return_stats=stats.append, model=tiny_model
     ):
-        assert client.wait(30)
+        client.wait_or_fail()
     mixed = [json.loads(s) for s in stats if '"Context Requests": 1' in s and '"Generation Requests": 1' in s]
     assert mixed and all(r["Forwards"] == 2 for r in mixed)
 
@@ -152,7 +153,7 @@ def test_inflight_runs_context_and_generation_as_separate_forwards(tiny_model):
 def test_custom_schedulers_named_in_the_config_run_and_keep_outputs(tiny_model, tiny_reference, engine):
     specs = random_prompts(seed=8, count=6, vocab=tiny_model.vocab_size, max_prompt=20, max_output=8)
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
-    results = generate(requests, make_config(engine=engine), model=tiny_model, check_integrity=True)
+    results = generate_or_fail(requests, make_config(engine=engine), model=tiny_model, check_integrity=True)
     for i, (p, m) in enumerate(specs):
         assert results[i].output_ids == hf_greedy(tiny_reference, p, m)
 

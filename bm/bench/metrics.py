@@ -178,28 +178,68 @@ ENGINE_KEYS = (
 )
 
 
+# Every per-iteration stats field engine_metrics reads, spelled as bm.engine.stats writes them.
+STATS_COLUMNS = (
+    "Scheduled Requests",
+    "Total Context Tokens",
+    "Total Generation Tokens",
+    "Computed Tokens",
+    "Padded Context Tokens",
+    "Empty Generation Slots",
+    "Max KV cache blocks",
+    "Used KV cache blocks",
+    "Iteration Latency (ms)",
+    "Paused Requests",
+    "Draft Steps",
+    "Draft Tokens",
+    "Accepted Draft Tokens",
+)
+
+
+class MissingStatsColumnError(KeyError):
+    """Per-iteration stats lack a field a metric is computed from.
+
+    Raised rather than counting the field as 0: a renamed or misspelt field would otherwise report a
+    plausible zero (no padding, no empty slots) instead of the truth.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]:
     """The batch manager's side, from the per-iteration stats: iterations, batch sizes, KV use, pauses.
 
     KV utilization is used blocks / max blocks per iteration (taken after allocation, so it is the
     iteration's peak). Tokens per iteration counts real context and generation tokens; computed tokens
-    adds what a scheme pays for nothing (V1's padding and empty generation slots)."""
+    adds what a scheme pays for nothing (V1's padding and empty generation slots). A run of no iterations
+    has no fields at all and gives zero totals; any other run must have every field in
+    :data:`STATS_COLUMNS`, else :class:`MissingStatsColumnError`."""
     paused = records["num_pauses"].astype(int) if len(records) else pd.Series(dtype=int)
     out: dict[str, Any] = {
         "num_iterations": len(stats),
         "num_paused_requests": int((paused > 0).sum()),
         "total_pauses": int(paused.sum()),
-        "total_computed_tokens": _total(stats, "Computed Tokens"),
-        "total_padded_context_tokens": _total(stats, "Padded Context Tokens"),
-        "total_empty_generation_slots": _total(stats, "Empty Generation Slots"),
-        **decoding_metrics(stats),
     }
     if not len(stats):
-        return out | dict.fromkeys(ENGINE_KEYS)
+        totals = dict.fromkeys(
+            ("total_computed_tokens", "total_padded_context_tokens", "total_empty_generation_slots"), 0
+        )
+        return out | totals | decoding_metrics(stats) | dict.fromkeys(ENGINE_KEYS)
+    missing = [c for c in STATS_COLUMNS if c not in stats.columns]
+    if missing:
+        raise MissingStatsColumnError(
+            f"the per-iteration stats have no field {', '.join(map(repr, missing))} "
+            f"(fields present: {', '.join(map(repr, stats.columns))}); they must come from the same bm "
+            "version as these metrics: re-run the benchmark to regenerate stats.jsonl"
+        )
     max_blocks = stats["Max KV cache blocks"]
     utilization = stats["Used KV cache blocks"] / max_blocks.where(max_blocks > 0)
     tokens = stats["Total Context Tokens"] + stats["Total Generation Tokens"]
     return out | {
+        "total_computed_tokens": int(stats["Computed Tokens"].sum()),
+        "total_padded_context_tokens": int(stats["Padded Context Tokens"].sum()),
+        "total_empty_generation_slots": int(stats["Empty Generation Slots"].sum()),
         "mean_requests_per_iteration": float(stats["Scheduled Requests"].mean()),
         "mean_tokens_per_iteration": float(tokens.mean()),
         "mean_computed_tokens_per_iteration": float(stats["Computed Tokens"].mean()),
@@ -207,6 +247,7 @@ def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]
         "max_kv_cache_utilization": float(utilization.max()),
         "mean_iteration_latency_ms": float(stats["Iteration Latency (ms)"].mean()),
         "max_paused_per_iteration": int(stats["Paused Requests"].max()),
+        **decoding_metrics(stats),
     }
 
 
@@ -226,4 +267,4 @@ def decoding_metrics(stats: pd.DataFrame) -> dict[str, Any]:
 
 
 def _total(stats: pd.DataFrame, column: str) -> int:
-    return int(stats[column].sum()) if column in stats else 0
+    return int(stats[column].sum()) if len(stats) else 0

@@ -17,7 +17,7 @@ from typing import Any
 
 from bm.cli.chat import jinja_renderer
 from bm.engine.request import Request
-from bm.workloads.jsonl import WORD_LISTS, ParsedLine, resolve_word_list
+from bm.workloads.jsonl import WORD_LISTS, ParsedLine, read_request_file, resolve_word_list
 from bm.workloads.request import RowError
 
 
@@ -93,6 +93,19 @@ def build_prompt_lines(
                 line.error = f"{entry.where}: {exc}"
         lines.append(line)
     return lines
+
+
+def read_prompt_lines(
+    path: Path,
+    encode: Callable[[str], list[int]] | None,
+    default_output_len: int,
+    default_end_id: int | None,
+    encode_word: Callable[[str], list[int]] | None = None,
+    vocab_size: int = 2**31 - 1,
+) -> list[PromptLine]:
+    """Read and build in one call, without a loaded model (the engine checks ids against its vocabulary)."""
+    codec = Codec(vocab_size=vocab_size, encode=encode, encode_word=encode_word)
+    return build_prompt_lines(read_request_file(path), codec, default_output_len, default_end_id)
 
 
 def _to_request(

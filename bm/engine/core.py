@@ -30,7 +30,7 @@ from bm.engine.executor import (
     Executor,
     WorkKind,
 )
-from bm.engine.limits import attention_window, max_seq_len
+from bm.engine.limits import max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
 from bm.engine.speculative import NgramConfig, SpecState, can_speculate, request_drafts
@@ -90,7 +90,9 @@ class EngineCore:
         self.max_seq_len = max_seq_len(config, model)
         self.max_num_active_requests = engine.max_num_active_requests or engine.max_batch_size
         num_blocks = executor.num_kv_blocks(kv_cfg, self.max_num_active_requests * self.max_seq_len)
-        self.attention_window = attention_window(config, model, self.max_seq_len)
+        layout = window_layout(config, model, self.max_seq_len)
+        # blocks are released behind a window only when every layer shares it (one table serves all layers)
+        self.attention_window = layout.uniform_window
         sinks = kv_cfg.sink_token_length if self.attention_window is not None else 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -107,6 +109,7 @@ class EngineCore:
                 min(self.max_seq_len, num_blocks * kv_cfg.tokens_per_block),
                 self.attention_window,
                 sinks,
+                layout if layout.is_mixed else None,
             )
         )
         self.scheduler = build_scheduler(engine, self.kv_cache_manager)

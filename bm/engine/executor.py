@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from bm.engine.request import LoraSpec
+from bm.kv.window_layout import AttentionWindowLayout
 from bm.scheduling.request import LlmRequest
 
 
@@ -91,6 +92,8 @@ class ModelLimits:
     max_position_embeddings: int | None = None
     sliding_window: int | None = None
     sliding_window_on_every_layer: bool = False
+    # the model's own window per layer index (None: full attention); empty when not known
+    layer_windows: tuple[int | None, ...] = ()
     hidden_size: int | None = None  # the embedding width, when the executor knows it
     weight_bytes: int = 4  # bytes of one LoRA weight value once loaded (the model's dtype)
 
@@ -104,6 +107,8 @@ class CacheLayout:
     max_seq_len: int
     max_attention_window: int | None = None
     sink_token_length: int = 0
+    # every layer's window, where they differ (then max_attention_window, the released-blocks window, is None)
+    window_layout: AttentionWindowLayout | None = None
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 The model runs one packed, unpadded sequence of tokens (``[1, T]``) that holds every scheduled request:
 context chunks and single generation tokens side by side. transformers computes the projections and
-rotary embeddings as usual and calls :func:`paged_attention_forward` once per layer with the batch
-metadata passed as a forward kwarg (``bm_attention``). That function writes the new keys and values into
+rotary embeddings as usual and calls :func:`paged_attention_forward` once per layer. The batch metadata
+does not travel as a forward kwarg: some decoder layers (stablelm's, for one) drop ``**kwargs`` before
+calling attention, so the runner sets it for the duration of each forward (:func:`batch_metadata`) and the
+attention function reads it from there. That function writes the new keys and values into
 the preallocated block tensors by slot mapping, then attends each sequence to its own blocks only.
 
 KV layout per layer: ``[2, num_kv_heads, num_blocks, tokens_per_block, head_dim]``. Gathering a
@@ -14,7 +16,9 @@ are never materialized.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +28,12 @@ from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "bm_paged"
 
-# Attention features some models pass per layer; bm's kernel does not implement them yet, so a model
-# using them must fail loudly instead of running with silently different attention. (A native sliding
-# window is honoured by the engine instead: see ModelRunner's attention window.)
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+# Attention features some models pass per layer that bm does not implement, so a model using them fails
+# loudly instead of running with silently different attention. (A native sliding window is honoured by
+# the runner instead, per layer: see ModelRunner; soft-capping and ALiBi are implemented below.)
+_UNSUPPORTED_KWARGS = {"sinks": "attention sinks passed as 'sinks'"}
+# Set on an attention module by an adapter (bm.runtime.adapters): per query head ALiBi slopes, float32.
+ALIBI_ATTR = "bm_alibi_slopes"
 
 
 class UnsupportedAttentionError(RuntimeError):
@@ -47,6 +53,9 @@ class PrefillSegment:
     # [L, keys] bool: keys are the gathered blocks' slots (prefix_len + L of them without a window), or
     # the chunk's own keys when nothing is gathered and the chunk is longer than the window.
     mask: torch.Tensor | None = None
+    # [keys] positions of the mask's keys, where they are not simply 0, 1, ... (windowed gathers); read
+    # only by ALiBi, whose bias depends on the distance between query and key.
+    key_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -57,6 +66,8 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [B * num_blocks] flattened, padded block tables
     num_blocks: int
     row_bias: torch.Tensor  # [B, num_blocks * tokens_per_block]: 0 where attended, -inf past the end
+    query_pos: torch.Tensor | None = None  # [B], for ALiBi
+    key_pos: torch.Tensor | None = None  # [B, num_blocks * tokens_per_block] where not 0, 1, ... (ALiBi)
 
 
 @dataclass
@@ -68,6 +79,7 @@ class NativeDecode:
     block_table: torch.Tensor  # [B, max_blocks] int64, rows padded with block 0 past their length
     lengths: torch.Tensor  # [B] int64: keys each query attends (its position + 1)
     max_len: int
+    window: int | None = None  # each query attends only its last ``window`` keys
 
 
 @dataclass
@@ -81,6 +93,30 @@ class AttentionMetadata:
     native_decode: NativeDecode | None = None  # instead of decode_groups, where the kernel is available
     scratch: torch.Tensor | None = None  # reusable gather buffer, sized for the largest decode group
     probe: dict[int, tuple[int, int]] | None = None  # set by probe_kv_shapes: record shapes, compute nothing
+    # Layers that attend differently from this metadata's layout (another attention window), by layer_idx.
+    layers: dict[int, AttentionMetadata] | None = None
+
+
+_current = threading.local()
+
+
+@contextmanager
+def batch_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` the metadata every paged attention call reads until the block exits.
+
+    Per thread, so two runners in two threads never see each other's batch; nested uses restore the outer.
+    """
+    previous = getattr(_current, "meta", None)
+    _current.meta = meta
+    try:
+        yield
+    finally:
+        _current.meta = previous
+
+
+def in_bm_forward() -> bool:
+    """Whether a bm forward is in progress on this thread (adapted modules otherwise run their own code)."""
+    return getattr(_current, "meta", None) is not None
 
 
 def paged_attention_forward(
@@ -93,21 +129,29 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata | None = kwargs.get("bm_attention")
+    meta: AttentionMetadata | None = getattr(_current, "meta", None)
     if meta is None:
         raise UnsupportedAttentionError(
-            "the model is set to bm's paged attention but was called without bm's batch metadata; "
-            "run it through bm.runtime.ModelRunner"
+            "bm's paged attention ran outside a bm forward: a model set to it runs only inside "
+            "ModelRunner.forward (the runner owns the KV cache it writes to)"
         )
-    for name in _UNSUPPORTED_KWARGS:
+    for name, feature in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedAttentionError(
-                f"this model uses attention feature {name!r}, not supported by bm yet"
+                f"this model uses {feature} ({name!r} in its attention call), which bm does not implement"
             )
     if meta.probe is not None:
         return _record_shape(module, query, key, value, meta.probe)
+    if meta.layers:
+        meta = meta.layers.get(module.layer_idx, meta)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    sinks = kwargs.get("s_aux")
+    extra = _Extras(
+        kwargs.get("softcap") or None,
+        getattr(module, ALIBI_ATTR, None),
+        None if sinks is None else sinks.detach().float().contiguous(),
+    )
 
     cache = meta.kv_caches[module.layer_idx]
     kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
@@ -119,13 +163,66 @@ def paged_attention_forward(
     num_heads, num_tokens, _ = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in meta.prefill:
-        _prefill(out, q, k, v, cache, seg, scaling)
+        _prefill(out, q, k, v, cache, seg, scaling, extra)
     for group in meta.decode_groups:
-        _decode(out, q, cache, group, scaling, meta.scratch)
+        _decode(out, q, cache, group, scaling, meta.scratch, extra)
     nd = meta.native_decode
     if nd is not None:
-        nd.kernel(out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling)
+        nd.kernel(
+            out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling,
+            extra.softcap, extra.alibi, nd.window, extra.sinks,
+        )  # fmt: skip
     return out.unsqueeze(0), None
+
+
+@dataclass(slots=True)
+class _Extras:
+    """Per-layer changes to the scores that a fused SDPA call cannot express."""
+
+    softcap: float | None  # Gemma 2: scores become softcap * tanh(scores / softcap)
+    alibi: torch.Tensor | None  # [heads] slopes: slope * (key - query) is added to each score
+    # [heads] float32: gpt-oss's learned sink logit per head, in the softmax's denominator only
+    sinks: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return self.softcap is not None or self.alibi is not None or self.sinks is not None
+
+
+NO_EXTRAS = _Extras(None, None)
+
+
+def _scores_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    extra: _Extras,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Attention with the scores written out, for soft-capping, ALiBi and sink logits.
+
+    ``q`` [kv_heads, B, group, L, d]; ``k``/``v`` [kv_heads, B, K, d]; ``allowed`` bool or additive
+    float, broadcastable to [B, L, K]; ``query_pos`` [B, L] and ``key_pos`` [B, K] for ALiBi.
+    """
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scaling  # [kv_heads, B, group, L, K]
+    if extra.softcap is not None:
+        scores = torch.tanh(scores / extra.softcap) * extra.softcap
+    if extra.alibi is not None:
+        slopes = extra.alibi.to(scores.dtype).view(q.shape[0], 1, q.shape[2], 1, 1)
+        distance = (key_pos[:, None, :] - query_pos[:, :, None]).to(scores.dtype)  # [B, L, K]
+        scores = scores + slopes * distance[None, :, None]
+    if allowed.dtype == torch.bool:
+        scores = scores.masked_fill(~allowed[None, :, None], float("-inf"))
+    else:
+        scores = scores + allowed[None, :, None]
+    if extra.sinks is None:
+        return torch.matmul(scores.softmax(-1), v.unsqueeze(2))  # [kv_heads, B, group, L, d]
+    # one extra logit per head that takes probability mass and contributes no value
+    sink = extra.sinks.to(scores.dtype).view(q.shape[0], 1, q.shape[2], 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.unsqueeze(2))
 
 
 def _prefill(
@@ -136,7 +233,11 @@ def _prefill(
     cache: torch.Tensor,
     seg: PrefillSegment,
     scaling: float,
+    extra: _Extras,
 ) -> None:
+    if extra:
+        _prefill_scores(out, q, k, v, cache, seg, scaling, extra)
+        return
     qs = q[None, :, seg.start : seg.end]
     if seg.block_ids is None:
         # A whole prompt in one chunk: its keys are right here, no need to read the cache.
@@ -157,6 +258,37 @@ def _prefill(
     out[seg.start : seg.end] = res[0].transpose(0, 1)
 
 
+def _prefill_scores(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    seg: PrefillSegment,
+    scaling: float,
+    extra: _Extras,
+) -> None:
+    kv_heads, head_dim = cache.shape[1], cache.shape[4]
+    length = seg.end - seg.start
+    dev = q.device
+    query_pos = torch.arange(seg.prefix_len, seg.prefix_len + length, device=dev)
+    if seg.block_ids is None:
+        ks, vs = k[:, seg.start : seg.end], v[:, seg.start : seg.end]
+        key_pos = query_pos
+        allowed = seg.mask if seg.mask is not None else key_pos[None, :] <= query_pos[:, None]
+    else:
+        blocks = cache.index_select(2, seg.block_ids)
+        kv = blocks.view(2, kv_heads, -1, head_dim)[:, :, : seg.mask.shape[-1]]
+        ks, vs = kv[0], kv[1]
+        key_pos = seg.key_pos if seg.key_pos is not None else torch.arange(ks.shape[1], device=dev)
+        allowed = seg.mask
+    qg = q[:, seg.start : seg.end].reshape(kv_heads, -1, length, head_dim)[:, None]  # [kvh, 1, g, L, d]
+    res = _scores_attention(
+        qg, ks[:, None], vs[:, None], allowed[None], scaling, extra, query_pos[None], key_pos[None]
+    )
+    out[seg.start : seg.end] = res[:, 0].reshape(-1, length, head_dim).transpose(0, 1)
+
+
 def _decode(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -164,6 +296,7 @@ def _decode(
     group: DecodeGroup,
     scaling: float,
     scratch: torch.Tensor | None,
+    extra: _Extras = NO_EXTRAS,
 ) -> None:
     kv_heads, _, block_size, head_dim = cache.shape[1:]
     num_heads = q.shape[0]
@@ -183,6 +316,22 @@ def _decode(
     values = torch.index_select(
         cache[1], 1, group.block_ids, out=scratch[numel : 2 * numel].view(shape) if use_scratch else None
     )
+    if extra:
+        key_pos = group.key_pos
+        if key_pos is None:
+            key_pos = torch.arange(length, device=q.device).expand(rows, length)
+        res = _scores_attention(
+            qg[:, :, :, None],  # one query per row: [kv_heads, B, group, 1, d]
+            keys.view(kv_heads, rows, length, head_dim),
+            values.view(kv_heads, rows, length, head_dim),
+            group.row_bias[:, None, :],
+            scaling,
+            extra,
+            group.query_pos[:, None],
+            key_pos,
+        )[:, :, :, 0]
+        out.index_copy_(0, group.token_index, res.permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim))
+        return
     # One fused kernel (scores never materialized) instead of baddbmm + softmax + bmm: about 1.5-2x
     # faster on CPU at decode shapes. The row bias masks each request's padding past its length.
     res = F.scaled_dot_product_attention(
@@ -225,23 +374,28 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     shapes the attention function receives are the truth. A model that never calls the registered
     function (one that bypasses ``AttentionInterface``) is refused here rather than run wrongly.
     """
+    from bm.runtime.adapters import adapt_attention_modules
+
     register()
+    adapt_attention_modules(model)
     model.set_attn_implementation(ATTENTION_NAME)
     device = next(model.parameters()).device
     zero = torch.zeros((1, 1), dtype=torch.long, device=device)
     shapes: dict[int, tuple[int, int]] = {}
     meta = AttentionMetadata(kv_caches=[], slot_mapping=zero[0], probe=shapes)
-    model(
-        input_ids=zero,
-        position_ids=zero,
-        use_cache=False,
-        logits_to_keep=torch.zeros(1, dtype=torch.long, device=device),
-        bm_attention=meta,
-    )
+    with batch_metadata(meta):
+        model(
+            input_ids=zero,
+            position_ids=zero,
+            use_cache=False,
+            logits_to_keep=torch.zeros(1, dtype=torch.long, device=device),
+        )
     if not shapes:
+        own = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        named = f" (its attention classes: {', '.join(own)})" if own else ""
         raise UnsupportedAttentionError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so bm cannot plug its paged attention into it"
+            f"{type(model).__name__} computes attention inline{named} instead of through transformers' "
+            "AttentionInterface, and bm has no adapter for it, so bm cannot plug its paged attention in"
         )
     return shapes
 

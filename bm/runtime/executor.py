@@ -42,6 +42,7 @@ class TorchExecutor:
             max_position_embeddings=model.max_position_embeddings,
             sliding_window=model.sliding_window,
             sliding_window_on_every_layer=model.sliding_window_on_every_layer,
+            layer_windows=model.layer_windows,
             hidden_size=model.model.get_input_embeddings().embedding_dim,
             weight_bytes=torch.empty((), dtype=model.dtype).element_size(),
         )
@@ -62,7 +63,7 @@ class TorchExecutor:
             layout.num_blocks,
             layout.tokens_per_block,
             layout.max_seq_len,
-            max_attention_window=layout.max_attention_window,
+            max_attention_window=layout.window_layout or layout.max_attention_window,
             sink_token_length=layout.sink_token_length,
         )
 

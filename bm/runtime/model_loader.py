@@ -40,6 +40,8 @@ class LoadedModel:
     sliding_window: int | None
     # False when only some layers slide (e.g. Qwen2's max_window_layers): one window cannot serve all.
     sliding_window_on_every_layer: bool = True
+    # The model's own window per layer index (None: full attention), from its layer_types.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -165,6 +167,13 @@ def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: st
         sliding = None
     if layer_types and "sliding_attention" not in layer_types:
         sliding = None
+    kv_shapes = probe_kv_shapes(model)
+    num_layers = max(kv_shapes) + 1
+    if layer_types:
+        windows = tuple(sliding if t == "sliding_attention" else None for t in layer_types[:num_layers])
+        windows += (None,) * (num_layers - len(windows))
+    else:
+        windows = (sliding,) * num_layers
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -174,9 +183,10 @@ def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: st
         vocab_size=config.vocab_size,
         max_position_embeddings=getattr(config, "max_position_embeddings", None),
         eos_token_id=eos,
-        kv_shapes=probe_kv_shapes(model),
+        kv_shapes=kv_shapes,
         sliding_window=sliding,
         sliding_window_on_every_layer=all(t == "sliding_attention" for t in layer_types),
+        layer_windows=windows,
     )
 
 

@@ -3,6 +3,8 @@
 The engine hands over :class:`Segment` values (tokens, their first position, the request's block table,
 whether to sample after the last token). The runner builds the packed inputs and the attention metadata
 once per forward, shares them with every layer, and returns logits only where a token will be sampled.
+Layers with different attention windows (Gemma 2/3, Qwen2's ``max_window_layers``) get one metadata per
+window, built by a :class:`_Layout` each.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from bm.kv import cdiv
+from bm.kv.window_layout import AttentionWindowLayout
 from bm.runtime.attention import (
     ATTENTION_NAME,
     AttentionMetadata,
     DecodeGroup,
     NativeDecode,
     PrefillSegment,
+    batch_metadata,
     register,
 )
 from bm.runtime.host_memory import tune_host_allocator
@@ -50,13 +54,25 @@ class ModelRunner:
         num_blocks: int,
         tokens_per_block: int,
         max_seq_len: int,
-        max_attention_window: int | None = None,
+        max_attention_window: int | Sequence[int | None] | AttentionWindowLayout | None = None,
         sink_token_length: int = 0,
     ) -> None:
-        """``max_attention_window``: a query at position p attends keys in (p - window, p] and the first
-        ``sink_token_length`` positions; blocks wholly outside may be gone (``NO_BLOCK`` in tables)."""
-        self.window = max_attention_window
-        self.sink = sink_token_length if max_attention_window is not None else 0
+        """``max_attention_window``: one window for every layer, one per layer (by layer index), or a
+        layout. A query at position p of a windowed layer attends keys in (p - window, p] and the first
+        ``sink_token_length`` positions; blocks wholly outside every layer's window may be gone
+        (``NO_BLOCK`` in tables)."""
+        num_layers = max(loaded.kv_shapes) + 1
+        if isinstance(max_attention_window, AttentionWindowLayout):
+            layout = max_attention_window
+        elif max_attention_window is None or isinstance(max_attention_window, int):
+            layout = AttentionWindowLayout((max_attention_window,) * num_layers, sink_token_length)
+        else:
+            layout = AttentionWindowLayout(tuple(max_attention_window), sink_token_length)
+        if len(layout.windows) < num_layers:
+            raise ValueError(
+                f"attention windows for {len(layout.windows)} layers; the model has {num_layers}"
+            )
+        self.layout = layout
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -73,18 +89,34 @@ class ModelRunner:
         widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
         group_tokens = max(DECODE_GROUP_TOKENS, cdiv(max_seq_len, tokens_per_block) * tokens_per_block)
         with torch.inference_mode():
-            self.kv_caches: list[torch.Tensor | None] = [None] * (max(loaded.kv_shapes) + 1)
+            self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 shape = (2, heads, num_blocks, tokens_per_block, dim)
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
             # keys and values of the largest decode group, gathered side by side
             self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
         # Decode attention reading blocks in place, where the compiled kernel exists and fits the cache;
-        # otherwise (and under an attention window) the gather-then-SDPA groups below.
+        # otherwise (and with attention sinks) the gather-then-SDPA groups of _Layout.
         kernel = paged_decode_kernel()
         caches = [c for c in self.kv_caches if c is not None]
         supported = kernel is not None and all(PagedDecodeKernel.supports(c) for c in caches)
         self.native_decode = kernel if supported else None
+        windows = [layout.windows[layer] for layer in sorted(loaded.kv_shapes)]
+        # one layout per distinct window, the first attention layer's first: its metadata is the default
+        self._layouts = {
+            w: _Layout(self, w, layout.sink_token_length if w is not None else 0)
+            for w in dict.fromkeys(windows)
+        }
+        default = windows[0]
+        self._other_layers = {
+            layer: layout.windows[layer] for layer in loaded.kv_shapes if layout.windows[layer] != default
+        }
+        self._default_window = default
+
+    @property
+    def window(self) -> int | None:
+        """The first attention layer's window (every layer's, unless the layout is mixed)."""
+        return self._default_window
 
     @torch.inference_mode()
     def forward(
@@ -99,13 +131,8 @@ class ModelRunner:
         inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
         if prompt_tables:
             inputs = {"inputs_embeds": self._embed(segments, input_ids, prompt_tables)}
-        out = self.model(
-            **inputs,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=sample_index,
-            bm_attention=meta,
-        )
+        with batch_metadata(meta):
+            out = self.model(**inputs, position_ids=positions, use_cache=False, logits_to_keep=sample_index)
         return out.logits[0].float()
 
     def _embed(
@@ -171,22 +198,59 @@ class ModelRunner:
             offset += n
 
         dev = self.device
-        meta = AttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefill=[self._prefill_segment(*p) for p in prefill],
-            scratch=self.scratch,
-        )
-        if self._native_decode_fits(decode_rows):
-            meta.native_decode = self._native_decode_rows(decode_rows)
-        else:
-            meta.decode_groups = self._decode_groups(decode_rows)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        by_window = {
+            w: layout.metadata(self.kv_caches, slot_mapping, self.scratch, prefill, decode_rows)
+            for w, layout in self._layouts.items()
+        }
+        meta = by_window[self._default_window]
+        if self._other_layers:
+            meta.layers = {layer: by_window[w] for layer, w in self._other_layers.items()}
         return (
             torch.tensor([ids], dtype=torch.long, device=dev),
             torch.tensor([positions], dtype=torch.long, device=dev),
             meta,
             torch.tensor(sample_index, dtype=torch.long, device=dev),
         )
+
+    # Kept for benchmarks/decode_attention.py: the default layout's decode metadata.
+    def _decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
+        return self._layouts[self._default_window]._decode_groups(rows)
+
+    def _native_decode_rows(self, rows: list[tuple[int, int, list[int]]]) -> NativeDecode:
+        return self._layouts[self._default_window]._native_decode_rows(rows)
+
+
+class _Layout:
+    """Builds the attention metadata of the layers sharing one attention window (None: full attention)."""
+
+    def __init__(self, runner: ModelRunner, window: int | None, sink: int) -> None:
+        self.window = window
+        self.sink = sink
+        self.tokens_per_block = runner.tokens_per_block
+        self.device = runner.device
+        self.dtype = runner.loaded.dtype
+        self.native_decode = runner.native_decode
+
+    def metadata(
+        self,
+        kv_caches: list[torch.Tensor | None],
+        slot_mapping: torch.Tensor,
+        scratch: torch.Tensor,
+        prefill: list[tuple[int, int, int, list[int]]],
+        decode_rows: list[tuple[int, int, list[int]]],
+    ) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            kv_caches=kv_caches,
+            slot_mapping=slot_mapping,
+            prefill=[self._prefill_segment(*p) for p in prefill],
+            scratch=scratch,
+        )
+        if self._native_decode_fits(decode_rows):
+            meta.native_decode = self._native_decode_rows(decode_rows)
+        else:
+            meta.decode_groups = self._decode_groups(decode_rows)
+        return meta
 
     def _prefill_segment(self, start: int, end: int, prefix: int, table: list[int]) -> PrefillSegment:
         ctx = prefix + (end - start)
@@ -233,7 +297,7 @@ class ModelRunner:
         logical = self._attended_blocks(prefix, ctx)
         blocks = torch.tensor([table[b] for b in logical], dtype=torch.long, device=dev)
         key_pos = self._key_positions(torch.tensor(logical, device=dev))
-        return PrefillSegment(start, end, prefix, blocks, self._window_mask(query_pos, key_pos))
+        return PrefillSegment(start, end, prefix, blocks, self._window_mask(query_pos, key_pos), key_pos)
 
     def _window_decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
         """Like :meth:`_decode_groups`, but each query reads only its sink and window blocks."""
@@ -260,12 +324,14 @@ class ModelRunner:
         key_pos = self._key_positions(torch.tensor(padded, device=dev))  # [B, num_blocks * bs]
         query_pos = torch.tensor([r[0][1] - 1 for r in rows], device=dev)[:, None]
         ok = self._attends(query_pos, key_pos)  # each row's query against its own keys
-        bias = torch.zeros(ok.shape, dtype=self.loaded.dtype, device=dev).masked_fill_(~ok, float("-inf"))
+        bias = torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill_(~ok, float("-inf"))
         return DecodeGroup(
             token_index=torch.tensor([r[0][0] for r in rows], dtype=torch.long, device=dev),
             block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
             num_blocks=num_blocks,
             row_bias=bias,
+            query_pos=query_pos[:, 0],
+            key_pos=key_pos,
         )
 
     # -- decode -----------------------------------------------------------------------------------------
@@ -273,7 +339,8 @@ class ModelRunner:
     def _native_decode_fits(self, rows: list[tuple[int, int, list[int]]]) -> bool:
         if self.native_decode is None or not rows:
             return False
-        return self.window is None or max(r[1] for r in rows) <= self.window
+        # The kernel honours a window on its own; sinks (keys kept before the window) it does not know.
+        return self.window is None or self.sink == 0 or max(r[1] for r in rows) <= self.window
 
     def _native_decode_rows(self, rows: list[tuple[int, int, list[int]]]) -> NativeDecode:
         bs = self.tokens_per_block
@@ -291,6 +358,7 @@ class ModelRunner:
             block_table=torch.tensor(table, dtype=torch.long, device=dev).view(len(rows), width),
             lengths=torch.tensor([r[1] for r in rows], dtype=torch.long, device=dev),
             max_len=max_len,
+            window=self.window,
         )
 
     def _decode_groups(self, rows: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
@@ -322,7 +390,7 @@ class ModelRunner:
             flat.extend(used)
             flat.extend([used[0]] * (num_blocks - len(used)))  # padding reads a valid block, then is masked
         lengths = torch.tensor([r[1] for r in rows], device=dev)
-        bias = torch.zeros(len(rows), num_blocks * bs, dtype=self.loaded.dtype, device=dev)
+        bias = torch.zeros(len(rows), num_blocks * bs, dtype=self.dtype, device=dev)
         bias.masked_fill_(
             torch.arange(num_blocks * bs, device=dev)[None, :] >= lengths[:, None], float("-inf")
         )
@@ -331,4 +399,5 @@ class ModelRunner:
             block_ids=torch.tensor(flat, dtype=torch.long, device=dev),
             num_blocks=num_blocks,
             row_bias=bias,
+            query_pos=lengths - 1,
         )

@@ -54,7 +54,7 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
-        fn.argtypes += [i64] * 8 + [ctypes.c_float, i64]
+        fn.argtypes += [i64] * 8 + [ctypes.c_float, ctypes.c_float, ptr, i64, ptr, i64]
         self._fn = fn
 
     @staticmethod
@@ -75,10 +75,18 @@ class PagedDecodeKernel:
         lengths: torch.Tensor,
         max_len: int,
         scaling: float,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``cache`` one layer's
         [2, kv_heads, num_blocks, block_size, d]; ``block_table`` [rows, max_blocks] int64; ``lengths``
-        [rows] int64 keys per row (its position + 1); ``token_index`` [rows] int64 rows of ``q``/``out``."""
+        [rows] int64 keys per row (its position + 1); ``token_index`` [rows] int64 rows of ``q``/``out``.
+        ``softcap``: scores become ``softcap * tanh(score / softcap)``; ``alibi_slopes`` [heads] float32:
+        ``slope * (key - query)`` is added to each score; ``window``: a row attends only its last
+        ``window`` keys (table entries before them are never read); ``sinks`` [heads] float32: one more
+        logit per head in the softmax's denominator (gpt-oss)."""
         if q.stride(2) != 1:
             q = q.contiguous()
         heads, _, head_dim = q.shape
@@ -95,6 +103,12 @@ class PagedDecodeKernel:
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError("paged decode kernel: index tensors must be contiguous int64")
         rows, max_blocks = block_table.shape
+        if alibi_slopes is not None and (
+            alibi_slopes.dtype != torch.float32
+            or alibi_slopes.shape != (heads,)
+            or not alibi_slopes.is_contiguous()
+        ):
+            raise ValueError(f"paged decode kernel: ALiBi slopes must be {heads} contiguous float32 values")
         status = self._fn(
             q.data_ptr(),
             q.stride(1),
@@ -114,6 +128,10 @@ class PagedDecodeKernel:
             head_dim,
             max_len,
             scaling,
+            softcap or 0.0,
+            alibi_slopes.data_ptr() if alibi_slopes is not None else None,
+            window or 0,
+            sinks.data_ptr() if sinks is not None else None,
             torch.get_num_threads(),
         )
         if status:

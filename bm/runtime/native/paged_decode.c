@@ -9,7 +9,9 @@
 
    Layout: k and v are one layer's [kv_heads, num_blocks, block_size, head_dim] halves of the cache; q is
    [tokens, heads, head_dim] with arbitrary token and head strides (unit stride within a head); out is a
-   contiguous [tokens, heads, head_dim]. Query head h reads kv head h / (heads / kv_heads). */
+   contiguous [tokens, heads, head_dim]. Query head h reads kv head h / (heads / kv_heads).
+   Per layer, optionally: Gemma 2's logit soft-capping, ALiBi slopes (bloom, mpt, falcon), gpt-oss's sink
+   logits, and a sliding window (a layer of a model whose layers attend different spans). */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -68,6 +70,10 @@ typedef struct {
     float *out; /* [tokens, heads, head_dim], contiguous */
     int64_t rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len;
     float scale;
+    float softcap;        /* > 0: scores become softcap * tanh(score / softcap) */
+    const float *alibi;   /* NULL, or one ALiBi slope per query head */
+    int64_t window;       /* > 0: each row attends only its last `window` keys */
+    const float *sinks;   /* NULL, or per query head a logit in the softmax's denominator only */
     int64_t first, last; /* work items [first, last) of this thread */
     int status;
 } job_t;
@@ -76,20 +82,24 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
     const int64_t g = a->heads / a->kv_heads, d = a->head_dim, bs = a->block_size;
     const int64_t row = item / a->kv_heads, kvh = item % a->kv_heads;
     const int64_t len = a->lengths[row], tok = a->token_index[row];
+    /* Under a window the row attends keys [first, len) only; blocks before it may be released and are
+       never read. `span` keys, scored at scores[h * span + (j - first)]. */
+    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0, span = len - first;
     const int64_t *table = a->block_table + row * a->max_blocks;
     const int64_t head_stride = a->num_blocks * bs * d;
     const float *kh = a->k + kvh * head_stride, *vh = a->v + kvh * head_stride;
     const float *q0 = a->q + tok * a->q_stride_token + kvh * g * a->q_stride_head;
 
-    for (int64_t j0 = 0, b = 0; j0 < len; j0 += bs, b++) {
+    for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
         const float *kb = kh + table[b] * bs * d;
         const int64_t n = len - j0 < bs ? len - j0 : bs;
-        int64_t o = 0;
+        float *sb = scores - first + j0; /* sb[h * span + o]: key j0 + o */
+        int64_t o = first > j0 ? first - j0 : 0;
 #if BM_AVX2
         if (d % 8 == 0)
             for (; o + 8 <= n; o += 8)
                 for (int64_t h = 0; h < g; h++)
-                    _mm256_storeu_ps(scores + h * len + j0 + o,
+                    _mm256_storeu_ps(sb + h * span + o,
                                      _mm256_mul_ps(dot8(q0 + h * a->q_stride_head, kb + o * d, d),
                                                    _mm256_set1_ps(a->scale)));
 #endif
@@ -99,20 +109,35 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
                 const float *qp = q0 + h * a->q_stride_head;
                 float s = 0.f;
                 for (int64_t i = 0; i < d; i++) s += qp[i] * kp[i];
-                scores[h * len + j0 + o] = s * a->scale;
+                sb[h * span + o] = s * a->scale;
+            }
+        }
+    }
+    if (a->softcap > 0.f || a->alibi) {
+        /* Gemma 2's logit soft-capping (cap * tanh(s / cap)), then ALiBi's linear bias
+           slope * (key - query): the query sits at len - 1. */
+        for (int64_t h = 0; h < g; h++) {
+            float *sh = scores + h * span;
+            if (a->softcap > 0.f)
+                for (int64_t j = 0; j < span; j++) sh[j] = a->softcap * tanhf(sh[j] / a->softcap);
+            if (a->alibi) {
+                const float slope = a->alibi[kvh * g + h];
+                for (int64_t j = 0; j < span; j++) sh[j] += slope * (float)(first + j - (len - 1));
             }
         }
     }
     for (int64_t h = 0; h < g; h++) {
-        float *sh = scores + h * len;
+        float *sh = scores + h * span;
         float m = sh[0];
-        for (int64_t j = 1; j < len; j++) m = sh[j] > m ? sh[j] : m;
-        float total = 0.f;
+        for (int64_t j = 1; j < span; j++) m = sh[j] > m ? sh[j] : m;
+        const float sink = a->sinks ? a->sinks[kvh * g + h] : -INFINITY;
+        m = sink > m ? sink : m;
+        float total = a->sinks ? expf(sink - m) : 0.f;
         int64_t j = 0;
 #if BM_AVX2
         __m256 tot8 = _mm256_setzero_ps();
         const __m256 m8 = _mm256_set1_ps(m);
-        for (; j + 8 <= len; j += 8) {
+        for (; j + 8 <= span; j += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m8));
             _mm256_storeu_ps(sh + j, e);
             tot8 = _mm256_add_ps(tot8, e);
@@ -121,18 +146,19 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         _mm256_storeu_ps(lanes, tot8);
         for (int l = 0; l < 8; l++) total += lanes[l];
 #endif
-        for (; j < len; j++) { sh[j] = expf(sh[j] - m); total += sh[j]; }
+        for (; j < span; j++) { sh[j] = expf(sh[j] - m); total += sh[j]; }
         const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; j++) sh[j] *= inv;
+        for (int64_t j = 0; j < span; j++) sh[j] *= inv;
         for (int64_t i = 0; i < d; i++) acc[h * d + i] = 0.f;
     }
-    for (int64_t j0 = 0, b = 0; j0 < len; j0 += bs, b++) {
+    for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
         const float *vb = vh + table[b] * bs * d;
         const int64_t n = len - j0 < bs ? len - j0 : bs;
-        for (int64_t o = 0; o < n; o++) {
+        const float *sb = scores - first + j0;
+        for (int64_t o = first > j0 ? first - j0 : 0; o < n; o++) {
             const float *vp = vb + o * d;
             for (int64_t h = 0; h < g; h++) {
-                const float w = scores[h * len + j0 + o];
+                const float w = sb[h * span + o];
                 float *ah = acc + h * d;
                 for (int64_t i = 0; i < d; i++) ah[i] += w * vp[i];
             }
@@ -162,13 +188,14 @@ int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride
                         const int64_t *block_table, const int64_t *lengths, float *out,
                         int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
                         int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
-                        float scale, int64_t threads) {
+                        float scale, float softcap, const float *alibi, int64_t window,
+                        const float *sinks, int64_t threads) {
     const int64_t items = rows * kv_heads;
     if (threads > items) threads = items;
     if (threads < 1) threads = 1;
     const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
                        rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                       scale, 0, items, 0};
+                       scale, softcap, alibi, window, sinks, 0, items, 0};
 #ifdef BM_OPENMP
     /* torch's own OpenMP runtime (bm links this file against the copy torch loaded): its worker threads
        are still spinning from the last torch op, so they take these items at once instead of competing

@@ -1,0 +1,155 @@
+"""Route attention of models with their own attention classes through bm's paged attention.
+
+Most transformers models call the function registered in ``AttentionInterface``; bloom, mpt, falcon,
+gptj and codegen compute attention inline in their attention modules. For those, the module's
+projections, head splitting and rotary embeddings stay theirs; only the attention itself (scores,
+mask, softmax, values) is handed to :func:`bm.runtime.attention.paged_attention_forward`, with ALiBi
+slopes attached to the module where the model biases scores by distance.
+
+An adapted module runs its original code whenever no bm forward is in progress, so a copy of the model
+(the tests' HF reference, for one) still computes attention as transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bm.runtime.attention import ALIBI_ATTR, in_bm_forward, paged_attention_forward
+
+_ADAPTED_FLAG = "_bm_adapted"
+
+
+def _paged(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+    """``q`` [1, heads, T, d], ``k``/``v`` [1, kv_heads, T, d] -> [1, T, heads, d]."""
+    out, _ = paged_attention_forward(module, q, k, v, None, scaling=scaling)
+    return out
+
+
+def _bloom_slopes(heads: int) -> torch.Tensor:
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    return _get_alibi_slopes(heads, torch.device("cpu")).float()
+
+
+def _mpt_slopes(heads: int, alibi_bias_max: float) -> torch.Tensor:
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    # MPT's bias at key j for the last query is slope * (j - last): two positions give -slope.
+    return -build_mpt_alibi_tensor(heads, 2, alibi_bias_max)[:, 0, 0].float()
+
+
+def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs):
+    from transformers.models.bloom.modeling_bloom import dropout_add
+
+    if not in_bm_forward():
+        return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past, **kwargs)
+    q, k, v = self._reshape(self.query_key_value(hidden_states))  # [1, heads, T, d] each
+    out = _paged(self, q, k, v, self.inv_norm_factor)
+    out = self.dense(out.reshape(out.shape[0], out.shape[1], -1))
+    return dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+
+def _mpt_forward(self, hidden_states, position_bias, past_key_values=None, attention_mask=None, **kwargs):
+    if not in_bm_forward():
+        return type(self).forward(
+            self, hidden_states, position_bias, past_key_values, attention_mask, **kwargs
+        )
+    batch, length = hidden_states.shape[:2]
+    qkv = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    q, k, v = (x.reshape(batch, length, self.n_heads, self.head_dim).transpose(1, 2) for x in qkv.chunk(3, 2))
+    out = _paged(self, q, k, v, self.softmax_scale)
+    return self.out_proj(out.reshape(batch, length, -1)), None
+
+
+def _falcon_forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, **kwargs):
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    if not in_bm_forward():
+        return type(self).forward(
+            self, hidden_states, alibi, attention_mask, position_ids, layer_past, **kwargs
+        )
+    batch, length, _ = hidden_states.shape
+    fused = self.query_key_value(hidden_states)
+    d = self.head_dim
+    if self.new_decoder_architecture:  # grouped: per kv head, its query heads then one key and one value
+        qkv = fused.view(batch, length, -1, self.num_heads // self.num_kv_heads + 2, d)
+        q = qkv[:, :, :, :-2].flatten(2, 3)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    else:
+        q, k, v = self._split_heads(fused)  # multi-query: one key and value head
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [1, heads, T, d]
+    if alibi is None:
+        cos, sin = kwargs["position_embeddings"]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    out = _paged(self, q, k, v, self.inv_norm_factor)
+    return self.dense(out.reshape(batch, length, -1)), None
+
+
+def _rotary_attn(self, query, key, value, attention_mask=None, *args):
+    """gptj/codegen: ``_attn`` receives rotated [1, heads, T, d] queries and keys; return its shape."""
+    if not in_bm_forward():
+        return type(self)._attn(self, query, key, value, attention_mask, *args)
+    out = _paged(self, query, key, value, 1.0 / float(self.scale_attn))
+    return out.transpose(1, 2), None
+
+
+def _falcon_slopes(module: torch.nn.Module, config: Any) -> torch.Tensor | None:
+    # Falcon adds the bias before scaling: (q.k + alibi) * inv_norm, so its slopes are scaled too.
+    return _bloom_slopes(module.num_heads) * module.inv_norm_factor if config.alibi else None
+
+
+# attention class name -> (method replaced, replacement, ALiBi slopes for a module or None)
+_ADAPTERS: dict[str, tuple[str, Callable, Callable[[torch.nn.Module, Any], torch.Tensor | None]]] = {
+    "BloomAttention": ("forward", _bloom_forward, lambda m, c: _bloom_slopes(m.num_heads)),
+    "MptAttention": (
+        "forward",
+        _mpt_forward,
+        lambda m, c: _mpt_slopes(m.n_heads, c.attn_config.alibi_bias_max) if c.attn_config.alibi else None,
+    ),
+    "FalconAttention": ("forward", _falcon_forward, _falcon_slopes),
+    "GPTJAttention": ("_attn", _rotary_attn, lambda m, c: None),
+    "CodeGenAttention": ("_attn", _rotary_attn, lambda m, c: None),
+}
+
+
+def adapt_attention_modules(model: torch.nn.Module) -> int:
+    """Adapt every attention module bm knows to take over; returns how many were adapted.
+
+    Idempotent. The replacement is an instance attribute wrapping the class's own method, so the class
+    (shared with any other copy of the model) is left alone.
+    """
+    config = model.config.get_text_config()
+    count = 0
+    for module in model.modules():
+        spec = _ADAPTERS.get(type(module).__name__)
+        if spec is None or getattr(module, _ADAPTED_FLAG, False):
+            continue
+        name, fn, slopes = spec
+        setattr(module, name, _Bound(fn, module))
+        alibi = slopes(module, config)
+        if alibi is not None:
+            setattr(module, ALIBI_ATTR, alibi.to(next(model.parameters()).device))
+        setattr(module, _ADAPTED_FLAG, True)
+        count += 1
+    return count
+
+
+class _Bound:
+    """A method bound to its module by reference, that ``copy.deepcopy`` re-binds to the copy."""
+
+    def __init__(self, fn: Callable, module: torch.nn.Module) -> None:
+        self.fn = fn
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Bound:
+        import copy
+
+        return _Bound(self.fn, copy.deepcopy(self.module, memo))

@@ -1,0 +1,90 @@
+"""Bounded waits on the batch manager, so a hang fails fast and names the requests that are stuck.
+
+A scheduling bug usually shows up as a request that is never scheduled, and the engine then waits for
+it forever. A test that waited minutes for that would be slow to report and would say nothing about
+which request was starved; these helpers give up after a few seconds (the tiny model finishes every
+workload in the suite well within them) and list the unfinished request ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+
+from bm.config import BmConfig
+from bm.engine import EngineLoop, InferenceRequest, OfflineClient
+from bm.engine.executor import Executor
+from bm.engine.offline import RequestResult
+from bm.engine.request import Request
+from bm.scheduling import FinishReason
+
+# Seconds to wait for a workload on the tiny model. The largest in the suite takes about 1.4 s on one
+# core (HF reference included); 10 s leaves room for a loaded 2-core CI runner and still fails fast.
+ENGINE_WAIT_S = 10.0
+
+
+def unfinished(client: OfflineClient, request_ids: Iterable[int]) -> list[int]:
+    """Ids among ``request_ids`` that have no final response yet."""
+    done = {rid for rid, r in client.results.items() if r.finish_reason != FinishReason.NOT_FINISHED}
+    return sorted(set(request_ids) - done)
+
+
+def wait_or_fail(client: OfflineClient, request_ids: Iterable[int], timeout: float = ENGINE_WAIT_S) -> None:
+    """Wait for every final response; on timeout fail the test naming the stuck requests."""
+    ids = list(request_ids)
+    if not client.wait(timeout):
+        stuck = unfinished(client, ids)
+        pytest.fail(
+            f"requests {stuck} got no final response within {timeout} s "
+            f"({len(ids) - len(stuck)} of {len(ids)} finished): the engine is stuck or starving them",
+            pytrace=False,
+        )
+
+
+def generate_or_fail(
+    requests: Iterable[Request | InferenceRequest],
+    config: BmConfig,
+    *,
+    model: Any = None,
+    executor: Executor | None = None,
+    return_stats: Callable[[str], None] | None = None,
+    check_integrity: bool = False,
+    timeout: float = ENGINE_WAIT_S,
+) -> dict[int, RequestResult]:
+    """:func:`bm.engine.generate`, but a hang fails within ``timeout`` naming the unfinished requests."""
+    requests = list(requests)
+    client = OfflineClient(requests)
+    with EngineLoop(
+        config,
+        client.get_requests,
+        client.send_response,
+        return_stats=return_stats,
+        model=model,
+        executor=executor,
+        check_integrity=check_integrity,
+    ) as manager:
+        if not client.wait(timeout):
+            stuck = unfinished(client, (r.request_id for r in requests))
+            manager.shutdown(cancel=True)
+            pytest.fail(
+                f"requests {stuck} got no final response within {timeout} s: "
+                "the engine is stuck or starving them",
+                pytrace=False,
+            )
+    if manager.error is not None:
+        raise RuntimeError(f"the batch manager failed: {manager.error}") from manager.error
+    return client.results
+
+
+def wait_until(
+    condition: Callable[[], bool], what: Callable[[], str], timeout: float = ENGINE_WAIT_S
+) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` s with ``what()`` describing the state."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not reached within {timeout} s: {what()}", pytrace=False)
+        time.sleep(0.005)

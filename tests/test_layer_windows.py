@@ -1,0 +1,90 @@
+"""Per-layer attention windows: models whose layers attend different spans (Gemma 2/3, Qwen2's
+max_window_layers) run sequences past their window, each layer within its own, equal to HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bm.config import ConfigError, config_from_dict
+from bm.engine import InferenceRequest, generate
+from bm.kv.window_layout import AttentionWindowLayout
+from bm.runtime.model_loader import describe_model
+from tests.conftest import hf_greedy, make_config, reference_model
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, initializer_range=0.2)  # fmt: skip
+
+
+def build(model_type: str, **extra):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL, **extra)).eval()
+    return describe_model(model, None, model_type)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """Gemma 3's layout: five sliding layers (window 32) for every full one."""
+    loaded = build("gemma3_text", num_hidden_layers=6, head_dim=16, sliding_window=32)
+    return loaded, reference_model(loaded)
+
+
+def test_gemma3_layout_is_read_per_layer(gemma3):
+    loaded, _ = gemma3
+    assert loaded.layer_windows == (32, 32, 32, 32, 32, None)
+
+
+def test_gemma3_requests_ten_windows_long_match_hf(gemma3):
+    """300-token requests on a 32-token window: windowed layers attend 32 keys, the full one all."""
+    loaded, ref = gemma3
+    g = torch.Generator().manual_seed(8)
+    specs = [
+        (torch.randint(3, 300, (n,), generator=g).tolist(), m) for n, m in ((290, 10), (200, 100), (40, 12))
+    ]
+    results = generate(
+        [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
+        make_config(
+            engine={"enable_chunked_context": True, "max_num_tokens": 96}, kv_cache={"tokens_per_block": 16}
+        ),
+        model=loaded,
+        check_integrity=True,
+    )
+    for i, (prompt, max_new) in enumerate(specs):
+        assert results[i].error == ""
+        assert results[i].output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
+
+
+def test_qwen2_max_window_layers_runs_past_the_window():
+    """Qwen2 slides only on layers from max_window_layers up: a sequence longer than the window runs."""
+    loaded = build(
+        "qwen2", num_hidden_layers=2, sliding_window=24, use_sliding_window=True, max_window_layers=1
+    )
+    assert loaded.layer_windows == (None, 24)
+    ref = reference_model(loaded)
+    g = torch.Generator().manual_seed(9)
+    specs = [(torch.randint(3, 300, (n,), generator=g).tolist(), m) for n, m in ((40, 20), (10, 50))]
+    results = generate(
+        [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)], make_config(), model=loaded
+    )
+    for i, (prompt, max_new) in enumerate(specs):
+        assert results[i].error == ""
+        assert results[i].output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
+
+
+def test_configured_windows_narrow_the_models_per_layer_and_repeat_over_layers():
+    layout = AttentionWindowLayout.build((32, 32, None, 32), max_attention_window=[16, 64])
+    assert layout.windows == (16, 32, 16, 32)
+    assert AttentionWindowLayout.build((None, None), 8).uniform_window == 8
+    mixed = AttentionWindowLayout.build((32, None), None, max_seq_len=512)
+    assert mixed.is_mixed and mixed.uniform_window is None
+    assert AttentionWindowLayout.build((600, None), None, max_seq_len=512).windows == (None, None)
+
+
+def test_a_list_of_windows_is_accepted_and_each_entry_validated():
+    cfg = config_from_dict({"kv_cache": {"max_attention_window": [32, 32, 4096]}})
+    assert cfg.kv_cache.max_attention_window == [32, 32, 4096]
+    with pytest.raises(ConfigError, match=r"kv_cache\.max_attention_window\[1\]: must be >= 1"):
+        config_from_dict({"kv_cache": {"max_attention_window": [32, 0]}})
+    with pytest.raises(ConfigError, match=r"kv_cache\.max_attention_window: an empty list"):
+        config_from_dict({"kv_cache": {"max_attention_window": []}})

@@ -1,0 +1,65 @@
+"""Every entry of the model matrix (tests/model_matrix.py) matches HF generate() or is refused by name,
+and the README's table is the one the matrix renders."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bm.engine import BatchManager, InferenceRequest
+from bm.runtime import UnsupportedAttentionError
+from bm.runtime.model_loader import describe_model
+from tests.clients import StaggeredClient
+from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.model_matrix import MATRIX, README, Entry, readme_table, render_table
+
+
+def build(entry: Entry) -> torch.nn.Module:
+    kwargs = {k: v for k, v in entry.hf_config().items() if v is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(entry.model_type, **kwargs)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=[e.name for e in MATRIX])
+def test_architecture_matches_hf_generate_or_is_refused_by_feature(entry: Entry):
+    """Mixed prompt lengths, requests joining mid-generation, prompts chunked over iterations: each
+    request's greedy output equals HF generate() on it alone."""
+    model = build(entry)
+    if entry.refused:
+        with pytest.raises(UnsupportedAttentionError, match=entry.refused):
+            describe_model(model, None, entry.name)
+        return
+    loaded = describe_model(model, None, entry.name)
+    ref = reference_model(loaded)
+    specs = random_prompts(seed=3, count=6, vocab=300, max_prompt=28, max_output=8)
+    requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
+    client = StaggeredClient(requests, per_iteration=2)
+    config = make_config(
+        engine={"max_batch_size": 4, "max_num_tokens": 16, "enable_chunked_context": True},
+        kv_cache={"tokens_per_block": 4},
+    )
+    with BatchManager(config, client.get_requests, client.send_response, model=loaded, check_integrity=True):
+        assert client.wait(120)
+    for i, (prompt, max_new) in enumerate(specs):
+        assert client.results[i].error == "", f"{entry.name} request {i}"
+        assert client.results[i].output_ids == hf_greedy(ref, prompt, max_new), f"{entry.name} request {i}"
+
+
+def test_matrix_has_25_architectures_and_few_refusals():
+    types = {e.model_type for e in MATRIX}
+    matched = {e.model_type for e in MATRIX if not e.refused}
+    assert len(types) >= 25 and len(matched) >= 23
+
+
+def test_readme_model_table_is_the_one_the_matrix_renders():
+    table = readme_table(README.read_text())
+    assert table is not None, "README.md lost its model matrix markers"
+    assert table == render_table(), (
+        "README's model matrix is stale: run `python -m tests.model_matrix --write`"
+    )
