@@ -194,8 +194,9 @@ def test_compare_takes_every_dataset_and_arrival_flag_of_bench():
     from bm.cli.compare import compare as compare_command
 
     # compare's --schemes / --policies take the place of the first two; --overwrite guards bench's results
-    # directory, which compare does not share
-    bench_only = {"scheme", "policy", "overwrite"}
+    # directory, which compare does not share; compare runs its variants one after another in one
+    # process on one loaded model, so multi-rank runs (--data-parallel, --rank-timeout) are bench's alone
+    bench_only = {"scheme", "policy", "overwrite", "data_parallel", "rank_timeout"}
     missing = set(inspect.signature(bench).parameters) - set(inspect.signature(compare_command).parameters)
     assert missing == bench_only
 

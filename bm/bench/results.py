@@ -16,6 +16,7 @@ from typing import Any
 
 import bm
 from bm.bench.runner import BenchResult
+from bm.distributed import parallel_info
 
 
 def results_document(result: BenchResult) -> dict[str, Any]:
@@ -39,6 +40,7 @@ def results_document(result: BenchResult) -> dict[str, Any]:
             "interrupted": result.interrupted,
             "config": result.config.to_dict(),
             "runtime": result.runtime,
+            "parallel": parallel_info(),
             **result.metrics,
         }
     )

@@ -21,6 +21,7 @@ import pandas as pd
 from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, request_record, run_metrics
 from bm.bench.replayer import Replayer
 from bm.config import BmConfig
+from bm.distributed.engine import engine_loop
 from bm.engine import EngineLoop, Request, Response
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
@@ -127,7 +128,7 @@ def run_bench(
     router = _Router()
     stats_lines: list[str] = []
     interrupted = False
-    manager = EngineLoop(
+    manager = engine_loop(
         config, router.get_requests, router.send_response, return_stats=router.return_stats, model=model
     )
     try:

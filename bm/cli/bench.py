@@ -136,7 +136,7 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN)),
     "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
     "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row (h100-sxm, h200, b200, a100-80gb, l40s, mi300x, cpu-local).", rich_help_panel=SIM)),
-    "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="sim: devices the model is split over (default 1).", rich_help_panel=SIM)),
+    "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="Devices the model is split over (default 1): simulated under engine.executor=sim; in bm bench on torch, real ranks (tp_plan='auto', needs --model).", rich_help_panel=SIM)),
 }  # fmt: skip
 
 
@@ -166,22 +166,34 @@ def bench(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
+    data_parallel: int | None = typer.Option(None, "--data-parallel", help="Run N engine replicas as processes (torch.distributed); requests go to the least loaded.", rich_help_panel=MODEL),
+    rank_timeout: float = typer.Option(300.0, "--rank-timeout", help="Seconds a rank may stay silent before the run ends with an error.", rich_help_panel=MODEL),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
     latency (vllm bench serve's metric names) and the batch manager's figures."""
     from bm.cli.outdir import BENCH_FILES, OutDirError, prepare_out_dir
+    from bm.distributed.cli import end_ranks, start_ranks
 
     flags = {**locals(), **shared}
     try:
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
+    except ConfigError as exc:
+        raise _fail(Console(stderr=True), str(exc)) from None
+    console = Console(stderr=cfg.bench.json_output)
+    # --tensor-parallel (shared with compare) splits the simulated model under engine.executor=sim; under
+    # the torch executor bm bench splits the real one over that many ranks. Ranks other than 0 serve the
+    # run from here and exit: they touch no output file.
+    tensor_parallel = 1 if cfg.engine.executor == "sim" else (shared["tensor_parallel"] or 1)
+    multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
+    try:
         out = Path(cfg.bench.out_dir or Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S"))
         prepare_out_dir(out, resume=False, overwrite=overwrite, files=BENCH_FILES)
         cfg.bench.out_dir = str(out)
     except (ConfigError, OutDirError) as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
-    console = Console(stderr=cfg.bench.json_output)
     code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output), plot=plot)
+    end_ranks(console, multi_rank)
     if code:
         raise typer.Exit(code=code)
 

@@ -39,6 +39,9 @@ def _root(
 
 
 CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys below)."
+DP_HELP = "Run N engine replicas as processes (torch.distributed, gloo); requests go to the least loaded."
+TP_HELP = "Shard the model over N ranks per replica (transformers tp_plan='auto'; needs --model)."
+RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
 SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeatable)."
 
 
@@ -88,6 +91,9 @@ def run(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     show: bool = typer.Option(False, "--show", help="Print every answer (id and text) after the run."),
+    data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help=TP_HELP),
+    rank_timeout: float = typer.Option(300.0, "--rank-timeout", help=RANK_TIMEOUT_HELP),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
     with Interrupts() as interrupts:  # from the start: a Ctrl-C while torch loads shows no traceback
@@ -108,13 +114,20 @@ def _run(
     overwrite: bool,
     quiet: bool,
     show: bool,
+    data_parallel: int | None,
+    tensor_parallel: int,
+    rank_timeout: float,
     interrupts: Any,
 ) -> None:
+    from bm.distributed.cli import end_ranks, start_ranks
+
     console = Console(stderr=False)
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
         _check_input_file(prompts)
         cfg = build_config(config, set_, model, model_config)
+        # Ranks other than 0 serve the run from here and exit: they touch no output file.
+        multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
         template = _read_template(chat_template)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
         _prepare_out_dir(out, resume, overwrite, prompts)
@@ -150,6 +163,7 @@ def _run(
         console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
     if summary.num_failed:
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
+    end_ranks(console, multi_rank)
     if summary.interrupted:
         raise typer.Exit(code=130)
 

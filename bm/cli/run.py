@@ -27,7 +27,9 @@ from bm.cli.outdir import read_final_records, write_run_identity
 from bm.cli.prompts import PromptLine, build_prompt_lines, codec_for
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.engine import EngineLoop, OfflineClient, Request, RequestResult
+from bm.distributed import parallel_info
+from bm.distributed.engine import engine_loop
+from bm.engine import OfflineClient, Request, RequestResult
 from bm.runtime import LoadedModel, load_model
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
@@ -202,7 +204,7 @@ def run_prompts(
         feeder = _Feeder([line.request for line in valid])  # type: ignore[misc]
         client = OfflineClient([], on_final=finished.put)
         started = time.perf_counter()
-        manager = EngineLoop(
+        manager = engine_loop(
             config, feeder.get_requests, client.send_response, return_stats=stats.write, model=loaded
         )
         written: set[int] = set()
@@ -274,6 +276,7 @@ def run_prompts(
                 "model": loaded.name,
                 "config": config.to_dict(),
                 "runtime": runtime_info(loaded.device, loaded.dtype),
+                "parallel": parallel_info(),
                 **asdict(summary),
                 "output_tokens_per_s": summary.output_tokens_per_s,
                 "total_tokens_per_s": summary.total_tokens_per_s,

@@ -75,7 +75,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.path {cfg.path!r} is not a checkpoint directory (no config.json)")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            tp_kwargs = _tensor_parallel_kwargs(path)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, **tp_kwargs
+            )
+            model = _shard_replica(model, tp_kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
         tokenizer = _try_tokenizer(cfg.tokenizer or str(path))
@@ -95,6 +99,27 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
     return describe_model(model, tokenizer, name)
+
+
+def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
+    """Under ``--tensor-parallel N`` each rank loads only its shard, by the model's own tp_plan."""
+    from bm.distributed.layout import current_layout
+    from bm.distributed.tensor_parallel import distributed_config
+
+    layout = current_layout()
+    if layout.tensor_parallel == 1:
+        return {}
+    config = distributed_config(path, layout)
+    return {} if config is None else {"distributed_config": config}
+
+
+def _shard_replica(model: torch.nn.Module, tp_kwargs: dict[str, Any]) -> torch.nn.Module:
+    """With several replicas, the shards are split after loading (see bm.distributed.tensor_parallel)."""
+    from bm.distributed.layout import current_layout
+    from bm.distributed.tensor_parallel import shard_replica
+
+    layout = current_layout()
+    return model if layout.tensor_parallel == 1 or tp_kwargs else shard_replica(model, layout)
 
 
 def _config_from_file(path_text: str) -> PretrainedConfig:
