@@ -255,7 +255,7 @@ MUTANTS: list[Mutant] = [
     # -- bm/kv ----------------------------------------------------------------------------------------------
     Mutant(
         "kv-cdiv-floor",
-        KVM,
+        "bm/kv/types.py",
         "return -(-a // b)",
         "return a // b",
         KV,

@@ -2,16 +2,9 @@
 
 from bm.kv.block_hash import BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, OutOfBlocksError
-from bm.kv.manager import (
-    NO_MATCH,
-    KVCacheManager,
-    KVRequest,
-    PrefixMatch,
-    PreparedResources,
-    ResourcePlan,
-    cdiv,
-)
+from bm.kv.manager import KVCacheManager
 from bm.kv.tables import NO_BLOCK, RequestBlocks
+from bm.kv.types import NO_MATCH, KVRequest, PrefixMatch, PreparedResources, ResourcePlan, cdiv
 
 __all__ = [
     "NO_BLOCK",

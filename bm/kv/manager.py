@@ -16,82 +16,18 @@ Two optional behaviours live here too:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from bm.kv.block_hash import ROOT_HASH, BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, require
 from bm.kv.tables import NO_BLOCK, RequestBlocks
-
-
-class KVRequest(Protocol):
-    """What the manager needs to know of a request (the scheduler's ``LlmRequest`` satisfies it)."""
-
-    @property
-    def request_id(self) -> int: ...
-
-    @property
-    def num_tokens_at_completion(self) -> int:
-        """Prompt plus the most tokens it may still generate: the cache footprint at its end."""
-        ...
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus the tokens generated so far (what a context phase computes)."""
-        ...
-
-    @property
-    def is_generation_phase(self) -> bool: ...
-
-    def token_slice(self, start: int, end: int) -> list[int]: ...
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Cached blocks a request starting now could take, in order from its first block."""
-
-    block_ids: tuple[int, ...] = ()
-    keys: tuple[BlockKey, ...] = ()
-    num_tokens: int = 0
-    # Of the matched blocks, those unreferenced now: taking them uses up reclaimable space.
-    num_cached: int = 0
-    # Blocks of the request's context that were looked up and had to be computed.
-    num_missed_blocks: int = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    def cost(self, num_blocks_needed: int) -> int:
-        """Free-pool blocks a request needing ``num_blocks_needed`` blocks uses up when it takes this match."""
-        return max(0, num_blocks_needed - self.num_blocks) + self.num_cached
-
-
-NO_MATCH = PrefixMatch()
-
-
-@dataclass
-class ResourcePlan:
-    """What one iteration needs of the cache, in the order :meth:`KVCacheManager.prepare_resources` applies
-    it: paused requests give everything back, starting requests take their cached prefix, then tables grow.
-    """
-
-    release: list[int] = field(default_factory=list)
-    starts: list[tuple[KVRequest, PrefixMatch]] = field(default_factory=list)
-    grow: list[tuple[int, int]] = field(default_factory=list)  # (request id, tokens each table holds)
-    pad: list[tuple[int, int]] = field(default_factory=list)  # V1: (request id, pad tokens held)
-
-
-@dataclass
-class PreparedResources:
-    """What :meth:`KVCacheManager.prepare_resources` did that the caller must know."""
-
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks to copy
-    reused_tokens: dict[int, int] = field(default_factory=dict)  # request id -> tokens taken from cache
+from bm.kv.types import (
+    NO_MATCH,
+    KVRequest,
+    PrefixMatch,
+    PreparedResources,
+    ResourcePlan,
+    cdiv,
+)
 
 
 class KVCacheManager:
