@@ -97,3 +97,15 @@ def forward_groups(
         size += n
     groups.extend(g for g in (current, generation) if g)
     return groups
+
+
+def attach_drafts(batch: ExecutionBatch, drafts: dict[int, tuple[list[int], object]]) -> None:
+    if not drafts:
+        return
+    for forward in batch.forwards:
+        for item in forward:
+            found = drafts.get(item.request.request_id) if item.kind is WorkKind.GENERATION else None
+            if found is not None:
+                item.token_ids = [*item.token_ids, *found[0]]
+                item.num_draft = len(found[0])
+                item.draft_logits = found[1]

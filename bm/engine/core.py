@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bm.config import BatchingScheme, BmConfig
-from bm.engine.batching import build_batch, resource_plan
+from bm.engine.batching import attach_drafts, build_batch, resource_plan
 from bm.engine.executor import (
     CacheLayout,
     DraftOutcome,
@@ -34,7 +34,8 @@ from bm.engine.limits import max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
 from bm.engine.speculative import NgramConfig, SpecState, can_speculate, request_drafts
-from bm.engine.stats import IterationStats
+from bm.engine.stats import IterationStats, iteration_stats
+from bm.engine.stopping import stop_reason
 from bm.kv import KVCacheManager
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.factory import build_scheduler
@@ -198,7 +199,7 @@ class EngineCore:
         drafts = self._propose_drafts(plan) if self.drafts_enabled else {}
         batch = build_batch(plan, self.kv_cache_manager, self.scheme, self.max_num_tokens)
         batch.block_copies = prepared.copies
-        _attach_drafts(batch, drafts)
+        attach_drafts(batch, drafts)
         result = self.executor.execute(batch)
         counts = self._update(batch, result)
         out = StepOutput(schedule=_record(plan), computed_tokens=counts.computed)
@@ -207,7 +208,20 @@ class EngineCore:
         if self.check_integrity:
             self.verify()
         self._iteration += 1
-        out.stats = self._stats(plan, counts, num_active, used_blocks, len(out.finished_ids), started, reuse)
+        now = self.clock()
+        out.stats = iteration_stats(
+            plan,
+            counts,
+            self.kv_cache_manager,
+            iteration=self._iteration,
+            num_active=num_active,
+            max_requests=self.max_num_active_requests,
+            used_blocks=used_blocks,
+            num_finished=len(out.finished_ids),
+            elapsed_s=now - self._start_time,
+            latency_ms=(now - started) * 1e3,
+            reuse=reuse,
+        )
         out.stats.num_forwards = result.num_forwards
         out.stats.peft = self.peft_cache.snapshot(num_active - len(ready))
         out.stats.draft_steps = len(result.drafts)
@@ -338,7 +352,7 @@ class EngineCore:
         req.state = RequestState.GENERATION_IN_PROGRESS
         if req.first_token_time is None:
             req.first_token_time = now
-        reason = _stop_reason(req, token)
+        reason = stop_reason(req, token)
         if reason is not FinishReason.NOT_FINISHED:
             req.finish_reason = reason
             req.state = RequestState.GENERATION_TO_COMPLETE
@@ -438,48 +452,6 @@ class EngineCore:
 
     # -- stats and checks -----------------------------------------------------------------------------
 
-    def _stats(
-        self,
-        plan: SchedulerOutput,
-        counts: _Counts,
-        num_active: int,
-        used_blocks: int,
-        num_finished: int,
-        started: float,
-        reuse: tuple[int, int],
-    ) -> IterationStats:
-        kv = self.kv_cache_manager
-        now = self.clock()
-        context_ids = {r.request_id for r in plan.context_requests} | {
-            w.request.request_id for w in plan.padding
-        }
-        num_generation = len(plan.generation_requests) + len(plan.empty_slots)
-        return IterationStats(
-            iteration=self._iteration,
-            active_requests=num_active,
-            max_requests=self.max_num_active_requests,
-            max_blocks=kv.get_max_resource_count(),
-            free_blocks=kv.get_max_resource_count() - used_blocks,
-            used_blocks=used_blocks,
-            tokens_per_block=kv.tokens_per_block,
-            context_requests=len(context_ids),
-            generation_requests=num_generation,
-            context_tokens=counts.context,
-            generation_tokens=counts.generation,
-            empty_generation_slots=counts.empty_slots,
-            padding_tokens=counts.padding,
-            computed_tokens=counts.computed,
-            num_forwards=0,
-            paused_requests=len(plan.paused_requests),
-            queued_requests=num_active - len(context_ids) - num_generation,
-            finished_requests=num_finished,
-            elapsed_s=now - self._start_time,
-            latency_ms=(now - started) * 1e3,
-            reused_blocks=reuse[0],
-            missed_blocks=reuse[1],
-            cached_blocks=kv.pool.num_cached_blocks,
-        )
-
     def verify(self) -> None:
         """The cache's own invariants, and every block table belongs to an active request."""
         kv = self.kv_cache_manager
@@ -487,18 +459,6 @@ class EngineCore:
         stray = [rid for rid in kv.request_ids() if rid not in self._active]
         if stray:
             raise AssertionError(f"block tables belong to no active request: {stray}")
-
-
-def _attach_drafts(batch: ExecutionBatch, drafts: dict[int, tuple[list[int], object]]) -> None:
-    if not drafts:
-        return
-    for forward in batch.forwards:
-        for item in forward:
-            found = drafts.get(item.request.request_id) if item.kind is WorkKind.GENERATION else None
-            if found is not None:
-                item.token_ids = [*item.token_ids, *found[0]]
-                item.num_draft = len(found[0])
-                item.draft_logits = found[1]
 
 
 def _record(plan: SchedulerOutput) -> ScheduleRecord:
@@ -510,26 +470,3 @@ def _record(plan: SchedulerOutput) -> ScheduleRecord:
         padding_ids=[w.request.request_id for w in plan.padding],
         empty_slot_ids=[s.request.request_id for s in plan.empty_slots],
     )
-
-
-def _ends_with(prompt: list[int], output: list[int], word: tuple[int, ...]) -> bool:
-    """Whether prompt + output ends with ``word``, without building the concatenation."""
-    n = len(word)
-    if n > len(prompt) + len(output):
-        return False
-    if n <= len(output):
-        return tuple(output[len(output) - n :]) == word
-    head = n - len(output)
-    return tuple(prompt[len(prompt) - head :]) + tuple(output) == word
-
-
-def _stop_reason(req: LlmRequest, token: int) -> FinishReason:
-    if token == req.sampling.end_id:
-        return FinishReason.END_ID
-    controls = req.controls
-    stop_words = controls.stop_words if controls is not None else ()
-    if any(_ends_with(req.prompt_ids, req.output_ids, w) for w in stop_words):
-        return FinishReason.STOP_WORDS
-    if len(req.output_ids) >= req.max_new_tokens:
-        return FinishReason.LENGTH
-    return FinishReason.NOT_FINISHED

@@ -9,8 +9,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from bm.engine.peft_cache import PeftCacheCounts
+
+if TYPE_CHECKING:
+    from bm.kv import KVCacheManager
+    from bm.scheduling import SchedulerOutput
 
 
 def hit_rate(reused: int, missed: int) -> float:
@@ -106,3 +111,48 @@ class IterationStats:
                 else 0.0,
             }
         )
+
+
+def iteration_stats(
+    plan: SchedulerOutput,
+    counts: Any,
+    kv: KVCacheManager,
+    *,
+    iteration: int,
+    num_active: int,
+    max_requests: int,
+    used_blocks: int,
+    num_finished: int,
+    elapsed_s: float,
+    latency_ms: float,
+    reuse: tuple[int, int],
+) -> IterationStats:
+    """One iteration's stats from its plan and what it computed (``counts``: context, generation,
+    padding, empty-slot and computed tokens)."""
+    context_ids = {r.request_id for r in plan.context_requests} | {w.request.request_id for w in plan.padding}
+    num_generation = len(plan.generation_requests) + len(plan.empty_slots)
+    return IterationStats(
+        iteration=iteration,
+        active_requests=num_active,
+        max_requests=max_requests,
+        max_blocks=kv.get_max_resource_count(),
+        free_blocks=kv.get_max_resource_count() - used_blocks,
+        used_blocks=used_blocks,
+        tokens_per_block=kv.tokens_per_block,
+        context_requests=len(context_ids),
+        generation_requests=num_generation,
+        context_tokens=counts.context,
+        generation_tokens=counts.generation,
+        empty_generation_slots=counts.empty_slots,
+        padding_tokens=counts.padding,
+        computed_tokens=counts.computed,
+        num_forwards=0,
+        paused_requests=len(plan.paused_requests),
+        queued_requests=num_active - len(context_ids) - num_generation,
+        finished_requests=num_finished,
+        elapsed_s=elapsed_s,
+        latency_ms=latency_ms,
+        reused_blocks=reuse[0],
+        missed_blocks=reuse[1],
+        cached_blocks=kv.pool.num_cached_blocks,
+    )

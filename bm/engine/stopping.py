@@ -1,0 +1,28 @@
+"""Why a request stops after a token: its end id, a stop word, or its length. Pure Python."""
+
+from __future__ import annotations
+
+from bm.scheduling import FinishReason, LlmRequest
+
+
+def ends_with(prompt: list[int], output: list[int], word: tuple[int, ...]) -> bool:
+    """Whether prompt + output ends with ``word``, without building the concatenation."""
+    n = len(word)
+    if n > len(prompt) + len(output):
+        return False
+    if n <= len(output):
+        return tuple(output[len(output) - n :]) == word
+    head = n - len(output)
+    return tuple(prompt[len(prompt) - head :]) + tuple(output) == word
+
+
+def stop_reason(req: LlmRequest, token: int) -> FinishReason:
+    if token == req.sampling.end_id:
+        return FinishReason.END_ID
+    controls = req.controls
+    stop_words = controls.stop_words if controls is not None else ()
+    if any(ends_with(req.prompt_ids, req.output_ids, w) for w in stop_words):
+        return FinishReason.STOP_WORDS
+    if len(req.output_ids) >= req.max_new_tokens:
+        return FinishReason.LENGTH
+    return FinishReason.NOT_FINISHED
