@@ -489,9 +489,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "logits-ngram-one-ignored",
-        LOGITS,
-        "or self.no_repeat_ngram_size > 0",
-        "or self.no_repeat_ngram_size > 1",
+        "bm/engine/request.py",
+        "or controls.no_repeat_ngram_size > 0",
+        "or controls.no_repeat_ngram_size > 1",
         SAMPLING,
         "no_repeat_ngram_size 1 is silently ignored",
     ),

@@ -60,6 +60,17 @@ class RequestResult:
         return hit_rate(self.num_reused_blocks, self.num_missed_blocks)
 
 
+# Per-request counters a final response carries, copied onto the result as they are.
+FINAL_COUNTERS = (
+    "num_pauses",
+    "num_reused_blocks",
+    "num_missed_blocks",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
+    "num_draft_steps",
+)
+
+
 class OfflineClient:
     """Hands requests to the engine as it asks for them and collects every response."""
 
@@ -116,12 +127,8 @@ class OfflineClient:
             if response.final:
                 result.finish_reason = response.finish_reason
                 result.error = response.error
-                result.num_pauses = response.num_pauses
-                result.num_reused_blocks = response.num_reused_blocks
-                result.num_missed_blocks = response.num_missed_blocks
-                result.num_draft_tokens = response.num_draft_tokens
-                result.num_accepted_draft_tokens = response.num_accepted_draft_tokens
-                result.num_draft_steps = response.num_draft_steps
+                for name in FINAL_COUNTERS:
+                    setattr(result, name, getattr(response, name))
                 self.num_final += 1
         if response.final:
             if self._on_final is not None:

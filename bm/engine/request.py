@@ -202,6 +202,21 @@ def _embedding_bias(value: Any, vocab_size: int) -> tuple[float, ...] | None:
     return tuple(float(v) for v in value)
 
 
+def processes_logits(controls: Any) -> bool:
+    """Whether any control rewrites logits; one definition for the engine's plain ``Controls`` and the
+    runtime's ``DecodingOptions``, which carry the same fields."""
+    return (
+        controls.logits_post_processor is not None
+        or controls.embedding_bias is not None
+        or controls.repetition_penalty != 1.0
+        or controls.presence_penalty != 0.0
+        or controls.frequency_penalty != 0.0
+        or controls.min_length > 0
+        or controls.no_repeat_ngram_size > 0
+        or bool(controls.bad_words)
+    )
+
+
 @dataclass(frozen=True)
 class Controls:
     """The validated controls beyond temperature / top-k / top-p, as plain values (the runtime turns them
@@ -224,16 +239,7 @@ class Controls:
 
     @property
     def processes_logits(self) -> bool:
-        return (
-            self.logits_post_processor is not None
-            or self.embedding_bias is not None
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.min_length > 0
-            or self.no_repeat_ngram_size > 0
-            or bool(self.bad_words)
-        )
+        return processes_logits(self)
 
     @property
     def needs_runtime_state(self) -> bool:

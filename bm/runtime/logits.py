@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bm.engine.request import processes_logits
+
 # (request_id, logits [rows, vocab], tokens so far per row) -> logits
 LogitsPostProcessor = Callable[[int, torch.Tensor, list[list[int]]], torch.Tensor]
 
@@ -46,16 +48,7 @@ class DecodingOptions:
 
     @property
     def processes_logits(self) -> bool:
-        return (
-            self.logits_post_processor is not None
-            or self.embedding_bias is not None
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.min_length > 0
-            or self.no_repeat_ngram_size > 0
-            or bool(self.bad_words)
-        )
+        return processes_logits(self)
 
 
 @dataclass(slots=True)

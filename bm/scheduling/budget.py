@@ -107,15 +107,3 @@ class IterationBudget:
     def give_back(self, tokens: int) -> None:
         self.slots_left += 1
         self.tokens_left += tokens
-
-    def tokens_to_hold(self, request: LlmRequest, taken: int, computed: int | None = None) -> int:
-        """Tokens to size ``request``'s blocks for after :meth:`take` gave it ``taken``.
-
-        Exact, except under EQUAL_PROGRESS, where the final share is decided later: then the most it could
-        get (an upper bound, so allocation can never fall short).
-        """
-        if computed is None:
-            computed = request.num_computed_tokens
-        if self.equal_progress and not request.is_generation_phase:
-            taken = max(taken, context_chunk(request, self.max_num_tokens, self.chunking, computed))
-        return computed + taken

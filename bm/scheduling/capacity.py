@@ -213,9 +213,9 @@ class MaxUtilizationScheduler(CapacityScheduler):
             if request.beam_width > 1:  # its blocks are reserved above
                 plan.fitting.append(request)
                 continue
-            # A context under way keeps the rest of its context reserved, as when it started.
-            hold = request.num_tokens if request.is_context_phase else budget.tokens_to_hold(request, tokens)
-            need = kv.num_blocks_to_allocate(request.request_id, hold)
+            # A generation needs room for its next token; a context under way keeps the rest of its
+            # context reserved, as when it started. Both are its known tokens.
+            need = kv.num_blocks_to_allocate(request.request_id, request.num_tokens)
             while need > free and alive[-1] is not request:
                 victim = alive.pop()
                 free += pause(victim)
