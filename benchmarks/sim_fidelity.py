@@ -6,8 +6,10 @@
 
 Calibrates cpu-local (unless --no-calibrate), runs ``bm bench``'s replay for real (torch executor), then
 the same workload and config under ``--executor sim --hardware cpu-local``, in one sitting, every request
-to its full length. Prints one JSON object: output tok/s and p50 TTFT of each and the sim's relative error.
-Progress goes to stderr.
+to its full length. The simulated run measures the model's forward on bm's own engine first (a short
+synthetic run, bm.sim.forward_fit) when the calibration has none for it. Prints one JSON object: output
+tok/s and p50 TTFT of each, the sim's relative error, the fitted terms and the load averages. Progress
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -68,7 +71,10 @@ def main() -> None:
         sim=dataclasses.replace(config.sim, hardware="cpu-local"),
     )
     log("simulated run (cpu-local) ...")
-    sim = run_bench(sim_config, load_sim_model(sim_config), workload).metrics
+    load_before = os.getloadavg()
+    sim_model = load_sim_model(sim_config)
+    sim = run_bench(sim_config, sim_model, workload).metrics
+    fit = sim_model.cost_model().fit
 
     def error(key: str) -> float | None:
         return (sim[key] - real[key]) / real[key] if real.get(key) else None
@@ -80,6 +86,8 @@ def main() -> None:
                 "model_config": args.model_config,
                 "real": {k: real.get(k) for k in KEYS} | {"wall_s": real_wall},
                 "sim": {k: sim.get(k) for k in KEYS} | {"wall_s": sim["wall_time_s"]},
+                "forward_fit": fit,
+                "load_average": {"before_sim": load_before, "end": os.getloadavg()},
                 "error": {
                     "output_throughput": error("output_throughput"),
                     "median_ttft_ms": error("median_ttft_ms"),

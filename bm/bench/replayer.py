@@ -122,6 +122,15 @@ class Replayer:
                 self._next += 1
             return out
 
+    def next_release_s(self, max_new: int) -> float:
+        """The clock time from which :meth:`get_requests` (``max_new``) would return a request, assuming
+        no request finishes before then; infinity when none would (none left, no room, no slot)."""
+        if self._t0 is None or max_new == 0 or self._next >= len(self._requests):
+            return float("inf")
+        if self._slots is not None and not self._slots:
+            return float("inf")
+        return self._t0 + self.timelines[self._requests[self._next].request_id].arrival_s
+
     def send_response(self, response: Response) -> None:
         now = self.now()
         with self._lock:

@@ -66,9 +66,22 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        # a request's token gaps are long lists of plain floats: pass them whole
+        return list(value) if _plain_numbers(value) else [json_safe(v) for v in value]
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _plain_numbers(values: list | tuple) -> bool:
+    """Every item a finite Python float or int (not a bool, numpy scalar or container)."""
+    for v in values:
+        kind = type(v)
+        if kind is float:
+            if not math.isfinite(v):
+                return False
+        elif kind is not int:
+            return False
+    return True

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+import yaml
 from rich.console import Console
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config, parse_override
@@ -100,7 +101,27 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
                 key = "model.preset"  # --model NAME picks a preset, as in bm run
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
-    return load_config(config, overrides)
+    cfg = load_config(config, overrides)
+    if cfg.engine.executor == "sim" and not _sets(config, overrides, SIM_CHUNKING_KEY):
+        # A what-if replays a trace as a deployment would serve it: with chunked context, which
+        # TensorRT-LLM recommends and vLLM enables by default, so a prompt longer than max_num_tokens
+        # is computed in chunks instead of being refused. An explicit setting (file or --set) wins.
+        cfg = load_config(config, overrides | {SIM_CHUNKING_KEY: True})
+    return cfg
+
+
+SIM_CHUNKING_KEY = "engine.enable_chunked_context"
+
+
+def _sets(config: Path | None, overrides: dict[str, Any], dotted: str) -> bool:
+    """Whether the user gave ``dotted`` (SECTION.KEY) in the config file or as an override."""
+    if dotted in overrides:
+        return True
+    if config is None:
+        return False
+    section, _, key = dotted.partition(".")
+    data = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+    return isinstance(data.get(section), dict) and key in data[section]
 
 
 # Options bm bench and bm compare share, declared once so the two commands cannot drift apart: a

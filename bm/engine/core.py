@@ -30,6 +30,7 @@ from bm.engine.executor import (
     Executor,
     WorkKind,
 )
+from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forward
 from bm.engine.limits import max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
@@ -138,6 +139,9 @@ class EngineCore:
         self._iteration = 0
         self._num_starts = 0
         self._start_time = clock()
+        self._can_fast_forward = supports_fast_forward(self)
+        # (generation ids, stats) of the last iteration when it was a pure decode of every active request
+        self._decode: tuple[list[int], IterationStats] | None = None
 
     # -- requests in ----------------------------------------------------------------------------------
 
@@ -169,6 +173,7 @@ class EngineCore:
                 return error_response(rid, str(exc))
         llm_request.arrival_time = self.clock()
         self._active[rid] = llm_request
+        self._decode = None
         return None
 
     def _check_fits(self, request: LlmRequest) -> None:
@@ -227,7 +232,22 @@ class EngineCore:
         out.stats.draft_steps = len(result.drafts)
         out.stats.draft_tokens = sum(o.num_draft for o in result.drafts.values())
         out.stats.accepted_draft_tokens = sum(o.num_accepted for o in result.drafts.values())
+        self._decode = None
+        if (
+            self._can_fast_forward
+            and len(plan.generation_requests) == num_active
+            and not (plan.context_requests or plan.paused_requests or plan.padding or plan.empty_slots)
+            and not (out.finished_ids or result.drafts or result.beams or result.faults)
+        ):
+            self._decode = ([r.request_id for r in plan.generation_requests], out.stats)
         return out
+
+    def fast_forward(self, until: float = float("inf")) -> DecodeRun | None:
+        """Right after a :meth:`step` that decoded every active request: advance the iterations that
+        provably repeat it (:mod:`bm.engine.fast_forward`), starting none at or after clock time
+        ``until``. None when the executor cannot, or nothing can be skipped."""
+        decode, self._decode = self._decode, None
+        return fast_forward(self, *decode, until) if decode is not None else None
 
     def _propose_drafts(self, plan: SchedulerOutput) -> dict[int, tuple[list[int], object]]:
         """Drafts for this step's generation requests, within the token budget the plan leaves and the
@@ -441,6 +461,7 @@ class EngineCore:
             return None
         if not req.is_finished:
             req.finish_reason = reason
+        self._decode = None
         self._held = [r for r in self._held if r is not req]
         return self._finish(req, error)
 

@@ -8,6 +8,8 @@ are both O(1).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from bm.kv.block_hash import BlockKey
 
 
@@ -40,9 +42,10 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        # dict keys keep insertion order: the front is the next block handed out.
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
-        self._cached: dict[int, None] = {}  # unreferenced registered blocks, front = evicted first
+        # insertion order: the front is the next block handed out; cached blocks (unreferenced,
+        # registered) are evicted from the front.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()
         self._keys: dict[int, BlockKey] = {}  # registered blocks (in use or cached)
         self._by_hash: dict[int, int] = {}  # block_hash -> block_id
         self._num_registrations = 0
@@ -80,8 +83,7 @@ class BlockPool:
         taken = []
         for _ in range(num_blocks):
             source = self._free if self._free else self._cached
-            block_id = next(iter(source))
-            del source[block_id]
+            block_id = source.popitem(last=False)[0]
             if source is self._cached:
                 self._evict(block_id)
             self._ref_counts[block_id] = 1

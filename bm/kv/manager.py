@@ -107,14 +107,33 @@ class KVCacheManager:
         """Blocks that started ``requests`` hold (a shared block once) plus all they may still allocate.
 
         What a no-evict policy must keep back for them; the rest of the pool (cached blocks included,
-        which are reclaimable) is open to new requests.
+        which are reclaimable) is open to new requests. A no-evict policy asks this every iteration, so
+        the common cases are counted without building sets: a single table with no released blocks
+        holds ``len(table)`` distinct blocks; without block reuse no block is shared between requests;
+        with it, when ``requests`` are every holder, the blocks they hold are the pool's used blocks.
         """
-        held: set[int] = set()
+        requests = list(requests)
+        plain = self.max_attention_window is None
+        counts: list[int] = []
         remaining = 0
         for request in requests:
-            own = self._distinct_blocks(request.request_id)
-            held |= own
-            remaining += max(0, self.get_needed_resource_to_completion(request) - len(own))
+            blocks = self._requests.get(request.request_id)
+            if blocks is None:
+                own = 0
+            elif plain and blocks.num_beams == 1 and not blocks.padding:
+                own = len(blocks.tables[0])
+            else:
+                own = len(blocks.distinct_blocks())
+            counts.append(own)
+            remaining += max(0, self.get_needed_resource_to_completion(request) - own)
+        if not self.enable_block_reuse:
+            return sum(counts) + remaining
+        holders = sum(1 for r in requests if r.request_id in self._requests)
+        if holders == len(self._requests):
+            return self.pool.num_used_blocks + remaining
+        held: set[int] = set()
+        for request in requests:
+            held |= self._distinct_blocks(request.request_id)
         return len(held) + remaining
 
     def num_blocks_to_allocate(self, request_id: int, num_tokens: int) -> int:

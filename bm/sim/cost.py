@@ -70,16 +70,13 @@ class CostModel:
         # per token: attention FLOPs per key, summed over layers
         self._attn_flops_per_pair = 4.0 * m.num_heads * m.head_dim * m.num_layers
         self._hidden_bytes = m.hidden_size * self.dtype_bytes
+        # cpu-local: a forward's seconds fitted on bm's real engine for this model, when measured
+        self.fit: dict[str, float] | None = hardware.forward_fit(model, dtype)
 
     # -- accounting -----------------------------------------------------------------------------------
 
     def forward_cost(self, items: list[WorkItem]) -> ForwardCost:
-        m, b = self.model, self.dtype_bytes
-        cost = ForwardCost()
-        pairs = 0
-        history = 0
-        tokens = 0
-        rows = 0
+        tokens = rows = pairs = history = 0
         for item in items:
             n = len(item.token_ids)
             p = item.start_pos
@@ -91,6 +88,14 @@ class CostModel:
             # query i (0-based) of the item attends to p + i + 1 keys
             pairs += n * p + n * (n + 1) // 2
             history += p + n
+        return self.cost_of(tokens, rows, pairs, history)
+
+    def cost_of(self, tokens: int, rows: int, pairs: int, history: int) -> ForwardCost:
+        """A forward's cost from its totals: tokens computed, logit rows, (query, key) pairs attended and
+        KV history read. The totals are all the model needs, so a decode run can be priced without
+        building its work items."""
+        m, b = self.model, self.dtype_bytes
+        cost = ForwardCost()
         cost.tokens, cost.logit_rows = tokens, rows
         cost.linear_flops = 2.0 * tokens * self._linear_weights + 2.0 * rows * m.lm_head_params
         activations = tokens * (4 * m.hidden_size + 2 * m.intermediate_size) * m.num_layers * b
@@ -104,6 +109,17 @@ class CostModel:
         return cost
 
     def time_forward(self, cost: ForwardCost, out: IterationCost) -> float:
+        if self.fit is not None:  # measured on bm's own engine (cpu-local, bm.sim.forward_fit)
+            f = self.fit
+            seconds = (
+                f["per_forward"]
+                + f["per_token"] * cost.tokens
+                + f["per_row"] * cost.logit_rows
+                + f["per_pair"] * cost.attention_flops / self._attn_flops_per_pair
+                + f["per_key"] * cost.kv_read_bytes / self.kv_bytes_per_token
+            )
+            out.compute_s += seconds
+            return seconds
         tp, flops, bw = self.tp, self.peak_flops, self.bandwidth
         hw = self.hardware
         ramp = cost.tokens / (cost.tokens + hw.gemm_half_tokens) if cost.tokens else 1.0
@@ -136,6 +152,15 @@ class CostModel:
             total += self.hardware.iteration_overhead_s
         out.seconds = total
         return out
+
+    def decode_seconds(self, num_requests: int, sum_positions: int) -> float:
+        """:meth:`iteration`'s seconds for one forward of ``num_requests`` generation items (one token
+        each, sampled) whose positions add up to ``sum_positions``: the same arithmetic, no items."""
+        pairs = sum_positions + num_requests
+        cost = self.cost_of(num_requests, num_requests, pairs, pairs)
+        total = 0.0
+        total += self.time_forward(cost, IterationCost())
+        return total + self.hardware.iteration_overhead_s
 
     def weight_bytes_per_rank(self) -> float:
         return self.model.num_params * self.dtype_bytes / self.tp

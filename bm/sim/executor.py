@@ -79,7 +79,7 @@ class SimExecutor(FakeExecutor):
 
     def num_kv_blocks(self, kv_config: Any, max_useful_tokens: int) -> int:
         """Device memory minus this rank's weights, times ``free_memory_fraction``, over one token's KV
-        (per rank); ``kv_cache.max_tokens`` caps it as in a real run."""
+        (per rank); ``kv_cache.max_tokens`` and ``max_useful_tokens`` cap it as in a real run."""
         cm = self.cost_model
         free = cm.hardware.memory - cm.weight_bytes_per_rank()
         if free <= 0:
@@ -94,7 +94,9 @@ class SimExecutor(FakeExecutor):
         self.kv_capacity_tokens = tokens
         if self._kv_blocks_override is not None:
             return self._kv_blocks_override
-        return max(1, tokens // kv_config.tokens_per_block)
+        blocks = max(1, tokens // kv_config.tokens_per_block)
+        # as a real run (bm.runtime.kv_sizing): never more than every admissible request at its longest
+        return min(blocks, max(1, -(-max_useful_tokens // kv_config.tokens_per_block)))
 
     def admit(self, request: LlmRequest) -> None:
         fields = logit_fields(request)
@@ -129,3 +131,41 @@ class SimExecutor(FakeExecutor):
         self.total_duration_s += cost.seconds
         self.clock.advance(cost.seconds)
         return result
+
+    def decode_run(
+        self, requests: list[LlmRequest], max_iterations: int, until: float
+    ) -> tuple[list[float], list[list[int]]]:
+        """Up to ``max_iterations`` generation iterations of ``requests`` (bm.engine.fast_forward), timed
+        one after the other exactly as :meth:`execute` times each, none started at or after ``until``."""
+        clock = self.clock
+        cost_model = self.cost_model
+        n = len(requests)
+        # the fed token of each request sits at num_tokens - 1; every iteration moves all n by one
+        positions = sum(r.num_tokens for r in requests) - n
+        end_times: list[float] = []
+        seconds = 0.0
+        total = self.total_duration_s
+        for _ in range(max_iterations):
+            if clock.now >= until:
+                break
+            seconds = cost_model.decode_seconds(n, positions)
+            total += seconds
+            clock.now += seconds
+            end_times.append(clock.now)
+            positions += n
+        done = len(end_times)
+        if done:
+            self.last_duration_s = seconds
+            self.total_duration_s = total
+            self.last_cost = None
+        vocab = self._limits.vocab_size
+        tokens = []
+        for req in requests:
+            first = req.num_tokens  # the position of the first token produced
+            end_id = req.sampling.end_id
+            new = [fake_token(req.request_id, pos, 0, vocab) for pos in range(first, first + done)]
+            if end_id in new:
+                new = [(t + 1 if t + 1 < vocab else 3) if t == end_id else t for t in new]
+            tokens.append(new)
+        self.last_sampled = []
+        return end_times, tokens

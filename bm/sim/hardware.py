@@ -50,6 +50,14 @@ class Hardware:
             )
         return self.flops[dtype]
 
+    def forward_fit(self, model: Any, dtype: str) -> dict[str, float] | None:
+        """cpu-local: the fitted forward cost of ``model`` in ``dtype`` (bm.sim.forward_fit), if measured."""
+        from bm.sim.forward_fit import model_key
+
+        fits = self.extra.get("forward_fits") or {}
+        entry = fits.get(model_key(model.shape_dict(), dtype))
+        return dict(entry["terms"]) if entry else None
+
     def describe(self) -> dict[str, Any]:
         """The row as results.json records it."""
         row = dataclasses.asdict(self)
@@ -107,6 +115,24 @@ def load_hardware(name: str, *, calibrate_if_missing: bool = True) -> Hardware:
     if name not in table:
         raise ConfigError(f"--hardware {name!r}: unknown; allowed: {', '.join([*table, CPU_LOCAL])}")
     return table[name]
+
+
+def ensure_forward_fit(model_config: Any, shape: Any, dtype: str) -> Hardware:
+    """The cpu-local row with the fitted forward of the model ``shape`` (measured now on bm's engine
+    with ``model_config``'s random weights when the cache has none, then cached)."""
+    from bm.sim.forward_fit import measure_forward_fit, model_key
+
+    hardware = load_hardware(CPU_LOCAL)
+    if hardware.forward_fit(shape, dtype) is not None:
+        return hardware
+    fit = measure_forward_fit(model_config)
+    path = cpu_local_path()
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    fits = raw.get("forward_fits") or {}
+    fits[model_key(shape.shape_dict(), dtype)] = fit | {"model": shape.name, "dtype": dtype}
+    raw["forward_fits"] = fits
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return load_hardware(CPU_LOCAL)
 
 
 # -- calibration --------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ needs (no weights, no torch), so a simulated run of a 70B model needs only its c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,12 @@ class ModelShape:
         if not isinstance(cfg, dict):
             raise ConfigError(f"--model-config {str(p)!r}: expected a JSON object")
         return cls.from_dict(cfg, name=p.stem if p.name != "config.json" else p.parent.name)
+
+    def shape_dict(self) -> dict[str, Any]:
+        """The shape alone (no name): what a measured cost depends on."""
+        out = dataclasses.asdict(self)
+        out.pop("name")
+        return out
 
     # -- counts ---------------------------------------------------------------------------------------
 

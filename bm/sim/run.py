@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from bm.config import BmConfig, ConfigError
+from bm.engine.fast_forward import DecodeRun
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
-from bm.sim.hardware import Hardware, load_hardware
+from bm.sim.hardware import CPU_LOCAL, Hardware, ensure_forward_fit, load_hardware
 from bm.sim.model import ModelShape
 
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
@@ -68,6 +69,9 @@ def load_sim_model(config: BmConfig) -> SimModel:
     dtype = config.model.dtype
     if dtype == "float32" and shape.torch_dtype is not None:
         dtype = shape.torch_dtype
+    if hardware.key == CPU_LOCAL:  # this machine: the forward's cost as bm's engine runs this model here
+        model_config = dataclasses.replace(config.model, dtype=dtype, device="cpu")
+        hardware = ensure_forward_fit(model_config, shape, dtype)
     hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run
     return SimModel(shape, hardware, config.sim.tensor_parallel, dtype, name=shape.name or str(source))
 
@@ -99,8 +103,12 @@ def run_sim(
     arrivals: Sequence[float] | None = None,
     *,
     progress: Callable[[Any], None] | None = None,
+    fast_forward: bool = True,
 ) -> Any:
-    """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``."""
+    """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
+
+    ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
+    result is the same either way (a test pins it), only the wall time differs."""
     import pandas as pd
 
     from bm.bench.metrics import engine_metrics, request_record, run_metrics
@@ -130,6 +138,8 @@ def run_sim(
     arrival_of = [timelines[r.request_id].arrival_s for r in requests]
     stats: list[dict[str, Any]] = []
     iterations = 0
+    skipped = 0  # iterations advanced by fast-forward
+    next_progress = _PROGRESS_EVERY
     while not replayer.done:
         max_new = max(0, core.max_num_active_requests - core.num_active)
         for request in replayer.get_requests(max_new):
@@ -149,7 +159,19 @@ def run_sim(
             if out.stats is not None:
                 stats.append(stats_row(out.stats))
             iterations += 1
-            if progress is not None and iterations % _PROGRESS_EVERY == 0:
+            if fast_forward:
+                # a steady decode stretch at once, up to the next iteration an arrival would join
+                max_new = max(0, core.max_num_active_requests - core.num_active)
+                run = core.fast_forward(replayer.next_release_s(max_new))
+                if run is not None:
+                    for rid in run.request_ids:
+                        timelines[rid].token_s.extend(run.end_times)
+                    replayer.num_output_tokens += len(run.request_ids) * run.num_iterations
+                    stats.extend(decode_rows(run))
+                    iterations += run.num_iterations
+                    skipped += run.num_iterations
+            if progress is not None and iterations >= next_progress:
+                next_progress = iterations + _PROGRESS_EVERY
                 progress(_snapshot(replayer))
             if out.computed_tokens:
                 continue
@@ -184,6 +206,7 @@ def run_sim(
         "simulated_duration_s": duration,
         "kv_cache_capacity_tokens": executor.kv_capacity_tokens,
         "kv_cache_blocks": core.kv_cache_manager.get_max_resource_count(),
+        "fast_forwarded_iterations": skipped,
         "wall_time_s": time.perf_counter() - wall_start,
     }
 
@@ -210,6 +233,31 @@ def stats_row(stats: Any) -> dict[str, Any]:
     row = json.loads(stats.to_json())
     row[_WALL_CLOCK_STAT] = round(stats.elapsed_s, 6)
     return row
+
+
+def decode_rows(run: DecodeRun) -> list[dict[str, Any]]:
+    """The stats rows of a fast-forwarded decode run, exactly as :func:`stats_row` writes each of its
+    iterations: the shared fields once, then what changes per iteration (a test compares them with the
+    step-by-step rows field by field)."""
+    base = stats_row(run.template)
+    max_blocks = run.template.max_blocks
+    origin = run.engine_start_s
+    start = run.start_s
+    rows = []
+    for j, end in enumerate(run.end_times):
+        used = run.used_blocks[j]
+        elapsed = round(end - origin, 6)
+        row = base.copy()
+        row[_WALL_CLOCK_STAT] = elapsed
+        row["Iteration Counter"] = run.first_iteration + j
+        row["Free KV cache blocks"] = max_blocks - used
+        row["Used KV cache blocks"] = used
+        row["Elapsed Time (s)"] = elapsed
+        row["Iteration Latency (ms)"] = round((end - start) * 1e3, 3)
+        row["Reusable KV cache blocks"] = run.cached_blocks[j]
+        rows.append(row)
+        start = end
+    return rows
 
 
 def _snapshot(replayer: Any) -> Any:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 
+import numpy as np
+
 from bm.config import DATASET_KINDS, BenchConfig
 from bm.workloads.hf import BUILDERS, load_hf
 from bm.workloads.jsonl import WORD_LISTS, iter_lines, resolve_word_list
@@ -131,15 +133,17 @@ def _scaled(value: int, scale: float) -> int:
 def _finalize(
     workload: Workload, bench: BenchConfig, vocab_size: int, encode: Encode | None, encode_word: Encode | None
 ) -> None:
-    id_rng = random.Random(bench.seed)
+    # numpy draws a prompt's ids in one call; random.randrange per token cost seconds per thousand
+    # requests of a long trace
+    id_rng = np.random.default_rng(bench.seed % 2**64)
     low = FIRST_RANDOM_ID if vocab_size > FIRST_RANDOM_ID + 1 else 0
     block_size = _scaled(workload.hash_block_size, bench.input_scale) if workload.hash_block_size else 0
     blocks: dict[int, list[int]] = {}
 
     def block(hash_id: int) -> list[int]:
         if hash_id not in blocks:
-            rng = random.Random(f"bm-hash-block-{bench.seed}-{hash_id}")
-            blocks[hash_id] = [rng.randrange(low, vocab_size) for _ in range(block_size)]
+            rng = np.random.default_rng([bench.seed % 2**64, hash_id % 2**64])
+            blocks[hash_id] = rng.integers(low, vocab_size, block_size).tolist()
         return blocks[hash_id]
 
     for req in workload.requests:
@@ -159,7 +163,7 @@ def _finalize(
             req.input_ids = _resize(req.input_ids, n)
         else:
             shared = [t for h in (req.hash_ids or []) for t in block(h)][:n]
-            req.input_ids = shared + [id_rng.randrange(low, vocab_size) for _ in range(n - len(shared))]
+            req.input_ids = shared + id_rng.integers(low, vocab_size, n - len(shared)).tolist()
         req.input_len = len(req.input_ids)
 
 

@@ -1,0 +1,201 @@
+"""Steady decode in one call: many pure-generation iterations whose decisions are already known.
+
+Between two events (an arrival, a request finishing, a KV block that might not be there) an in-flight
+batch of generating requests repeats the same iteration: the scheduler picks the same requests in the
+same order, each computes one token, and the only things that change are positions, tables growing at
+block boundaries and the clock. A simulated trace spends most of its iterations there, and stepping each
+one through the scheduler costs far more than the cost model that times it.
+
+:func:`fast_forward` advances such a stretch at once and produces what the step-by-step loop would: the
+same tokens, the same block allocations and registrations in the same order (so block ids, reuse and
+eviction are unchanged), and each iteration's stats and end time. It only runs when every decision in
+the stretch is provably the one the scheduler would take:
+
+- the last iteration scheduled every active request as generation (nothing queued, paused, chunked,
+  padded or held as an empty slot) and none finished;
+- no request can finish inside the stretch (it stops one token short of the first ``max_new_tokens``)
+  and none can stop on a token (no stop words; the executor's tokens are never the end id);
+- the free pool covers every block the stretch allocates, so MAX_UTILIZATION never pauses, and a
+  no-evict policy has nothing new to admit;
+- the policy is one of bm's built-in capacity and micro-batch schedulers under an in-flight scheme
+  (a user's scheduler might decide on something else), with no attention window, drafts, beams or
+  streaming responses.
+
+The executor must offer ``decode_run`` (the simulator does): it times the iterations one after the
+other on its clock, stopping before the caller's deadline (the next arrival), and returns the tokens.
+Everything else (tables, registrations, request progress) is applied here, through the KV cache
+manager's own methods, in step order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+from bm.config import BatchingScheme
+from bm.engine.stats import IterationStats
+from bm.scheduling import LlmRequest, RequestState
+from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler, StaticBatchScheduler
+from bm.scheduling.micro_batch import MicroBatchScheduler
+from bm.scheduling.scheduler import SimpleScheduler
+
+if TYPE_CHECKING:
+    from bm.engine.core import EngineCore
+
+_BUILT_IN_CAPACITY = (GuaranteedNoEvictScheduler, MaxUtilizationScheduler, StaticBatchScheduler)
+
+
+class DecodeRunExecutor(Protocol):
+    def decode_run(
+        self, requests: list[LlmRequest], max_iterations: int, until: float
+    ) -> tuple[list[float], list[list[int]]]:
+        """Time up to ``max_iterations`` iterations of one generation token per request (``requests`` in
+        batch order), starting no iteration at or after clock time ``until``. Returns each iteration's
+        end time on the clock and, per request, the tokens sampled (never its end id)."""
+        ...
+
+
+@dataclass
+class DecodeRun:
+    """What :func:`fast_forward` advanced: ``len(end_times)`` iterations of ``request_ids``.
+
+    Per iteration ``j``: the clock at its end ``end_times[j]`` and the blocks used and cached after it;
+    :meth:`iteration_stats` rebuilds its stats as :meth:`EngineCore.step` would have reported them.
+    """
+
+    request_ids: list[int]
+    start_s: float  # the clock before the first iteration
+    end_times: list[float]
+    used_blocks: list[int]
+    cached_blocks: list[int]
+    first_iteration: int  # the iteration counter of the first
+    engine_start_s: float  # the core's clock origin (stats' elapsed time)
+    template: IterationStats  # the fields every iteration of the run shares
+
+    @property
+    def num_iterations(self) -> int:
+        return len(self.end_times)
+
+    def latencies_ms(self) -> list[float]:
+        starts = [self.start_s, *self.end_times[:-1]]
+        return [(end - start) * 1e3 for start, end in zip(starts, self.end_times, strict=True)]
+
+    def iteration_stats(self, j: int) -> IterationStats:
+        end = self.end_times[j]
+        start = self.end_times[j - 1] if j else self.start_s
+        used = self.used_blocks[j]
+        return replace(
+            self.template,
+            iteration=self.first_iteration + j,
+            used_blocks=used,
+            free_blocks=self.template.max_blocks - used,
+            cached_blocks=self.cached_blocks[j],
+            elapsed_s=end - self.engine_start_s,
+            latency_ms=(end - start) * 1e3,
+        )
+
+
+def supports_fast_forward(core: EngineCore) -> bool:
+    """Whether this engine's configuration allows stretches at all (checked once)."""
+    scheduler = core.scheduler
+    return (
+        callable(getattr(core.executor, "decode_run", None))
+        and core.scheme in (BatchingScheme.INFLIGHT_FUSED, BatchingScheme.INFLIGHT)
+        and core.attention_window is None
+        and core.ngram is None
+        and type(scheduler) is SimpleScheduler
+        and type(scheduler.capacity_scheduler) in _BUILT_IN_CAPACITY
+        and type(scheduler.micro_batch_scheduler) is MicroBatchScheduler
+    )
+
+
+def _steady(req: LlmRequest) -> bool:
+    controls = req.controls
+    return (
+        req.state == RequestState.GENERATION_IN_PROGRESS
+        and req.beam_width == 1
+        and not req.streaming
+        and req.speculation is None
+        and (controls is None or not controls.stop_words)
+    )
+
+
+def fast_forward(
+    core: EngineCore, generation_ids: list[int], template: IterationStats, until: float
+) -> DecodeRun | None:
+    """Advance the pure-decode stretch that follows an iteration which scheduled ``generation_ids`` (every
+    active request, in batch order) and reported ``template``; None when no iteration can be skipped."""
+    active = core._active
+    if len(generation_ids) != len(active) or not generation_ids:
+        return None
+    requests = [active[rid] for rid in generation_ids]
+    if not all(_steady(r) for r in requests):
+        return None
+    horizon = min(r.max_new_tokens - len(r.output_ids) for r in requests) - 1
+    if horizon <= 0:
+        return None
+    kv = core.kv_cache_manager
+    bs = kv.tokens_per_block
+    # Block events in step order: (iteration, 0 = allocation / 1 = registration, batch position).
+    events: list[tuple[int, int, int]] = []
+    allocations = 0
+    for index, req in enumerate(requests):
+        fed = req.num_tokens  # tokens the table must hold in the run's first iteration
+        held = len(kv.block_ids(req.request_id))
+        j = max(0, held * bs + 1 - fed)  # the first iteration that needs a new block
+        while j < horizon:
+            events.append((j, 0, index))
+            allocations += 1
+            j += bs
+    free = kv.get_num_free_blocks()
+    if allocations > free:  # stop before the iteration that might not get its block
+        events.sort()
+        horizon = events[free][0]
+        if horizon <= 0:
+            return None
+    if kv.enable_block_reuse:
+        for index, req in enumerate(requests):
+            computed = req.num_computed_tokens  # after iteration j: computed + j + 1
+            j = bs - 1 - computed % bs  # the first iteration that fills a block
+            while j < horizon:
+                events.append((j, 1, index))
+                j += bs
+    events.sort()
+
+    start_s = core.clock()
+    end_times, tokens = core.executor.decode_run(requests, horizon, until)
+    done = len(end_times)
+    if done == 0:
+        return None
+    for req, new in zip(requests, tokens, strict=True):
+        req.output_ids.extend(new)
+        req.num_computed_tokens += done
+    used: list[int] = []
+    cached: list[int] = []
+    pool = kv.pool
+    position = 0
+    for j in range(done):
+        while position < len(events) and events[position][0] == j:
+            _, kind, index = events[position]
+            req = requests[index]
+            if kind == 0:
+                kv.allocate(req.request_id, req.num_tokens - done + j)
+            else:
+                kv.cache_computed_blocks(req, req.num_computed_tokens - done + j + 1)
+            position += 1
+        used.append(pool.num_used_blocks)
+        cached.append(pool.num_cached_blocks)
+    run = DecodeRun(
+        request_ids=list(generation_ids),
+        start_s=start_s,
+        end_times=end_times,
+        used_blocks=used,
+        cached_blocks=cached,
+        first_iteration=core._iteration + 1,
+        engine_start_s=core._start_time,
+        template=replace(template, finished_requests=0, reused_blocks=0, missed_blocks=0),
+    )
+    core._iteration += done
+    if core.check_integrity:
+        core.verify()
+    return run
