@@ -14,7 +14,7 @@ import json
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -23,9 +23,10 @@ from bm.bench.replayer import Replayer
 from bm.config import BmConfig
 from bm.distributed.engine import engine_loop
 from bm.engine import EngineLoop, Request, Response
-from bm.runtime import LoadedModel
-from bm.runtime.native import runtime_info
 from bm.workloads import ArrivalPlan, Workload, arrival_times
+
+if TYPE_CHECKING:  # bm.runtime imports torch, which a simulated run never needs
+    from bm.runtime import LoadedModel
 
 # vLLM's names for request fields, accepted in bm JSONL rows as in `bm run`.
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
@@ -165,7 +166,7 @@ def run_bench(
         model_name=model.name,
         workload=workload.describe(),
         arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
-        runtime=runtime_info(model.device, model.dtype),
+        runtime=_runtime_info(model.device, model.dtype),
     )
 
 
@@ -206,3 +207,9 @@ def _snapshot(replayer: Replayer) -> ReplayProgress:
         num_output_tokens=replayer.num_output_tokens,
         elapsed_s=replayer.now(),
     )
+
+
+def _runtime_info(device: Any, dtype: Any) -> dict[str, Any]:
+    from bm.runtime.native import runtime_info
+
+    return runtime_info(device, dtype)

@@ -235,7 +235,14 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         return 2
     from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
-    from bm.runtime import KVCacheSizeError
+
+    if cfg.engine.executor == "sim":  # no torch under the simulator: its import alone costs seconds
+
+        class KVCacheSizeError(Exception):
+            """Never raised by the simulator (it sizes its cache from the hardware row)."""
+
+    else:
+        from bm.runtime import KVCacheSizeError
 
     loaded, workload = loaded_pair
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
@@ -291,13 +298,18 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
     except (DatasetError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return None
-    from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
+    sim = cfg.engine.executor == "sim"
+    if sim:  # no weights, no torch: the model's shape and a hardware row (bm.sim.run)
+        load_errors: tuple[type[Exception], ...] = ()
+    else:
+        from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
 
+        load_errors = (ModelLoadError, UnsupportedAttentionError)
     try:
         console.print(
             f"loading model ({cfg.model.preset or cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ..."
         )
-        if cfg.engine.executor == "sim":  # no weights: the model's shape and a hardware row
+        if sim:
             from bm.sim.run import load_sim_model
 
             loaded = load_sim_model(cfg)
@@ -311,7 +323,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
             encode_word=tokenizer.encode_word if tokenizer is not None else None,
             workload=rows,
         )
-    except (ModelLoadError, UnsupportedAttentionError, DatasetError, ConfigError) as exc:
+    except (*load_errors, DatasetError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return None
     _report_dataset(console, workload)
