@@ -317,7 +317,9 @@ def test_cpu_local_times_a_forward_with_the_terms_fitted_on_the_models_own_engin
     monkeypatch.setattr("bm.sim.hardware.measure_step_overhead", lambda: 1e-4)
     calibrate()
     model_config = tmp_path / "tiny.json"
-    model_config.write_text(json.dumps(TINY | {"vocab_size": 64, "max_position_embeddings": 2048}))
+    model_config.write_text(
+        json.dumps(TINY | {"model_type": "llama", "vocab_size": 64, "max_position_embeddings": 2048})
+    )
     config = load_config(None, {"model.config": str(model_config), "model.device": "cpu"})
     shape = ModelShape.from_file(model_config)
     hardware = ensure_forward_fit(config.model, shape, "float32")
