@@ -285,7 +285,8 @@ class KvCacheConfig:
     tokens_per_block: int = _knob(32, "Tokens held by one KV cache block.", _int_at_least(1))
     max_tokens: int | None = _knob(
         None,
-        "Most tokens the KV cache holds; with free_memory_fraction the smaller of the two wins.",
+        "Most tokens the KV cache holds; with free_memory_fraction the smaller of the two wins. Where "
+        "layers with a narrower window get pools of their own, the memory of that many tokens in every layer.",
         _int_at_least(1, optional=True),
     )
     free_memory_fraction: float = _knob(
