@@ -183,6 +183,37 @@ def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
 
 
 @needs_kernel
+def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monkeypatch, tmp_path):
+    from bm.runtime import native
+
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
+    compiles = []
+    real = native._run_compiler
+    monkeypatch.setattr(native, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.paged_decode_kernel() is not None
+    built = len(compiles)
+    assert built > 0
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no temporary files left
+    monkeypatch.setattr(native, "_loaded", {})  # as a new run on the same machine
+    assert native.paged_decode_kernel() is not None
+    assert len(compiles) == built
+
+
+@needs_kernel
+def test_an_unwritable_kernel_cache_still_gives_a_kernel_for_this_process(monkeypatch, tmp_path):
+    from bm.runtime import native
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv("BM_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.paged_decode_kernel() is not None
+
+
+@needs_kernel
 def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
     cache = torch.zeros(2, 2, 4, 8, 16)
     q = torch.zeros(6, 3, 32)  # head size 32 against the cache's 16
