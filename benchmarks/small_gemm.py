@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Small-batch GEMMs of a model's shapes: torch's default path against oneDNN with the weight prepacked.
+"""A model's GEMM shapes: torch's default path against the two packed paths of ``bm.runtime.prepack``.
 
-    python benchmarks/small_gemm.py --model-config CFG.json [--rows 1,2,4,8,16,32,64,128,256,512]
+    python benchmarks/small_gemm.py --model-config CFG.json [--rows 1,2,4,8,16,32,64,128,256,512,2048]
 
-Decode iterations multiply a few rows by every weight matrix; this measures, for each distinct linear
-shape of the model (and its vocabulary projection), the best-of-N time of ``F.linear`` and of the packed
-path bm uses (``bm.runtime.prepack``), interleaved in the same run, and prints the speed-ups as JSON. It
-is the measurement behind ``MAX_PACKED_ROWS``.
+For each distinct linear shape of the model (and its vocabulary projection) and each row count, the
+best-of-N time of ``F.linear`` (MKL), of oneDNN with the weight prepacked, and of bm's compiled panel GEMM
+(``native/small_gemm.c``), interleaved in the same run. Prints JSON: GFLOP/s of each path, and the speed-up
+of each packed path over ``F.linear``. The weight stays in cache between repeats here, so the small-row
+figures are above what a forward streaming every weight from memory gets.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
+from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
 from bm.runtime.prepack import _PACK_HINT
 
 
@@ -35,7 +37,7 @@ def best_time(fn, repeats: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-config", required=True)
-    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048")
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args()
     cfg = AutoConfig.from_pretrained(args.model_config)
@@ -47,20 +49,35 @@ def main() -> None:
               "down": (hidden, inter), "lm_head": (cfg.vocab_size, hidden)}  # fmt: skip
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
-    result: dict = {"torch_threads": torch.get_num_threads(), "pack_hint": _PACK_HINT, "speedup": {}}
+    kernel = small_gemm_kernel()
+    result: dict = {"torch_threads": torch.get_num_threads(), "pack_hint": _PACK_HINT, "shapes": {}}
+    result["native_kernel"] = kernel is not None
     for name, (n, k) in shapes.items():
         weight = torch.randn(n, k) * 0.02
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
+        panels = SmallGemmKernel.pack(weight) if kernel else None
         line = {}
         for m in rows:
             x = torch.randn(m, k)
-            default = best_time(lambda x=x, w=weight: F.linear(x, w), args.repeats)
-            fast = best_time(
-                lambda x=x, w=packed: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], ""),
-                args.repeats,
-            )
-            line[m] = round(default / fast, 2)
-        result["speedup"][f"{name} {n}x{k}"] = line
+            flop = 2 * m * n * k / 1e9
+            times = {
+                "torch": best_time(lambda x=x, w=weight: F.linear(x, w), args.repeats),
+                "onednn_packed": best_time(
+                    lambda x=x, w=onednn: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], ""),
+                    args.repeats,
+                ),
+            }
+            if kernel:
+                times["bm_panel"] = best_time(lambda x=x, w=panels, n=n: kernel(x, w, None, n), args.repeats)
+            line[m] = {
+                **{f"{path}_gflop_s": round(flop / t, 1) for path, t in times.items()},
+                **{
+                    f"{path}_speedup": round(times["torch"] / t, 2)
+                    for path, t in times.items()
+                    if path != "torch"
+                },
+            }
+        result["shapes"][f"{name} {n}x{k}"] = line
     print(json.dumps(result, indent=1))
 
 

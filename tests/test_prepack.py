@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from bm.config import ConfigError, load_config
+from bm.runtime import prepack
 from bm.runtime.attention import AttentionMetadata, batch_metadata
+from bm.runtime.native import small_gemm_kernel
 from bm.runtime.prepack import (
     MAX_PACKED_ROWS,
     _PackedForward,
@@ -35,11 +37,23 @@ class Router(nn.Linear):
 
 def tiny() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(48, 80), nn.Linear(80, 48, bias=False), Router(48, 4))
+    # 50 outputs: not a whole number of the native kernel's 16-column panels
+    return nn.Sequential(nn.Linear(48, 80), nn.Linear(80, 50, bias=False), Router(50, 4))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1])
-def test_packed_linear_matches_nn_linear_inside_a_bm_forward(rows):
+@pytest.fixture(params=["native", "onednn"])
+def path(request, monkeypatch):
+    """Both packed paths: bm's compiled GEMM where it builds here, and oneDNN (its fallback)."""
+    if request.param == "native":
+        if small_gemm_kernel() is None:
+            pytest.skip("bm's compiled GEMM is not available here (no compiler or no AVX2)")
+    else:
+        monkeypatch.setattr(prepack, "small_gemm_kernel", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 1000])
+def test_packed_linear_matches_nn_linear_inside_a_bm_forward(rows, path):
     model = tiny()
     x = torch.randn(1, rows, 48)
     expected = [model[0](x), model[1](model[0](x))]
@@ -47,7 +61,20 @@ def test_packed_linear_matches_nn_linear_inside_a_bm_forward(rows):
     with torch.inference_mode(), in_bm_forward():
         got = [model[0](x), model[1](model[0](x))]
     for e, g in zip(expected, got, strict=True):
+        assert g.shape == e.shape
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_the_native_packed_path_gives_each_row_the_same_result_whatever_the_batch():
+    if small_gemm_kernel() is None:
+        pytest.skip("bm's compiled GEMM is not available here")
+    model = tiny()
+    prepack_linears(model)
+    x = torch.randn(37, 48)
+    with torch.inference_mode(), in_bm_forward():
+        batch = model[0](x)
+        for i in (0, 5, 36):
+            assert torch.equal(model[0](x[i : i + 1]), batch[i : i + 1])
 
 
 def test_outside_a_bm_forward_a_packed_layer_computes_exactly_as_transformers_does():
@@ -59,7 +86,7 @@ def test_outside_a_bm_forward_a_packed_layer_computes_exactly_as_transformers_do
         assert torch.equal(model[0](x), expected)
 
 
-def test_a_weight_changed_in_place_after_packing_is_packed_again():
+def test_a_weight_changed_in_place_after_packing_is_packed_again(path):
     model = tiny()
     prepack_linears(model)
     x = torch.randn(4, 48)
@@ -70,7 +97,7 @@ def test_a_weight_changed_in_place_after_packing_is_packed_again():
         torch.testing.assert_close(model[0](x), reference, rtol=1e-5, atol=1e-5)
 
 
-def test_a_prepacked_model_can_be_deep_copied_and_the_copy_uses_its_own_weights():
+def test_a_prepacked_model_can_be_deep_copied_and_the_copy_uses_its_own_weights(path):
     model = tiny()
     prepack_linears(model)
     clone = copy.deepcopy(model)

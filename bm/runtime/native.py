@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "BM_NATIVE_KERNELS"
 _SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
+_GEMM_SOURCE = Path(__file__).parent / "native" / "small_gemm.c"
+PANEL = 16  # output columns per packed weight panel in small_gemm.c
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -206,7 +208,7 @@ def _compile(source: Path) -> ctypes.CDLL | None:
     """Load the machine's cached build of ``source``, building it first when there is none."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
-        log.info("no C compiler found: decode attention runs on torch ops")
+        log.info("no C compiler found: %s runs on torch ops", source.stem)
         return None
     omp = _loaded_openmp_runtime()
     cached = kernel_cache_dir() / f"{source.stem}-{_cache_key(source, compiler, omp)}.so"
@@ -233,9 +235,7 @@ def _compile(source: Path) -> ctypes.CDLL | None:
             # dlopen maps the file; it may be deleted with the directory once loaded.
             return ctypes.CDLL(str(built))
         except OSError as exc:  # e.g. a temporary directory mounted noexec
-            log.info(
-                "loading the compiled %s failed, decode attention runs on torch ops: %s", source.name, exc
-            )
+            log.info("loading the compiled %s failed, it runs on torch ops: %s", source.name, exc)
             return None
 
 
@@ -257,7 +257,7 @@ def _build(source: Path, compiler: str, omp: Path | None, tmp: Path) -> Path | N
         log.info("OpenMP build of %s failed (%s); using its own threads", source.name, error.strip())
         error = _run_compiler([compiler, *_FLAGS, "-shared", str(source), "-o", str(lib_path), "-lm"])
     if error is not None:
-        log.info("compiling %s failed, decode attention runs on torch ops: %s", source.name, error)
+        log.info("compiling %s failed, it runs on torch ops: %s", source.name, error)
         return None
     return lib_path
 
@@ -271,6 +271,68 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
             lib = _compile(_SOURCE)
             _loaded["paged_decode"] = PagedDecodeKernel(lib) if lib is not None else None
         return _loaded["paged_decode"]  # type: ignore[return-value]
+
+
+class SmallGemmKernel:
+    """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX2 + FMA).
+
+    Faster than torch's default GEMM at every row count measured on SmolLM2-135M's shapes (1.05-1.1x at
+    2,048 rows, 1.3-5x at 1-64) and than oneDNN with a prepacked weight (1.0-1.9x); each output row is
+    computed alone, in one order, so results do not depend on the rest of the batch.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.bm_small_gemm_f32
+        fn.restype = ctypes.c_int
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        self._fn = fn
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` -> ``[ceil(N / 16), K, 16]`` panels, k-major, the last one zero-padded."""
+        n, k = weight.shape
+        panels = -(-n // PANEL)
+        padded = weight.new_zeros(panels * PANEL, k)
+        padded[:n] = weight
+        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """``x`` [..., K] float32; ``packed`` from :meth:`pack`; returns [..., n]."""
+        k = x.shape[-1]
+        if packed.dtype != torch.float32 or x.dtype != torch.float32 or packed.shape[1:] != (k, PANEL):
+            raise ValueError(
+                f"small GEMM: x {tuple(x.shape)} {x.dtype} against packed {tuple(packed.shape)} {packed.dtype}"
+            )
+        if packed.shape[0] * PANEL < n or (
+            bias is not None and (bias.numel() != n or not bias.is_contiguous())
+        ):
+            raise ValueError(f"small GEMM: {n} outputs do not fit the packed weight or the bias")
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1 or rows.stride(0) < k:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        status = self._fn(
+            rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError("small GEMM: this build has no AVX2/FMA kernel")
+        return out.view(*x.shape[:-1], n)
+
+
+def small_gemm_kernel() -> SmallGemmKernel | None:
+    """The compiled panel GEMM where the CPU has AVX2 and FMA; None elsewhere (or switched off)."""
+    if not native_kernels_enabled() or sys.platform == "win32":
+        return None
+    with _lock:
+        if "small_gemm" not in _loaded:
+            lib = _compile(_GEMM_SOURCE)
+            usable = lib is not None and lib.bm_small_gemm_available() == 1
+            _loaded["small_gemm"] = SmallGemmKernel(lib) if usable else None
+        return _loaded["small_gemm"]  # type: ignore[return-value]
 
 
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:

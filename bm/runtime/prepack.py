@@ -1,11 +1,15 @@
-"""Linear layers with weights prepacked by oneDNN, for the small batches of decode iterations.
+"""Linear layers with weights packed once, for every GEMM of a bm forward.
 
 On the CPU, torch's default GEMM (MKL ``sgemm``) packs the weight matrix again on every call. With the
-few rows of a decode iteration (1-256 tokens) that repacking, not the arithmetic, is most of the cost:
-measured on a 2-core AVX2 EPYC with SmolLM2-135M's shapes, oneDNN with the weight packed once runs
-1.1-2.8x faster at 2-128 rows, and 2-4.5x faster for the 49k-row vocabulary projection
-(``benchmarks/small_gemm.py``). From about 512 rows on MKL is as fast or faster, so larger inputs (context
-chunks) keep the default path.
+few rows of a decode iteration (1-256 tokens) that repacking, not the arithmetic, is most of the cost.
+Two packed paths, measured on a 2-core AVX2 EPYC with SmolLM2-135M's shapes (``benchmarks/small_gemm.py``):
+
+* bm's own panel GEMM (``native/small_gemm.c``, AVX2 + FMA, compiled once per machine): 1.3-5x faster than
+  MKL at 1-64 rows and still 1.05-1.1x at 2,048 (190-196 GFLOP/s, where a 2048-cubed ``torch.mm`` peaks at
+  about 185), so it serves every row count;
+* where that kernel is unavailable (no compiler, no AVX2), oneDNN with a prepacked weight: 1.1-2.8x
+  faster at 2-128 rows, 2-4.5x for the 49k-row vocabulary projection, even at 256 and slower from 512,
+  so it serves up to ``MAX_PACKED_ROWS`` rows and MKL the rest.
 
 The packed copy doubles the memory of the linear weights, so ``model.prepack`` ``auto`` packs only fp32
 CPU models whose linear weights take at most a quarter of the machine's memory. The packed path runs
@@ -24,8 +28,9 @@ import torch
 from torch import nn
 
 from bm.runtime.attention import in_bm_forward
+from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
 
-# Inputs with at most this many rows take the packed path (see the module docstring for the measurement).
+# Inputs with at most this many rows take the oneDNN path (see the module docstring for the measurement).
 MAX_PACKED_ROWS = 256
 # The batch size oneDNN tunes the packed layout for; 16-128 measured alike, 1 was worse.
 _PACK_HINT = 64
@@ -38,8 +43,8 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"prepacked weights are a CPU path; the model is on {device}"
     if dtype != torch.float32:
         return f"prepacked weights are measured and tested for float32 only, not {dtype}"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
+    if small_gemm_kernel() is None and not torch.backends.mkldnn.is_available():
+        return "neither bm's compiled GEMM (it needs a C compiler and AVX2) nor oneDNN is available here"
     return None
 
 
@@ -102,11 +107,12 @@ def unpack_linears(model: nn.Module) -> None:
 
 
 class _PackedForward:
-    """A Linear's forward: packed GEMM for small inputs inside a bm forward, the module's own otherwise."""
+    """A Linear's forward: a packed GEMM inside a bm forward, the module's own otherwise."""
 
     def __init__(self, module: nn.Linear) -> None:
         self._own: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(type(module).forward, module)
         self._module = module
+        self._kernel: SmallGemmKernel | None = small_gemm_kernel()
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
         self._pack()
@@ -127,26 +133,32 @@ class _PackedForward:
         module = state["_module"]
         self._module = module
         self._own = types.MethodType(type(module).forward, module)
+        self._kernel = small_gemm_kernel()
         self._packed = None
         self._key = None
 
     def _pack(self) -> None:
         weight = self._module.weight
         with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+            if self._kernel is not None:
+                self._packed = SmallGemmKernel.pack(weight.detach())
+            else:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
         self._key = (weight.data_ptr(), weight._version)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module
         if (
             x.dim() < 2
-            or x.numel() > MAX_PACKED_ROWS * module.in_features
             or x.dtype != torch.float32
             or torch.is_grad_enabled()
             or not in_bm_forward()
+            or (self._kernel is None and x.numel() > MAX_PACKED_ROWS * module.in_features)
         ):
             return self._own(x)
         weight = module.weight
         if (weight.data_ptr(), weight._version) != self._key:
             self._pack()
+        if self._kernel is not None:
+            return self._kernel(x, self._packed, module.bias, module.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, module.bias, "none", [None], "")
