@@ -102,6 +102,7 @@ def supports_fast_forward(core: EngineCore) -> bool:
         callable(getattr(core.executor, "decode_run", None))
         and core.scheme in (BatchingScheme.INFLIGHT_FUSED, BatchingScheme.INFLIGHT)
         and core.attention_window is None
+        and not core.kv_cache_manager.window_tables  # narrower windows release blocks as they go
         and core.ngram is None
         and type(scheduler) is SimpleScheduler
         and type(scheduler.capacity_scheduler) in _BUILT_IN_CAPACITY
