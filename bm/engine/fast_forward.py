@@ -71,6 +71,7 @@ class DecodeRun:
     first_iteration: int  # the iteration counter of the first
     engine_start_s: float  # the core's clock origin (stats' elapsed time)
     template: IterationStats  # the fields every iteration of the run shares
+    num_layers: int = 1  # layers one main-pool block serves (stats count layer blocks with it)
 
     @property
     def num_iterations(self) -> int:
@@ -88,6 +89,7 @@ class DecodeRun:
             self.template,
             iteration=self.first_iteration + j,
             used_blocks=used,
+            used_layer_blocks=used * self.num_layers,
             free_blocks=self.template.max_blocks - used,
             cached_blocks=self.cached_blocks[j],
             elapsed_s=end - self.engine_start_s,
@@ -195,6 +197,7 @@ def fast_forward(
         first_iteration=core._iteration + 1,
         engine_start_s=core._start_time,
         template=replace(template, finished_requests=0, reused_blocks=0, missed_blocks=0),
+        num_layers=kv.num_layers,
     )
     core._iteration += done
     if core.check_integrity:

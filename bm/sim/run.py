@@ -252,6 +252,7 @@ def decode_rows(run: DecodeRun) -> list[dict[str, Any]]:
         row["Iteration Counter"] = run.first_iteration + j
         row["Free KV cache blocks"] = max_blocks - used
         row["Used KV cache blocks"] = used
+        row["Used KV layer blocks"] = used * run.num_layers
         row["Elapsed Time (s)"] = elapsed
         row["Iteration Latency (ms)"] = round((end - start) * 1e3, 3)
         row["Reusable KV cache blocks"] = run.cached_blocks[j]
