@@ -125,3 +125,28 @@ def test_fast_forward_skips_most_iterations_of_a_steady_decode(tmp_path):
         skipped += run.num_iterations if run is not None else 0
     assert steps + skipped == 350  # one token an iteration (the prompt's gives the first) to the longest
     assert steps <= 12
+
+
+def test_a_decode_runs_tokens_are_the_scalar_fake_tokens_bumped_off_the_end_id():
+    """The vectorized tokens of a fast-forwarded run equal what execute() samples one at a time, for
+    request ids near 2**64 and end ids the hash hits."""
+    import random
+
+    from bm.engine.fake_executor import fake_token
+    from bm.scheduling.request import LlmRequest, SamplingParams
+    from bm.sim.executor import fake_tokens
+
+    rng = random.Random(5)
+    requests = [
+        LlmRequest(
+            rng.randrange(2**64),
+            [5] * rng.randrange(1, 3000),
+            10,
+            SamplingParams(end_id=rng.randrange(3, 40)),
+        )
+        for _ in range(100)
+    ]
+    for req, tokens in zip(requests, fake_tokens(requests, 60, 40), strict=True):
+        expected = [fake_token(req.request_id, p, 0, 40) for p in range(req.num_tokens, req.num_tokens + 60)]
+        expected = [(t + 1 if t + 1 < 40 else 3) if t == req.sampling.end_id else t for t in expected]
+        assert tokens == expected

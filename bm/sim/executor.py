@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from bm.engine.executor import ExecutionBatch, ExecutionResult, ModelLimits, WorkKind
-from bm.engine.fake_executor import FakeExecutor, fake_token
+from bm.engine.fake_executor import _MIX, FakeExecutor, fake_token
 from bm.engine.request import RequestError
 from bm.scheduling.request import LlmRequest
 from bm.sim.cost import CostModel, IterationCost
@@ -158,14 +160,27 @@ class SimExecutor(FakeExecutor):
             self.last_duration_s = seconds
             self.total_duration_s = total
             self.last_cost = None
-        vocab = self._limits.vocab_size
-        tokens = []
-        for req in requests:
-            first = req.num_tokens  # the position of the first token produced
-            end_id = req.sampling.end_id
-            new = [fake_token(req.request_id, pos, 0, vocab) for pos in range(first, first + done)]
-            if end_id in new:
-                new = [(t + 1 if t + 1 < vocab else 3) if t == end_id else t for t in new]
-            tokens.append(new)
+        tokens = fake_tokens(requests, done, self._limits.vocab_size)
         self.last_sampled = []
         return end_times, tokens
+
+
+def fake_tokens(requests: list[LlmRequest], count: int, vocab_size: int, low: int = 3) -> list[list[int]]:
+    """:func:`fake_token` for the next ``count`` positions of each request (bumped off its end id as
+    :meth:`SimExecutor.execute` does), in one numpy pass: uint64 arithmetic wraps modulo 2**64, and the
+    hash keeps its low 48 bits, so the values are exactly the scalar function's."""
+    if count <= 0:
+        return [[] for _ in requests]
+    ids = np.array([r.request_id for r in requests], dtype=np.uint64)[:, None]
+    first = np.array([r.num_tokens for r in requests], dtype=np.uint64)[:, None]
+    positions = first + np.arange(count, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        mixed = (ids * np.uint64(1_000_003) + positions * np.uint64(8191) + np.uint64(17)) * np.uint64(_MIX)
+    values = np.uint64(low) + (mixed & np.uint64(0xFFFFFFFFFFFF)) % np.uint64(vocab_size - low)
+    out = values.astype(np.int64)
+    end_ids = np.array([r.sampling.end_id for r in requests], dtype=np.int64)[:, None]
+    hit = out == end_ids
+    if hit.any():
+        bumped = np.where(out + 1 < vocab_size, out + 1, 3)
+        out = np.where(hit, bumped, out)
+    return out.tolist()
