@@ -79,8 +79,9 @@ def measure_forward_fit(model_config: Any, *, repeats: int = 1, timings: int = 3
                     totals[2] += 1 if item.sample else 0
                     totals[3] += n * p + n * (n + 1) // 2
                     totals[4] += p + n
-            # Best of a few: other load on a shared machine only ever adds time. Re-running a batch
-            # writes the same KV slots and samples the same greedy tokens, so the run is unchanged.
+            # Best of a few, as every cpu-local micro-benchmark: other load on a shared machine only
+            # ever adds time. Re-running a batch writes the same KV slots and samples the same greedy
+            # tokens, so the run is unchanged.
             best = float("inf")
             for _ in range(timings):
                 started = time.perf_counter()

@@ -3,7 +3,9 @@
 Specs are data, so adding a device or changing a price is an edit to the YAML, not to code. ``cpu-local``
 is this machine as bm's own CPU runtime sees it: a short micro-benchmark (GEMM throughput through torch,
 memory bandwidth, the cost of one small op and of one engine-core step) cached in
-``~/.cache/bm/cpu-local.yaml`` and rerun by ``bm sim calibrate``.
+``~/.cache/bm/cpu-local.yaml`` and rerun by ``bm sim calibrate``. Beside the row, each simulated model
+gets its forward measured on bm's own engine here (:mod:`bm.sim.forward_fit`): on this CPU that, not the
+roofline, times its forwards.
 """
 
 from __future__ import annotations
