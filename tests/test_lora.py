@@ -18,6 +18,7 @@ from bm.engine import InferenceRequest, generate
 from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor
 from bm.engine.request import LORA_MODULE_NAMES, LoraSpec, Request
+from bm.runtime import lora as lora_module
 from bm.runtime.lora import LoraLayers, find_lora_targets, read_peft_adapter, task_id_for_directory
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
@@ -258,9 +259,14 @@ def seed_form_adapter(model, modules: dict[str, int], seed: int) -> tuple[LoraSp
     return LoraSpec(task_id=seed, config=tuple(rows), weights=padded), pairs
 
 
-def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exact(tiny_model):
-    """The segmented path: items of one slot are one row range; q/k/v (and gate/up) share one x @ A
-    GEMM; a slot reloaded with an adapter on fewer modules keeps nothing of the old one."""
+@pytest.mark.parametrize("path", ["segmented", "masked"])
+def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exact(
+    tiny_model, monkeypatch, path
+):
+    """Both paths: items of one slot are one row range (one GEMM each, or one masked GEMM for all);
+    q/k/v (and gate/up) share one x @ A; a slot reloaded with an adapter on fewer modules keeps nothing
+    of the old one."""
+    monkeypatch.setattr(lora_module, "MASKED_PATH_ROWS", 0 if path == "segmented" else 10**6)
     model = copy.deepcopy(tiny_model.model)
     layers = LoraLayers(model, torch.float32, torch.device("cpu"))
     everything = dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate"], 4)
@@ -279,6 +285,7 @@ def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exac
     inputs: dict[int, torch.Tensor] = {}
     with torch.inference_mode():
         layers.begin(items)
+        assert bool(layers.masks) == (path == "masked")
         for (module, layer), linear in sorted(find_lora_targets(model).items()):
             x = inputs.setdefault(
                 linear.in_features, torch.randn(1, len(token_slots), linear.in_features, generator=g)

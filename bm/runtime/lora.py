@@ -64,6 +64,8 @@ def find_lora_targets(model: nn.Module) -> dict[tuple[int, int], nn.Linear]:
 # adapter once (one GEMM per adapter segment for q, k and v together; one for gate and up).
 _SHARED_INPUT = (("attn_q", "attn_k", "attn_v"), ("mlp_h_to_4h", "mlp_gate"))
 _FAMILY = {LORA_MODULES[name]: i for i, names in enumerate(_SHARED_INPUT) for name in names}
+# The masked path is taken while (adapter tokens) x (loaded slots) stays within this many rows.
+MASKED_PATH_ROWS = 512
 
 
 @dataclass(slots=True)
@@ -86,6 +88,10 @@ class _Group:
         # storage, by slot: A rows [slots, len(members) * rank, in], each member's B.T [slots, rank, out]
         self.a = torch.empty(0)
         self.b: list[torch.Tensor] = []
+        # the masked path's views: every member's A at full rank, member-major
+        # ([members * slots * rank, in]), and each member's B.T as [slots * rank, out]
+        self.a_wide = torch.empty(0)
+        self.b_wide: list[torch.Tensor] = []
         # by slot: (rows used, per member (first row, size) or None); None: the adapter skips the group
         self.layout: list[tuple[int, list[tuple[int, int] | None]] | None] = []
         self.plans: list[_Plan | None] = []
@@ -105,6 +111,22 @@ class _Group:
         self.a, self.b = a, b
         self.layout += [None] * (num_slots - len(self.layout))
         self.plans = [self._plan(slot) for slot in range(num_slots)]
+        wide = torch.zeros(len(self.members), num_slots, rank, self.in_features, dtype=dtype, device=device)
+        for slot in range(num_slots):
+            self._widen(slot, wide)
+        self.a_wide = wide.view(-1, self.in_features)
+        self.b_wide = [m.view(num_slots * rank, -1) for m in b]
+
+    def _widen(self, slot: int, wide: torch.Tensor) -> None:
+        """Copy ``slot``'s A rows into the member-major layout of the masked path."""
+        wide[:, slot].zero_()
+        layout = self.layout[slot]
+        if layout is None:
+            return
+        for i, member in enumerate(layout[1]):
+            if member is not None:
+                first, size = member
+                wide[i, slot, :size] = self.a[slot, first : first + size]
 
     def _plan(self, slot: int) -> _Plan | None:
         layout = self.layout[slot]
@@ -132,6 +154,7 @@ class _Group:
             row += size
         self.layout[slot] = (row, members) if row else None
         self.plans[slot] = self._plan(slot)
+        self._widen(slot, self.a_wide.view(len(self.members), len(self.layout), -1, self.in_features))
 
 
 class LoraLayers:
@@ -153,6 +176,8 @@ class LoraLayers:
         self.rank = 0
         self.num_slots = 0
         self.segments: list[tuple[int, int, int]] = []  # this forward's (slot, first token, end)
+        self.masks: dict[int, torch.Tensor] = {}  # masked path: group size -> [rows, size * slots * rank]
+        self.masked_rows = (0, 0)
         self._hooks: list[Any] = []
 
     # -- checks (at admission) ------------------------------------------------------------------------
@@ -238,7 +263,13 @@ class LoraLayers:
 
     def begin(self, slots_per_segment: Sequence[tuple[int, int]]) -> None:
         """``(slot or -1, number of tokens)`` per item of the coming forward, in order: consecutive items
-        of one slot become one segment (no tensor is built: segments are row ranges)."""
+        of one slot become one segment (a row range; base-model rows belong to none).
+
+        Where every segment is short (generation steps: a token or a few per request), one GEMM per
+        segment costs more in calls than in arithmetic, so the forward takes the masked path instead:
+        the adapter rows meet every loaded adapter in one GEMM, a per-token mask keeps each token's own
+        adapter's columns (exact zeros elsewhere), and one more GEMM per module applies B. It is chosen
+        while the wasted rows stay small (``tokens x slots <= MASKED_PATH_ROWS``)."""
         segments: list[tuple[int, int, int]] = []
         offset = 0
         for slot, n in slots_per_segment:
@@ -249,14 +280,39 @@ class LoraLayers:
                     segments.append((slot, offset, offset + n))
             offset += n
         self.segments = segments
+        self.masks = {}
+        if not segments:
+            return
+        first, last = segments[0][1], segments[-1][2]
+        if len(segments) > 1 and (last - first) * self.num_slots <= MASKED_PATH_ROWS:
+            slots = [-1] * (last - first)
+            for slot, lo, hi in segments:
+                slots[lo - first : hi - first] = [slot] * (hi - lo)
+            token_slots = torch.tensor(slots, device=self.device)
+            column_slots = torch.arange(self.num_slots * self.rank, device=self.device) // self.rank
+            mask = (token_slots[:, None] == column_slots[None, :]).to(self.dtype)
+            self.masks = {
+                g: mask.repeat(1, g) for g in {len(group.members) for group in self.groups.values()}
+            }
+            self.masked_rows = (first, last)
 
     def end(self) -> None:
         self.segments = []
+        self.masks = {}
         for group in self.groups.values():
             group.x, group.xa = None, []
 
     def apply(self, group: _Group, member: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add member ``member``'s adapter delta into ``out`` for every adapter segment, in place."""
+        rows = out.view(-1, out.shape[-1])
+        if self.masks:
+            first, last = self.masked_rows
+            if group.x is not x:  # the group's first member this forward: one x @ A for all members
+                xa = F.linear(x.reshape(-1, x.shape[-1])[first:last], group.a_wide)
+                group.xa, group.x = xa.mul_(self.masks[len(group.members)]), x
+            width = self.num_slots * self.rank
+            rows[first:last].addmm_(group.xa[:, member * width : (member + 1) * width], group.b_wide[member])
+            return
         segments = self.segments
         if group.x is not x:  # the group's first member this forward: x @ A.T for all of its members
             flat = x.reshape(-1, x.shape[-1])
@@ -266,7 +322,6 @@ class LoraLayers:
                 for slot, lo, hi in segments
             ]
             group.x = x
-        rows = out.view(-1, out.shape[-1])
         for (slot, lo, hi), xa in zip(segments, group.xa, strict=True):
             if xa is None:
                 continue
