@@ -9,6 +9,7 @@ the fake executor, where every decision is visible without a model.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 
 import pytest
@@ -306,3 +307,17 @@ def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exac
         x = inputs[linear.in_features]
         assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     layers.close()
+    assert not any("forward" in t.__dict__ for t in find_lora_targets(model).values())
+
+
+def test_an_engine_that_goes_away_gives_the_shared_model_its_layers_back(tiny_model):
+    """Engines come and go on one loaded model (tests, benchmarks): adapters must not leave a wrapper
+    behind that later base-model runs would pay for."""
+    model = copy.deepcopy(tiny_model.model)
+    for _ in range(2):
+        layers = LoraLayers(model, torch.float32, torch.device("cpu"))
+        layers.load(0, seed_form_adapter(model, {"attn_q": 2, "mlp_gate": 2}, seed=5)[0])
+        assert sum("forward" in t.__dict__ for t in find_lora_targets(model).values()) > 0
+        del layers
+        gc.collect()
+        assert not any("forward" in t.__dict__ for t in find_lora_targets(model).values())

@@ -5,8 +5,8 @@ packed batch; :meth:`LoraLayers.begin` records those ranges once per forward, an
 layer adds ``(x[range] @ A.T) @ B.T`` into the same rows of its output, in place, for each range: a
 segmented GEMM as in Punica's SGMV, where each token meets only its own adapter, at that adapter's rank,
 and base-model tokens cost nothing. Modules that read one input (q/k/v, gate/up) share one ``x @ A.T``
-GEMM per range. The adapter's scaling is folded into B. A batch with no adapter token runs the hooks as
-no-ops.
+GEMM per range. The adapter's scaling is folded into B. A batch with no adapter token leaves every layer
+as it was.
 
 The seed's form of an adapter is ``lora_config`` rows ``[module_id, layer_idx, D]`` and ``lora_weights``
 rows ``A [D, Hi]`` then ``B [Ho, D]``, flattened row-major. :func:`read_peft_adapter` converts a directory
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +158,7 @@ class _Group:
 
 
 class LoraLayers:
-    """Loaded adapters by slot, grouped per layer by shared input, and the hooks that apply them.
+    """Loaded adapters by slot, grouped per layer by shared input, and the layer wrappers that apply them.
 
     A forward's tokens arrive grouped by adapter slot (the executor orders its items so), and
     :meth:`begin` turns them into segments ``(slot, first, last)``, once for every layer and module. Each
@@ -178,7 +178,10 @@ class LoraLayers:
         self.segments: list[tuple[int, int, int]] = []  # this forward's (slot, first token, end)
         self.masks: dict[int, torch.Tensor] = {}  # masked path: group size -> [rows, size * slots * rank]
         self.masked_rows = (0, 0)
-        self._hooks: list[Any] = []
+        self._ref = weakref.ref(self)
+        self._adapted: list[nn.Linear] = []  # layers whose forward applies this object's adapters
+        # an engine that goes away without close() still gives the shared model its layers back
+        self._finalizer = weakref.finalize(self, _detach, self._adapted, self._ref)
 
     # -- checks (at admission) ------------------------------------------------------------------------
 
@@ -232,7 +235,7 @@ class LoraLayers:
             group.load(slot, by_group.get(id(group), {}))
 
     def _place(self, module: int, layer: int) -> tuple[_Group, int]:
-        """The group and member index of a targeted module, making its group (and hooks) on first use."""
+        """The group and member index of a targeted module, making its group (and wrapping its layers) on first use."""
         place = self._member.get((module, layer))
         if place is not None:
             return place
@@ -250,14 +253,15 @@ class LoraLayers:
         self.groups[group_key] = group
         for i, key in enumerate(keys):
             self._member[key] = (group, i)
-            self._hooks.append(self.targets[key].register_forward_hook(_hook(weakref.ref(self), group, i)))
+            linear = self.targets[key]
+            _attach(linear, (self._ref, group, i))
+            self._adapted.append(linear)
         return group, self._member[(module, layer)][1]
 
     def close(self) -> None:
-        """Remove the hooks (the model is shared with other engines in tests and tools)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        """Give the layers back their own forward (the model is shared with other engines in tests and
+        tools)."""
+        self._finalizer()
 
     # -- per forward ----------------------------------------------------------------------------------
 
@@ -331,16 +335,38 @@ class LoraLayers:
                 rows[lo:hi].addmm_(xa[:, first:last], bt)
 
 
-def _hook(layers: weakref.ref, group: _Group, member: int):
-    """The forward hook of one targeted layer; it holds its owner weakly, so an engine that goes away
-    leaves an inert hook rather than its adapters pinned in memory."""
+def _lora_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A targeted layer's forward: its own, then each live owner's adapter delta added in place.
 
-    def apply(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        owner = layers()
+    It replaces the module's ``forward`` (as a bound method, so a deep copy of the model rebinds it to
+    the copy's layer) rather than being a forward hook: a module with hooks takes torch's slow call
+    path, which costs more per generation step than the delta itself. Owners are held weakly."""
+    out = type(self).forward(self, x)
+    for ref, group, member in self._bm_lora:
+        owner = ref()
         if owner is not None and owner.segments:
-            owner.apply(group, member, args[0], output)
+            owner.apply(group, member, x, out)
+    return out
 
-    return apply
+
+def _attach(linear: nn.Linear, entry: tuple[weakref.ref, _Group, int]) -> None:
+    if "_bm_lora" not in linear.__dict__:
+        linear._bm_lora = []
+        linear.forward = types.MethodType(_lora_forward, linear)
+    linear._bm_lora.append(entry)
+
+
+def _detach(linears: list[nn.Linear], ref: weakref.ref) -> None:
+    """Drop ``ref``'s entries (and dead owners'); a layer left with none gets its own forward back."""
+    for linear in linears:
+        entries = linear.__dict__.get("_bm_lora")
+        if entries is None:
+            continue
+        entries[:] = [e for e in entries if e[0] is not ref and e[0]() is not None]
+        if not entries:
+            del linear._bm_lora
+            del linear.forward
+    linears.clear()
 
 
 # -- PEFT directories -----------------------------------------------------------------------------------
