@@ -321,3 +321,22 @@ def test_an_engine_that_goes_away_gives_the_shared_model_its_layers_back(tiny_mo
         del layers
         gc.collect()
         assert not any("forward" in t.__dict__ for t in find_lora_targets(model).values())
+
+
+@pytest.mark.parametrize("form", ["tensor", "lists"])
+def test_a_non_finite_weight_is_refused_naming_its_row_and_padding_after_a_row_is_never_read(
+    tiny_model, form
+):
+    targets = find_lora_targets(tiny_model.model)
+    q = targets[(1, 0)]  # attn_q of layer 0, the widest row below (rank 2)
+    width = 2 * (q.in_features + q.out_features)
+    weights = torch.full((2, width + 3), 0.01)
+    weights[0, width:] = float("nan")  # row 0's padding: never read
+    weights[1, 5] = float("inf")
+    config = torch.tensor([[1, 0, 2], [3, 0, 2]])
+    given = weights if form == "tensor" else weights.tolist()
+    request = InferenceRequest.from_values(
+        0, [5, 6], 2, lora_task_id=7, lora_config=config, lora_weights=given
+    )
+    results = generate([request], make_config(), model=tiny_model)
+    assert "lora_weights: row 1 holds a non-finite value" in results[0].error

@@ -188,6 +188,7 @@ class LoraLayers:
     def check(self, spec: LoraSpec) -> None:
         """Refuse an adapter this model cannot run, naming the row and the module."""
         present = sorted({LORA_MODULE_NAMES[m] for m, _ in self.targets})
+        widths: list[int] = []
         for i, (module, layer, size) in enumerate(spec.config):
             target = self.targets.get((module, layer))
             name = LORA_MODULE_NAMES[module]
@@ -198,6 +199,7 @@ class LoraLayers:
                     f"0..{max((lay for _, lay in self.targets), default=-1)}"
                 )
             width = size * (target.in_features + target.out_features)
+            widths.append(width)
             row = spec.weights[i]
             if len(row) < width:
                 raise RequestError(
@@ -205,6 +207,17 @@ class LoraLayers:
                     f"values; it needs D x Hi + Ho x D = {size} x {target.in_features} + "
                     f"{target.out_features} x {size} = {width} (longer rows are padding)"
                 )
+        if isinstance(spec.weights, torch.Tensor) and spec.weights.dim() == 2:
+            # one pass over the whole tensor (every request of a task may carry it): the values that
+            # matter are each row's first ``width``; the padding after them is never read
+            values = spec.weights.detach().to("cpu", torch.float32)
+            used = torch.arange(values.shape[1]) < torch.tensor(widths)[:, None]
+            bad = (used & ~torch.isfinite(values)).any(dim=1).nonzero()
+            if bad.numel():
+                raise RequestError(f"lora_weights: row {int(bad[0, 0])} holds a non-finite value")
+            return
+        for i, width in enumerate(widths):
+            row = spec.weights[i]
             try:
                 values = torch.as_tensor(row[:width], dtype=torch.float32)
             except (TypeError, ValueError):
