@@ -93,6 +93,13 @@ def _choice(aliases: Mapping[str, str]) -> Callable[[str, Any], Any]:
     return check
 
 
+def _on_off_auto(key: str, value: Any) -> str:
+    """auto, on or off; YAML's true/false (and the strings) mean on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return _choice({"auto": "auto", "on": "on", "off": "off", "true": "on", "false": "off"})(key, value)
+
+
 def _device(key: str, value: Any) -> Any:
     if not isinstance(value, str) or not (
         value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
@@ -206,6 +213,12 @@ class ModelConfig:
     seed: int = _knob(
         0, "Seed of the random weights (model.config and the embedded default).", _int_at_least(0)
     )
+    prepack: str = _knob(
+        "auto",
+        "Pack linear weights once with oneDNN for small batches (decode): auto (fp32 CPU models whose "
+        "linear weights fit in a quarter of memory; costs a second copy of them), on, off.",
+        _on_off_auto,
+    )
 
 
 @dataclass
@@ -285,7 +298,8 @@ class KvCacheConfig:
     tokens_per_block: int = _knob(32, "Tokens held by one KV cache block.", _int_at_least(1))
     max_tokens: int | None = _knob(
         None,
-        "Most tokens the KV cache holds; with free_memory_fraction the smaller of the two wins.",
+        "Most tokens the KV cache holds; with free_memory_fraction the smaller of the two wins. Where "
+        "layers with a narrower window get pools of their own, the memory of that many tokens in every layer.",
         _int_at_least(1, optional=True),
     )
     free_memory_fraction: float = _knob(

@@ -3,14 +3,17 @@ max_window_layers) run sequences past their window, each layer within its own, e
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bm.config import ConfigError, config_from_dict
-from bm.engine import InferenceRequest, generate
+from bm.engine import BatchManager, InferenceRequest, generate
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.runtime.model_loader import describe_model
+from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, reference_model
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -53,6 +56,54 @@ def test_gemma3_requests_ten_windows_long_match_hf(gemma3):
     for i, (prompt, max_new) in enumerate(specs):
         assert results[i].error == ""
         assert results[i].output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
+
+
+def test_gemma3_300_token_requests_joining_mid_generation_match_hf_in_a_fraction_of_the_kv_blocks(gemma3):
+    """Window 32, five of six layers windowed, requests of 300 tokens arriving one an iteration, chunked
+    context: the windowed layers keep blocks in a pool of their own and give back what fell behind
+    their window, so the KV blocks in use (counted per layer: one block of one layer is the unit, as full
+    attention would count 6 per block) stay well below what full attention holds for the same requests."""
+    loaded, ref = gemma3
+    g = torch.Generator().manual_seed(11)
+    specs = [(torch.randint(3, 300, (n,), generator=g).tolist(), 300 - n) for n in (290, 270, 240, 285, 200)]
+    client = StaggeredClient([InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)], 1)
+    lines: list[str] = []
+    config = make_config(
+        engine={"max_batch_size": 3, "max_num_tokens": 64, "enable_chunked_context": True},
+        kv_cache={"tokens_per_block": 16, "max_tokens": 2048},
+    )
+    with BatchManager(
+        config, client.get_requests, client.send_response, model=loaded, check_integrity=True,
+        return_stats=lines.append,
+    ):  # fmt: skip
+        assert client.wait(300)
+    for i, (prompt, max_new) in enumerate(specs):
+        assert client.results[i].error == "", f"request {i}"
+        assert client.results[i].output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
+    stats = [json.loads(line) for line in lines]
+    used = [s["Used KV layer blocks"] for s in stats]
+    full = [s["Used KV layer blocks"] + s["KV layer blocks saved by window"] for s in stats]
+    assert max(full) >= 6 * 300 // 16  # full attention: at least one whole request in every layer
+    assert max(used) * 2 < max(full)
+    assert all(u <= f for u, f in zip(used, full, strict=True))
+
+
+def test_gemma3_request_longer_than_a_full_attention_cache_runs_in_the_same_memory(gemma3):
+    """160 tokens of memory in every layer: full attention holds 10 blocks of 16, too few for 300 tokens.
+    With the windowed layers in a pool sized to their window, the full layer's pool gets the rest of
+    the memory and the request runs, equal to HF. With block reuse (one table for every layer) it is
+    refused, as before."""
+    loaded, ref = gemma3
+    prompt = torch.randint(3, 300, (280,), generator=torch.Generator().manual_seed(12)).tolist()
+    engine = {"max_batch_size": 1, "max_num_tokens": 32, "enable_chunked_context": True}
+    kv = {"tokens_per_block": 16, "max_tokens": 160}
+    request = InferenceRequest.from_values(0, prompt, 20)
+    result = generate([request], make_config(engine=engine, kv_cache=kv), model=loaded, check_integrity=True)
+    assert result[0].error == ""
+    assert result[0].output_ids == hf_greedy(ref, prompt, 20)
+    one_table = make_config(engine=engine, kv_cache={**kv, "enable_block_reuse": True})
+    refused = generate([request], one_table, model=loaded)
+    assert "needs 19 KV cache blocks" in refused[0].error
 
 
 def test_qwen2_max_window_layers_runs_past_the_window():

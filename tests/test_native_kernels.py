@@ -183,6 +183,37 @@ def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
 
 
 @needs_kernel
+def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monkeypatch, tmp_path):
+    from bm.runtime import native
+
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
+    compiles = []
+    real = native._run_compiler
+    monkeypatch.setattr(native, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.paged_decode_kernel() is not None
+    built = len(compiles)
+    assert built > 0
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no temporary files left
+    monkeypatch.setattr(native, "_loaded", {})  # as a new run on the same machine
+    assert native.paged_decode_kernel() is not None
+    assert len(compiles) == built
+
+
+@needs_kernel
+def test_an_unwritable_kernel_cache_still_gives_a_kernel_for_this_process(monkeypatch, tmp_path):
+    from bm.runtime import native
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv("BM_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.paged_decode_kernel() is not None
+
+
+@needs_kernel
 def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
     cache = torch.zeros(2, 2, 4, 8, 16)
     q = torch.zeros(6, 3, 32)  # head size 32 against the cache's 16
@@ -190,3 +221,33 @@ def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
     idx = torch.tensor([0])
     with pytest.raises(ValueError, match="head size"):
         kernel(out, q, cache, idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 16, 8), (5, 50, 33), (6, 96, 64), (13, 7, 40), (200, 130, 72)]
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_panel_gemm_matches_torch_linear(rows, n, k, with_bias):
+    from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
+
+    kernel = small_gemm_kernel()
+    if kernel is None:
+        pytest.skip("the panel GEMM needs a C compiler and AVX2/FMA")
+    torch.manual_seed(rows * n + k)
+    weight, bias = torch.randn(n, k), torch.randn(n) if with_bias else None
+    x = torch.randn(2, rows, k + 3)[:, :, 1 : k + 1]  # strided rows: not contiguous
+    got = kernel(x, SmallGemmKernel.pack(weight), bias, n)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_panel_gemm_refuses_a_weight_packed_for_another_shape():
+    from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
+
+    kernel = small_gemm_kernel()
+    if kernel is None:
+        pytest.skip("the panel GEMM needs a C compiler and AVX2/FMA")
+    packed = SmallGemmKernel.pack(torch.randn(32, 8))
+    with pytest.raises(ValueError, match="small GEMM"):
+        kernel(torch.randn(3, 9), packed, None, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel(torch.randn(3, 8), packed, None, 48)

@@ -50,6 +50,7 @@ def build_batch(
                 start,
                 kv.block_ids(req.request_id),
                 end == req.num_tokens,
+                window_block_ids=kv.window_block_ids(req.request_id),
             )
         )
     for work in plan.padding:
@@ -64,7 +65,9 @@ def build_batch(
                 items.append(WorkItem(req, WorkKind.GENERATION, [tokens[-1]], position, table, True, beam))
         else:
             table = kv.block_ids(req.request_id)
-            items.append(WorkItem(req, WorkKind.GENERATION, [req.last_token()], position, table, True))
+            item = WorkItem(req, WorkKind.GENERATION, [req.last_token()], position, table, True)
+            item.window_block_ids = kv.window_block_ids(req.request_id)
+            items.append(item)
     for slot in plan.empty_slots:
         req = slot.request
         table = kv.block_ids(req.request_id)

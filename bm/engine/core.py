@@ -30,7 +30,7 @@ from bm.engine.executor import (
     Executor,
     WorkKind,
 )
-from bm.engine.limits import max_seq_len, window_layout
+from bm.engine.limits import cache_pools, max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
 from bm.engine.speculative import NgramConfig, SpecState, can_speculate, request_drafts
@@ -92,16 +92,21 @@ class EngineCore:
         self.max_num_active_requests = engine.max_num_active_requests or engine.max_batch_size
         num_blocks = executor.num_kv_blocks(kv_cfg, self.max_num_active_requests * self.max_seq_len)
         layout = window_layout(config, model, self.max_seq_len)
-        # blocks are released behind a window only when every layer shares it (one table serves all layers)
-        self.attention_window = layout.uniform_window
-        sinks = kv_cfg.sink_token_length if self.attention_window is not None else 0
+        # the main table releases behind the window every layer stays within; narrower windows may get
+        # pools of their own, which the main pool's share of the memory then grows by
+        pools = cache_pools(config, layout, num_blocks, self.max_num_active_requests, self.max_seq_len)
+        self.attention_window = pools.attention_window
+        num_blocks = pools.num_blocks
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             kv_cfg.tokens_per_block,
             # V1 is the static baseline: a static-batching engine keeps no prefix cache.
             enable_block_reuse=kv_cfg.enable_block_reuse and engine.batching_scheme != BatchingScheme.V1,
             max_attention_window=self.attention_window,
-            sink_token_length=sinks,
+            sink_token_length=pools.sink_token_length,
+            num_layers=pools.num_layers,
+            window_groups=pools.window_groups,
+            window_sink_token_length=pools.window_sink_token_length,
         )
         executor.bind(
             CacheLayout(
@@ -109,8 +114,9 @@ class EngineCore:
                 kv_cfg.tokens_per_block,
                 min(self.max_seq_len, num_blocks * kv_cfg.tokens_per_block),
                 self.attention_window,
-                sinks,
+                pools.sink_token_length,
                 layout if layout.is_mixed else None,
+                {g.window: g.num_blocks for g in pools.window_groups},
             )
         )
         self.scheduler = build_scheduler(engine, self.kv_cache_manager)
@@ -192,6 +198,8 @@ class EngineCore:
         num_active = len(self._active)
         # A request whose LoRA adapter cannot be loaded yet (every slot held) waits unscheduled.
         ready = [r for r in self._active.values() if self.peft_cache.ready(r)]
+        if self.kv_cache_manager.window_tables:
+            ready = self._within_window_pools(ready)
         plan = self.scheduler.schedule_request(ready)
         prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
         self._pause(plan)
@@ -204,6 +212,8 @@ class EngineCore:
         counts = self._update(batch, result)
         out = StepOutput(schedule=_record(plan), computed_tokens=counts.computed)
         used_blocks = self.kv_cache_manager.pool.num_used_blocks
+        layer_blocks = self.kv_cache_manager.num_layer_blocks_in_use()
+        saved_layer_blocks = self.kv_cache_manager.num_layer_blocks_saved_by_window()
         self._respond(batch, result, out)
         if self.check_integrity:
             self.verify()
@@ -223,10 +233,26 @@ class EngineCore:
             reuse=reuse,
         )
         out.stats.num_forwards = result.num_forwards
+        out.stats.used_layer_blocks = layer_blocks
+        out.stats.saved_layer_blocks = saved_layer_blocks
         out.stats.peft = self.peft_cache.snapshot(num_active - len(ready))
         out.stats.draft_steps = len(result.drafts)
         out.stats.draft_tokens = sum(o.num_draft for o in result.drafts.values())
         out.stats.accepted_draft_tokens = sum(o.num_accepted for o in result.drafts.values())
+        return out
+
+    def _within_window_pools(self, ready: list[LlmRequest]) -> list[LlmRequest]:
+        """Windowed pools are sized for ``max_num_active_requests`` requests holding blocks: beyond that,
+        a request not started yet waits unscheduled (the engine loop never queues more anyway)."""
+        kv = self.kv_cache_manager
+        room = self.max_num_active_requests - kv.num_requests
+        out = []
+        for request in ready:
+            if not kv.has_request(request.request_id):
+                if room <= 0:
+                    continue
+                room -= 1
+            out.append(request)
         return out
 
     def _propose_drafts(self, plan: SchedulerOutput) -> dict[int, tuple[list[int], object]]:

@@ -47,6 +47,8 @@ class WorkItem:
     # ``draft_logits`` their rows of the request's draft_logits (None: deterministic drafts).
     num_draft: int = 0
     draft_logits: Any = None
+    # The request's table in each windowed pool, by window (None: every layer reads ``block_ids``).
+    window_block_ids: dict[int, list[int]] | None = None
 
 
 @dataclass
@@ -107,8 +109,10 @@ class CacheLayout:
     max_seq_len: int
     max_attention_window: int | None = None
     sink_token_length: int = 0
-    # every layer's window, where they differ (then max_attention_window, the released-blocks window, is None)
+    # every layer's window, where they differ (max_attention_window is then the main table's, if any)
     window_layout: AttentionWindowLayout | None = None
+    # windows whose layers keep a pool of their own -> its blocks (work items then carry their tables)
+    window_pools: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

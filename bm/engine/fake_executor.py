@@ -22,7 +22,7 @@ from bm.engine.executor import (
     WorkKind,
 )
 from bm.engine.request import LoraSpec
-from bm.kv import NO_BLOCK
+from bm.kv import NO_BLOCK, cdiv
 from bm.scheduling.request import LlmRequest
 
 _MIX = 0x9E3779B97F4A7C15
@@ -43,10 +43,13 @@ class FakeExecutor:
         *,
         max_position_embeddings: int | None = None,
         end_at: dict[int, int] | None = None,
+        layer_windows: tuple[int | None, ...] = (),
     ) -> None:
+        """``layer_windows``: a model's attention window per layer (None: full attention), to exercise the
+        cache's per-window accounting without a model."""
         if vocab_size < 4:
             raise ValueError("the fake executor needs a vocabulary of at least 4 tokens")
-        self._limits = ModelLimits(vocab_size, max_position_embeddings)
+        self._limits = ModelLimits(vocab_size, max_position_embeddings, layer_windows=layer_windows)
         self.end_at = dict(end_at or {})
         self.layout: CacheLayout | None = None
         self.num_executed_tokens = 0
@@ -133,10 +136,20 @@ class FakeExecutor:
         assert self.layout is not None, "bind() the executor before executing"
         bs = self.layout.tokens_per_block
         end = item.start_pos + len(item.token_ids)
-        for position in range(item.start_pos, end):
-            index = position // bs
-            if index >= len(item.block_ids) or item.block_ids[index] == NO_BLOCK:
-                raise AssertionError(
-                    f"request {item.request.request_id}: no KV block for position {position} "
-                    f"(table {item.block_ids})"
-                )
+        pools = self.layout.window_pools
+        tables = [(item.block_ids, self.layout.num_blocks, None)]
+        if pools:
+            assert item.window_block_ids is not None, "windowed pools, but the item carries no tables"
+            tables += [(item.window_block_ids[w], n, w) for w, n in pools.items()]
+        for table, num_blocks, window in tables:
+            for position in range(item.start_pos, end):
+                index = position // bs
+                if index >= len(table) or not 0 <= table[index] < num_blocks:
+                    raise AssertionError(
+                        f"request {item.request.request_id}: no KV block for position {position} "
+                        f"(window {window}, table {table})"
+                    )
+            if window is not None:  # the keys the first query attends in its window must still be there
+                first = max(0, item.start_pos - window + 1) // bs
+                gone = [b for b in range(first, cdiv(end, bs)) if table[b] == NO_BLOCK]
+                assert not gone, f"request {item.request.request_id}: window {window} lost blocks {gone}"

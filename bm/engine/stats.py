@@ -54,6 +54,10 @@ class IterationStats:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     draft_steps: int = 0  # requests that verified drafts this iteration
+    # KV blocks counted once per layer they hold (full attention's unit, whatever pools the layers use):
+    # in use, and released behind attention windows (what full attention would hold on top)
+    used_layer_blocks: int = 0
+    saved_layer_blocks: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -94,6 +98,9 @@ class IterationStats:
                 "Missed Blocks": self.missed_blocks,
                 "Cache Hit Rate": round(self.cache_hit_rate, 6),
                 "Reusable KV cache blocks": self.cached_blocks,
+                # attention windows: blocks per layer in use, and released behind the windows
+                "Used KV layer blocks": self.used_layer_blocks,
+                "KV layer blocks saved by window": self.saved_layer_blocks,
                 # the PEFT (LoRA) cache: adapters loaded / waiting for a slot, their bytes, requests
                 # waiting for their adapter, and loads and evictions since the engine started
                 "PEFT Loaded Adapters": self.peft.loaded,

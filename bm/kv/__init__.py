@@ -5,6 +5,7 @@ from bm.kv.block_pool import BlockPool, IntegrityError, OutOfBlocksError
 from bm.kv.manager import KVCacheManager
 from bm.kv.tables import NO_BLOCK, RequestBlocks
 from bm.kv.types import NO_MATCH, KVRequest, PrefixMatch, PreparedResources, ResourcePlan, cdiv
+from bm.kv.window_groups import WindowedTables, WindowGroup
 
 __all__ = [
     "NO_BLOCK",
@@ -19,6 +20,8 @@ __all__ = [
     "PreparedResources",
     "RequestBlocks",
     "ResourcePlan",
+    "WindowGroup",
+    "WindowedTables",
     "cdiv",
     "chain_hash",
 ]

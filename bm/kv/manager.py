@@ -11,11 +11,13 @@ Two optional behaviours live here too:
   (:meth:`KVCacheManager.find_cached_prefix` then :meth:`KVCacheManager.take_cached_prefix`);
 - an attention window: blocks wholly older than the window (and not holding sink tokens) are released
   while the request runs, and appear in its table as :data:`NO_BLOCK`, so positions still index it.
+  Layers with a narrower window than the main table's may keep tables of their own over pools of their
+  own (:mod:`bm.kv.window_groups`), grown, released, rolled back and freed with the main table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from bm.kv.block_hash import ROOT_HASH, BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, require
@@ -28,6 +30,7 @@ from bm.kv.types import (
     ResourcePlan,
     cdiv,
 )
+from bm.kv.window_groups import WindowedTables, WindowGroup
 
 
 class KVCacheManager:
@@ -41,7 +44,14 @@ class KVCacheManager:
         enable_block_reuse: bool = False,
         max_attention_window: int | None = None,
         sink_token_length: int = 0,
+        num_layers: int = 1,
+        window_groups: Sequence[WindowGroup] = (),
+        window_sink_token_length: int = 0,
     ) -> None:
+        """``num_layers``: the layers the main table serves (stats count blocks per layer with it).
+        ``window_groups``: narrower windows whose layers keep tables of their own, over pools of their own
+        (with sinks of ``window_sink_token_length`` tokens); they are for single-table requests without
+        reuse, so block reuse is refused beside them."""
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         if max_attention_window is not None and max_attention_window < 1:
@@ -54,6 +64,14 @@ class KVCacheManager:
         self._requests: dict[int, RequestBlocks] = {}
         self.num_reused_blocks = 0
         self.num_missed_blocks = 0
+        self.num_layers = num_layers
+        if window_groups and enable_block_reuse:
+            raise ValueError(
+                "windowed pools keep no prefix cache: block reuse needs one table for all layers"
+            )
+        self.window_tables = [
+            WindowedTables(group, tokens_per_block, window_sink_token_length) for group in window_groups
+        ]
 
     # -- capacity questions (what the schedulers ask) --------------------------------------------------
 
@@ -196,6 +214,9 @@ class KVCacheManager:
         if missing > 0:
             table.extend(self.pool.allocate(missing))
         blocks.num_tokens[beam] = max(num_tokens, blocks.num_tokens[beam])
+        for windowed in self.window_tables:
+            require(blocks.num_beams == 1, f"request {request_id}: beams cannot use windowed pools")
+            windowed.grow(request_id, num_tokens)
         return table
 
     def append(self, request_id: int, num_new_tokens: int = 1) -> list[int]:
@@ -214,6 +235,8 @@ class KVCacheManager:
         del table[keep:]
         self.pool.release(extra)
         blocks.num_tokens[0] = min(blocks.num_tokens[0], num_tokens)
+        for windowed in self.window_tables:
+            windowed.trim(request_id, num_tokens)
         return len(extra)
 
     def allocate_padding(self, request_id: int, num_tokens: int) -> list[int]:
@@ -237,6 +260,8 @@ class KVCacheManager:
         blocks = self._requests.pop(request_id, None)
         if blocks is None:
             return 0
+        for windowed in self.window_tables:
+            windowed.free(request_id)
         freed = 0
         for table in [*blocks.tables[1:], blocks.padding, blocks.tables[0]]:
             live = [b for b in reversed(table) if b != NO_BLOCK]
@@ -335,11 +360,14 @@ class KVCacheManager:
     # -- attention window -----------------------------------------------------------------------------
 
     def release_outside_window(self, request_id: int, num_computed_tokens: int) -> int:
-        """Release blocks no later query of the request attends; returns how many.
+        """Release blocks no later query of the request attends; returns how many (of the main table).
 
         The next query sits at ``num_computed_tokens`` and sees the keys after ``position - window``;
-        later queries see less. Blocks holding sink tokens stay. Beam requests keep every block.
+        later queries see less. Blocks holding sink tokens stay. Beam requests keep every block. Each
+        windowed pool's table releases behind its own window.
         """
+        for windowed in self.window_tables:
+            windowed.release_outside_window(request_id, num_computed_tokens)
         window = self.max_attention_window
         blocks = self._requests.get(request_id)
         if window is None or blocks is None or blocks.num_beams > 1 or not blocks.tables[0]:
@@ -410,6 +438,26 @@ class KVCacheManager:
         blocks = self._requests.get(request_id)
         return blocks.tables[beam] if blocks is not None else []
 
+    def window_block_ids(self, request_id: int) -> dict[int, list[int]] | None:
+        """The request's table in each windowed pool, by window (None when there is no windowed pool)."""
+        if not self.window_tables:
+            return None
+        return {w.window: w.block_ids(request_id) for w in self.window_tables}
+
+    def num_layer_blocks_in_use(self) -> int:
+        """Blocks in use counted once per layer they hold keys for: full attention's unit, whatever the split."""
+        used = self.pool.num_used_blocks * self.num_layers
+        return used + sum(w.pool.num_used_blocks * w.group.num_layers for w in self.window_tables)
+
+    def num_layer_blocks_saved_by_window(self) -> int:
+        """Table entries released behind an attention window, counted per layer they held: what full
+        attention would hold on top of :meth:`num_layer_blocks_in_use`."""
+        saved = sum(w.num_released_entries * w.group.num_layers for w in self.window_tables)
+        if self.max_attention_window is not None:
+            released = sum(t.count(NO_BLOCK) for b in self._requests.values() for t in b.tables)
+            saved += released * self.num_layers
+        return saved
+
     def padding_block_ids(self, request_id: int) -> list[int]:
         blocks = self._requests.get(request_id)
         return blocks.padding if blocks is not None else []
@@ -471,3 +519,7 @@ class KVCacheManager:
             len(holders) == self.pool.num_used_blocks,
             f"{self.pool.num_used_blocks} blocks in use but {len(holders)} in tables",
         )
+        if self.window_tables:
+            num_tokens = {rid: blocks.num_tokens[0] for rid, blocks in self._requests.items()}
+            for windowed in self.window_tables:
+                windowed.check_integrity(num_tokens)

@@ -65,6 +65,7 @@ class TorchExecutor:
             layout.max_seq_len,
             max_attention_window=layout.window_layout or layout.max_attention_window,
             sink_token_length=layout.sink_token_length,
+            window_pools=layout.window_pools,
         )
 
     def admit(self, request: LlmRequest) -> None:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from bm.config import ModelConfig
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
+from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +43,8 @@ class LoadedModel:
     sliding_window_on_every_layer: bool = True
     # The model's own window per layer index (None: full attention), from its layer_types.
     layer_windows: tuple[int | None, ...] = ()
+    # Linear layers running with oneDNN-packed weights on small batches (bm.runtime.prepack).
+    num_prepacked_linears: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -98,7 +101,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if cfg.tokenizer:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
-    return describe_model(model, tokenizer, name)
+    return describe_model(model, tokenizer, name, prepack=cfg.prepack)
 
 
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
@@ -149,8 +152,14 @@ def _try_tokenizer(path: str, required: bool = False) -> TextCodec | None:
         return None
 
 
-def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: str) -> LoadedModel:
-    """What bm needs to know of a built model; probes its attention layers (and takes them over)."""
+def describe_model(
+    model: torch.nn.Module, tokenizer: TextCodec | None, name: str, prepack: str = "auto"
+) -> LoadedModel:
+    """What bm needs to know of a built model; probes its attention layers (and takes them over).
+
+    ``prepack`` (auto, on, off): give the linear layers oneDNN-packed weights for small batches
+    (bm.runtime.prepack). It happens here, at load, so the KV cache is sized from the memory left after.
+    """
     config: Any = model.config.get_text_config()
     param = next(model.parameters())
     generation_config = getattr(model, "generation_config", None)
@@ -168,6 +177,9 @@ def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: st
     if layer_types and "sliding_attention" not in layer_types:
         sliding = None
     kv_shapes = probe_kv_shapes(model)
+    num_packed = 0
+    if should_prepack(prepack, model, param.device, param.dtype):
+        num_packed = prepack_linears(model)
     num_layers = max(kv_shapes) + 1
     if layer_types:
         windows = tuple(sliding if t == "sliding_attention" else None for t in layer_types[:num_layers])
@@ -187,6 +199,7 @@ def describe_model(model: torch.nn.Module, tokenizer: TextCodec | None, name: st
         sliding_window=sliding,
         sliding_window_on_every_layer=all(t == "sliding_attention" for t in layer_types),
         layer_windows=windows,
+        num_prepacked_linears=num_packed,
     )
 
 

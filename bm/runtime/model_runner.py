@@ -45,6 +45,8 @@ class Segment:
     sample: bool
     # Return logits for every token of the segment, not only the last (context logits were asked for).
     keep_all: bool = False
+    # The request's table in each windowed pool, by window (None: every layer reads ``block_ids``).
+    window_block_ids: dict[int, list[int]] | None = None
 
 
 class ModelRunner:
@@ -56,11 +58,13 @@ class ModelRunner:
         max_seq_len: int,
         max_attention_window: int | Sequence[int | None] | AttentionWindowLayout | None = None,
         sink_token_length: int = 0,
+        window_pools: Mapping[int, int] | None = None,
     ) -> None:
         """``max_attention_window``: one window for every layer, one per layer (by layer index), or a
         layout. A query at position p of a windowed layer attends keys in (p - window, p] and the first
         ``sink_token_length`` positions; blocks wholly outside every layer's window may be gone
-        (``NO_BLOCK`` in tables)."""
+        (``NO_BLOCK`` in tables). ``window_pools``: windows whose layers keep blocks in a pool of their
+        own (window -> its blocks); segments then carry ``window_block_ids`` for them."""
         num_layers = max(loaded.kv_shapes) + 1
         if isinstance(max_attention_window, AttentionWindowLayout):
             layout = max_attention_window
@@ -78,12 +82,13 @@ class ModelRunner:
         self.device = loaded.device
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
+        self.window_pools = dict(window_pools or {})
         register()
         if loaded.device.type == "cpu":
             tune_host_allocator()
         # The runner takes the model over: from now on it runs with bm's paged attention.
         self.model.set_attn_implementation(ATTENTION_NAME)
-        total_bytes = loaded.kv_bytes_per_token * num_blocks * tokens_per_block
+        total_bytes = loaded.kv_bytes_per_token * num_blocks * tokens_per_block  # an upper bound
         zero = loaded.device.type != "cpu" or total_bytes <= _ZERO_FILL_LIMIT_BYTES
         alloc = torch.zeros if zero else torch.empty
         widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
@@ -91,7 +96,8 @@ class ModelRunner:
         with torch.inference_mode():
             self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
             for layer, (heads, dim) in loaded.kv_shapes.items():
-                shape = (2, heads, num_blocks, tokens_per_block, dim)
+                blocks = self.window_pools.get(layout.windows[layer], num_blocks)
+                shape = (2, heads, blocks, tokens_per_block, dim)
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
             # keys and values of the largest decode group, gathered side by side
             self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
@@ -161,6 +167,7 @@ class ModelRunner:
         """Copy whole KV blocks ``source -> destination`` in every layer (a beam forking a shared block)."""
         if not copies:
             return
+        assert not self.window_pools, "beams share one table for every layer: no windowed pools"
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         for cache in self.kv_caches:
@@ -202,7 +209,14 @@ class ModelRunner:
         by_window = {
             w: layout.metadata(self.kv_caches, slot_mapping, self.scratch, prefill, decode_rows)
             for w, layout in self._layouts.items()
+            if w not in self.window_pools
         }
+        for w in self.window_pools:  # layers with a pool of their own read and write their own tables
+            own_slots, own_prefill, own_decode = _rows_for(segments, w, bs)
+            own_mapping = torch.tensor(own_slots, dtype=torch.long, device=dev)
+            by_window[w] = self._layouts[w].metadata(
+                self.kv_caches, own_mapping, self.scratch, own_prefill, own_decode
+            )
         meta = by_window[self._default_window]
         if self._other_layers:
             meta.layers = {layer: by_window[w] for layer, w in self._other_layers.items()}
@@ -219,6 +233,28 @@ class ModelRunner:
 
     def _native_decode_rows(self, rows: list[tuple[int, int, list[int]]]) -> NativeDecode:
         return self._layouts[self._default_window]._native_decode_rows(rows)
+
+
+def _rows_for(
+    segments: Sequence[Segment], window: int, bs: int
+) -> tuple[list[int], list[tuple[int, int, int, list[int]]], list[tuple[int, int, list[int]]]]:
+    """Slots, prefill runs and decode rows of the packed batch, over each segment's table in the
+    ``window`` pool (as :meth:`ModelRunner._prepare` builds them over the main tables)."""
+    slots: list[int] = []
+    prefill: list[tuple[int, int, int, list[int]]] = []
+    decode_rows: list[tuple[int, int, list[int]]] = []
+    offset = 0
+    for seg in segments:
+        n = len(seg.token_ids)
+        start = seg.start_pos
+        table = seg.window_block_ids[window]
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        if n == 1:
+            decode_rows.append((offset, start + 1, table))
+        else:
+            prefill.append((offset, offset + n, start, table))
+        offset += n
+    return slots, prefill, decode_rows
 
 
 class _Layout:

@@ -1,8 +1,11 @@
 """Optional C kernels, compiled from source at first use with the machine's C compiler.
 
-bm ships no binaries and needs no build step at install: the first engine in a process compiles
-``native/paged_decode.c`` into a temporary directory (about a second with gcc), loads it with
-ctypes and removes the file. Where that cannot happen (no compiler, an unusual platform, or
+bm ships no binaries and needs no build step at install: the first engine on a machine compiles
+``native/paged_decode.c`` (about a second with gcc) into bm's cache directory
+(``$BM_CACHE_DIR``, else ``~/.cache/bm``: ``kernels/``), under a name that hashes the source, the flags,
+the compiler, the OpenMP runtime it links and the CPU (``-march=native``), so every later run on that
+machine only loads it. A cache that cannot be written falls back to compiling into a temporary directory
+for this process. Where nothing can be built (no compiler, an unusual platform, or
 ``BM_NATIVE_KERNELS=0`` in the environment), bm runs its torch implementation of the same computation,
 which gives the same results up to float rounding; tests pin that the two agree.
 """
@@ -10,6 +13,7 @@ which gives the same results up to float rounding; tests pin that the two agree.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import shutil
@@ -25,6 +29,8 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "BM_NATIVE_KERNELS"
 _SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
+_GEMM_SOURCE = Path(__file__).parent / "native" / "small_gemm.c"
+PANEL = 16  # output columns per packed weight panel in small_gemm.c
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -162,39 +168,98 @@ def _run_compiler(cmd: list[str]) -> str | None:
     return None
 
 
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU model and its feature flags (Linux), else the arch."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted)) or os.uname().machine
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def _cache_key(source: Path, compiler: str, omp: Path | None) -> str:
+    parts = [
+        source.read_text(),
+        " ".join(_FLAGS),
+        compiler,
+        _compiler_version(compiler),
+        str(omp),
+        _cpu_identity(),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def kernel_cache_dir() -> Path:
+    from bm.runtime.presets import cache_root
+
+    return cache_root() / "kernels"
+
+
 def _compile(source: Path) -> ctypes.CDLL | None:
+    """Load the machine's cached build of ``source``, building it first when there is none."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
-        log.info("no C compiler found: decode attention runs on torch ops")
+        log.info("no C compiler found: %s runs on torch ops", source.stem)
         return None
+    omp = _loaded_openmp_runtime()
+    cached = kernel_cache_dir() / f"{source.stem}-{_cache_key(source, compiler, omp)}.so"
+    if cached.is_file():
+        try:
+            return ctypes.CDLL(str(cached))
+        except OSError as exc:  # a damaged file: build it again below
+            log.info("the cached %s could not be loaded (%s); building it again", cached, exc)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="bm-native-", dir=cached.parent) as tmp:
+            built = _build(source, compiler, omp, Path(tmp))
+            if built is None:
+                return None
+            os.replace(built, cached)  # atomic: a concurrent run sees the whole file or none
+        return ctypes.CDLL(str(cached))
+    except OSError as exc:  # an unwritable cache, or one mounted noexec: this process only
+        log.info("kernel cache %s unusable (%s); compiling for this process only", cached.parent, exc)
     with tempfile.TemporaryDirectory(prefix="bm-native-") as tmp:
-        lib_path = Path(tmp) / f"{source.stem}.so"
-        omp = _loaded_openmp_runtime()
-        error = "no OpenMP runtime found in this process"
-        if omp is not None:
-            # Threads from torch's own OpenMP pool: compile with OpenMP, link against the very library
-            # torch loaded (not the compiler's), so one runtime serves both.
-            obj = Path(tmp) / f"{source.stem}.o"
-            error = _run_compiler(
-                [compiler, *_FLAGS, "-fopenmp", "-DBM_OPENMP", "-c", str(source), "-o", str(obj)]
-            )
-            if error is None:
-                link = [compiler, "-shared", "-pthread", str(obj), str(omp), f"-Wl,-rpath,{omp.parent}"]
-                error = _run_compiler([*link, "-o", str(lib_path), "-lm"])
-        if error is not None:
-            log.info("OpenMP build of %s failed (%s); using its own threads", source.name, error.strip())
-            error = _run_compiler([compiler, *_FLAGS, "-shared", str(source), "-o", str(lib_path), "-lm"])
-        if error is not None:
-            log.info("compiling %s failed, decode attention runs on torch ops: %s", source.name, error)
+        built = _build(source, compiler, omp, Path(tmp))
+        if built is None:
             return None
         try:
             # dlopen maps the file; it may be deleted with the directory once loaded.
-            return ctypes.CDLL(str(lib_path))
+            return ctypes.CDLL(str(built))
         except OSError as exc:  # e.g. a temporary directory mounted noexec
-            log.info(
-                "loading the compiled %s failed, decode attention runs on torch ops: %s", source.name, exc
-            )
+            log.info("loading the compiled %s failed, it runs on torch ops: %s", source.name, exc)
             return None
+
+
+def _build(source: Path, compiler: str, omp: Path | None, tmp: Path) -> Path | None:
+    """Compile ``source`` into a shared library in ``tmp``; None (logged) when it cannot be."""
+    lib_path = tmp / f"{source.stem}.so"
+    error = "no OpenMP runtime found in this process"
+    if omp is not None:
+        # Threads from torch's own OpenMP pool: compile with OpenMP, link against the very library
+        # torch loaded (not the compiler's), so one runtime serves both.
+        obj = tmp / f"{source.stem}.o"
+        error = _run_compiler(
+            [compiler, *_FLAGS, "-fopenmp", "-DBM_OPENMP", "-c", str(source), "-o", str(obj)]
+        )
+        if error is None:
+            link = [compiler, "-shared", "-pthread", str(obj), str(omp), f"-Wl,-rpath,{omp.parent}"]
+            error = _run_compiler([*link, "-o", str(lib_path), "-lm"])
+    if error is not None:
+        log.info("OpenMP build of %s failed (%s); using its own threads", source.name, error.strip())
+        error = _run_compiler([compiler, *_FLAGS, "-shared", str(source), "-o", str(lib_path), "-lm"])
+    if error is not None:
+        log.info("compiling %s failed, it runs on torch ops: %s", source.name, error)
+        return None
+    return lib_path
 
 
 def paged_decode_kernel() -> PagedDecodeKernel | None:
@@ -206,6 +271,68 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
             lib = _compile(_SOURCE)
             _loaded["paged_decode"] = PagedDecodeKernel(lib) if lib is not None else None
         return _loaded["paged_decode"]  # type: ignore[return-value]
+
+
+class SmallGemmKernel:
+    """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX2 + FMA).
+
+    Faster than torch's default GEMM at every row count measured on SmolLM2-135M's shapes (1.05-1.1x at
+    2,048 rows, 1.3-5x at 1-64) and than oneDNN with a prepacked weight (1.0-1.9x); each output row is
+    computed alone, in one order, so results do not depend on the rest of the batch.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.bm_small_gemm_f32
+        fn.restype = ctypes.c_int
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        self._fn = fn
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` -> ``[ceil(N / 16), K, 16]`` panels, k-major, the last one zero-padded."""
+        n, k = weight.shape
+        panels = -(-n // PANEL)
+        padded = weight.new_zeros(panels * PANEL, k)
+        padded[:n] = weight
+        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """``x`` [..., K] float32; ``packed`` from :meth:`pack`; returns [..., n]."""
+        k = x.shape[-1]
+        if packed.dtype != torch.float32 or x.dtype != torch.float32 or packed.shape[1:] != (k, PANEL):
+            raise ValueError(
+                f"small GEMM: x {tuple(x.shape)} {x.dtype} against packed {tuple(packed.shape)} {packed.dtype}"
+            )
+        if packed.shape[0] * PANEL < n or (
+            bias is not None and (bias.numel() != n or not bias.is_contiguous())
+        ):
+            raise ValueError(f"small GEMM: {n} outputs do not fit the packed weight or the bias")
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1 or rows.stride(0) < k:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        status = self._fn(
+            rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError("small GEMM: this build has no AVX2/FMA kernel")
+        return out.view(*x.shape[:-1], n)
+
+
+def small_gemm_kernel() -> SmallGemmKernel | None:
+    """The compiled panel GEMM where the CPU has AVX2 and FMA; None elsewhere (or switched off)."""
+    if not native_kernels_enabled() or sys.platform == "win32":
+        return None
+    with _lock:
+        if "small_gemm" not in _loaded:
+            lib = _compile(_GEMM_SOURCE)
+            usable = lib is not None and lib.bm_small_gemm_available() == 1
+            _loaded["small_gemm"] = SmallGemmKernel(lib) if usable else None
+        return _loaded["small_gemm"]  # type: ignore[return-value]
 
 
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:

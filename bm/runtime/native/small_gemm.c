@@ -1,0 +1,127 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the few rows of a decode iteration, in float32.
+ *
+ * The weight is packed once (by the caller, in torch) into panels of 16 output columns, k-major:
+ * wp[(n / 16) * K * 16 + k * 16 + (n % 16)]. Each panel is read straight through while up to six rows
+ * of x are multiplied into 6 x 16 accumulators held in AVX2 registers, so a panel is read from memory
+ * once per six rows and the arithmetic runs at the FMA units' rate; with one to a few rows the loop is
+ * bound by reading the weight, which is the least any decode step must do.
+ *
+ * Every output element is one sequential sum over k in the same order whatever M is, so a row's result
+ * does not depend on the other rows of the batch.
+ *
+ * Built with -march=native; without AVX2 and FMA only bm_small_gemm_available() is useful (it says 0)
+ * and bm runs its oneDNN path instead.
+ */
+#include <stdint.h>
+#include <stddef.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BM_HAVE_AVX2 1
+#else
+#define BM_HAVE_AVX2 0
+#endif
+
+#define NR 16
+#define MR 6
+
+int bm_small_gemm_available(void) { return BM_HAVE_AVX2; }
+
+#if BM_HAVE_AVX2
+
+static inline __attribute__((always_inline)) void tile(
+    const int mr, const float *x, int64_t ldx, const float *panel, int64_t K, float *y, int64_t ldy,
+    const float *bias)
+{
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = _mm256_setzero_ps();
+        acc[i][1] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_loadu_ps(panel + k * NR);
+        const __m256 b1 = _mm256_loadu_ps(panel + k * NR + 8);
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+            acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+        }
+    }
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+    if (bias) {
+        c0 = _mm256_loadu_ps(bias);
+        c1 = _mm256_loadu_ps(bias + 8);
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(y + i * ldy, bias ? _mm256_add_ps(acc[i][0], c0) : acc[i][0]);
+        _mm256_storeu_ps(y + i * ldy + 8, bias ? _mm256_add_ps(acc[i][1], c1) : acc[i][1]);
+    }
+}
+
+/* One full panel against rows [0, M): tiles of six rows, then the remainder with its own unrolling. */
+static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, float *y,
+                       int64_t ldy, const float *bias)
+{
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) tile(MR, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias);
+    const float *xm = x + m * ldx;
+    float *ym = y + m * ldy;
+    switch (M - m) {
+    case 5: tile(5, xm, ldx, panel, K, ym, ldy, bias); break;
+    case 4: tile(4, xm, ldx, panel, K, ym, ldy, bias); break;
+    case 3: tile(3, xm, ldx, panel, K, ym, ldy, bias); break;
+    case 2: tile(2, xm, ldx, panel, K, ym, ldy, bias); break;
+    case 1: tile(1, xm, ldx, panel, K, ym, ldy, bias); break;
+    default: break;
+    }
+}
+
+/* The last panel of an N that is not a multiple of 16 (zero-padded in wp): one row at a time through a
+ * buffer, writing only its ncols valid columns. Same summation order as the full panels. */
+static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
+                            float *y, int64_t ldy, const float *bias, int ncols)
+{
+    float buf[NR];
+    for (int64_t m = 0; m < M; m++) {
+        tile(1, x + m * ldx, ldx, panel, K, buf, NR, NULL);
+        for (int j = 0; j < ncols; j++) y[m * ldy + j] = bias ? buf[j] + bias[j] : buf[j];
+    }
+}
+
+#endif
+
+/* wp holds ceil(N / 16) panels (the last zero-padded). Returns 0, or 1 when this build cannot run it
+ * (no AVX2/FMA). */
+int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
+                      int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
+{
+#if BM_HAVE_AVX2
+    const int64_t panels = (N + NR - 1) / NR;
+    /* Rows in blocks that stay in L2 (MB x K floats) while every panel passes over them. */
+    const int64_t MB = 96;
+#ifdef BM_OPENMP
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && panels > 1)
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t rows = M - m0 < MB ? M - m0 : MB;
+#ifdef BM_OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t left = N - p * NR;
+            const float *b = bias ? bias + p * NR : NULL;
+            if (left >= NR)
+                panel_rows(x + m0 * ldx, ldx, rows, wp + p * K * NR, K, y + m0 * ldy + p * NR, ldy, b);
+            else
+                tail_panel_rows(x + m0 * ldx, ldx, rows, wp + p * K * NR, K, y + m0 * ldy + p * NR, ldy,
+                                b, (int)left);
+        }
+    }
+    (void)num_threads;
+    return 0;
+#else
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K;
+    (void)num_threads;
+    return 1;
+#endif
+}
