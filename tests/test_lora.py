@@ -269,6 +269,7 @@ def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exac
     of the old one."""
     monkeypatch.setattr(lora_module, "MASKED_PATH_ROWS", 0 if path == "segmented" else 10**6)
     model = copy.deepcopy(tiny_model.model)
+    own = {key: t.__dict__.get("forward") for key, t in find_lora_targets(model).items()}
     layers = LoraLayers(model, torch.float32, torch.device("cpu"))
     everything = dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate"], 4)
     stale, _ = seed_form_adapter(model, everything | {"mlp_4h_to_h": 4}, seed=1)
@@ -307,20 +308,21 @@ def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exac
         x = inputs[linear.in_features]
         assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     layers.close()
-    assert not any("forward" in t.__dict__ for t in find_lora_targets(model).values())
+    assert all(t.__dict__.get("forward") is own[key] for key, t in find_lora_targets(model).items())
 
 
 def test_an_engine_that_goes_away_gives_the_shared_model_its_layers_back(tiny_model):
     """Engines come and go on one loaded model (tests, benchmarks): adapters must not leave a wrapper
     behind that later base-model runs would pay for."""
     model = copy.deepcopy(tiny_model.model)
+    own = {key: t.__dict__.get("forward") for key, t in find_lora_targets(model).items()}
     for _ in range(2):
         layers = LoraLayers(model, torch.float32, torch.device("cpu"))
         layers.load(0, seed_form_adapter(model, {"attn_q": 2, "mlp_gate": 2}, seed=5)[0])
-        assert sum("forward" in t.__dict__ for t in find_lora_targets(model).values()) > 0
+        assert sum(t.__dict__.get("forward") is not own[k] for k, t in find_lora_targets(model).items()) > 0
         del layers
         gc.collect()
-        assert not any("forward" in t.__dict__ for t in find_lora_targets(model).values())
+        assert all(t.__dict__.get("forward") is own[k] for k, t in find_lora_targets(model).items())
 
 
 @pytest.mark.parametrize("form", ["tensor", "lists"])

@@ -354,7 +354,8 @@ def _lora_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     It replaces the module's ``forward`` (as a bound method, so a deep copy of the model rebinds it to
     the copy's layer) rather than being a forward hook: a module with hooks takes torch's slow call
     path, which costs more per generation step than the delta itself. Owners are held weakly."""
-    out = type(self).forward(self, x)
+    inner = self._bm_lora_inner  # the forward it had (a packed GEMM: bm.runtime.prepack), or its class's
+    out = inner(x) if inner is not None else type(self).forward(self, x)
     for ref, group, member in self._bm_lora:
         owner = ref()
         if owner is not None and owner.segments:
@@ -365,6 +366,7 @@ def _lora_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _attach(linear: nn.Linear, entry: tuple[weakref.ref, _Group, int]) -> None:
     if "_bm_lora" not in linear.__dict__:
         linear._bm_lora = []
+        linear._bm_lora_inner = linear.__dict__.get("forward")
         linear.forward = types.MethodType(_lora_forward, linear)
     linear._bm_lora.append(entry)
 
@@ -377,8 +379,12 @@ def _detach(linears: list[nn.Linear], ref: weakref.ref) -> None:
             continue
         entries[:] = [e for e in entries if e[0] is not ref and e[0]() is not None]
         if not entries:
-            del linear._bm_lora
-            del linear.forward
+            inner = linear._bm_lora_inner
+            del linear._bm_lora, linear._bm_lora_inner
+            if inner is None:
+                del linear.forward
+            else:
+                linear.forward = inner
     linears.clear()
 
 
