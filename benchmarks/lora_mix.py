@@ -8,8 +8,8 @@ The workload: ``--requests`` random prompts of ``--prompt-min``..``--prompt-max`
 request i adapter ``i % --adapters`` (random rank-``--rank`` adapters on every attention and MLP
 projection of every layer, in the seed's form), so every batch mixes all adapters in the same packed
 forwards. Both runs use the same model, requests and order, in one process, alternated ``--repeats``
-times after a warm-up; the best wall time of each is kept. Prints JSON: wall times, output tok/s and the
-mixed/base time ratio.
+times after a warm-up; the best wall time of each is kept. Prints JSON: wall times, output tok/s, the
+mixed/base time ratio of the best runs and of each repeat's adjacent pair.
 """
 
 from __future__ import annotations
@@ -112,6 +112,11 @@ def main() -> None:
         "wall_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
         "output_tok_per_s": {k: round(tokens[k] / best[k], 1) for k in best},
         "mixed/base_time": round(best["mixed"] / best["base"], 3),
+        # each repeat's mixed run against the base run just before it: on a shared machine the best of
+        # each can come from different moments, the pairs from the same one
+        "mixed/base_time_per_repeat": [
+            round(m / b, 3) for b, m in zip(times["base"], times["mixed"], strict=True)
+        ],
     }
     print(json.dumps(report, indent=2))
 

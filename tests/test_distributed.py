@@ -274,3 +274,21 @@ def test_tensor_parallel_refuses_a_model_built_from_a_config_naming_why(tmp_path
     assert result.exit_code == 2, result.output
     assert "--tensor-parallel needs model.path" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_request_under_tensor_parallelism_is_refused_naming_the_field_and_the_fix():
+    """Adapter weights are not split like the shards' projections, so a LoRA request is refused at
+    admission (an error response naming lora_task_id) rather than failing inside the forward."""
+    from bm.distributed.engine import ParallelExecutor
+    from bm.distributed.layout import ParallelLayout
+    from bm.engine.fake_executor import FakeExecutor
+    from bm.engine.request import RequestError, RequestLimits, validate_request
+
+    limits = RequestLimits(vocab_size=64, max_seq_len=64, max_num_tokens=None, max_beam_width=1)
+    lora = {"lora_task_id": 1, "lora_config": [[1, 0, 1]], "lora_weights": [[0.5] * 8]}
+    sharded = ParallelExecutor(FakeExecutor(), ParallelLayout(tensor_parallel=2, rank=0))
+    with pytest.raises(RequestError, match=r"lora_task_id: .*tensor parallelism.*--tensor-parallel 1"):
+        sharded.admit(validate_request(Request(0, [5, 6], 2, **lora), limits))
+    sharded.admit(validate_request(Request(1, [5, 6], 2), limits))  # requests without an adapter pass
+    whole = ParallelExecutor(FakeExecutor(), ParallelLayout(data_parallel=2, rank=0))
+    whole.admit(validate_request(Request(2, [5, 6], 2, **lora), limits))  # a replica runs adapters whole

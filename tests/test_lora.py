@@ -9,6 +9,7 @@ the fake executor, where every decision is visible without a model.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 
 import pytest
@@ -17,8 +18,9 @@ import torch
 from bm.engine import InferenceRequest, generate
 from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import Request
-from bm.runtime.lora import read_peft_adapter, task_id_for_directory
+from bm.engine.request import LORA_MODULE_NAMES, LoraSpec, Request
+from bm.runtime import lora as lora_module
+from bm.runtime.lora import LoraLayers, find_lora_targets, read_peft_adapter, task_id_for_directory
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
 
@@ -237,3 +239,106 @@ def test_jsonl_lora_dir_becomes_the_seed_form_with_a_task_id_from_the_directory(
         and "line 3: lora_dir" in bad.error
         and "adapter_config.json is missing" in bad.error
     )
+
+
+def seed_form_adapter(model, modules: dict[str, int], seed: int) -> tuple[LoraSpec, dict]:
+    """A random adapter in the seed's form on ``modules`` (name -> rank) of every layer, and its
+    ``(A, B)`` per (module id, layer) for the reference computation."""
+    g = torch.Generator().manual_seed(seed)
+    rows, weights, pairs = [], [], {}
+    for (module, layer), linear in sorted(find_lora_targets(model).items()):
+        rank = modules.get(LORA_MODULE_NAMES[module])
+        if rank is None:
+            continue
+        a = torch.randn(rank, linear.in_features, generator=g) * 0.1
+        b = torch.randn(linear.out_features, rank, generator=g) * 0.1
+        rows.append((module, layer, rank))
+        weights.append(torch.cat([a.flatten(), b.flatten()]))
+        pairs[(module, layer)] = (a, b)
+    width = max(len(w) for w in weights)
+    padded = torch.stack([torch.nn.functional.pad(w, (0, width - len(w))) for w in weights])
+    return LoraSpec(task_id=seed, config=tuple(rows), weights=padded), pairs
+
+
+@pytest.mark.parametrize("path", ["segmented", "masked"])
+def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exact(
+    tiny_model, monkeypatch, path
+):
+    """Both paths: items of one slot are one row range (one GEMM each, or one masked GEMM for all);
+    q/k/v (and gate/up) share one x @ A; a slot reloaded with an adapter on fewer modules keeps nothing
+    of the old one."""
+    monkeypatch.setattr(lora_module, "MASKED_PATH_ROWS", 0 if path == "segmented" else 10**6)
+    model = copy.deepcopy(tiny_model.model)
+    own = {key: t.__dict__.get("forward") for key, t in find_lora_targets(model).items()}
+    layers = LoraLayers(model, torch.float32, torch.device("cpu"))
+    everything = dict.fromkeys(["attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_gate"], 4)
+    stale, _ = seed_form_adapter(model, everything | {"mlp_4h_to_h": 4}, seed=1)
+    adapters = [
+        seed_form_adapter(model, {"attn_q": 2, "attn_v": 8, "mlp_4h_to_h": 3}, seed=2),
+        seed_form_adapter(model, everything, seed=3),
+        seed_form_adapter(model, {"mlp_gate": 1, "attn_dense": 5}, seed=4),
+    ]
+    layers.load(0, stale)
+    for slot, (spec, _) in enumerate(adapters):
+        layers.load(slot, spec)
+    items = [(-1, 3), (0, 4), (0, 2), (1, 5), (2, 1), (2, 3)]  # base first, then slot by slot
+    token_slots = [slot for slot, n in items for _ in range(n)]
+    g = torch.Generator().manual_seed(0)
+    inputs: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        layers.begin(items)
+        assert bool(layers.masks) == (path == "masked")
+        for (module, layer), linear in sorted(find_lora_targets(model).items()):
+            x = inputs.setdefault(
+                linear.in_features, torch.randn(1, len(token_slots), linear.in_features, generator=g)
+            )
+            if LORA_MODULE_NAMES[module] == "attn_k":
+                x = x.clone()  # a member of a shared-input group seeing another tensor recomputes x @ A
+            base = torch.nn.functional.linear(x, linear.weight, linear.bias)[0]
+            out = linear(x)[0]
+            for t, slot in enumerate(token_slots):
+                pair = adapters[slot][1].get((module, layer)) if slot >= 0 else None
+                if pair is None:
+                    assert torch.equal(out[t], base[t]), (LORA_MODULE_NAMES[module], layer, t)
+                else:
+                    a, b = pair
+                    torch.testing.assert_close(out[t], base[t] + (x[0, t] @ a.T) @ b.T)
+        layers.end()
+        linear = find_lora_targets(model)[(1, 0)]
+        x = inputs[linear.in_features]
+        assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    layers.close()
+    assert all(t.__dict__.get("forward") is own[key] for key, t in find_lora_targets(model).items())
+
+
+def test_an_engine_that_goes_away_gives_the_shared_model_its_layers_back(tiny_model):
+    """Engines come and go on one loaded model (tests, benchmarks): adapters must not leave a wrapper
+    behind that later base-model runs would pay for."""
+    model = copy.deepcopy(tiny_model.model)
+    own = {key: t.__dict__.get("forward") for key, t in find_lora_targets(model).items()}
+    for _ in range(2):
+        layers = LoraLayers(model, torch.float32, torch.device("cpu"))
+        layers.load(0, seed_form_adapter(model, {"attn_q": 2, "mlp_gate": 2}, seed=5)[0])
+        assert sum(t.__dict__.get("forward") is not own[k] for k, t in find_lora_targets(model).items()) > 0
+        del layers
+        gc.collect()
+        assert all(t.__dict__.get("forward") is own[k] for k, t in find_lora_targets(model).items())
+
+
+@pytest.mark.parametrize("form", ["tensor", "lists"])
+def test_a_non_finite_weight_is_refused_naming_its_row_and_padding_after_a_row_is_never_read(
+    tiny_model, form
+):
+    targets = find_lora_targets(tiny_model.model)
+    q = targets[(1, 0)]  # attn_q of layer 0, the widest row below (rank 2)
+    width = 2 * (q.in_features + q.out_features)
+    weights = torch.full((2, width + 3), 0.01)
+    weights[0, width:] = float("nan")  # row 0's padding: never read
+    weights[1, 5] = float("inf")
+    config = torch.tensor([[1, 0, 2], [3, 0, 2]])
+    given = weights if form == "tensor" else weights.tolist()
+    request = InferenceRequest.from_values(
+        0, [5, 6], 2, lora_task_id=7, lora_config=config, lora_weights=given
+    )
+    results = generate([request], make_config(), model=tiny_model)
+    assert "lora_weights: row 1 holds a non-finite value" in results[0].error

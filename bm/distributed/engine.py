@@ -43,7 +43,7 @@ from bm.engine.executor import (
     FinalOutputs,
     ModelLimits,
 )
-from bm.engine.request import Request, Response, error_response
+from bm.engine.request import Request, RequestError, Response, error_response
 from bm.scheduling import FinishReason
 from bm.scheduling.request import LlmRequest
 
@@ -85,6 +85,14 @@ class ParallelExecutor:
         self.inner.bind(layout)
 
     def admit(self, request: LlmRequest) -> None:
+        inputs = request.model_inputs
+        if self.layout.tensor_parallel > 1 and inputs is not None and inputs.lora is not None:
+            # each shard holds a slice of every projection, and adapter weights are not split to match
+            raise RequestError(
+                f"lora_task_id: LoRA adapters are not supported under tensor parallelism (this run has "
+                f"--tensor-parallel {self.layout.tensor_parallel}); serve LoRA requests with "
+                "--tensor-parallel 1 (replicas from --data-parallel each run adapters whole)"
+            )
         self.inner.admit(request)
 
     def execute(self, batch: ExecutionBatch) -> ExecutionResult:

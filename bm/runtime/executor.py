@@ -125,6 +125,10 @@ class TorchExecutor:
         return result
 
     def _forward(self, group: list[WorkItem], result: ExecutionResult) -> None:
+        if self._adapter_slots:
+            # each adapter's tokens one row range of the packed batch (a stable sort: base items first,
+            # then slot by slot, each in the core's order); logits rows follow this order throughout
+            group = sorted(group, key=lambda item: self._slot(item.request))
         for item in group:
             item.keep_all = item.num_draft > 0 or (
                 item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
