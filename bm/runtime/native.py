@@ -13,6 +13,7 @@ which gives the same results up to float rounding; tests pin that the two agree.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -168,6 +171,7 @@ def _run_compiler(cmd: list[str]) -> str | None:
     return None
 
 
+@functools.cache
 def _cpu_identity() -> str:
     """What ``-march=native`` compiles for: the CPU model and its feature flags (Linux), else the arch."""
     try:
@@ -178,6 +182,7 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted)) or os.uname().machine
 
 
+@functools.cache
 def _compiler_version(compiler: str) -> str:
     try:
         done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
@@ -262,15 +267,21 @@ def _build(source: Path, compiler: str, omp: Path | None, tmp: Path) -> Path | N
     return lib_path
 
 
-def paged_decode_kernel() -> PagedDecodeKernel | None:
-    """The compiled kernel, or None where it is switched off or cannot be built (then once per process)."""
+def _kernel(name: str, source: Path, wrap: Callable[[ctypes.CDLL], object | None]) -> Any:
+    """``wrap`` of the compiled ``source``, or None where kernels are switched off or it cannot be built;
+    decided once per process."""
     if not native_kernels_enabled() or sys.platform == "win32":
         return None
     with _lock:
-        if "paged_decode" not in _loaded:
-            lib = _compile(_SOURCE)
-            _loaded["paged_decode"] = PagedDecodeKernel(lib) if lib is not None else None
-        return _loaded["paged_decode"]  # type: ignore[return-value]
+        if name not in _loaded:
+            lib = _compile(source)
+            _loaded[name] = wrap(lib) if lib is not None else None
+        return _loaded[name]
+
+
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    """The compiled decode attention kernel, or None (see :func:`_kernel`)."""
+    return _kernel("paged_decode", _SOURCE, PagedDecodeKernel)
 
 
 class SmallGemmKernel:
@@ -324,15 +335,12 @@ class SmallGemmKernel:
 
 
 def small_gemm_kernel() -> SmallGemmKernel | None:
-    """The compiled panel GEMM where the CPU has AVX2 and FMA; None elsewhere (or switched off)."""
-    if not native_kernels_enabled() or sys.platform == "win32":
-        return None
-    with _lock:
-        if "small_gemm" not in _loaded:
-            lib = _compile(_GEMM_SOURCE)
-            usable = lib is not None and lib.bm_small_gemm_available() == 1
-            _loaded["small_gemm"] = SmallGemmKernel(lib) if usable else None
-        return _loaded["small_gemm"]  # type: ignore[return-value]
+    """The compiled panel GEMM where the CPU has AVX2 and FMA; None elsewhere (see :func:`_kernel`)."""
+    return _kernel(
+        "small_gemm",
+        _GEMM_SOURCE,
+        lambda lib: SmallGemmKernel(lib) if lib.bm_small_gemm_available() == 1 else None,
+    )
 
 
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:

@@ -110,15 +110,11 @@ class _PackedForward:
     """A Linear's forward: a packed GEMM inside a bm forward, the module's own otherwise."""
 
     def __init__(self, module: nn.Linear) -> None:
-        self._own: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(type(module).forward, module)
-        self._module = module
-        self._kernel: SmallGemmKernel | None = small_gemm_kernel()
-        self._packed: torch.Tensor | None = None
-        self._key: tuple[int, int] | None = None
+        self.__setstate__({"_module": module})
         self._pack()
 
     # The packed tensor is opaque (no storage): copies and pickles of a model leave it out and pack again
-    # on their first small batch.
+    # on their first call inside a bm forward.
     def __deepcopy__(self, memo: dict) -> _PackedForward:
         import copy
 
@@ -132,10 +128,10 @@ class _PackedForward:
     def __setstate__(self, state: dict) -> None:
         module = state["_module"]
         self._module = module
-        self._own = types.MethodType(type(module).forward, module)
-        self._kernel = small_gemm_kernel()
-        self._packed = None
-        self._key = None
+        self._own: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(type(module).forward, module)
+        self._kernel: SmallGemmKernel | None = small_gemm_kernel()
+        self._packed: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None  # the weight's (address, version) when packed
 
     def _pack(self) -> None:
         weight = self._module.weight
