@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bm.baselines import PeerResult
-from bm.config import BmConfig
+from bm.config import BmConfig, parse_override
 from bm.engine import EngineLoop, OfflineClient, Request
 from bm.runtime import LoadedModel
 
 Workload = list[tuple[list[int], int]]
+BENCH_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench.yaml"
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model-config`` or ``--model``, ``-c`` (bm config file, the benchmark one by default) and ``-s``."""
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-config", help="model config JSON (random weights)")
+    model.add_argument("--model", help="a checkpoint directory (config.json + weights)")
+    p.add_argument("-c", "--config", type=Path, default=BENCH_CONFIG)
+    p.add_argument("-s", "--set", action="append", default=[], help="bm config override SECTION.KEY=VALUE")
+
+
+def model_overrides(args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
+    """The ``-s`` overrides plus the model :func:`add_model_arguments` named (random weights from ``seed``)."""
+    overrides = dict(parse_override(o) for o in args.set)
+    if args.model:
+        overrides.update({"model.path": args.model, "model.config": None})
+    else:
+        overrides.update({"model.config": args.model_config, "model.seed": seed, "model.path": None})
+    return overrides
 
 
 def read_workload(path: Path, limit: int | None = None) -> Workload:

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import log, read_workload, run_bm
+from common import add_model_arguments, log, model_overrides, read_workload, run_bm
 from torch.profiler import ProfilerActivity, profile
 
-from bm.config import load_config, parse_override
+from bm.config import load_config
 from bm.engine import EngineCore, Request
 from bm.runtime import load_model
 from bm.runtime.executor import TorchExecutor
@@ -30,24 +30,12 @@ from bm.runtime.executor import TorchExecutor
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("workload", type=Path)
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model-config", help="model config JSON (random weights)")
-    model.add_argument("--model", help="a checkpoint directory (config.json + weights)")
-    p.add_argument(
-        "-c", "--config", type=Path, default=Path(__file__).parent.parent / "configs" / "bench.yaml"
-    )
-    p.add_argument("-s", "--set", action="append", default=[], help="bm config override SECTION.KEY=VALUE")
+    add_model_arguments(p)
     p.add_argument("--limit", type=int, default=32, help="first N requests only")
     p.add_argument("--top", type=int, default=25, help="operators to list")
     args = p.parse_args()
 
-    overrides = dict(parse_override(o) for o in args.set)
-    if args.model_config:
-        overrides["model.config"] = str(Path(args.model_config).resolve())
-    if args.model:
-        overrides["model.path"] = str(Path(args.model).resolve())
-        overrides["model.config"] = None
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, model_overrides(args))
     workload = read_workload(args.workload, args.limit)
     torch.manual_seed(0)
     loaded = load_model(config.model)

