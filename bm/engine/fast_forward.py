@@ -60,7 +60,7 @@ class DecodeRun:
     """What :func:`fast_forward` advanced: ``len(end_times)`` iterations of ``request_ids``.
 
     Per iteration ``j``: the clock at its end ``end_times[j]`` and the blocks used and cached after it;
-    :meth:`iteration_stats` rebuilds its stats as :meth:`EngineCore.step` would have reported them.
+    with ``template`` that is every field of its stats row (``bm.sim.run.decode_rows`` writes them).
     """
 
     request_ids: list[int]
@@ -76,25 +76,6 @@ class DecodeRun:
     @property
     def num_iterations(self) -> int:
         return len(self.end_times)
-
-    def latencies_ms(self) -> list[float]:
-        starts = [self.start_s, *self.end_times[:-1]]
-        return [(end - start) * 1e3 for start, end in zip(starts, self.end_times, strict=True)]
-
-    def iteration_stats(self, j: int) -> IterationStats:
-        end = self.end_times[j]
-        start = self.end_times[j - 1] if j else self.start_s
-        used = self.used_blocks[j]
-        return replace(
-            self.template,
-            iteration=self.first_iteration + j,
-            used_blocks=used,
-            used_layer_blocks=used * self.num_layers,
-            free_blocks=self.template.max_blocks - used,
-            cached_blocks=self.cached_blocks[j],
-            elapsed_s=end - self.engine_start_s,
-            latency_ms=(end - start) * 1e3,
-        )
 
 
 def supports_fast_forward(core: EngineCore) -> bool:
