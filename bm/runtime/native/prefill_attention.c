@@ -241,19 +241,30 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
     *m = top;
 }
 
-/* Rows [0, rows) of the tile against one key block: S = Q K^T into s (rows x panels*16). */
-static void scores(const args_t *a, const float *qs, int64_t rows, const float *kp, int64_t panels, float *s) {
-    const int64_t d = a->d;
+/* Keys of the block [j0, j0 + nk) that rows r .. r + mr - 1 (positions lo + row / g) can attend: on the
+   diagonal block the first row groups stop early. */
+static inline int64_t keys_for(int64_t r, int mr, int64_t lo, int64_t g, int64_t j0, int64_t nk) {
+    const int64_t seen = lo + (r + mr - 1) / g - j0 + 1;
+    return seen < nk ? seen : nk;
+}
+
+/* Rows [0, rows) of the tile against one key block of nk keys: S = Q K^T into s (rows x panels*16, where
+   a panel no row of a register tile attends is left as it was: the causal mask covers it). */
+static void scores(const args_t *a, const float *qs, int64_t rows, const float *kp, int64_t nk, float *s,
+                   int64_t lo, int64_t j0) {
+    const int64_t d = a->d, g = a->heads / a->kv_heads;
 #if BM_AVX2
     if (a->vec) {
-        for (int64_t p = 0; p < panels; p++)
-            for (int64_t r = 0; r < rows; r += MR) {
-                const int mr = rows - r < MR ? (int)(rows - r) : MR;
+        for (int64_t r = 0; r < rows; r += MR) {
+            const int mr = rows - r < MR ? (int)(rows - r) : MR;
+            const int64_t panels = (keys_for(r, mr, lo, g, j0, nk) + KP - 1) / KP;
+            for (int64_t p = 0; p < panels; p++)
                 BY_ROWS(s_tile, mr, qs + r * d, d, kp + p * d * KP, s + r * KB + p * KP);
-            }
+        }
         return;
     }
 #endif
+    const int64_t panels = (nk + KP - 1) / KP;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t p = 0; p < panels; p++) {
             float acc[KP] = {0};
@@ -268,21 +279,18 @@ static void scores(const args_t *a, const float *qs, int64_t rows, const float *
 
 /* o = alpha * o + P V over the block's nk keys (values v, rows d floats apart). */
 static void accumulate(const args_t *a, const float *s, int64_t rows, int64_t nk, const float *v, float *o,
-                       const float *alpha) {
-    const int64_t d = a->d;
+                       const float *alpha, int64_t lo, int64_t j0) {
+    const int64_t d = a->d, g = a->heads / a->kv_heads;
 #if BM_AVX2
     if (a->vec) {
-        int64_t col = 0;
-        for (; col + 16 <= d; col += 16)
-            for (int64_t r = 0; r < rows; r += MR) {
-                const int mr = rows - r < MR ? (int)(rows - r) : MR;
-                BY_ROWS(pv_tile16, mr, s + r * KB, nk, v + col, d, o + r * d + col, alpha + r);
-            }
-        if (col < d)
-            for (int64_t r = 0; r < rows; r += MR) {
-                const int mr = rows - r < MR ? (int)(rows - r) : MR;
-                BY_ROWS(pv_tile8, mr, s + r * KB, nk, v + col, d, o + r * d + col, alpha + r);
-            }
+        for (int64_t r = 0; r < rows; r += MR) {
+            const int mr = rows - r < MR ? (int)(rows - r) : MR;
+            const int64_t n = keys_for(r, mr, lo, g, j0, nk); /* the rest have probability 0 */
+            int64_t col = 0;
+            for (; col + 16 <= d; col += 16)
+                BY_ROWS(pv_tile16, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);
+            if (col < d) BY_ROWS(pv_tile8, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);
+        }
         return;
     }
 #endif
@@ -324,11 +332,11 @@ static void tile(const args_t *a, int64_t c, int64_t t0, float *buf) {
     const float *kpc = a->kp + c * a->panels * d * KP, *vpc = a->vp + c * a->keys * d;
     for (int64_t j0 = 0; j0 < end; j0 += KB) {
         const int64_t nk = end - j0 < KB ? end - j0 : KB, panels = (nk + KP - 1) / KP, w = panels * KP;
-        scores(a, qs, rows, kpc + j0 * d, panels, s);
+        scores(a, qs, rows, kpc + j0 * d, nk, s, lo, j0);
         const int masked = j0 + w - 1 > lo; /* some key of the block lies past some row's position */
         for (int64_t r = 0; r < rows; r++)
             softmax_row(a, s + r * KB, w, j0, lo + r / g, masked, m + r, l + r, alpha + r);
-        accumulate(a, s, rows, nk, vpc + j0 * d, o, alpha);
+        accumulate(a, s, rows, nk, vpc + j0 * d, o, alpha, lo, j0);
     }
     for (int64_t t = 0; t < nt; t++)
         for (int64_t h = 0; h < g; h++) {
