@@ -148,19 +148,19 @@ static inline __attribute__((always_inline)) void pv_tile8(const int mr, const f
     default: call(1, __VA_ARGS__); break;                                                         \
     }
 
-/* exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, a degree-6 polynomial; relative error about 2e-7. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+/* 2^x for x <= 0 (scores are kept in base 2: the queries carry log2(e)): 2^n * p(r), n = round(x),
+   r = x - n in [-0.5, 0.5], p the degree-6 Taylor polynomial of 2^r (relative error about 1.2e-7).
+   Below -126 it returns 2^-126, not 0: masked keys are zeroed by the caller. */
+static inline __m256 exp2_8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.618129107628477e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550410866482158e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.2402265069591007f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.6931471805599453f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -181,7 +181,7 @@ static inline float hsum8(__m256 x) {
 }
 #endif
 
-/* One row's online-softmax step over w = panels * 16 scores of a key block starting at key j0: keys
+/* One row's online-softmax step (in base 2) over w = panels * 16 scores of a key block starting at key j0: keys
    past `pos` are masked when `masked`. The scores become probabilities relative to the new running max
    (0 where masked), alpha the factor the row's accumulated output must be scaled by. */
 static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_t pos, int masked, float *m,
@@ -224,8 +224,8 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
         __m256 sv = _mm256_setzero_ps();
         for (; n < w; n += 8) {
             const __m256 x = _mm256_loadu_ps(s + n);
-            /* masked scores are -inf: exp8 clamps them to a tiny value, so zero them exactly */
-            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, topv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+            /* masked scores are -inf: exp2_8 clamps them to a tiny value, so zero them exactly */
+            const __m256 e = _mm256_and_ps(exp2_8(_mm256_sub_ps(x, topv)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
             _mm256_storeu_ps(s + n, e);
             sv = _mm256_add_ps(sv, e);
         }
@@ -233,10 +233,11 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
     }
 #endif
     for (; n < w; n++) {
-        s[n] = s[n] == -INFINITY ? 0.f : expf(s[n] - top);
+        s[n] = s[n] == -INFINITY ? 0.f : exp2f(s[n] - top);
         sum += s[n];
     }
-    *alpha = old == -INFINITY ? 0.f : expf(old - top);
+    /* after the first blocks the running max seldom moves: no exp then */
+    *alpha = old == top ? 1.f : old == -INFINITY ? 0.f : exp2f(old - top);
     *l = *l * *alpha + sum;
     *m = top;
 }
@@ -317,11 +318,12 @@ static void tile(const args_t *a, int64_t c, int64_t t0, float *buf) {
     const int64_t nt = a->T - t0 < QT ? a->T - t0 : QT, rows = nt * g;
     float *qs = buf, *o = qs + QT * g * d, *s = o + QT * g * d;
     float *m = s + QT * g * KB, *l = m + QT * g, *alpha = l + QT * g;
+    const float scale2 = a->scale * 1.44269504088896341f; /* scores in base 2: exp(x) = 2^(x log2 e) */
     for (int64_t t = 0; t < nt; t++)
         for (int64_t h = 0; h < g; h++) {
             const float *src = a->q + (t0 + t) * a->q_st + (c * g + h) * a->q_sh;
             float *dst = qs + (t * g + h) * d;
-            for (int64_t i = 0; i < d; i++) dst[i] = src[i] * a->scale;
+            for (int64_t i = 0; i < d; i++) dst[i] = src[i] * scale2;
         }
     memset(o, 0, sizeof(float) * (size_t)(rows * d));
     for (int64_t r = 0; r < rows; r++) {
