@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import attention
-from bm.runtime.native import prefill_attention_kernel
+from bm.runtime.native import ENV_SWITCH, prefill_attention_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
 
@@ -135,6 +135,12 @@ def test_window_masks_and_odd_head_sizes_stay_with_sdpa():
     assert attention._native_prefill(q.double(), cache, plain) is None
     if kernel is not None and kernel.vectorized:
         assert attention._native_prefill(q, cache, plain) is kernel
+
+
+def test_native_kernels_switched_off_leave_prefill_on_sdpa(monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    plain = attention.PrefillSegment(0, 10, 0)
+    assert attention._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain) is None
 
 
 @needs_kernel
