@@ -8,6 +8,11 @@ and base-model tokens cost nothing. Modules that read one input (q/k/v, gate/up)
 GEMM per range. The adapter's scaling is folded into B. A batch with no adapter token leaves every layer
 as it was.
 
+In float32 on the CPU, where bm's compiled kernel is available (``native/lora_delta.c``), each targeted
+layer instead makes one call that adds every adapter row's delta in place (Punica's BGMV idea): done
+with torch ops, the delta cost about 90 small ops per decode forward of the benchmark model, and their
+dispatch, not their arithmetic, was most of LoRA's cost. The torch paths serve other devices and dtypes.
+
 The seed's form of an adapter is ``lora_config`` rows ``[module_id, layer_idx, D]`` and ``lora_weights``
 rows ``A [D, Hi]`` then ``B [Ho, D]``, flattened row-major. :func:`read_peft_adapter` converts a directory
 saved by the ``peft`` library to it.
@@ -311,7 +316,10 @@ class LoraLayers:
         segment costs more in calls than in arithmetic, so the forward takes the masked path instead:
         the adapter rows meet every loaded adapter in one GEMM, a per-token mask keeps each token's own
         adapter's columns (exact zeros elsewhere), and one more GEMM per module applies B. It is chosen
-        while the wasted rows stay small (``tokens x slots <= MASKED_PATH_ROWS``)."""
+        while the wasted rows stay small (``tokens x slots <= MASKED_PATH_ROWS``).
+
+        With the compiled kernel, every forward instead gets one slot per row, made here once for all
+        layers, and each layer makes one kernel call."""
         segments: list[tuple[int, int, int]] = []
         offset = 0
         for slot, n in slots_per_segment:
