@@ -215,8 +215,14 @@ class ModelConfig:
     )
     prepack: str = _knob(
         "auto",
-        "Pack linear weights once with oneDNN for small batches (decode): auto (fp32 CPU models whose "
-        "linear weights fit in a quarter of memory; costs a second copy of them), on, off.",
+        "Pack linear weights once for bm's own GEMM kernel (oneDNN where it cannot be built): auto (fp32 "
+        "CPU models whose linear weights fit in a quarter of memory; costs a second copy of them), on, off.",
+        _on_off_auto,
+    )
+    fused_elementwise: str = _knob(
+        "auto",
+        "Run RMSNorm, rotary embedding and SiLU(gate)*up as single C passes in Llama-family layers: auto "
+        "(fp32 CPU where bm's kernels build), on, off.",
         _on_off_auto,
     )
 

@@ -7,7 +7,7 @@ weights from a seed (like vLLM's dummy load format), which is what benchmarking 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from bm.config import ModelConfig
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
+from bm.runtime.fusion import fuse_elementwise, should_fuse
 from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
@@ -45,6 +46,8 @@ class LoadedModel:
     layer_windows: tuple[int | None, ...] = ()
     # Linear layers running with oneDNN-packed weights on small batches (bm.runtime.prepack).
     num_prepacked_linears: int = 0
+    # Modules (RMSNorm, gated MLP) and modeling functions (rotary) running bm's fused elementwise kernels.
+    fused_elementwise: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -101,7 +104,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if cfg.tokenizer:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
-    return describe_model(model, tokenizer, name, prepack=cfg.prepack)
+    return describe_model(
+        model, tokenizer, name, prepack=cfg.prepack, fused_elementwise=cfg.fused_elementwise
+    )
 
 
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
@@ -153,12 +158,18 @@ def _try_tokenizer(path: str, required: bool = False) -> TextCodec | None:
 
 
 def describe_model(
-    model: torch.nn.Module, tokenizer: TextCodec | None, name: str, prepack: str = "auto"
+    model: torch.nn.Module,
+    tokenizer: TextCodec | None,
+    name: str,
+    prepack: str = "auto",
+    fused_elementwise: str = "auto",
 ) -> LoadedModel:
     """What bm needs to know of a built model; probes its attention layers (and takes them over).
 
     ``prepack`` (auto, on, off): give the linear layers oneDNN-packed weights for small batches
     (bm.runtime.prepack). It happens here, at load, so the KV cache is sized from the memory left after.
+    ``fused_elementwise`` (auto, on, off): run RMSNorm, rotary and SiLU-mul as single C passes inside bm
+    forwards (bm.runtime.fusion).
     """
     config: Any = model.config.get_text_config()
     param = next(model.parameters())
@@ -180,6 +191,9 @@ def describe_model(
     num_packed = 0
     if should_prepack(prepack, model, param.device, param.dtype):
         num_packed = prepack_linears(model)
+    fused = {}
+    if should_fuse(fused_elementwise, param.device, param.dtype):
+        fused = fuse_elementwise(model)
     num_layers = max(kv_shapes) + 1
     if layer_types:
         windows = tuple(sliding if t == "sliding_attention" else None for t in layer_types[:num_layers])
@@ -200,6 +214,7 @@ def describe_model(
         sliding_window_on_every_layer=all(t == "sliding_attention" for t in layer_types),
         layer_windows=windows,
         num_prepacked_linears=num_packed,
+        fused_elementwise=fused,
     )
 
 

@@ -34,6 +34,7 @@ ENV_SWITCH = "BM_NATIVE_KERNELS"
 _SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
 _GEMM_SOURCE = Path(__file__).parent / "native" / "small_gemm.c"
 _LORA_SOURCE = Path(__file__).parent / "native" / "lora_delta.c"
+_ELEMENTWISE_SOURCE = Path(__file__).parent / "native" / "elementwise.c"
 PANEL = 16  # output columns per packed weight panel in small_gemm.c
 _FLAGS = [
     "-O3",
@@ -432,6 +433,80 @@ class LoraDeltaKernel:
 def lora_delta_kernel() -> LoraDeltaKernel | None:
     """The compiled LoRA delta kernel, or None (see :func:`_kernel`)."""
     return _kernel("lora_delta", _LORA_SOURCE, LoraDeltaKernel)
+
+
+class ElementwiseKernels:
+    """A decoder layer's elementwise chains (RMSNorm, SiLU(gate) * up, rotary) each in one C pass.
+
+    The callers (bm.runtime.fusion) check dtype, device and layout first; these methods only reshape
+    and check what the C code would otherwise read out of bounds.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._rms = lib.bm_rms_norm_f32
+        self._rms.restype = None
+        self._rms.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i64]
+        self._silu = lib.bm_silu_mul_f32
+        self._silu.restype = None
+        self._silu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
+        self._rot = lib.bm_rotary_f32
+        self._rot.restype = None
+        self._rot.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """``x`` as [rows, cols] with unit column stride and one row stride, copying only if needed."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+            rows = rows.contiguous()
+        return rows
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` over the last dimension, float32."""
+        cols = x.shape[-1]
+        if weight.shape != (cols,) or not weight.is_contiguous():
+            raise ValueError(f"RMSNorm kernel: weight {tuple(weight.shape)} for rows of {cols}")
+        rows = self._rows(x)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._rms(
+            rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], cols, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up``, float32, same shapes."""
+        if gate.shape != up.shape:
+            raise ValueError(f"SiLU-mul kernel: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        g, u = self._rows(gate), self._rows(up)
+        out = torch.empty(gate.shape, dtype=torch.float32)
+        self._silu(
+            g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), g.shape[0], g.shape[1],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` for ``x`` [tokens, heads, d] (unit stride along d) and
+        ``cos``/``sin`` [tokens, d]; returns a contiguous [tokens, heads, d]."""
+        tokens, heads, d = x.shape
+        if d % 2 or cos.shape != (tokens, d) or sin.shape != (tokens, d):
+            raise ValueError(f"rotary kernel: x {tuple(x.shape)} with cos {tuple(cos.shape)}")
+        if x.stride(2) != 1:
+            x = x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty(tokens, heads, d, dtype=torch.float32)
+        self._rot(
+            x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+            tokens, heads, d, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def elementwise_kernels() -> ElementwiseKernels | None:
+    """The compiled elementwise chains, or None (see :func:`_kernel`)."""
+    return _kernel("elementwise", _ELEMENTWISE_SOURCE, ElementwiseKernels)
 
 
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:

@@ -62,17 +62,24 @@ static inline __attribute__((always_inline)) void tile(
 static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, float *y,
                        int64_t ldy, const float *bias)
 {
+    /* As few tiles as six-row tiles need, their heights as equal as possible (16 rows: 6 + 5 + 5, not
+       6 + 6 + 4): a short tile has too few independent accumulators to hide the FMA latency, so it costs
+       nearly as long as a full one. */
+    const int64_t tiles = (M + MR - 1) / MR;
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) tile(MR, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias);
-    const float *xm = x + m * ldx;
-    float *ym = y + m * ldy;
-    switch (M - m) {
-    case 5: tile(5, xm, ldx, panel, K, ym, ldy, bias); break;
-    case 4: tile(4, xm, ldx, panel, K, ym, ldy, bias); break;
-    case 3: tile(3, xm, ldx, panel, K, ym, ldy, bias); break;
-    case 2: tile(2, xm, ldx, panel, K, ym, ldy, bias); break;
-    case 1: tile(1, xm, ldx, panel, K, ym, ldy, bias); break;
-    default: break;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t h = (M - m) / (tiles - t) + ((M - m) % (tiles - t) != 0);
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (h) {
+        case 6: tile(6, xm, ldx, panel, K, ym, ldy, bias); break;
+        case 5: tile(5, xm, ldx, panel, K, ym, ldy, bias); break;
+        case 4: tile(4, xm, ldx, panel, K, ym, ldy, bias); break;
+        case 3: tile(3, xm, ldx, panel, K, ym, ldy, bias); break;
+        case 2: tile(2, xm, ldx, panel, K, ym, ldy, bias); break;
+        default: tile(1, xm, ldx, panel, K, ym, ldy, bias); break;
+        }
+        m += h;
     }
 }
 

@@ -1,0 +1,230 @@
+"""A decoder layer's elementwise chains as single C passes, inside bm forwards only.
+
+transformers' eager Llama-family layers spend, per layer and forward, seven torch operations on each
+RMSNorm, fourteen on rotary embedding (query and key) and two on SiLU(gate) * up. On SmolLM2-135M's
+shape (30 layers) the torch profiler put these at about 8% of a run, most of it dispatch at decode
+sizes and repeated trips to memory at prefill sizes. bm replaces each chain by one call into
+``native/elementwise.c`` (bm.runtime.native.ElementwiseKernels):
+
+* RMSNorm modules whose ``forward`` is, line for line, transformers' Llama RMSNorm (the copies in Mistral,
+  Qwen2/3, SmolLM3, Granite, ... match; Gemma's ``1 + weight`` and every other variant do not);
+* MLP modules whose ``forward`` is Llama's gated MLP and whose activation is SiLU: the gate and up
+  projections still run as the model's own (packed, LoRA-wrapped) linears, only ``silu(g) * u`` is fused;
+* the modeling module's ``apply_rotary_pos_emb`` where it is Llama's, for [1, heads, tokens, d] queries
+  and keys with one row of cos/sin per token (the packed batch bm runs).
+
+Each replacement computes the same formula (rotary and the products bit for bit; RMSNorm's mean and
+SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward on float32 CPU
+tensors: the same module called by anything else (``generate()`` in the oracle tests) runs
+transformers' code. Which modules match is decided by comparing source text, not class names, so a
+new architecture that copies Llama's code is covered and one that changes a line is left alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from functools import cache
+
+import torch
+from torch import nn
+
+from bm.runtime.attention import in_bm_forward
+from bm.runtime.native import ElementwiseKernels, elementwise_kernels
+
+_ROTARY_NAME = "apply_rotary_pos_emb"
+
+
+def _body(fn: Callable) -> str | None:
+    """``fn``'s source without decorators or its first line's indentation; None where unavailable."""
+    try:
+        lines = inspect.getsource(inspect.unwrap(fn)).splitlines()
+    except (OSError, TypeError):
+        return None
+    while lines and lines[0].lstrip().startswith("@"):
+        lines.pop(0)
+    indent = len(lines[0]) - len(lines[0].lstrip()) if lines else 0
+    return "\n".join(line[indent:] for line in lines)
+
+
+@cache
+def _reference_bodies() -> dict[str, str | None]:
+    from transformers.models.llama import modeling_llama as llama
+
+    return {
+        "rms_norm": _body(llama.LlamaRMSNorm.forward),
+        "mlp": _body(llama.LlamaMLP.forward),
+        "rotary": _body(llama.apply_rotary_pos_emb),
+    }
+
+
+@cache
+def _matches(fn: Callable, kind: str) -> bool:
+    reference = _reference_bodies()[kind]
+    return reference is not None and _body(fn) == reference
+
+
+def fusion_supported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the fused chains cannot be used here, or None when they can."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"fused elementwise kernels are float32 CPU code; the model is {dtype} on {device}"
+    if elementwise_kernels() is None:
+        return "bm's C kernels could not be built here (no C compiler, or BM_NATIVE_KERNELS=0)"
+    return None
+
+
+def should_fuse(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """``on`` fuses wherever supported (raising where not), ``auto`` where supported, ``off`` never."""
+    if mode == "off":
+        return False
+    why_not = fusion_supported(device, dtype)
+    if why_not and mode == "on":
+        raise ValueError(f"model.fused_elementwise is on, but {why_not}; set it to auto or off")
+    return why_not is None
+
+
+def fuse_elementwise(model: nn.Module) -> dict[str, int]:
+    """Install the fused chains on every matching module of ``model``; returns how many of each."""
+    kernels = elementwise_kernels()
+    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    if kernels is None:
+        return counts
+    modeling_modules = set()
+    for module in model.modules():
+        modeling_modules.add(type(module).__module__)
+        forward = type(module).forward
+        if isinstance(module.forward, (_FusedRMSNorm, _FusedMLP)):
+            continue
+        if _matches(forward, "rms_norm") and hasattr(module, "variance_epsilon"):
+            module.forward = _FusedRMSNorm(module, kernels)
+            counts["rms_norm"] += 1
+        elif _matches(forward, "mlp") and _is_silu(getattr(module, "act_fn", None)):
+            module.forward = _FusedMLP(module, kernels)
+            counts["mlp"] += 1
+    for name in sorted(modeling_modules):
+        namespace = sys.modules.get(name)
+        rotary = getattr(namespace, _ROTARY_NAME, None)
+        if isinstance(rotary, _FusedRotary):
+            counts["rotary"] += 1
+        elif rotary is not None and _matches(rotary, "rotary"):
+            # The modeling module's global: its attention layers look it up by name on every call.
+            setattr(namespace, _ROTARY_NAME, _FusedRotary(rotary, kernels))
+            counts["rotary"] += 1
+    return counts
+
+
+def unfuse_elementwise(model: nn.Module) -> None:
+    """Give ``model``'s modules their own forwards back (the rotary global stays: outside a bm forward
+    it is transformers' function)."""
+    for module in model.modules():
+        if isinstance(module.forward, (_FusedRMSNorm, _FusedMLP)):
+            del module.forward
+
+
+def _is_silu(act: object) -> bool:
+    if isinstance(act, nn.SiLU):
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:
+        return False
+    return type(act) is SiLUActivation
+
+
+def _fits(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+
+class _FusedRMSNorm:
+    """An RMSNorm's forward: one C pass inside a bm forward, the module's own otherwise."""
+
+    def __init__(self, module: nn.Module, kernels: ElementwiseKernels) -> None:
+        self._module = module
+        self._own = types.MethodType(type(module).forward, module)
+        self._kernels = kernels
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self._module.weight
+        if not (in_bm_forward() and _fits(hidden_states) and weight.dtype == torch.float32):
+            return self._own(hidden_states)
+        return self._kernels.rms_norm(hidden_states, weight.detach(), float(self._module.variance_epsilon))
+
+    def __deepcopy__(self, memo: dict) -> _FusedRMSNorm:
+        import copy
+
+        return _FusedRMSNorm(copy.deepcopy(self._module, memo), self._kernels)
+
+    def __reduce__(self):
+        return (_rebuild_rms_norm, (self._module,))
+
+
+class _FusedMLP:
+    """A gated SiLU MLP's forward: the model's gate/up/down linears, with ``silu(g) * u`` in one pass."""
+
+    def __init__(self, module: nn.Module, kernels: ElementwiseKernels) -> None:
+        self._module = module
+        self._own = types.MethodType(type(module).forward, module)
+        self._kernels = kernels
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not (in_bm_forward() and _fits(x)):
+            return self._own(x)
+        m = self._module
+        gate, up = m.gate_proj(x), m.up_proj(x)
+        if not (_fits(gate) and _fits(up)):
+            return m.down_proj(m.act_fn(gate) * up)
+        return m.down_proj(self._kernels.silu_mul(gate, up))
+
+    def __deepcopy__(self, memo: dict) -> _FusedMLP:
+        import copy
+
+        return _FusedMLP(copy.deepcopy(self._module, memo), self._kernels)
+
+    def __reduce__(self):
+        return (_rebuild_mlp, (self._module,))
+
+
+def _rebuild_rms_norm(module: nn.Module) -> Callable | None:
+    kernels = elementwise_kernels()
+    return _FusedRMSNorm(module, kernels) if kernels else types.MethodType(type(module).forward, module)
+
+
+def _rebuild_mlp(module: nn.Module) -> Callable | None:
+    kernels = elementwise_kernels()
+    return _FusedMLP(module, kernels) if kernels else types.MethodType(type(module).forward, module)
+
+
+class _FusedRotary:
+    """Llama's ``apply_rotary_pos_emb`` with both tensors in one C pass each, inside a bm forward."""
+
+    def __init__(self, original: Callable, kernels: ElementwiseKernels) -> None:
+        self._original = original
+        self._kernels = kernels
+        self.__wrapped__ = original
+        self.__doc__ = original.__doc__
+
+    def __call__(self, q, k, cos, sin, unsqueeze_dim: int = 1, *args, **kwargs):
+        if (
+            args
+            or kwargs
+            or unsqueeze_dim != 1
+            or not in_bm_forward()
+            or q.dim() != 4
+            or k.dim() != 4
+            or q.shape[0] != 1
+            or k.shape[0] != 1
+            or cos.dim() != 3
+            or cos.shape != sin.shape
+            or cos.shape[0] != 1
+            or cos.shape[1:] != (q.shape[2], q.shape[3])
+            or k.shape[2:] != q.shape[2:]
+            or not all(_fits(t) for t in (q, k, cos, sin))
+        ):
+            return self._original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+        # [1, heads, tokens, d] -> the kernel's [tokens, heads, d] and back (a view, as torch's ops give)
+        c, s = cos[0], sin[0]
+        q_out = self._kernels.rotary(q[0].transpose(0, 1), c, s).transpose(0, 1)[None]
+        k_out = self._kernels.rotary(k[0].transpose(0, 1), c, s).transpose(0, 1)[None]
+        return q_out, k_out

@@ -1,0 +1,140 @@
+"""Fused elementwise chains (bm.runtime.fusion): the same numbers as transformers, only inside a bm forward."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig
+from transformers.models.llama import modeling_llama
+
+from bm.config import ConfigError, load_config
+from bm.runtime.attention import AttentionMetadata, batch_metadata
+from bm.runtime.fusion import (
+    _FusedMLP,
+    _FusedRMSNorm,
+    _FusedRotary,
+    fuse_elementwise,
+    should_fuse,
+    unfuse_elementwise,
+)
+from bm.runtime.native import elementwise_kernels
+
+pytestmark = pytest.mark.skipif(elementwise_kernels() is None, reason="bm's C kernels do not build here")
+
+
+def in_bm_forward():
+    return batch_metadata(AttentionMetadata(kv_caches=[], slot_mapping=torch.zeros(1, dtype=torch.long)))
+
+
+def tiny_llama(**overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=64, hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(LlamaConfig(**{**fields, **overrides})).eval()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("cols", [40, 576, 13])
+def test_rms_norm_kernel_matches_transformers_rmsnorm_to_rounding(rows, cols):
+    kernels = elementwise_kernels()
+    norm = modeling_llama.LlamaRMSNorm(cols, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(cols))
+        x = torch.randn(rows, cols + 3)[:, :cols]  # a row stride that is not the row length
+        got = kernels.rms_norm(x, norm.weight, 1e-5)
+        torch.testing.assert_close(got, norm(x), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 72), (7, 13), (300, 1536)])
+def test_silu_mul_kernel_matches_torch_to_rounding_across_the_whole_range(shape):
+    gate = torch.randn(shape) * 30  # large negative and positive inputs: exp's clamping is exercised
+    up = torch.randn(shape)
+    got = elementwise_kernels().silu_mul(gate, up)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,heads,d", [(1, 4, 10), (9, 3, 64), (300, 9, 64), (5, 2, 18)])
+def test_rotary_kernel_equals_transformers_rotary_bit_for_bit(tokens, heads, d):
+    q = torch.randn(1, tokens, heads * d).view(1, tokens, heads, d).transpose(1, 2)  # as the q projection
+    k = torch.randn(1, tokens, d).view(1, tokens, 1, d).transpose(1, 2)
+    cos, sin = torch.randn(1, tokens, d), torch.randn(1, tokens, d)
+    expected = (
+        modeling_llama.apply_rotary_pos_emb.__wrapped__(q, k, cos, sin)
+        if isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
+        else modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    )
+    kernels = elementwise_kernels()
+    got_q = kernels.rotary(q[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
+    got_k = kernels.rotary(k[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
+    assert torch.equal(got_q, expected[0]) and torch.equal(got_k, expected[1])
+
+
+def test_a_llama_model_gets_every_norm_mlp_and_its_rotary_fused():
+    model = tiny_llama()
+    counts = fuse_elementwise(model)
+    # two norms per layer and the final one; one MLP per layer; the modeling module's rotary function
+    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 1}
+    assert isinstance(model.model.norm.forward, _FusedRMSNorm)
+    assert isinstance(model.model.layers[0].mlp.forward, _FusedMLP)
+    assert isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
+
+
+def test_gemma_norms_and_gelu_mlps_are_left_to_transformers():
+    torch.manual_seed(0)
+    config = GemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    counts = fuse_elementwise(model)
+    # Gemma's norm scales by 1 + weight and its MLP uses GELU: different code, not fused.
+    assert counts["rms_norm"] == 0 and counts["mlp"] == 0
+
+
+def test_fused_model_forward_matches_transformers_inside_a_bm_forward_and_is_untouched_outside():
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (1, 11))
+    with torch.no_grad():
+        expected = model(ids).logits
+        fuse_elementwise(model)
+        outside = model(ids).logits
+        with in_bm_forward():
+            # no paged attention in this plain call, only the fused chains: compare the layer pieces
+            layer = model.model.layers[0]
+            h = torch.randn(1, 11, 40)
+            torch.testing.assert_close(layer.input_layernorm(h), layer.input_layernorm.forward._own(h))
+            torch.testing.assert_close(layer.mlp(h), layer.mlp.forward._own(h), rtol=1e-5, atol=1e-6)
+    assert torch.equal(outside, expected)
+
+
+def test_fused_modules_survive_deepcopy_and_pickle_and_unfuse_restores_the_own_forward():
+    model = tiny_llama()
+    fuse_elementwise(model)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        norm = clone.model.norm
+        assert isinstance(norm.forward, _FusedRMSNorm) and norm.forward._module is norm
+        assert clone.model.layers[1].mlp.forward._module is clone.model.layers[1].mlp
+    unfuse_elementwise(model)
+    assert "forward" not in vars(model.model.norm) and "forward" not in vars(model.model.layers[0].mlp)
+
+
+def test_fused_elementwise_modes():
+    cpu = torch.device("cpu")
+    assert should_fuse("auto", cpu, torch.float32)
+    assert not should_fuse("off", cpu, torch.float32)
+    assert not should_fuse("auto", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model\.fused_elementwise is on"):
+        should_fuse("on", cpu, torch.bfloat16)
+
+
+def test_model_fused_elementwise_config_takes_auto_on_off_and_yaml_booleans():
+    for value, expected in (("auto", "auto"), ("OFF", "off"), (False, "off"), (True, "on")):
+        assert load_config(None, {"model.fused_elementwise": value}).model.fused_elementwise == expected
+    with pytest.raises(ConfigError, match=r"model\.fused_elementwise: unknown value 'sometimes'"):
+        load_config(None, {"model.fused_elementwise": "sometimes"})
