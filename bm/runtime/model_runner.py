@@ -200,7 +200,10 @@ class ModelRunner:
             else:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                prefill.append((offset, offset + n, start, table))
+                if _verify_step(seg, n):
+                    decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
+                else:
+                    prefill.append((offset, offset + n, start, table))
             if seg.keep_all:
                 sample_index.extend(range(offset, offset + n))
             elif seg.num_draft:
@@ -256,10 +259,23 @@ def _rows_for(
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         if n == 1:
             decode_rows.append((offset, start + 1, table))
+        elif _verify_step(seg, n):
+            decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
         else:
             prefill.append((offset, offset + n, start, table))
         offset += n
     return slots, prefill, decode_rows
+
+
+def _verify_step(seg: Segment, n: int) -> bool:
+    """A generation step verifying drafts (its last token and K drafts, after a cached context).
+
+    Its K + 1 queries run as K + 1 decode rows, query i attending the first ``start + i + 1`` keys, all
+    read in place by the decode kernel in the same call as the batch's other decode rows. As a prefill
+    chunk each would cost its own attention call per layer, with the prefix gathered from the cache,
+    which made a verifying step cost several plain decode steps.
+    """
+    return seg.num_draft > 0 and n == seg.num_draft + 1 and seg.start_pos > 0
 
 
 class _Layout:
