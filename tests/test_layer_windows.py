@@ -139,3 +139,34 @@ def test_a_list_of_windows_is_accepted_and_each_entry_validated():
         config_from_dict({"kv_cache": {"max_attention_window": [32, 0]}})
     with pytest.raises(ConfigError, match=r"kv_cache\.max_attention_window: an empty list"):
         config_from_dict({"kv_cache": {"max_attention_window": []}})
+
+
+def test_draft_verification_past_the_window_matches_hf(gemma3):
+    """Verifying steps run their queries as decode rows, each in its own windowed and full layers."""
+    loaded, ref = gemma3
+    g = torch.Generator().manual_seed(9)
+    span = torch.randint(3, 300, (20,), generator=g).tolist()
+    specs = [(span * 3, 40), (torch.randint(3, 300, (70,), generator=g).tolist(), 30)]
+    expected = [hf_greedy(ref, p, m) for p, m in specs]
+    perfect = generate(
+        [
+            InferenceRequest.from_values(i, p, m, draft_input_ids=expected[i])
+            for i, (p, m) in enumerate(specs)
+        ],
+        make_config(kv_cache={"tokens_per_block": 16}),
+        model=loaded,
+        check_integrity=True,
+    )
+    ngram = generate(
+        [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)],
+        make_config(
+            engine={"speculative": {"method": "ngram", "num_draft_tokens": 5, "max_ngram": 3}},
+            kv_cache={"tokens_per_block": 16},
+        ),
+        model=loaded,
+        check_integrity=True,
+    )
+    for i, tokens in enumerate(expected):
+        assert perfect[i].output_ids == tokens, f"perfect drafts, request {i}"
+        assert ngram[i].output_ids == tokens, f"n-gram drafts, request {i}"
+    assert perfect[0].num_accepted_draft_tokens > 0 and sum(r.num_draft_tokens for r in ngram.values()) > 0

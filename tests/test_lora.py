@@ -21,6 +21,7 @@ from bm.engine.fake_executor import FakeExecutor
 from bm.engine.request import LORA_MODULE_NAMES, LoraSpec, Request
 from bm.runtime import lora as lora_module
 from bm.runtime.lora import LoraLayers, find_lora_targets, read_peft_adapter, task_id_for_directory
+from bm.runtime.native import lora_delta_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
 
@@ -58,12 +59,15 @@ def lora_fields(path, with_weights: bool = True) -> dict:
     return fields
 
 
-@pytest.mark.parametrize("max_adapters", [8, 2])
+@pytest.mark.parametrize(("max_adapters", "path"), [(8, "kernel"), (2, "kernel"), (8, "torch")])
 def test_three_peft_adapters_and_base_requests_mixed_in_one_engine_match_peft_generate(
-    tiny_model, tiny_reference, adapters, max_adapters
+    tiny_model, tiny_reference, adapters, max_adapters, path, monkeypatch
 ):
     """With 2 slots for 3 adapters, adapters are evicted and requests wait for a slot: every request
-    then carries its weights (an evicted task named alone is refused, as the seed says)."""
+    then carries its weights (an evicted task named alone is refused, as the seed says). ``torch``: the
+    torch paths that serve where the compiled kernel cannot be built."""
+    if path == "torch":
+        monkeypatch.setattr(lora_module, "lora_delta_kernel", lambda: None)
     vocab = tiny_model.vocab_size
     specs = random_prompts(seed=21, count=12, vocab=vocab, max_prompt=30, max_output=16)
     requests, expected = [], {}
@@ -260,14 +264,19 @@ def seed_form_adapter(model, modules: dict[str, int], seed: int) -> tuple[LoraSp
     return LoraSpec(task_id=seed, config=tuple(rows), weights=padded), pairs
 
 
-@pytest.mark.parametrize("path", ["segmented", "masked"])
+@pytest.mark.parametrize("path", ["segmented", "masked", "kernel"])
 def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exact(
     tiny_model, monkeypatch, path
 ):
-    """Both paths: items of one slot are one row range (one GEMM each, or one masked GEMM for all);
-    q/k/v (and gate/up) share one x @ A; a slot reloaded with an adapter on fewer modules keeps nothing
-    of the old one."""
+    """Every path: items of one slot are one row range (one GEMM each, or one masked GEMM for all, or
+    one compiled-kernel call per layer); q/k/v (and gate/up) share one x @ A on the torch paths; a slot
+    reloaded with an adapter on fewer modules keeps nothing of the old one."""
     monkeypatch.setattr(lora_module, "MASKED_PATH_ROWS", 0 if path == "segmented" else 10**6)
+    if path == "kernel":
+        if lora_delta_kernel() is None:
+            pytest.skip("no C compiler here: the LoRA kernel cannot be built")
+    else:
+        monkeypatch.setattr(lora_module, "lora_delta_kernel", lambda: None)
     model = copy.deepcopy(tiny_model.model)
     own = {key: t.__dict__.get("forward") for key, t in find_lora_targets(model).items()}
     layers = LoraLayers(model, torch.float32, torch.device("cpu"))
@@ -288,6 +297,7 @@ def test_each_token_meets_only_its_own_adapter_and_base_tokens_are_left_bit_exac
     with torch.inference_mode():
         layers.begin(items)
         assert bool(layers.masks) == (path == "masked")
+        assert (layers.token_slots is not None) == (path == "kernel")
         for (module, layer), linear in sorted(find_lora_targets(model).items()):
             x = inputs.setdefault(
                 linear.in_features, torch.randn(1, len(token_slots), linear.in_features, generator=g)

@@ -53,7 +53,7 @@ def test_greedy_output_is_identical_with_random_perfect_and_ngram_drafts(tiny_mo
     g = torch.Generator().manual_seed(7)
     random_drafts = [torch.randint(3, vocab, (m,), generator=g).tolist() for _, m in specs]
     # a random guess of the first token, then the real continuation: drafts apply only while the
-    # output follows them, so these are rejected from the first step
+    # output follows them, so these are rejected at the prompt's step and never proposed again
     kinds = {
         "random": random_drafts,
         "perfect": expected,
@@ -74,7 +74,7 @@ def test_greedy_output_is_identical_with_random_perfect_and_ngram_drafts(tiny_mo
             assert all(r.acceptance_rate == 1.0 for r in drafted)
             assert sum(r.num_draft_steps for r in drafted) < sum(len(r.output_ids) - 1 for r in drafted)
         if name == "wrong_first":
-            assert all(r.num_draft_tokens == 0 for r in drafted)
+            assert all(r.num_accepted_draft_tokens == 0 and r.num_draft_steps <= 1 for r in drafted)
         assert sum(s["Draft Tokens"] for s in stats) == sum(r.num_draft_tokens for r in results.values())
 
     results, stats = run(
@@ -90,11 +90,55 @@ def test_greedy_output_is_identical_with_random_perfect_and_ngram_drafts(tiny_mo
     )
 
 
+def test_a_perfect_draft_on_the_model_costs_the_prompts_forward_alone(tiny_model, tiny_reference):
+    """On the real model: K perfect drafts verified beside the prompt give HF's K + 1 tokens from one
+    forward, with a plain request sharing it."""
+    vocab = tiny_model.vocab_size
+    (prompt, _), (other, _) = random_prompts(seed=9, count=2, vocab=vocab, max_prompt=20, max_output=2)
+    k = 6
+    expected = hf_greedy(tiny_reference, prompt, k + 1)
+    requests = [
+        InferenceRequest.from_values(0, prompt, k + 1, draft_input_ids=expected[:k]),
+        InferenceRequest.from_values(1, other, 1),
+    ]
+    results, stats = run(tiny_model, requests, engine={"max_batch_size": 4, "max_num_tokens": 64})
+    assert results[0].output_ids == expected
+    assert results[1].output_ids == hf_greedy(tiny_reference, other, 1)
+    assert results[0].num_draft_steps == 1 and results[0].num_accepted_draft_tokens == k
+    assert len(stats) == 1 and stats[0]["Draft Tokens"] == k
+
+
 def test_ngram_drafts_follow_the_latest_longest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     assert ngram_drafts(tokens, max_ngram=3, k=2) == [7, 8]  # "1 2 3" last seen before 7 8
     assert ngram_drafts([4, 5, 6, 5], max_ngram=3, k=3) == [6, 5]  # only "5" matches
     assert ngram_drafts([4, 5, 6], max_ngram=3, k=3) == []
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_a_perfect_draft_finishes_with_the_prompts_last_forward(chunk):
+    """K perfect drafts and K + 1 output tokens: the forward of the prompt's last chunk verifies them
+    all and adds the next token, so no generation forward follows (with a chunked prompt, the earlier
+    chunks run first, without drafts)."""
+    executor = FakeExecutor(vocab_size=500)
+    engine = {"max_batch_size": 2, "max_num_tokens": 64}
+    if chunk is not None:
+        engine |= {"enable_chunked_context": True, "context_chunk_size": chunk}
+    kv = {"max_tokens": 512, "tokens_per_block": 4}
+    core = EngineCore(make_config(engine=engine, kv_cache=kv), executor, check_integrity=True)
+    prompt = list(range(5, 15))
+    k = 5
+    truth = [fake_token(0, len(prompt) + j, 0, 500) for j in range(k + 1)]
+    assert core.add_request(Request(0, prompt, k + 1, draft_input_ids=truth[:k])) is None
+    steps = []
+    while core.num_active:
+        steps.append(core.step())
+    final = [r for s in steps for r in s.responses if r.final]
+    assert [r.output_ids for r in final] == [truth]
+    assert final[0].num_draft_steps == 1 and final[0].num_accepted_draft_tokens == k
+    prompt_steps = 1 if chunk is None else -(-len(prompt) // chunk)
+    assert len(steps) == prompt_steps
+    assert core.kv_cache_manager.pool.num_used_blocks == 0
 
 
 def test_drafts_count_against_the_token_budget_and_rejected_blocks_are_rolled_back():
@@ -159,8 +203,9 @@ def tiny_vocab_model(tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["ngram", "draft_logits"])
 def test_sampled_outputs_keep_the_model_distribution(tiny_vocab_model, source):
-    """The second and third tokens' marginals over many seeds match the exact ones (chi-square at
-    p = 0.001): drafts verify the second, and the third is read from the KV a verification left."""
+    """The first three tokens' marginals over many seeds match the exact ones (chi-square at
+    p = 0.001): the prompt's forward verifies drafts from the first token on, and later tokens read the
+    KV a verification left."""
     model = tiny_vocab_model
     ref = reference_model(model)
     prompt = [3, 5, 3, 5, 4, 3]
@@ -194,6 +239,6 @@ def test_sampled_outputs_keep_the_model_distribution(tiny_vocab_model, source):
     drafted = sum(s["Draft Tokens"] for s in stats)
     accepted = sum(s["Accepted Draft Tokens"] for s in stats)
     assert accepted > 20 and drafted - accepted > 10  # both branches of rejection sampling ran
-    for position, exact in ((1, second), (2, third)):
+    for position, exact in ((0, p0), (1, second), (2, third)):
         counts = Counter(r.output_ids[position] for r in results.values())
         assert chi_square(counts, exact, n) < CHI2_CRITICAL_DF7_P001, position

@@ -103,11 +103,13 @@ def forward_groups(
 
 
 def attach_drafts(batch: ExecutionBatch, drafts: dict[int, tuple[list[int], object]]) -> None:
+    """Append each request's drafts to its sampling item: a generation step, or the last prompt chunk."""
     if not drafts:
         return
     for forward in batch.forwards:
         for item in forward:
-            found = drafts.get(item.request.request_id) if item.kind is WorkKind.GENERATION else None
+            takes = item.sample and item.kind in (WorkKind.GENERATION, WorkKind.CONTEXT)
+            found = drafts.get(item.request.request_id) if takes else None
             if found is not None:
                 item.token_ids = [*item.token_ids, *found[0]]
                 item.num_draft = len(found[0])

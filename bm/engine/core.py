@@ -276,13 +276,20 @@ class EngineCore:
         return out
 
     def _propose_drafts(self, plan: SchedulerOutput) -> dict[int, tuple[list[int], object]]:
-        """Drafts for this step's generation requests, within the token budget the plan leaves and the
-        free KV blocks (a draft never pauses or delays anything: short of room, fewer drafts)."""
+        """Drafts for this step's generation requests and for the requests whose last prompt chunk runs
+        now (its forward samples the first output token, so it verifies drafts too: a perfect draft
+        costs the prompt's forward alone), within the token budget the plan leaves and the free KV
+        blocks (a draft never pauses or delays anything: short of room, fewer drafts)."""
         budget = self.max_num_tokens - sum(plan.context_chunk_sizes.values()) - len(plan.generation_requests)
         budget -= sum(w.num_tokens for w in plan.padding) + len(plan.empty_slots)
         kv = self.kv_cache_manager
         out: dict[int, tuple[list[int], object]] = {}
-        for req in plan.generation_requests:
+        last_chunks = [
+            req
+            for req in plan.context_requests
+            if req.num_computed_tokens + plan.context_chunk_sizes[req.request_id] == req.num_tokens
+        ]
+        for req in [*plan.generation_requests, *last_chunks]:
             if budget <= 0:
                 break
             if (req.speculation is None and self.ngram is None) or not can_speculate(req):
@@ -339,8 +346,9 @@ class EngineCore:
                 req, n = item.request, len(item.token_ids)
                 counts.computed += n
                 if item.kind is WorkKind.CONTEXT:
-                    req.num_computed_tokens += n
-                    counts.context += n
+                    # drafts after a last prompt chunk count as computed once accepted (_accept_drafts)
+                    req.num_computed_tokens += n - item.num_draft
+                    counts.context += n - item.num_draft
                     if req.first_scheduled_time is None:
                         req.first_scheduled_time = now
                 elif item.kind is WorkKind.PADDING:

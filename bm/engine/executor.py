@@ -43,7 +43,8 @@ class WorkItem:
     sample: bool
     beam: int = 0
     keep_all: bool = False
-    # Generation with drafts: the last ``num_draft`` of ``token_ids`` are draft tokens to verify;
+    # A generation step or a last prompt chunk with drafts: the last ``num_draft`` of ``token_ids`` are
+    # draft tokens to verify (the runtime keeps the logits of the ``num_draft + 1`` last positions);
     # ``draft_logits`` their rows of the request's draft_logits (None: deterministic drafts).
     num_draft: int = 0
     draft_logits: Any = None

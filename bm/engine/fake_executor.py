@@ -107,7 +107,8 @@ class FakeExecutor:
         """Greedy verification against this executor's own tokens (what it would produce one a step)."""
         k = item.num_draft
         drafts = item.token_ids[len(item.token_ids) - k :]
-        targets = [self._token_at(item.request, item.start_pos + 1 + i) for i in range(k + 1)]
+        first = item.start_pos + len(item.token_ids) - k  # the position of the first token produced
+        targets = [self._token_at(item.request, first + i) for i in range(k + 1)]
         n = 0
         while n < k and drafts[n] == targets[n]:
             n += 1

@@ -130,9 +130,7 @@ class TorchExecutor:
             # then slot by slot, each in the core's order); logits rows follow this order throughout
             group = sorted(group, key=lambda item: self._slot(item.request))
         for item in group:
-            item.keep_all = item.num_draft > 0 or (
-                item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
-            )
+            item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
         tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
         tables = {i: t for i, t in tables.items() if t is not None}
         if self._adapter_slots:
@@ -143,7 +141,7 @@ class TorchExecutor:
             if self.lora is not None:
                 self.lora.end()
         draft_rows: list[tuple[WorkItem, torch.Tensor]] = []
-        if any(item.keep_all for item in group):
+        if any(item.keep_all or item.num_draft for item in group):
             logits = self._take_context_logits(group, logits, draft_rows)
         for item, rows in draft_rows:
             drafts = item.token_ids[len(item.token_ids) - item.num_draft :]
@@ -174,16 +172,17 @@ class TorchExecutor:
     def _take_context_logits(
         self, group: list[WorkItem], logits: torch.Tensor, draft_rows: list[tuple[WorkItem, torch.Tensor]]
     ) -> torch.Tensor:
-        """Store the prompt positions' logits of ``keep_all`` items and hand every row of a draft item to
-        ``draft_rows``; return one row per other sampled item."""
+        """Store the prompt positions' logits of ``keep_all`` items and hand the last ``num_draft + 1``
+        rows of a draft item to ``draft_rows``; return one row per other sampled item."""
         keep: list[int] = []
         row = 0
         for item in group:
-            n = len(item.token_ids) if item.keep_all else int(item.sample)
-            if item.num_draft:
-                draft_rows.append((item, logits[row : row + n]))
-                row += n
-                continue
+            if item.keep_all:
+                n = len(item.token_ids)
+            else:
+                n = item.num_draft + 1 if item.num_draft else int(item.sample)
+            if item.num_draft:  # the last num_draft + 1 rows verify the drafts
+                draft_rows.append((item, logits[row + n - 1 - item.num_draft : row + n]))
             if item.keep_all:
                 opts = item.request.decoding
                 first = max(0, opts.num_context_logits - item.start_pos)  # skip what an earlier pass stored
@@ -191,7 +190,7 @@ class TorchExecutor:
                 if first < last:
                     opts.context_logits.append(logits[row + first : row + last].detach().to("cpu", copy=True))
                     opts.num_context_logits += last - first
-            if item.sample:
+            if item.sample and not item.num_draft:
                 keep.append(row + n - 1)
             row += n
         return logits[keep]

@@ -8,6 +8,11 @@ and base-model tokens cost nothing. Modules that read one input (q/k/v, gate/up)
 GEMM per range. The adapter's scaling is folded into B. A batch with no adapter token leaves every layer
 as it was.
 
+In float32 on the CPU, where bm's compiled kernel is available (``native/lora_delta.c``), each targeted
+layer instead makes one call that adds every adapter row's delta in place (Punica's BGMV idea): done
+with torch ops, the delta cost about 90 small ops per decode forward of the benchmark model, and their
+dispatch, not their arithmetic, was most of LoRA's cost. The torch paths serve other devices and dtypes.
+
 The seed's form of an adapter is ``lora_config`` rows ``[module_id, layer_idx, D]`` and ``lora_weights``
 rows ``A [D, Hi]`` then ``B [Ho, D]``, flattened row-major. :func:`read_peft_adapter` converts a directory
 saved by the ``peft`` library to it.
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bm.engine.request import LORA_MODULE_NAMES, LORA_MODULES, LoraSpec, RequestError
+from bm.runtime.native import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
 
 # Module id -> the HF names it maps to, as ``parent.leaf`` suffixes (TensorRT-LLM's default mapping for
 # Llama-style models first, then other families' spellings of the same projection).
@@ -82,8 +88,9 @@ class _Plan:
 class _Group:
     """The targeted linears of one layer that read one input, and every slot's adapter for them."""
 
-    def __init__(self, members: list[nn.Linear]) -> None:
+    def __init__(self, members: list[nn.Linear], native: bool = False) -> None:
         self.members = members
+        self.native = native  # keep the compiled kernel's view of the storage (``kernel_weights``)
         self.in_features = members[0].in_features
         # storage, by slot: A rows [slots, len(members) * rank, in], each member's B.T [slots, rank, out]
         self.a = torch.empty(0)
@@ -95,6 +102,10 @@ class _Group:
         # by slot: (rows used, per member (first row, size) or None); None: the adapter skips the group
         self.layout: list[tuple[int, list[tuple[int, int] | None]] | None] = []
         self.plans: list[_Plan | None] = []
+        # the compiled kernel's view: per member, A [slots, rank, in] (``a_wide``), B.T [slots, rank, out]
+        # (``b``) and the rank each slot uses ([members, slots]; 0 where the adapter skips the member)
+        self.ranks = torch.zeros(len(members), 0, dtype=torch.int64)
+        self.kernel_weights: list[LoraDeltaWeights] = []
         # this forward's input and its ``x @ a.T`` per adapter segment (members after the first reuse it)
         self.x: torch.Tensor | None = None
         self.xa: list[torch.Tensor | None] = []
@@ -116,6 +127,13 @@ class _Group:
             self._widen(slot, wide)
         self.a_wide = wide.view(-1, self.in_features)
         self.b_wide = [m.view(num_slots * rank, -1) for m in b]
+        ranks = torch.zeros(len(self.members), num_slots, dtype=torch.int64)
+        ranks[:, : self.ranks.shape[1]] = self.ranks
+        self.ranks = ranks
+        if self.native:
+            self.kernel_weights = [
+                LoraDeltaWeights(wide[i], b[i], ranks[i]) for i in range(len(self.members))
+            ]
 
     def _widen(self, slot: int, wide: torch.Tensor) -> None:
         """Copy ``slot``'s A rows into the member-major layout of the masked path."""
@@ -153,6 +171,7 @@ class _Group:
             members[i] = (row, size)
             row += size
         self.layout[slot] = (row, members) if row else None
+        self.ranks[:, slot] = torch.tensor([0 if m is None else m[1] for m in members], dtype=torch.int64)
         self.plans[slot] = self._plan(slot)
         self._widen(slot, self.a_wide.view(len(self.members), len(self.layout), -1, self.in_features))
 
@@ -178,6 +197,11 @@ class LoraLayers:
         self.segments: list[tuple[int, int, int]] = []  # this forward's (slot, first token, end)
         self.masks: dict[int, torch.Tensor] = {}  # masked path: group size -> [rows, size * slots * rank]
         self.masked_rows = (0, 0)
+        # The compiled kernel (fp32 on the CPU): every adapter row of a forward in one call per layer.
+        self.kernel: LoraDeltaKernel | None = (
+            lora_delta_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+        )
+        self.token_slots: tuple[int, torch.Tensor] | None = None  # kernel path: (first row, slot per row)
         self._ref = weakref.ref(self)
         self._adapted: list[nn.Linear] = []  # layers whose forward applies this object's adapters
         # an engine that goes away without close() still gives the shared model its layers back
@@ -189,6 +213,8 @@ class LoraLayers:
         """Refuse an adapter this model cannot run, naming the row and the module."""
         present = sorted({LORA_MODULE_NAMES[m] for m, _ in self.targets})
         widths: list[int] = []
+        is_tensor = isinstance(spec.weights, torch.Tensor) and spec.weights.dim() == 2
+        row_length = spec.weights.shape[1] if is_tensor else None
         for i, (module, layer, size) in enumerate(spec.config):
             target = self.targets.get((module, layer))
             name = LORA_MODULE_NAMES[module]
@@ -200,17 +226,21 @@ class LoraLayers:
                 )
             width = size * (target.in_features + target.out_features)
             widths.append(width)
-            row = spec.weights[i]
-            if len(row) < width:
+            length = row_length if row_length is not None else len(spec.weights[i])
+            if length < width:
                 raise RequestError(
-                    f"lora_weights: row {i} ({name}, layer {layer}, adapter_size {size}) has {len(row)} "
+                    f"lora_weights: row {i} ({name}, layer {layer}, adapter_size {size}) has {length} "
                     f"values; it needs D x Hi + Ho x D = {size} x {target.in_features} + "
                     f"{target.out_features} x {size} = {width} (longer rows are padding)"
                 )
-        if isinstance(spec.weights, torch.Tensor) and spec.weights.dim() == 2:
+        if is_tensor:
             # one pass over the whole tensor (every request of a task may carry it): the values that
             # matter are each row's first ``width``; the padding after them is never read
             values = spec.weights.detach().to("cpu", torch.float32)
+            if bool(torch.isfinite(values.sum())):
+                # every value is finite (a NaN or an infinity anywhere makes the sum one): a single
+                # read, which matters when every request of a task carries the whole tensor
+                return
             used = torch.arange(values.shape[1]) < torch.tensor(widths)[:, None]
             bad = (used & ~torch.isfinite(values)).any(dim=1).nonzero()
             if bad.numel():
@@ -260,7 +290,7 @@ class LoraLayers:
             names = _SHARED_INPUT[family]
             keys = [(LORA_MODULES[n], layer) for n in names if (LORA_MODULES[n], layer) in self.targets]
             group_key = (layer, family)
-        group = _Group([self.targets[k] for k in keys])
+        group = _Group([self.targets[k] for k in keys], native=self.kernel is not None)
         if self.num_slots:
             group.allocate(self.num_slots, self.rank, self.dtype, self.device)
         self.groups[group_key] = group
@@ -286,7 +316,10 @@ class LoraLayers:
         segment costs more in calls than in arithmetic, so the forward takes the masked path instead:
         the adapter rows meet every loaded adapter in one GEMM, a per-token mask keeps each token's own
         adapter's columns (exact zeros elsewhere), and one more GEMM per module applies B. It is chosen
-        while the wasted rows stay small (``tokens x slots <= MASKED_PATH_ROWS``)."""
+        while the wasted rows stay small (``tokens x slots <= MASKED_PATH_ROWS``).
+
+        With the compiled kernel, every forward instead gets one slot per row, made here once for all
+        layers, and each layer makes one kernel call."""
         segments: list[tuple[int, int, int]] = []
         offset = 0
         for slot, n in slots_per_segment:
@@ -298,9 +331,16 @@ class LoraLayers:
             offset += n
         self.segments = segments
         self.masks = {}
+        self.token_slots = None
         if not segments:
             return
         first, last = segments[0][1], segments[-1][2]
+        if self.kernel is not None:
+            slots = [-1] * (last - first)
+            for slot, lo, hi in segments:
+                slots[lo - first : hi - first] = [slot] * (hi - lo)
+            self.token_slots = (first, torch.tensor(slots, dtype=torch.int64))
+            return
         if len(segments) > 1 and (last - first) * self.num_slots <= MASKED_PATH_ROWS:
             slots = [-1] * (last - first)
             for slot, lo, hi in segments:
@@ -316,11 +356,18 @@ class LoraLayers:
     def end(self) -> None:
         self.segments = []
         self.masks = {}
+        self.token_slots = None
         for group in self.groups.values():
             group.x, group.xa = None, []
 
     def apply(self, group: _Group, member: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add member ``member``'s adapter delta into ``out`` for every adapter segment, in place."""
+        if self.token_slots is not None and out.is_contiguous() and out.dtype == torch.float32:
+            first, slots = self.token_slots
+            self.kernel(
+                x if x.is_contiguous() else x.contiguous(), out, first, slots, group.kernel_weights[member]
+            )
+            return
         rows = out.view(-1, out.shape[-1])
         if self.masks:
             first, last = self.masked_rows

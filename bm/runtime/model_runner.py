@@ -45,6 +45,8 @@ class Segment:
     sample: bool
     # Return logits for every token of the segment, not only the last (context logits were asked for).
     keep_all: bool = False
+    # The last ``num_draft`` tokens are drafts: return the logits of the ``num_draft + 1`` last positions.
+    num_draft: int = 0
     # The request's table in each windowed pool, by window (None: every layer reads ``block_ids``).
     window_block_ids: dict[int, list[int]] | None = None
 
@@ -129,7 +131,8 @@ class ModelRunner:
         self, segments: Sequence[Segment], prompt_tables: Mapping[int, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
-        sampled segment, or one per token for a ``keep_all`` segment, in segment order.
+        sampled segment, one per token for a ``keep_all`` segment, or ``num_draft + 1`` for a segment
+        ending in drafts, in segment order.
 
         ``prompt_tables``: segment index -> its prompt-tuning table; there a token id ``vocab + i`` embeds
         as the table's row ``i`` (the rest of the batch embeds as usual, in the same forward)."""
@@ -197,9 +200,14 @@ class ModelRunner:
             else:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                prefill.append((offset, offset + n, start, table))
+                if _verify_step(seg, n):
+                    decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
+                else:
+                    prefill.append((offset, offset + n, start, table))
             if seg.keep_all:
                 sample_index.extend(range(offset, offset + n))
+            elif seg.num_draft:
+                sample_index.extend(range(offset + n - 1 - seg.num_draft, offset + n))
             elif seg.sample:
                 sample_index.append(offset + n - 1)
             offset += n
@@ -251,10 +259,23 @@ def _rows_for(
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         if n == 1:
             decode_rows.append((offset, start + 1, table))
+        elif _verify_step(seg, n):
+            decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
         else:
             prefill.append((offset, offset + n, start, table))
         offset += n
     return slots, prefill, decode_rows
+
+
+def _verify_step(seg: Segment, n: int) -> bool:
+    """A generation step verifying drafts (its last token and K drafts, after a cached context).
+
+    Its K + 1 queries run as K + 1 decode rows, query i attending the first ``start + i + 1`` keys, all
+    read in place by the decode kernel in the same call as the batch's other decode rows. As a prefill
+    chunk each would cost its own attention call per layer, with the prefix gathered from the cache,
+    which made a verifying step cost several plain decode steps.
+    """
+    return seg.num_draft > 0 and n == seg.num_draft + 1 and seg.start_pos > 0
 
 
 class _Layout:

@@ -34,6 +34,7 @@ ENV_SWITCH = "BM_NATIVE_KERNELS"
 _SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
 _GEMM_SOURCE = Path(__file__).parent / "native" / "small_gemm.c"
 _PREFILL_SOURCE = Path(__file__).parent / "native" / "prefill_attention.c"
+_LORA_SOURCE = Path(__file__).parent / "native" / "lora_delta.c"
 _ELEMENTWISE_SOURCE = Path(__file__).parent / "native" / "elementwise.c"
 PANEL = 16  # output columns per packed weight panel in small_gemm.c
 _FLAGS = [
@@ -447,6 +448,96 @@ class PrefillAttentionKernel:
 def prefill_attention_kernel() -> PrefillAttentionKernel | None:
     """The compiled prefill attention kernel, or None (see :func:`_kernel`)."""
     return _kernel("prefill_attention", _PREFILL_SOURCE, PrefillAttentionKernel)
+
+
+class _LoraWeightsStruct(ctypes.Structure):
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("rank", ctypes.c_void_p),
+        ("slots", ctypes.c_int64),
+        ("R", ctypes.c_int64),
+        ("K", ctypes.c_int64),
+        ("N", ctypes.c_int64),
+    ]
+
+
+class LoraDeltaWeights:
+    """One linear's stacked adapters as the LoRA kernel reads them: checked once, when they are
+    (re)allocated, so the per-forward call only passes a pointer. Holds the tensors it points into."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, rank: torch.Tensor) -> None:
+        slots, r, k = a.shape
+        if (
+            a.dtype != torch.float32
+            or b.dtype != torch.float32
+            or rank.dtype != torch.int64
+            or b.shape[:2] != (slots, r)
+            or rank.shape != (slots,)
+            or not (a.is_contiguous() and b.is_contiguous() and rank.is_contiguous())
+            or a.device.type != "cpu"
+            or b.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"LoRA kernel: A {tuple(a.shape)} {a.dtype}, B {tuple(b.shape)} {b.dtype} and rank "
+                f"{tuple(rank.shape)} {rank.dtype} must be contiguous CPU float32 [slots, R, K], "
+                "[slots, R, N] and int64 [slots]"
+            )
+        self.tensors = (a, b, rank)
+        self.in_features, self.out_features = k, b.shape[2]
+        self.struct = _LoraWeightsStruct(a.data_ptr(), b.data_ptr(), rank.data_ptr(), slots, r, k, b.shape[2])
+        self.ref = ctypes.byref(self.struct)
+
+
+class LoraDeltaKernel:
+    """``y[row] += (x[row] @ A[s].T) @ B[s]`` for each row with adapter slot ``s >= 0``, in one call per
+    linear (``native/lora_delta.c``). Built on every CPU: with AVX2 + FMA it runs vector code, elsewhere
+    the same loops in plain C."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.bm_lora_delta_f32
+        fn.restype = ctypes.c_int
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64]
+        self._fn = fn
+        self.avx2 = lib.bm_lora_delta_avx2() == 1
+
+    def __call__(
+        self, x: torch.Tensor, y: torch.Tensor, first: int, slots: torch.Tensor, weights: LoraDeltaWeights
+    ) -> None:
+        """Rows ``first .. first + len(slots)`` of ``x`` [..., K] and ``y`` [..., N] (contiguous float32,
+        read as rows); ``slots`` int64, -1 for rows left alone. ``y`` is updated in place."""
+        k, n = weights.in_features, weights.out_features
+        rows = slots.shape[0]
+        if (
+            x.dtype != torch.float32
+            or y.dtype != torch.float32
+            or x.shape[-1] != k
+            or y.shape[-1] != n
+            or not x.is_contiguous()
+            or not y.is_contiguous()
+            or first < 0
+            or (first + rows) * k > x.numel()
+            or (first + rows) * n > y.numel()
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
+        ):
+            raise ValueError(
+                f"LoRA kernel: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} (contiguous: "
+                f"{x.is_contiguous()}, {y.is_contiguous()}), rows {first}..{first + rows} and slots "
+                f"{slots.dtype} do not fit weights [{k} -> {n}]"
+            )
+        status = self._fn(
+            x.data_ptr() + 4 * first * k, k, y.data_ptr() + 4 * first * n, n, slots.data_ptr(), rows,
+            weights.ref, torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise ValueError("LoRA kernel: an adapter's rank exceeds its stacked rows")
+
+
+def lora_delta_kernel() -> LoraDeltaKernel | None:
+    """The compiled LoRA delta kernel, or None (see :func:`_kernel`)."""
+    return _kernel("lora_delta", _LORA_SOURCE, LoraDeltaKernel)
 
 
 class ElementwiseKernels:
