@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from bm.runtime.native import PrefillAttentionKernel, prefill_attention_kernel
+
 ATTENTION_NAME = "bm_paged"
 
 # Attention features some models pass per layer that bm does not implement, so a model using them fails
@@ -238,6 +240,10 @@ def _prefill(
     if extra:
         _prefill_scores(out, q, k, v, cache, seg, scaling, extra)
         return
+    kernel = _native_prefill(q, cache, seg)
+    if kernel is not None:
+        kernel(out, q, k, v, seg.start, seg.end, scaling, cache, seg.block_ids, seg.prefix_len)
+        return
     qs = q[None, :, seg.start : seg.end]
     if seg.block_ids is None:
         # A whole prompt in one chunk: its keys are right here, no need to read the cache.
@@ -256,6 +262,33 @@ def _prefill(
             qs, kv[0][None], kv[1][None], attn_mask=seg.mask, scale=scaling, enable_gqa=True
         )
     out[seg.start : seg.end] = res[0].transpose(0, 1)
+
+
+def _native_prefill(
+    q: torch.Tensor, cache: torch.Tensor, seg: PrefillSegment
+) -> PrefillAttentionKernel | None:
+    """The compiled kernel where it computes exactly this segment's attention, else None (SDPA).
+
+    It does plain causal attention only: a whole prompt without a mask, or a chunk after a cached prefix
+    whose gather is the request's first blocks in order (no ``key_pos``, one key per position). Masks of
+    an attention window stay with SDPA. Only its AVX2 build is faster than SDPA; the plain C loops are
+    there for correctness where AVX2 is missing, and SDPA runs instead.
+    """
+    if not PrefillAttentionKernel.handles(q.device, q.dtype) or q.shape[-1] % 8:
+        return None
+    if seg.block_ids is None:
+        if seg.mask is not None:
+            return None
+    elif (
+        seg.key_pos is not None
+        or seg.mask is None
+        or seg.mask.shape[-1] != seg.prefix_len + seg.end - seg.start
+        or cache.dtype != torch.float32
+        or not cache.is_contiguous()
+    ):
+        return None
+    kernel = prefill_attention_kernel()
+    return kernel if kernel is not None and kernel.vectorized else None
 
 
 def _prefill_scores(

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "BM_NATIVE_KERNELS"
 _SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
 _GEMM_SOURCE = Path(__file__).parent / "native" / "small_gemm.c"
+_PREFILL_SOURCE = Path(__file__).parent / "native" / "prefill_attention.c"
 _LORA_SOURCE = Path(__file__).parent / "native" / "lora_delta.c"
 _ELEMENTWISE_SOURCE = Path(__file__).parent / "native" / "elementwise.c"
 PANEL = 16  # output columns per packed weight panel in small_gemm.c
@@ -343,6 +344,110 @@ def small_gemm_kernel() -> SmallGemmKernel | None:
         _GEMM_SOURCE,
         lambda lib: SmallGemmKernel(lib) if lib.bm_small_gemm_available() == 1 else None,
     )
+
+
+class PrefillAttentionKernel:
+    """Causal attention of one context chunk's queries to its own keys, or to a cached prefix read by
+    block table plus its own keys (flash-attention style, AVX2/FMA register tiles; plain C elsewhere).
+
+    At SmolLM2-135M's shape (head size 64, 9 query heads over 3 kv heads, two threads) 1.6-2.2x torch's
+    CPU flash attention on whole prompts of 64-1024 tokens (up to 79% of the 2048^3 matmul peak, against
+    SDPA's 50%), 1.4-1.5x after a cached prefix: ``benchmarks/prefill_attention.py``.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.bm_prefill_attention_f32
+        fn.restype = ctypes.c_int
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr]
+        fn.argtypes += [i64] * 6 + [ctypes.c_float, i64, i64]
+        self._fn = fn
+        self.vectorized = bool(lib.bm_prefill_attention_vectorized())
+
+    @staticmethod
+    def handles(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        end: int,
+        scaling: float,
+        cache: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        prefix_len: int = 0,
+        vectorize: bool = True,
+    ) -> None:
+        """Writes ``out[start:end]`` for the chunk of query tokens ``[start, end)`` of the packed batch.
+
+        ``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``k``/``v`` [kv_heads, tokens, d]
+        (any token and head strides, unit stride within a head). Without ``block_table`` the chunk is a
+        whole prompt (``prefix_len`` 0) attending its own keys ``k``/``v[:, start:end]``; with it, its query
+        tokens sit at positions ``prefix_len ..`` and every key, the chunk's own included, is read from
+        ``cache`` (one layer's [2, kv_heads, num_blocks, block_size, d]) through ``block_table``, the
+        request's first blocks in order. ``vectorize=False`` runs the plain C loops (for tests)."""
+        heads, _, head_dim = q.shape
+        kv_heads = k.shape[0]
+        length = end - start
+        # The C code trusts these; a mismatch would read or write out of bounds, so check them here.
+        if any(t.dtype != torch.float32 for t in (out, q, k, v)) or not out.is_contiguous():
+            raise ValueError("prefill attention kernel: float32 tensors and a contiguous out expected")
+        if (
+            heads % kv_heads
+            or out.shape[1:] != (heads, head_dim)
+            or k.shape[::2] != (kv_heads, head_dim)
+            or v.shape != k.shape
+            or not 0 <= start <= end <= min(out.shape[0], q.shape[1], k.shape[1])
+        ):
+            raise ValueError(
+                f"prefill attention kernel: out {tuple(out.shape)}, q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                f"v {tuple(v.shape)} and tokens [{start}, {end}) disagree"
+            )
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        if k.stride(2) != 1 or v.stride(2) != 1 or k.stride() != v.stride():
+            k, v = k.contiguous(), v.contiguous()
+        ck = cv = None
+        blocks = block_size = 0
+        if block_table is not None:
+            if cache is None or not cache.is_contiguous() or cache.dtype != torch.float32:
+                raise ValueError("prefill attention kernel: a block table needs the float32 contiguous cache")
+            if cache.shape[1] != kv_heads or cache.shape[4] != head_dim:
+                raise ValueError(
+                    f"prefill attention kernel: cache {tuple(cache.shape)} against k {tuple(k.shape)}"
+                )
+            blocks, block_size = cache.shape[2], cache.shape[3]
+            if (
+                block_table.dtype != torch.int64
+                or not block_table.is_contiguous()
+                or block_table.numel() * block_size < prefix_len + length
+            ):
+                raise ValueError(
+                    f"prefill attention kernel: the block table must be contiguous int64 covering all "
+                    f"{prefix_len + length} keys"
+                )
+            ck, cv = cache[0].data_ptr(), cache[1].data_ptr()
+        elif prefix_len:
+            raise ValueError("prefill attention kernel: a cached prefix is read through a block table")
+        status = self._fn(
+            q.data_ptr() + start * q.stride(1) * 4, q.stride(1), q.stride(0),
+            k.data_ptr() + start * k.stride(1) * 4, v.data_ptr() + start * v.stride(1) * 4,
+            k.stride(1), k.stride(0), ck, cv,
+            None if block_table is None else block_table.data_ptr(), blocks, block_size,
+            out.data_ptr() + start * out.stride(0) * 4, out.stride(0),
+            length, prefix_len, heads, kv_heads, head_dim, scaling, torch.get_num_threads(), int(vectorize),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("prefill attention: no memory for the packed keys or a thread's tile")
+
+
+def prefill_attention_kernel() -> PrefillAttentionKernel | None:
+    """The compiled prefill attention kernel, or None (see :func:`_kernel`)."""
+    return _kernel("prefill_attention", _PREFILL_SOURCE, PrefillAttentionKernel)
 
 
 class _LoraWeightsStruct(ctypes.Structure):
