@@ -31,25 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import BENCH_CONFIG, model_overrides, read_workload, run_bm
+from roofline import best_time, measure_gemm_peak
 
 from bm.config import load_config
 from bm.runtime import attention, load_model
 from bm.runtime.native import prefill_attention_kernel
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def mm_peak(repeats: int = 5) -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / best_time(lambda: torch.mm(a, b), repeats) / 1e9
 
 
 def causal_pairs(cached: int, new: int) -> int:
@@ -140,7 +126,7 @@ def main() -> None:
     scale = d**-0.5
     torch.manual_seed(0)
     kernel = prefill_attention_kernel()
-    peak_before = mm_peak()
+    peak_before = measure_gemm_peak() / 1e9
     result: dict = {
         "torch_threads": torch.get_num_threads(),
         "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": d},
@@ -201,7 +187,7 @@ def main() -> None:
             times["bm_kernel"] = best_time(run, args.repeats)
         result["cached_prefix"][pair] = line(causal_pairs(cached, new), times)
 
-    peak = max(peak_before, mm_peak())
+    peak = max(peak_before, measure_gemm_peak() / 1e9)
     result["mm_peak_gflop_s"] = round(peak, 1)
     for section in ("no_prefix", "cached_prefix"):
         for row in result[section].values():

@@ -10,22 +10,27 @@ the roofline is a floor no engine can beat.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Shortest of ``repeats`` timed calls of ``fn``, after one untimed warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def measure_gemm_peak(size: int = 2048, repeats: int = 5) -> float:
     """Best observed FLOP/s of a ``size``-cubed fp32 matmul (after one warm-up)."""
     a = torch.randn(size, size)
     b = torch.randn(size, size)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / best_time(lambda: torch.mm(a, b), repeats)
 
 
 def linear_params_per_token(config) -> int:

@@ -14,24 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+from roofline import best_time
 from transformers import AutoConfig
 
 from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
 from bm.runtime.prepack import _PACK_HINT
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
