@@ -95,7 +95,7 @@ def fuse_elementwise(model: nn.Module) -> dict[str, int]:
     for module in model.modules():
         modeling_modules.add(type(module).__module__)
         forward = type(module).forward
-        if isinstance(module.forward, (_FusedRMSNorm, _FusedMLP)):
+        if isinstance(module.forward, _FusedForward):
             continue
         if _matches(forward, "rms_norm") and hasattr(module, "variance_epsilon"):
             module.forward = _FusedRMSNorm(module, kernels)
@@ -119,7 +119,7 @@ def unfuse_elementwise(model: nn.Module) -> None:
     """Give ``model``'s modules their own forwards back (the rotary global stays: outside a bm forward
     it is transformers' function)."""
     for module in model.modules():
-        if isinstance(module.forward, (_FusedRMSNorm, _FusedMLP)):
+        if isinstance(module.forward, _FusedForward):
             del module.forward
 
 
@@ -137,13 +137,31 @@ def _fits(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
-class _FusedRMSNorm:
-    """An RMSNorm's forward: one C pass inside a bm forward, the module's own otherwise."""
+class _FusedForward:
+    """A module's forward replaced inside bm forwards; its own otherwise. Copies and pickles rebuild it
+    around the copied module (the kernels are a process-wide handle, never copied)."""
 
     def __init__(self, module: nn.Module, kernels: ElementwiseKernels) -> None:
         self._module = module
         self._own = types.MethodType(type(module).forward, module)
         self._kernels = kernels
+
+    def __deepcopy__(self, memo: dict) -> _FusedForward:
+        import copy
+
+        return type(self)(copy.deepcopy(self._module, memo), self._kernels)
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._module))
+
+
+def _rebuild(cls: type[_FusedForward], module: nn.Module) -> Callable:
+    kernels = elementwise_kernels()
+    return cls(module, kernels) if kernels else types.MethodType(type(module).forward, module)
+
+
+class _FusedRMSNorm(_FusedForward):
+    """An RMSNorm's forward: one C pass inside a bm forward, the module's own otherwise."""
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self._module.weight
@@ -151,22 +169,9 @@ class _FusedRMSNorm:
             return self._own(hidden_states)
         return self._kernels.rms_norm(hidden_states, weight.detach(), float(self._module.variance_epsilon))
 
-    def __deepcopy__(self, memo: dict) -> _FusedRMSNorm:
-        import copy
 
-        return _FusedRMSNorm(copy.deepcopy(self._module, memo), self._kernels)
-
-    def __reduce__(self):
-        return (_rebuild_rms_norm, (self._module,))
-
-
-class _FusedMLP:
+class _FusedMLP(_FusedForward):
     """A gated SiLU MLP's forward: the model's gate/up/down linears, with ``silu(g) * u`` in one pass."""
-
-    def __init__(self, module: nn.Module, kernels: ElementwiseKernels) -> None:
-        self._module = module
-        self._own = types.MethodType(type(module).forward, module)
-        self._kernels = kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not (in_bm_forward() and _fits(x)):
@@ -176,24 +181,6 @@ class _FusedMLP:
         if not (_fits(gate) and _fits(up)):
             return m.down_proj(m.act_fn(gate) * up)
         return m.down_proj(self._kernels.silu_mul(gate, up))
-
-    def __deepcopy__(self, memo: dict) -> _FusedMLP:
-        import copy
-
-        return _FusedMLP(copy.deepcopy(self._module, memo), self._kernels)
-
-    def __reduce__(self):
-        return (_rebuild_mlp, (self._module,))
-
-
-def _rebuild_rms_norm(module: nn.Module) -> Callable | None:
-    kernels = elementwise_kernels()
-    return _FusedRMSNorm(module, kernels) if kernels else types.MethodType(type(module).forward, module)
-
-
-def _rebuild_mlp(module: nn.Module) -> Callable | None:
-    kernels = elementwise_kernels()
-    return _FusedMLP(module, kernels) if kernels else types.MethodType(type(module).forward, module)
 
 
 class _FusedRotary:
