@@ -196,14 +196,10 @@ class ModelRunner:
             if n == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-                decode_rows.append((offset, start + 1, table))
             else:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                if _verify_step(seg, n):
-                    decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
-                else:
-                    prefill.append((offset, offset + n, start, table))
+            _place(seg, offset, table, prefill, decode_rows)
             if seg.keep_all:
                 sample_index.extend(range(offset, offset + n))
             elif seg.num_draft:
@@ -257,14 +253,24 @@ def _rows_for(
         start = seg.start_pos
         table = seg.window_block_ids[window]
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        if n == 1:
-            decode_rows.append((offset, start + 1, table))
-        elif _verify_step(seg, n):
-            decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
-        else:
-            prefill.append((offset, offset + n, start, table))
+        _place(seg, offset, table, prefill, decode_rows)
         offset += n
     return slots, prefill, decode_rows
+
+
+def _place(
+    seg: Segment,
+    offset: int,
+    table: list[int],
+    prefill: list[tuple[int, int, int, list[int]]],
+    decode_rows: list[tuple[int, int, list[int]]],
+) -> None:
+    """Add ``seg``'s queries (from packed index ``offset``) to the decode rows or the prefill runs."""
+    n, start = len(seg.token_ids), seg.start_pos
+    if n == 1 or _verify_step(seg, n):
+        decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
+    else:
+        prefill.append((offset, offset + n, start, table))
 
 
 def _verify_step(seg: Segment, n: int) -> bool:
