@@ -335,23 +335,21 @@ class LoraLayers:
         if not segments:
             return
         first, last = segments[0][1], segments[-1][2]
+        masked = len(segments) > 1 and (last - first) * self.num_slots <= MASKED_PATH_ROWS
+        if self.kernel is None and not masked:
+            return
+        # each token's adapter slot from the first adapter token to the last (-1: base model)
+        slots = [-1] * (last - first)
+        for slot, lo, hi in segments:
+            slots[lo - first : hi - first] = [slot] * (hi - lo)
         if self.kernel is not None:
-            slots = [-1] * (last - first)
-            for slot, lo, hi in segments:
-                slots[lo - first : hi - first] = [slot] * (hi - lo)
             self.token_slots = (first, torch.tensor(slots, dtype=torch.int64))
             return
-        if len(segments) > 1 and (last - first) * self.num_slots <= MASKED_PATH_ROWS:
-            slots = [-1] * (last - first)
-            for slot, lo, hi in segments:
-                slots[lo - first : hi - first] = [slot] * (hi - lo)
-            token_slots = torch.tensor(slots, device=self.device)
-            column_slots = torch.arange(self.num_slots * self.rank, device=self.device) // self.rank
-            mask = (token_slots[:, None] == column_slots[None, :]).to(self.dtype)
-            self.masks = {
-                g: mask.repeat(1, g) for g in {len(group.members) for group in self.groups.values()}
-            }
-            self.masked_rows = (first, last)
+        token_slots = torch.tensor(slots, device=self.device)
+        column_slots = torch.arange(self.num_slots * self.rank, device=self.device) // self.rank
+        mask = (token_slots[:, None] == column_slots[None, :]).to(self.dtype)
+        self.masks = {g: mask.repeat(1, g) for g in {len(group.members) for group in self.groups.values()}}
+        self.masked_rows = (first, last)
 
     def end(self) -> None:
         self.segments = []
