@@ -287,6 +287,15 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
     return _kernel("paged_decode", _SOURCE, PagedDecodeKernel)
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, cols] with unit column stride and one row stride the C code can step by (no
+    overlapping rows), copying only where the view cannot give that."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = rows.contiguous()
+    return rows
+
+
 class SmallGemmKernel:
     """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX2 + FMA).
 
@@ -324,9 +333,7 @@ class SmallGemmKernel:
             bias is not None and (bias.numel() != n or not bias.is_contiguous())
         ):
             raise ValueError(f"small GEMM: {n} outputs do not fit the packed weight or the bias")
-        rows = x.reshape(-1, k)
-        if rows.stride(1) != 1 or rows.stride(0) < k:
-            rows = rows.contiguous()
+        rows = _as_rows(x)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         status = self._fn(
             rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -559,20 +566,12 @@ class ElementwiseKernels:
         self._rot.restype = None
         self._rot.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
 
-    @staticmethod
-    def _rows(x: torch.Tensor) -> torch.Tensor:
-        """``x`` as [rows, cols] with unit column stride and one row stride, copying only if needed."""
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-            rows = rows.contiguous()
-        return rows
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` over the last dimension, float32."""
         cols = x.shape[-1]
         if weight.shape != (cols,) or not weight.is_contiguous():
             raise ValueError(f"RMSNorm kernel: weight {tuple(weight.shape)} for rows of {cols}")
-        rows = self._rows(x)
+        rows = _as_rows(x)
         out = torch.empty(x.shape, dtype=torch.float32)
         self._rms(
             rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], cols, eps,
@@ -584,7 +583,7 @@ class ElementwiseKernels:
         """``silu(gate) * up``, float32, same shapes."""
         if gate.shape != up.shape:
             raise ValueError(f"SiLU-mul kernel: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-        g, u = self._rows(gate), self._rows(up)
+        g, u = _as_rows(gate), _as_rows(up)
         out = torch.empty(gate.shape, dtype=torch.float32)
         self._silu(
             g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), g.shape[0], g.shape[1],
