@@ -197,6 +197,8 @@ def _compiler_version(compiler: str) -> str:
 def _cache_key(source: Path, compiler: str, omp: Path | None) -> str:
     parts = [
         source.read_text(),
+        # the headers the sources include (a changed header must rebuild every kernel)
+        *(header.read_text() for header in sorted(source.parent.glob("*.h"))),
         " ".join(_FLAGS),
         compiler,
         _compiler_version(compiler),

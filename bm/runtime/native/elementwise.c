@@ -24,6 +24,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "vec_exp.h" /* bm_exp8 */
 #define BM_HAVE_AVX2 1
 #else
 #define BM_HAVE_AVX2 0
@@ -72,29 +73,6 @@ void bm_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int6
     }
 }
 
-#if BM_HAVE_AVX2
-/* e^x for x in [-87, 88]: x = n ln2 + f with |f| <= ln2 / 2, e^f by its Taylor series to f^7 (the
-   truncation error, f^8 / 8!, is below half a float ulp), times 2^n built in the exponent bits. */
-static inline __m256 exp_ps(__m256 x)
-{
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* ln2 in two parts, so f keeps its low bits */
-    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
 
 /* y[r] = silu(g[r]) * u[r] for rows of g and u (row strides ldg, ldu), y [rows, cols] contiguous;
    silu(v) = v / (1 + e^-v), as torch computes it. */
@@ -111,7 +89,7 @@ void bm_silu_mul_f32(const float *g, int64_t ldg, const float *u, int64_t ldu, f
         const __m256 sign = _mm256_set1_ps(-0.0f);
         for (; c + 8 <= cols; c += 8) {
             const __m256 v = _mm256_loadu_ps(gr + c);
-            const __m256 e = exp_ps(_mm256_xor_ps(v, sign));
+            const __m256 e = bm_exp8(_mm256_xor_ps(v, sign));
             const __m256 s = _mm256_div_ps(v, _mm256_add_ps(one, e));
             _mm256_storeu_ps(yr + c, _mm256_mul_ps(s, _mm256_loadu_ps(ur + c)));
         }

@@ -40,24 +40,7 @@ static inline __m256 dot8(const float *q, const float *k, int64_t d) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2, a degree-6
-   polynomial; relative error about 2e-7, underflowing to 0 below about -87. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+#include "vec_exp.h" /* bm_exp8 */
 #else
 #define BM_AVX2 0
 #endif
@@ -138,7 +121,7 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         __m256 tot8 = _mm256_setzero_ps();
         const __m256 m8 = _mm256_set1_ps(m);
         for (; j + 8 <= span; j += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m8));
+            __m256 e = bm_exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m8));
             _mm256_storeu_ps(sh + j, e);
             tot8 = _mm256_add_ps(tot8, e);
         }

@@ -1,0 +1,26 @@
+/* e^x in eight float32 lanes, shared by the kernels that need it (softmax in paged_decode.c, SiLU in
+   elementwise.c): 2^n * p(r) with r = x - n ln2 (ln2 in two parts, so r keeps its low bits) and p a
+   degree-6 polynomial; relative error about 2e-7. Inputs are clamped to [-87.3, 88], so the result is
+   always a finite normal float: below -87.3 it is about 1e-38 (softmax weights that small vanish in the
+   sum anyway), above 88 about 1.6e38. Include only where AVX2 and FMA are enabled. */
+#ifndef BM_VEC_EXP_H
+#define BM_VEC_EXP_H
+#include <immintrin.h>
+
+static inline __m256 bm_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
