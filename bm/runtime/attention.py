@@ -405,12 +405,10 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
 
     Configs name these differently from model to model (and some ignore ``num_key_value_heads``); the
     shapes the attention function receives are the truth. A model that never calls the registered
-    function (one that bypasses ``AttentionInterface``) is refused here rather than run wrongly.
+    function (one that bypasses ``AttentionInterface``) is refused here rather than run wrongly. Models
+    with attention classes of their own must be adapted first (:mod:`bm.runtime.adapters`).
     """
-    from bm.runtime.adapters import adapt_attention_modules
-
     register()
-    adapt_attention_modules(model)
     model.set_attn_implementation(ATTENTION_NAME)
     device = next(model.parameters()).device
     zero = torch.zeros((1, 1), dtype=torch.long, device=device)

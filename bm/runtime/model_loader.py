@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from bm.config import ModelConfig
+from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fusion import fuse_elementwise, should_fuse
@@ -187,6 +188,7 @@ def describe_model(
         sliding = None
     if layer_types and "sliding_attention" not in layer_types:
         sliding = None
+    adapt_attention_modules(model)
     kv_shapes = probe_kv_shapes(model)
     num_packed = 0
     if should_prepack(prepack, model, param.device, param.dtype):
