@@ -1,25 +1,39 @@
 """Route attention of models with their own attention classes through bm's paged attention.
 
-Most transformers models call the function registered in ``AttentionInterface``; bloom, mpt, falcon,
-gptj and codegen compute attention inline in their attention modules. For those, the module's
-projections, head splitting and rotary embeddings stay theirs; only the attention itself (scores,
-mask, softmax, values) is handed to :func:`bm.runtime.attention.paged_attention_forward`, with ALiBi
-slopes attached to the module where the model biases scores by distance.
+Most transformers models call the function registered in ``AttentionInterface``; bloom, mpt and falcon
+(and gptj and codegen before transformers 5.24) compute attention inline in their attention modules. For
+those, the module's projections, head splitting and rotary embeddings stay theirs; only the attention
+itself (scores, mask, softmax, values) is handed to :func:`bm.runtime.attention.paged_attention_forward`,
+with ALiBi slopes attached to the module where the model biases scores by distance.
 
-An adapted module runs its original code whenever no bm forward is in progress, so a copy of the model
-(the tests' HF reference, for one) still computes attention as transformers does.
+An adapted module runs its original code, with the arguments it was given, whenever no bm forward is in
+progress, so a copy of the model (the tests' HF reference, for one) still computes attention as
+transformers does.
+
+These adapters rest on transformers' private call signatures, which change between releases (MPT's
+``past_key_values`` became ``cache`` in 5.24). So each adapter lists the signatures it was written for,
+and a class whose method matches none of them is refused at load with one line naming the class and the
+tested transformers range, instead of breaking HF or bm at run time. A class that no longer has the
+method at all (gptj's ``_attn`` from 5.24 on) calls ``AttentionInterface`` instead and needs no adapter;
+:func:`bm.runtime.attention.probe_kv_shapes` refuses a model whose attention never reaches bm.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bm.runtime.attention import ALIBI_ATTR, in_bm_forward, paged_attention_forward
+from bm.runtime.attention import ALIBI_ATTR, UnsupportedAttentionError, in_bm_forward, paged_attention_forward
 
 _ADAPTED_FLAG = "_bm_adapted"
+# The transformers releases whose attention signatures the adapters below were checked against (the model
+# matrix in tests/model_matrix.py passes on them). Raise the upper end after `make test-latest` passes.
+TESTED_TRANSFORMERS = ">=5.0,<=5.24"
 
 
 def _paged(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
@@ -41,22 +55,20 @@ def _mpt_slopes(heads: int, alibi_bias_max: float) -> torch.Tensor:
     return -build_mpt_alibi_tensor(heads, 2, alibi_bias_max)[:, 0, 0].float()
 
 
-def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, **kwargs):
+def _bloom_forward(self, hidden_states, residual, *args, **kwargs):
     from transformers.models.bloom.modeling_bloom import dropout_add
 
     if not in_bm_forward():
-        return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past, **kwargs)
+        return type(self).forward(self, hidden_states, residual, *args, **kwargs)
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # [1, heads, T, d] each
     out = _paged(self, q, k, v, self.inv_norm_factor)
     out = self.dense(out.reshape(out.shape[0], out.shape[1], -1))
     return dropout_add(out, residual, self.hidden_dropout, self.training), None
 
 
-def _mpt_forward(self, hidden_states, position_bias, past_key_values=None, attention_mask=None, **kwargs):
+def _mpt_forward(self, hidden_states, *args, **kwargs):
     if not in_bm_forward():
-        return type(self).forward(
-            self, hidden_states, position_bias, past_key_values, attention_mask, **kwargs
-        )
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     batch, length = hidden_states.shape[:2]
     qkv = self.Wqkv(hidden_states)
     if self.clip_qkv:
@@ -66,13 +78,11 @@ def _mpt_forward(self, hidden_states, position_bias, past_key_values=None, atten
     return self.out_proj(out.reshape(batch, length, -1)), None
 
 
-def _falcon_forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, **kwargs):
+def _falcon_forward(self, hidden_states, alibi, *args, **kwargs):
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
     if not in_bm_forward():
-        return type(self).forward(
-            self, hidden_states, alibi, attention_mask, position_ids, layer_past, **kwargs
-        )
+        return type(self).forward(self, hidden_states, alibi, *args, **kwargs)
     batch, length, _ = hidden_states.shape
     fused = self.query_key_value(hidden_states)
     d = self.head_dim
@@ -90,10 +100,10 @@ def _falcon_forward(self, hidden_states, alibi, attention_mask, position_ids=Non
     return self.dense(out.reshape(batch, length, -1)), None
 
 
-def _rotary_attn(self, query, key, value, attention_mask=None, *args):
+def _rotary_attn(self, query, key, value, *args, **kwargs):
     """gptj/codegen: ``_attn`` receives rotated [1, heads, T, d] queries and keys; return its shape."""
     if not in_bm_forward():
-        return type(self)._attn(self, query, key, value, attention_mask, *args)
+        return type(self)._attn(self, query, key, value, *args, **kwargs)
     out = _paged(self, query, key, value, 1.0 / float(self.scale_attn))
     return out.transpose(1, 2), None
 
@@ -103,35 +113,107 @@ def _falcon_slopes(module: torch.nn.Module, config: Any) -> torch.Tensor | None:
     return _bloom_slopes(module.num_heads) * module.inv_norm_factor if config.alibi else None
 
 
-# attention class name -> (method replaced, replacement, ALiBi slopes for a module or None)
-_ADAPTERS: dict[str, tuple[str, Callable, Callable[[torch.nn.Module, Any], torch.Tensor | None]]] = {
-    "BloomAttention": ("forward", _bloom_forward, lambda m, c: _bloom_slopes(m.num_heads)),
-    "MptAttention": (
+Slopes = Callable[[torch.nn.Module, Any], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    """One attention class bm takes over: which method, the signatures it was written for, and how."""
+
+    method: str
+    # Each accepted signature as parameter names, ``**kwargs`` written as "**" (see _signature_of).
+    signatures: tuple[tuple[str, ...], ...]
+    replacement: Callable
+    slopes: Slopes
+
+
+_BLOOM = ("self", "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache")
+_FALCON = ("self", "hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache")
+_ROTARY = (("self", "query", "key", "value", "attention_mask"),)
+
+# attention class name -> its adapter. The signatures are those of transformers 5.0 to 5.24.
+_ADAPTERS: dict[str, _Adapter] = {
+    "BloomAttention": _Adapter(
         "forward",
+        ((*_BLOOM, "output_attentions", "cache_position"), (*_BLOOM, "output_attentions", "**")),
+        _bloom_forward,
+        lambda m, c: _bloom_slopes(m.num_heads),
+    ),
+    "MptAttention": _Adapter(
+        "forward",
+        (
+            ("self", "hidden_states", "position_bias", "past_key_values", "attention_mask", "cache_position"),
+            ("self", "hidden_states", "position_bias", "past_key_values", "attention_mask", "**"),
+            ("self", "hidden_states", "position_bias", "cache", "attention_mask", "**"),
+        ),
         _mpt_forward,
         lambda m, c: _mpt_slopes(m.n_heads, c.attn_config.alibi_bias_max) if c.attn_config.alibi else None,
     ),
-    "FalconAttention": ("forward", _falcon_forward, _falcon_slopes),
-    "GPTJAttention": ("_attn", _rotary_attn, lambda m, c: None),
-    "CodeGenAttention": ("_attn", _rotary_attn, lambda m, c: None),
+    "FalconAttention": _Adapter(
+        "forward",
+        (
+            (*_FALCON, "output_attentions", "cache_position", "position_embeddings"),
+            (*_FALCON, "output_attentions", "position_embeddings", "**"),
+        ),
+        _falcon_forward,
+        _falcon_slopes,
+    ),
+    "GPTJAttention": _Adapter("_attn", _ROTARY, _rotary_attn, lambda m, c: None),
+    "CodeGenAttention": _Adapter("_attn", _ROTARY, _rotary_attn, lambda m, c: None),
 }
+
+
+def _signature_of(fn: Callable) -> tuple[str, ...]:
+    """A method's parameters as names, ``*args`` as "*" and ``**kwargs`` as "**" (their names vary)."""
+    names = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            names.append("*")
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            names.append("**")
+        else:
+            names.append(p.name)
+    return tuple(names)
+
+
+def check_adapter_signature(cls: type) -> _Adapter | None:
+    """The adapter for ``cls``, or None when bm need not adapt it; refuses a changed signature.
+
+    None for a class bm has no adapter for, and for one that no longer defines the adapted method (it then
+    calls ``AttentionInterface`` like any other model). A signature the adapter was not written for
+    raises :class:`UnsupportedAttentionError` naming the class and the tested transformers range.
+    """
+    adapter = _ADAPTERS.get(cls.__name__)
+    if adapter is None or adapter.method not in vars(cls):
+        return None
+    found = _signature_of(getattr(cls, adapter.method))
+    if found not in adapter.signatures:
+        import transformers
+
+        raise UnsupportedAttentionError(
+            f"{cls.__name__}.{adapter.method}({', '.join(found[1:])}) is not the signature bm's adapter was "
+            f"written for (tested with transformers{TESTED_TRANSFORMERS}; this is {transformers.__version__}): "
+            f"install a tested transformers, or use another model"
+        )
+    return adapter
 
 
 def adapt_attention_modules(model: torch.nn.Module) -> int:
     """Adapt every attention module bm knows to take over; returns how many were adapted.
 
     Idempotent. The replacement is an instance attribute wrapping the class's own method, so the class
-    (shared with any other copy of the model) is left alone.
+    (shared with any other copy of the model) is left alone. Each class's signature is checked once,
+    before any module is changed, so a refused model is left as it was.
     """
+    adapters = {cls: check_adapter_signature(cls) for cls in {type(m) for m in model.modules()}}
     config = model.config.get_text_config()
     count = 0
     for module in model.modules():
-        spec = _ADAPTERS.get(type(module).__name__)
-        if spec is None or getattr(module, _ADAPTED_FLAG, False):
+        adapter = adapters[type(module)]
+        if adapter is None or getattr(module, _ADAPTED_FLAG, False):
             continue
-        name, fn, slopes = spec
-        setattr(module, name, _Bound(fn, module))
-        alibi = slopes(module, config)
+        setattr(module, adapter.method, _Bound(adapter.replacement, module))
+        alibi = adapter.slopes(module, config)
         if alibi is not None:
             setattr(module, ALIBI_ATTR, alibi.to(next(model.parameters()).device))
         setattr(module, _ADAPTED_FLAG, True)
@@ -150,6 +232,4 @@ class _Bound:
         return self.fn(self.module, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> _Bound:
-        import copy
-
         return _Bound(self.fn, copy.deepcopy(self.module, memo))
