@@ -124,3 +124,16 @@ def test_run_takes_drafts_and_prompt_lookup_without_changing_greedy_outputs(tmp_
         (r["index"], r["output_ids"]) for r in b
     )
     assert sum(s["Draft Tokens"] for s in read_jsonl(tmp_path / "spec" / "stats.jsonl")) > 0
+
+
+def test_version_prints_bm_torch_and_transformers_versions_and_exits_0():
+    import torch
+    import transformers
+
+    import bm
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"bm {bm.__version__} ")
+    assert f"torch {torch.__version__}" in result.output
+    assert f"transformers {transformers.__version__}" in result.output

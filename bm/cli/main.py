@@ -26,16 +26,31 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    """``--version``: bm's version and the torch and transformers it runs on (what a bug report needs)."""
+    if not value:
+        return
+    import platform
+
+    import torch
+    import transformers
+
+    import bm
+
+    typer.echo(
+        f"bm {bm.__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"python {platform.python_version()})"
+    )
+    raise typer.Exit()
+
+
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", help="Print bm's version and exit.", is_eager=True),
+    version: bool = typer.Option(
+        False, "--version", help="Print bm's version and exit.", is_eager=True, callback=_print_version
+    ),
 ) -> None:
     """Offline LLM batch generation and benchmarking on an in-flight batching Batch Manager."""
-    if version:
-        import bm
-
-        typer.echo(bm.__version__)
-        raise typer.Exit()
 
 
 CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys below)."
