@@ -168,3 +168,30 @@ def test_jsonl_lines_carry_the_table_as_a_nested_list(tmp_path):
     assert good.request.prompt_embedding_table == [[0.5, 1.0], [2, 3]]
     assert good.request.prompt_vocab_size == 2
     assert bad.error is not None and "line 2: prompt_embedding_table: expected a nested list" in bad.error
+
+
+def test_prompt_tuning_lines_through_bm_run_equal_hf_inputs_embeds(tiny_model, tiny_reference, tmp_path):
+    """`bm run` used to refuse every such line ("token id 300 is outside the vocabulary"): the CLI checked
+    ids against the vocabulary before the engine, which knows ids from vocab_size on are table rows."""
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    vocab, hidden = tiny_model.vocab_size, tiny_model.model.config.hidden_size
+    prompts = tuned_prompts(vocab, num_virtual=3, count=4, seed=5)
+    tables = [make_table(seed=40 + i, rows=3, hidden=hidden) for i in range(len(prompts))]
+    path = tmp_path / "tuned.jsonl"
+    lines = [
+        {"input_ids": p, "prompt_embedding_table": t.tolist(), "max_tokens": 6}
+        for p, t in zip(prompts, tables, strict=True)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + json.dumps({"input_ids": [5, 9]}) + "\n")
+    out = tmp_path / "out"
+    args = ["run", str(path), "-o", str(out), "--quiet", "--ignore-eos", "--max-tokens", "6"]
+    result = CliRunner().invoke(app, [*args, "--set", "model.device=cpu"])
+    assert result.exit_code == 0, result.output
+    records = {r["index"]: r for r in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
+    for i, (prompt, table) in enumerate(zip(prompts, tables, strict=True)):
+        assert records[i]["error"] is None, records[i]["error"]
+        assert records[i]["output_ids"] == hf_prompt_tuned(tiny_reference, prompt, table, vocab, 6)
+    assert records[len(prompts)]["output_ids"] == hf_prompt_tuned(tiny_reference, [5, 9], None, vocab, 6)

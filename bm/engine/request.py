@@ -195,7 +195,8 @@ def _embedding_bias(value: Any, vocab_size: int) -> tuple[float, ...] | None:
     if not isinstance(value, (list, tuple)) or len(value) != vocab_size:
         got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
         raise RequestError(
-            f"embedding_bias: expected shape [1, {vocab_size}] (one value per vocabulary token), got {got}"
+            f"embedding_bias: expected {vocab_size} numbers (one per vocabulary token; shape [1, {vocab_size}] "
+            f"as a tensor), got {got}"
         )
     for v in value:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
