@@ -16,6 +16,10 @@ except PackageNotFoundError:  # a source tree that is not installed
     __version__ = "0.0.0+source"
 
 _EXPORTS = {
+    "LLM": "bm.llm",
+    "SamplingParams": "bm.llm",
+    "RequestOutput": "bm.llm",
+    "CompletionOutput": "bm.llm",
     "BmConfig": "bm.config",
     "ConfigError": "bm.config",
     "load_config": "bm.config",

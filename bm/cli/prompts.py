@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bm.cli.chat import jinja_renderer
 from bm.engine.request import Request
+from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
 from bm.workloads.jsonl import WORD_LISTS, ParsedLine, read_request_file, resolve_word_list
 from bm.workloads.request import RowError
 
@@ -45,31 +45,17 @@ class Codec:
 def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
     """The :class:`Codec` of a loaded model; ``chat_template`` (Jinja text) overrides the checkpoint's."""
     tokenizer = loaded.tokenizer
-    codec = Codec()
     if tokenizer is None:
-        return codec
-    codec.encode, codec.encode_word = tokenizer.encode, tokenizer.encode_word
-    hf = getattr(tokenizer, "tokenizer", None)  # the transformers tokenizer behind HFTokenizer
-    if hf is not None and (chat_template is not None or getattr(hf, "chat_template", None)):
+        return Codec()
+    render = chat_renderer(tokenizer, chat_template)
 
-        def render_hf(messages: list[dict[str, Any]]) -> list[int]:
-            try:
-                text = hf.apply_chat_template(
-                    messages, chat_template=chat_template, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as exc:  # a template is a program: any of its errors is the user's to fix
-                raise RowError(f"messages: the chat template failed: {exc}") from None
-            return list(hf(text, add_special_tokens=False)["input_ids"])
+    def render_chat(messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            return render(messages)
+        except ChatTemplateError as exc:
+            raise RowError(str(exc)) from None
 
-        codec.render_chat = render_hf
-    elif chat_template is not None:
-        render = jinja_renderer(chat_template, getattr(tokenizer, "eos_token_id", None))
-
-        def render_plain(messages: list[dict[str, Any]]) -> list[int]:
-            return tokenizer.encode(render(messages))
-
-        codec.render_chat = render_plain
-    return codec
+    return Codec(tokenizer.encode, tokenizer.encode_word, render_chat if render is not None else None)
 
 
 def build_prompt_lines(

@@ -3,7 +3,13 @@ downloaded; checkpoints bring their own Hugging Face tokenizer, wrapped to the s
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Protocol
+
+from bm.chat_template import ChatTemplateError, jinja_renderer
+
+ChatRenderer = Callable[[list[dict[str, Any]]], list[int]]
 
 
 class TextCodec(Protocol):
@@ -52,3 +58,41 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) or None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The chat rendered with the checkpoint's template (or ``chat_template``), as token ids.
+
+        Rendered to text first, then encoded without special tokens: the template writes its own BOS.
+        """
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except Exception as exc:  # a template is a program: any of its errors is the caller's to fix
+            raise ChatTemplateError(f"messages: the chat template failed: {exc}") from None
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_renderer(tokenizer: TextCodec | None, chat_template: str | None = None) -> ChatRenderer | None:
+    """Chat turns -> prompt ids with ``chat_template`` (Jinja text) or else the tokenizer's own template;
+    None when there is neither. One definition for ``bm run``'s ``messages`` lines and ``LLM.chat``."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, HFTokenizer) and (chat_template is not None or tokenizer.chat_template):
+        return functools.partial(tokenizer.apply_chat_template, chat_template=chat_template)
+    if chat_template is None:
+        return None
+    render = jinja_renderer(chat_template)
+    return lambda messages: tokenizer.encode(render(messages))

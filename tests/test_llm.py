@@ -1,0 +1,91 @@
+"""The front door, bm.LLM: text in, text out, and the oracle still holds through it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import bm
+from tests.conftest import hf_greedy, reference_model
+
+KV = {"max_tokens": 4096, "tokens_per_block": 8}
+
+
+@pytest.fixture(scope="module")
+def llm() -> bm.LLM:
+    return bm.LLM(model="tiny-random", device="cpu", kv_cache=KV)
+
+
+def test_generate_text_and_ids_equal_hf_generate_greedy_and_keep_prompt_order(llm):
+    ref = reference_model(llm.loaded)
+    prompts = ["Hello there", "The capital of France is", [5, 6, 7, 8]]
+    outs = llm.generate(prompts, bm.SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.prompt for o in outs] == ["Hello there", "The capital of France is", None]
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == hf_greedy(ref, ids, 8)
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+        assert out.finish_reason == "length" and out.outputs[0].text == out.text
+
+
+def test_generation_stops_at_the_models_end_token_unless_ignore_eos(llm):
+    free = llm.generate("abc", bm.SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    end = free[2]
+    original = llm.loaded
+    llm.loaded = dataclasses.replace(original, eos_token_id=end)
+    try:
+        stopped = llm.generate("abc", bm.SamplingParams(max_tokens=8))[0]
+        ignored = llm.generate("abc", bm.SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    finally:
+        llm.loaded = original
+    assert stopped.token_ids == free[: free.index(end) + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == free and ignored.finish_reason == "length"
+
+
+def test_one_sampling_params_per_prompt_and_log_probs(llm):
+    greedy, sampled = (
+        bm.SamplingParams(max_tokens=4, logprobs=True),
+        bm.SamplingParams(max_tokens=4, temperature=1.0, seed=3),
+    )
+    a, b = llm.generate([[5, 6], [5, 6]], [greedy, sampled])
+    assert len(a.logprobs) == 4 and all(lp <= 0 for lp in a.logprobs)
+    assert a.outputs[0].cumulative_logprob == pytest.approx(sum(a.logprobs), abs=1e-4)
+    assert b.logprobs is None
+    with pytest.raises(ValueError, match="2 given for 3 prompts"):
+        llm.generate([[1], [2], [3]], [greedy, sampled])
+
+
+def test_stop_strings_cut_the_text_before_them(llm):
+    free = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop = free.text[3:5]
+    out = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, ignore_eos=True, stop=stop))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.find(stop)]
+
+
+def test_token_prompts_in_the_ecosystems_shapes(llm):
+    """vLLM's TokensPrompt and a transformers tokenizer's result (ids as one row) are prompts too."""
+    plain = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=3))[0].token_ids
+    assert (
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, bm.SamplingParams(max_tokens=3))[0].token_ids == plain
+    )
+    assert llm.generate({"input_ids": [[5, 6, 7]]}, bm.SamplingParams(max_tokens=3))[0].token_ids == plain
+    with pytest.raises(ValueError, match="non-empty list of token ids"):
+        llm.generate([[]])
+
+
+def test_chat_renders_the_template_with_the_generation_prompt(llm):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    messages = [{"role": "user", "content": "Hi!"}]
+    out = llm.chat(messages, bm.SamplingParams(max_tokens=3), chat_template=template)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("<user>Hi!<a>")
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(messages)
+
+
+def test_config_keywords_are_checked_like_bm_run_set():
+    with pytest.raises(bm.ConfigError, match="max_batch_sise"):
+        bm.LLM(model="tiny-random", engine={"max_batch_sise": 4})
+    with pytest.raises(ValueError, match="not a model key"):
+        bm.LLM(model="tiny-random", max_num_seqs=4)
