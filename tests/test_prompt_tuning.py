@@ -185,7 +185,9 @@ def test_prompt_tuning_lines_through_bm_run_equal_hf_inputs_embeds(tiny_model, t
         {"input_ids": p, "prompt_embedding_table": t.tolist(), "max_tokens": 6}
         for p, t in zip(prompts, tables, strict=True)
     ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + json.dumps({"input_ids": [5, 9]}) + "\n")
+    path.write_text(
+        "".join(json.dumps(line) + "\n" for line in lines) + json.dumps({"input_ids": [5, 9]}) + "\n"
+    )
     out = tmp_path / "out"
     args = ["run", str(path), "-o", str(out), "--quiet", "--ignore-eos", "--max-tokens", "6"]
     result = CliRunner().invoke(app, [*args, "--set", "model.device=cpu"])
