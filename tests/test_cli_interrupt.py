@@ -59,9 +59,10 @@ def test_a_signal_mid_run_cancels_queued_requests_and_keeps_every_record(tmp_pat
     proc = bm_run_process(prompts, out)
     wait_for_records(proc, out / "outputs.jsonl", MAX_BATCH)
     proc.send_signal(sig)
-    _stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
+    assert f"-o {out} --resume" in " ".join(stdout.split())  # the way to finish the run is printed
     records = read_jsonl(out / "outputs.jsonl")
     assert sorted(r["index"] for r in records) == list(range(n))  # every line has its record
     summary = json.loads((out / "summary.json").read_text())
@@ -72,6 +73,8 @@ def test_a_signal_mid_run_cancels_queued_requests_and_keeps_every_record(tmp_pat
     assert len(by_length) <= summary["records_before_interrupt"] + MAX_BATCH
     cancelled = [r for r in records if r["finish_reason"] == "cancelled"]
     assert len(cancelled) == n - len(by_length) and len(cancelled) > n // 2
+    # cancelled requests count as cancelled, not as succeeded
+    assert summary["num_cancelled"] == len(cancelled) and summary["num_ok"] == len(by_length)
     assert all(r["error"] is None for r in records)
     ran = [r for r in records if r["num_output_tokens"]]  # requests cancelled before starting ran nothing
     assert summary["num_prompt_tokens"] == sum(r["num_prompt_tokens"] for r in ran)
@@ -117,7 +120,13 @@ def test_sigkill_then_resume_gives_the_outputs_of_an_uninterrupted_run(tmp_path)
     assert sorted(r["index"] for r in records) == list(range(n))  # exactly one record per line
     assert {r["index"]: r["output_ids"] for r in records} == expected
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["num_resumed"] >= MAX_BATCH and summary["num_ok"] == n
+    # kept records are reported apart: this run's counts and tok/s are its own work only
+    assert summary["num_resumed"] >= MAX_BATCH and summary["num_resumed"] + summary["num_ok"] == n
+    # stats.jsonl holds both runs' rows (its counter restarts at 1), each marked with its run
+    stats = read_jsonl_lenient(out / "stats.jsonl")
+    runs = [row["Run Id"] for row in stats]
+    assert len(set(runs)) == 2 and runs[-1] == summary["run_id"]
+    assert next(row["Iteration Counter"] for row in stats if row["Run Id"] == summary["run_id"]) == 1
 
 
 def read_jsonl_lenient(path):

@@ -71,8 +71,11 @@ def test_each_bad_line_becomes_exactly_one_error_record_and_the_rest_complete(tm
     assert "longer than the model's maximum" in errors[4]
     assert "unknown field 'colour'" in errors[5]
     assert "max_tokens: must be at least 1, got -3" in errors[6]
-    assert "temperature" in errors[8]
+    # the index is the line's 0-based number: the blank line 9 shifts nothing after it
+    assert "temperature" in errors[9] and errors[9].startswith("line 10:")
+    assert all(e.startswith(f"line {i + 1}: ") for i, e in errors.items())
     assert all(r["finish_reason"] == "error" for i, r in records.items() if i not in ok)
+    assert all(r["text"] == "" for i, r in records.items() if i not in ok)  # every record has every key
     assert "7 request(s) failed" in result.output
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,11 @@ def _run(
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
     end_ranks(console, multi_rank)
     if summary.interrupted:
+        console.print(
+            f"[yellow]interrupted: {summary.num_cancelled} request(s) cancelled; run them with[/] "
+            f"bm run {prompts} -o {out} --resume",
+            soft_wrap=True,
+        )
         raise typer.Exit(code=130)
 
 
@@ -217,15 +223,16 @@ def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) ->
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
 
 
-def _read_requests(prompts: Path) -> tuple[list, list | None]:
-    """The parsed lines, and the OpenAI batch lines when the file is one (``None`` otherwise)."""
+def _read_requests(prompts: Path) -> tuple[Iterable, list | None]:
+    """The parsed lines (read as the run asks for them), and the OpenAI batch lines when the file is one
+    (``None`` otherwise; those are read whole, since batch_output.jsonl is written in input order)."""
     from bm.cli.openai_batch import is_batch_file, read_batch_file
-    from bm.workloads.jsonl import read_request_file
+    from bm.workloads.jsonl import iter_request_file
 
     if is_batch_file(prompts):
         batch_lines = read_batch_file(prompts)
         return [b.parsed for b in batch_lines], batch_lines
-    return read_request_file(prompts), None
+    return iter_request_file(prompts), None
 
 
 def _register_bench() -> None:

@@ -60,7 +60,7 @@ def read_batch_file(path: Path) -> list[BatchLine]:
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
     for number, data in iter_lines(path):
-        entry = BatchLine(ParsedLine(line_number=number, user_id=len(lines)))
+        entry = BatchLine(ParsedLine(line_number=number, user_id=number - 1))
         try:
             if isinstance(data, RowError):
                 raise data
@@ -172,7 +172,8 @@ def write_batch_output(
     created = int(time.time())
     path = out_dir / "batch_output.jsonl"
     with path.open("w", encoding="utf-8") as f:
-        for index, line in enumerate(batch_lines):
+        for line in batch_lines:
+            index = line.parsed.line_number - 1
             record = records.get(index)
             out = batch_output_line(index, line, record, model_name, created, decode_token)
             f.write(json.dumps(out, ensure_ascii=False) + "\n")

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +19,26 @@ RUN_FILES = ("outputs.jsonl", "stats.jsonl", "summary.json", "run.json", "batch_
 BENCH_FILES = ("results.json", "requests.jsonl", "stats.jsonl", "plots")
 
 
-def read_final_records(path: Path, num_lines: int) -> dict[int, dict[str, Any]]:
-    """The records of a previous run that need no rerun (finished, not cancelled or failed), by index.
+def iter_final_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a previous run that need no rerun (finished, not cancelled or failed), one at a time
+    and once per index, so resuming a file of millions of lines holds only their indexes.
 
     A run killed mid-write may leave a torn last line; it is skipped, and its request runs again."""
-    kept: dict[int, dict[str, Any]] = {}
     if not path.is_file():
-        return kept
+        return
+    seen: set[int] = set()
     for _number, data in iter_lines(path):
         if not isinstance(data, dict):
             continue
         index = data.get("index")
-        if isinstance(index, int) and 0 <= index < num_lines and data.get("finish_reason") in FINAL_REASONS:
-            kept[index] = data
-    return dict(sorted(kept.items()))
+        if (
+            isinstance(index, int)
+            and index >= 0
+            and index not in seen
+            and data.get("finish_reason") in FINAL_REASONS
+        ):
+            seen.add(index)
+            yield data
 
 
 def write_run_identity(out_dir: Path, prompts: Path) -> None:

@@ -3,14 +3,14 @@
 The file itself is read by :mod:`bm.workloads.jsonl` (or :mod:`bm.cli.openai_batch`) before the model
 loads, so a bad file is reported at once; here text is tokenized, chats are rendered with the chat
 template and word lists become token ids; the engine checks ids against the vocabulary. Every line keeps
-its place: the batch manager gets each line's index as its request id (always unique), and the user's
+its place: the batch manager gets each line's 0-based number as its request id (always unique), and the user's
 ``id`` is echoed back in the output record.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from bm.workloads.request import RowError
 
 @dataclass
 class PromptLine:
-    index: int  # 0-based position among the file's non-blank lines; the batch manager's request id
+    index: int  # the line's 0-based number in the file; the batch manager's request id
     line_number: int  # 1-based line in the file, for messages
     user_id: Any
     request: Request | None = None
@@ -59,25 +59,31 @@ def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
 
 
 def build_prompt_lines(
-    parsed: list[ParsedLine],
+    parsed: Iterable[ParsedLine],
     codec: Codec,
     default_output_len: int,
     default_end_id: int | None,
 ) -> list[PromptLine]:
     """One :class:`PromptLine` per parsed line; a line that cannot become a request carries its error."""
-    lines = []
-    for index, entry in enumerate(parsed):
-        line = PromptLine(index=index, line_number=entry.line_number, user_id=entry.user_id, stop=entry.stop)
-        line.error = entry.error
-        if line.error is None:
-            try:
-                line.request, line.num_prompt_tokens = _to_request(
-                    entry, index, codec, default_output_len, default_end_id
-                )
-            except RowError as exc:
-                line.error = f"{entry.where}: {exc}"
-        lines.append(line)
-    return lines
+    return [prompt_line(entry, codec, default_output_len, default_end_id) for entry in parsed]
+
+
+def prompt_line(
+    entry: ParsedLine, codec: Codec, default_output_len: int, default_end_id: int | None
+) -> PromptLine:
+    """The request for one parsed line, tokenized; its index (and request id) is the line's 0-based
+    number in the file, so a blank line never shifts the indexes of the lines after it."""
+    index = entry.line_number - 1
+    line = PromptLine(index=index, line_number=entry.line_number, user_id=entry.user_id, stop=entry.stop)
+    line.error = entry.error
+    if line.error is None:
+        try:
+            line.request, line.num_prompt_tokens = _to_request(
+                entry, index, codec, default_output_len, default_end_id
+            )
+        except RowError as exc:
+            line.error = f"{entry.where}: {exc}"
+    return line
 
 
 def read_prompt_lines(

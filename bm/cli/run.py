@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,8 @@ from rich.table import Table
 
 import bm
 from bm.cli.interrupts import Interrupts
-from bm.cli.outdir import read_final_records, write_run_identity
-from bm.cli.prompts import PromptLine, build_prompt_lines, codec_for
+from bm.cli.outdir import iter_final_records, write_run_identity
+from bm.cli.prompts import PromptLine, codec_for, prompt_line
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
@@ -45,9 +46,11 @@ class RunSummary:
     num_output_tokens: int = 0
     wall_time_s: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    num_cancelled: int = 0  # ended by an interrupt: neither succeeded nor failed
     interrupted: bool = False
     records_before_interrupt: int | None = None  # requests finished when the first signal arrived
-    num_resumed: int = 0  # final records kept from the previous run (--resume)
+    # Final records kept from the previous run (--resume): not counted in this run's requests or tok/s.
+    num_resumed: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -58,28 +61,43 @@ class RunSummary:
         tokens = self.num_prompt_tokens + self.num_output_tokens
         return tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
-    def count(self, reason: str, ok: bool) -> None:
+    def count(self, reason: str) -> None:
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
-        if ok:
-            self.num_ok += 1
-        else:
+        if reason == "error":
             self.num_failed += 1
+        elif reason == FinishReason.CANCELLED.label:
+            self.num_cancelled += 1
+        else:
+            self.num_ok += 1
+
+
+def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> dict[str, Any]:
+    """Every key of a record, for a request that failed (``text`` is there too, empty, as in any record)."""
+    return {
+        "index": index,
+        "id": user_id,
+        "num_prompt_tokens": num_prompt_tokens,
+        "text": "",
+        "output_ids": [],
+        "num_output_tokens": 0,
+        "finish_reason": "error",
+        "error": None,
+    }
 
 
 def output_record(line: PromptLine, result: RequestResult | None, loaded: LoadedModel) -> dict[str, Any]:
+    if result is None or result.error:
+        # the engine does not know lines: the CLI names the line its request came from
+        record = _error_fields(line.index, line.user_id, line.num_prompt_tokens)
+        record["error"] = line.error if result is None else f"line {line.line_number}: {result.error}"
+        if result is not None and result.output_ids:
+            record.update(output_ids=result.output_ids, num_output_tokens=len(result.output_ids))
+        return record
     record: dict[str, Any] = {
         "index": line.index,
         "id": line.user_id,
         "num_prompt_tokens": line.num_prompt_tokens,
     }
-    if result is None or result.error:
-        # the engine does not know lines: the CLI names the line its request came from
-        error = line.error if result is None else f"line {line.line_number}: {result.error}"
-        output_ids = [] if result is None else result.output_ids
-        record.update(
-            output_ids=output_ids, num_output_tokens=len(output_ids), finish_reason="error", error=error
-        )
-        return record
     reason = result.finish_reason.label
     if loaded.tokenizer is not None:
         text = loaded.tokenizer.decode(result.output_ids)
@@ -128,13 +146,17 @@ def write_logits(out_dir: Path, index: int, result: RequestResult) -> str | None
 
 
 class _Feeder:
-    """Hands the run's requests to the batch manager; once stopped it hands out nothing more, so an
-    interrupt also ends the queued requests (they get a ``cancelled`` record from the CLI)."""
+    """Hands the run's requests to the batch manager as the run reads them; once stopped it hands out
+    nothing more, so an interrupt also ends the queued requests (they get a ``cancelled`` record)."""
 
-    def __init__(self, requests: list[Request]) -> None:
-        self._pending = deque(requests)
+    def __init__(self) -> None:
+        self._pending: deque[Request] = deque()
         self._lock = threading.Lock()
         self.stopped = False
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            self._pending.append(request)
 
     def get_requests(self, max_new: int) -> list[Request]:
         if self.stopped:
@@ -151,8 +173,16 @@ class _Feeder:
         return taken
 
 
+def in_flight_limit(config: BmConfig) -> int:
+    """How many requests a run keeps between its reader and its records: enough to keep every batch full
+    (the engine's active requests, plus as many waiting), bounded so memory does not grow with the file."""
+    engine = config.engine
+    active = engine.max_num_active_requests or engine.max_batch_size
+    return 2 * active + 64
+
+
 def run_prompts(
-    parsed: list[ParsedLine],
+    parsed: Iterable[ParsedLine],
     config: BmConfig,
     out_dir: Path,
     *,
@@ -168,99 +198,79 @@ def run_prompts(
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
-    With ``resume`` the final records already in ``outputs.jsonl`` are kept and only the other lines run;
-    ``batch_lines`` (OpenAI batch input) also gets ``batch_output.jsonl`` in OpenAI's format."""
+    Lines stream: each is read, tokenized and handed to the engine only when fewer than
+    :func:`in_flight_limit` requests are between the reader and their records, and a record is written
+    (and forgotten) as its request finishes, so memory does not grow with the file. Every line still ends
+    with exactly one record, interrupted or not. With ``resume`` the final records already in
+    ``outputs.jsonl`` are kept and only the other lines run; ``batch_lines`` (OpenAI batch input) also gets
+    ``batch_output.jsonl`` in OpenAI's format."""
     if interrupts is None:
         with Interrupts() as own:
             return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     loaded = load_model(config.model)
     default_end_id = None if ignore_eos else loaded.eos_token_id
-    lines = build_prompt_lines(parsed, codec_for(loaded, chat_template), default_output_len, default_end_id)
-    kept = read_final_records(out_dir / "outputs.jsonl", len(lines)) if resume else {}
+    codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
+    summary = RunSummary()
+    done = _carry_over(out_dir, summary) if resume else set()
     if prompts is not None:
         write_run_identity(out_dir, prompts)
-    summary = RunSummary(num_requests=len(lines))
-    finished: queue.Queue[RequestResult] = queue.Queue()
-    to_run = [line for line in lines if line.index not in kept]
-    valid = [line for line in to_run if line.request is not None]
-    by_index = {line.index: line for line in valid}
-
-    if resume:  # the kept records replace the old file in one step: a kill here loses nothing
-        fresh = out_dir / "outputs.jsonl.tmp"
-        with JsonlWriter(fresh) as rewrite:
-            for record in kept.values():
-                rewrite.write(record)
-        os.replace(fresh, out_dir / "outputs.jsonl")
-    for record in kept.values():
-        summary.num_resumed += 1
-        _count_record(summary, record)
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
-        for line in to_run:
-            if line.error is not None:
-                outputs.write(output_record(line, None, loaded))
-                summary.count("error", ok=False)
-        feeder = _Feeder([line.request for line in valid])  # type: ignore[misc]
-        client = OfflineClient([], on_final=finished.put)
+        run = _Run(summary, outputs, loaded, out_dir)
+        feeder = _Feeder()
+        client = OfflineClient([], on_final=run.finished.put, keep_results=False)
         started = time.perf_counter()
         manager = engine_loop(
-            config, feeder.get_requests, client.send_response, return_stats=stats.write, model=loaded
+            config,
+            feeder.get_requests,
+            client.send_response,
+            return_stats=_marked(stats, run_id),
+            model=loaded,
         )
-        written: set[int] = set()
 
         def first_interrupt() -> None:
             feeder.stopped = True
             manager.cancel_all()
             summary.interrupted = True
-            summary.records_before_interrupt = len(written)
+            summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
 
         interrupts.on_first.append(first_interrupt)
         if interrupts.signal_name is not None:  # the signal came while the model loaded
             first_interrupt()
-        progress = _progress(console, show_progress)
-        task = progress.add_task("generating", total=len(valid), tps="0")
-        drained = False
-        with progress:
-            while len(written) < len(valid):
-                if interrupts.signal_name is not None and not drained:
-                    drained = True
-                    console.print(
-                        f"[yellow]{interrupts.signal_name}: cancelling the remaining requests "
-                        "(again to exit at once) ...[/]"
-                    )
-                    for request in feeder.take_pending():
-                        line = by_index[request.request_id]
-                        outputs.write(cancelled_record(line))
-                        written.add(line.index)
-                        summary.count("cancelled", ok=True)
-                        progress.update(task, advance=1)
+        limit = in_flight_limit(config)
+        with _progress(console, show_progress) as progress:
+            run.task = progress.add_task("generating", total=None, tps="0")
+            run.progress, run.started = progress, started
+            for entry in parsed:
+                if entry.line_number - 1 in done:
                     continue
-                try:
-                    result = finished.get(timeout=0.1)
-                except queue.Empty:
-                    if not manager.is_alive():
-                        break
+                summary.num_requests += 1
+                if interrupts.signal_name is not None:
+                    run.cancel_unstarted(feeder, console, interrupts.signal_name)
+                    run.write(cancelled_record_for(entry))
                     continue
-                line = by_index[result.request_id]
-                record = output_record(line, result, loaded)
-                logits_file = write_logits(out_dir, line.index, result)
-                if logits_file is not None:
-                    record["logits_file"] = logits_file
-                outputs.write(record)
-                written.add(result.request_id)
-                _count_record(summary, record)
-                elapsed = time.perf_counter() - started
-                progress.update(task, advance=1, tps=f"{summary.num_output_tokens / max(elapsed, 1e-9):.0f}")
+                line = prompt_line(entry, codec, default_output_len, default_end_id)
+                if line.request is None:
+                    run.write(output_record(line, None, loaded))
+                    continue
+                while len(run.in_flight) >= limit and run.wait_one(manager, feeder, console, interrupts):
+                    pass
+                run.in_flight[line.index] = line
+                feeder.add(line.request)
+                line.request = None  # the engine holds it now; the run keeps only what the record needs
+            while run.in_flight and run.wait_one(manager, feeder, console, interrupts):
+                pass
         summary.wall_time_s = time.perf_counter() - started
         manager.shutdown(cancel=True)
-        for index, line in by_index.items():  # only if the worker died: every request still gets a record
-            if index not in written:
-                lost = RequestResult(
-                    index, finish_reason=FinishReason.ERROR, error="the batch manager stopped"
-                )
-                outputs.write(output_record(line, lost, loaded))
-                summary.count("error", ok=False)
+        for line in list(
+            run.in_flight.values()
+        ):  # only if the worker died: every request still gets a record
+            lost = RequestResult(
+                line.index, finish_reason=FinishReason.ERROR, error="the batch manager stopped"
+            )
+            run.write(output_record(line, lost, loaded))
 
     if batch_lines is not None:
         from bm.cli.openai_batch import write_batch_output
@@ -272,6 +282,7 @@ def run_prompts(
         json.dumps(
             {
                 "bm_version": bm.__version__,
+                "run_id": run_id,
                 "prompts": str(prompts) if prompts is not None else None,
                 "model": loaded.name,
                 "config": config.to_dict(),
@@ -288,6 +299,84 @@ def run_prompts(
     return summary
 
 
+class _Run:
+    """The records side of a run: what is in flight (by index), writing a record, counting it."""
+
+    def __init__(self, summary: RunSummary, outputs: JsonlWriter, loaded: LoadedModel, out_dir: Path) -> None:
+        self.summary = summary
+        self.outputs = outputs
+        self.loaded = loaded
+        self.out_dir = out_dir
+        self.finished: queue.Queue[RequestResult] = queue.Queue()
+        self.in_flight: dict[int, PromptLine] = {}
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.started = 0.0
+        self.drained = False
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.outputs.write(record)
+        _count_record(self.summary, record)
+        if self.progress is not None:
+            elapsed = max(time.perf_counter() - self.started, 1e-9)
+            tps = f"{self.summary.num_output_tokens / elapsed:.0f}"
+            self.progress.update(self.task, advance=1, tps=tps)
+
+    def wait_one(self, manager: Any, feeder: _Feeder, console: Console, interrupts: Interrupts) -> bool:
+        """Write the next finished request's record; False when none will come (the worker died)."""
+        while True:
+            if interrupts.signal_name is not None:
+                self.cancel_unstarted(feeder, console, interrupts.signal_name)
+            try:
+                result = self.finished.get(timeout=0.1)
+            except queue.Empty:
+                if not manager.is_alive():
+                    return False
+                continue
+            line = self.in_flight.pop(result.request_id)
+            record = output_record(line, result, self.loaded)
+            logits_file = write_logits(self.out_dir, line.index, result)
+            if logits_file is not None:
+                record["logits_file"] = logits_file
+            self.write(record)
+            return True
+
+    def cancel_unstarted(self, feeder: _Feeder, console: Console, signal_name: str) -> None:
+        """Once, after an interrupt: the requests not yet handed to the engine end as ``cancelled``."""
+        if self.drained:
+            return
+        self.drained = True
+        console.print(
+            f"[yellow]{signal_name}: cancelling the remaining requests (again to exit at once) ...[/]"
+        )
+        for request in feeder.take_pending():
+            self.write(cancelled_record(self.in_flight.pop(request.request_id)))
+
+
+def _carry_over(out_dir: Path, summary: RunSummary) -> set[int]:
+    """``--resume``: keep the previous run's final records (rewritten in one step, so a kill here loses
+    nothing) and return their indexes, which this run skips."""
+    done: set[int] = set()
+    fresh = out_dir / "outputs.jsonl.tmp"
+    with JsonlWriter(fresh) as rewrite:
+        for record in iter_final_records(out_dir / "outputs.jsonl"):
+            rewrite.write(record)
+            done.add(record["index"])
+            summary.num_resumed += 1
+    os.replace(fresh, out_dir / "outputs.jsonl")
+    return done
+
+
+def _marked(stats: JsonlWriter, run_id: str) -> Callable[[str], None]:
+    """Each stats row names its run: ``--resume`` appends to stats.jsonl, and the seed's
+    "Iteration Counter" starts again at 1 in every run."""
+
+    def write(row: str) -> None:
+        stats.write(row[:-1] + f', "Run Id": "{run_id}"}}' if row.endswith("}") else row)
+
+    return write
+
+
 def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     """Tokens count only for requests that ran: a refused 200 KB prompt adds nothing to tok/s."""
     reason = record["finish_reason"]
@@ -295,7 +384,7 @@ def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     if reason != "error" and not never_started:
         summary.num_prompt_tokens += record.get("num_prompt_tokens") or 0
         summary.num_output_tokens += record.get("num_output_tokens") or 0
-    summary.count(reason, ok=reason != "error")
+    summary.count(reason)
 
 
 def cancelled_record(line: PromptLine) -> dict[str, Any]:
@@ -310,6 +399,14 @@ def cancelled_record(line: PromptLine) -> dict[str, Any]:
         "error": None,
         "text": "",
     }
+
+
+def cancelled_record_for(entry: ParsedLine) -> dict[str, Any]:
+    """The record of a line read after an interrupt: it never ran (an unreadable line keeps its error)."""
+    if entry.error is not None:
+        return {**_error_fields(entry.line_number - 1, entry.user_id, None), "error": entry.error}
+    line = PromptLine(index=entry.line_number - 1, line_number=entry.line_number, user_id=entry.user_id)
+    return cancelled_record(line)
 
 
 def _model_label(config: BmConfig) -> str:
@@ -333,9 +430,12 @@ def summary_table(summary: RunSummary) -> Table:
     table = Table(title="bm run", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    if summary.num_resumed:
+        table.add_row("kept from the previous run", str(summary.num_resumed))
     table.add_row("requests", str(summary.num_requests))
     table.add_row("succeeded", str(summary.num_ok))
     table.add_row("failed", str(summary.num_failed))
+    table.add_row("cancelled", str(summary.num_cancelled))
     for reason, count in sorted(summary.finish_reasons.items()):
         table.add_row(f"  finish_reason={reason}", str(count))
     table.add_row("prompt tokens", str(summary.num_prompt_tokens))

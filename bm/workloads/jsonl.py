@@ -196,10 +196,15 @@ def _find_surrogate(value: Any, path: str) -> str | None:
 
 def read_request_file(path: Path) -> list[ParsedLine]:
     """Every non-blank line of a bm JSONL file, checked; a bad line keeps its place with its error."""
-    lines: list[ParsedLine] = []
+    return list(iter_request_file(path))
+
+
+def iter_request_file(path: Path) -> Iterator[ParsedLine]:
+    """The lines of :func:`read_request_file` one at a time, read as they are asked for: a file of millions
+    of lines is never held in memory (only the ids seen so far, to refuse a duplicate)."""
     seen_ids: dict[str, int] = {}
     for number, data in iter_lines(path):
-        entry = ParsedLine(line_number=number, user_id=len(lines))
+        entry = ParsedLine(line_number=number, user_id=number - 1)
         try:
             if isinstance(data, RowError):
                 raise data
@@ -215,8 +220,7 @@ def read_request_file(path: Path) -> list[ParsedLine]:
                 seen_ids[key] = number
         except RowError as exc:
             entry.error = f"{entry.where}: {exc}"
-        lines.append(entry)
-    return lines
+        yield entry
 
 
 def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
