@@ -136,7 +136,7 @@ class TorchExecutor:
         if self._adapter_slots:
             self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
         try:
-            logits = self.runner.forward(group, tables or None)
+            logits = self.runner.forward(group, tables or None, static_ok=self.lora is None)
         finally:
             if self.lora is not None:
                 self.lora.end()

@@ -48,6 +48,8 @@ class LoadedModel:
     num_prepacked_linears: int = 0
     # Modules (RMSNorm, gated MLP) and modeling functions (rotary) running bm's fused elementwise kernels.
     fused_elementwise: dict[str, int] = field(default_factory=dict)
+    # model.cuda_graphs: auto, on, off (decode-only steps replaying CUDA graphs; bm.runtime.triton.graphs)
+    cuda_graphs: str = "auto"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -121,9 +123,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if cfg.tokenizer:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
-    return describe_model(
+    loaded = describe_model(
         model, tokenizer, name, prepack=cfg.prepack, fused_elementwise=cfg.fused_elementwise
     )
+    loaded.cuda_graphs = cfg.cuda_graphs
+    return loaded
 
 
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
