@@ -169,7 +169,7 @@ CHUNKING_POLICIES = {
     **{p.value: p for p in ContextChunkingPolicy},
     "fcfs": ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
 }
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # fmt: skip
 
 
@@ -208,7 +208,12 @@ class ModelConfig:
     tokenizer: str | None = _knob(
         None, "Tokenizer directory, when it is not inside model.path.", _optional_str
     )
-    dtype: str = _knob("float32", "Weights and KV cache dtype: float32, bfloat16, float16.", _choice(DTYPES))
+    dtype: str = _knob(
+        "auto",
+        "Weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 (TF32 matmuls on "
+        "CUDA), bfloat16, float16.",
+        _choice(DTYPES),
+    )
     device: str = _knob("auto", "auto (CUDA when present, else CPU), cpu, cuda, or cuda:N.", _device)
     seed: int = _knob(
         0, "Seed of the random weights (model.config and the embedded default).", _int_at_least(0)
@@ -217,6 +222,13 @@ class ModelConfig:
         "auto",
         "Pack linear weights once for bm's own GEMM kernel (oneDNN where it cannot be built): auto (fp32 "
         "CPU models whose linear weights fit in a quarter of memory; costs a second copy of them), on, off.",
+        _on_off_auto,
+    )
+    cuda_graphs: str = _knob(
+        "auto",
+        "Decode-only steps replay a CUDA graph captured per batch-size bucket over static input buffers: "
+        "auto (on CUDA with bm's Triton attention), on (also the static buffers alone where no graph can be "
+        "captured, e.g. CPU under the Triton interpreter), off.",
         _on_off_auto,
     )
     fused_elementwise: str = _knob(

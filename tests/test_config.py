@@ -44,7 +44,7 @@ def test_unknown_section_is_rejected():
         ),
         (
             {"model": {"dtype": "int8"}},
-            r"model\.dtype: unknown value 'int8'; allowed: bfloat16, float16, float32",
+            r"model\.dtype: unknown value 'int8'; allowed: auto, bfloat16, float16, float32",
         ),
         ({"model": {"device": "tpu"}}, r"model\.device: unknown device 'tpu'"),
         (

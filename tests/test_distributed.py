@@ -292,3 +292,10 @@ def test_a_lora_request_under_tensor_parallelism_is_refused_naming_the_field_and
     sharded.admit(validate_request(Request(1, [5, 6], 2), limits))  # requests without an adapter pass
     whole = ParallelExecutor(FakeExecutor(), ParallelLayout(data_parallel=2, rank=0))
     whole.admit(validate_request(Request(2, [5, 6], 2, **lora), limits))  # a replica runs adapters whole
+
+
+def test_cuda_runs_use_nccl_for_tensors_and_gloo_for_bm_exchanges():
+    from bm.distributed.layout import _device_type, process_group_backend
+
+    assert process_group_backend(_device_type("cuda:1")) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(_device_type("cpu")) == "gloo"

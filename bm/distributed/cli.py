@@ -34,7 +34,7 @@ def start(
 ) -> ParallelLayout | None:
     """Join the run's ranks. Returns the layout on rank 0 (which goes on into the command); on every
     other rank it serves the run and then exits the process (1 when the run failed)."""
-    layout = setup_parallel(tensor_parallel, data_parallel, rank_timeout_s)
+    layout = setup_parallel(tensor_parallel, data_parallel, rank_timeout_s, config.model.device)
     if layout.rank == 0:
         return layout
     if os.environ.get(LAUNCHED_BY_BM):

@@ -68,6 +68,8 @@ class _State:
     replicas: list[dict[str, Any]] = field(default_factory=list)  # rank 0: per-replica figures
     fault: str | None = None  # rank 0: why the run ended early
     kv_heads_per_rank: list[int] = field(default_factory=list)  # rank 0's KV heads per layer (distinct)
+    device_type: str = "cpu"  # where the model runs: "cuda" puts tensor collectives on NCCL
+    barrier_group: Any = None  # gloo: monitored_barrier exists only there
 
 
 _state = _State()
@@ -105,7 +107,10 @@ def validate(tensor_parallel: int, data_parallel: int | None, rank_timeout_s: fl
 
 
 def setup_parallel(
-    tensor_parallel: int = 1, data_parallel: int | None = None, rank_timeout_s: float = 300.0
+    tensor_parallel: int = 1,
+    data_parallel: int | None = None,
+    rank_timeout_s: float = 300.0,
+    device: str = "cpu",
 ) -> ParallelLayout:
     """Join (or start) the ranks of this run and return this process's place among them.
 
@@ -113,8 +118,10 @@ def setup_parallel(
     ``WORLD_SIZE / tensor_parallel``. Otherwise bm starts the other ranks itself as child processes
     re-running this command line, and this process becomes rank 0. ``rank_timeout_s`` bounds every
     exchange between ranks: a rank that dies or hangs ends the run within it instead of hanging it.
+    ``device`` (model.device): on CUDA each rank takes ``cuda:LOCAL_RANK`` and tensors travel by NCCL.
     """
     validate(tensor_parallel, data_parallel, rank_timeout_s)
+    _state.device_type = _device_type(device)
     if "WORLD_SIZE" in os.environ:
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
         if world % tensor_parallel:
@@ -134,8 +141,47 @@ def setup_parallel(
             _launch_children(layout)
     _state.layout = layout
     if layout.is_distributed:
+        if _state.device_type == "cuda":
+            import torch
+
+            torch.cuda.set_device(local_cuda_index())
         _init_process_group(layout)
     return layout
+
+
+def _device_type(device: str) -> str:
+    """``cuda`` for cuda, cuda:N, or auto where a GPU is present; otherwise ``cpu``."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def local_cuda_index() -> int:
+    """This rank's GPU on its machine: ``LOCAL_RANK`` (set by torchrun and by bm's own launcher; 0 in a
+    single-process run), so that every rank of a machine gets a GPU of its own."""
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    import torch
+
+    count = torch.cuda.device_count()
+    if count and index >= count:
+        raise ParallelError(
+            f"this rank's LOCAL_RANK is {index} but the machine has {count} GPUs; start at most {count} "
+            "ranks per machine (--nproc-per-node, or --tensor-parallel x --data-parallel)"
+        )
+    return index
+
+
+def process_group_backend(device_type: str) -> str:
+    """gloo for bm's own exchanges (Python objects, on the CPU) everywhere; on CUDA the model's tensor
+    collectives go over NCCL in the same group (torch picks the backend by the tensor's device)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def mesh_device_type() -> str:
+    """The device type of this run's device mesh (tensor-parallel sharding): where the model is."""
+    return _state.device_type
 
 
 def _free_port() -> int:
@@ -182,7 +228,7 @@ STARTUP_TIMEOUT_S = 900.0
 
 
 def _init_process_group(layout: ParallelLayout) -> None:
-    """Rendezvous with the startup timeout, then a gloo group whose collectives time out after
+    """Rendezvous with the startup timeout, then a group (gloo; gloo and NCCL on CUDA) whose collectives time out after
     ``rank_timeout_s``: a rank slow to import torch is not a fault, a rank silent mid-run is."""
     import torch.distributed as dist
 
@@ -197,11 +243,15 @@ def _init_process_group(layout: ParallelLayout) -> None:
         )
     else:
         store = dist.TCPStore(host, port, layout.world_size, layout.rank == 0, startup)
-    # gloo carries bm's own exchanges (Python objects, on the CPU) on every device; the model's
-    # tensor-parallel collectives run on the same group (gloo on CPU).
     dist.init_process_group(
-        "gloo", store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout
+        process_group_backend(_state.device_type),
+        store=store,
+        rank=layout.rank,
+        world_size=layout.world_size,
+        timeout=timeout,
     )
+    # monitored_barrier is gloo-only: under the mixed CUDA backend it gets a gloo group of its own
+    _state.barrier_group = None if _state.device_type == "cpu" else dist.new_group(backend="gloo")
     tp = layout.tensor_parallel
     for first in range(0, layout.world_size, tp):  # every rank must create every group
         group = dist.new_group(list(range(first, first + tp)), timeout=timeout)
@@ -215,7 +265,8 @@ def wait_for_all_ranks() -> None:
 
     if dist.is_initialized():
         dist.monitored_barrier(
-            timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, _state.layout.rank_timeout_s))
+            group=_state.barrier_group,
+            timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, _state.layout.rank_timeout_s)),
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bm.distributed.layout import ParallelLayout
+from bm.distributed.layout import ParallelLayout, mesh_device_type
 
 
 def distributed_config(path: Path, layout: ParallelLayout) -> Any:
@@ -54,7 +54,7 @@ def shard_replica(model: Any, layout: ParallelLayout) -> Any:
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = init_device_mesh(
-        "cpu", (layout.data_parallel, layout.tensor_parallel), mesh_dim_names=("dp", "tp")
+        mesh_device_type(), (layout.data_parallel, layout.tensor_parallel), mesh_dim_names=("dp", "tp")
     )["tp"]
     plan, _ep, _fsdp = model._resolve_parallel_plans(
         DistributedConfig(tp_plan="auto", tp_size=layout.tensor_parallel)

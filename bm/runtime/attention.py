@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,9 @@ class AttentionMetadata:
     probe: dict[int, tuple[int, int]] | None = None  # set by probe_kv_shapes: record shapes, compute nothing
     # Layers that attend differently from this metadata's layout (another attention window), by layer_idx.
     layers: dict[int, AttentionMetadata] | None = None
+    # The Triton path's batch (bm.runtime.triton.batch.PagedBatch): when set, it replaces every field
+    # above but kv_caches, and the kernels serve the whole batch in one launch per layer.
+    paged: Any = None
 
 
 _current = threading.local()
@@ -156,6 +160,8 @@ def paged_attention_forward(
     )
 
     cache = meta.kv_caches[module.layer_idx]
+    if meta.paged is not None:
+        return _triton_attention(query, key, value, cache, meta.paged, scaling, extra), None
     kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
     flat = cache.view(2, kv_heads, num_blocks * block_size, head_dim)
     q, k, v = query[0], key[0], value[0]  # [heads, T, d], [kv_heads, T, d]
@@ -191,6 +197,25 @@ class _Extras:
 
 
 NO_EXTRAS = _Extras(None, None)
+
+
+def _triton_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    batch: Any,
+    scaling: float,
+    extra: _Extras,
+) -> torch.Tensor:
+    """The GPU path: store the new keys/values, then one paged attention launch for the whole batch."""
+    from bm.runtime.triton.ops import paged_attention, store_kv
+
+    q = query[0]
+    store_kv(cache, key[0], value[0], batch.slot_mapping)
+    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])
+    paged_attention(out, q, cache, batch, scaling, extra.softcap, extra.alibi, extra.sinks)
+    return out.unsqueeze(0)
 
 
 def _scores_attention(

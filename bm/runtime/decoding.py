@@ -47,17 +47,19 @@ class Decoder:
 
         rows: list[Row | None] = []
         beam_rows: dict[int, list[int]] = {}
+        kept: list[tuple[int, DecodingOptions]] = []  # rows whose generation logits are returned
         for i, (req, b) in enumerate(zip(requests, beams, strict=True)):
             opts: DecodingOptions | None = req.decoding
             if opts is None:
                 rows.append(None)
                 continue
             if opts.return_generation_logits and opts.beam is None:
-                opts.generation_logits.append(logits[i].detach().to("cpu", copy=True))
+                kept.append((i, opts))
             output = opts.beam.tokens[b] if opts.beam is not None else req.output_ids
             rows.append(Row(req.request_id, opts, req.prompt_ids, output, req.sampling.end_id))
             if opts.beam is not None:
                 beam_rows.setdefault(req.request_id, []).append(i)
+        _keep_generation_logits(logits, kept)
         if beam_rows:
             index = torch.tensor([i for rs in beam_rows.values() for i in rs], device=logits.device)
             logits.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index), dim=-1))
@@ -65,11 +67,12 @@ class Decoder:
         logits = apply_controls(logits, rows, faults)
         tokens = self.sampler.sample(logits, params, ids)
         result = DecodeResult(tokens, faults=faults)
+        host = _beam_rows_on_host(logits, beam_rows)
         for rid, indices in beam_rows.items():
             if rid in faults:
                 continue
             opts = rows[indices[0]].options  # type: ignore[union-attr]
-            result.beams[rid] = opts.beam.step(logits[indices])  # type: ignore[union-attr]
+            result.beams[rid] = opts.beam.step(host(indices))  # type: ignore[union-attr]
         wanted = [
             i
             for i, r in enumerate(rows)
@@ -88,3 +91,24 @@ class Decoder:
             for i, v in zip(wanted, values, strict=True):
                 result.log_probs[i] = v
         return result
+
+
+def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingOptions]]) -> None:
+    """Each kept row to the host, all in one copy (one per request would sync the device each time)."""
+    if not kept:
+        return
+    index = torch.tensor([i for i, _ in kept], device=logits.device)
+    rows = logits.index_select(0, index).to("cpu", copy=True)
+    for row, (_, opts) in zip(rows, kept, strict=True):
+        opts.generation_logits.append(row)
+
+
+def _beam_rows_on_host(logits: torch.Tensor, beam_rows: dict[int, list[int]]):
+    """``indices -> [rows, vocab]`` float32 on the host. On a device, every beam request's rows travel in
+    one copy (beam steps run on the host); on CPU the rows are indexed as before, unchanged."""
+    if logits.device.type == "cpu" or not beam_rows:
+        return lambda indices: logits[indices]
+    order = [i for rs in beam_rows.values() for i in rs]
+    position = {row: j for j, row in enumerate(order)}
+    host = logits[torch.tensor(order, device=logits.device)].float().cpu()
+    return lambda indices: host[[position[i] for i in indices]]

@@ -136,16 +136,18 @@ class TorchExecutor:
         if self._adapter_slots:
             self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
         try:
-            logits = self.runner.forward(group, tables or None)
+            logits = self.runner.forward(group, tables or None, static_ok=self.lora is None)
         finally:
             if self.lora is not None:
                 self.lora.end()
         draft_rows: list[tuple[WorkItem, torch.Tensor]] = []
         if any(item.keep_all or item.num_draft for item in group):
             logits = self._take_context_logits(group, logits, draft_rows)
-        for item, rows in draft_rows:
+        for (item, rows), targets in zip(draft_rows, _draft_targets(draft_rows), strict=True):
             drafts = item.token_ids[len(item.token_ids) - item.num_draft :]
-            outcome = verify_drafts(rows, drafts, item.request, self.decoder.sampler, item.draft_logits)
+            outcome = verify_drafts(
+                rows, drafts, item.request, self.decoder.sampler, item.draft_logits, targets
+            )
             result.drafts[item.request.request_id] = outcome
         to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
@@ -226,6 +228,22 @@ def _beam_step(req: LlmRequest, parents: list[int], done: bool) -> BeamStep:
         best = search.results()[0]
         ended = bool(best.tokens) and best.tokens[-1] == req.sampling.end_id
     return BeamStep(parents, [list(t) for t in search.tokens], done, ended)
+
+
+def _draft_targets(draft_rows: list[tuple[WorkItem, torch.Tensor]]) -> list[list[int] | None]:
+    """Every greedy draft row's argmax from one batched op and one copy to the host (not one per
+    request); None for sampled requests, whose rows :func:`verify_drafts` reads itself."""
+    greedy = [i for i, (item, _) in enumerate(draft_rows) if item.request.sampling.is_greedy]
+    out: list[list[int] | None] = [None] * len(draft_rows)
+    if not greedy:
+        return out
+    flat = torch.cat([draft_rows[i][1] for i in greedy]).argmax(dim=-1).tolist()
+    offset = 0
+    for i in greedy:
+        n = draft_rows[i][1].shape[0]
+        out[i] = flat[offset : offset + n]
+        offset += n
+    return out
 
 
 def _wants_context_logits(item: WorkItem) -> bool:

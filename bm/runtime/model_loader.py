@@ -49,6 +49,8 @@ class LoadedModel:
     num_prepacked_linears: int = 0
     # Modules (RMSNorm, gated MLP) and modeling functions (rotary) running bm's fused elementwise kernels.
     fused_elementwise: dict[str, int] = field(default_factory=dict)
+    # model.cuda_graphs: auto, on, off (decode-only steps replaying CUDA graphs; bm.runtime.triton.graphs)
+    cuda_graphs: str = "auto"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,12 +60,29 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present. A bare ``cuda`` under several ranks is this rank's own GPU
+    (``cuda:LOCAL_RANK``, as torchrun and bm's own launcher set it), so ranks never share ``cuda:0``."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"model.device is {name!r} but CUDA is not available here; use cpu or auto")
+    if device.type == "cuda" and device.index is None:
+        from bm.distributed.layout import local_cuda_index
+
+        device = torch.device("cuda", local_cuda_index())
     return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA (half the bytes per decode step, tensor cores) and float32 on CPU
+    (bm's C kernels are float32). float32 asked for on CUDA runs its matmuls in TF32, as vLLM does."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = DTYPES[name]
+    if dtype == torch.float32 and device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 (global to the process, like the device)
+    return dtype
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -75,7 +94,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         except PresetError as exc:
             raise ModelLoadError(str(exc)) from None
     device = resolve_device(cfg.device)
-    dtype = DTYPES[cfg.dtype]
+    dtype = resolve_dtype(cfg.dtype, device)
     tokenizer: TextCodec | None = None
     if cfg.path:
         path = Path(cfg.path)
@@ -105,9 +124,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if cfg.tokenizer:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
-    return describe_model(
+    loaded = describe_model(
         model, tokenizer, name, prepack=cfg.prepack, fused_elementwise=cfg.fused_elementwise
     )
+    loaded.cuda_graphs = cfg.cuda_graphs
+    return loaded
 
 
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:

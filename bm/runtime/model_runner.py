@@ -9,6 +9,7 @@ window, built by a :class:`_Layout` each.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from bm.runtime.attention import (
 from bm.runtime.host_memory import tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.native import PagedDecodeKernel, paged_decode_kernel
+from bm.runtime.triton import ENV_SWITCH as ATTENTION_SWITCH
+from bm.runtime.triton import triton_available
 
 # Padded tokens per decode group: keeps one group's gathered keys (kv_heads x tokens x head_dim) small
 # enough to stay in cache between the gather and the matmul that reads it.
@@ -95,14 +98,16 @@ class ModelRunner:
         alloc = torch.zeros if zero else torch.empty
         widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
         group_tokens = max(DECODE_GROUP_TOKENS, cdiv(max_seq_len, tokens_per_block) * tokens_per_block)
+        self.attention_backend = attention_backend(loaded)
         with torch.inference_mode():
             self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 blocks = self.window_pools.get(layout.windows[layer], num_blocks)
                 shape = (2, heads, blocks, tokens_per_block, dim)
                 self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
-            # keys and values of the largest decode group, gathered side by side
-            self.scratch = torch.empty(2 * widest * group_tokens, dtype=loaded.dtype, device=loaded.device)
+            # keys and values of the largest decode group, gathered side by side (torch path only)
+            scratch = 0 if self.attention_backend == "triton" else 2 * widest * group_tokens
+            self.scratch = torch.empty(scratch, dtype=loaded.dtype, device=loaded.device)
         # Decode attention reading blocks in place, where the compiled kernel exists and fits the cache;
         # otherwise (and with attention sinks) the gather-then-SDPA groups of _Layout.
         kernel = paged_decode_kernel()
@@ -120,6 +125,22 @@ class ModelRunner:
             layer: layout.windows[layer] for layer in loaded.kv_shapes if layout.windows[layer] != default
         }
         self._default_window = default
+        self.paged = None  # the Triton path (bm.runtime.triton.forward), when it serves this runner
+        if self.attention_backend == "triton":
+            self.paged = self._paged_forward(max_seq_len)
+
+    def _paged_forward(self, max_seq_len: int):  # -> bm.runtime.triton.forward.PagedForward
+        from bm.runtime.triton.forward import PagedForward, WindowPlan
+
+        plan = WindowPlan(
+            {layer: self.layout.windows[layer] for layer in sorted(self.loaded.kv_shapes)},
+            self.layout.sink_token_length,
+            frozenset(self.window_pools),
+        )
+        return PagedForward(
+            self.model, self.kv_caches, plan, self.device, self.tokens_per_block, max_seq_len,
+            self.loaded.cuda_graphs, self._embed,
+        )  # fmt: skip
 
     @property
     def window(self) -> int | None:
@@ -128,14 +149,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, segments: Sequence[Segment], prompt_tables: Mapping[int, torch.Tensor] | None = None
+        self,
+        segments: Sequence[Segment],
+        prompt_tables: Mapping[int, torch.Tensor] | None = None,
+        static_ok: bool = True,
     ) -> torch.Tensor:
         """Run every segment in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
         sampled segment, one per token for a ``keep_all`` segment, or ``num_draft + 1`` for a segment
         ending in drafts, in segment order.
 
         ``prompt_tables``: segment index -> its prompt-tuning table; there a token id ``vocab + i`` embeds
-        as the table's row ``i`` (the rest of the batch embeds as usual, in the same forward)."""
+        as the table's row ``i`` (the rest of the batch embeds as usual, in the same forward).
+        ``static_ok``: a decode-only step may replay a CUDA graph (False while LoRA adapters are in use)."""
+        if self.paged is not None:
+            return self.paged.forward(segments, prompt_tables, static_ok)
         input_ids, positions, meta, sample_index = self._prepare(segments)
         inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
         if prompt_tables:
@@ -237,6 +264,23 @@ class ModelRunner:
 
     def _native_decode_rows(self, rows: list[tuple[int, int, list[int]]]) -> NativeDecode:
         return self._layouts[self._default_window]._native_decode_rows(rows)
+
+
+def attention_backend(loaded: LoadedModel) -> str:
+    """``triton`` (bm's Triton kernels) or ``torch`` (C kernels on CPU, SDPA otherwise).
+
+    Triton on CUDA where triton is installed and every head fits the kernel; the torch path everywhere
+    else, and always on CPU, whose C kernels are faster than interpreting Triton. ``BM_ATTENTION=triton``
+    or ``=torch`` forces one (tests run the kernels on CPU that way, in Triton's interpreter).
+    """
+    forced = os.environ.get(ATTENTION_SWITCH, "auto")
+    if forced in ("triton", "torch"):
+        return forced
+    if loaded.device.type != "cuda" or not triton_available():
+        return "torch"
+    from bm.runtime.triton.ops import supports_head_dim
+
+    return "triton" if all(supports_head_dim(dim) for _, dim in loaded.kv_shapes.values()) else "torch"
 
 
 def _rows_for(

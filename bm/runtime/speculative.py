@@ -21,18 +21,25 @@ from bm.scheduling.request import LlmRequest
 
 
 def verify_drafts(
-    logits: torch.Tensor, drafts: list[int], request: LlmRequest, sampler: Sampler, draft_logits: Any
+    logits: torch.Tensor,
+    drafts: list[int],
+    request: LlmRequest,
+    sampler: Sampler,
+    draft_logits: Any,
+    targets: list[int] | None = None,
 ) -> DraftOutcome:
-    """``logits [k + 1, vocab]``: row i follows the fed token then drafts ``[:i]``."""
+    """``logits [k + 1, vocab]``: row i follows the fed token then drafts ``[:i]``. ``targets``: the
+    rows' argmax when the caller computed it already (for a whole batch in one copy to the host)."""
     k = len(drafts)
     params = request.sampling
     if params.is_greedy:
-        targets = logits.argmax(dim=-1).tolist()
+        if targets is None:
+            targets = logits.argmax(dim=-1).tolist()
         n = 0
         while n < k and drafts[n] == targets[n]:
             n += 1
         return DraftOutcome([*drafts[:n], targets[n]], k, n)
-    p = sampler.probabilities(logits, params)
+    p = sampler.probabilities(logits, params).cpu()  # read entry by entry below: on the host once
     q = _draft_probabilities(draft_logits, drafts, p)
     rid, seed = request.request_id, params.random_seed
     for i, d in enumerate(drafts):

@@ -65,10 +65,10 @@ def load_sim_model(config: BmConfig) -> SimModel:
         raise ConfigError("engine.executor: sim needs --model-config CFG.json (model.config)")
     shape = ModelShape.from_file(source)
     hardware = load_hardware(config.sim.hardware or "h100-sxm")
-    # model.dtype left at its default (float32) means "as the checkpoint ships": its torch_dtype
+    # model.dtype left at auto (or float32, the old default) means "as the checkpoint ships": its torch_dtype
     dtype = config.model.dtype
-    if dtype == "float32" and shape.torch_dtype is not None:
-        dtype = shape.torch_dtype
+    if dtype in ("auto", "float32"):
+        dtype = shape.torch_dtype or "float32"
     if hardware.key == CPU_LOCAL:  # this machine: the forward's cost as bm's engine runs this model here
         model_config = dataclasses.replace(config.model, dtype=dtype, device="cpu")
         hardware = ensure_forward_fit(model_config, shape, dtype)

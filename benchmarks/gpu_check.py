@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""bm on a GPU, checked in one command: correctness, bf16 agreement, throughput and the HBM roofline.
+
+    python benchmarks/gpu_check.py [--out gpu_check.json]            # a lent GPU, < 8 min
+    python benchmarks/gpu_check.py --device cpu --small              # the same code on CPU, in seconds
+
+Every model has random weights built from a config (no file to carry). One JSON file holds:
+- ``oracle_fp32``: bm == HF ``generate()`` greedy, token for token, in float32, on a mixed batch with
+  chunked prompts and prefix reuse (every request against HF on that request alone);
+- ``bf16``: bm in bfloat16 against HF in bfloat16: max logit difference on one prompt, greedy tokens
+  agreeing before the first divergence;
+- ``throughput``: output tok/s at ``--requests`` requests on a 1B-class Llama shape and SmolLM2-135M's
+  shape, bm against HF ``generate()`` (left-padded batches) and transformers' continuous batching;
+- ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
+  over the copy bandwidth measured in the same run;
+- ``goals``: whether each of the issue's goals held.
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "--device" in sys.argv and "cpu" in sys.argv:  # Triton kernels, if forced on CPU, need the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
+from bm.config import config_from_dict
+from bm.engine import Request, generate
+from bm.runtime import ModelRunner, Segment
+from bm.runtime.model_loader import LoadedModel, describe_model, resolve_dtype
+from bm.runtime.triton import ENV_SWITCH
+
+ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 1024, "initializer_range": 0.2}  # fmt: skip
+SHAPES = {
+    "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                 "tie_word_embeddings": True, "rope_theta": 500000.0},
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                     "tie_word_embeddings": True, "rope_theta": 100000.0},
+}  # fmt: skip
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+
+
+def log(message: str) -> None:
+    print(f"[gpu_check] {message}", file=sys.stderr, flush=True)
+
+
+def build(shape: dict[str, Any], dtype: str, device: torch.device, cuda_graphs: str = "auto") -> LoadedModel:
+    config = AutoConfig.for_model("llama", max_position_embeddings=4096, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device)).to(device).eval()
+    loaded = describe_model(model, None, f"random {shape['hidden_size']}x{shape['num_hidden_layers']}")
+    loaded.cuda_graphs = cuda_graphs
+    return loaded
+
+
+def bm_config(num_requests: int, max_len: int, max_num_tokens: int, reuse: bool = False):
+    return config_from_dict({
+        "engine": {"max_batch_size": num_requests, "max_num_tokens": max_num_tokens,
+                   "enable_chunked_context": True},
+        "kv_cache": {"tokens_per_block": 16, "max_tokens": num_requests * max_len + 256,
+                     "enable_block_reuse": reuse},
+    })  # fmt: skip
+
+
+def workload(seed: int, count: int, vocab: int, prompt: tuple[int, int], output: int, shared: int = 0):
+    """(prompt, output_len) pairs; with ``shared``, every other prompt starts with one common prefix."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (shared,), generator=g).tolist()
+    rows = []
+    for i in range(count):
+        n = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        rows.append(((prefix + ids) if i % 2 else ids, output))
+    return rows
+
+
+def hf_greedy(ref: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    device = next(ref.parameters()).device
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt),
+                           dtype=torch.long, device=device), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def run_bm(loaded: LoadedModel, rows, config) -> tuple[dict[int, list[int]], PeerResult]:
+    requests = [Request(i, list(p), n) for i, (p, n) in enumerate(rows)]
+    sync(loaded.device)
+    start = time.perf_counter()
+    results = generate(requests, config, model=loaded)
+    elapsed = time.perf_counter() - start
+    failed = [r.error for r in results.values() if r.error]
+    if failed:
+        raise RuntimeError(f"bm: {len(failed)} requests failed, e.g. {failed[0]}")
+    outputs = {i: r.output_ids for i, r in results.items()}
+    generated = sum(len(o) for o in outputs.values())
+    return outputs, PeerResult("bm", len(rows), sum(len(p) for p, _ in rows), generated, elapsed)
+
+
+def agreement(ours: dict[int, list[int]], ref: torch.nn.Module, rows) -> dict[str, Any]:
+    exact, agreeing, total, mismatched = 0, 0, 0, []
+    for i, (prompt, n) in enumerate(rows):
+        theirs = hf_greedy(ref, prompt, n)
+        mine = ours[i]
+        prefix = next((j for j, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), len(theirs))
+        exact += mine == theirs
+        agreeing += prefix
+        total += len(theirs)
+        if mine != theirs:
+            mismatched.append(i)
+    return {"requests": len(rows), "equal_requests": exact, "tokens_before_divergence": agreeing,
+            "tokens": total, "mismatched_request_ids": mismatched[:20]}  # fmt: skip
+
+
+def check_oracle(device: torch.device, small: bool) -> dict[str, Any]:
+    loaded = build(SMALL if small else ORACLE, "float32", device)
+    rows = workload(1, 8 if small else 48, loaded.vocab_size, (1, 40 if small else 300), 8 if small else 24,
+                    shared=16 if small else 64)  # fmt: skip
+    ours, _ = run_bm(loaded, rows, bm_config(8 if small else 16, 512, 48 if small else 256, reuse=True))
+    result = agreement(ours, stock_copy(loaded.model), rows)
+    log(f"fp32 oracle: {result['equal_requests']}/{result['requests']} requests equal HF generate()")
+    return result
+
+
+def check_bf16(device: torch.device, small: bool) -> dict[str, Any]:
+    loaded = build(SMALL if small else ORACLE, "bfloat16", device)
+    ref = stock_copy(loaded.model)
+    rows = workload(2, 8 if small else 32, loaded.vocab_size, (4, 40 if small else 200), 8 if small else 24)
+    prompt = rows[0][0]
+    runner = ModelRunner(loaded, 64, 16, 1024)
+    ours = runner.forward([Segment(prompt, 0, list(range(64)), True, keep_all=True)])
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([prompt], device=device)).logits[0].float()
+    del runner
+    outputs, _ = run_bm(loaded, rows, bm_config(len(rows), 512, 256))
+    result = agreement(outputs, ref, rows)
+    result["max_logit_diff"] = float((ours - theirs).abs().max())
+    log(f"bf16: max logit diff {result['max_logit_diff']:.4f}, {result['tokens_before_divergence']}/"
+        f"{result['tokens']} tokens agree before divergence")  # fmt: skip
+    return result
+
+
+def check_throughput(name: str, shape, device: torch.device, args) -> dict[str, Any]:
+    loaded = build(shape, "auto", device)
+    rows = workload(
+        3, args.requests, loaded.vocab_size, (args.prompt_len // 2, args.prompt_len), args.output_len
+    )
+    config = bm_config(args.requests, args.prompt_len + args.output_len, 8192)
+    run_bm(loaded, rows[: min(8, len(rows))], config)  # warm-up: Triton compiles, graphs capture
+    _, bm_result = run_bm(loaded, rows, config)
+    figures = {"bm": bm_result.to_dict()}
+    log(f"{name}: bm {bm_result.output_tok_s:.0f} output tok/s")
+    peers = {"hf-generate": lambda: run_hf_generate(loaded.model, rows, batch_size=args.hf_batch)}
+    if not args.no_hf_cb:
+        peers["hf-cb"] = lambda: run_hf_continuous_batching(loaded.model, rows)
+    for peer, run in peers.items():
+        try:
+            sync(device)
+            result = run()
+            sync(device)
+            figures[peer] = result.to_dict()
+            figures[f"bm_over_{peer}"] = bm_result.output_tok_s / result.output_tok_s
+            log(f"{name}: {peer} {result.output_tok_s:.0f} output tok/s")
+        except Exception as exc:  # a peer failing is reported, not fatal
+            figures[peer] = {"error": f"{type(exc).__name__}: {exc}"}
+    figures["roofline"] = check_roofline(loaded, args)
+    return figures
+
+
+def copy_bandwidth(device: torch.device, small: bool) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), best of several."""
+    n = (64 << 20) if small else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n / best
+
+
+@torch.inference_mode()
+def check_roofline(loaded: LoadedModel, args) -> dict[str, Any]:
+    """Decode steps of ``--requests`` sequences with a ``--prompt-len`` context each, timed end to end
+    (forward, argmax, the one copy of tokens to the host), against the bytes each step must read."""
+    bs, num, ctx = 16, args.requests, args.prompt_len
+    per_seq = -(-(ctx + 16) // bs)
+    runner = ModelRunner(loaded, num * per_seq, bs, ctx + 16 * bs)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num)]
+    chunk = max(1, 8192 // ctx)
+    for i in range(0, num, chunk):  # prefill, a few sequences per forward
+        runner.forward([Segment([5] * ctx, 0, tables[j], True) for j in range(i, min(num, i + chunk))])
+    steps = 3 if args.small else 10
+    for _ in range(2):  # warm-up (graph capture)
+        runner.forward([Segment([7], ctx, t, True) for t in tables]).argmax(-1).tolist()
+    sync(loaded.device)
+    start = time.perf_counter()
+    for step in range(steps):
+        runner.forward([Segment([7], ctx + step, t, True) for t in tables]).argmax(-1).tolist()
+    step_s = (time.perf_counter() - start) / steps
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    kv = num * (ctx + steps // 2) * loaded.kv_bytes_per_token
+    bandwidth = copy_bandwidth(loaded.device, args.small)
+    ideal = (weights + kv) / bandwidth
+    log(f"roofline: step {step_s * 1e3:.2f} ms, ideal {ideal * 1e3:.2f} ms -> {ideal / step_s:.1%}")
+    return {"requests": num, "context": ctx, "step_ms": step_s * 1e3, "weight_bytes": weights, "kv_bytes": kv,
+            "copy_bandwidth_gb_s": bandwidth / 1e9, "ideal_step_ms": ideal * 1e3,
+            "fraction_of_roofline": ideal / step_s, "attention_backend": runner.attention_backend}  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "triton": triton_version}  # fmt: skip
+
+
+def goals(report: dict[str, Any]) -> dict[str, bool]:
+    oracle = report["oracle_fp32"]
+    out = {"bm_equals_hf_fp32_on_every_request": oracle["equal_requests"] == oracle["requests"]}
+    for name, figures in report["throughput"].items():
+        ratio = figures.get("bm_over_hf-generate")
+        out[f"{name}_at_least_5x_hf_generate"] = ratio is not None and ratio >= 5
+        out[f"{name}_at_least_50pct_of_roofline"] = figures["roofline"]["fraction_of_roofline"] >= 0.5
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes and few requests (CPU, tests)")
+    p.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-batch", type=int, default=64, help="HF generate()'s batch size")
+    p.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
+    p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
+                   help="force bm's attention path (triton on CPU runs Triton's interpreter: slow)")  # fmt: skip
+    args = p.parse_args(argv)
+    os.environ[ENV_SWITCH] = args.attention
+    if args.small:
+        args.requests, args.prompt_len, args.output_len = 6, 24, 6
+    device = torch.device(args.device)
+    begin = time.perf_counter()
+    report: dict[str, Any] = {"environment": environment(device), "args": vars(args) | {"out": str(args.out)}}
+    report["oracle_fp32"] = check_oracle(device, args.small)
+    report["bf16"] = check_bf16(device, args.small)
+    shapes = {"small": SMALL} if args.small else SHAPES
+    report["throughput"] = {
+        name: check_throughput(name, shape, device, args) for name, shape in shapes.items()
+    }
+    report["goals"] = goals(report)
+    report["seconds"] = time.perf_counter() - begin
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {args.out} in {report['seconds']:.0f} s")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""CUDA graphs for decode-only steps, one per batch-size bucket, over static input buffers.
+
+A decode step of ``B`` requests runs as the smallest bucket ``>= B``: the static buffers (token ids,
+positions, ``cu_seqlens``, sequence lengths, the int32 block table, slot mapping) are overwritten in
+place, the rows past ``B`` padded (slot -1: nothing is stored; one key: finite garbage, never returned),
+and the graph captured for that bucket is replayed. The kernels read every per-sequence value from
+those buffers, and their grid depends only on the bucket, so one capture serves every later step.
+
+Without CUDA (``model.cuda_graphs: on`` under Triton's interpreter) the same static buffers are used and
+the model runs eagerly over them: that is what the CPU tests compare with the dynamic path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bm.runtime.triton.batch import Inputs, PagedBatch, StagingBuffer, cdiv
+
+log = logging.getLogger("bm")
+
+# Decode batch sizes with a graph of their own; a larger decode step runs without a graph.
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def graphs_enabled(setting: str, device: torch.device) -> bool:
+    """``auto``: on CUDA only; ``on``: also the static buffers alone where nothing can be captured."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def bucket_for(batch_size: int) -> int | None:
+    return next((b for b in BUCKETS if b >= batch_size), None)
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Any, device: torch.device, tokens_per_block: int, max_seq_len: int) -> None:
+        self.forward = forward
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.tokens_per_block = tokens_per_block
+        self.width = cdiv(max_seq_len, tokens_per_block)  # the block table's columns
+        n = BUCKETS[-1]
+        pools = [None, *sorted(forward.plan.pooled)]  # the main tables, then each pool's
+        with torch.inference_mode():
+            self._longs = torch.zeros(3, n, dtype=torch.long, device=device)  # ids, positions, kept rows
+            self._longs[2] = torch.arange(n, device=device)
+            self._cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+            self._lens = torch.ones(n, dtype=torch.int32, device=device)
+            self._tables = torch.zeros(len(pools), n, self.width, dtype=torch.int32, device=device)
+            self._slots = torch.full((len(pools), n), -1, dtype=torch.int32, device=device)
+        self._pools = pools
+        self._stage_longs = StagingBuffer(device, torch.long)
+        self._stage_ints = StagingBuffer(device, torch.int32)
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._pool_handle: Any = None
+        self.failure: str | None = None  # why capturing was given up (the steps then run eagerly)
+
+    def serves(self, segments: Sequence) -> bool:
+        """A decode-only step that fits a bucket and the static block table."""
+        return (
+            bucket_for(len(segments)) is not None
+            and all(
+                len(s.token_ids) == 1 and s.sample and not s.keep_all and not s.num_draft for s in segments
+            )
+            and max(s.start_pos for s in segments) < self.width * self.tokens_per_block
+        )
+
+    def run(self, segments: Sequence) -> torch.Tensor:
+        """Float32 logits ``[len(segments), vocab]`` of one decode step."""
+        size = len(segments)
+        bucket = bucket_for(size)
+        self._fill(segments, bucket)
+        if not self.capture or self.failure is not None:
+            logits = self._forward(bucket)
+        else:
+            logits = self._replay(bucket)
+        return logits[:size].to(torch.float32, copy=True)
+
+    def _fill(self, segments: Sequence, bucket: int) -> None:
+        """Write this step's inputs into the static buffers (one non-blocking copy per dtype)."""
+        bs = self.tokens_per_block
+        size = len(segments)
+        pad = bucket - size
+        ids = [s.token_ids[0] for s in segments]
+        positions = [s.start_pos for s in segments]
+        used = max(cdiv(p + 1, bs) for p in positions)
+        ints = [p + 1 for p in positions] + [1] * pad
+        for pool in self._pools:
+            for s in segments:
+                table = s.block_ids if pool is None else s.window_block_ids[pool]
+                row = list(table[: cdiv(s.start_pos + 1, bs)])
+                ints.extend(row + [0] * (used - len(row)))
+            ints.extend([0] * (pad * used))
+            slots = [
+                (s.block_ids if pool is None else s.window_block_ids[pool])[p // bs] * bs + p % bs
+                for s, p in zip(segments, positions, strict=True)
+            ]
+            ints.extend(slots + [-1] * pad)
+        longs = self._stage_longs.send([*ids, *[0] * pad, *positions, *[0] * pad])
+        flat = self._stage_ints.send(ints)
+        self._longs[:2, :bucket].copy_(longs.view(2, bucket))
+        self._lens[:bucket].copy_(flat[:bucket])
+        offset = bucket
+        for i in range(len(self._pools)):
+            self._tables[i, :bucket, :used].copy_(flat[offset : offset + bucket * used].view(bucket, used))
+            offset += bucket * used
+            self._slots[i, :bucket].copy_(flat[offset : offset + bucket])
+            offset += bucket
+
+    def _inputs(self, bucket: int) -> Inputs:
+        batches = [
+            PagedBatch(self._cu[: bucket + 1], self._lens[:bucket], self._tables[i, :bucket],
+                       self._slots[i, :bucket], bucket, 1)
+            for i in range(len(self._pools))
+        ]  # fmt: skip
+        longs = self._longs[:, :bucket]
+        return Inputs(
+            longs[0:1], longs[1:2], longs[2], batches[0], dict(zip(self._pools[1:], batches[1:], strict=True))
+        )
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        inputs = self._inputs(bucket)
+        return self.forward.run_model(
+            {"input_ids": inputs.input_ids}, inputs.positions, inputs.logits_index, inputs
+        )
+
+    def _replay(self, bucket: int) -> torch.Tensor:
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            try:
+                entry = self._graphs[bucket] = self._capture(bucket)
+            except RuntimeError as exc:  # run eagerly rather than fail the run
+                self.failure = f"{type(exc).__name__}: {exc}"
+                log.warning("bm: CUDA graph capture failed, decode steps run without graphs: %s", exc)
+                return self._forward(bucket)
+        graph, logits = entry
+        graph.replay()
+        return logits
+
+    def _capture(self, bucket: int) -> tuple[Any, torch.Tensor]:
+        """Warm up on a side stream (Triton compiles there), then capture one decode forward."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool_handle is None:
+            self._pool_handle = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool_handle):
+            logits = self._forward(bucket)
+        return graph, logits

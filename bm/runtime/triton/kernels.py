@@ -1,0 +1,195 @@
+"""The Triton kernels of the GPU path: a KV-store kernel and one paged attention kernel.
+
+Imported only through :func:`bm.runtime.triton.kernels` (which decides compiled vs interpreted first):
+``triton.jit`` fixes that choice when this module is imported.
+
+KV layout per layer, as everywhere in bm: ``[2, kv_heads, num_blocks, tokens_per_block, head_dim]``.
+The attention kernel serves every query of a packed batch in one launch per layer: decode rows (one
+query each), whole prompts and chunks after a cached prefix alike. One program handles ``BLOCK_Q``
+consecutive queries of one sequence times the ``GROUP`` query heads sharing one KV head (so grouped
+query attention reads each key tile once for the whole group), and walks that sequence's keys tile by
+tile through the block table, in place: no gather, no mask tensor. Which sequence a program serves is
+found by a binary search over ``cu_seqlens`` (every sequence owns ``cdiv(q_len, BLOCK_Q)`` programs
+after ``cu_seqlens[s] // BLOCK_Q + s`` of them), so the grid depends only on the number of tokens and
+sequences: a CUDA graph replays it unchanged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    kv_stride_h,
+    kv_stride_t,
+    c_stride_h,
+    c_stride_b,
+    c_stride_t,
+    TOKENS_PER_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """Write one token's key and value (one KV head) at its slot; a negative slot is a padding row."""
+    token = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    src = head * kv_stride_h + token * kv_stride_t + offs_d
+    dst = head * c_stride_h + (slot // TOKENS_PER_BLOCK) * c_stride_b
+    dst += (slot % TOKENS_PER_BLOCK) * c_stride_t + offs_d
+    tl.store(k_cache_ptr + dst, tl.load(key_ptr + src, mask=d_ok), mask=d_ok)
+    tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=d_ok), mask=d_ok)
+
+
+@triton.jit
+def _find_sequence(cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose programs include ``q_block``: the last s with cu_q[s] // BLOCK_Q + s <= q_block."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+# How the kernel's two matmuls run (the DOT argument).
+DOT_FAST = 0  # bf16/fp16 on tensor cores (fp32 accumulation); TF32 for fp32 inputs
+DOT_IEEE = 1  # full fp32: what a float32 model asks for, so bm's fp32 output equals HF's
+DOT_UPCAST = 2  # operands widened to fp32 first: Triton 3.6's interpreter gets bf16 dots wrong
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    if DOT == 2:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT == 1:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    cu_q_ptr,
+    sinks_ptr,
+    alibi_ptr,
+    scale,
+    softcap,
+    window,
+    sink_tokens,
+    num_seqs,
+    bt_stride,
+    q_stride_h,
+    q_stride_t,
+    o_stride_t,
+    o_stride_h,
+    c_stride_h,
+    c_stride_b,
+    c_stride_t,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_q_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    local = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if local >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before this forward's queries
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row = local + offs_m // GROUP  # query index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)
+    d_ok = offs_d < HEAD_DIM
+    token = (q_start + row).to(tl.int64)
+    q = tl.load(
+        q_ptr + head[:, None].to(tl.int64) * q_stride_h + token[:, None] * q_stride_t + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    query_pos = context + row
+
+    if USE_SINKS:  # a learned logit per head in the softmax's denominator: start the sum with it
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=-1.0e30).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+
+    kv_end = context + tl.minimum(local + BLOCK_Q, q_len)
+    kv_start = 0
+    if USE_WINDOW:  # keys before the first query's window are skipped, unless sink tokens stay attended
+        lowest = tl.maximum(0, context + local - window + 1) // BLOCK_N * BLOCK_N
+        kv_start = tl.where(sink_tokens == 0, lowest, 0)
+    c_head = kv_head.to(tl.int64) * c_stride_h
+    for start in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        blk = tl.load(
+            block_table_ptr + seq * bt_stride + offs_n // TOKENS_PER_BLOCK, mask=offs_n < kv_end, other=-1
+        )
+        n_ok = (offs_n < kv_end) & (blk >= 0)  # a block outside every window may be gone (-1)
+        slot = c_head + blk.to(tl.int64) * c_stride_b + (offs_n % TOKENS_PER_BLOCK) * c_stride_t
+        k = tl.load(
+            k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
+        )
+        s = _dot(q, k, DOT) * scale
+        if USE_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        if USE_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - query_pos[:, None]).to(tl.float32)
+        allowed = n_ok[None, :] & (offs_n[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            allowed &= (offs_n[None, :] > query_pos[:, None] - window) | (offs_n[None, :] < sink_tokens)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+
+    acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no keys, nothing stored
+    dst = out_ptr + token[:, None] * o_stride_t + head[:, None].to(tl.int64) * o_stride_h + offs_d[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -1,0 +1,34 @@
+"""benchmarks/gpu_check.py runs on CPU (``--device cpu --small``), so the device check cannot rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+from tests.conftest import REPO
+
+
+def _gpu_check():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+def test_gpu_check_runs_on_cpu_small_and_writes_one_json_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("BM_ATTENTION", raising=False)
+    out = tmp_path / "gpu_check.json"
+    report = _gpu_check().main(["--device", "cpu", "--small", "--no-hf-cb", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    oracle = report["oracle_fp32"]
+    assert oracle["equal_requests"] == oracle["requests"] > 0
+    assert report["bf16"]["tokens"] > 0 and report["bf16"]["max_logit_diff"] >= 0
+    small = report["throughput"]["small"]
+    assert small["bm"]["output_tokens"] == small["hf-generate"]["output_tokens"] > 0
+    assert small["roofline"]["fraction_of_roofline"] > 0
+    assert report["goals"]["bm_equals_hf_fp32_on_every_request"]
