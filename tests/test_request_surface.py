@@ -242,3 +242,20 @@ def test_cli_accepts_every_field_and_writes_log_probs_and_logits_files(tmp_path)
     assert gen.shape == (c["num_output_tokens"], 259) and "logits_file" not in a
     assert "stop_words_list" in records["d"]["error"] and "[x]" not in json.dumps(records["d"])
     assert "embedding_bias: expected 259 numbers" in records["e"]["error"]
+
+
+def test_from_values_takes_a_tokenizers_result_and_refuses_other_shapes_in_bms_words():
+    from bm.engine import InferenceRequest
+    from bm.engine.request import RequestError
+
+    plain = InferenceRequest.from_values(0, [5, 6, 7], 4).tensors["input_ids"]
+    for given in (
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]},
+        {"input_ids": [[5, 6, 7]]},
+        [[5, 6, 7]],
+    ):
+        assert torch.equal(InferenceRequest.from_values(0, given, 4).tensors["input_ids"], plain)
+    with pytest.raises(RequestError, match="input_ids: expected a list of integer token ids, got str"):
+        InferenceRequest.from_values(0, "hello", 4)
+    with pytest.raises(RequestError, match="a mapping with keys"):
+        InferenceRequest.from_values(0, {"text": "hello"}, 4)

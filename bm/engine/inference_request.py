@@ -82,9 +82,12 @@ class InferenceRequest:
 
     @classmethod
     def from_values(cls, request_id: int, input_ids: list[int], request_output_len: int, **fields: Any):
-        """Build the tensors with the spec's shapes and dtypes from plain Python values."""
+        """Build the tensors with the spec's shapes and dtypes from plain Python values.
+
+        ``input_ids`` may also be what a transformers tokenizer returns (a mapping with ``input_ids``, one
+        row or a flat list) or a tensor; anything else is refused with bm's own message."""
         req = cls(request_id)
-        req.tensors["input_ids"] = torch.tensor([list(input_ids)], dtype=torch.int32)
+        req.tensors["input_ids"] = torch.tensor([_id_list(input_ids)], dtype=torch.int32)
         req.tensors["request_output_len"] = torch.tensor([[request_output_len]], dtype=torch.int32)
         for name, value in fields.items():
             req.set(name, value)
@@ -103,6 +106,22 @@ class InferenceRequest:
 
     def __repr__(self) -> str:
         return f"InferenceRequest(request_id={self.request_id}, tensors={sorted(self.tensors)})"
+
+
+def _id_list(value: Any) -> list[int]:
+    if isinstance(value, Mapping):
+        if "input_ids" not in value:
+            raise RequestError(f"input_ids: expected token ids, got a mapping with keys {sorted(value)}")
+        value = value["input_ids"]
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple)):
+        value = value[0]  # one row, as tokenizers return a batch of one
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise RequestError(f"input_ids: expected a list of integer token ids, got {type(value).__name__}")
+    return list(value)
 
 
 def _scalar(tensors: Mapping[str, torch.Tensor], name: str) -> Any:
