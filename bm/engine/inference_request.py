@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from bm.engine.fields import BOOL_FIELDS, WORD_LISTS
 from bm.engine.request import (
     UNSUPPORTED_FIELDS,
     Request,
@@ -61,8 +62,6 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
 }
 
 SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - set(UNSUPPORTED_FIELDS)
-WORD_LISTS = ("bad_words_list", "stop_words_list")
-BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
 
 
 class InferenceRequest:

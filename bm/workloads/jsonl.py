@@ -13,56 +13,36 @@ for the BOM, as nothing at all).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bm.engine.fields import (
+    FIELD_ALIASES,
+    INT32_MAX,
+    MAX_TOKEN_ID,
+    REQUEST_FIELDS,
+    WORD_LISTS,
+    finite_number,
+    is_int,
+    is_offsets_form,
+    request_field,
+    show_value,
+    strict_int,
+)
 from bm.workloads.request import RowError
 
-OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
-FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-UINT64_MAX = 2**64 - 1
+__all__ = [
+    "WORD_LISTS",
+    "ParsedLine",
+    "iter_lines",
+    "iter_request_file",
+    "read_request_file",
+    "resolve_word_list",
+]
 
-# Every request field the engine implements, by its spec name, with the JSON type it must have.
-# (A test keeps this equal to the engine's SUPPORTED_INPUT_TENSORS.)
-INT_FIELDS: dict[str, tuple[int, int]] = {
-    "beam_width": (1, INT32_MAX),
-    "runtime_top_k": (0, INT32_MAX),
-    "early_stopping": (INT32_MIN, INT32_MAX),
-    "min_length": (0, INT32_MAX),
-    "no_repeat_ngram_size": (0, INT32_MAX),
-    "random_seed": (0, UINT64_MAX),
-    "end_id": (-1, INT32_MAX),
-    "pad_id": (INT32_MIN, INT32_MAX),
-    "lora_task_id": (0, UINT64_MAX),
-    "prompt_vocab_size": (1, INT32_MAX),
-}
-FLOAT_FIELDS = (
-    "temperature",
-    "runtime_top_p",
-    "len_penalty",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
-WORD_LISTS = ("bad_words_list", "stop_words_list")
-LIST_FIELDS = ("embedding_bias",)
-# Nested lists of numbers (the engine checks their shapes and values).
-NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
-ID_LIST_FIELDS = ("draft_input_ids",)  # flat lists of token ids
-REQUEST_FIELDS = (
-    *INT_FIELDS,
-    *FLOAT_FIELDS,
-    *BOOL_FIELDS,
-    *WORD_LISTS,
-    *LIST_FIELDS,
-    *NESTED_FIELDS,
-    *ID_LIST_FIELDS,
-)
+OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output_tokens")
 # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), read into lora_config and
 # lora_weights; a relative path is taken from the request file's directory.
 LORA_DIR = "lora_dir"
@@ -71,7 +51,6 @@ KNOWN_KEYS = frozenset(
     {"id", "arrival_time", "stop", LORA_DIR, *PROMPT_KEYS, *OUTPUT_LEN_KEYS, *FIELD_ALIASES, *REQUEST_FIELDS}
 )
 MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse
-MAX_TOKEN_ID = INT32_MAX
 
 
 @dataclass
@@ -234,7 +213,7 @@ def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
     if "id" in data:
         value = data["id"]
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise RowError(f"id: expected a string or an integer, got {_show(value)}")
+            raise RowError(f"id: expected a string or an integer, got {show_value(value)}")
         entry.user_id = value
     _prompt(data, entry)
     given = [k for k in OUTPUT_LEN_KEYS if k in data]
@@ -249,7 +228,7 @@ def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
     if data.get(LORA_DIR) is not None:
         value = data[LORA_DIR]
         if not isinstance(value, str) or not value:
-            raise RowError(f"{LORA_DIR}: expected a directory path, got {_show(value)}")
+            raise RowError(f"{LORA_DIR}: expected a directory path, got {show_value(value)}")
         if "lora_weights" in data or "lora_config" in data:
             raise RowError(f"{LORA_DIR}: give either lora_dir or lora_weights + lora_config, not both")
         entry.lora_dir = value
@@ -278,7 +257,7 @@ def _prompt(data: dict[str, Any], entry: ParsedLine) -> None:
     value = data[key]
     if key == "prompt":
         if not isinstance(value, str):
-            raise RowError(f"prompt: expected a string, got {_show(value)}")
+            raise RowError(f"prompt: expected a string, got {show_value(value)}")
         if not value:
             raise RowError("prompt: the prompt is empty")
         entry.prompt = value
@@ -289,7 +268,7 @@ def _prompt(data: dict[str, Any], entry: ParsedLine) -> None:
 
 
 def token_ids(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise RowError(f"{name}: expected a list of integer token ids, e.g. [1, 415, 2936]")
     if not value:
         raise RowError(f"{name}: the prompt is empty; give at least one token")
@@ -309,7 +288,7 @@ def chat_messages(value: Any, name: str) -> list[dict[str, Any]]:
     for i, turn in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(turn, dict):
-            raise RowError(f'{where}: expected {{"role": ..., "content": ...}}, got {_show(turn)}')
+            raise RowError(f'{where}: expected {{"role": ..., "content": ...}}, got {show_value(turn)}')
         role, content = turn.get("role"), turn.get("content")
         if not isinstance(role, str) or not role:
             raise RowError(f"{where}.role: expected a string such as 'system', 'user' or 'assistant'")
@@ -327,7 +306,7 @@ def chat_messages(value: Any, name: str) -> list[dict[str, Any]]:
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise RowError(f"{where}.content: expected a string, got {_show(content)}")
+            raise RowError(f"{where}.content: expected a string, got {show_value(content)}")
         extra = sorted(set(turn) - {"role", "content", "name"})
         if extra:
             raise RowError(f"{where}.{extra[0]}: not supported in a chat turn (role, content and name are)")
@@ -340,102 +319,6 @@ def stop_strings(value: Any, name: str) -> list[str]:
     if not isinstance(words, list) or not words or not all(isinstance(w, str) and w for w in words):
         raise RowError(f'{name}: expected a non-empty string or a list of them, e.g. ["\\n\\n", "User:"]')
     return list(words)
-
-
-def request_field(name: str, key: str, value: Any) -> Any:
-    """One request field's value, checked against its declared JSON type (spec name ``name``)."""
-    if name in INT_FIELDS:
-        low, high = INT_FIELDS[name]
-        return strict_int(value, key, low, high)
-    if name in FLOAT_FIELDS:
-        return finite_number(value, key)
-    if name in BOOL_FIELDS:
-        if not isinstance(value, bool):
-            raise RowError(f"{key}: expected true or false, got {_show(value)}")
-        return value
-    if name in WORD_LISTS:
-        return word_list(value, key)
-    if name in NESTED_FIELDS:
-        if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
-            raise RowError(f"{key}: expected a nested list of numbers (one list per row)")
-        return value
-    if name in ID_LIST_FIELDS:
-        if not isinstance(value, list) or not all(_is_int(t) for t in value):
-            raise RowError(f"{key}: expected a list of integer token ids")
-        return value
-    if not isinstance(value, list) or not value or not all(_is_number(v) for v in value):
-        raise RowError(f"{key}: expected a list of finite numbers, one per vocabulary token")
-    return value
-
-
-def strict_int(value: Any, name: str, low: int, high: int) -> int:
-    """An integer in [low, high]; 12.0 and true are refused, not read as 12 and 1."""
-    if not _is_int(value):
-        raise RowError(f"{name}: expected an integer in [{low}, {high}], got {_show(value)}")
-    if value < low:
-        raise RowError(f"{name}: must be at least {low}, got {value}")
-    if value > high:
-        raise RowError(f"{name}: must be at most {high}, got {value}")
-    return value
-
-
-def finite_number(value: Any, name: str, low: float | None = None) -> float:
-    if not _is_number(value):
-        raise RowError(f"{name}: expected a finite number, got {_show(value)}")
-    if low is not None and value < low:
-        raise RowError(f"{name}: must be >= {low:g}, got {value}")
-    return value
-
-
-def word_list(value: Any, name: str) -> list[Any]:
-    """Words as strings or token-id lists, or TensorRT-LLM's [2, n] form; tokenized later."""
-    form = (
-        f'{name}: expected a list of strings or of token-id lists (e.g. ["stop", [13, 13]]), or the '
-        "[2, n] form [[ids...], [end offsets..., -1...]]"
-    )
-    if not isinstance(value, list) or not value:
-        raise RowError(form)
-    if is_offsets_form(value):
-        return value
-    for word in value:
-        if isinstance(word, str) and word:
-            continue
-        if isinstance(word, list) and word and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in word):
-            continue
-        raise RowError(f"{form}; got the item {_show(word)}")
-    return value
-
-
-def is_offsets_form(value: list[Any]) -> bool:
-    """Two equal-length integer rows whose second is a valid end-offset row: TensorRT-LLM's [2, n] form."""
-    if len(value) != 2 or not all(isinstance(r, list) for r in value) or len(value[0]) != len(value[1]):
-        return False
-    if not all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for r in value for t in r):
-        return False
-    offsets = value[1]
-    real = [o for o in offsets if o >= 0]
-    if not real or offsets[: len(real)] != real or any(o != -1 for o in offsets[len(real) :]):
-        return False
-    return all(b > a for a, b in zip([0, *real], real, strict=False)) and real[-1] <= len(value[0])
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    """A finite JSON number that fits a float32 tensor's conversion (true/false are not numbers)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return abs(value) < 2**63
-    return isinstance(value, float) and math.isfinite(value)
-
-
-def _show(value: Any) -> str:
-    """A value for a message, cut short: a 200 KB prompt must not become a 200 KB error."""
-    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, float) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def resolve_word_list(

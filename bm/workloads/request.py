@@ -13,13 +13,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from bm.engine.request import RequestError
+
 
 class DatasetError(ValueError):
     """The dataset cannot be used at all; the message names the file, the row and the field."""
 
 
-class RowError(ValueError):
-    """One row cannot run; the loader records the message on the row and goes on."""
+# One row cannot run; the loader records the message on the row and goes on. It is the engine's own
+# refusal type: a row's problem and a request's are one thing, raised by the one field table
+# (bm.engine.fields) or the one validator (bm.engine.request.validate_request).
+RowError = RequestError
 
 
 @dataclass

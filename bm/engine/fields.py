@@ -1,0 +1,158 @@
+"""The request fields bm implements, in one table, and the checks of their JSON form.
+
+Every reader of request lines (bm's JSONL, OpenAI batch bodies, bench datasets) and the seed's tensor
+adapter take field names, aliases and types from here, so a field is declared once. The checks here are
+the ones that need no model: a value's type and the bounds of its encoding. What depends on the model
+(token ids against the vocabulary, where ids from vocab_size on may be prompt-table rows; lengths
+against the maximum sequence) is judged once, by :func:`bm.engine.request.validate_request`.
+
+Plain Python (no torch), so a whole file is checked before the model loads. A value of the wrong type is
+refused with the field and the fix, never coerced (``beam_width: 1.9`` is an error, not 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from bm.engine.request import RequestError
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+UINT64_MAX = 2**64 - 1
+FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+
+# Every request field the engine implements, by its spec name, with the JSON type it must have.
+# (A test keeps this equal to the engine's SUPPORTED_INPUT_TENSORS.)
+INT_FIELDS: dict[str, tuple[int, int]] = {
+    "beam_width": (1, INT32_MAX),
+    "runtime_top_k": (0, INT32_MAX),
+    "early_stopping": (INT32_MIN, INT32_MAX),
+    "min_length": (0, INT32_MAX),
+    "no_repeat_ngram_size": (0, INT32_MAX),
+    "random_seed": (0, UINT64_MAX),
+    "end_id": (-1, INT32_MAX),
+    "pad_id": (INT32_MIN, INT32_MAX),
+    "lora_task_id": (0, UINT64_MAX),
+    "prompt_vocab_size": (1, INT32_MAX),
+}
+FLOAT_FIELDS = (
+    "temperature",
+    "runtime_top_p",
+    "len_penalty",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
+WORD_LISTS = ("bad_words_list", "stop_words_list")
+LIST_FIELDS = ("embedding_bias",)
+# Nested lists of numbers (the engine checks their shapes and values).
+NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
+ID_LIST_FIELDS = ("draft_input_ids",)  # flat lists of token ids
+REQUEST_FIELDS = (
+    *INT_FIELDS,
+    *FLOAT_FIELDS,
+    *BOOL_FIELDS,
+    *WORD_LISTS,
+    *LIST_FIELDS,
+    *NESTED_FIELDS,
+    *ID_LIST_FIELDS,
+)
+MAX_TOKEN_ID = INT32_MAX
+
+
+def request_field(name: str, key: str, value: Any) -> Any:
+    """One request field's value, checked against its declared JSON type (spec name ``name``)."""
+    if name in INT_FIELDS:
+        low, high = INT_FIELDS[name]
+        return strict_int(value, key, low, high)
+    if name in FLOAT_FIELDS:
+        return finite_number(value, key)
+    if name in BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise RequestError(f"{key}: expected true or false, got {show_value(value)}")
+        return value
+    if name in WORD_LISTS:
+        return word_list(value, key)
+    if name in NESTED_FIELDS:
+        if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
+            raise RequestError(f"{key}: expected a nested list of numbers (one list per row)")
+        return value
+    if name in ID_LIST_FIELDS:
+        if not isinstance(value, list) or not all(is_int(t) for t in value):
+            raise RequestError(f"{key}: expected a list of integer token ids")
+        return value
+    if not isinstance(value, list) or not value or not all(is_number(v) for v in value):
+        raise RequestError(f"{key}: expected a list of finite numbers, one per vocabulary token")
+    return value
+
+
+def strict_int(value: Any, name: str, low: int, high: int) -> int:
+    """An integer in [low, high]; 12.0 and true are refused, not read as 12 and 1."""
+    if not is_int(value):
+        raise RequestError(f"{name}: expected an integer in [{low}, {high}], got {show_value(value)}")
+    if value < low:
+        raise RequestError(f"{name}: must be at least {low}, got {value}")
+    if value > high:
+        raise RequestError(f"{name}: must be at most {high}, got {value}")
+    return value
+
+
+def finite_number(value: Any, name: str, low: float | None = None) -> float:
+    if not is_number(value):
+        raise RequestError(f"{name}: expected a finite number, got {show_value(value)}")
+    if low is not None and value < low:
+        raise RequestError(f"{name}: must be >= {low:g}, got {value}")
+    return value
+
+
+def word_list(value: Any, name: str) -> list[Any]:
+    """Words as strings or token-id lists, or TensorRT-LLM's [2, n] form; tokenized later."""
+    form = (
+        f'{name}: expected a list of strings or of token-id lists (e.g. ["stop", [13, 13]]), or the '
+        "[2, n] form [[ids...], [end offsets..., -1...]]"
+    )
+    if not isinstance(value, list) or not value:
+        raise RequestError(form)
+    if is_offsets_form(value):
+        return value
+    for word in value:
+        if isinstance(word, str) and word:
+            continue
+        if isinstance(word, list) and word and all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in word):
+            continue
+        raise RequestError(f"{form}; got the item {show_value(word)}")
+    return value
+
+
+def is_offsets_form(value: list[Any]) -> bool:
+    """Two equal-length integer rows whose second is a valid end-offset row: TensorRT-LLM's [2, n] form."""
+    if len(value) != 2 or not all(isinstance(r, list) for r in value) or len(value[0]) != len(value[1]):
+        return False
+    if not all(is_int(t) and INT32_MIN <= t <= INT32_MAX for r in value for t in r):
+        return False
+    offsets = value[1]
+    real = [o for o in offsets if o >= 0]
+    if not real or offsets[: len(real)] != real or any(o != -1 for o in offsets[len(real) :]):
+        return False
+    return all(b > a for a, b in zip([0, *real], real, strict=False)) and real[-1] <= len(value[0])
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite JSON number that fits a float32 tensor's conversion (true/false are not numbers)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < 2**63
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def show_value(value: Any) -> str:
+    """A value for a message, cut short: a 200 KB prompt must not become a 200 KB error."""
+    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
