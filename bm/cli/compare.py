@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
-from bm.cli.outdir import OutDirError, check_writable_dir
+from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ def compare(
     reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first]."),
     hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch."),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Output directory [bm-out/compare-TIME].", rich_help_panel=RUN),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots.", rich_help_panel=RUN),
     json_output: bool = typer.Option(False, "--json", help="Print only compare.json on stdout.", rich_help_panel=RUN),
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
@@ -55,14 +56,13 @@ def compare(
     err = Console(stderr=True)
     flags = {**locals(), **shared}
     flags.pop("out_dir")  # compare's own directory, not bench.out_dir
+    flags.pop("overwrite")
     flags.pop("json_output")
     try:
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
         # files first: these checks need no torch, so a bad baseline or -o is reported at once
         tol = parse_tolerance(tolerance)
         previous = _read_baseline(baseline) if baseline is not None else None
-        if out_dir is not None:
-            check_writable_dir(out_dir, "-o")
         from bm.compare.variants import plan_variants
 
         variants = plan_variants(schemes, policies, baselines)
@@ -78,11 +78,16 @@ def compare(
         placeholder = {v.name: known for v in variants}
         for assertion in parsed:
             check_refs(assertion, placeholder)
+        # last, so that no other usage error leaves a directory behind; the baseline is already read
+        out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
+        created = prepare_out_dir(out, resume=False, overwrite=overwrite, files=COMPARE_FILES)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
-    code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out_dir, plot, json_output, quiet, console)  # fmt: skip
+    code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out, plot, json_output, quiet, console)  # fmt: skip
+    if code == 2:  # a usage error found while loading: nothing was written
+        remove_created(out, created)
     if code:
         raise typer.Exit(code=code)
 
@@ -137,7 +142,7 @@ def _run(
     repeat: int,
     reference: str | None,
     hf_batch_size: int,
-    out_dir: Path | None,
+    out: Path,
     plot: bool,
     json_output: bool,
     quiet: bool,
@@ -188,7 +193,6 @@ def _run(
     if previous is not None:
         result.baseline_path, result.tolerance = str(baseline), tol
         result.regressions = find_regressions(previous, compare_document(result), tol)
-    out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
     document = write_compare(out, result)
     if plot:
         from bm.report.data import load_plot_data
