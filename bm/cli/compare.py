@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
+from bm.cli.help import silence_progress_bars
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.config import BmConfig, ConfigError
 
@@ -25,19 +26,19 @@ if TYPE_CHECKING:
     from bm.compare.expr import Assertion
     from bm.compare.runner import Variant
 
-GATES = "Gates"
+GATES, VARIANTS = "Gates", "Variants"
 
 
 @with_shared_options
 def compare(
     dataset: Path | None = typer.Argument(None, help="Dataset file or directory (as for bm bench)."),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
-    schemes: str = typer.Option("v1,inflight,inflight_fused", "--schemes", help="Comma-separated batching schemes."),
-    policies: str = typer.Option("guaranteed_no_evict", "--policies", help="Comma-separated scheduler policies."),
-    baselines: str = typer.Option("", "--baselines", help="Reference baselines: hf-generate, hf-cb."),
-    repeat: int = typer.Option(1, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians."),
-    reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first]."),
-    hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch."),
+    schemes: str = typer.Option("v1,inflight,inflight_fused", "--schemes", help="Comma-separated batching schemes.", rich_help_panel=VARIANTS),
+    policies: str = typer.Option("guaranteed_no_evict", "--policies", help="Comma-separated scheduler policies.", rich_help_panel=VARIANTS),
+    baselines: str = typer.Option("", "--baselines", help="Reference baselines: hf-generate, hf-cb.", rich_help_panel=VARIANTS),
+    repeat: int = typer.Option(1, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians.", rich_help_panel=VARIANTS),
+    reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first].", rich_help_panel=VARIANTS),
+    hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch.", rich_help_panel=VARIANTS),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Output directory [bm-out/compare-TIME].", rich_help_panel=RUN),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots.", rich_help_panel=RUN),
@@ -45,7 +46,7 @@ def compare(
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
     tolerance: str = typer.Option("10%", "--tolerance", help="Allowed timing regression against --baseline.", rich_help_panel=GATES),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines.", rich_help_panel=RUN),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines or progress bars.", rich_help_panel=RUN),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Run every scheme x policy (and baseline) on the identical workload in one process, print one
@@ -54,6 +55,8 @@ def compare(
     from bm.compare.regress import ToleranceError, parse_tolerance
 
     err = Console(stderr=True)
+    if quiet or json_output:
+        silence_progress_bars()
     flags = {**locals(), **shared}
     flags.pop("out_dir")  # compare's own directory, not bench.out_dir
     flags.pop("overwrite")
