@@ -205,7 +205,8 @@ def _run(
     if json_output:
         print(json.dumps(document, indent=2))
     else:
-        console.print(compare_table(result, console.width))
+        for table in compare_tables(result, console.width):
+            console.print(table)
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
     return _gate(console, result, failed_eval)  # already stderr under --json
@@ -232,27 +233,36 @@ def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
     return 1 if bad else 0
 
 
-def compare_table(result: Any, width: int = 200) -> Table:
-    """Variants as rows when the terminal is wide enough, else transposed (figures as rows), so no
-    column is truncated on an 80-column terminal or in a CI log."""
+def compare_tables(result: Any, width: int = 200) -> list[Table]:
+    """Variants as rows, each name in full; the figures are split over as many tables as it takes to
+    fit ``width``, so nothing is truncated on an 80-column terminal or in a CI log."""
     from bm.compare.runner import table_rows
 
     header, rows = table_rows(result)
-    title = "bm compare (latencies in ms; medians over repeats)"
-    needed = sum(max(len(h), *(len(r[i]) for r in rows)) + 3 for i, h in enumerate(header))
-    table = Table(title=title, title_justify="left")
-    if needed <= width:
-        for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i == 0 else "right")
+    name_width = max(len(header[0]), *(len(r[0]) for r in rows))
+    budget = max(width - name_width - 4, 1)  # the name column, its padding and the borders
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i in range(1, len(header)):
+        # a long header may wrap at its spaces; a cell may not
+        words = max(len(word) for word in header[i].split())
+        needed = max(min(len(header[i]), 16), words, *(len(r[i]) for r in rows)) + 3
+        if groups[-1] and used + needed > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += needed
+    tables = []
+    for n, group in enumerate(groups):
+        title = "bm compare (latencies in ms; medians over repeats)" if n == 0 else None
+        table = Table(title=title, title_justify="left")
+        table.add_column(header[0], no_wrap=name_width <= width // 2, overflow="fold")
+        for i in group:
+            table.add_column(header[i], justify="right", overflow="fold")
         for row in rows:
-            table.add_row(*row)
-        return table
-    table.add_column("")
-    for row in rows:
-        table.add_column(row[0], justify="right")
-    for i, h in enumerate(header[1:], start=1):
-        table.add_row(h, *(row[i] for row in rows))
-    return table
+            table.add_row(row[0], *(row[i] for i in group))
+        tables.append(table)
+    return tables
 
 
 def report(
