@@ -220,7 +220,7 @@ def test_sample_ci_workflow_is_valid_yaml_and_uses_only_real_compare_options():
 
 
 def test_compare_takes_every_dataset_and_arrival_flag_of_bench():
-    """A benchmark written for bm bench must run unchanged under bm compare (the README promises it)."""
+    """A benchmark written for bm bench must run unchanged under bm compare (docs/compare.md promises it)."""
     import inspect
 
     from bm.cli.bench import bench
