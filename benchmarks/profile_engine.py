@@ -7,7 +7,7 @@
 Warms up on two requests, then runs the first ``--limit`` (all at t=0, end tokens ignored) under
 ``torch.profiler`` and prints the operators that took the most self CPU time, with their share of the
 profiled wall time. Time not covered by any operator is Python (engine, scheduler, model glue). Used to
-decide what to optimise next; see the performance notes in the README.
+decide what to optimise next; see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -104,6 +104,39 @@ def test_bad_options_fail_before_the_model_loads(dataset, tmp_path, monkeypatch,
     assert message in " ".join(result.output.split())
     assert "loading model" not in result.output
     assert not (tmp_path / "pwned").exists()
+    assert not (tmp_path / "out").exists()  # a usage error leaves no empty -o directory behind
+
+
+def test_a_dataset_error_found_at_load_removes_the_out_dir_it_created(tmp_path):
+    bad = tmp_path / "trace.csv"
+    bad.write_text('{"foo": 1}\n')
+    result = runner.invoke(
+        app, ["compare", "--dataset-kind", "azure", str(bad), "-o", str(tmp_path / "a" / "b"), "-q"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "missing column 'TIMESTAMP'" in " ".join(result.output.split())
+    assert not (tmp_path / "a").exists()
+
+
+def test_compare_refuses_to_replace_a_saved_comparison_without_overwrite(dataset, tmp_path):
+    (tmp_path / "compare.json").write_text('{"variants": {}}')
+    result = compare(dataset, tmp_path, "--schemes", "inflight_fused")
+    assert result.exit_code == 2, result.output
+    assert "is not empty (compare.json); give --overwrite" in " ".join(result.output.split())
+    assert "loading model" not in result.output
+    assert (tmp_path / "compare.json").read_text() == '{"variants": {}}'
+
+
+def test_overwrite_replaces_the_comparison_and_drops_old_variant_folders(dataset, tmp_path):
+    (tmp_path / "compare.json").write_text('{"variants": {}}')
+    (tmp_path / "variants" / "v1").mkdir(parents=True)
+    (tmp_path / "variants" / "v1" / "results.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    result = compare(dataset, tmp_path, "--schemes", "inflight_fused", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert list(json.loads((tmp_path / "compare.json").read_text())["variants"]) == ["inflight_fused"]
+    assert [p.name for p in (tmp_path / "variants").iterdir()] == ["inflight_fused"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # only bm's own files are replaced
 
 
 def test_baseline_passes_against_itself_and_catches_a_changed_counter(saved, dataset, tmp_path):
@@ -187,16 +220,16 @@ def test_sample_ci_workflow_is_valid_yaml_and_uses_only_real_compare_options():
 
 
 def test_compare_takes_every_dataset_and_arrival_flag_of_bench():
-    """A benchmark written for bm bench must run unchanged under bm compare (the README promises it)."""
+    """A benchmark written for bm bench must run unchanged under bm compare (docs/compare.md promises it)."""
     import inspect
 
     from bm.cli.bench import bench
     from bm.cli.compare import compare as compare_command
 
-    # compare's --schemes / --policies take the place of the first two; --overwrite guards bench's results
-    # directory, which compare does not share; compare runs its variants one after another in one
-    # process on one loaded model, so multi-rank runs (--data-parallel, --rank-timeout) are bench's alone
-    bench_only = {"scheme", "policy", "overwrite", "data_parallel", "rank_timeout"}
+    # compare's --schemes / --policies take the place of the first two; compare runs its variants one
+    # after another in one process on one loaded model, so multi-rank runs (--data-parallel,
+    # --rank-timeout) are bench's alone
+    bench_only = {"scheme", "policy", "data_parallel", "rank_timeout"}
     missing = set(inspect.signature(bench).parameters) - set(inspect.signature(compare_command).parameters)
     assert missing == bench_only
 

@@ -1,5 +1,5 @@
 """Every entry of the model matrix (tests/model_matrix.py) matches HF generate() or is refused by name,
-and the README's table is the one the matrix renders."""
+and the table in docs/models.md is the one the matrix renders."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from bm.runtime import UnsupportedAttentionError
 from bm.runtime.model_loader import describe_model
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
-from tests.model_matrix import MATRIX, README, Entry, readme_table, render_table
+from tests.model_matrix import MATRIX, MODELS_DOC, Entry, doc_table, render_table
 
 
 def build(entry: Entry) -> torch.nn.Module:
@@ -57,9 +57,9 @@ def test_matrix_has_25_architectures_and_few_refusals():
     assert len(types) >= 25 and len(matched) >= 23
 
 
-def test_readme_model_table_is_the_one_the_matrix_renders():
-    table = readme_table(README.read_text())
-    assert table is not None, "README.md lost its model matrix markers"
+def test_models_doc_table_is_the_one_the_matrix_renders():
+    table = doc_table(MODELS_DOC.read_text())
+    assert table is not None, "docs/models.md lost its model matrix markers"
     assert table == render_table(), (
-        "README's model matrix is stale: run `python -m tests.model_matrix --write`"
+        "docs/models.md's model matrix is stale: run `python -m tests.model_matrix --write`"
     )

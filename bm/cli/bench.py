@@ -202,6 +202,10 @@ def bench(
     except ConfigError as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
     console = Console(stderr=cfg.bench.json_output)
+    if quiet or cfg.bench.json_output:
+        from bm.cli.help import silence_progress_bars
+
+        silence_progress_bars()
     # --tensor-parallel (shared with compare) splits the simulated model under engine.executor=sim; under
     # the torch executor bm bench splits the real one over that many ranks. Ranks other than 0 serve the
     # run from here and exit: they touch no output file.

@@ -18,33 +18,35 @@ from rich.console import Console
 from rich.table import Table
 
 from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
-from bm.cli.outdir import OutDirError, check_writable_dir
+from bm.cli.help import silence_progress_bars
+from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:
     from bm.compare.expr import Assertion
     from bm.compare.runner import Variant
 
-GATES = "Gates"
+GATES, VARIANTS = "Gates", "Variants"
 
 
 @with_shared_options
 def compare(
     dataset: Path | None = typer.Argument(None, help="Dataset file or directory (as for bm bench)."),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
-    schemes: str = typer.Option("v1,inflight,inflight_fused", "--schemes", help="Comma-separated batching schemes."),
-    policies: str = typer.Option("guaranteed_no_evict", "--policies", help="Comma-separated scheduler policies."),
-    baselines: str = typer.Option("", "--baselines", help="Reference baselines: hf-generate, hf-cb."),
-    repeat: int = typer.Option(1, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians."),
-    reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first]."),
-    hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch."),
+    schemes: str = typer.Option("v1,inflight,inflight_fused", "--schemes", help="Comma-separated batching schemes.", rich_help_panel=VARIANTS),
+    policies: str = typer.Option("guaranteed_no_evict", "--policies", help="Comma-separated scheduler policies.", rich_help_panel=VARIANTS),
+    baselines: str = typer.Option("", "--baselines", help="Reference baselines: hf-generate, hf-cb.", rich_help_panel=VARIANTS),
+    repeat: int = typer.Option(1, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians.", rich_help_panel=VARIANTS),
+    reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first].", rich_help_panel=VARIANTS),
+    hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch.", rich_help_panel=VARIANTS),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Output directory [bm-out/compare-TIME].", rich_help_panel=RUN),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots.", rich_help_panel=RUN),
     json_output: bool = typer.Option(False, "--json", help="Print only compare.json on stdout.", rich_help_panel=RUN),
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
     tolerance: str = typer.Option("10%", "--tolerance", help="Allowed timing regression against --baseline.", rich_help_panel=GATES),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines.", rich_help_panel=RUN),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines or progress bars.", rich_help_panel=RUN),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Run every scheme x policy (and baseline) on the identical workload in one process, print one
@@ -53,16 +55,17 @@ def compare(
     from bm.compare.regress import ToleranceError, parse_tolerance
 
     err = Console(stderr=True)
+    if quiet or json_output:
+        silence_progress_bars()
     flags = {**locals(), **shared}
     flags.pop("out_dir")  # compare's own directory, not bench.out_dir
+    flags.pop("overwrite")
     flags.pop("json_output")
     try:
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
         # files first: these checks need no torch, so a bad baseline or -o is reported at once
         tol = parse_tolerance(tolerance)
         previous = _read_baseline(baseline) if baseline is not None else None
-        if out_dir is not None:
-            check_writable_dir(out_dir, "-o")
         from bm.compare.variants import plan_variants
 
         variants = plan_variants(schemes, policies, baselines)
@@ -78,11 +81,16 @@ def compare(
         placeholder = {v.name: known for v in variants}
         for assertion in parsed:
             check_refs(assertion, placeholder)
+        # last, so that no other usage error leaves a directory behind; the baseline is already read
+        out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
+        created = prepare_out_dir(out, resume=False, overwrite=overwrite, files=COMPARE_FILES)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
-    code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out_dir, plot, json_output, quiet, console)  # fmt: skip
+    code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out, plot, json_output, quiet, console)  # fmt: skip
+    if code == 2:  # a usage error found while loading: nothing was written
+        remove_created(out, created)
     if code:
         raise typer.Exit(code=code)
 
@@ -137,7 +145,7 @@ def _run(
     repeat: int,
     reference: str | None,
     hf_batch_size: int,
-    out_dir: Path | None,
+    out: Path,
     plot: bool,
     json_output: bool,
     quiet: bool,
@@ -188,7 +196,6 @@ def _run(
     if previous is not None:
         result.baseline_path, result.tolerance = str(baseline), tol
         result.regressions = find_regressions(previous, compare_document(result), tol)
-    out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
     document = write_compare(out, result)
     if plot:
         from bm.report.data import load_plot_data
@@ -198,7 +205,8 @@ def _run(
     if json_output:
         print(json.dumps(document, indent=2))
     else:
-        console.print(compare_table(result, console.width))
+        for table in compare_tables(result, console.width):
+            console.print(table)
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
     return _gate(console, result, failed_eval)  # already stderr under --json
@@ -225,27 +233,36 @@ def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
     return 1 if bad else 0
 
 
-def compare_table(result: Any, width: int = 200) -> Table:
-    """Variants as rows when the terminal is wide enough, else transposed (figures as rows), so no
-    column is truncated on an 80-column terminal or in a CI log."""
+def compare_tables(result: Any, width: int = 200) -> list[Table]:
+    """Variants as rows, each name in full; the figures are split over as many tables as it takes to
+    fit ``width``, so nothing is truncated on an 80-column terminal or in a CI log."""
     from bm.compare.runner import table_rows
 
     header, rows = table_rows(result)
-    title = "bm compare (latencies in ms; medians over repeats)"
-    needed = sum(max(len(h), *(len(r[i]) for r in rows)) + 3 for i, h in enumerate(header))
-    table = Table(title=title, title_justify="left")
-    if needed <= width:
-        for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i == 0 else "right")
+    name_width = max(len(header[0]), *(len(r[0]) for r in rows))
+    budget = max(width - name_width - 4, 1)  # the name column, its padding and the borders
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i in range(1, len(header)):
+        # a long header may wrap at its spaces; a cell may not
+        words = max(len(word) for word in header[i].split())
+        needed = max(min(len(header[i]), 16), words, *(len(r[i]) for r in rows)) + 3
+        if groups[-1] and used + needed > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += needed
+    tables = []
+    for n, group in enumerate(groups):
+        title = "bm compare (latencies in ms; medians over repeats)" if n == 0 else None
+        table = Table(title=title, title_justify="left")
+        table.add_column(header[0], no_wrap=name_width <= width // 2, overflow="fold")
+        for i in group:
+            table.add_column(header[i], justify="right", overflow="fold")
         for row in rows:
-            table.add_row(*row)
-        return table
-    table.add_column("")
-    for row in rows:
-        table.add_column(row[0], justify="right")
-    for i, h in enumerate(header[1:], start=1):
-        table.add_row(h, *(row[i] for row in rows))
-    return table
+            table.add_row(row[0], *(row[i] for i in group))
+        tables.append(table)
+    return tables
 
 
 def report(

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
 from bm.config import MODEL_PRESETS, ConfigError, config_reference, load_config, parse_override
 
@@ -77,7 +78,7 @@ def build_config(config: Path | None, overrides: list[str], model: str | None, m
     return load_config(config, pairs)
 
 
-@app.command(epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"))
+@app.command(epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"), cls=CompactHelp)
 def run(
     prompts: Path = typer.Argument(
         ...,
@@ -138,6 +139,8 @@ def _run(
     from bm.distributed.cli import end_ranks, start_ranks
 
     console = Console(stderr=False)
+    if quiet:
+        silence_progress_bars()
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
         _check_input_file(prompts)
@@ -239,7 +242,9 @@ def _register_bench() -> None:
     """``bm bench`` lives in its own module; its heavy imports wait until it runs."""
     from bm.cli.bench import bench
 
-    app.command("bench", epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"))(bench)
+    app.command("bench", epilog="Config keys (SECTION.KEY for --set): see bm run --help.", cls=CompactHelp)(
+        bench
+    )
 
 
 _register_bench()
@@ -249,8 +254,10 @@ def _register_compare() -> None:
     """``bm compare`` and ``bm report`` share bench's flags; their heavy imports wait until they run."""
     from bm.cli.compare import compare, report
 
-    app.command("compare")(compare)
-    app.command("report")(report)
+    app.command("compare", epilog="Config keys (SECTION.KEY for --set): see bm run --help.", cls=CompactHelp)(
+        compare
+    )
+    app.command("report", cls=CompactHelp)(report)
 
 
 _register_compare()

@@ -1,6 +1,6 @@
-"""The output directory of ``bm run`` and ``bm bench``: checked before anything runs, never silently
-replaced, and readable back for ``--resume``. Plain Python (no torch), so ``-o`` problems are reported
-at once."""
+"""The output directory of ``bm run``, ``bm bench`` and ``bm compare``: checked before anything runs,
+never silently replaced, readable back for ``--resume``, and removed again when a usage error stops the
+command before it wrote anything. Plain Python (no torch), so ``-o`` problems are reported at once."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from bm.workloads.jsonl import iter_lines
 FINAL_REASONS = ("end_id", "stop", "length")
 RUN_FILES = ("outputs.jsonl", "stats.jsonl", "summary.json", "run.json", "batch_output.jsonl", "logits")
 BENCH_FILES = ("results.json", "requests.jsonl", "stats.jsonl", "plots")
+COMPARE_FILES = ("compare.json", "compare.md", "variants", "plots")
 
 
 def iter_final_records(path: Path) -> Iterator[dict[str, Any]]:
@@ -60,10 +61,15 @@ class OutDirError(ValueError):
     """The output directory cannot be used as asked; phrased for the user (exit code 2)."""
 
 
-def check_writable_dir(out: Path, flag: str) -> None:
-    """``out`` is (now) a directory this process can write into; else :class:`OutDirError`."""
+def check_writable_dir(out: Path, flag: str) -> Path | None:
+    """``out`` is (now) a directory this process can write into; else :class:`OutDirError`.
+
+    Returns the topmost directory created here (``out`` or a missing parent), or None when ``out``
+    existed, so a command that stops on a usage error can take back what it made
+    (:func:`remove_created`)."""
     if out.exists() and not out.is_dir():
         raise OutDirError(f"{flag} {str(out)!r} is a file; give a directory (it is created if missing)")
+    created = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -76,14 +82,32 @@ def check_writable_dir(out: Path, flag: str) -> None:
         probe.unlink()
     except OSError as exc:
         raise OutDirError(f"{flag} {str(out)!r}: cannot write there ({exc.strerror})") from None
+    return created
 
 
-def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run") -> None:  # fmt: skip
+def remove_created(out: Path, created: Path | None) -> None:
+    """Remove ``out`` and its parents up to ``created`` while they are empty: a usage error must not
+    leave an empty ``-o`` directory behind (a later run would then need ``--overwrite`` for nothing)."""
+    if created is None:
+        return
+    for directory in (out, *out.parents):
+        try:
+            directory.rmdir()
+        except OSError:  # not empty, or already gone: leave it
+            return
+        if directory == created:
+            return
+
+
+def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run") -> Path | None:  # fmt: skip
     """Check ``-o`` before anything runs: a directory (made here) that is writable, and never a previous
-    run's results silently replaced: non-empty needs ``--resume`` or ``--overwrite``."""
+    run's results silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes
+    only bm's own ``files`` (so old variant folders cannot outlive the run that replaced them).
+
+    Returns what :func:`check_writable_dir` created, for :func:`remove_created`."""
     if resume and overwrite:
         raise OutDirError("--resume and --overwrite are exclusive: keep the finished records or replace them")
-    check_writable_dir(out, "-o")
+    created = check_writable_dir(out, "-o")
     present = sorted(p.name for p in out.iterdir())
     if present and not (resume or overwrite):
         hint = "--resume to finish it or " if files == RUN_FILES else ""
@@ -112,3 +136,4 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
                 f"--resume: {str(out)!r} holds the records of a different prompts file than "
                 f"{str(prompts)!r}; resume with the same file, or use --overwrite"
             )
+    return created

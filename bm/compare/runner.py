@@ -47,6 +47,11 @@ TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("num_iterations", "iterations"),
     ("total_computed_tokens", "token-slots computed"),
 )
+# The simulator's cost (hourly price x devices x simulated time): shown when any variant has one.
+COST_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("cost_usd", "cost $"),
+    ("cost_per_million_output_tokens", "$ per M out tok"),
+)
 # Ratios to the reference variant, for the figures where a ratio reads naturally.
 RATIO_METRICS = (
     "output_throughput",
@@ -250,6 +255,8 @@ def format_value(key: str, value: Any) -> str:
         return "–"
     if key == "mean_kv_cache_utilization":
         return f"{value:.0%}"
+    if key.startswith("cost"):
+        return f"{value:.3g}"
     if isinstance(value, int):
         return f"{value:,}"
     if key.endswith("_throughput"):
@@ -259,14 +266,15 @@ def format_value(key: str, value: Any) -> str:
 
 def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the comparison table, shared by the terminal and Markdown renderings."""
-    header = ["variant", *[h for _, h in TABLE_COLUMNS], f"× {result.reference} (out tok/s)"]
+    summaries = {outcome.variant.name: outcome.summary() for outcome in result.variants}
+    costed = any(s.get(key) is not None for s in summaries.values() for key, _ in COST_COLUMNS)
+    columns = TABLE_COLUMNS + (COST_COLUMNS if costed else ())
+    header = ["variant", *[h for _, h in columns], f"× {result.reference} (out tok/s)"]
     ratios = result.ratios()
     rows = []
-    for outcome in result.variants:
-        summary = outcome.summary()
-        name = outcome.variant.name
+    for name, summary in summaries.items():
         ratio = ratios[name]["output_throughput"]
-        cells = [name, *[format_value(k, summary.get(k)) for k, _ in TABLE_COLUMNS]]
+        cells = [name, *[format_value(k, summary.get(k)) for k, _ in columns]]
         cells.append("–" if ratio is None else f"{ratio:.2f}×")
         rows.append(cells)
     return header, rows
