@@ -19,6 +19,11 @@ from typing import Any
 
 import yaml
 
+from bm.suggest import did_you_mean
+
+# The source checkout (configs/ and examples/ live there, beside the package).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 
 class ConfigError(ValueError):
     """A configuration problem, already phrased for the user (names the key and the fix)."""
@@ -613,10 +618,40 @@ def validate(cfg: BmConfig) -> None:
             f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
         )
     if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
-        raise ConfigError(
-            "engine.executor: sim needs the model's shape: give --model-config CFG.json (model.config)"
-        )
+        raise ConfigError(_sim_needs_shape(cfg.model.preset))
     _validate_bench(cfg.bench)
+
+
+def _sim_needs_shape(preset: str | None) -> str:
+    """The simulator prices a model's shape and loads no weights, so a preset alone does not do; point
+    to the preset's shape config where bm ships one."""
+    message = "engine.executor: sim needs the model's shape: give --model-config CFG.json (model.config)"
+    if preset is None:
+        return message
+    shape = Path("configs") / "models" / f"{preset}-shape.json"
+    for root in (Path.cwd(), REPO_ROOT):
+        if (root / shape).is_file():
+            where = shape if root == Path.cwd() else root / shape
+            return (
+                f"engine.executor: sim loads no weights, so it needs the model's shape, not the preset "
+                f"{preset!r}: use --model-config {where} instead of --model {preset}"
+            )
+    return message + f"; the preset {preset!r} gives weights, not a shape"
+
+
+def model_override(model: str) -> tuple[str, str]:
+    """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory.
+
+    Checked here, before torch loads (seconds): a name that is neither a preset nor an existing path is
+    a typo, and the closest presets are named instead of a failed load that never mentions them."""
+    if model in MODEL_PRESETS and not Path(model).exists():
+        return "model.preset", model
+    if Path(model).exists():
+        return "model.path", model
+    raise ConfigError(
+        f"--model {model!r}: not a preset and no such directory{did_you_mean(model, MODEL_PRESETS)} "
+        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory)"
+    )
 
 
 def parse_override(text: str) -> tuple[str, Any]:

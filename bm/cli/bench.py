@@ -18,7 +18,7 @@ import typer
 import yaml
 from rich.console import Console
 
-from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config, parse_override
+from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -97,8 +97,8 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
     for name, key in FLAG_KEYS.items():
         value = flags.get(name)
         if value is not None:
-            if name == "model" and value in MODEL_PRESETS and not Path(value).exists():
-                key = "model.preset"  # --model NAME picks a preset, as in bm run
+            if name == "model":  # --model NAME picks a preset, as in bm run
+                key, value = model_override(value)
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
     cfg = load_config(config, overrides)

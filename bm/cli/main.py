@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from bm.cli.interrupts import Interrupts
-from bm.config import MODEL_PRESETS, ConfigError, config_reference, load_config, parse_override
+from bm.config import ConfigError, config_reference, load_config, model_override, parse_override
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,10 +67,9 @@ def _fail(console: Console, message: str) -> typer.Exit:
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
     pairs = dict(parse_override(o) for o in overrides)
-    if model in MODEL_PRESETS and not Path(model).exists():
-        pairs["model.preset"] = model
-    elif model:
-        pairs["model.path"] = model
+    if model:
+        key, value = model_override(model)
+        pairs[key] = value
     if model_config:
         pairs["model.config"] = model_config
     return load_config(config, pairs)
