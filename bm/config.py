@@ -10,7 +10,9 @@ This module is plain Python (no torch) so the scheduler simulation and the CLI c
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -672,6 +674,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> BmConfig:
     """Read a YAML file (optional), apply dotted overrides, validate everything at once."""
     data: dict[str, Any] = {}
+    folders = [Path.cwd()]  # where a custom scheduler's module is looked for: the file's folder, then here
     if path is not None:
         p = Path(path)
         if p.is_dir():
@@ -695,6 +698,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             )
         data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
         _resolve_relative_paths(data, p.parent)
+        folders.insert(0, p.parent)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if section not in SECTIONS:
@@ -705,7 +709,44 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         elif not isinstance(current, dict):
             raise ConfigError(f"{section}: expected a mapping of keys")
         current[key] = value
-    return config_from_dict(data)
+    cfg = config_from_dict(data)
+    for key in CLASS_KEYS:
+        value = getattr(cfg.engine, key)
+        if value is not None and not find_class_module(value, folders):
+            raise ConfigError(
+                f"engine.{key}: cannot import {value!r} (no module {value.partition(':')[0]!r} in "
+                f"{' or '.join(repr(str(f)) for f in folders)} or Python's path); give a module there or "
+                "set PYTHONPATH"
+            )
+    return cfg
+
+
+CLASS_KEYS = ("capacity_scheduler", "micro_batch_scheduler", "scheduler")
+
+
+def find_class_module(class_path: str, folders: Sequence[Path]) -> bool:
+    """Make the module of a ``package.module:ClassName`` setting importable; False when it is nowhere.
+
+    Python's path comes first (an installed package wins); else the first of ``folders`` (the config
+    file's folder, then the working directory) holding the top-level package or module is added to
+    ``sys.path`` (at the end, so it shadows nothing installed), and the module's own imports resolve
+    beside it as with ``PYTHONPATH=.``.
+    The ``bm`` script, unlike ``python -m``, has no working directory on its path: without this the
+    scheduler page's ``examples.custom_scheduler:ShortestPromptFirstScheduler`` failed from the repo root."""
+    top = class_path.partition(":")[0].split(".")[0]
+    if top in sys.modules:
+        return True
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return True
+    except (ImportError, ValueError):
+        return True  # it exists but is broken: importing it later reports why
+    for folder in folders:
+        if (folder / f"{top}.py").is_file() or (folder / top).is_dir():
+            sys.path.append(str(folder.resolve()))
+            importlib.invalidate_caches()
+            return True
+    return False
 
 
 def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:
