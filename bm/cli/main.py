@@ -11,6 +11,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.interrupts import Interrupts
 from bm.config import ConfigError, config_reference, load_config, model_override, parse_override
 
@@ -62,7 +63,7 @@ SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeat
 
 def _fail(console: Console, message: str) -> typer.Exit:
     console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
+    return typer.Exit(code=USAGE)
 
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
@@ -178,8 +179,12 @@ def _run(
     if summary.num_failed:
         console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
     end_ranks(console, multi_rank)
-    if summary.interrupted:
-        raise typer.Exit(code=130)
+    succeeded = summary.num_ok - summary.finish_reasons.get("cancelled", 0)
+    code = run_exit_code(summary.num_requests, succeeded, summary.interrupted)
+    if code == NO_SUCCESS:
+        console.print(f"[red]no request succeeded[/] (exit code {code}); see the errors in outputs.jsonl")
+    if code:
+        raise typer.Exit(code=code)
 
 
 def _show_answers(console: Console, outputs: Path) -> None:
@@ -200,6 +205,12 @@ def _check_input_file(path: Path) -> None:
         raise ValueError(f"prompts file {str(path)!r} does not exist")
     if not os.access(path, os.R_OK):
         raise ValueError(f"prompts file {str(path)!r} is not readable (permissions)")
+    with path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
+        if not any(line.strip().lstrip(b"\xef\xbb\xbf") for line in f):
+            raise ValueError(
+                f"prompts file {str(path)!r} holds no request (it is empty or blank); give one JSON "
+                'object per line, e.g. {"prompt": "Hello"}'
+            )
 
 
 def _read_template(path: Path | None) -> str | None:
