@@ -146,6 +146,8 @@ def _run(
         template = _read_template(chat_template)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
         _prepare_out_dir(out, resume, overwrite, prompts)
+        if resume:  # before the model loads: a refused resume costs nothing
+            _check_resume(out, prompts, cfg, max_tokens, ignore_eos, template)
         parsed, batch_lines = _read_requests(prompts)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
@@ -225,6 +227,14 @@ def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) ->
     from bm.cli.outdir import prepare_out_dir
 
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
+
+
+def _check_resume(
+    out: Path, prompts: Path, cfg: Any, max_tokens: int, ignore_eos: bool, template: str | None
+) -> None:
+    from bm.cli.outdir import check_run_identity, run_identity, run_options
+
+    check_run_identity(out, run_identity(prompts, cfg, run_options(max_tokens, ignore_eos, template)))
 
 
 def _read_requests(prompts: Path) -> tuple[list, list | None]:

@@ -23,7 +23,7 @@ from rich.table import Table
 
 import bm
 from bm.cli.interrupts import Interrupts
-from bm.cli.outdir import read_final_records, write_run_identity
+from bm.cli.outdir import read_final_records, run_identity, run_options, write_run_identity
 from bm.cli.prompts import PromptLine, build_prompt_lines, codec_for
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
@@ -180,7 +180,8 @@ def run_prompts(
     kept = read_final_records(out_dir / "outputs.jsonl", len(lines)) if resume else {}
     out_dir.mkdir(parents=True, exist_ok=True)
     if prompts is not None:
-        write_run_identity(out_dir, prompts)
+        options = run_options(default_output_len, ignore_eos, chat_template)
+        write_run_identity(out_dir, run_identity(prompts, config, options), loaded.name)
     summary = RunSummary(num_requests=len(lines))
     finished: queue.Queue[RequestResult] = queue.Queue()
     to_run = [line for line in lines if line.index not in kept]
