@@ -559,7 +559,8 @@ def _build_section(cls: type, name: str, data: Any) -> Any:
         f = known.get(key)
         if f is None:
             allowed = ", ".join(known)
-            raise ConfigError(f"{name}.{key}: unknown key; allowed keys in {name}: {allowed}")
+            hint = did_you_mean(str(key), known)
+            raise ConfigError(f"{name}.{key}: unknown key{hint}; allowed keys in {name}: {allowed}")
         check = f.metadata.get("check")
         values[key] = check(f"{name}.{key}", value) if check else value
     return cls(**values)
@@ -572,7 +573,8 @@ def config_from_dict(data: Mapping[str, Any] | None) -> BmConfig:
         raise ConfigError(f"config: expected a mapping with sections {', '.join(SECTIONS)}")
     for key in data:
         if key not in SECTIONS:
-            raise ConfigError(f"{key}: unknown section; allowed sections: {', '.join(SECTIONS)}")
+            hint = did_you_mean(str(key), SECTIONS)
+            raise ConfigError(f"{key}: unknown section{hint}; allowed sections: {', '.join(SECTIONS)}")
     cfg = BmConfig(**{name: _build_section(cls, name, data.get(name)) for name, cls in SECTIONS.items()})
     validate(cfg)
     return cfg
@@ -702,7 +704,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if section not in SECTIONS:
-            raise ConfigError(f"{dotted}: unknown section; allowed sections: {', '.join(SECTIONS)}")
+            hint = did_you_mean(section, SECTIONS)
+            raise ConfigError(f"{dotted}: unknown section{hint}; allowed sections: {', '.join(SECTIONS)}")
         current = data.get(section)
         if current is None:
             current = data[section] = {}

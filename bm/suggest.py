@@ -17,13 +17,13 @@ def closest(name: str, known: Iterable[str], count: int = 3) -> list[str]:
     """The known names closest to ``name``, best first; empty when nothing is close.
 
     Case is ignored for the comparison (``Prompt`` suggests ``prompt``) but the known spelling is
-    returned. A known name that starts with ``name`` (a truncated preset such as ``smollm2``) counts
-    as close even where its ratio is low."""
+    returned. Known names that start with ``name`` (a truncated ``smollm2`` or ``max_batch``) are the
+    answer when there are any: a truncation is likelier than a typo that also happens to be close."""
     spellings = {k.lower(): k for k in known}
     lowered = name.lower()
-    found = difflib.get_close_matches(lowered, list(spellings), n=count, cutoff=CUTOFF)
-    prefixed = [k for k in spellings if lowered and k.startswith(lowered) and k not in found]
-    return [spellings[k] for k in (found + sorted(prefixed))[:count]]
+    prefixed = sorted(k for k in spellings if lowered and k.startswith(lowered) and k != lowered)
+    found = prefixed or difflib.get_close_matches(lowered, list(spellings), n=count, cutoff=CUTOFF)
+    return [spellings[k] for k in found[:count]]
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -76,3 +76,14 @@ def test_the_simulator_given_a_preset_points_to_its_shape_config(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 2
     assert "--model-config" in result.output and "smollm2-135m-shape.json" in result.output
+
+
+def test_a_config_key_typo_suggests_the_key():
+    from bm.config import load_config
+
+    with pytest.raises(ConfigError, match=r"engine\.max_batch: unknown key; did you mean 'max_batch_size'"):
+        load_config(None, {"engine.max_batch": 3})
+    with pytest.raises(
+        ConfigError, match=r"kv_cahce\.max_tokens: unknown section; did you mean 'kv_cache'\?"
+    ):
+        load_config(None, {"kv_cahce.max_tokens": 3})
