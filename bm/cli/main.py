@@ -13,7 +13,7 @@ from rich.console import Console
 
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.interrupts import Interrupts
-from bm.config import ConfigError, config_reference, load_config, model_override, parse_override
+from bm.config import BmConfig, ConfigError, config_reference, load_config, model_override, parse_override
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -230,8 +230,9 @@ def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) ->
 
 
 def _check_resume(
-    out: Path, prompts: Path, cfg: Any, max_tokens: int, ignore_eos: bool, template: str | None
+    out: Path, prompts: Path, cfg: BmConfig, max_tokens: int, ignore_eos: bool, template: str | None
 ) -> None:
+    """``--resume`` into records of another model, config or run options is refused (docs/resume.md)."""
     from bm.cli.outdir import check_run_identity, run_identity, run_options
 
     check_run_identity(out, run_identity(prompts, cfg, run_options(max_tokens, ignore_eos, template)))
