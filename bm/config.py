@@ -10,7 +10,9 @@ This module is plain Python (no torch) so the scheduler simulation and the CLI c
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -18,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from bm.suggest import did_you_mean
+
+# The source checkout (configs/ and examples/ live there, beside the package).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ConfigError(ValueError):
@@ -564,7 +571,8 @@ def _build_section(cls: type, name: str, data: Any) -> Any:
         f = known.get(key)
         if f is None:
             allowed = ", ".join(known)
-            raise ConfigError(f"{name}.{key}: unknown key; allowed keys in {name}: {allowed}")
+            hint = did_you_mean(str(key), known)
+            raise ConfigError(f"{name}.{key}: unknown key{hint}; allowed keys in {name}: {allowed}")
         check = f.metadata.get("check")
         values[key] = check(f"{name}.{key}", value) if check else value
     return cls(**values)
@@ -577,7 +585,8 @@ def config_from_dict(data: Mapping[str, Any] | None) -> BmConfig:
         raise ConfigError(f"config: expected a mapping with sections {', '.join(SECTIONS)}")
     for key in data:
         if key not in SECTIONS:
-            raise ConfigError(f"{key}: unknown section; allowed sections: {', '.join(SECTIONS)}")
+            hint = did_you_mean(str(key), SECTIONS)
+            raise ConfigError(f"{key}: unknown section{hint}; allowed sections: {', '.join(SECTIONS)}")
     cfg = BmConfig(**{name: _build_section(cls, name, data.get(name)) for name, cls in SECTIONS.items()})
     validate(cfg)
     return cfg
@@ -625,10 +634,40 @@ def validate(cfg: BmConfig) -> None:
             f"(kv_cache.tokens_per_block = {kv.tokens_per_block})"
         )
     if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
-        raise ConfigError(
-            "engine.executor: sim needs the model's shape: give --model-config CFG.json (model.config)"
-        )
+        raise ConfigError(_sim_needs_shape(cfg.model.preset))
     _validate_bench(cfg.bench)
+
+
+def _sim_needs_shape(preset: str | None) -> str:
+    """The simulator prices a model's shape and loads no weights, so a preset alone does not do; point
+    to the preset's shape config where bm ships one."""
+    message = "engine.executor: sim needs the model's shape: give --model-config CFG.json (model.config)"
+    if preset is None:
+        return message
+    shape = Path("configs") / "models" / f"{preset}-shape.json"
+    for root in (Path.cwd(), REPO_ROOT):
+        if (root / shape).is_file():
+            where = shape if root == Path.cwd() else root / shape
+            return (
+                f"engine.executor: sim loads no weights, so it needs the model's shape, not the preset "
+                f"{preset!r}: use --model-config {where} instead of --model {preset}"
+            )
+    return message + f"; the preset {preset!r} gives weights, not a shape"
+
+
+def model_override(model: str) -> tuple[str, str]:
+    """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory.
+
+    Checked here, before torch loads (seconds): a name that is neither a preset nor an existing path is
+    a typo, and the closest presets are named instead of a failed load that never mentions them."""
+    if model in MODEL_PRESETS and not Path(model).exists():
+        return "model.preset", model
+    if Path(model).exists():
+        return "model.path", model
+    raise ConfigError(
+        f"--model {model!r}: not a preset and no such directory{did_you_mean(model, MODEL_PRESETS)} "
+        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory)"
+    )
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -649,6 +688,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> BmConfig:
     """Read a YAML file (optional), apply dotted overrides, validate everything at once."""
     data: dict[str, Any] = {}
+    folders = [Path.cwd()]  # where a custom scheduler's module is looked for: the file's folder, then here
     if path is not None:
         p = Path(path)
         if p.is_dir():
@@ -672,17 +712,56 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             )
         data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
         _resolve_relative_paths(data, p.parent)
+        folders.insert(0, p.parent)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if section not in SECTIONS:
-            raise ConfigError(f"{dotted}: unknown section; allowed sections: {', '.join(SECTIONS)}")
+            hint = did_you_mean(section, SECTIONS)
+            raise ConfigError(f"{dotted}: unknown section{hint}; allowed sections: {', '.join(SECTIONS)}")
         current = data.get(section)
         if current is None:
             current = data[section] = {}
         elif not isinstance(current, dict):
             raise ConfigError(f"{section}: expected a mapping of keys")
         current[key] = value
-    return config_from_dict(data)
+    cfg = config_from_dict(data)
+    for key in CLASS_KEYS:
+        value = getattr(cfg.engine, key)
+        if value is not None and not find_class_module(value, folders):
+            raise ConfigError(
+                f"engine.{key}: cannot import {value!r} (no module {value.partition(':')[0]!r} in "
+                f"{' or '.join(repr(str(f)) for f in folders)} or Python's path); give a module there or "
+                "set PYTHONPATH"
+            )
+    return cfg
+
+
+CLASS_KEYS = ("capacity_scheduler", "micro_batch_scheduler", "scheduler")
+
+
+def find_class_module(class_path: str, folders: Sequence[Path]) -> bool:
+    """Make the module of a ``package.module:ClassName`` setting importable; False when it is nowhere.
+
+    Python's path comes first (an installed package wins); else the first of ``folders`` (the config
+    file's folder, then the working directory) holding the top-level package or module is added to
+    ``sys.path`` (at the end, so it shadows nothing installed), and the module's own imports resolve
+    beside it as with ``PYTHONPATH=.``.
+    The ``bm`` script, unlike ``python -m``, has no working directory on its path: without this the
+    scheduler page's ``examples.custom_scheduler:ShortestPromptFirstScheduler`` failed from the repo root."""
+    top = class_path.partition(":")[0].split(".")[0]
+    if top in sys.modules:
+        return True
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return True
+    except (ImportError, ValueError):
+        return True  # it exists but is broken: importing it later reports why
+    for folder in folders:
+        if (folder / f"{top}.py").is_file() or (folder / top).is_dir():
+            sys.path.append(str(folder.resolve()))
+            importlib.invalidate_caches()
+            return True
+    return False
 
 
 def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:

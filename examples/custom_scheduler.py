@@ -6,6 +6,9 @@ requests shortest prompt first instead of first come, first served.
 
     engine:
       capacity_scheduler: examples.custom_scheduler:ShortestPromptFirstScheduler
+
+The module is looked up on Python's path, then beside the config file, then in the working directory,
+so this runs with ``bm run -c cfg.yaml`` from the repository root without ``PYTHONPATH=.``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def test_defaults_follow_the_seed():
 
 def test_unknown_key_names_the_key_and_the_allowed_ones():
     with pytest.raises(
-        ConfigError, match=r"engine\.max_batch: unknown key; allowed keys in engine: .*max_batch_size"
+        ConfigError,
+        match=r"engine\.max_batch: unknown key; did you mean 'max_batch_size'\?; allowed keys in engine: .*max_batch_size",
     ):
         config_from_dict({"engine": {"max_batch": 4}})
 

@@ -18,7 +18,8 @@ import typer
 import yaml
 from rich.console import Console
 
-from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config, parse_override
+from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
+from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -97,8 +98,8 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
     for name, key in FLAG_KEYS.items():
         value = flags.get(name)
         if value is not None:
-            if name == "model" and value in MODEL_PRESETS and not Path(value).exists():
-                key = "model.preset"  # --model NAME picks a preset, as in bm run
+            if name == "model":  # --model NAME picks a preset, as in bm run
+                key, value = model_override(value)
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
     cfg = load_config(config, overrides)
@@ -225,7 +226,7 @@ def bench(
 
 def _fail(console: Console, message: str) -> typer.Exit:
     console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
+    return typer.Exit(code=USAGE)
 
 
 def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool = False) -> int:
@@ -236,7 +237,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     bench = cfg.bench
     loaded_pair = load_model_and_workload(cfg, console)
     if loaded_pair is None:
-        return 2
+        return USAGE
     from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
 
@@ -257,7 +258,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
             result = run_bench(cfg, loaded, workload, progress=lambda p: tick(progress, task, p))
     except KVCacheSizeError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return USAGE
     name_rows(result.records, workload)
     results = write_results(out, result)
     if bench.json_output:
@@ -276,7 +277,10 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         console.print(f"plots: {len(paths)} PNGs in {out / 'plots'}", soft_wrap=True)
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
-    return 130 if result.interrupted else 0
+    code = run_exit_code(results["num_requests"], results["completed"], result.interrupted)
+    if code == NO_SUCCESS:
+        console.print(f"[red]no request succeeded[/] (exit code {code})")
+    return code
 
 
 def name_rows(records: Any, workload: Workload) -> None:
@@ -299,6 +303,11 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
 
     try:
         rows = read_workload(cfg.bench)  # the dataset first: a bad file is reported before the model loads
+        bad = [r for r in rows.requests if not r.ok]
+        if len(bad) == len(rows.requests):
+            raise DatasetError(
+                f"{rows.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
+            )
     except (DatasetError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return None

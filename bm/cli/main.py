@@ -12,9 +12,10 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
-from bm.config import MODEL_PRESETS, ConfigError, config_reference, load_config, parse_override
+from bm.config import BmConfig, ConfigError, config_reference, load_config, model_override, parse_override
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,15 +65,14 @@ SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeat
 
 def _fail(console: Console, message: str) -> typer.Exit:
     console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
+    return typer.Exit(code=USAGE)
 
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
     pairs = dict(parse_override(o) for o in overrides)
-    if model in MODEL_PRESETS and not Path(model).exists():
-        pairs["model.preset"] = model
-    elif model:
-        pairs["model.path"] = model
+    if model:
+        key, value = model_override(model)
+        pairs[key] = value
     if model_config:
         pairs["model.config"] = model_config
     return load_config(config, pairs)
@@ -150,6 +150,8 @@ def _run(
         template = _read_template(chat_template)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
         _prepare_out_dir(out, resume, overwrite, prompts)
+        if resume:  # before the model loads: a refused resume costs nothing
+            _check_resume(out, prompts, cfg, max_tokens, ignore_eos, template)
         parsed, batch_lines = _read_requests(prompts)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
@@ -189,7 +191,14 @@ def _run(
             f"bm run {prompts} -o {out} --resume",
             soft_wrap=True,
         )
-        raise typer.Exit(code=130)
+    # kept records of a --resume count as successes for the exit code (not for this run's tok/s)
+    code = run_exit_code(
+        summary.num_requests + summary.num_resumed, summary.num_ok + summary.num_resumed, summary.interrupted
+    )
+    if code == NO_SUCCESS:
+        console.print(f"[red]no request succeeded[/] (exit code {code}); see the errors in outputs.jsonl")
+    if code:
+        raise typer.Exit(code=code)
 
 
 def _show_answers(console: Console, outputs: Path) -> None:
@@ -210,6 +219,12 @@ def _check_input_file(path: Path) -> None:
         raise ValueError(f"prompts file {str(path)!r} does not exist")
     if not os.access(path, os.R_OK):
         raise ValueError(f"prompts file {str(path)!r} is not readable (permissions)")
+    with path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
+        if not any(line.strip().lstrip(b"\xef\xbb\xbf") for line in f):
+            raise ValueError(
+                f"prompts file {str(path)!r} holds no request (it is empty or blank); give one JSON "
+                'object per line, e.g. {"prompt": "Hello"}'
+            )
 
 
 def _read_template(path: Path | None) -> str | None:
@@ -224,6 +239,15 @@ def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) ->
     from bm.cli.outdir import prepare_out_dir
 
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
+
+
+def _check_resume(
+    out: Path, prompts: Path, cfg: BmConfig, max_tokens: int, ignore_eos: bool, template: str | None
+) -> None:
+    """``--resume`` into records of another model, config or run options is refused (docs/resume.md)."""
+    from bm.cli.outdir import check_run_identity, run_identity, run_options
+
+    check_run_identity(out, run_identity(prompts, cfg, run_options(max_tokens, ignore_eos, template)))
 
 
 def _read_requests(prompts: Path) -> tuple[Iterable, list | None]:

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import bm
+from bm.config import BmConfig
 from bm.workloads.jsonl import iter_lines
 
 FINAL_REASONS = ("end_id", "stop", "length")
@@ -42,11 +44,110 @@ def iter_final_records(path: Path) -> Iterator[dict[str, Any]]:
             yield data
 
 
-def write_run_identity(out_dir: Path, prompts: Path) -> None:
-    """What ``--resume`` checks: the prompts file this directory's records belong to."""
-    (out_dir / "run.json").write_text(
-        json.dumps({"prompts": str(prompts), "prompts_sha256": file_digest(prompts)}, indent=2) + "\n"
-    )
+# Config keys that decide how fast and where a run goes, never which tokens a request gets (bm's outputs
+# equal HF's alone under every scheduler, batch size, cache size and kernel), plus the sections bm run
+# does not read. A resume may change them; every other key is in the digest.
+NOT_IN_DIGEST = (
+    "model.device", "model.prepack", "model.fused_elementwise",
+    "engine.batching_scheme", "engine.scheduler_policy", "engine.max_batch_size", "engine.max_num_tokens",
+    "engine.max_num_active_requests", "engine.enable_chunked_context", "engine.context_chunking_policy",
+    "engine.context_chunk_size", "engine.capacity_scheduler", "engine.micro_batch_scheduler",
+    "engine.scheduler",
+    "kv_cache.tokens_per_block", "kv_cache.max_tokens", "kv_cache.free_memory_fraction",
+    "kv_cache.enable_block_reuse",
+    "peft_cache", "bench", "sim",
+)  # fmt: skip
+IDENTITY_LABELS = {  # run.json key -> how the refusal names it, in the order they are checked
+    "bm_version": "bm's version",
+    "model": "the model",
+    "config": "the config",
+    "options": "the run options",
+    "seed": "the run seed",
+}
+
+
+def run_identity(prompts: Path, config: BmConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """What a run directory's records depend on, known before the model loads (so a refused
+    ``--resume`` costs nothing): the prompts file, bm's version, the model as named, the config keys
+    that change outputs (and their digest), the run's own options (``--max-tokens`` ...) and a slot
+    for a run seed. ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`."""
+    settings = effective_settings(config)
+    return {
+        "prompts": str(prompts),
+        "prompts_sha256": file_digest(prompts),
+        "bm_version": bm.__version__,
+        "model": model_named(config),
+        "config_sha256": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(),
+        "config": settings,
+        "config_not_in_digest": list(NOT_IN_DIGEST),
+        "options": options,
+        "seed": None,  # a run seed, when runs get one; null matches null
+    }
+
+
+def run_options(max_tokens: int, ignore_eos: bool, chat_template: str | None) -> dict[str, Any]:
+    """``bm run``'s own flags that change outputs: the default output length, EOS, the chat template."""
+    template = hashlib.sha256(chat_template.encode()).hexdigest() if chat_template is not None else None
+    return {"--max-tokens": max_tokens, "--ignore-eos": ignore_eos, "--chat-template (sha256)": template}
+
+
+def model_named(config: BmConfig) -> str:
+    """The model as the user named it: a preset, or an absolute path (so ``./ckpt`` equals its path)."""
+    model = config.model
+    if model.preset:
+        return f"preset {model.preset}"
+    if model.path or model.config:
+        kind, value = ("path", model.path) if model.path else ("config", model.config)
+        return f"{kind} {Path(str(value)).resolve()}"
+    return "embedded tiny-llama"
+
+
+def effective_settings(config: BmConfig) -> dict[str, Any]:
+    """The config's keys (dotted) that change outputs, as JSON values; model files as absolute paths."""
+    settings: dict[str, Any] = {}
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if section in NOT_IN_DIGEST or dotted in NOT_IN_DIGEST:
+                continue
+            if section == "model" and key in ("path", "config", "tokenizer") and value is not None:
+                value = str(Path(str(value)).resolve())
+            settings[dotted] = json.loads(json.dumps(value, default=str))
+    return settings
+
+
+def check_run_identity(out: Path, identity: dict[str, Any]) -> None:
+    """Refuse ``--resume`` into a directory whose records came from another model, config, run
+    options or bm version (they would be mixed into one ``outputs.jsonl``), naming what changed."""
+    if not (out / "outputs.jsonl").exists():
+        return
+    try:
+        saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = None
+    fix = "resume with the same settings, or use a new -o directory or --overwrite"
+    if not isinstance(saved, dict) or any(key not in saved for key in IDENTITY_LABELS):
+        raise OutDirError(
+            f"--resume: {str(out)!r} does not record the model and config its records came from "
+            f"(written by an older bm, or run.json is missing); {fix}"
+        )
+    for key, label in IDENTITY_LABELS.items():
+        if saved[key] != identity[key]:
+            raise OutDirError(f"--resume: {label} changed: {_difference(saved[key], identity[key])}; {fix}")
+
+
+def _difference(before: Any, now: Any) -> str:
+    """``engine.max_seq_len 512 -> 1024`` for the first key that differs, else ``before -> now``."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in sorted(set(before) | set(now)):
+            if before.get(key) != now.get(key):
+                return f"{key} {json.dumps(before.get(key))} -> {json.dumps(now.get(key))}"
+    return f"{before} -> {now}"
+
+
+def write_run_identity(out_dir: Path, identity: dict[str, Any], loaded: str) -> None:
+    """Record what ``--resume`` checks (see :func:`run_identity`), with the model as it loaded."""
+    (out_dir / "run.json").write_text(json.dumps({**identity, "loaded": loaded}, indent=2) + "\n")
 
 
 def file_digest(path: Path) -> str:

@@ -24,7 +24,7 @@ from rich.table import Table
 
 import bm
 from bm.cli.interrupts import Interrupts
-from bm.cli.outdir import iter_final_records, write_run_identity
+from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
 from bm.cli.prompts import PromptLine, codec_for, prompt_line
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
@@ -215,7 +215,8 @@ def run_prompts(
     summary = RunSummary()
     done = _carry_over(out_dir, summary) if resume else set()
     if prompts is not None:
-        write_run_identity(out_dir, prompts)
+        options = run_options(default_output_len, ignore_eos, chat_template)
+        write_run_identity(out_dir, run_identity(prompts, config, options), loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, loaded, out_dir)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from typing import Any
 
-from bm.config import BatchingScheme, ConfigError, EngineConfig, SchedulerPolicy
+from bm.config import BatchingScheme, ConfigError, EngineConfig, SchedulerPolicy, find_class_module
 from bm.kv import KVCacheManager
 from bm.scheduling.budget import ChunkingConfig
 from bm.scheduling.capacity import (
@@ -49,6 +50,7 @@ def chunking_config(engine: EngineConfig, tokens_per_block: int) -> ChunkingConf
 def load_class(key: str, path: str, base: type) -> type:
     """Import ``module:Class``; a failure names the config key and what went wrong."""
     module_name, _, class_name = path.partition(":")
+    find_class_module(path, [Path.cwd()])  # a config built in code: the working directory, as for the CLI
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:

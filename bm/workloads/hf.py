@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bm.suggest import did_you_mean
 from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, positive_int, token_ids
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -58,7 +59,10 @@ def _to_workload(
     columns = list(dataset.column_names)
     for option, column in (("--prompt-column", prompt_column), ("--output-column", output_column)):
         if column is not None and column not in columns:
-            raise DatasetError(f"{path}: no column {column!r} ({option}); it has {', '.join(columns)}")
+            raise DatasetError(
+                f"{path}: no column {column!r} ({option}); it has {', '.join(columns)}"
+                f"{did_you_mean(column, columns) or f'; give {option} COLUMN'}"
+            )
     prompts = dataset[prompt_column]
     outputs = dataset[output_column] if output_column else [None] * len(prompts)
     requests = []

@@ -31,6 +31,7 @@ from bm.engine.fields import (
     show_value,
     strict_int,
 )
+from bm.suggest import did_you_mean
 from bm.workloads.request import RowError
 
 __all__ = [
@@ -206,10 +207,8 @@ def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
     """Fill ``entry`` from one line's object or raise :class:`RowError` naming the field and the fix."""
     unknown = sorted(k for k in data if k not in KNOWN_KEYS)
     if unknown:
-        allowed = ", ".join(
-            ["id", *PROMPT_KEYS, *OUTPUT_LEN_KEYS, "stop", "arrival_time", LORA_DIR, *REQUEST_FIELDS]
-        )
-        raise RowError(f"unknown field {unknown[0]!r}; allowed fields: {allowed}")
+        hint = did_you_mean(unknown[0], KNOWN_KEYS) or "; the fields are listed in docs/request-fields.md"
+        raise RowError(f"unknown field {unknown[0]!r}{hint}")
     if "id" in data:
         value = data["id"]
         if isinstance(value, bool) or not isinstance(value, (int, str)):

@@ -18,12 +18,13 @@ import numpy as np
 
 from bm.config import DATASET_KINDS, BenchConfig
 from bm.workloads.hf import BUILDERS, load_hf
-from bm.workloads.jsonl import WORD_LISTS, iter_lines, resolve_word_list
+from bm.workloads.jsonl import KNOWN_KEYS, WORD_LISTS, iter_lines, resolve_word_list
 from bm.workloads.records import load_bm_jsonl, load_sharegpt, load_trtllm_jsonl
 from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, check_order
 from bm.workloads.synthetic import load_synthetic
 
 Encode = Callable[[str], list[int]]
+BM_KEYS = KNOWN_KEYS - {"id"}  # the fields that mark a line as bm's format (any table may have an id)
 FIRST_RANDOM_ID = 3  # ids 0-2 are pad/bos/eos in most vocabularies (and in make_workload.py)
 
 LOADERS: dict[str, Callable[[Path, BenchConfig], Workload]] = {
@@ -37,8 +38,14 @@ LOADERS: dict[str, Callable[[Path, BenchConfig], Workload]] = {
 }
 
 
-def detect_kind(path: Path) -> str:
-    """The kind a file most likely is, from its suffix and first record; ambiguity is an error."""
+def detect_kind(path: Path, prompt_column: str = "prompt") -> str:
+    """The kind a file most likely is, from its suffix and first record; ambiguity is an error.
+
+    A JSONL file is bm's format only when its first record has a field of bm's own (``id`` alone
+    does not count); a table of other columns (``{"question": ..., "answer": ...}``) is an ``hf``
+    dataset, read with ``--prompt-column``, as is any file whose first record holds the column that
+    ``--prompt-column`` names. The shipped HF sample used to be read as bm lines: every row failed on
+    ``unknown field 'answer'`` and ``--prompt-column`` could not switch it."""
     if path.is_dir():
         return "hf"
     suffix = path.suffix.lower()
@@ -63,7 +70,9 @@ def detect_kind(path: Path) -> str:
             return "trtllm"
         if "input_length" in first or "hash_ids" in first:
             return "mooncake"
-        return "bm"
+        if prompt_column != "prompt" and prompt_column in first:
+            return "hf"
+        return "bm" if any(key in BM_KEYS for key in first) or not first else "hf"
     if suffix in BUILDERS:
         return "hf"
     kinds = ", ".join(k for k in sorted(set(DATASET_KINDS.values())) if k != "auto")
@@ -86,12 +95,20 @@ def read_workload(bench: BenchConfig) -> Workload:
     if not path.exists():
         raise DatasetError(f"dataset {str(path)!r} does not exist")
     try:
-        kind = detect_kind(path) if bench.dataset_kind == "auto" else bench.dataset_kind
+        kind = detect_kind(path, bench.prompt_column) if bench.dataset_kind == "auto" else bench.dataset_kind
         if kind != "hf" and path.is_dir():
             raise DatasetError(f"{path} is a directory; only --dataset-kind hf reads directories")
-        return LOADERS[kind](path, bench)
+        workload = LOADERS[kind](path, bench)
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not workload.requests:  # refused here, before a model loads only to run nothing
+        skipped = (
+            f" ({workload.num_skipped} skipped: {workload.skipped_reason})" if workload.num_skipped else ""
+        )
+        raise DatasetError(
+            f"{path}: no requests in this {kind} dataset{skipped}; give a file with at least one"
+        )
+    return workload
 
 
 def load_workload(

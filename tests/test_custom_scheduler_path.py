@@ -1,0 +1,107 @@
+"""``module:Class`` names in the config resolve beside the config file and in the working directory
+(issue 26, defect 10): the scheduler page's example works with the ``bm`` script, no PYTHONPATH."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from bm.cli.main import app
+from bm.config import ConfigError, load_config
+from bm.kv import KVCacheManager
+from bm.scheduling.factory import build_scheduler
+
+runner = CliRunner()
+
+SCHEDULER_MODULE = textwrap.dedent(
+    """
+    from bm.scheduling.capacity import GuaranteedNoEvictScheduler
+
+    class CountingScheduler(GuaranteedNoEvictScheduler):
+        plans = 0
+
+        def plan(self, active_requests):
+            type(self).plans += 1
+            return super().plan(active_requests)
+    """
+)
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch):
+    """sys.path and sys.modules as they were, after each test (the resolution adds a folder)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("bm_sched_"):
+            del sys.modules[name]
+
+
+def write_package(folder, name):
+    """``folder/name/policies.py`` holding CountingScheduler (a package, as examples/ is)."""
+    package = folder / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "policies.py").write_text(SCHEDULER_MODULE)
+    return f"{name}.policies:CountingScheduler"
+
+
+def kv_manager():
+    return KVCacheManager(16, 8)
+
+
+def test_a_module_beside_the_config_file_resolves_from_another_working_directory(
+    tmp_path, monkeypatch, isolated_imports
+):
+    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_path = write_package(config_dir, "bm_sched_beside")
+    config = config_dir / "bm.yaml"
+    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n")
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(config)
+    scheduler = build_scheduler(cfg.engine, kv_manager())
+    assert type(scheduler.capacity_scheduler).__name__ == "CountingScheduler"
+
+
+def test_a_module_in_the_working_directory_resolves_for_a_set_override(
+    tmp_path, monkeypatch, isolated_imports
+):
+    class_path = write_package(tmp_path, "bm_sched_cwd")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, {"engine.capacity_scheduler": class_path})
+    scheduler = build_scheduler(cfg.engine, kv_manager())
+    assert type(scheduler.capacity_scheduler).__name__ == "CountingScheduler"
+
+
+def test_a_module_found_nowhere_is_refused_when_the_config_loads_naming_where_it_looked(
+    tmp_path, monkeypatch, isolated_imports
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"engine\.scheduler: cannot import 'bm_sched_missing\.x:C' .*PYTHONPATH"
+    ):
+        load_config(None, {"engine.scheduler": "bm_sched_missing.x:C"})
+
+
+def test_bm_run_uses_a_scheduler_named_beside_its_config(tmp_path, monkeypatch, isolated_imports):
+    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_path = write_package(config_dir, "bm_sched_run")
+    config = config_dir / "bm.yaml"
+    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\nmodel:\n  device: cpu\n")
+    prompts = elsewhere / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"input_ids": [5, 6, 7], "max_tokens": 2}) + "\n" for _ in range(3))
+    )
+    monkeypatch.chdir(elsewhere)
+    result = runner.invoke(app, ["run", "p.jsonl", "-c", str(config), "-o", "out", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert sys.modules["bm_sched_run.policies"].CountingScheduler.plans > 0
+    records = [json.loads(line) for line in (elsewhere / "out" / "outputs.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(r["error"] is None for r in records)
