@@ -41,7 +41,7 @@ def test_run_json_records_the_model_config_digest_version_and_a_seed_slot(finish
     assert identity["model"] == "embedded tiny-llama" and identity["loaded"]
     assert identity["bm_version"] == bm.__version__ and identity["seed"] is None
     assert identity["options"]["--max-tokens"] == 2
-    assert len(identity["config_sha256"]) == 64 and identity["config"]["model.dtype"] == "float32"
+    assert len(identity["config_sha256"]) == 64 and identity["config"]["model.dtype"] == "auto"
     assert "engine.max_batch_size" in identity["config_not_in_digest"]
 
 
@@ -51,7 +51,7 @@ def test_run_json_records_the_model_config_digest_version_and_a_seed_slot(finish
         (["--model", "smollm2-135m"], "the model changed: embedded tiny-llama -> preset smollm2-135m"),
         (["--model-config", str(TINY_SHAPE)], "the model changed: embedded tiny-llama -> config "),
         (["--set", "engine.max_seq_len=64"], "the config changed: engine.max_seq_len null -> 64"),
-        (["--set", "model.dtype=bfloat16"], 'model.dtype "float32" -> "bfloat16"'),
+        (["--set", "model.dtype=bfloat16"], 'model.dtype "auto" -> "bfloat16"'),
         (["--ignore-eos"], "the run options changed: --ignore-eos false -> true"),
     ],
 )
