@@ -31,6 +31,7 @@ from bm.sim.model import ModelShape
 from bm.workloads import Workload, arrival_times
 
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
+_STOP_EVERY = 50  # driver rounds between questions to a stop callback
 
 
 @dataclass
@@ -111,11 +112,14 @@ def run_sim(
     *,
     progress: Callable[[ReplayProgress], None] | None = None,
     fast_forward: bool = True,
+    stop: Callable[[Replayer], bool] | None = None,
 ) -> BenchResult:
     """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
 
     ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
-    result is the same either way (a test pins it), only the wall time differs."""
+    result is the same either way (a test pins it), only the wall time differs. ``stop``: asked every
+    few iterations; True ends the replay there, every unfinished request failed as stopped early
+    (``bm sweep`` stops a point once its SLO is certainly missed)."""
     wall_start = time.perf_counter()
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
@@ -131,7 +135,7 @@ def run_sim(
         requests, [times[i] for i, _ in built], max_concurrency=bench.max_concurrency, clock=clock
     )
     replay = _VirtualReplay(config, model, replayer, clock)
-    replay.run(fast_forward, progress)
+    replay.run(fast_forward, progress, stop)
     result = bench_result(
         config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
     )
@@ -149,6 +153,7 @@ def run_sim(
         "kv_cache_capacity_tokens": replay.executor.kv_capacity_tokens,
         "kv_cache_blocks": replay.core.kv_cache_manager.get_max_resource_count(),
         "fast_forwarded_iterations": replay.skipped,
+        "stopped_early": replay.stopped_early,
         "wall_time_s": time.perf_counter() - wall_start,
     }
     return result
@@ -173,6 +178,7 @@ class _VirtualReplay:
         self.stats: list[dict[str, Any]] = []
         self.iterations = 0
         self.skipped = 0  # iterations advanced by fast-forward
+        self.stopped_early = False
 
     def _timestamp(self, _out: StepOutput) -> None:
         now, timelines = self.clock.now, self.replayer.timelines
@@ -185,12 +191,23 @@ class _VirtualReplay:
             response = dataclasses.replace(response, output_ids=[])
         self.replayer.send_response(response)
 
-    def run(self, fast_forward: bool, progress: Callable[[ReplayProgress], None] | None) -> None:
+    def run(
+        self,
+        fast_forward: bool,
+        progress: Callable[[ReplayProgress], None] | None,
+        stop: Callable[[Replayer], bool] | None = None,
+    ) -> None:
         replayer, driver = self.replayer, self.driver
         replayer.start()
         arrival_of = [t.arrival_s for t in replayer.timelines.values()]  # in request order
         next_progress = _PROGRESS_EVERY
+        rounds = 0
         while not replayer.done:
+            rounds += 1
+            if stop is not None and rounds % _STOP_EVERY == 0 and stop(replayer):
+                replayer.fail_unfinished("stopped early: the point already missed its SLO")
+                self.stopped_early = True
+                break
             out = driver.round()
             if out.stats is not None:  # a step ran
                 self.iterations += 1
