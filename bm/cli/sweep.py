@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -21,7 +22,11 @@ from rich.table import Table
 
 from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
 from bm.cli.outdir import OutDirError, prepare_out_dir
-from bm.config import ConfigError
+from bm.config import BmConfig, ConfigError
+
+if TYPE_CHECKING:
+    from bm.compare.expr import Assertion
+    from bm.sweep.runner import SweepPlan
 
 SWEEP = "Sweep"
 GATES = "Gates"
@@ -72,7 +77,7 @@ def sweep(
         setup = _plan(config, flags, shared)
         out = out_dir or Path("bm-out") / time.strftime("sweep-%Y%m%d-%H%M%S")
         prepare_out_dir(out, resume=resume, overwrite=overwrite, files=SWEEP_FILES, command="bm sweep")
-        _check_identity(out, setup["identity"], resume)
+        _check_identity(out, setup.identity, resume)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
@@ -82,7 +87,19 @@ def sweep(
         raise typer.Exit(code=code)
 
 
-def _plan(config: Path | None, flags: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+@dataclass
+class _Setup:
+    """Everything a sweep needs, validated before the model loads."""
+
+    base: BmConfig
+    plan: SweepPlan
+    asserts: list[Assertion]
+    previous: dict[str, Any] | None  # the --baseline document
+    tolerance: float
+    identity: dict[str, Any]  # what decides a point's result, for --resume
+
+
+def _plan(config: Path | None, flags: dict[str, Any], shared: dict[str, Any]) -> _Setup:
     """The validated sweep: base config, every grid configuration, SLO, gates; fails before any load."""
     from bm.compare.expr import check_refs, parse_assertion
     from bm.compare.regress import parse_tolerance
@@ -132,8 +149,7 @@ def _plan(config: Path | None, flags: dict[str, Any], shared: dict[str, Any]) ->
         "repeats": plan.repeats,
         "early_stop": plan.early_stop,
     }
-    return {"base": base, "plan": plan, "asserts": parsed, "previous": previous,
-            "tolerance": parse_tolerance(flags["tolerance"]), "baseline": flags["baseline"], "identity": identity}  # fmt: skip
+    return _Setup(base, plan, parsed, previous, parse_tolerance(flags["tolerance"]), identity)
 
 
 def _known_metrics() -> set[str]:
@@ -180,8 +196,8 @@ def _run(
     from bm.sweep.report import gate_metrics, regressions, table, write_outputs
     from bm.sweep.runner import PointStore, run_sweep
 
-    plan = setup["plan"]
-    loaded = load_model_and_workload(setup["base"], console)
+    plan = setup.plan
+    loaded = load_model_and_workload(setup.base, console)
     if loaded is None:
         return 2
     model, workload = loaded
@@ -229,7 +245,7 @@ def _run(
         )
     bad = False
     metrics = gate_metrics(plan, outcomes)
-    for assertion in setup["asserts"]:
+    for assertion in setup.asserts:
         try:
             outcome = evaluate_assertion(assertion, metrics)
         except AssertionEvalError as exc:
@@ -238,8 +254,8 @@ def _run(
             continue
         console.print(("[green]" if outcome.passed else "[red]") + outcome.message + "[/]", highlight=False)
         bad |= not outcome.passed
-    if setup["previous"] is not None:
-        for message in regressions(setup["previous"], outcomes, setup["tolerance"]):
+    if setup.previous is not None:
+        for message in regressions(setup.previous, outcomes, setup.tolerance):
             console.print(f"[red]regression: {message}[/]", highlight=False)
             bad = True
     return 1 if bad else 0
