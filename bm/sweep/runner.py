@@ -109,7 +109,8 @@ def run_point(grid: GridConfig, kind: str, load: float, slo: Slo, repeats: int, 
         result = run_sim(config, model, workload, stop=stop)
         values = slo.values(result.records)
         failed = int(result.metrics.get("failed") or 0)
-        return Point(grid.name, load, slo.feasible(values, failed), values, _plain(result.metrics))
+        metrics = _plain(result.metrics) | {"num_devices": model.tensor_parallel}  # per-device figures
+        return Point(grid.name, load, slo.feasible(values, failed), values, metrics)
     runs = [run_bench(config, model, workload) for _ in range(repeats)]
     per_run = [slo.values(r.records) for r in runs]
     values = {name: _median([v[name] for v in per_run]) for name in slo.limits}
