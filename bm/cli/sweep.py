@@ -50,6 +50,7 @@ def sweep(
     load: str | None = typer.Option(None, "--load", help="What load is: rate, concurrency or trace (speed-up) [rate].", rich_help_panel=SWEEP),
     precision: float | None = typer.Option(None, "--precision", help="Relative precision of the highest load [0.05].", rich_help_panel=SWEEP),
     start: float | None = typer.Option(None, "--start", help="First load tried [rate 4, concurrency 16, trace 1].", rich_help_panel=SWEEP),
+    min_load: float | None = typer.Option(None, "--min-load", help="Lowest load tried before giving up [start / 32].", rich_help_panel=SWEEP),
     repeats: int | None = typer.Option(None, "--repeats", help="Real engine: runs per point; the median decides [1].", rich_help_panel=SWEEP),
     workers: int | None = typer.Option(None, "--workers", help="Simulated points in parallel processes [one per core].", rich_help_panel=SWEEP),
     early_stop: bool = typer.Option(True, "--early-stop/--no-early-stop", help="Sim: stop a point once its SLO is certainly missed.", rich_help_panel=SWEEP),
@@ -127,6 +128,7 @@ def _plan(config: Path | None, flags: dict[str, Any], shared: dict[str, Any]) ->
         load=kind,
         precision=flags["precision"] or opts.precision,
         start=flags["start"] or (1.0 if kind == "trace" else None),
+        min_load=flags["min_load"],
         repeats=flags["repeats"] or opts.repeats,
         workers=flags["workers"] or opts.workers or default_workers(),
         early_stop=flags["early_stop"],
@@ -237,7 +239,8 @@ def _run(
         grid_table = Table(*header, title=f"highest {plan.load} within {plan.slo.describe()}")
         for row in rows:
             grid_table.add_row(*row)
-        console.print(grid_table)
+        # never cut a configuration's name: it is what --assert reads
+        console.print(grid_table, width=max(console.width, max(len(r[0]) for r in rows) + 70), crop=False)
         console.print(
             f"wrote {out}/sweep.json, sweep.csv, sweep.md"
             + (", plots/" if plot else "")

@@ -54,26 +54,39 @@ def _groups(outcomes: list[ConfigOutcome]) -> dict[str, list[ConfigOutcome]]:
 
 def _slo_plot(plan: SweepPlan, outcomes: list[ConfigOutcome], metric: str) -> plt.Figure:
     panels = _groups(outcomes)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 5.5), squeeze=False, sharey=True)
     limit = plan.slo.limits[metric]
+    colors = plt.get_cmap("tab20").colors
     for ax, (title, group) in zip(axes[0], panels.items(), strict=True):
-        for o in group:
-            points = [p for p in o.points if p.slo_values.get(metric) is not None]
+        for i, o in enumerate(group):
+            color = colors[i % len(colors)]
             label = o.name.removeprefix(f"{title}:") if title else o.name
-            (line,) = ax.plot(
-                [p.load for p in points], [p.slo_values[metric] for p in points], "o-", ms=3, label=label
+            points = [p for p in o.points if p.slo_values.get(metric) is not None]
+            full = [p for p in points if not p.metrics.get("stopped_early")]
+            early = [p for p in points if p.metrics.get("stopped_early")]
+            ax.plot(
+                [p.load for p in full],
+                [p.slo_values[metric] for p in full],
+                "o-",
+                ms=3,
+                color=color,
+                label=label,
             )
+            ax.plot([p.load for p in early], [p.slo_values[metric] for p in early], "x", ms=6, color=color)
             best = o.best()
             if best is not None and best.slo_values.get(metric) is not None:
-                ax.plot([best.load], [best.slo_values[metric]], "*", ms=11, color=line.get_color())
+                ax.plot([best.load], [best.slo_values[metric]], "*", ms=12, color=color, mec="black", mew=0.5)
         ax.axhline(limit, color="red", ls="--", lw=1.2, label=f"SLO {limit:g} ms")
         ax.set_yscale("log")
         ax.set_xlabel(_UNITS[plan.load])
         ax.set_title(title or "all configurations")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     axes[0][0].set_ylabel(f"p{plan.slo.percentile:g} {metric.upper()} (ms, log)")
-    fig.suptitle(f"p{plan.slo.percentile:g} {metric.upper()} against load (star: highest feasible load)")
+    fig.suptitle(
+        f"p{plan.slo.percentile:g} {metric.upper()} against load. Star: highest feasible load; "
+        "x: point stopped early once the SLO was certainly missed (value over the requests done by then)"
+    )
     return fig
 
 
@@ -139,7 +152,11 @@ def _cost_bars(outcomes: list[ConfigOutcome]) -> plt.Figure:
         ax.text(cost, i, f" ${cost:.3f}", va="center", fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("$ per million output tokens at the highest feasible load")
-    ax.set_title("Cost at the SLO (simulated)")
+    missing = len(outcomes) - len(rows)
+    ax.set_title(
+        "Cost at the SLO (simulated)"
+        + (f"; {missing} configurations with no feasible load left out" if missing else "")
+    )
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(axis="x", alpha=0.3)
     return fig

@@ -54,6 +54,7 @@ class SweepPlan:
     load: str = "rate"
     precision: float = 0.05
     start: float | None = None
+    min_load: float | None = None
     repeats: int = 1
     workers: int = 1
     early_stop: bool = True
@@ -235,7 +236,8 @@ def _run_parallel(
     """Each configuration's next point is submitted as soon as its last one is judged; forked workers
     inherit the loaded model and workload instead of loading them again."""
     pending: dict[Future, str] = {}
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+    try:
         ready = names
         while ready or pending:
             for name in ready:
@@ -249,12 +251,17 @@ def _run_parallel(
                     name = pending.pop(future)
                     judge(name, future.result(), False)
                     ready.append(name)
+    finally:  # on Ctrl-C, points not started are dropped (--resume runs them), not run to the end
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _search(plan: SweepPlan, config: BmConfig) -> LoadSearch:
+    """A configuration's search; it gives up below ``min_load`` (default: the start / 32, five
+    halvings), where a configuration that still misses the SLO misses it at any load worth serving."""
     integer = plan.load == "concurrency"
     start = plan.start or (16.0 if integer else 4.0)
-    return LoadSearch(start, plan.precision, integer=integer)
+    floor = plan.min_load or (1.0 if integer else start / 32)
+    return LoadSearch(start, plan.precision, integer=integer, min_load=floor)
 
 
 def default_workers() -> int:

@@ -175,8 +175,8 @@ class LoadSearch:
             return self._round(self.start)
         if hi is None:  # feasible so far: go up
             return None if lo >= self.max_load else self._round(min(lo * 2, self.max_load))
-        if lo is None:  # infeasible so far: go down
-            return None if hi <= self.min_load else self._round(max(hi / 2, self.min_load))
+        if lo is None:  # infeasible so far: go down, not below min_load
+            return None if hi / 2 < self.min_load else self._round(hi / 2)
         if self.integer:
             return None if hi - lo <= 1 else float((int(lo) + int(hi)) // 2)
         if hi <= lo * (1 + self.precision):
