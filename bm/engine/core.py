@@ -5,8 +5,11 @@
     schedule -> pause -> prepare_resources -> execute -> update -> respond -> stats
 
 The scheduler returns a plan and changes nothing; the KV cache manager's ``prepare_resources`` applies
-it (frees the paused, takes cached prefixes, grows tables, forks beam blocks on write) and is, with
-``free`` when a request ends, the only place blocks change hands. The executor computes the batch the
+it (frees the paused, takes cached prefixes, grows tables, forks beam blocks on write), a second plan
+grows tables for drafts, and ``update_resources`` applies what the step computed (trims past rejected
+drafts, registers full blocks, releases blocks behind the window, forks beam tables). Those two steps
+and ``free`` when a request ends are the only places blocks change hands (a test reads the engine's
+source for any other call). The executor computes the batch the
 core describes and returns sampled tokens. The core runs the same under the torch executor, the fake
 one in tests, or a simulator, so every decision it makes is testable without a model.
 
