@@ -204,10 +204,13 @@ def _run(
         return 2
     model, workload = loaded
     store = PointStore(out)
-    console.print(
-        f"{len(plan.configs)} configurations; {plan.slo.describe()}; {plan.workers} worker(s)",
-        highlight=False,
+    sim = all(c.config.engine.executor == "sim" for c in plan.configs)
+    workers = (
+        f"{plan.workers} worker(s)"
+        if sim
+        else f"real engine, one point at a time, {plan.repeats} run(s) each"
     )
+    console.print(f"{len(plan.configs)} configurations; {plan.slo.describe()}; {workers}", highlight=False)
     started = time.perf_counter()
 
     def on_point(point: Any, reused: bool) -> None:
