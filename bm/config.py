@@ -537,6 +537,35 @@ class SimConfig:
     tensor_parallel: int = _knob(1, "Devices the model is split over (tensor parallelism).", _int_at_least(1))
 
 
+def _mapping(key: str, value: Any) -> Any:
+    if value is None or isinstance(value, Mapping):
+        return dict(value) if value is not None else None
+    raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+
+
+@dataclass
+class SweepConfig:
+    """``bm sweep``: the grid of configurations and the SLO search (flags override; see docs/sweep.md)."""
+
+    grid: dict | None = _knob(  # noqa: RUF009
+        None, "Config keys to sweep, each a list of values, e.g. {engine.max_batch_size: [16, 32]}.", _mapping
+    )
+    slo: dict | None = _knob(None, "SLOs in ms: ttft, tpot, itl, e2el.", _mapping)  # noqa: RUF009
+    percentile: float = _knob(
+        99.0, "Percentile the SLOs apply to (99: p99).", _number_in(0, 100, low_open=True)
+    )
+    load: str = _knob(
+        "rate", "What load means: rate (req/s), concurrency, or trace (speed-up of its timestamps)."
+    )
+    precision: float = _knob(0.05, "Relative precision of the highest feasible load.", _number_in(0, 1))
+    repeats: int = _knob(
+        1, "Real engine: runs per point; feasible when the median run meets every SLO.", _int_at_least(1)
+    )
+    workers: int = _knob(
+        0, "Simulated points run in parallel processes (0: one per CPU core).", _int_at_least(0)
+    )
+
+
 @dataclass
 class BmConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -545,6 +574,7 @@ class BmConfig:
     peft_cache: PeftCacheConfig = field(default_factory=PeftCacheConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -557,6 +587,7 @@ SECTIONS: dict[str, type] = {
     "peft_cache": PeftCacheConfig,
     "bench": BenchConfig,
     "sim": SimConfig,
+    "sweep": SweepConfig,
 }
 
 

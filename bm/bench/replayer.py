@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from bm.engine.request import Request, Response
 from bm.scheduling import FinishReason
+from bm.workloads import Workload
+from bm.workloads.jsonl import FIELD_ALIASES  # vLLM's names for request fields, as in `bm run`
 
 
 @dataclass
@@ -173,3 +175,23 @@ class Replayer:
                 timeline.error, timeline.finish_reason = error, FinishReason.ERROR.label
                 self._close(timeline, now)
             return len(open_)
+
+
+def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, Request]]:
+    """(index, request) for every runnable row; a row whose fields cannot make a request gets its error.
+
+    Every request streams: the client timestamps each token, which is what TTFT and ITL need."""
+    built = []
+    for index, req in enumerate(workload.requests):
+        if not req.ok or req.input_ids is None:
+            continue
+        fields = {FIELD_ALIASES.get(k, k): v for k, v in req.fields.items() if k != "streaming"}
+        if end_id is not None:
+            fields.setdefault("end_id", end_id)
+        try:
+            request = Request(index, list(req.input_ids), req.output_len, streaming=True, **fields)
+        except TypeError as exc:
+            req.error = f"{req.source}: {exc}"
+            continue
+        built.append((index, request))
+    return built

@@ -1,4 +1,4 @@
-"""The results of a run on disk: ``results.json``, ``requests.jsonl`` and ``stats.jsonl``.
+"""A run's result, built in one place for real and simulated runs, and on disk: ``results.json``, ``requests.jsonl`` and ``stats.jsonl``.
 
 ``results.json`` says what was run (the full resolved config, bm's version, the model, the dataset, the
 seed and the arrivals), then the metrics. Metric keys sit at the top level, as in ``vllm bench serve
@@ -11,12 +11,98 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 import bm
-from bm.bench.runner import BenchResult
+from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, request_record, run_metrics
+from bm.bench.replayer import Replayer
+from bm.config import BmConfig
 from bm.distributed import parallel_info
+from bm.engine.request import Request
+from bm.workloads import ArrivalPlan, Workload
+
+
+@dataclass(frozen=True)
+class ReplayProgress:
+    """A snapshot for a progress display: counts since the measured replay started."""
+
+    num_requests: int
+    num_finished: int
+    num_output_tokens: int
+    elapsed_s: float
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured, plus what it ran (for the results document)."""
+
+    records: pd.DataFrame  # one row per request of the workload, in workload order
+    stats: list[dict[str, Any]]  # per-iteration stats of the measured replay
+    metrics: dict[str, Any]  # run_metrics + engine_metrics, vllm bench serve's key names
+    duration_s: float
+    interrupted: bool = False
+    config: BmConfig = field(default_factory=BmConfig)
+    model_name: str = ""
+    workload: dict[str, Any] = field(default_factory=dict)  # Workload.describe()
+    arrivals: dict[str, Any] = field(default_factory=dict)  # ArrivalPlan.describe()
+    runtime: dict[str, Any] = field(default_factory=dict)  # bm.runtime.native.runtime_info()
+
+
+def bench_result(
+    config: BmConfig,
+    model_name: str,
+    workload: Workload,
+    built: Sequence[tuple[int, Request]],
+    replayer: Replayer,
+    stats: list[dict[str, Any]],
+    *,
+    runtime: dict[str, Any],
+    interrupted: bool = False,
+) -> BenchResult:
+    """The one place a run's result is built, real or simulated: a record per workload row (in workload
+    order, from the replayer's timelines), the run's duration (the last request done), then the request
+    and engine metrics under the run's SLOs. The simulator adds its cost and clock figures on top."""
+    bench = config.bench
+    timelines = {index: replayer.timelines[r.request_id] for index, r in built}
+    records = records_frame(
+        [request_record(i, req, timelines.get(i)) for i, req in enumerate(workload.requests)]
+    )
+    done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
+    duration = max(done, default=0.0)
+    slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
+    metrics = run_metrics(records, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), records)
+    return BenchResult(
+        records=records,
+        stats=stats,
+        metrics=metrics,
+        duration_s=duration,
+        interrupted=interrupted,
+        config=config,
+        model_name=model_name,
+        workload=workload.describe(),
+        arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
+        runtime=runtime,
+    )
+
+
+def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """Per-request records as a frame with every column present, even for an empty run."""
+    return pd.DataFrame.from_records(records, columns=list(RECORD_COLUMNS))
+
+
+def snapshot(replayer: Replayer) -> ReplayProgress:
+    """The replay's progress now, for a progress display."""
+    return ReplayProgress(
+        num_requests=replayer.num_requests,
+        num_finished=replayer.num_finished,
+        num_output_tokens=replayer.num_output_tokens,
+        elapsed_s=replayer.now(),
+    )
 
 
 def results_document(result: BenchResult) -> dict[str, Any]:

@@ -13,50 +13,28 @@ from __future__ import annotations
 import json
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
-from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, request_record, run_metrics
-from bm.bench.replayer import Replayer
+from bm.bench.replayer import FIELD_ALIASES, Replayer, build_requests
+from bm.bench.results import BenchResult, ReplayProgress, bench_result, records_frame, snapshot
 from bm.config import BmConfig
 from bm.distributed.engine import engine_loop
 from bm.engine import EngineLoop, Request, Response
-from bm.workloads import ArrivalPlan, Workload, arrival_times
+from bm.workloads import Workload, arrival_times
 
 if TYPE_CHECKING:  # bm.runtime imports torch, which a simulated run never needs
     from bm.runtime import LoadedModel
 
-# vLLM's names for request fields, accepted in bm JSONL rows as in `bm run`.
-FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+__all__ = [
+    "FIELD_ALIASES",
+    "BenchResult",
+    "ReplayProgress",
+    "build_requests",
+    "records_frame",
+    "run_bench",
+]
+
 _POLL_S = 0.1
-
-
-@dataclass(frozen=True)
-class ReplayProgress:
-    """A snapshot for a progress display: counts since the measured replay started."""
-
-    num_requests: int
-    num_finished: int
-    num_output_tokens: int
-    elapsed_s: float
-
-
-@dataclass
-class BenchResult:
-    """Everything one run measured, plus what it ran (for the results document)."""
-
-    records: pd.DataFrame  # one row per request of the workload, in workload order
-    stats: list[dict[str, Any]]  # per-iteration stats of the measured replay
-    metrics: dict[str, Any]  # run_metrics + engine_metrics, vllm bench serve's key names
-    duration_s: float
-    interrupted: bool = False
-    config: BmConfig = field(default_factory=BmConfig)
-    model_name: str = ""
-    workload: dict[str, Any] = field(default_factory=dict)  # Workload.describe()
-    arrivals: dict[str, Any] = field(default_factory=dict)  # ArrivalPlan.describe()
-    runtime: dict[str, Any] = field(default_factory=dict)  # bm.runtime.native.runtime_info()
 
 
 class _Router:
@@ -77,26 +55,6 @@ class _Router:
     def return_stats(self, line: str) -> None:
         if self.stats is not None:
             self.stats.append(line)
-
-
-def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, Request]]:
-    """(index, request) for every runnable row; a row whose fields cannot make a request gets its error.
-
-    Every request streams: the client timestamps each token, which is what TTFT and ITL need."""
-    built = []
-    for index, req in enumerate(workload.requests):
-        if not req.ok or req.input_ids is None:
-            continue
-        fields = {FIELD_ALIASES.get(k, k): v for k, v in req.fields.items() if k != "streaming"}
-        if end_id is not None:
-            fields.setdefault("end_id", end_id)
-        try:
-            request = Request(index, list(req.input_ids), req.output_len, streaming=True, **fields)
-        except TypeError as exc:
-            req.error = f"{req.source}: {exc}"
-            continue
-        built.append((index, request))
-    return built
 
 
 def run_bench(
@@ -147,32 +105,17 @@ def run_bench(
     finally:
         manager.shutdown(cancel=True)
 
-    timelines = {index: replayer.timelines[r.request_id] for index, r in built}
-    records = records_frame(
-        [request_record(i, req, timelines.get(i)) for i, req in enumerate(workload.requests)]
-    )
     stats = [json.loads(line) for line in list(stats_lines)]
-    done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
-    duration = max(done, default=0.0)
-    slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
-    metrics = run_metrics(records, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), records)
-    return BenchResult(
-        records=records,
-        stats=stats,
-        metrics=metrics,
-        duration_s=duration,
-        interrupted=interrupted,
-        config=config,
-        model_name=model.name,
-        workload=workload.describe(),
-        arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
+    return bench_result(
+        config,
+        model.name,
+        workload,
+        built,
+        replayer,
+        stats,
         runtime=_runtime_info(model.device, model.dtype),
+        interrupted=interrupted,
     )
-
-
-def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
-    """Per-request records as a frame with every column present, even for an empty run."""
-    return pd.DataFrame.from_records(records, columns=list(RECORD_COLUMNS))
 
 
 def _drain(
@@ -190,23 +133,14 @@ def _drain(
                         f"the batch manager stopped ({manager.error or 'no error given'})"
                     )
             if progress is not None:
-                progress(_snapshot(replayer))
+                progress(snapshot(replayer))
         except KeyboardInterrupt:
             interrupted = True
             replayer.fail_unfinished("the run was interrupted before this request finished")
             manager.cancel_all()
     if progress is not None:
-        progress(_snapshot(replayer))
+        progress(snapshot(replayer))
     return interrupted
-
-
-def _snapshot(replayer: Replayer) -> ReplayProgress:
-    return ReplayProgress(
-        num_requests=replayer.num_requests,
-        num_finished=replayer.num_finished,
-        num_output_tokens=replayer.num_output_tokens,
-        elapsed_s=replayer.now(),
-    )
 
 
 def _runtime_info(device: Any, dtype: Any) -> dict[str, Any]:

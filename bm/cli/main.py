@@ -287,6 +287,16 @@ def _register_compare() -> None:
 _register_compare()
 
 
+def _register_sweep() -> None:
+    """``bm sweep`` (bm/cli/sweep.py): capacity planning over a grid of configurations."""
+    from bm.cli.sweep import sweep
+
+    app.command("sweep")(sweep)
+
+
+_register_sweep()
+
+
 sim_app = typer.Typer(help="The simulator's hardware rows (bm bench --executor sim).", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
 

@@ -35,6 +35,7 @@ from bm.config import BmConfig
 from bm.distributed import layout as _layout
 from bm.distributed.layout import ParallelLayout
 from bm.engine.core import EngineCore, StepOutput
+from bm.engine.driver import Driver, claimed_id, to_request
 from bm.engine.executor import (
     CacheLayout,
     ExecutionBatch,
@@ -44,7 +45,7 @@ from bm.engine.executor import (
     ModelLimits,
 )
 from bm.engine.request import Request, RequestError, Response, error_response
-from bm.scheduling import FinishReason
+from bm.engine.stats import IterationStats
 from bm.scheduling.request import LlmRequest
 
 log = logging.getLogger("bm")
@@ -142,23 +143,23 @@ def _digest(out: StepOutput) -> int:
 
 
 class _Replica:
-    """One rank's side of every round: take its requests, step, report."""
+    """One rank's side of every round: its core's driver, fed the requests rank 0 assigned to it."""
 
     def __init__(self, core: EngineCore, layout: ParallelLayout) -> None:
         self.core = core
         self.layout = layout
+        self._responses: list[Response] = []
+        self._stats: str | None = None
+        self.driver = Driver(core, self._responses.append, stats=self._keep_stats)
+
+    def _keep_stats(self, stats: IterationStats) -> None:
+        self._stats = stats.to_json()
 
     def round(self, assigned: list[Request], command: str) -> tuple[Any, ...]:
-        responses: list[Response] = []
-        if command == _CANCEL:
-            responses += self.core.finish_all(FinishReason.CANCELLED)
-        for request in assigned:
-            refused = self.core.add_request(request)
-            if refused is not None:
-                responses.append(refused)
-        out = self.core.step() if self.core.num_active else StepOutput()
-        responses += out.responses
-        stats = out.stats.to_json() if out.stats is not None else None
+        self._responses.clear()
+        self._stats = None
+        out = self.driver.round(assigned, cancel=command == _CANCEL)
+        responses, stats = list(self._responses), self._stats
         if self.layout.tp_rank != 0:  # the first shard speaks for the replica
             responses, stats = [], None
         return responses, stats, self.core.num_active, _digest(out), out.computed_tokens
@@ -344,15 +345,18 @@ class DistributedEngineLoop:
         for obj in new:
             if isinstance(obj, Response):  # a request the client could not build: its own error
                 self._deliver(obj)
-            elif not isinstance(obj, Request):
-                rid = getattr(obj, "request_id", None)
+                continue
+            try:
+                request = to_request(obj)
+            except RequestError as exc:
+                rid = claimed_id(obj)
                 if rid is not None:
-                    self._deliver(error_response(rid, f"get_requests returned a {type(obj).__name__}"))
-            else:
-                replica = self.balancer.assign(obj, free)
-                free[replica] -= 1
-                self.replicas[replica]["num_requests"] += 1
-                out[replica].append(obj)
+                    self._deliver(error_response(rid, str(exc)))
+                continue
+            replica = self.balancer.assign(request, free)
+            free[replica] -= 1
+            self.replicas[replica]["num_requests"] += 1
+            out[replica].append(request)
         return out
 
     def _collect(self, gathered: list[Any]) -> bool:

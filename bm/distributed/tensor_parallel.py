@@ -13,6 +13,13 @@ from typing import Any
 from bm.distributed.layout import ParallelLayout, mesh_device_type
 
 
+class TensorParallelError(ValueError):
+    """The model cannot be split over the ranks asked for; the message says which setting to change.
+
+    The model loader reports it as its own ``ModelLoadError`` (this module sits below the loader and
+    does not import it back)."""
+
+
 def distributed_config(path: Path, layout: ParallelLayout) -> Any:
     """transformers' DistributedConfig for this layout, after checking the model can be split.
 
@@ -23,13 +30,11 @@ def distributed_config(path: Path, layout: ParallelLayout) -> Any:
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
 
-    from bm.runtime.model_loader import ModelLoadError
-
     config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     tp = layout.tensor_parallel
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        raise ModelLoadError(
+        raise TensorParallelError(
             f"model.path {str(path)!r}: the {config.model_type!r} family ships no tensor-parallel plan "
             "(base_model_tp_plan) in this transformers version, so it cannot be split over ranks; "
             "drop --tensor-parallel (or use --data-parallel)"
@@ -37,7 +42,7 @@ def distributed_config(path: Path, layout: ParallelLayout) -> Any:
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)
         if heads is not None and heads % tp:
-            raise ModelLoadError(
+            raise TensorParallelError(
                 f"model.path {str(path)!r}: {name} is {heads}, which {tp} ranks cannot split evenly; "
                 f"use a --tensor-parallel that divides it"
             )

@@ -11,6 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "BatchManager": "bm.engine.batch_manager",
+    "Driver": "bm.engine.driver",
     "EngineCore": "bm.engine.core",
     "StepOutput": "bm.engine.core",
     "InferenceRequest": "bm.engine.inference_request",

@@ -5,8 +5,11 @@
     schedule -> pause -> prepare_resources -> execute -> update -> respond -> stats
 
 The scheduler returns a plan and changes nothing; the KV cache manager's ``prepare_resources`` applies
-it (frees the paused, takes cached prefixes, grows tables, forks beam blocks on write) and is, with
-``free`` when a request ends, the only place blocks change hands. The executor computes the batch the
+it (frees the paused, takes cached prefixes, grows tables, forks beam blocks on write), a second plan
+grows tables for drafts, and ``update_resources`` applies what the step computed (trims past rejected
+drafts, registers full blocks, releases blocks behind the window, forks beam tables). Those two steps
+and ``free`` when a request ends are the only places blocks change hands (a test reads the engine's
+source for any other call). The executor computes the batch the
 core describes and returns sampled tokens. The core runs the same under the torch executor, the fake
 one in tests, or a simulator, so every decision it makes is testable without a model.
 
@@ -37,7 +40,7 @@ from bm.engine.request import Request, RequestError, RequestLimits, Response, er
 from bm.engine.speculative import NgramConfig, SpecState, can_speculate, request_drafts
 from bm.engine.stats import IterationStats, iteration_stats
 from bm.engine.stopping import stop_reason
-from bm.kv import KVCacheManager
+from bm.kv import KVCacheManager, ResourcePlan, ResourceUpdate
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.factory import build_scheduler
 
@@ -145,7 +148,14 @@ class EngineCore:
         self._iteration = 0
         self._num_starts = 0
         self._start_time = clock()
-        self._can_fast_forward = supports_fast_forward(self)
+        self._can_fast_forward = supports_fast_forward(
+            executor,
+            self.scheme,
+            self.scheduler,
+            self.kv_cache_manager,
+            attention_window=self.attention_window,
+            ngram=self.ngram,
+        )
         # (generation ids, stats) of the last iteration when it was a pure decode of every active request
         self._decode: tuple[list[int], IterationStats] | None = None
 
@@ -259,7 +269,26 @@ class EngineCore:
         provably repeat it (:mod:`bm.engine.fast_forward`), starting none at or after clock time
         ``until``. None when the executor cannot, or nothing can be skipped."""
         decode, self._decode = self._decode, None
-        return fast_forward(self, *decode, until) if decode is not None else None
+        if decode is None:
+            return None
+        generation_ids, template = decode
+        if len(generation_ids) != len(self._active):
+            return None
+        run = fast_forward(
+            [self._active[rid] for rid in generation_ids],
+            self.kv_cache_manager,
+            self.executor,  # supports_fast_forward checked that it offers decode_run
+            self.clock,
+            template,
+            until,
+            first_iteration=self._iteration + 1,
+            engine_start_s=self._start_time,
+        )
+        if run is not None:
+            self._iteration += run.num_iterations
+            if self.check_integrity:
+                self.verify()
+        return run
 
     def _within_window_pools(self, ready: list[LlmRequest]) -> list[LlmRequest]:
         """Windowed pools are sized for ``max_num_active_requests`` requests holding blocks: beyond that,
@@ -279,10 +308,13 @@ class EngineCore:
         """Drafts for this step's generation requests and for the requests whose last prompt chunk runs
         now (its forward samples the first output token, so it verifies drafts too: a perfect draft
         costs the prompt's forward alone), within the token budget the plan leaves and the free KV
-        blocks (a draft never pauses or delays anything: short of room, fewer drafts)."""
+        blocks (a draft never pauses or delays anything: short of room, fewer drafts). Their blocks are
+        a second plan the KV manager applies, after the scheduler's."""
         budget = self.max_num_tokens - sum(plan.context_chunk_sizes.values()) - len(plan.generation_requests)
         budget -= sum(w.num_tokens for w in plan.padding) + len(plan.empty_slots)
         kv = self.kv_cache_manager
+        free = kv.get_num_free_blocks()
+        grows = ResourcePlan()
         out: dict[int, tuple[list[int], object]] = {}
         last_chunks = [
             req
@@ -298,15 +330,17 @@ class EngineCore:
             if room <= 0:
                 continue
             drafts, logits = request_drafts(req, self.ngram, room)
-            while drafts and not kv.can_allocate(req.request_id, req.num_tokens + len(drafts)):
+            while drafts and kv.num_blocks_to_allocate(req.request_id, req.num_tokens + len(drafts)) > free:
                 drafts.pop()
             if not drafts:
                 continue
-            kv.allocate(req.request_id, req.num_tokens + len(drafts))
+            free -= kv.num_blocks_to_allocate(req.request_id, req.num_tokens + len(drafts))
+            grows.grow.append((req.request_id, req.num_tokens + len(drafts)))
             budget -= len(drafts)
             if logits is not None:
                 logits = logits[: len(drafts)]
             out[req.request_id] = (drafts, logits)
+        kv.prepare_resources(grows)  # in request order, as the blocks were counted
         return out
 
     def _pause(self, plan: SchedulerOutput) -> None:
@@ -340,7 +374,6 @@ class EngineCore:
         """Apply what was computed: progress, new tokens, finish reasons, then the cache's bookkeeping."""
         now = self.clock()
         counts = _Counts()
-        kv = self.kv_cache_manager
         for forward in batch.forwards:
             for item in forward:
                 req, n = item.request, len(item.token_ids)
@@ -361,14 +394,16 @@ class EngineCore:
         for item, token, log_prob in result.sampled:
             if item.kind is not WorkKind.EMPTY_SLOT:
                 self._append_token(item.request, token, log_prob, now)
+        update = ResourceUpdate()
         for request_id, outcome in result.drafts.items():
-            self._accept_drafts(self._active[request_id], outcome, now)
+            req = self._active[request_id]
+            self._accept_drafts(req, outcome, now)
+            update.trim.append((request_id, req.num_computed_tokens))
         for forward in batch.forwards:
             for item in forward:
                 req = item.request
                 if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and req.beam_width == 1:
-                    kv.cache_computed_blocks(req, req.num_computed_tokens)
-                    kv.release_outside_window(req.request_id, req.num_computed_tokens)
+                    update.computed.append((req, req.num_computed_tokens))
         for request_id, step in result.beams.items():
             req = self._active[request_id]
             req.beam_tokens = step.beam_tokens
@@ -380,18 +415,19 @@ class EngineCore:
                 req.finish_reason = FinishReason.END_ID if step.ended_by_end_id else FinishReason.LENGTH
                 req.state = RequestState.GENERATION_TO_COMPLETE
             else:
-                kv.fork_beams(request_id, step.parents)
+                update.forks.append((request_id, step.parents))
+        self.kv_cache_manager.update_resources(update)
         return counts
 
     def _accept_drafts(self, req: LlmRequest, outcome: DraftOutcome, now: float) -> None:
         """Append the accepted drafts and the model's next token (stopping where the request ends); the
-        KV of the accepted drafts is kept, the rest of the step's blocks are rolled back."""
+        KV of the accepted drafts is kept, the rest of the step's blocks are rolled back (the caller's
+        :class:`ResourceUpdate` trims the table to ``num_computed_tokens``)."""
         for token in outcome.tokens:
             self._append_token(req, token, None, now)
             if req.is_finished:
                 break
         req.num_computed_tokens += outcome.num_accepted  # the fed token was counted with the item
-        self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens)
         if req.speculation is None:
             req.speculation = SpecState()
         spec = req.speculation

@@ -29,18 +29,17 @@ manager's own methods, in step order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from bm.config import BatchingScheme
 from bm.engine.stats import IterationStats
+from bm.kv import KVCacheManager, ResourcePlan, ResourceUpdate
 from bm.scheduling import LlmRequest, RequestState
 from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler, StaticBatchScheduler
 from bm.scheduling.micro_batch import MicroBatchScheduler
-from bm.scheduling.scheduler import SimpleScheduler
-
-if TYPE_CHECKING:
-    from bm.engine.core import EngineCore
+from bm.scheduling.scheduler import RequestScheduler, SimpleScheduler
 
 _BUILT_IN_CAPACITY = (GuaranteedNoEvictScheduler, MaxUtilizationScheduler, StaticBatchScheduler)
 
@@ -78,15 +77,22 @@ class DecodeRun:
         return len(self.end_times)
 
 
-def supports_fast_forward(core: EngineCore) -> bool:
-    """Whether this engine's configuration allows stretches at all (checked once)."""
-    scheduler = core.scheduler
+def supports_fast_forward(
+    executor: object,
+    scheme: BatchingScheme,
+    scheduler: RequestScheduler,
+    kv: KVCacheManager,
+    *,
+    attention_window: int | None,
+    ngram: object | None,
+) -> bool:
+    """Whether an engine so configured allows stretches at all (the core asks once)."""
     return (
-        callable(getattr(core.executor, "decode_run", None))
-        and core.scheme in (BatchingScheme.INFLIGHT_FUSED, BatchingScheme.INFLIGHT)
-        and core.attention_window is None
-        and not core.kv_cache_manager.window_tables  # narrower windows release blocks as they go
-        and core.ngram is None
+        callable(getattr(executor, "decode_run", None))
+        and scheme in (BatchingScheme.INFLIGHT_FUSED, BatchingScheme.INFLIGHT)
+        and attention_window is None
+        and not kv.window_tables  # narrower windows release blocks as they go
+        and ngram is None
         and type(scheduler) is SimpleScheduler
         and type(scheduler.capacity_scheduler) in _BUILT_IN_CAPACITY
         and type(scheduler.micro_batch_scheduler) is MicroBatchScheduler
@@ -105,22 +111,77 @@ def _steady(req: LlmRequest) -> bool:
 
 
 def fast_forward(
-    core: EngineCore, generation_ids: list[int], template: IterationStats, until: float
+    requests: list[LlmRequest],
+    kv: KVCacheManager,
+    executor: DecodeRunExecutor,
+    clock: Callable[[], float],
+    template: IterationStats,
+    until: float,
+    *,
+    first_iteration: int,
+    engine_start_s: float,
 ) -> DecodeRun | None:
-    """Advance the pure-decode stretch that follows an iteration which scheduled ``generation_ids`` (every
-    active request, in batch order) and reported ``template``; None when no iteration can be skipped."""
-    active = core._active
-    if len(generation_ids) != len(active) or not generation_ids:
-        return None
-    requests = [active[rid] for rid in generation_ids]
-    if not all(_steady(r) for r in requests):
+    """Advance the pure-decode stretch that follows an iteration which scheduled ``requests`` (every
+    active request, in batch order) and reported ``template``; None when no iteration can be skipped.
+
+    The caller (the core) passes what it owns and counts the iterations itself; the stretch's blocks
+    change hands only through the KV manager's plan and update steps, one pair per iteration that has
+    block events, in step order."""
+    if not requests or not all(_steady(r) for r in requests):
         return None
     horizon = min(r.max_new_tokens - len(r.output_ids) for r in requests) - 1
     if horizon <= 0:
         return None
-    kv = core.kv_cache_manager
+    horizon, events = _block_events(requests, kv, horizon)
+    if horizon <= 0:
+        return None
+    start_s = clock()
+    end_times, tokens = executor.decode_run(requests, horizon, until)
+    done = len(end_times)
+    if done == 0:
+        return None
+    for req, new in zip(requests, tokens, strict=True):
+        req.output_ids.extend(new)
+        req.num_computed_tokens += done
+    used: list[int] = []
+    cached: list[int] = []
+    pool = kv.pool
+    position = 0
+    for j in range(done):
+        plan, update = ResourcePlan(), ResourceUpdate()
+        while position < len(events) and events[position][0] == j:
+            _, kind, index = events[position]
+            req = requests[index]
+            if kind == 0:
+                plan.grow.append((req.request_id, req.num_tokens - done + j))
+            else:
+                update.computed.append((req, req.num_computed_tokens - done + j + 1))
+            position += 1
+        if plan.grow:
+            kv.prepare_resources(plan)
+        if update:
+            kv.update_resources(update)
+        used.append(pool.num_used_blocks)
+        cached.append(pool.num_cached_blocks)
+    return DecodeRun(
+        request_ids=[r.request_id for r in requests],
+        start_s=start_s,
+        end_times=end_times,
+        used_blocks=used,
+        cached_blocks=cached,
+        first_iteration=first_iteration,
+        engine_start_s=engine_start_s,
+        template=replace(template, finished_requests=0, reused_blocks=0, missed_blocks=0),
+        num_layers=kv.num_layers,
+    )
+
+
+def _block_events(
+    requests: list[LlmRequest], kv: KVCacheManager, horizon: int
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """The stretch's block events in step order, ``(iteration, 0 = allocation / 1 = registration, batch
+    position)``, and its horizon: cut before the iteration whose block the free pool might not hold."""
     bs = kv.tokens_per_block
-    # Block events in step order: (iteration, 0 = allocation / 1 = registration, batch position).
     events: list[tuple[int, int, int]] = []
     allocations = 0
     for index, req in enumerate(requests):
@@ -136,7 +197,7 @@ def fast_forward(
         events.sort()
         horizon = events[free][0]
         if horizon <= 0:
-            return None
+            return 0, []
     if kv.enable_block_reuse:
         for index, req in enumerate(requests):
             computed = req.num_computed_tokens  # after iteration j: computed + j + 1
@@ -145,42 +206,4 @@ def fast_forward(
                 events.append((j, 1, index))
                 j += bs
     events.sort()
-
-    start_s = core.clock()
-    end_times, tokens = core.executor.decode_run(requests, horizon, until)
-    done = len(end_times)
-    if done == 0:
-        return None
-    for req, new in zip(requests, tokens, strict=True):
-        req.output_ids.extend(new)
-        req.num_computed_tokens += done
-    used: list[int] = []
-    cached: list[int] = []
-    pool = kv.pool
-    position = 0
-    for j in range(done):
-        while position < len(events) and events[position][0] == j:
-            _, kind, index = events[position]
-            req = requests[index]
-            if kind == 0:
-                kv.allocate(req.request_id, req.num_tokens - done + j)
-            else:
-                kv.cache_computed_blocks(req, req.num_computed_tokens - done + j + 1)
-            position += 1
-        used.append(pool.num_used_blocks)
-        cached.append(pool.num_cached_blocks)
-    run = DecodeRun(
-        request_ids=list(generation_ids),
-        start_s=start_s,
-        end_times=end_times,
-        used_blocks=used,
-        cached_blocks=cached,
-        first_iteration=core._iteration + 1,
-        engine_start_s=core._start_time,
-        template=replace(template, finished_requests=0, reused_blocks=0, missed_blocks=0),
-        num_layers=kv.num_layers,
-    )
-    core._iteration += done
-    if core.check_integrity:
-        core.verify()
-    return run
+    return horizon, events

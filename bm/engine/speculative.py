@@ -14,24 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from bm.scheduling.request import LlmRequest
+from bm.scheduling.request import LlmRequest, SpecState
 
+__all__ = ["NgramConfig", "SpecState", "can_speculate", "ngram_drafts", "request_drafts"]
 
-@dataclass
-class SpecState:
-    """A request's drafts and counts (``draft_logits``: rows as given, read by the runtime)."""
-
-    drafts: tuple[int, ...] = ()
-    draft_logits: Any = None
-    num_draft_tokens: int = 0  # drafts verified
-    num_accepted_tokens: int = 0  # of which accepted
-    num_draft_steps: int = 0  # generation steps that verified drafts
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+DraftRows = tuple[tuple[float, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -60,7 +48,7 @@ def ngram_drafts(tokens: Sequence[int], max_ngram: int, k: int) -> list[int]:
     return []
 
 
-def request_drafts(req: LlmRequest, ngram: NgramConfig | None, k: int) -> tuple[list[int], Any]:
+def request_drafts(req: LlmRequest, ngram: NgramConfig | None, k: int) -> tuple[list[int], DraftRows | None]:
     """At most ``k`` drafts for the request's next step, and their draft logits rows (or None)."""
     spec: SpecState | None = req.speculation
     if spec is not None and spec.drafts:

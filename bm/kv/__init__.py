@@ -4,7 +4,15 @@ from bm.kv.block_hash import BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, IntegrityError, OutOfBlocksError
 from bm.kv.manager import KVCacheManager
 from bm.kv.tables import NO_BLOCK, RequestBlocks
-from bm.kv.types import NO_MATCH, KVRequest, PrefixMatch, PreparedResources, ResourcePlan, cdiv
+from bm.kv.types import (
+    NO_MATCH,
+    KVRequest,
+    PrefixMatch,
+    PreparedResources,
+    ResourcePlan,
+    ResourceUpdate,
+    cdiv,
+)
 from bm.kv.window_groups import WindowedTables, WindowGroup
 
 __all__ = [
@@ -20,6 +28,7 @@ __all__ = [
     "PreparedResources",
     "RequestBlocks",
     "ResourcePlan",
+    "ResourceUpdate",
     "WindowGroup",
     "WindowedTables",
     "cdiv",

@@ -28,6 +28,7 @@ from bm.kv.types import (
     PrefixMatch,
     PreparedResources,
     ResourcePlan,
+    ResourceUpdate,
     cdiv,
 )
 from bm.kv.window_groups import WindowedTables, WindowGroup
@@ -193,7 +194,8 @@ class KVCacheManager:
     # -- the resource-manager steps -------------------------------------------------------------------
 
     def prepare_resources(self, plan: ResourcePlan) -> PreparedResources:
-        """Apply one iteration's plan: the only place, with :meth:`free`, that blocks change hands.
+        """Apply one iteration's plan: with :meth:`update_resources` and :meth:`free`, the only place
+        blocks change hands (drafts grow tables through a plan of their own, after the scheduler's).
 
         Order matters: paused requests give their blocks back first (their registered blocks become
         cached, so a request starting now can take them), every starting request then takes its cached
@@ -218,6 +220,18 @@ class KVCacheManager:
         for request_id, num_tokens in plan.pad:
             self.allocate_padding(request_id, num_tokens)
         return prepared
+
+    def update_resources(self, update: ResourceUpdate) -> None:
+        """Apply what an iteration computed (TensorRT-LLM's ``update_resources``): roll tables back past
+        rejected drafts, register newly full blocks and release those behind the window, then fork beam
+        tables. Kept in that order so block ids, reuse and eviction match step by step."""
+        for request_id, num_tokens in update.trim:
+            self.trim(request_id, num_tokens)
+        for request, num_computed in update.computed:
+            self.cache_computed_blocks(request, num_computed)
+            self.release_outside_window(request.request_id, num_computed)
+        for request_id, parents in update.forks:
+            self.fork_beams(request_id, parents)
 
     def allocate(self, request_id: int, num_tokens: int, beam: int = 0) -> list[int]:
         """Grow one table of the request to hold ``num_tokens`` tokens (a context chunk, or one more token).

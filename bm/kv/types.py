@@ -73,6 +73,21 @@ class ResourcePlan:
 
 
 @dataclass
+class ResourceUpdate:
+    """What one iteration's results change in the cache, in the order
+    :meth:`KVCacheManager.update_resources` applies it: tables roll back past rejected drafts, newly
+    computed blocks are registered for reuse and blocks behind the attention window go back, then beam
+    tables fork. The scheduler's plan grows tables; this follows what the executor computed."""
+
+    trim: list[tuple[int, int]] = field(default_factory=list)  # (request id, tokens each table keeps)
+    computed: list[tuple[KVRequest, int]] = field(default_factory=list)  # (request, tokens computed)
+    forks: list[tuple[int, list[int]]] = field(default_factory=list)  # (request id, parent beam of each)
+
+    def __bool__(self) -> bool:
+        return bool(self.trim or self.computed or self.forks)
+
+
+@dataclass
 class PreparedResources:
     """What :meth:`KVCacheManager.prepare_resources` did that the caller must know."""
 

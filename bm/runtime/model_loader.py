@@ -134,12 +134,15 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
     """Under ``--tensor-parallel N`` each rank loads only its shard, by the model's own tp_plan."""
     from bm.distributed.layout import current_layout
-    from bm.distributed.tensor_parallel import distributed_config
+    from bm.distributed.tensor_parallel import TensorParallelError, distributed_config
 
     layout = current_layout()
     if layout.tensor_parallel == 1:
         return {}
-    config = distributed_config(path, layout)
+    try:
+        config = distributed_config(path, layout)
+    except TensorParallelError as exc:
+        raise ModelLoadError(str(exc)) from None
     return {} if config is None else {"distributed_config": config}
 
 

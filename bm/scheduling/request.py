@@ -6,9 +6,10 @@ State values are ordered as on the scheduler page, so "may be scheduled" is a ra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Protocol
 
 
 class RequestState(IntEnum):
@@ -62,6 +63,76 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+class RequestControls(Protocol):
+    """What the engine and runtime read of a request's controls beyond temperature / top-k / top-p
+    (:class:`bm.engine.request.Controls`: plain values, validated)."""
+
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_length: int
+    no_repeat_ngram_size: int
+    embedding_bias: tuple[float, ...] | None
+    bad_words: tuple[tuple[int, ...], ...]
+    stop_words: tuple[tuple[int, ...], ...]
+    return_log_probs: bool
+    return_context_logits: bool
+    return_generation_logits: bool
+    len_penalty: float
+    early_stopping: int
+
+    @property
+    def needs_runtime_state(self) -> bool: ...
+
+
+class PromptTableInput(Protocol):
+    """A validated prompt-tuning table: ``rows[i]`` embeds prompt id ``vocab_size + i``."""
+
+    rows: tuple[tuple[float, ...], ...]
+    key: str  # digest of the values
+
+
+class LoraInput(Protocol):
+    """A request's adapter: its task id, and on a task's first request its config and weight rows."""
+
+    task_id: int
+    config: tuple[tuple[int, int, int], ...] | None
+    weights: Sequence[Sequence[float]] | None
+
+
+class ModelInputValues(Protocol):
+    """What changes a request's activations beside its token ids (:class:`bm.engine.request.ModelInputs`)."""
+
+    prompt_table: PromptTableInput | None
+    lora: LoraInput | None
+
+    @property
+    def block_extra_keys(self) -> tuple[str | int, ...]: ...
+
+
+@dataclass
+class SpecState:
+    """A request's drafts and their counts. ``draft_logits``: one row of floats per draft token (rows
+    given as arrays are read into plain floats here, so the request holds no tensor)."""
+
+    drafts: tuple[int, ...] = ()
+    draft_logits: tuple[tuple[float, ...], ...] | None = None
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_draft_steps: int = 0  # generation steps that verified drafts
+
+    def __post_init__(self) -> None:
+        rows = self.draft_logits
+        if rows is not None:
+            self.draft_logits = tuple(
+                tuple(float(x) for x in (row.tolist() if hasattr(row, "tolist") else row)) for row in rows
+            )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
 @dataclass(eq=False)
 class LlmRequest:
     request_id: int
@@ -94,22 +165,23 @@ class LlmRequest:
     # request runs, ``beam_tokens`` holds every beam's tokens so far and ``output_ids`` is beam 0's.
     beam_width: int = 1
     beam_tokens: list[list[int]] | None = None
-    # The validated controls beyond temperature / top-k / top-p (bm.engine.request.Controls), plain
-    # values; None for a plain request, which keeps its hot path untouched.
-    controls: Any = None
+    # The validated controls beyond temperature / top-k / top-p, plain values; None for a plain request,
+    # which keeps its hot path untouched.
+    controls: RequestControls | None = None
     # Runtime-owned decoding state built from ``controls`` (logits processors, beam hypotheses, requested
-    # logits): opaque here so the engine core and schedulers stay free of torch.
-    decoding: Any = None
+    # logits): opaque here, read only by the runtime that set it, so the engine core and schedulers stay
+    # free of torch.
+    decoding: object | None = None
     # Per generated token when return_log_probs is set (beam requests keep theirs in the runtime).
     output_log_probs: list[float] | None = None
-    # Inputs beside the token ids that change the activations (prompt-tuning table, ...):
-    # bm.engine.request.ModelInputs, plain values; None for a plain request.
-    model_inputs: Any = None
-    # Draft tokens and their counts (bm.engine.speculative.SpecState); None: no drafts so far.
-    speculation: Any = None
+    # Inputs beside the token ids that change the activations (prompt-tuning table, LoRA adapter), plain
+    # values; None for a plain request.
+    model_inputs: ModelInputValues | None = None
+    # Draft tokens and their counts; None: no drafts so far.
+    speculation: SpecState | None = None
 
     @property
-    def block_extra_keys(self) -> tuple:
+    def block_extra_keys(self) -> tuple[str | int, ...]:
         """What a cached block's key holds beside its tokens (blocks are shared only when equal)."""
         return self.model_inputs.block_extra_keys if self.model_inputs is not None else ()
 

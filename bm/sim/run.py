@@ -16,14 +16,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bm.bench.replayer import Replayer, build_requests
+from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError
+from bm.engine.core import EngineCore, StepOutput
+from bm.engine.driver import Driver
 from bm.engine.fast_forward import DecodeRun
+from bm.engine.request import Response
+from bm.engine.stats import IterationStats
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
 from bm.sim.hardware import CPU_LOCAL, Hardware, ensure_forward_fit, load_hardware
 from bm.sim.model import ModelShape
+from bm.workloads import Workload, arrival_times
 
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
+_STOP_EVERY = 50  # driver rounds between questions to a stop callback
 
 
 @dataclass
@@ -99,135 +107,147 @@ def cost_metrics(
 def run_sim(
     config: BmConfig,
     model: SimModel,
-    workload: Any,
+    workload: Workload,
     arrivals: Sequence[float] | None = None,
     *,
-    progress: Callable[[Any], None] | None = None,
+    progress: Callable[[ReplayProgress], None] | None = None,
     fast_forward: bool = True,
-) -> Any:
+    stop: Callable[[Replayer], bool] | None = None,
+) -> BenchResult:
     """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
 
     ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
-    result is the same either way (a test pins it), only the wall time differs."""
-    import pandas as pd
-
-    from bm.bench.metrics import engine_metrics, request_record, run_metrics
-    from bm.bench.replayer import Replayer
-    from bm.bench.runner import BenchResult, build_requests, records_frame
-    from bm.engine.core import EngineCore
-    from bm.workloads import ArrivalPlan, arrival_times
-
+    result is the same either way (a test pins it), only the wall time differs. ``stop``: asked every
+    few iterations; True ends the replay there, every unfinished request failed as stopped early
+    (``bm sweep`` stops a point once its SLO is certainly missed)."""
     wall_start = time.perf_counter()
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
     if len(times) != len(workload.requests):
         raise ValueError(f"{len(times)} arrival times for {len(workload.requests)} requests")
     built = build_requests(workload, None)  # EOS never ends a simulated request: lengths are the data's
-    clock = VirtualClock()
-    executor = SimExecutor(model.cost_model(), clock)
-    core = EngineCore(config, executor, clock=clock)
     # Tokens are timestamped here, from what the executor sampled, rather than streamed back one
     # response per token: the same times a streaming client would record, without a response object per
     # token. Only final responses go through the replayer (with their tokens already counted).
     requests = [dataclasses.replace(r, streaming=False) for _, r in built]
+    clock = VirtualClock()
     replayer = Replayer(
         requests, [times[i] for i, _ in built], max_concurrency=bench.max_concurrency, clock=clock
     )
-    replayer.start()
-    timelines = replayer.timelines
-    arrival_of = [timelines[r.request_id].arrival_s for r in requests]
-    stats: list[dict[str, Any]] = []
-    iterations = 0
-    skipped = 0  # iterations advanced by fast-forward
-    next_progress = _PROGRESS_EVERY
-    while not replayer.done:
-        max_new = max(0, core.max_num_active_requests - core.num_active)
-        for request in replayer.get_requests(max_new):
-            refused = core.add_request(request)
-            if refused is not None:
-                replayer.send_response(refused)
-        if core.num_active:
-            out = core.step()
-            now = clock.now
-            for rid in executor.last_sampled:
-                timelines[rid].token_s.append(now)
-            replayer.num_output_tokens += len(executor.last_sampled)
-            for response in out.responses:
-                if response.output_ids:
-                    response = dataclasses.replace(response, output_ids=[])
-                replayer.send_response(response)
-            if out.stats is not None:
-                stats.append(stats_row(out.stats))
-            iterations += 1
-            if fast_forward:
-                # a steady decode stretch at once, up to the next iteration an arrival would join
-                max_new = max(0, core.max_num_active_requests - core.num_active)
-                run = core.fast_forward(replayer.next_release_s(max_new))
-                if run is not None:
-                    for rid in run.request_ids:
-                        timelines[rid].token_s.extend(run.end_times)
-                    replayer.num_output_tokens += len(run.request_ids) * run.num_iterations
-                    stats.extend(decode_rows(run))
-                    iterations += run.num_iterations
-                    skipped += run.num_iterations
-            if progress is not None and iterations >= next_progress:
-                next_progress = iterations + _PROGRESS_EVERY
-                progress(_snapshot(replayer))
-            if out.computed_tokens:
-                continue
-        # idle, or nothing could run: only an arrival can change that
-        sent = replayer.num_sent
-        if sent >= len(requests):
-            replayer.fail_unfinished(
-                "the simulated engine could not schedule this request and no arrival was left to change that"
-            )
-            break
-        clock.advance_to(arrival_of[sent])
-    if progress is not None:
-        progress(_snapshot(replayer))
-
-    timelines = {index: replayer.timelines[r.request_id] for index, r in built}
-    records = records_frame(
-        [request_record(i, req, timelines.get(i)) for i, req in enumerate(workload.requests)]
+    replay = _VirtualReplay(config, model, replayer, clock)
+    replay.run(fast_forward, progress, stop)
+    result = bench_result(
+        config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
     )
-    done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
-    duration = max(done, default=0.0)
-    slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
-    metrics = run_metrics(records, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), records)
+    metrics = result.metrics
     metrics |= cost_metrics(
         model.hardware,
         model.tensor_parallel,
-        duration,
+        result.duration_s,
         metrics["total_output_tokens"],
         metrics["total_input_tokens"] + metrics["total_output_tokens"],
     )
     metrics |= {
         "executor": "sim",
-        "simulated_duration_s": duration,
-        "kv_cache_capacity_tokens": executor.kv_capacity_tokens,
-        "kv_cache_blocks": core.kv_cache_manager.get_max_resource_count(),
-        "fast_forwarded_iterations": skipped,
+        "simulated_duration_s": result.duration_s,
+        "kv_cache_capacity_tokens": replay.executor.kv_capacity_tokens,
+        "kv_cache_blocks": replay.core.kv_cache_manager.get_max_resource_count(),
+        "fast_forwarded_iterations": replay.skipped,
+        "stopped_early": replay.stopped_early,
         "wall_time_s": time.perf_counter() - wall_start,
     }
+    return result
 
-    return BenchResult(
-        records=records,
-        stats=stats,
-        metrics=metrics,
-        duration_s=duration,
-        interrupted=False,
-        config=config,
-        model_name=model.name,
-        workload=workload.describe(),
-        arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
-        runtime=model.runtime(),
-    )
+
+class _VirtualReplay:
+    """The driver on a virtual clock: when the engine is idle the clock jumps to the next arrival, and
+    after each step a steady decode stretch may be advanced at once, up to the next arrival."""
+
+    def __init__(self, config: BmConfig, model: SimModel, replayer: Replayer, clock: VirtualClock) -> None:
+        self.replayer = replayer
+        self.clock = clock
+        self.executor = SimExecutor(model.cost_model(), clock)
+        self.core = EngineCore(config, self.executor, clock=clock)
+        self.driver = Driver(
+            self.core,
+            self._deliver,
+            source=replayer.get_requests,
+            stats=lambda stats: self.stats.append(stats_row(stats)),
+            on_step=self._timestamp,
+        )
+        self.stats: list[dict[str, Any]] = []
+        self.iterations = 0
+        self.skipped = 0  # iterations advanced by fast-forward
+        self.stopped_early = False
+
+    def _timestamp(self, _out: StepOutput) -> None:
+        now, timelines = self.clock.now, self.replayer.timelines
+        for rid in self.executor.last_sampled:
+            timelines[rid].token_s.append(now)
+        self.replayer.num_output_tokens += len(self.executor.last_sampled)
+
+    def _deliver(self, response: Response) -> None:
+        if response.output_ids:  # already timestamped from the executor's samples
+            response = dataclasses.replace(response, output_ids=[])
+        self.replayer.send_response(response)
+
+    def run(
+        self,
+        fast_forward: bool,
+        progress: Callable[[ReplayProgress], None] | None,
+        stop: Callable[[Replayer], bool] | None = None,
+    ) -> None:
+        replayer, driver = self.replayer, self.driver
+        replayer.start()
+        arrival_of = [t.arrival_s for t in replayer.timelines.values()]  # in request order
+        next_progress = _PROGRESS_EVERY
+        rounds = 0
+        while not replayer.done:
+            rounds += 1
+            if stop is not None and rounds % _STOP_EVERY == 0 and stop(replayer):
+                replayer.fail_unfinished("stopped early: the point already missed its SLO")
+                self.stopped_early = True
+                break
+            out = driver.round()
+            if out.stats is not None:  # a step ran
+                self.iterations += 1
+                if fast_forward:
+                    self._fast_forward()
+                if progress is not None and self.iterations >= next_progress:
+                    next_progress = self.iterations + _PROGRESS_EVERY
+                    progress(snapshot(replayer))
+                if out.computed_tokens:
+                    continue
+            # idle, or nothing could run: only an arrival can change that
+            sent = replayer.num_sent
+            if sent >= len(arrival_of):
+                replayer.fail_unfinished(
+                    "the simulated engine could not schedule this request and no arrival was left to "
+                    "change that"
+                )
+                break
+            self.clock.advance_to(arrival_of[sent])
+        if progress is not None:
+            progress(snapshot(replayer))
+
+    def _fast_forward(self) -> None:
+        """A steady decode stretch at once, up to the next iteration an arrival would join."""
+        run = self.driver.fast_forward(self.replayer.next_release_s(self.driver.free_slots))
+        if run is None:
+            return
+        timelines = self.replayer.timelines
+        for rid in run.request_ids:
+            timelines[rid].token_s.extend(run.end_times)
+        self.replayer.num_output_tokens += len(run.request_ids) * run.num_iterations
+        self.stats.extend(decode_rows(run))
+        self.iterations += run.num_iterations
+        self.skipped += run.num_iterations
 
 
 _WALL_CLOCK_STAT = "Timestamp"
 
 
-def stats_row(stats: Any) -> dict[str, Any]:
+def stats_row(stats: IterationStats) -> dict[str, Any]:
     """One stats.jsonl row as a real run writes it, its wall-clock timestamp replaced by simulated
     seconds (a simulated run's stats are a function of its inputs alone)."""
     row = json.loads(stats.to_json())
@@ -259,14 +279,3 @@ def decode_rows(run: DecodeRun) -> list[dict[str, Any]]:
         rows.append(row)
         start = end
     return rows
-
-
-def _snapshot(replayer: Any) -> Any:
-    from bm.bench.runner import ReplayProgress
-
-    return ReplayProgress(
-        num_requests=replayer.num_requests,
-        num_finished=replayer.num_finished,
-        num_output_tokens=replayer.num_output_tokens,
-        elapsed_s=replayer.now(),
-    )

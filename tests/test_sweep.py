@@ -1,0 +1,200 @@
+"""``bm sweep``: the SLO search finds the highest feasible load (deterministic under the simulator),
+resumes without rerunning a finished point, runs points in parallel with the same answer, and gates.
+
+Every test runs a tiny generated workload under the simulator (no ../shared, no model weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from bm.cli.main import app
+from bm.config import ConfigError, load_config
+from bm.sweep import runner as sweep_runner
+from bm.sweep.grid import expand, plan_axes
+from bm.sweep.runner import PointStore, SweepPlan, load_config_for, run_sweep
+from bm.sweep.search import LoadSearch, Slo
+
+MODEL = Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b.json"
+SLO_FLAGS = "ttft=400,tpot=40"
+
+
+def base_overrides(**sets: object) -> dict[str, object]:
+    return {
+        "engine.executor": "sim",
+        "sim.hardware": "h100-sxm",
+        "model.config": str(MODEL),
+        "engine.enable_chunked_context": True,
+        "bench.dataset_kind": "synthetic",
+        "bench.num_requests": 60,
+        "bench.input_len": 512,
+        "bench.output_len": 48,
+        "bench.range_ratio": 0.5,
+        "bench.seed": 5,
+        **sets,
+    }
+
+
+def sweep_inputs(schemes: str = "inflight_fused", **sets: object):
+    from bm.sim.run import load_sim_model
+    from bm.workloads import load_workload
+
+    base = load_config(None, base_overrides(**sets))
+    configs = expand(base, plan_axes(None, {"engine.batching_scheme": schemes}))
+    model = load_sim_model(base)
+    workload = load_workload(base.bench, vocab_size=model.vocab_size, encode=None)
+    return configs, model, workload
+
+
+def replay(config, model, workload, slo: Slo, rate: float) -> bool:
+    """Feasibility of one full replay at ``rate`` (no early stop)."""
+    from bm.sim.run import run_sim
+
+    result = run_sim(load_config_for(config, "rate", rate), model, workload)
+    return slo.feasible(slo.values(result.records), int(result.metrics["failed"]))
+
+
+# -- the search ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [0.7, 3.0, 37.5, 1000.0])
+def test_the_search_brackets_then_bisects_to_the_stated_precision(threshold):
+    search = LoadSearch(start=4.0, precision=0.05)
+    while (load := search.next_load()) is not None:
+        search.record(load, load <= threshold)
+    assert search.feasible_at is not None and search.feasible_at <= threshold
+    assert search.infeasible_at is not None and search.infeasible_at > threshold
+    assert search.infeasible_at <= search.feasible_at * 1.05
+    assert len(search.tried) <= 14
+
+
+def test_a_concurrency_search_ends_on_adjacent_integers():
+    search = LoadSearch(start=16.0, integer=True)
+    while (load := search.next_load()) is not None:
+        search.record(load, load <= 23)
+    assert (search.feasible_at, search.infeasible_at) == (23.0, 24.0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 2000])
+def test_more_misses_than_allowed_put_the_percentile_above_the_limit(n):
+    slo = Slo({"ttft": 10.0}, 99.0)
+    allowed = slo.allowed_misses(n)
+    values = pd.Series([1.0] * (n - allowed - 1) + [100.0] * (allowed + 1))
+    assert values.quantile(0.99) > 10.0
+
+
+def test_an_unknown_slo_metric_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="unknown SLO metric 'ttfb'; use ttft, tpot, itl, e2el"):
+        Slo.parse(["ttfb=5"], 99)
+
+
+# -- the answer is right ---------------------------------------------------------------------------------
+
+
+def test_the_reported_highest_rate_meets_the_slo_and_ten_percent_more_misses_it(tmp_path):
+    configs, model, workload = sweep_inputs()
+    slo = Slo.parse([SLO_FLAGS], 99)
+    plan = SweepPlan(configs, slo, precision=0.05, workers=1)
+    (outcome,) = run_sweep(plan, model, workload, PointStore(tmp_path))
+    assert outcome.max_load is not None
+    assert replay(configs[0].config, model, workload, slo, outcome.max_load)
+    assert not replay(configs[0].config, model, workload, slo, round(outcome.max_load * 1.1, 6))
+
+
+def test_early_stop_never_changes_the_answer(tmp_path):
+    configs, model, workload = sweep_inputs()
+    slo = Slo.parse([SLO_FLAGS], 99)
+    answers = []
+    for early in (True, False):
+        plan = SweepPlan(configs, slo, workers=1, early_stop=early)
+        (outcome,) = run_sweep(plan, model, workload, PointStore(tmp_path / str(early)))
+        answers.append((outcome.max_load, [(p.load, p.feasible) for p in outcome.points]))
+    assert answers[0] == answers[1]
+
+
+def test_parallel_workers_find_the_same_loads_as_one(tmp_path):
+    configs, model, workload = sweep_inputs("inflight,inflight_fused")
+    slo = Slo.parse([SLO_FLAGS], 99)
+    found = []
+    for workers in (1, 2):
+        plan = SweepPlan(configs, slo, workers=workers)
+        outcomes = run_sweep(plan, model, workload, PointStore(tmp_path / str(workers)))
+        found.append({o.name: (o.max_load, len(o.points)) for o in outcomes})
+    assert found[0] == found[1]
+
+
+# -- resume ----------------------------------------------------------------------------------------------
+
+
+def test_a_resumed_sweep_reruns_no_finished_point(tmp_path, monkeypatch):
+    configs, model, workload = sweep_inputs()
+    plan = SweepPlan(configs, Slo.parse([SLO_FLAGS], 99), workers=1)
+    (full,) = run_sweep(plan, model, workload, PointStore(tmp_path))
+    lines = (tmp_path / "points.jsonl").read_text().splitlines()
+    (tmp_path / "points.jsonl").write_text("\n".join(lines[:2]) + "\n")  # interrupted after two points
+
+    ran: list[float] = []
+    real = sweep_runner.run_point
+
+    def counting(grid, kind, load, *rest):
+        ran.append(load)
+        return real(grid, kind, load, *rest)
+
+    monkeypatch.setattr(sweep_runner, "run_point", counting)
+    (resumed,) = run_sweep(plan, model, workload, PointStore(tmp_path))
+    finished = {json.loads(line)["load"] for line in lines[:2]}
+    assert ran and not finished & set(ran)
+    assert len(ran) == len(lines) - 2
+    assert resumed.max_load == full.max_load
+    ran.clear()
+    run_sweep(plan, model, workload, PointStore(tmp_path))
+    assert ran == []
+
+
+# -- the command: outputs, gates, resume identity ---------------------------------------------------------
+
+
+def cli(tmp_path: Path, *extra: str) -> object:
+    sets = [f"--set={k}={v}" for k, v in base_overrides().items()]
+    args = ["sweep", *sets, "--schemes", "inflight,inflight_fused", "--slo", SLO_FLAGS, "--workers", "1"]
+    return CliRunner().invoke(app, [*args, "-o", str(tmp_path / "out"), "--no-plot", *extra])
+
+
+def test_sweep_writes_its_files_and_passes_a_true_gate(tmp_path):
+    done = cli(tmp_path, "--assert", "inflight_fused.max_load >= inflight.max_load")
+    assert done.exit_code == 0, done.output
+    out = tmp_path / "out"
+    document = json.loads((out / "sweep.json").read_text())
+    assert set(document["configs"]) == {"inflight", "inflight_fused"}
+    header = (out / "sweep.csv").read_text().splitlines()[0].split(",")
+    assert {"config", "load", "feasible", "output_throughput", "p99_ttft_ms"} <= set(header)
+    assert "passed: inflight_fused.max_load >= inflight.max_load" in done.output
+
+
+def test_a_false_gate_and_a_regression_against_the_baseline_exit_1(tmp_path):
+    assert cli(tmp_path).exit_code == 0
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    for entry in saved["configs"].values():
+        entry["max_load"] = entry["max_load"] * 2  # a baseline that served twice the load
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(saved))
+    gated = cli(tmp_path, "--overwrite", "--assert", "inflight.max_load > 2 * inflight_fused.max_load")
+    assert gated.exit_code == 1 and "FAILED" in gated.output
+    regressed = cli(tmp_path, "--overwrite", "--baseline", str(baseline))
+    assert regressed.exit_code == 1 and "regression: inflight" in regressed.output
+
+
+def test_a_gate_naming_an_unknown_configuration_fails_before_any_point_runs(tmp_path):
+    done = cli(tmp_path, "--assert", "v1.max_load > 0")
+    assert done.exit_code == 2
+    assert "v1" in done.output and not (tmp_path / "out" / "points.jsonl").exists()
+
+
+def test_resume_refuses_a_sweep_with_a_different_slo(tmp_path):
+    assert cli(tmp_path).exit_code == 0
+    again = cli(tmp_path, "--resume", "--slo", "e2el=9000")
+    assert again.exit_code == 2 and "different slo" in again.output
