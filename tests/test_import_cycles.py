@@ -9,12 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "bm"
-
-# The lead engineer breaks this pair in the request-pipeline branch; remove it from here on merge.
-PENDING = {frozenset({"bm.runtime.adapters", "bm.runtime.attention"})}
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -98,14 +93,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_two_modules_of_bm_import_each_other():
-    found = [c for c in cycles(import_graph()) if frozenset(c) not in PENDING]
+    found = cycles(import_graph())
     assert not found, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in found)
-
-
-@pytest.mark.xfail(reason="runtime.adapters <-> runtime.attention: broken on the lead's branch", strict=False)
-def test_runtime_adapters_and_attention_do_not_import_each_other():
-    pending = [c for c in cycles(import_graph()) if frozenset(c) in PENDING]
-    assert not pending, pending
 
 
 def test_the_cycle_finder_sees_a_lazy_import_loop(tmp_path):
