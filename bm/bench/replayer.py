@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from bm.engine.fields import FIELD_ALIASES  # vLLM's names for request fields, as in `bm run`
 from bm.engine.request import Request, Response
 from bm.scheduling import FinishReason
 from bm.workloads import Workload
-from bm.workloads.jsonl import FIELD_ALIASES  # vLLM's names for request fields, as in `bm run`
 
 
 @dataclass

@@ -291,7 +291,7 @@ def _register_sweep() -> None:
     """``bm sweep`` (bm/cli/sweep.py): capacity planning over a grid of configurations."""
     from bm.cli.sweep import sweep
 
-    app.command("sweep")(sweep)
+    app.command("sweep", cls=CompactHelp)(sweep)
 
 
 _register_sweep()
