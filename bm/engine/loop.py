@@ -138,9 +138,17 @@ class EngineLoop:
                 driver.cancel_all(FinishReason.ERROR, f"internal error: {type(exc).__name__}: {exc}")
                 worked = True
             if self._shutdown.is_set() and not self.core.num_active:
+                self._release_executor()
                 return
             if not worked:
                 time.sleep(_IDLE_SLEEP_S)
+
+    def _release_executor(self) -> None:
+        """Give back what the executor put on a shared model (LoRA wrappers) when this engine ends, not
+        whenever the garbage collector gets to it: engines come and go on one loaded model."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     def deliver_safely(self, response: Response) -> None:
         self.driver.deliver(response)

@@ -68,6 +68,13 @@ class TorchExecutor:
             window_pools=layout.window_pools,
         )
 
+    def close(self) -> None:
+        """The engine is done with this executor: LoRA layers give the shared model its own forwards back
+        (a later adapter builds them again)."""
+        if self.lora is not None:
+            self.lora.close()
+            self.lora = None
+
     def admit(self, request: LlmRequest) -> None:
         """The runtime's state for a request: its prompt table as a tensor, and decoding state when it
         asked for more than temperature/top-k/top-p."""
