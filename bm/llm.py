@@ -260,6 +260,8 @@ def _build_config(
                 f"LLM({name}=...): not a model key ({', '.join(sorted(model_keys))}) nor a config section "
                 "given as a mapping, e.g. engine={'max_batch_size': 64}"
             )
+    if isinstance(config, BmConfig) and not overrides:
+        return config  # already validated (the CLI builds its config from files and flags)
     if isinstance(config, BmConfig):
         data = config.to_dict()
         for dotted, value in overrides.items():

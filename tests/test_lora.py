@@ -233,13 +233,14 @@ def test_jsonl_lora_dir_becomes_the_seed_form_with_a_task_id_from_the_directory(
         + json.dumps({"input_ids": [5, 6], "lora_dir": str(tmp_path / "missing")})
         + "\n"
     )
-    first, second, bad = read_prompt_lines(lines, None, 8, None)
-    assert first.error is None and first.request.lora_task_id == task_id_for_directory(path)
+    (first, first_request), (_, second_request), (bad, bad_request) = read_prompt_lines(lines, None, 8, None)
+    assert first.error is None and first_request.lora_task_id == task_id_for_directory(path)
     config, weights = read_peft_adapter(path)
-    assert first.request.lora_config == config and torch.equal(first.request.lora_weights, weights)
-    assert second.request.lora_task_id == 77
+    assert first_request.lora_config == config and torch.equal(first_request.lora_weights, weights)
+    assert second_request.lora_task_id == 77
     assert (
-        bad.error is not None
+        bad_request is None
+        and bad.error is not None
         and "line 3: lora_dir" in bad.error
         and "adapter_config.json is missing" in bad.error
     )

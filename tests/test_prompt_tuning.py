@@ -163,10 +163,10 @@ def test_jsonl_lines_carry_the_table_as_a_nested_list(tmp_path):
         + json.dumps({"input_ids": [7], "prompt_embedding_table": [0.5, 1.0]})
         + "\n"
     )
-    good, bad = read_prompt_lines(path, None, 8, None)
+    (good, request), (bad, _) = read_prompt_lines(path, None, 8, None)
     assert good.error is None
-    assert good.request.prompt_embedding_table == [[0.5, 1.0], [2, 3]]
-    assert good.request.prompt_vocab_size == 2
+    assert request.prompt_embedding_table == [[0.5, 1.0], [2, 3]]
+    assert request.prompt_vocab_size == 2
     assert bad.error is not None and "line 2: prompt_embedding_table: expected a nested list" in bad.error
 
 

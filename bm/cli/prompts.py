@@ -1,4 +1,4 @@
-"""From checked request lines to the batch manager's requests, once the model (and tokenizer) is loaded.
+"""From a row (a checked request line) to the batch manager's request, once the model (and tokenizer) is loaded.
 
 The file itself is read by :mod:`bm.workloads.jsonl` (or :mod:`bm.cli.openai_batch`) before the model
 loads, so a bad file is reported at once; here text is tokenized, chats are rendered with the chat
@@ -10,8 +10,8 @@ its place: the batch manager gets each line's 0-based number as its request id (
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +19,6 @@ from bm.engine.request import Request
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
 from bm.workloads.jsonl import WORD_LISTS, ParsedLine, read_request_file, resolve_word_list
 from bm.workloads.request import RowError
-
-
-@dataclass
-class PromptLine:
-    index: int  # the line's 0-based number in the file; the batch manager's request id
-    line_number: int  # 1-based line in the file, for messages
-    user_id: Any
-    request: Request | None = None
-    num_prompt_tokens: int | None = None
-    error: str | None = None
-    stop: list[str] = field(default_factory=list)  # stop strings: the text is cut at the first one
-    extra: dict[str, Any] = field(default_factory=dict)  # what an input format needs back (OpenAI batch)
 
 
 @dataclass
@@ -58,32 +46,39 @@ def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
     return Codec(tokenizer.encode, tokenizer.encode_word, render_chat if render is not None else None)
 
 
-def build_prompt_lines(
-    parsed: Iterable[ParsedLine],
-    codec: Codec,
-    default_output_len: int,
-    default_end_id: int | None,
-) -> list[PromptLine]:
-    """One :class:`PromptLine` per parsed line; a line that cannot become a request carries its error."""
-    return [prompt_line(entry, codec, default_output_len, default_end_id) for entry in parsed]
-
-
-def prompt_line(
-    entry: ParsedLine, codec: Codec, default_output_len: int, default_end_id: int | None
-) -> PromptLine:
-    """The request for one parsed line, tokenized; its index (and request id) is the line's 0-based
-    number in the file, so a blank line never shifts the indexes of the lines after it."""
-    index = entry.line_number - 1
-    line = PromptLine(index=index, line_number=entry.line_number, user_id=entry.user_id, stop=entry.stop)
-    line.error = entry.error
-    if line.error is None:
-        try:
-            line.request, line.num_prompt_tokens = _to_request(
-                entry, index, codec, default_output_len, default_end_id
-            )
-        except RowError as exc:
-            line.error = f"{entry.where}: {exc}"
-    return line
+def to_request(
+    row: ParsedLine, codec: Codec, default_output_len: int, default_end_id: int | None
+) -> Request | None:
+    """The core request for one row, tokenized; None when it cannot become one (the row then carries its
+    error). Its request id is the row's index, the line's 0-based number in the file, so a blank line
+    never shifts the indexes of the lines after it. Records the prompt's length on the row."""
+    if row.error is not None:
+        return None
+    try:
+        prompt_ids = _prompt_ids(row, codec)
+        fields: dict[str, Any] = dict(row.fields)
+        for name in WORD_LISTS:
+            if name in fields:
+                fields[name] = resolve_word_list(fields[name], name, codec.encode_word)
+        if row.stop:
+            stops = resolve_word_list(row.stop, "stop", codec.encode_word)
+            fields["stop_words_list"] = [*fields.get("stop_words_list", []), *stops]
+        if "end_id" not in fields and default_end_id is not None:
+            fields["end_id"] = default_end_id
+        if row.lora_dir is not None:
+            _add_lora_dir(fields, row.lora_dir)
+    except RowError as exc:
+        row.error = f"{row.where}: {exc}"
+        return None
+    # A file's records are written when each request finishes: streaming changes nothing there, and
+    # with it off every response the engine sends is the request's one final response.
+    fields.pop("streaming", None)
+    row.num_prompt_tokens = len(prompt_ids)
+    output_len = row.output_len or default_output_len
+    # Typed values as parsed. Ranges that depend on the model (token ids against the vocabulary, where ids
+    # from vocab_size on may be prompt-table rows; a bias per vocabulary token) are the engine's
+    # validate_request's alone: a second check here is how prompt tuning through `bm run` broke.
+    return Request(row.index, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
 
 
 def read_prompt_lines(
@@ -92,33 +87,13 @@ def read_prompt_lines(
     default_output_len: int,
     default_end_id: int | None,
     encode_word: Callable[[str], list[int]] | None = None,
-) -> list[PromptLine]:
-    """Read and build in one call, without a loaded model (the engine checks ids against its vocabulary)."""
+) -> list[tuple[ParsedLine, Request | None]]:
+    """Each row of a file with its request, without a loaded model (the engine checks ids against its
+    vocabulary)."""
     codec = Codec(encode=encode, encode_word=encode_word)
-    return build_prompt_lines(read_request_file(path), codec, default_output_len, default_end_id)
-
-
-def _to_request(
-    entry: ParsedLine, index: int, codec: Codec, default_output_len: int, default_end_id: int | None
-) -> tuple[Request, int]:
-    prompt_ids = _prompt_ids(entry, codec)
-    fields: dict[str, Any] = dict(entry.fields)
-    for name in WORD_LISTS:
-        if name in fields:
-            fields[name] = resolve_word_list(fields[name], name, codec.encode_word)
-    if entry.stop:
-        stops = resolve_word_list(entry.stop, "stop", codec.encode_word)
-        fields["stop_words_list"] = [*fields.get("stop_words_list", []), *stops]
-    if "end_id" not in fields and default_end_id is not None:
-        fields["end_id"] = default_end_id
-    if entry.lora_dir is not None:
-        _add_lora_dir(fields, entry.lora_dir)
-    output_len = entry.output_len or default_output_len
-    # Typed values as parsed. Ranges that depend on the model (token ids against the vocabulary, where ids
-    # from vocab_size on may be prompt-table rows; a bias per vocabulary token) are the engine's
-    # validate_request's alone: a second check here is how prompt tuning through `bm run` broke.
-    request = Request(request_id=index, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
-    return request, len(prompt_ids)
+    return [
+        (row, to_request(row, codec, default_output_len, default_end_id)) for row in read_request_file(path)
+    ]
 
 
 def _add_lora_dir(fields: dict[str, Any], directory: str) -> None:

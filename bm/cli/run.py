@@ -25,13 +25,14 @@ from rich.table import Table
 import bm
 from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
-from bm.cli.prompts import PromptLine, codec_for, prompt_line
+from bm.cli.prompts import codec_for, to_request
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
 from bm.distributed.engine import engine_loop
-from bm.engine import OfflineClient, Request, RequestResult
-from bm.runtime import LoadedModel, load_model
+from bm.engine.request import Request, Response, error_response
+from bm.llm import LLM
+from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
 from bm.workloads.jsonl import ParsedLine
@@ -85,23 +86,24 @@ def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> di
     }
 
 
-def output_record(line: PromptLine, result: RequestResult | None, loaded: LoadedModel) -> dict[str, Any]:
+def output_record(row: ParsedLine, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:
+    """The record of one row: its request's final response, or the row's own error (``result`` None)."""
     if result is None or result.error:
         # the engine does not know lines: the CLI names the line its request came from
-        record = _error_fields(line.index, line.user_id, line.num_prompt_tokens)
-        record["error"] = line.error if result is None else f"line {line.line_number}: {result.error}"
+        record = _error_fields(row.index, row.user_id, row.num_prompt_tokens)
+        record["error"] = row.error if result is None else f"line {row.line_number}: {result.error}"
         if result is not None and result.output_ids:
             record.update(output_ids=result.output_ids, num_output_tokens=len(result.output_ids))
         return record
     record: dict[str, Any] = {
-        "index": line.index,
-        "id": line.user_id,
-        "num_prompt_tokens": line.num_prompt_tokens,
+        "index": row.index,
+        "id": row.user_id,
+        "num_prompt_tokens": row.num_prompt_tokens,
     }
     reason = result.finish_reason.label
     if loaded.tokenizer is not None:
         text = loaded.tokenizer.decode(result.output_ids)
-        cut = min((i for i in (text.find(s) for s in line.stop) if i >= 0), default=-1)
+        cut = min((i for i in (text.find(s) for s in row.stop) if i >= 0), default=-1)
         if cut >= 0:  # stop strings end the text before them, as in OpenAI's API
             text, reason = text[:cut], FinishReason.STOP_WORDS.label
         record["text"] = text
@@ -111,10 +113,12 @@ def output_record(line: PromptLine, result: RequestResult | None, loaded: Loaded
         finish_reason=reason,
         error=None,
     )
+    log_probs = result.output_log_probs
     if result.beams is not None:
         record["beams"] = result.beams
-    if result.output_log_probs is not None:
-        record["output_log_probs"] = result.output_log_probs
+        log_probs = result.beam_log_probs[0] if result.beam_log_probs else None  # the best beam's
+    if log_probs is not None:
+        record["output_log_probs"] = log_probs
     if result.beam_log_probs is not None:
         record["beam_log_probs"] = result.beam_log_probs
     if result.cum_log_probs is not None:
@@ -124,7 +128,7 @@ def output_record(line: PromptLine, result: RequestResult | None, loaded: Loaded
     return record
 
 
-def write_logits(out_dir: Path, index: int, result: RequestResult) -> str | None:
+def write_logits(out_dir: Path, index: int, result: Response) -> str | None:
     """Logits go to ``logits/<index>.safetensors`` beside outputs.jsonl (never inline); returns the path
     relative to the output directory, or None when the request asked for none."""
     tensors = {
@@ -208,7 +212,7 @@ def run_prompts(
         with Interrupts() as own:
             return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
-    loaded = load_model(config.model)
+    loaded = LLM(config=config).loaded  # the front door a library user has loads the model
     default_end_id = None if ignore_eos else loaded.eos_token_id
     codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -221,14 +225,9 @@ def run_prompts(
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, loaded, out_dir)
         feeder = _Feeder()
-        client = OfflineClient([], on_final=run.finished.put, keep_results=False)
         started = time.perf_counter()
         manager = engine_loop(
-            config,
-            feeder.get_requests,
-            client.send_response,
-            return_stats=_marked(stats, run_id),
-            model=loaded,
+            config, feeder.get_requests, run.on_response, return_stats=_marked(stats, run_id), model=loaded
         )
 
         def first_interrupt() -> None:
@@ -245,33 +244,27 @@ def run_prompts(
             run.task = progress.add_task("generating", total=None, tps="0")
             run.progress, run.started = progress, started
             for entry in parsed:
-                if entry.line_number - 1 in done:
+                if entry.index in done:
                     continue
                 summary.num_requests += 1
                 if interrupts.signal_name is not None:
                     run.cancel_unstarted(feeder, console, interrupts.signal_name)
-                    run.write(cancelled_record_for(entry))
+                    run.write(cancelled_record(entry))
                     continue
-                line = prompt_line(entry, codec, default_output_len, default_end_id)
-                if line.request is None:
-                    run.write(output_record(line, None, loaded))
+                request = to_request(entry, codec, default_output_len, default_end_id)
+                if request is None:
+                    run.write(output_record(entry, None, loaded))
                     continue
                 while len(run.in_flight) >= limit and run.wait_one(manager, feeder, console, interrupts):
                     pass
-                run.in_flight[line.index] = line
-                feeder.add(line.request)
-                line.request = None  # the engine holds it now; the run keeps only what the record needs
+                run.in_flight[entry.index] = entry
+                feeder.add(request)
             while run.in_flight and run.wait_one(manager, feeder, console, interrupts):
                 pass
         summary.wall_time_s = time.perf_counter() - started
         manager.shutdown(cancel=True)
-        for line in list(
-            run.in_flight.values()
-        ):  # only if the worker died: every request still gets a record
-            lost = RequestResult(
-                line.index, finish_reason=FinishReason.ERROR, error="the batch manager stopped"
-            )
-            run.write(output_record(line, lost, loaded))
+        for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
+            run.write(output_record(row, error_response(row.index, "the batch manager stopped"), loaded))
 
     if batch_lines is not None:
         from bm.cli.openai_batch import write_batch_output
@@ -308,12 +301,17 @@ class _Run:
         self.outputs = outputs
         self.loaded = loaded
         self.out_dir = out_dir
-        self.finished: queue.Queue[RequestResult] = queue.Queue()
-        self.in_flight: dict[int, PromptLine] = {}
+        self.finished: queue.Queue[Response] = queue.Queue()
+        self.in_flight: dict[int, ParsedLine] = {}
         self.progress: Progress | None = None
         self.task: Any = None
         self.started = 0.0
         self.drained = False
+
+    def on_response(self, response: Response) -> None:
+        """The engine's callback (its thread): a request's one final response (no line streams)."""
+        if response.final:
+            self.finished.put(response)
 
     def write(self, record: dict[str, Any]) -> None:
         self.outputs.write(record)
@@ -334,9 +332,9 @@ class _Run:
                 if not manager.is_alive():
                     return False
                 continue
-            line = self.in_flight.pop(result.request_id)
-            record = output_record(line, result, self.loaded)
-            logits_file = write_logits(self.out_dir, line.index, result)
+            row = self.in_flight.pop(result.request_id)
+            record = output_record(row, result, self.loaded)
+            logits_file = write_logits(self.out_dir, row.index, result)
             if logits_file is not None:
                 record["logits_file"] = logits_file
             self.write(record)
@@ -388,26 +386,21 @@ def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     summary.count(reason)
 
 
-def cancelled_record(line: PromptLine) -> dict[str, Any]:
-    """The record of a queued request an interrupt ended before it started."""
+def cancelled_record(row: ParsedLine) -> dict[str, Any]:
+    """The record of a row an interrupt ended before its request started (an unreadable row keeps its
+    error)."""
+    if row.error is not None:
+        return {**_error_fields(row.index, row.user_id, None), "error": row.error}
     return {
-        "index": line.index,
-        "id": line.user_id,
-        "num_prompt_tokens": line.num_prompt_tokens,
+        "index": row.index,
+        "id": row.user_id,
+        "num_prompt_tokens": row.num_prompt_tokens,
         "output_ids": [],
         "num_output_tokens": 0,
         "finish_reason": FinishReason.CANCELLED.label,
         "error": None,
         "text": "",
     }
-
-
-def cancelled_record_for(entry: ParsedLine) -> dict[str, Any]:
-    """The record of a line read after an interrupt: it never ran (an unreadable line keeps its error)."""
-    if entry.error is not None:
-        return {**_error_fields(entry.line_number - 1, entry.user_id, None), "error": entry.error}
-    line = PromptLine(index=entry.line_number - 1, line_number=entry.line_number, user_id=entry.user_id)
-    return cancelled_record(line)
 
 
 def _model_label(config: BmConfig) -> str:

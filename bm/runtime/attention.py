@@ -43,6 +43,18 @@ class UnsupportedAttentionError(RuntimeError):
     pass
 
 
+def segment_rows(segment: Any, offset: int) -> range:
+    """The packed rows whose logits a forward returns for a segment (a ``Segment`` or the engine's work
+    item) starting at ``offset``: every row with ``keep_all``, the drafts' and the last with drafts, the
+    last when it samples. One definition for the torch and the Triton paths."""
+    n = len(segment.token_ids)
+    if segment.keep_all:
+        return range(offset, offset + n)
+    if segment.num_draft:
+        return range(offset + n - 1 - segment.num_draft, offset + n)
+    return range(offset + n - 1, offset + n) if segment.sample else range(0)
+
+
 @dataclass
 class PrefillSegment:
     """A run of two or more query tokens of one request (a context chunk)."""

@@ -25,6 +25,7 @@ from bm.runtime.attention import (
     PrefillSegment,
     batch_metadata,
     register,
+    segment_rows,
 )
 from bm.runtime.host_memory import tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
@@ -227,12 +228,7 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             _place(seg, offset, table, prefill, decode_rows)
-            if seg.keep_all:
-                sample_index.extend(range(offset, offset + n))
-            elif seg.num_draft:
-                sample_index.extend(range(offset + n - 1 - seg.num_draft, offset + n))
-            elif seg.sample:
-                sample_index.append(offset + n - 1)
+            sample_index.extend(segment_rows(seg, offset))
             offset += n
 
         dev = self.device

@@ -56,7 +56,8 @@ MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused b
 
 @dataclass
 class ParsedLine:
-    """One line of a request file, checked but not tokenized. Exactly one of the prompt forms is set."""
+    """The row: one line of a request file (bm's own or an OpenAI batch body), checked but not tokenized,
+    and what its output record needs back. Exactly one of the prompt forms is set."""
 
     line_number: int  # 1-based line in the file: every message about this request names it
     user_id: Any = None
@@ -70,6 +71,12 @@ class ParsedLine:
     # Request fields by spec name, plain values: word lists as [str | list[int], ...] or the [2, n] form.
     fields: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # "line N: field: problem; fix", when the line cannot run
+    num_prompt_tokens: int | None = None  # set once the prompt is tokenized
+
+    @property
+    def index(self) -> int:
+        """The line's 0-based number in the file: the record's ``index`` and the engine's request id."""
+        return self.line_number - 1
 
     @property
     def ok(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bm.runtime.attention import AttentionMetadata, batch_metadata
+from bm.runtime.attention import AttentionMetadata, batch_metadata, segment_rows
 from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
 
 
@@ -48,14 +48,8 @@ def kept_rows(segments: Sequence) -> list[int]:
     keep: list[int] = []
     offset = 0
     for seg in segments:
-        n = len(seg.token_ids)
-        if seg.keep_all:
-            keep.extend(range(offset, offset + n))
-        elif seg.num_draft:
-            keep.extend(range(offset + n - 1 - seg.num_draft, offset + n))
-        elif seg.sample:
-            keep.append(offset + n - 1)
-        offset += n
+        keep.extend(segment_rows(seg, offset))
+        offset += len(seg.token_ids)
     return keep
 
 
