@@ -20,6 +20,7 @@ from rich.table import Table
 from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
 from bm.cli.help import silence_progress_bars
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
+from bm.compare.regress import read_baseline_document
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:
@@ -108,23 +109,7 @@ def _known_metrics() -> set[str]:
 
 
 def _read_baseline(path: Path) -> dict[str, Any]:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(
-            f"--baseline {path}: no such file; save one with bm compare -o DIR (DIR/compare.json)"
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(f"--baseline {path}: is a directory; give DIR/compare.json") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"--baseline {path}: not a compare.json (not UTF-8 text: byte 0x{exc.object[exc.start]:02x} "
-            f"at offset {exc.start})"
-        ) from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"--baseline {path}: not a readable compare.json ({exc})") from None
-    if not isinstance(document, dict) or not isinstance(document.get("variants"), dict):
-        raise ConfigError(f"--baseline {path}: not a compare.json (no 'variants' mapping)")
+    document = read_baseline_document(path, "compare", "variants")
     # checked now, not after the run: a malformed baseline must not cost the results
     for name, variant in document["variants"].items():
         if not isinstance(variant, dict) or not isinstance(variant.get("metrics", {}), dict):

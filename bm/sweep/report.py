@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bm.config import ConfigError
+from bm.compare.regress import read_baseline_document
 from bm.sweep.runner import ConfigOutcome, SweepPlan
 
 # per-configuration figures an --assert may read, beside the metrics at the highest feasible load
@@ -125,17 +125,7 @@ def gate_metrics(plan: SweepPlan, outcomes: list[ConfigOutcome]) -> dict[str, di
 
 
 def read_baseline(path: Path) -> dict[str, Any]:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(
-            f"--baseline {path}: no such file; save one with bm sweep -o DIR (DIR/sweep.json)"
-        ) from None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--baseline {path}: not a readable sweep.json ({exc})") from None
-    if not isinstance(document, dict) or not isinstance(document.get("configs"), dict):
-        raise ConfigError(f"--baseline {path}: not a sweep.json (no 'configs' mapping)")
-    return document
+    return read_baseline_document(path, "sweep", "configs")
 
 
 def regressions(previous: dict[str, Any], outcomes: list[ConfigOutcome], tolerance: float) -> list[str]:
