@@ -173,6 +173,7 @@ def _run(
             chat_template=template,
             batch_lines=batch_lines,
             interrupts=interrupts,
+            num_lines=None if quiet else _count_lines(prompts),
         )
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
@@ -225,6 +226,13 @@ def _check_input_file(path: Path) -> None:
                 f"prompts file {str(path)!r} holds no request (it is empty or blank); give one JSON "
                 'object per line, e.g. {"prompt": "Hello"}'
             )
+
+
+def _count_lines(path: Path) -> int:
+    """The non-blank lines of a prompts file, for the progress bar's total: the run itself streams the
+    file, and one pass over its bytes costs about a second per gigabyte."""
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _read_template(path: Path | None) -> str | None:

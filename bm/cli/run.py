@@ -199,6 +199,7 @@ def run_prompts(
     chat_template: str | None = None,
     batch_lines: list[Any] | None = None,
     interrupts: Interrupts | None = None,
+    num_lines: int | None = None,
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
@@ -210,7 +211,7 @@ def run_prompts(
     ``batch_output.jsonl`` in OpenAI's format."""
     if interrupts is None:
         with Interrupts() as own:
-            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own)  # fmt: skip
+            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     loaded = LLM(config=config).loaded  # the front door a library user has loads the model
     default_end_id = None if ignore_eos else loaded.eos_token_id
@@ -241,7 +242,8 @@ def run_prompts(
             first_interrupt()
         limit = in_flight_limit(config)
         with _progress(console, show_progress) as progress:
-            run.task = progress.add_task("generating", total=None, tps="0")
+            total = None if num_lines is None else num_lines - len(done)
+            run.task = progress.add_task("generating", total=total, tps="0")
             run.progress, run.started = progress, started
             for entry in parsed:
                 if entry.index in done:
