@@ -78,7 +78,11 @@ def build_config(config: Path | None, overrides: list[str], model: str | None, m
     return load_config(config, pairs)
 
 
-@app.command(epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"), cls=CompactHelp)
+@app.command(
+    epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"),
+    cls=CompactHelp,
+    short_help="Answer every line of a prompts or OpenAI batch file; one record per line.",
+)
 def run(
     prompts: Path = typer.Argument(
         ...,
@@ -274,9 +278,12 @@ def _register_bench() -> None:
     """``bm bench`` lives in its own module; its heavy imports wait until it runs."""
     from bm.cli.bench import bench
 
-    app.command("bench", epilog="Config keys (SECTION.KEY for --set): see bm run --help.", cls=CompactHelp)(
-        bench
-    )
+    app.command(
+        "bench",
+        epilog="Config keys (SECTION.KEY for --set): see bm run --help.",
+        cls=CompactHelp,
+        short_help="Replay timed arrivals; report throughput and latency (vllm bench serve's names).",
+    )(bench)
 
 
 _register_bench()
@@ -286,10 +293,15 @@ def _register_compare() -> None:
     """``bm compare`` and ``bm report`` share bench's flags; their heavy imports wait until they run."""
     from bm.cli.compare import compare, report
 
-    app.command("compare", epilog="Config keys (SECTION.KEY for --set): see bm run --help.", cls=CompactHelp)(
-        compare
+    app.command(
+        "compare",
+        epilog="Config keys (SECTION.KEY for --set): see bm run --help.",
+        cls=CompactHelp,
+        short_help="Schemes, policies and HF baselines side by side on one workload, with CI gates.",
+    )(compare)
+    app.command("report", cls=CompactHelp, short_help="Draw the plots of a saved bench or compare run.")(
+        report
     )
-    app.command("report", cls=CompactHelp)(report)
 
 
 _register_compare()
@@ -299,7 +311,11 @@ def _register_sweep() -> None:
     """``bm sweep`` (bm/cli/sweep.py): capacity planning over a grid of configurations."""
     from bm.cli.sweep import sweep
 
-    app.command("sweep", cls=CompactHelp)(sweep)
+    app.command(
+        "sweep",
+        cls=CompactHelp,
+        short_help="The highest load each configuration of a grid sustains within SLOs.",
+    )(sweep)
 
 
 _register_sweep()
