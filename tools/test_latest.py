@@ -113,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         _pip(python, "--no-deps", "--no-build-isolation", "-e", str(REPO))
         _pip(python, "--no-deps", "--upgrade", *NO_DEPS)
         freeze = subprocess.run(
-            [str(python), "-m", "pip", "freeze", "--exclude-editable"],
+            [str(python), "-m", "pip", "freeze", "--all", "--exclude-editable"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
-        latest = read_pins(freeze)
-        changes = moved(read_pins(LOCK.read_text()), latest)
+        # --all lists setuptools (pinned in the lock as the build backend); pip itself is not locked
+        latest = {name: version for name, version in read_pins(freeze).items() if name != "pip"}
+        changes = moved(read_pins(LOCK.read_text() + MODEL_FILE_LOCK.read_text()), latest)
         print(f"newest transformers: {latest.get('transformers', '?')}; torch: {latest.get('torch', '?')}")
         print(
             "packages that moved against requirements/lock.txt:"
