@@ -78,15 +78,10 @@ class OfflineClient:
         self,
         requests: Iterable[Request | InferenceRequest],
         on_final: Callable[[RequestResult], None] | None = None,
-        *,
-        keep_results: bool = True,
     ) -> None:
-        """``keep_results=False`` (with ``on_final``): a result is handed over and forgotten, so a client
-        streaming millions of requests holds only the ones in flight."""
         self._pending = deque(requests)
         self._expected = len(self._pending)
         self._on_final = on_final
-        self._keep_results = keep_results
         self._lock = threading.Lock()
         self._done = threading.Event()
         self.results: dict[int, RequestResult] = {}
@@ -135,8 +130,6 @@ class OfflineClient:
                 for name in FINAL_COUNTERS:
                     setattr(result, name, getattr(response, name))
                 self.num_final += 1
-                if not self._keep_results:
-                    del self.results[response.request_id]
         if response.final:
             if self._on_final is not None:
                 self._on_final(result)
