@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, load_config
+from bm.engine.fields import token_id_list
 from bm.engine.offline import RequestResult, generate
 from bm.engine.request import Request
 
@@ -281,25 +282,10 @@ def _is_ids(value: Any) -> bool:
 
 
 def _ids(value: Any) -> list[int]:
-    if isinstance(value, Mapping) and "prompt_token_ids" in value:  # vLLM's TokensPrompt
-        value = value["prompt_token_ids"]
-    elif isinstance(value, Mapping) and "input_ids" in value:  # a transformers tokenizer's result
-        value = value["input_ids"]
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if value and isinstance(value[0], list):
-        if len(value) != 1:
-            raise ValueError(f"a prompt's token ids must be one list, got {len(value)} rows")
-        value = value[0]
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    ):
-        raise ValueError(
-            f"a prompt must be text or a non-empty list of token ids, got {type(value).__name__}"
-        )
-    return value
+    ids = token_id_list(value)
+    if not ids:
+        raise ValueError("a prompt must be text or a non-empty list of token ids, got an empty list")
+    return ids
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

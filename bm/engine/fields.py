@@ -156,3 +156,24 @@ def show_value(value: Any) -> str:
     """A value for a message, cut short: a 200 KB prompt must not become a 200 KB error."""
     text = json.dumps(value, ensure_ascii=True) if not isinstance(value, float) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def token_id_list(value: Any) -> list[int]:
+    """A prompt's token ids from the shapes the ecosystem hands over: a list, one row of a batch of one,
+    anything with ``tolist`` (a tensor or array), a transformers tokenizer's result (``input_ids``) or
+    vLLM's TokensPrompt (``prompt_token_ids``). One reading for ``InferenceRequest.from_values`` and
+    ``bm.LLM``; anything else is refused in bm's words, not torch's."""
+    if isinstance(value, dict) or hasattr(value, "keys"):
+        key = next((k for k in ("prompt_token_ids", "input_ids") if k in value), None)
+        if key is None:
+            raise RequestError(f"input_ids: expected token ids, got a mapping with keys {sorted(value)}")
+        value = value[key]
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)):
+        if len(value) != 1:
+            raise RequestError(f"input_ids: a prompt's token ids must be one row, got {len(value)} rows")
+        value = value[0]  # one row, as tokenizers return a batch of one
+    if not isinstance(value, (list, tuple)) or not all(is_int(t) for t in value):
+        raise RequestError(f"input_ids: expected a list of integer token ids, got {type(value).__name__}")
+    return list(value)

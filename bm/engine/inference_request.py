@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from bm.engine.fields import BOOL_FIELDS, WORD_LISTS
+from bm.engine.fields import BOOL_FIELDS, WORD_LISTS, token_id_list
 from bm.engine.request import (
     UNSUPPORTED_FIELDS,
     Request,
@@ -86,7 +86,7 @@ class InferenceRequest:
         ``input_ids`` may also be what a transformers tokenizer returns (a mapping with ``input_ids``, one
         row or a flat list) or a tensor; anything else is refused with bm's own message."""
         req = cls(request_id)
-        req.tensors["input_ids"] = torch.tensor([_id_list(input_ids)], dtype=torch.int32)
+        req.tensors["input_ids"] = torch.tensor([token_id_list(input_ids)], dtype=torch.int32)
         req.tensors["request_output_len"] = torch.tensor([[request_output_len]], dtype=torch.int32)
         for name, value in fields.items():
             req.set(name, value)
@@ -105,22 +105,6 @@ class InferenceRequest:
 
     def __repr__(self) -> str:
         return f"InferenceRequest(request_id={self.request_id}, tensors={sorted(self.tensors)})"
-
-
-def _id_list(value: Any) -> list[int]:
-    if isinstance(value, Mapping):
-        if "input_ids" not in value:
-            raise RequestError(f"input_ids: expected token ids, got a mapping with keys {sorted(value)}")
-        value = value["input_ids"]
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple)):
-        value = value[0]  # one row, as tokenizers return a batch of one
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise RequestError(f"input_ids: expected a list of integer token ids, got {type(value).__name__}")
-    return list(value)
 
 
 def _scalar(tensors: Mapping[str, torch.Tensor], name: str) -> Any:
