@@ -13,8 +13,8 @@ from bm.engine import Request, Response
 from bm.scheduling import FinishReason
 from bm.workloads import (
     ArrivalPlan,
+    Row,
     Workload,
-    WorkloadRequest,
     arrival_times,
     gamma_arrivals,
     poisson_arrivals,
@@ -77,10 +77,10 @@ def test_offline_puts_every_request_at_zero():
 
 def test_arrival_times_give_a_failed_row_without_timestamp_its_predecessors_time():
     rows = [
-        WorkloadRequest("line 1", timestamp=0.0),
-        WorkloadRequest("line 2", timestamp=2.0),
-        WorkloadRequest("line 3", error="line 3: malformed JSON"),
-        WorkloadRequest("line 4", timestamp=6.0),
+        Row("line 1", arrival_time=0.0),
+        Row("line 2", arrival_time=2.0),
+        Row("line 3", error="line 3: malformed JSON"),
+        Row("line 4", arrival_time=6.0),
     ]
     times = arrival_times(Workload("bm", "x", rows), bench(trace_timestamps=True, time_scale=2.0))
     assert times == [0.0, 4.0, 4.0, 12.0]

@@ -7,7 +7,7 @@ import pytest
 
 from bm.bench import engine_metrics, latency_stats, records_frame, request_record, run_metrics
 from bm.bench.replayer import Timeline
-from bm.workloads import WorkloadRequest
+from bm.workloads import Row
 
 
 def timeline(send: float, tokens: list[float], **kw) -> Timeline:
@@ -18,12 +18,12 @@ def timeline(send: float, tokens: list[float], **kw) -> Timeline:
 def record(index: int, ttft: float, tokens: int, gap: float, input_tokens: int = 10) -> dict:
     """A completed request sent at 0 whose first token came at ``ttft`` s, then one per ``gap`` s."""
     times = [ttft + i * gap for i in range(tokens)]
-    req = WorkloadRequest(f"line {index}", user_id=index, input_len=input_tokens)
+    req = Row(f"line {index}", user_id=index, input_len=input_tokens)
     return request_record(index, req, timeline(0.0, times))
 
 
 def test_request_record_ttft_tpot_itl_e2el_and_queue_time():
-    req = WorkloadRequest("line 1", user_id="a", input_ids=[1, 2, 3, 4])
+    req = Row("line 1", user_id="a", input_ids=[1, 2, 3, 4])
     tl = timeline(1.0, [1.5, 1.7, 2.0], taken_s=1.1, engine_queue_s=0.05, num_pauses=2)
     r = request_record(0, req, tl)
     assert r["ok"] and r["input_tokens"] == 4 and r["output_tokens"] == 3
@@ -42,15 +42,13 @@ def test_one_token_output_has_no_tpot_and_no_gaps():
 
 
 def test_a_row_that_never_ran_and_an_engine_error_are_failed_records():
-    refused = request_record(0, WorkloadRequest("line 3", error="line 3: prompt: the prompt is empty"), None)
+    refused = request_record(0, Row("line 3", error="line 3: prompt: the prompt is empty"), None)
     assert not refused["ok"] and refused["finish_reason"] == "error" and "line 3" in refused["error"]
     engine_error = request_record(
-        1, WorkloadRequest("line 4", input_len=5), timeline(0.0, [0.1], finish_reason="error", error="boom")
+        1, Row("line 4", input_len=5), timeline(0.0, [0.1], finish_reason="error", error="boom")
     )
     assert not engine_error["ok"] and engine_error["ttft_ms"] is None and engine_error["error"] == "boom"
-    cancelled = request_record(
-        2, WorkloadRequest("line 5", input_len=5), timeline(0.0, [0.1], finish_reason="cancelled")
-    )
+    cancelled = request_record(2, Row("line 5", input_len=5), timeline(0.0, [0.1], finish_reason="cancelled"))
     assert not cancelled["ok"]
 
 
@@ -72,7 +70,7 @@ def test_run_metrics_counts_throughputs_goodput_and_pooled_itl():
         [
             record(0, ttft=0.1, tokens=3, gap=0.2, input_tokens=10),  # tpot 200, itl 200, 200
             record(1, ttft=0.3, tokens=2, gap=0.1, input_tokens=20),  # tpot 100, itl 100
-            request_record(2, WorkloadRequest("line 3", error="bad"), None),
+            request_record(2, Row("line 3", error="bad"), None),
             record(3, ttft=0.2, tokens=1, gap=0.0, input_tokens=30),  # no tpot
         ]
     )
@@ -94,7 +92,7 @@ def test_run_metrics_counts_throughputs_goodput_and_pooled_itl():
 
 
 def test_goodput_is_null_without_slos_and_a_run_with_nothing_done_is_all_zero():
-    records = records_frame([request_record(0, WorkloadRequest("line 1", error="bad"), None)])
+    records = records_frame([request_record(0, Row("line 1", error="bad"), None)])
     m = run_metrics(records, duration_s=0.0)
     assert m["request_goodput"] is None and m["completed"] == 0 and m["failed"] == 1
     assert m["request_throughput"] == 0.0 and m["mean_ttft_ms"] is None

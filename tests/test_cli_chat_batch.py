@@ -138,8 +138,8 @@ def test_openai_batch_input_gets_batch_output_in_openais_schema(tmp_path):
 
 def test_an_interrupted_batch_line_reports_a_cancelled_error():
     from bm.cli.openai_batch import BatchLine, batch_output_line
-    from bm.workloads.jsonl import ParsedLine
+    from bm.workloads.request import Row
 
-    line = BatchLine(ParsedLine(line_number=1), custom_id="a")
+    line = BatchLine(Row.at_line(1), custom_id="a")
     out = batch_output_line(0, line, {"finish_reason": "cancelled"}, "m", 0)
     assert out["response"] is None and out["error"]["code"] == "cancelled"

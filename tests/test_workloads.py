@@ -42,7 +42,7 @@ def test_bm_jsonl_with_text_ids_output_aliases_arrival_times_and_fields(tmp_path
     a, b, c = w.requests
     assert a.user_id == "a" and a.input_ids == encode("one two three") and a.output_len == 4
     assert b.input_ids == [5, 6] and b.output_len == 2 and b.fields == {"temperature": 0.5}
-    assert c.output_len == 7 and [r.timestamp for r in w.requests] == [0.0, 1.5, 2.0]
+    assert c.output_len == 7 and [r.arrival_time for r in w.requests] == [0.0, 1.5, 2.0]
 
 
 def test_bm_jsonl_bad_rows_keep_their_place_with_an_error_naming_line_and_field(tmp_path):
@@ -128,7 +128,7 @@ def test_azure_trace_with_bom_and_crlf_gets_synthetic_ids_of_the_given_lengths(t
     assert a.input_len == len(a.input_ids) == 374 and a.output_len == 44
     assert all(3 <= t < VOCAB for t in a.input_ids)
     assert bad.error == "line 3: GeneratedTokens: must be at least 1, got 0"
-    assert [r.timestamp for r in w.requests] == pytest.approx([0.0, 0.5, 2.0])
+    assert [r.arrival_time for r in w.requests] == pytest.approx([0.0, 0.5, 2.0])
     assert c.input_len == 80
     again = load(path, trace_timestamps=True)
     assert again.requests[0].input_ids == a.input_ids  # same seed, same tokens
@@ -164,7 +164,7 @@ def test_mooncake_trace_equal_hash_ids_share_prefix_tokens(tmp_path):
     assert detect_kind(path) == "mooncake"
     w = load(path, hash_block_size=4, trace_timestamps=True)
     a, b, bad = w.requests
-    assert [r.timestamp for r in w.requests] == pytest.approx([0.0, 0.5, 2.0])  # ms, from the first row
+    assert [r.arrival_time for r in w.requests] == pytest.approx([0.0, 0.5, 2.0])  # ms, from the first row
     assert len(a.input_ids) == 10 and len(b.input_ids) == 9
     assert a.input_ids[:8] == b.input_ids[:8]  # blocks 0 and 1 are shared
     assert bad.error == "line 3: input_length: must be at least 1, got 0"

@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from bm.bench.replayer import Timeline
-from bm.workloads import WorkloadRequest
+from bm.workloads.request import Row
 
 PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue_time")
@@ -57,7 +57,7 @@ RECORD_COLUMNS = (
 )
 
 
-def request_record(index: int, req: WorkloadRequest, timeline: Timeline | None) -> dict[str, Any]:
+def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str, Any]:
     """One row of requests.jsonl: what happened to a request, with its latencies in ms."""
     record: dict[str, Any] = {
         "index": index,

@@ -191,7 +191,7 @@ def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, Re
         try:
             request = Request(index, list(req.input_ids), req.output_len, streaming=True, **fields)
         except TypeError as exc:
-            req.error = f"{req.source}: {exc}"
+            req.error = f"{req.where}: {exc}"
             continue
         built.append((index, request))
     return built

@@ -291,7 +291,7 @@ def name_rows(records: Any, workload: Workload) -> None:
     for position, (index, error) in enumerate(zip(records["index"], records["error"], strict=False)):
         if not isinstance(error, str) or not error or not 0 <= int(index) < len(workload.requests):
             continue
-        source = workload.requests[int(index)].source
+        source = workload.requests[int(index)].where
         if not error.startswith(f"{source}:"):
             records.iat[position, records.columns.get_loc("error")] = f"{source}: {error}"
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.workloads.jsonl import ParsedLine, iter_lines, parse_request
-from bm.workloads.request import RowError
+from bm.workloads.jsonl import iter_lines, parse_request
+from bm.workloads.request import Row, RowError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
@@ -39,7 +39,7 @@ FINISH_REASONS = {"end_id": "stop", "stop": "stop", "length": "length"}
 class BatchLine:
     """One input line: the bm request it maps to, and what the output line needs back."""
 
-    parsed: ParsedLine
+    parsed: Row
     custom_id: str | None = None
     url: str = CHAT_URL
     model: str | None = None
@@ -60,7 +60,7 @@ def read_batch_file(path: Path) -> list[BatchLine]:
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
     for number, data in iter_lines(path):
-        entry = BatchLine(ParsedLine(line_number=number, user_id=number - 1))
+        entry = BatchLine(Row.at_line(number))
         try:
             if isinstance(data, RowError):
                 raise data
@@ -173,7 +173,7 @@ def write_batch_output(
     path = out_dir / "batch_output.jsonl"
     with path.open("w", encoding="utf-8") as f:
         for line in batch_lines:
-            index = line.parsed.line_number - 1
+            index = line.parsed.index
             record = records.get(index)
             out = batch_output_line(index, line, record, model_name, created, decode_token)
             f.write(json.dumps(out, ensure_ascii=False) + "\n")

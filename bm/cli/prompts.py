@@ -17,8 +17,8 @@ from typing import Any
 
 from bm.engine.request import Request
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
-from bm.workloads.jsonl import WORD_LISTS, ParsedLine, read_request_file, resolve_word_list
-from bm.workloads.request import RowError
+from bm.workloads.jsonl import WORD_LISTS, read_request_file, resolve_word_list
+from bm.workloads.request import Row, RowError
 
 
 @dataclass
@@ -46,9 +46,7 @@ def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
     return Codec(tokenizer.encode, tokenizer.encode_word, render_chat if render is not None else None)
 
 
-def to_request(
-    row: ParsedLine, codec: Codec, default_output_len: int, default_end_id: int | None
-) -> Request | None:
+def to_request(row: Row, codec: Codec, default_output_len: int, default_end_id: int | None) -> Request | None:
     """The core request for one row, tokenized; None when it cannot become one (the row then carries its
     error). Its request id is the row's index, the line's 0-based number in the file, so a blank line
     never shifts the indexes of the lines after it. Records the prompt's length on the row."""
@@ -87,7 +85,7 @@ def read_prompt_lines(
     default_output_len: int,
     default_end_id: int | None,
     encode_word: Callable[[str], list[int]] | None = None,
-) -> list[tuple[ParsedLine, Request | None]]:
+) -> list[tuple[Row, Request | None]]:
     """Each row of a file with its request, without a loaded model (the engine checks ids against its
     vocabulary)."""
     codec = Codec(encode=encode, encode_word=encode_word)
@@ -116,7 +114,7 @@ def _read_adapter(directory: str) -> tuple[Any, Any]:
     return read_peft_adapter(Path(directory))
 
 
-def _prompt_ids(entry: ParsedLine, codec: Codec) -> list[int]:
+def _prompt_ids(entry: Row, codec: Codec) -> list[int]:
     if entry.input_ids is not None:
         return entry.input_ids
     if entry.messages is not None:

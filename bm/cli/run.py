@@ -35,7 +35,7 @@ from bm.llm import LLM
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
-from bm.workloads.jsonl import ParsedLine
+from bm.workloads.request import Row
 
 
 @dataclass
@@ -86,12 +86,12 @@ def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> di
     }
 
 
-def output_record(row: ParsedLine, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:
+def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:
     """The record of one row: its request's final response, or the row's own error (``result`` None)."""
     if result is None or result.error:
         # the engine does not know lines: the CLI names the line its request came from
         record = _error_fields(row.index, row.user_id, row.num_prompt_tokens)
-        record["error"] = row.error if result is None else f"line {row.line_number}: {result.error}"
+        record["error"] = row.error if result is None else f"{row.where}: {result.error}"
         if result is not None and result.output_ids:
             record.update(output_ids=result.output_ids, num_output_tokens=len(result.output_ids))
         return record
@@ -186,7 +186,7 @@ def in_flight_limit(config: BmConfig) -> int:
 
 
 def run_prompts(
-    parsed: Iterable[ParsedLine],
+    parsed: Iterable[Row],
     config: BmConfig,
     out_dir: Path,
     *,
@@ -304,7 +304,7 @@ class _Run:
         self.loaded = loaded
         self.out_dir = out_dir
         self.finished: queue.Queue[Response] = queue.Queue()
-        self.in_flight: dict[int, ParsedLine] = {}
+        self.in_flight: dict[int, Row] = {}
         self.progress: Progress | None = None
         self.task: Any = None
         self.started = 0.0
@@ -388,7 +388,7 @@ def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     summary.count(reason)
 
 
-def cancelled_record(row: ParsedLine) -> dict[str, Any]:
+def cancelled_record(row: Row) -> dict[str, Any]:
     """The record of a row an interrupt ended before its request started (an unreadable row keeps its
     error)."""
     if row.error is not None:

@@ -1,7 +1,7 @@
 """Benchmark workloads: dataset loaders and arrival processes (plain Python, pandas and datasets; no torch).
 
 ``load_workload(bench_config, vocab_size=..., encode=...)`` reads any supported dataset into
-:class:`Workload` (one :class:`WorkloadRequest` per row, bad rows kept with their error);
+:class:`Workload` (one :class:`Row` per row, the type ``bm run`` reads too, bad rows kept with their error);
 :class:`ArrivalPlan` turns the bench config into arrival times.
 
 The names are imported lazily: ``bm.workloads.jsonl`` (the request-file parser every command uses before
@@ -26,7 +26,7 @@ _EXPORTS = {
     "read_workload": "bm.workloads.load",
     "DatasetError": "bm.workloads.request",
     "Workload": "bm.workloads.request",
-    "WorkloadRequest": "bm.workloads.request",
+    "Row": "bm.workloads.request",
 }
 
 __all__ = sorted(_EXPORTS)

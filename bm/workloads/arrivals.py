@@ -91,6 +91,6 @@ def arrival_times(workload: Workload, bench: BenchConfig) -> list[float]:
     if plan.process == "trace":
         previous = 0.0
         for req in workload.requests:
-            previous = req.timestamp if req.timestamp is not None else previous
+            previous = req.arrival_time if req.arrival_time is not None else previous
             stamps.append(previous)
     return plan.times(len(workload.requests), stamps, seed=bench.seed)

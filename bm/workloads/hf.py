@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from bm.suggest import did_you_mean
-from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, positive_int, token_ids
+from bm.workloads.jsonl import token_ids
+from bm.workloads.request import DatasetError, Row, RowError, Workload, positive_int
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -67,12 +68,12 @@ def _to_workload(
     outputs = dataset[output_column] if output_column else [None] * len(prompts)
     requests = []
     for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        req = WorkloadRequest(source=f"row {row}", user_id=row, output_len=default_output_len)
+        req = Row(where=f"row {row}", index=row, user_id=row, output_len=default_output_len)
         try:
             if isinstance(prompt, str):
                 if not prompt:
                     raise RowError(f"{prompt_column}: the prompt is empty")
-                req.prompt_text = prompt
+                req.prompt = prompt
             else:
                 req.input_ids = token_ids(prompt, prompt_column)
                 req.input_len = len(req.input_ids)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +31,11 @@ from bm.engine.fields import (
     strict_int,
 )
 from bm.suggest import did_you_mean
-from bm.workloads.request import RowError
+from bm.workloads.request import Row, RowError
 
 __all__ = [
     "WORD_LISTS",
-    "ParsedLine",
+    "Row",
     "iter_lines",
     "iter_request_file",
     "read_request_file",
@@ -52,39 +51,6 @@ KNOWN_KEYS = frozenset(
     {"id", "arrival_time", "stop", LORA_DIR, *PROMPT_KEYS, *OUTPUT_LEN_KEYS, *FIELD_ALIASES, *REQUEST_FIELDS}
 )
 MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse
-
-
-@dataclass
-class ParsedLine:
-    """The row: one line of a request file (bm's own or an OpenAI batch body), checked but not tokenized,
-    and what its output record needs back. Exactly one of the prompt forms is set."""
-
-    line_number: int  # 1-based line in the file: every message about this request names it
-    user_id: Any = None
-    prompt: str | None = None
-    input_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    output_len: int | None = None  # None: the command's default
-    arrival_time: float | None = None
-    stop: list[str] = field(default_factory=list)  # stop strings (OpenAI's ``stop``)
-    lora_dir: str | None = None  # a PEFT adapter directory, resolved against the file's directory
-    # Request fields by spec name, plain values: word lists as [str | list[int], ...] or the [2, n] form.
-    fields: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None  # "line N: field: problem; fix", when the line cannot run
-    num_prompt_tokens: int | None = None  # set once the prompt is tokenized
-
-    @property
-    def index(self) -> int:
-        """The line's 0-based number in the file: the record's ``index`` and the engine's request id."""
-        return self.line_number - 1
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def where(self) -> str:
-        return f"line {self.line_number}"
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
@@ -181,17 +147,17 @@ def _find_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
-def read_request_file(path: Path) -> list[ParsedLine]:
+def read_request_file(path: Path) -> list[Row]:
     """Every non-blank line of a bm JSONL file, checked; a bad line keeps its place with its error."""
     return list(iter_request_file(path))
 
 
-def iter_request_file(path: Path) -> Iterator[ParsedLine]:
+def iter_request_file(path: Path) -> Iterator[Row]:
     """The lines of :func:`read_request_file` one at a time, read as they are asked for: a file of millions
     of lines is never held in memory (only the ids seen so far, to refuse a duplicate)."""
     seen_ids: dict[str, int] = {}
     for number, data in iter_lines(path):
-        entry = ParsedLine(line_number=number, user_id=number - 1)
+        entry = Row.at_line(number)
         try:
             if isinstance(data, RowError):
                 raise data
@@ -210,7 +176,7 @@ def iter_request_file(path: Path) -> Iterator[ParsedLine]:
         yield entry
 
 
-def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
+def parse_request(data: dict[str, Any], entry: Row) -> None:
     """Fill ``entry`` from one line's object or raise :class:`RowError` naming the field and the fix."""
     unknown = sorted(k for k in data if k not in KNOWN_KEYS)
     if unknown:
@@ -221,7 +187,7 @@ def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise RowError(f"id: expected a string or an integer, got {show_value(value)}")
         entry.user_id = value
-    _prompt(data, entry)
+    parse_prompt(data, entry)
     given = [k for k in OUTPUT_LEN_KEYS if k in data]
     if len(given) > 1:
         raise RowError(f"{given[1]}: output length given twice ({', '.join(given)}); keep one")
@@ -249,16 +215,20 @@ def parse_request(data: dict[str, Any], entry: ParsedLine) -> None:
         entry.fields[name] = request_field(name, key, value)
 
 
-def _prompt(data: dict[str, Any], entry: ParsedLine) -> None:
-    given = [k for k in PROMPT_KEYS if k in data]
+def parse_prompt(data: dict[str, Any], entry: Row, keys: tuple[str, ...] = PROMPT_KEYS) -> None:
+    """The one prompt field of ``data`` among ``keys`` (a format may allow fewer than bm's three)."""
+    given = [k for k in keys if k in data]
+    named = {
+        "prompt": "'prompt' (text)",
+        "input_ids": "'input_ids' (token ids)",
+        "messages": "'messages' (chat turns)",
+    }
     if len(given) > 1:
-        raise RowError(
-            f"{given[1]}: give one of 'prompt', 'input_ids', 'messages', not {' and '.join(given)}"
-        )
+        one_of = ", ".join(repr(k) for k in keys)
+        raise RowError(f"{given[1]}: give one of {one_of}, not {' and '.join(given)}")
     if not given:
-        raise RowError(
-            "missing prompt: give 'prompt' (text), 'input_ids' (token ids) or 'messages' (chat turns)"
-        )
+        options = [named[k] for k in keys]
+        raise RowError(f"missing prompt: give {', '.join(options[:-1])} or {options[-1]}")
     key = given[0]
     value = data[key]
     if key == "prompt":

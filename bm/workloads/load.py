@@ -20,7 +20,7 @@ from bm.config import DATASET_KINDS, BenchConfig
 from bm.workloads.hf import BUILDERS, load_hf
 from bm.workloads.jsonl import KNOWN_KEYS, WORD_LISTS, iter_lines, resolve_word_list
 from bm.workloads.records import load_bm_jsonl, load_sharegpt, load_trtllm_jsonl
-from bm.workloads.request import DatasetError, RowError, Workload, WorkloadRequest, check_order
+from bm.workloads.request import DatasetError, Row, RowError, Workload, check_order
 from bm.workloads.synthetic import load_synthetic
 
 Encode = Callable[[str], list[int]]
@@ -127,11 +127,11 @@ def load_workload(
     workload = workload if workload is not None else read_workload(bench)
     requests = workload.requests
     if bench.trace_timestamps:
-        missing = next((r for r in requests if r.ok and r.timestamp is None), None)
+        missing = next((r for r in requests if r.ok and r.arrival_time is None), None)
         if missing is not None:
             field = "arrival_time" if workload.kind == "bm" else "timestamp"
             raise DatasetError(
-                f"{missing.source}: no {field}; --trace-timestamps needs one on every row "
+                f"{missing.where}: no {field}; --trace-timestamps needs one on every row "
                 f"(this {workload.kind} dataset may have none: use --rate instead)"
             )
         check_order(requests, "arrival_time" if workload.kind == "bm" else "timestamp")
@@ -172,9 +172,11 @@ def _finalize(
                 if name in req.fields:
                     req.fields[name] = resolve_word_list(req.fields[name], name, encode_word)
         except RowError as exc:
-            req.error = f"{req.source}: {exc}"
+            req.error = f"{req.where}: {exc}"
             continue
-        req.output_len = _capped(_scaled(req.output_len, bench.output_scale), bench.max_output_len)
+        req.output_len = _capped(
+            _scaled(req.output_len or bench.output_len, bench.output_scale), bench.max_output_len
+        )
         n = _capped(_scaled(req.input_len, bench.input_scale), bench.max_input_len)
         if req.input_ids is not None:
             req.input_ids = _resize(req.input_ids, n)
@@ -184,15 +186,15 @@ def _finalize(
         req.input_len = len(req.input_ids)
 
 
-def _tokenize(req: WorkloadRequest, encode: Encode | None) -> None:
-    for text in (req.prompt_text, req.output_text):
+def _tokenize(req: Row, encode: Encode | None) -> None:
+    for text in (req.prompt, req.output_text):
         if text is not None and encode is None:
             raise DatasetError(
-                f"{req.source}: the dataset holds text but the model has no tokenizer; set model.tokenizer "
+                f"{req.where}: the dataset holds text but the model has no tokenizer; set model.tokenizer "
                 "(or model.path to a checkpoint with one), or use a dataset with token ids or lengths"
             )
-    if req.prompt_text is not None:
-        req.input_ids = list(encode(req.prompt_text))  # type: ignore[misc]
+    if req.prompt is not None:
+        req.input_ids = list(encode(req.prompt))  # type: ignore[misc]
         if not req.input_ids:
             raise RowError("prompt: the prompt encodes to no tokens")
         req.input_len = len(req.input_ids)

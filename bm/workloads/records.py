@@ -6,99 +6,61 @@
 - ShareGPT JSON: a list of ``{"id"?, "conversations": [{"from", "value"}, ...]}``; the first turn is the
   prompt and the second turn's token count the output length (as ``vllm bench`` does). Conversations
   with fewer than two turns are not requests: they are counted as skipped, not run.
+
+Every reader yields :class:`~bm.workloads.request.Row` values, the type ``bm run`` reads too.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bm.workloads.jsonl import iter_lines, read_request_file
-from bm.workloads.request import (
-    DatasetError,
-    RowError,
-    Workload,
-    WorkloadRequest,
-    positive_int,
-    token_ids,
-)
+from bm.workloads.jsonl import iter_lines, iter_request_file, parse_prompt
+from bm.workloads.request import DatasetError, Row, RowError, Workload, positive_int
 
 TRTLLM_KEYS = ("task_id", "prompt", "input_ids", "output_tokens")
 
 
-def iter_json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any] | RowError]]:
-    """(``"line N"``, object) per non-blank line; a bad line (bytes, JSON, nesting) yields its error."""
-    for number, data in iter_lines(path):
-        yield f"line {number}", data
-
-
-def _prompt(data: dict[str, Any], req: WorkloadRequest) -> None:
-    has_text, has_ids = "prompt" in data, "input_ids" in data
-    if has_text and has_ids:
-        raise RowError("give either 'prompt' or 'input_ids', not both")
-    if not has_text and not has_ids:
-        raise RowError("missing field 'prompt' (text) or 'input_ids' (token ids)")
-    if has_ids:
-        req.input_ids = token_ids(data["input_ids"], "input_ids")
-        req.input_len = len(req.input_ids)
-        return
-    text = data["prompt"]
-    if not isinstance(text, str):
-        raise RowError(f"prompt: expected a string, got {type(text).__name__}")
-    if not text:
-        raise RowError("prompt: the prompt is empty")
-    req.prompt_text = text
-
-
-def _row(where: str, parsed: dict[str, Any] | RowError, fill) -> WorkloadRequest:
-    req = WorkloadRequest(source=where)
-    try:
-        if isinstance(parsed, RowError):
-            raise parsed
-        fill(parsed, req)
-    except RowError as exc:
-        req.error = f"{where}: {exc}"
-    return req
-
-
 def load_bm_jsonl(path: Path, default_output_len: int) -> Workload:
     """bm's own format through the one parser ``bm run`` uses, so a file means the same to both."""
-    requests = []
-    for line in read_request_file(path):
-        req = WorkloadRequest(source=line.where, user_id=line.user_id, error=line.error)
-        if line.ok:
-            req.timestamp = line.arrival_time
-            req.output_len = line.output_len or default_output_len
-            req.fields = dict(line.fields)
-            if line.input_ids is not None:
-                req.input_ids = line.input_ids
-                req.input_len = len(line.input_ids)
-            elif line.prompt is not None:
-                req.prompt_text = line.prompt
-            else:
-                req.error = (
-                    f"{line.where}: messages: bm bench replays 'prompt' or 'input_ids' lines; "
+    rows = []
+    for row in iter_request_file(path):
+        if row.ok:
+            row.output_len = row.output_len or default_output_len
+            if row.input_ids is not None:
+                row.input_len = len(row.input_ids)
+            elif row.messages is not None:
+                row.error = (
+                    f"{row.where}: messages: bm bench replays 'prompt' or 'input_ids' lines; "
                     "render the chat with bm run, or give the prompt as text"
                 )
-            if line.stop and req.ok:
-                req.error = f"{line.where}: stop: stop strings are read by bm run; give stop_words_list"
-        requests.append(req)
-    return Workload("bm", str(path), requests)
+            if row.stop and row.ok:
+                row.error = f"{row.where}: stop: stop strings are read by bm run; give stop_words_list"
+        rows.append(row)
+    return Workload("bm", str(path), rows)
 
 
 def load_trtllm_jsonl(path: Path) -> Workload:
-    def fill(data: dict[str, Any], req: WorkloadRequest) -> None:
-        for name in ("task_id", "output_tokens"):
-            if name not in data:
-                raise RowError(f"missing field {name!r}; trtllm-bench lines hold {', '.join(TRTLLM_KEYS)}")
-        req.user_id = data["task_id"]
-        _prompt(data, req)
-        req.output_len = positive_int(data["output_tokens"], "output_tokens")
-
-    requests = [_row(where, parsed, fill) for where, parsed in iter_json_lines(path)]
-    return Workload("trtllm", str(path), requests)
+    rows = []
+    for number, data in iter_lines(path):
+        row = Row.at_line(number)
+        try:
+            if isinstance(data, RowError):
+                raise data
+            for name in ("task_id", "output_tokens"):
+                if name not in data:
+                    raise RowError(
+                        f"missing field {name!r}; trtllm-bench lines hold {', '.join(TRTLLM_KEYS)}"
+                    )
+            row.user_id = data["task_id"]
+            parse_prompt(data, row, keys=("prompt", "input_ids"))
+            row.input_len = len(row.input_ids) if row.input_ids is not None else 0
+            row.output_len = positive_int(data["output_tokens"], "output_tokens")
+        except RowError as exc:
+            row.error = f"{row.where}: {exc}"
+        rows.append(row)
+    return Workload("trtllm", str(path), rows)
 
 
 def load_sharegpt(path: Path) -> Workload:
@@ -110,27 +72,26 @@ def load_sharegpt(path: Path) -> Workload:
         raise DatasetError(
             f"{path}: expected a JSON list of conversations (ShareGPT), got {type(entries).__name__}"
         )
-    requests, skipped = [], 0
+    rows, skipped = [], 0
     for i, entry in enumerate(entries):
-        where = f"entry {i}"
-        req = WorkloadRequest(source=where)
+        row = Row(where=f"entry {i}", index=i)
         try:
             if not isinstance(entry, dict):
                 raise RowError(f"expected an object with 'conversations', got {type(entry).__name__}")
-            req.user_id = entry.get("id", i)
+            row.user_id = entry.get("id", i)
             turns = entry.get("conversations")
             if not isinstance(turns, list):
                 raise RowError("missing field 'conversations' (a list of {'from', 'value'} turns)")
             if len(turns) < 2:
                 skipped += 1
                 continue
-            req.prompt_text = _turn_text(turns[0], "conversations[0]")
-            req.output_text = _turn_text(turns[1], "conversations[1]")
+            row.prompt = _turn_text(turns[0], "conversations[0]")
+            row.output_text = _turn_text(turns[1], "conversations[1]")
         except RowError as exc:
-            req.error = f"{where}: {exc}"
-        requests.append(req)
+            row.error = f"{row.where}: {exc}"
+        rows.append(row)
     reason = "conversations with fewer than two turns" if skipped else ""
-    return Workload("sharegpt", str(path), requests, num_skipped=skipped, skipped_reason=reason)
+    return Workload("sharegpt", str(path), rows, num_skipped=skipped, skipped_reason=reason)
 
 
 def _turn_text(turn: Any, name: str) -> str:

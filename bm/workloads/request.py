@@ -1,6 +1,6 @@
 """The shape every dataset loader produces, and the checks they share.
 
-A loader turns rows into :class:`WorkloadRequest` records without tokenizing or generating token ids:
+A loader turns rows into :class:`Row` values without tokenizing or generating token ids:
 that happens once, after shuffling and ``num_requests`` have chosen the rows that run (so a 90k-entry
 ShareGPT file costs nothing beyond the rows used). A row that cannot run keeps its place with an
 ``error``: it is reported as a failed request, never dropped. A problem with the file itself (a missing
@@ -27,20 +27,40 @@ RowError = RequestError
 
 
 @dataclass
-class WorkloadRequest:
-    """One request of a workload. ``source`` names its row for messages ("line 12", "entry 3")."""
+class Row:
+    """One input row, whatever the format: a line of bm's JSONL or of an OpenAI batch file, a trtllm-bench
+    line, a ShareGPT entry, a trace row, a Hugging Face dataset row or a synthetic request.
 
-    source: str
+    It is the only row type: readers fill it with values already checked against the one field table
+    (:mod:`bm.engine.fields`), untokenized; ``bm run`` turns it into an engine request, ``bm bench`` first
+    chooses, tokenizes and scales the rows it replays. A row that cannot run keeps its place with its
+    ``error`` and is reported, never dropped. Exactly one prompt form is set once it is ready to run
+    (``prompt``, ``input_ids`` or ``messages``; a trace row has only ``input_len`` until bench generates ids).
+    """
+
+    where: str  # "line 12", "entry 3", "row 5": every message about this row names it
+    index: int = 0  # 0-based position in the input: a record's ``index`` and bm run's engine request id
     user_id: Any = None
-    input_ids: list[int] | None = None  # real token ids (bm / trtllm / hf datasets)
-    prompt_text: str | None = None  # text to tokenize (sharegpt, hf, bm with "prompt")
-    input_len: int = 0  # length of the prompt; trace and synthetic formats get ids generated to it
-    output_len: int = 0
-    output_text: str | None = None  # a completion whose token count is the output length (sharegpt)
-    timestamp: float | None = None  # seconds since the dataset's first row (timed traces)
-    hash_ids: list[int] | None = None  # blocks of a shared prefix: equal ids mean equal tokens
-    fields: dict[str, Any] = field(default_factory=dict)  # extra request fields (temperature, ...)
-    error: str | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_len: int = 0  # prompt length; traces and synthetic rows get ids generated to it
+    output_len: int | None = None  # None: the command's default
+    output_text: str | None = None  # a completion whose token count is the output length (sharegpt, hf)
+    arrival_time: float | None = None  # seconds from the first row (timed files and traces)
+    hash_ids: list[int] | None = None  # blocks of a shared prefix: equal ids mean equal tokens (mooncake)
+    stop: list[str] = field(default_factory=list)  # stop strings (OpenAI's ``stop``)
+    lora_dir: str | None = None  # a PEFT adapter directory, resolved against the file's directory
+    # Request fields by spec name, plain values: word lists as [str | list[int], ...] or the [2, n] form.
+    fields: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # "line N: field: problem; fix", when the row cannot run
+    num_prompt_tokens: int | None = None  # set once the prompt is tokenized
+
+    @classmethod
+    def at_line(cls, number: int, **values: Any) -> Row:
+        """The row of a file's 1-based line ``number``; its ``id`` defaults to its 0-based index."""
+        values.setdefault("user_id", number - 1)
+        return cls(where=f"line {number}", index=number - 1, **values)
 
     @property
     def ok(self) -> bool:
@@ -53,14 +73,14 @@ class Workload:
 
     kind: str
     source: str
-    requests: list[WorkloadRequest]
+    requests: list[Row]
     hash_block_size: int = 0  # tokens per hash id (mooncake; synthetic prefixes)
     num_skipped: int = 0  # rows that are not requests (e.g. a ShareGPT conversation with one turn)
     skipped_reason: str = ""
 
     @property
     def has_timestamps(self) -> bool:
-        return bool(self.requests) and all(r.timestamp is not None for r in self.requests)
+        return bool(self.requests) and all(r.arrival_time is not None for r in self.requests)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -86,14 +106,6 @@ def positive_int(value: Any, name: str) -> int:
     return value
 
 
-def token_ids(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise RowError(f"{name}: expected a list of integer token ids")
-    if not value:
-        raise RowError(f"{name}: the prompt is empty")
-    return value
-
-
 def timestamp(value: Any, where: str, name: str, unit: float = 1.0) -> float:
     """A finite, non-negative number, converted to seconds; bad ones stop the load (they break the clock)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -103,15 +115,19 @@ def timestamp(value: Any, where: str, name: str, unit: float = 1.0) -> float:
     return float(value) * unit
 
 
-def check_order(requests: list[WorkloadRequest], field_name: str) -> None:
+def check_order(requests: list[Row], field_name: str) -> None:
     """Trace timestamps must not go backwards: replaying a shuffled trace would silently change the load."""
-    previous: WorkloadRequest | None = None
+    previous: Row | None = None
     for req in requests:
-        if req.timestamp is None:
+        if req.arrival_time is None:
             continue
-        if previous is not None and previous.timestamp is not None and req.timestamp < previous.timestamp:
+        if (
+            previous is not None
+            and previous.arrival_time is not None
+            and req.arrival_time < previous.arrival_time
+        ):
             raise DatasetError(
-                f"{req.source}: {field_name} goes backwards ({req.timestamp:g} s after the first row, "
-                f"{previous.source} is at {previous.timestamp:g} s); sort the trace by {field_name}"
+                f"{req.where}: {field_name} goes backwards ({req.arrival_time:g} s after the first row, "
+                f"{previous.where} is at {previous.arrival_time:g} s); sort the trace by {field_name}"
             )
         previous = req

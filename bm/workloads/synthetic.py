@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from bm.config import BenchConfig
-from bm.workloads.request import Workload, WorkloadRequest
+from bm.workloads.request import Row, Workload
 
 DEFAULT_NUM_REQUESTS = 1000  # as vllm bench's --num-prompts
 
@@ -30,8 +30,9 @@ def load_synthetic(bench: BenchConfig) -> Workload:
         random_part = _length(rng, bench.input_len, bench.range_ratio)
         output_len = _length(rng, bench.output_len, bench.range_ratio)
         requests.append(
-            WorkloadRequest(
-                source=f"synthetic request {i}",
+            Row(
+                where=f"synthetic request {i}",
+                index=i,
                 user_id=i,
                 input_len=bench.prefix_len + random_part,
                 output_len=output_len,

@@ -20,12 +20,12 @@ from typing import Any
 
 import pandas as pd
 
-from bm.workloads.records import iter_json_lines
+from bm.workloads.jsonl import iter_lines
 from bm.workloads.request import (
     DatasetError,
+    Row,
     RowError,
     Workload,
-    WorkloadRequest,
     positive_int,
     timestamp,
 )
@@ -71,12 +71,12 @@ def load_azure(path: Path) -> Workload:
     requests = []
     contexts, generated = frame["ContextTokens"].tolist(), frame["GeneratedTokens"].tolist()
     for row, (t, n_in, n_out) in enumerate(zip(seconds, contexts, generated, strict=True)):
-        req = WorkloadRequest(source=f"line {row + 2}", user_id=row, timestamp=t)
+        req = Row(where=f"line {row + 2}", index=row, user_id=row, arrival_time=t)
         try:
             req.input_len = positive_int(_number(n_in), "ContextTokens")
             req.output_len = positive_int(_number(n_out), "GeneratedTokens")
         except RowError as exc:
-            req.error = f"{req.source}: {exc}"
+            req.error = f"{req.where}: {exc}"
         requests.append(req)
     return Workload("azure", str(path), requests)
 
@@ -93,14 +93,14 @@ def load_mooncake(path: Path, hash_block_size: int) -> Workload:
                 if key in row:
                     row[key] = _number(row[key])
     else:
-        rows = list(iter_json_lines(path))
-    requests = [_mooncake_row(where, row) for where, row in rows]
+        rows = [(f"line {number}", data) for number, data in iter_lines(path)]
+    requests = [_mooncake_row(where, i, row) for i, (where, row) in enumerate(rows)]
     _relative_to_first(requests)
     return Workload("mooncake", str(path), requests, hash_block_size=hash_block_size)
 
 
-def _mooncake_row(where: str, data: dict[str, Any] | RowError) -> WorkloadRequest:
-    req = WorkloadRequest(source=where)
+def _mooncake_row(where: str, index: int, data: dict[str, Any] | RowError) -> Row:
+    req = Row(where=where, index=index)
     try:
         if isinstance(data, RowError):
             raise data
@@ -108,7 +108,7 @@ def _mooncake_row(where: str, data: dict[str, Any] | RowError) -> WorkloadReques
             raise DatasetError(
                 f"{where}: missing field 'timestamp' (milliseconds); a trace needs one per row"
             )
-        req.timestamp = timestamp(data["timestamp"], where, "timestamp", unit=1e-3)
+        req.arrival_time = timestamp(data["timestamp"], where, "timestamp", unit=1e-3)
         for name in ("input_length", "output_length"):
             if name not in data:
                 raise RowError(
@@ -136,11 +136,11 @@ def _hash_ids(value: Any) -> list[int] | None:
     return value
 
 
-def _relative_to_first(requests: list[WorkloadRequest]) -> None:
+def _relative_to_first(requests: list[Row]) -> None:
     """Seconds since the first row's timestamp, so a trace excerpt starts at once."""
-    first = next((r.timestamp for r in requests if r.timestamp is not None), None)
+    first = next((r.arrival_time for r in requests if r.arrival_time is not None), None)
     if first is None or math.isclose(first, 0.0):
         return
     for req in requests:
-        if req.timestamp is not None:
-            req.timestamp -= first
+        if req.arrival_time is not None:
+            req.arrival_time -= first
