@@ -140,12 +140,12 @@ def test_request_too_large_for_the_cache_errors_and_others_complete(tiny_model):
     ("fields", "message"),
     [
         ({"temperature": -0.5}, "temperature: -0.5 is out of range; allowed >= 0"),
-        ({"runtime_top_k": -1}, "runtime_top_k: -1 is out of range; allowed >= 0"),
+        ({"runtime_top_k": -1}, "runtime_top_k: must be at least 0, got -1"),
         ({"runtime_top_p": 0.0}, "runtime_top_p: 0.0 is out of range; allowed (0, 1]"),
         ({"runtime_top_p": 1.5}, "runtime_top_p: 1.5 is out of range; allowed (0, 1]"),
-        ({"beam_width": 2}, "beam_width: 2 is out of range; allowed [1, 1]"),
+        ({"beam_width": 2}, "beam_width: must be at most 1, got 2"),
         ({"lora_task_id": 3}, "lora_task_id: task 3 is not in the PEFT cache"),
-        ({"end_id": 100000}, "end_id: 100000 is out of range"),
+        ({"end_id": 100000}, "end_id: must be at most"),
     ],
 )
 def test_invalid_request_fields_get_an_error_naming_the_field(tiny_model, fields, message):
@@ -179,7 +179,7 @@ def test_malformed_tensors_are_rejected(tiny_model):
     assert "missing mandatory input tensor 'request_output_len'" in results[1].error
     assert "prompt is empty" in results[2].error
     assert "outside the vocabulary" in results[3].error
-    assert "request_output_len: 0 is out of range" in results[4].error
+    assert "request_output_len: must be at least 1, got 0" in results[4].error
     assert "unknown input tensor 'foo'" in results[5].error
 
 

@@ -16,23 +16,28 @@ import json
 import math
 from typing import Any
 
-from bm.engine.request import RequestError
+
+class RequestError(ValueError):
+    """A request the batch manager refuses; the message is sent back as the error response."""
+
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
 
-# Every request field the engine implements, by its spec name, with the JSON type it must have.
-# (A test keeps this equal to the engine's SUPPORTED_INPUT_TENSORS.)
+# Every request field the engine implements, by its spec name, with the JSON type it must have and the
+# bounds that hold whatever the model; the engine's validator narrows some by the model (the vocabulary,
+# the beam width it was built for, the output length). (A test keeps this equal to the engine's
+# SUPPORTED_INPUT_TENSORS.)
 INT_FIELDS: dict[str, tuple[int, int]] = {
     "beam_width": (1, INT32_MAX),
     "runtime_top_k": (0, INT32_MAX),
-    "early_stopping": (INT32_MIN, INT32_MAX),
+    "early_stopping": (0, INT32_MAX),
     "min_length": (0, INT32_MAX),
     "no_repeat_ngram_size": (0, INT32_MAX),
     "random_seed": (0, UINT64_MAX),
     "end_id": (-1, INT32_MAX),
-    "pad_id": (INT32_MIN, INT32_MAX),
+    "pad_id": (0, INT32_MAX),
     "lora_task_id": (0, UINT64_MAX),
     "prompt_vocab_size": (1, INT32_MAX),
 }
@@ -44,6 +49,12 @@ FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+# name: (low, whether low itself is refused, high or None, a note for the message)
+FLOAT_BOUNDS: dict[str, tuple[float, bool, float | None, str]] = {
+    "temperature": (0.0, False, None, " (0 is greedy)"),
+    "runtime_top_p": (0.0, True, 1.0, ""),
+    "repetition_penalty": (0.0, True, None, " (1 is off)"),
+}
 BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")
 WORD_LISTS = ("bad_words_list", "stop_words_list")
 LIST_FIELDS = ("embedding_bias",)
@@ -65,14 +76,11 @@ MAX_TOKEN_ID = INT32_MAX
 def request_field(name: str, key: str, value: Any) -> Any:
     """One request field's value, checked against its declared JSON type (spec name ``name``)."""
     if name in INT_FIELDS:
-        low, high = INT_FIELDS[name]
-        return strict_int(value, key, low, high)
+        return check_int(name, value, key)
     if name in FLOAT_FIELDS:
-        return finite_number(value, key)
+        return check_float(name, value, key)
     if name in BOOL_FIELDS:
-        if not isinstance(value, bool):
-            raise RequestError(f"{key}: expected true or false, got {show_value(value)}")
-        return value
+        return check_bool(value, key)
     if name in WORD_LISTS:
         return word_list(value, key)
     if name in NESTED_FIELDS:
@@ -86,6 +94,44 @@ def request_field(name: str, key: str, value: Any) -> Any:
     if not isinstance(value, list) or not value or not all(is_number(v) for v in value):
         raise RequestError(f"{key}: expected a list of finite numbers, one per vocabulary token")
     return value
+
+
+def check_int(
+    name: str, value: Any, key: str | None = None, *, low: int | None = None, high: int | None = None
+) -> int:
+    """Field ``name``'s integer within its table bounds, narrowed by ``low``/``high`` where the caller knows
+    more (the model's vocabulary, the engine's beam width). Files and the library both come here, so a
+    value means the same, and is refused in the same words, whichever door it came in by."""
+    table_low, table_high = INT_FIELDS.get(name, (INT32_MIN, INT32_MAX))
+    low = table_low if low is None else max(low, table_low)
+    high = table_high if high is None else min(high, table_high)
+    return strict_int(value, key or name, low, high)
+
+
+def check_float(name: str, value: Any, key: str | None = None) -> float:
+    """Field ``name``'s finite number within its table bounds (temperature >= 0, top_p in (0, 1], ...)."""
+    key = key or name
+    number = finite_number(value, key)
+    if name in FLOAT_BOUNDS:
+        low, low_open, high, note = FLOAT_BOUNDS[name]
+        if number < low or (low_open and number == low) or (high is not None and number > high):
+            if high is not None:
+                allowed = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            else:
+                allowed = f"{'>' if low_open else '>='} {low:g}"
+            raise RequestError(f"{key}: {short_float(number)} is out of range; allowed {allowed}{note}")
+    return number
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}: expected true or false, got {show_value(value)}")
+    return value
+
+
+def short_float(value: float) -> str:
+    """A float as the user wrote it (1.01, not 1.0099999904632568 from a float32 tensor)."""
+    return repr(float(f"{value:.7g}"))
 
 
 def strict_int(value: Any, name: str, low: int, high: int) -> int:

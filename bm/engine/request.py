@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bm.engine.fields import RequestError, check_bool, check_float, check_int, short_float
 from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
 
 UINT64_MAX = 2**64 - 1
@@ -24,8 +25,7 @@ UINT64_MAX = 2**64 - 1
 UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 
 
-class RequestError(ValueError):
-    """A request the batch manager refuses; the message is sent back as the error response."""
+__all__ = ["RequestError"]  # defined with the field table, raised here too
 
 
 @dataclass(frozen=True)
@@ -123,38 +123,20 @@ def error_response(request_id: int, message: str) -> Response:
 # -- validation --------------------------------------------------------------------------------------
 
 
-def _int(name: str, value: Any, low: int, high: int | None, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name}: expected an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise RequestError(f"{name}: {value} is out of range; allowed {bound}")
-    return value
+def _int(name: str, value: Any, default: int, *, high: int | None = None) -> int:
+    """A given integer field, checked against the one field table (bm.engine.fields), narrowed by ``high``."""
+    return default if value is None else check_int(name, value, high=high)
 
 
 def _float(name: str, value: Any, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{name}: expected a number, got {value!r}")
-    if not math.isfinite(value):
-        raise RequestError(f"{name}: expected a finite number, got {value!r}")
-    return float(value)
+    return default if value is None else check_float(name, value)
 
 
 def _bool(name: str, value: Any) -> bool:
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"{name}: expected true or false, got {value!r}")
-    return value
+    return False if value is None else check_bool(value, name)
 
 
-def show(value: float) -> str:
-    """A float as the user wrote it (1.01, not 1.0099999904632568 from a float32 tensor)."""
-    return repr(float(f"{value:.7g}"))
+show = short_float
 
 
 def _token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
@@ -266,26 +248,22 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         raise RequestError("input_ids: the prompt is empty; give at least one token")
     if request.request_output_len is None:
         raise RequestError("missing mandatory input tensor 'request_output_len'")
-    max_new = _int("request_output_len", request.request_output_len, 1, None, 0)
-    beam_width = _int("beam_width", request.beam_width, 1, limits.max_beam_width, 1)
+    max_new = check_int("request_output_len", request.request_output_len, low=1)
+    beam_width = _int("beam_width", request.beam_width, 1, high=limits.max_beam_width)
     _check_lengths(prompt, max_new, limits)
 
     temperature = _float("temperature", request.temperature, 0.0)
-    if temperature < 0:
-        raise RequestError(f"temperature: {show(temperature)} is out of range; allowed >= 0 (0 is greedy)")
-    top_k = _int("runtime_top_k", request.runtime_top_k, 0, None, 0)
+    top_k = _int("runtime_top_k", request.runtime_top_k, 0)
     top_p = _float("runtime_top_p", request.runtime_top_p, 1.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(f"runtime_top_p: {show(top_p)} is out of range; allowed (0, 1]")
     if request.temperature is None and (top_k > 1 or top_p < 1):
         temperature = 1.0  # asking for a filter means asking to sample
     sampling = SamplingParams(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        random_seed=_int("random_seed", request.random_seed, 0, UINT64_MAX, 0),
-        end_id=_int("end_id", request.end_id, -1, limits.vocab_size - 1, -1),
-        pad_id=_int("pad_id", request.pad_id, 0, limits.vocab_size - 1, 0),
+        random_seed=_int("random_seed", request.random_seed, 0),
+        end_id=_int("end_id", request.end_id, -1, high=limits.vocab_size - 1),
+        pad_id=_int("pad_id", request.pad_id, 0, high=limits.vocab_size - 1),
     )
     streaming = _bool("streaming", request.streaming)
     controls = _controls(request, limits, max_new)
@@ -330,8 +308,6 @@ def _check_lengths(prompt: Sequence[int], max_new: int, limits: RequestLimits) -
 
 def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls:
     repetition = _float("repetition_penalty", request.repetition_penalty, 1.0)
-    if repetition <= 0:
-        raise RequestError(f"repetition_penalty: {show(repetition)} is out of range; allowed > 0 (1 is off)")
     processor = request.logits_post_processor
     if processor is not None and not callable(processor):
         raise RequestError(
@@ -341,8 +317,8 @@ def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls
         repetition_penalty=repetition,
         presence_penalty=_float("presence_penalty", request.presence_penalty, 0.0),
         frequency_penalty=_float("frequency_penalty", request.frequency_penalty, 0.0),
-        min_length=_int("min_length", request.min_length, 0, max_new, 0),
-        no_repeat_ngram_size=_int("no_repeat_ngram_size", request.no_repeat_ngram_size, 0, None, 0),
+        min_length=_int("min_length", request.min_length, 0, high=max_new),
+        no_repeat_ngram_size=_int("no_repeat_ngram_size", request.no_repeat_ngram_size, 0),
         embedding_bias=_embedding_bias(request.embedding_bias, limits.vocab_size),
         bad_words=_words("bad_words_list", request.bad_words_list, limits.vocab_size),
         stop_words=_words("stop_words_list", request.stop_words_list, limits.vocab_size),
@@ -352,7 +328,7 @@ def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls
         logits_post_processor=processor,
         # Validated whatever the width; they only act on beams (as in TensorRT-LLM and HF).
         len_penalty=_float("len_penalty", request.len_penalty, 1.0),
-        early_stopping=_int("early_stopping", request.early_stopping, 0, None, 1),
+        early_stopping=_int("early_stopping", request.early_stopping, 1),
     )
 
 
@@ -459,7 +435,7 @@ def _prompt_table(request: Request, limits: RequestLimits) -> PromptTable | None
                 )
         rows.append(tuple(float(v) for v in row))
     if size is not None:
-        _int("prompt_vocab_size", size, 1, None, len(rows))
+        _int("prompt_vocab_size", size, len(rows))
         if size != len(rows):
             raise RequestError(
                 f"prompt_vocab_size: {size} does not match prompt_embedding_table's {len(rows)} rows; "
@@ -490,7 +466,7 @@ def _lora(request: Request) -> LoraSpec | None:
                 "lora_task_id: missing; lora_weights and lora_config need the task id they load"
             )
         return None
-    task = _int("lora_task_id", task, 0, UINT64_MAX, 0)
+    task = _int("lora_task_id", task, 0)
     if (weights is None) != (config is None):
         given, missing = (
             ("lora_weights", "lora_config") if config is None else ("lora_config", "lora_weights")
