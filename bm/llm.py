@@ -12,6 +12,9 @@ or stitch responses. This door does those once, here, and hands typed core reque
 (every value is still validated by the engine's one validator). The model loads once per ``LLM``; each
 ``generate`` call runs its prompts to completion as one batch.
 
+``bm run`` is built on this door too: it loads through ``LLM`` and streams a file's requests through
+:meth:`LLM.session`, the same engine session ``generate`` uses, with its own bound on what is in flight.
+
 Defaults differ from vLLM's in one place, on purpose: ``temperature`` defaults to 0 (greedy), as in
 TensorRT-LLM and HF ``generate()``, so that results are reproducible unless sampling is asked for.
 Generation stops at the model's end token unless ``ignore_eos`` is set (the seed's library default of
@@ -20,15 +23,17 @@ end id -1 never stops, which surprises everyone who did not ask for it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, load_config
 from bm.engine.fields import token_id_list
-from bm.engine.offline import RequestResult, generate
-from bm.engine.request import Request
+from bm.engine.request import Request, Response
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -191,6 +196,12 @@ class LLM:
             )
         return self._run([(None, render(list(chat))) for chat in chats], sampling_params)
 
+    def session(self, return_stats: Callable[[str], None] | None = None) -> Session:
+        """An engine over this model that takes typed core requests one at a time and hands back each
+        request's final response as it finishes: what ``generate`` and ``bm run`` both drive. Under
+        ``torchrun`` it is the data-parallel coordinator. Close it (or use ``with``) to stop the engine."""
+        return Session(self, return_stats)
+
     # -- inside -----------------------------------------------------------------------------------------
 
     def _encode(self, text: str) -> list[int]:
@@ -212,7 +223,16 @@ class LLM:
             fields_ = {k: v for k, v in p.request_fields(encode_word).items() if v is not None}
             end_id = None if p.ignore_eos else self.loaded.eos_token_id
             requests.append(Request(first + i, input_ids=ids, end_id=end_id, **fields_))
-        results = generate(requests, self.config, model=self.loaded)
+        with self.session() as session:
+            for request in requests:
+                session.submit(request)
+            results = {}
+            while len(results) < len(requests):
+                response = session.next_final()
+                if response is not None:
+                    results[response.request_id] = response
+                elif not session.alive:
+                    raise RuntimeError(f"the batch manager failed: {session.error}")
         return [
             self._output(first + i, text, ids, p, results[first + i])
             for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))
@@ -224,7 +244,7 @@ class LLM:
         prompt: str | None,
         ids: list[int],
         params: SamplingParams,
-        result: RequestResult,
+        result: Response,
     ) -> RequestOutput:
         tokens = list(result.output_ids)
         reason = _FINISH.get(result.finish_reason.label, result.finish_reason.label)
@@ -238,6 +258,78 @@ class LLM:
             0, text, tokens, reason, result.output_log_probs, cumulative, result.error or None
         )
         return RequestOutput(request_id, prompt, ids, [completion])
+
+
+class Session:
+    """Requests in, final responses out, over one engine loop (see :meth:`LLM.session`).
+
+    Requests wait in a queue the engine pulls from as it has room; :meth:`cancel` stops handing them out
+    and ends the active ones as ``cancelled``, and :meth:`take_pending` returns those never handed out, so
+    an interrupted caller can still account for every request."""
+
+    def __init__(self, llm: LLM, return_stats: Callable[[str], None] | None = None) -> None:
+        from bm.distributed.engine import engine_loop
+
+        self._pending: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._finished: queue.Queue[Response] = queue.Queue()
+        self.stopped = False
+        self._manager = engine_loop(
+            llm.config, self._get_requests, self._on_response, return_stats=return_stats, model=llm.loaded
+        )
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            self._pending.append(request)
+
+    def next_final(self, timeout: float = 0.1) -> Response | None:
+        """The next request's final response, or None when none finished within ``timeout`` seconds."""
+        try:
+            return self._finished.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine's worker has stopped (after :meth:`close`, or when it failed)."""
+        return self._manager.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return getattr(self._manager, "error", None)
+
+    def cancel(self) -> None:
+        """Hand out nothing more, and end the active requests at the next iteration as ``cancelled``."""
+        self.stopped = True
+        self._manager.cancel_all()
+
+    def take_pending(self) -> list[Request]:
+        """Every request not yet handed to the engine, removed; nothing more is handed out after this."""
+        self.stopped = True
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+        return taken
+
+    def close(self) -> None:
+        self._manager.shutdown(cancel=True)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get_requests(self, max_new: int) -> list[Request]:
+        if self.stopped:
+            return []
+        with self._lock:
+            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
+            return [self._pending.popleft() for _ in range(count)]
+
+    def _on_response(self, response: Response) -> None:
+        if response.final:  # the engine's thread; a request's one final response (nothing streams here)
+            self._finished.put(response)
 
 
 def _build_config(

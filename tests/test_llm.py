@@ -107,3 +107,23 @@ def test_readme_library_example_runs_as_written(capsys):
     exec(compile(code, "README.md#library", "exec"), {})
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed and all(line.split()[-1] in ("stop", "length") for line in printed)
+
+
+def test_a_session_streams_requests_in_and_final_responses_out_and_returns_unstarted_ones(llm):
+    """The engine session that generate() and bm run share: each submitted request ends in exactly one
+    final response, and once cancelled nothing more is handed to the engine: the caller takes it back."""
+    from bm.engine.request import Request
+
+    with llm.session() as session:
+        for rid in range(3):
+            session.submit(Request(rid, input_ids=[5, 6, 7 + rid], request_output_len=4))
+        finals = {}
+        while len(finals) < 3:
+            response = session.next_final(timeout=5.0)
+            assert response is not None, "a submitted request never finished"
+            finals[response.request_id] = response
+        assert all(len(r.output_ids) == 4 and r.final for r in finals.values())
+        session.cancel()  # as after Ctrl-C: nothing more is handed out
+        session.submit(Request(9, input_ids=[5, 6], request_output_len=4))
+        assert [r.request_id for r in session.take_pending()] == [9]
+        assert session.next_final(timeout=0.3) is None

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,9 +26,8 @@ from bm.cli.prompts import codec_for, to_request
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
-from bm.distributed.engine import engine_loop
-from bm.engine.request import Request, Response, error_response
-from bm.llm import LLM
+from bm.engine.request import Response, error_response
+from bm.llm import LLM, Session
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
@@ -149,34 +145,6 @@ def write_logits(out_dir: Path, index: int, result: Response) -> str | None:
     return relative.as_posix()
 
 
-class _Feeder:
-    """Hands the run's requests to the batch manager as the run reads them; once stopped it hands out
-    nothing more, so an interrupt also ends the queued requests (they get a ``cancelled`` record)."""
-
-    def __init__(self) -> None:
-        self._pending: deque[Request] = deque()
-        self._lock = threading.Lock()
-        self.stopped = False
-
-    def add(self, request: Request) -> None:
-        with self._lock:
-            self._pending.append(request)
-
-    def get_requests(self, max_new: int) -> list[Request]:
-        if self.stopped:
-            return []
-        with self._lock:
-            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
-            return [self._pending.popleft() for _ in range(count)]
-
-    def take_pending(self) -> list[Request]:
-        self.stopped = True
-        with self._lock:
-            taken = list(self._pending)
-            self._pending.clear()
-        return taken
-
-
 def in_flight_limit(config: BmConfig) -> int:
     """How many requests a run keeps between its reader and its records: enough to keep every batch full
     (the engine's active requests, plus as many waiting), bounded so memory does not grow with the file."""
@@ -213,7 +181,8 @@ def run_prompts(
         with Interrupts() as own:
             return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
-    loaded = LLM(config=config).loaded  # the front door a library user has loads the model
+    llm = LLM(config=config)  # the library's front door loads the model and drives the engine
+    loaded = llm.loaded
     default_end_id = None if ignore_eos else loaded.eos_token_id
     codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,15 +194,11 @@ def run_prompts(
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, loaded, out_dir)
-        feeder = _Feeder()
         started = time.perf_counter()
-        manager = engine_loop(
-            config, feeder.get_requests, run.on_response, return_stats=_marked(stats, run_id), model=loaded
-        )
+        session = llm.session(return_stats=_marked(stats, run_id))
 
         def first_interrupt() -> None:
-            feeder.stopped = True
-            manager.cancel_all()
+            session.cancel()
             summary.interrupted = True
             summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
 
@@ -250,21 +215,21 @@ def run_prompts(
                     continue
                 summary.num_requests += 1
                 if interrupts.signal_name is not None:
-                    run.cancel_unstarted(feeder, console, interrupts.signal_name)
+                    run.cancel_unstarted(session, console, interrupts.signal_name)
                     run.write(cancelled_record(entry))
                     continue
                 request = to_request(entry, codec, default_output_len, default_end_id)
                 if request is None:
                     run.write(output_record(entry, None, loaded))
                     continue
-                while len(run.in_flight) >= limit and run.wait_one(manager, feeder, console, interrupts):
+                while len(run.in_flight) >= limit and run.wait_one(session, console, interrupts):
                     pass
                 run.in_flight[entry.index] = entry
-                feeder.add(request)
-            while run.in_flight and run.wait_one(manager, feeder, console, interrupts):
+                session.submit(request)
+            while run.in_flight and run.wait_one(session, console, interrupts):
                 pass
         summary.wall_time_s = time.perf_counter() - started
-        manager.shutdown(cancel=True)
+        session.close()
         for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
             run.write(output_record(row, error_response(row.index, "the batch manager stopped"), loaded))
 
@@ -303,17 +268,11 @@ class _Run:
         self.outputs = outputs
         self.loaded = loaded
         self.out_dir = out_dir
-        self.finished: queue.Queue[Response] = queue.Queue()
         self.in_flight: dict[int, Row] = {}
         self.progress: Progress | None = None
         self.task: Any = None
         self.started = 0.0
         self.drained = False
-
-    def on_response(self, response: Response) -> None:
-        """The engine's callback (its thread): a request's one final response (no line streams)."""
-        if response.final:
-            self.finished.put(response)
 
     def write(self, record: dict[str, Any]) -> None:
         self.outputs.write(record)
@@ -323,15 +282,14 @@ class _Run:
             tps = f"{self.summary.num_output_tokens / elapsed:.0f}"
             self.progress.update(self.task, advance=1, tps=tps)
 
-    def wait_one(self, manager: Any, feeder: _Feeder, console: Console, interrupts: Interrupts) -> bool:
+    def wait_one(self, session: Session, console: Console, interrupts: Interrupts) -> bool:
         """Write the next finished request's record; False when none will come (the worker died)."""
         while True:
             if interrupts.signal_name is not None:
-                self.cancel_unstarted(feeder, console, interrupts.signal_name)
-            try:
-                result = self.finished.get(timeout=0.1)
-            except queue.Empty:
-                if not manager.is_alive():
+                self.cancel_unstarted(session, console, interrupts.signal_name)
+            result = session.next_final()
+            if result is None:
+                if not session.alive:
                     return False
                 continue
             row = self.in_flight.pop(result.request_id)
@@ -342,7 +300,7 @@ class _Run:
             self.write(record)
             return True
 
-    def cancel_unstarted(self, feeder: _Feeder, console: Console, signal_name: str) -> None:
+    def cancel_unstarted(self, session: Session, console: Console, signal_name: str) -> None:
         """Once, after an interrupt: the requests not yet handed to the engine end as ``cancelled``."""
         if self.drained:
             return
@@ -350,7 +308,7 @@ class _Run:
         console.print(
             f"[yellow]{signal_name}: cancelling the remaining requests (again to exit at once) ...[/]"
         )
-        for request in feeder.take_pending():
+        for request in session.take_pending():
             self.write(cancelled_record(self.in_flight.pop(request.request_id)))
 
 
