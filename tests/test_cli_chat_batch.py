@@ -102,8 +102,11 @@ def test_openai_batch_input_gets_batch_output_in_openais_schema(tmp_path):
     batch.write_text("".join(json.dumps(line) + "\n" for line in BATCH_LINES))
     out = tmp_path / "out"
     run(batch, "-o", out, "--chat-template", template)
-    lines = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
-    assert [x["custom_id"] for x in lines] == [x["custom_id"] for x in BATCH_LINES]  # one per input, in order
+    written = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
+    # one per input line, in the order requests finished (as OpenAI's own): matched by custom_id
+    assert sorted(x["custom_id"] for x in written) == sorted(x["custom_id"] for x in BATCH_LINES)
+    by_id = {x["custom_id"]: x for x in written}
+    lines = [by_id[x["custom_id"]] for x in BATCH_LINES]
     records = records_of(out)
     for i, line in enumerate(lines):
         assert set(line) == {"id", "custom_id", "response", "error"}
@@ -143,3 +146,52 @@ def test_an_interrupted_batch_line_reports_a_cancelled_error():
     line = BatchLine(Row.at_line(1), custom_id="a")
     out = batch_output_line(0, line, {"finish_reason": "cancelled"}, "m", 0)
     assert out["response"] is None and out["error"]["code"] == "cancelled"
+
+
+def test_a_resumed_batch_file_has_one_output_line_per_input_and_reruns_only_the_unfinished(tmp_path):
+    """batch_output.jsonl streams (a line per record, as requests finish); after an interrupt, --resume
+    keeps the lines of finished requests and writes the others once, so no custom_id is lost or doubled."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    batch = tmp_path / "batch.jsonl"
+    ok_lines = [line for line in BATCH_LINES if line["custom_id"] not in REFUSED]
+    batch.write_text("".join(json.dumps(line) + "\n" for line in ok_lines))
+    out = tmp_path / "out"
+    run(batch, "-o", out, "--chat-template", template)
+    first = {
+        x["custom_id"]: x for x in map(json.loads, (out / "batch_output.jsonl").read_text().splitlines())
+    }
+
+    # What an interrupt leaves: request 1 cancelled, request 2 never written, a torn last line.
+    records = records_of(out)
+    records[1] = {**records[1], "finish_reason": "cancelled"}
+    del records[2]
+    (out / "outputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    cancelled = {"id": "batch_req_bm_1", "custom_id": ok_lines[1]["custom_id"], "response": None,
+                 "error": {"code": "cancelled", "message": "interrupted"}}  # fmt: skip
+    kept = [first[ok_lines[0]["custom_id"]], cancelled]
+    (out / "batch_output.jsonl").write_text("".join(json.dumps(x) + "\n" for x in kept) + '{"id": "batch_req')
+
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            str(batch),
+            "-o",
+            str(out),
+            "--resume",
+            "--chat-template",
+            str(template),
+            "-q",
+            "--set",
+            "model.device=cpu",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == sorted(x["custom_id"] for x in ok_lines)
+    assert lines[0] == first[ok_lines[0]["custom_id"]]  # the finished request's line, carried over as it was
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        answer = first[line["custom_id"]]["response"]["body"]["choices"]
+        assert line["response"]["body"]["choices"] == answer  # rerun greedy requests answer the same

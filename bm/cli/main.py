@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -262,16 +262,23 @@ def _check_resume(
     check_run_identity(out, run_identity(prompts, cfg, run_options(max_tokens, ignore_eos, template)))
 
 
-def _read_requests(prompts: Path) -> tuple[Iterable, list | None]:
-    """The parsed lines (read as the run asks for them), and the OpenAI batch lines when the file is one
-    (``None`` otherwise; those are read whole, since batch_output.jsonl is written in input order)."""
-    from bm.cli.openai_batch import is_batch_file, read_batch_file
+def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:
+    """The parsed lines, read as the run asks for them, and for an OpenAI batch file a dict that holds each
+    line's :class:`~bm.cli.openai_batch.BatchLine` from when it is read until its output line is written
+    (``None`` for bm's own format)."""
+    from bm.cli.openai_batch import is_batch_file, iter_batch_file
     from bm.workloads.jsonl import iter_request_file
 
-    if is_batch_file(prompts):
-        batch_lines = read_batch_file(prompts)
-        return [b.parsed for b in batch_lines], batch_lines
-    return iter_request_file(prompts), None
+    if not is_batch_file(prompts):
+        return iter_request_file(prompts), None
+    open_lines: dict = {}
+
+    def rows() -> Iterator:
+        for line in iter_batch_file(prompts):
+            open_lines[line.parsed.index] = line
+            yield line.parsed
+
+    return rows(), open_lines
 
 
 def _register_bench() -> None:

@@ -10,8 +10,9 @@ before the model loads.
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,9 +56,10 @@ def is_batch_file(path: Path) -> bool:
     return False
 
 
-def read_batch_file(path: Path) -> list[BatchLine]:
-    """Every non-blank line as a :class:`BatchLine`; a line bm cannot run carries its error."""
-    lines: list[BatchLine] = []
+def iter_batch_file(path: Path) -> Iterator[BatchLine]:
+    """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
+    are asked for: only the custom ids seen so far are kept (to refuse a duplicate), so a file of millions
+    of lines is never held whole."""
     seen: dict[str, int] = {}
     for number, data in iter_lines(path):
         entry = BatchLine(Row.at_line(number))
@@ -73,8 +75,7 @@ def read_batch_file(path: Path) -> list[BatchLine]:
             seen[entry.custom_id] = number  # type: ignore[index]
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
-        lines.append(entry)
-    return lines
+        yield entry
 
 
 def _line(data: dict[str, Any], entry: BatchLine) -> None:
@@ -158,26 +159,52 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
     return request
 
 
-def write_batch_output(
-    out_dir: Path,
-    batch_lines: list[BatchLine],
-    model_name: str,
-    decode_token: Callable[[int], str] | None = None,
-) -> Path:
-    """``batch_output.jsonl``: one line per input line, in input order, from ``outputs.jsonl``."""
-    records: dict[int, dict[str, Any]] = {}
-    for _number, data in iter_lines(out_dir / "outputs.jsonl"):
-        if isinstance(data, dict) and isinstance(data.get("index"), int):
-            records[data["index"]] = data
-    created = int(time.time())
-    path = out_dir / "batch_output.jsonl"
-    with path.open("w", encoding="utf-8") as f:
-        for line in batch_lines:
-            index = line.parsed.index
-            record = records.get(index)
-            out = batch_output_line(index, line, record, model_name, created, decode_token)
-            f.write(json.dumps(out, ensure_ascii=False) + "\n")
-    return path
+class BatchOutput:
+    """``batch_output.jsonl``, one line per input line, written as each request's record is written.
+
+    Lines come in the order requests finish, as in OpenAI's own batch output (match them by
+    ``custom_id``); nothing is held back to sort them, so memory does not grow with the file. On
+    ``--resume`` the lines of the records the run keeps are carried over first (rewritten in one step),
+    and the lines of requests that were cancelled are dropped, since those requests run again."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        model_name: str,
+        decode_token: Callable[[int], str] | None = None,
+        keep: set[int] | None = None,
+    ) -> None:
+        self.path = out_dir / "batch_output.jsonl"
+        self.model_name = model_name
+        self.decode_token = decode_token
+        self.created = int(time.time())
+        if keep is not None and self.path.exists():
+            fresh = self.path.with_suffix(".jsonl.tmp")
+            with fresh.open("w", encoding="utf-8") as f:
+                for _number, data in iter_lines(self.path):
+                    if isinstance(data, dict) and _line_index(data) in keep:
+                        f.write(json.dumps(data, ensure_ascii=False) + "\n")
+            os.replace(fresh, self.path)
+        self._file = self.path.open("a" if keep is not None else "w", encoding="utf-8")
+
+    def write(self, line: BatchLine, record: dict[str, Any] | None) -> None:
+        out = batch_output_line(
+            line.parsed.index, line, record, self.model_name, self.created, self.decode_token
+        )
+        self._file.write(json.dumps(out, ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _line_index(data: dict[str, Any]) -> int | None:
+    """The input line index an output line answers (its ``id`` is ``batch_req_bm_<index>``)."""
+    ident = data.get("id")
+    prefix = "batch_req_bm_"
+    if isinstance(ident, str) and ident.startswith(prefix) and ident[len(prefix) :].isdigit():
+        return int(ident[len(prefix) :])
+    return None
 
 
 def batch_output_line(

@@ -165,7 +165,7 @@ def run_prompts(
     prompts: Path | None = None,
     resume: bool = False,
     chat_template: str | None = None,
-    batch_lines: list[Any] | None = None,
+    batch_lines: dict[int, Any] | None = None,
     interrupts: Interrupts | None = None,
     num_lines: int | None = None,
 ) -> RunSummary:
@@ -175,8 +175,9 @@ def run_prompts(
     :func:`in_flight_limit` requests are between the reader and their records, and a record is written
     (and forgotten) as its request finishes, so memory does not grow with the file. Every line still ends
     with exactly one record, interrupted or not. With ``resume`` the final records already in
-    ``outputs.jsonl`` are kept and only the other lines run; ``batch_lines`` (OpenAI batch input) also gets
-    ``batch_output.jsonl`` in OpenAI's format."""
+    ``outputs.jsonl`` are kept and only the other lines run. ``batch_lines`` (OpenAI batch input: each line's
+    BatchLine by index, filled as ``parsed`` reads it) also gets ``batch_output.jsonl`` in OpenAI's format,
+    a line written with each record."""
     if interrupts is None:
         with Interrupts() as own:
             return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines)  # fmt: skip
@@ -194,6 +195,8 @@ def run_prompts(
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, loaded, out_dir)
+        if batch_lines is not None:
+            run.open_batch(batch_lines, done if resume else None)
         started = time.perf_counter()
         session = llm.session(return_stats=_marked(stats, run_id))
 
@@ -212,6 +215,7 @@ def run_prompts(
             run.progress, run.started = progress, started
             for entry in parsed:
                 if entry.index in done:
+                    run.forget(entry.index)
                     continue
                 summary.num_requests += 1
                 if interrupts.signal_name is not None:
@@ -232,13 +236,7 @@ def run_prompts(
         session.close()
         for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
             run.write(output_record(row, error_response(row.index, "the batch manager stopped"), loaded))
-
-    if batch_lines is not None:
-        from bm.cli.openai_batch import write_batch_output
-
-        tokenizer = loaded.tokenizer
-        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
-        write_batch_output(out_dir, batch_lines, loaded.name, decode)
+        run.close_batch()
     (out_dir / "summary.json").write_text(
         json.dumps(
             {
@@ -273,9 +271,30 @@ class _Run:
         self.task: Any = None
         self.started = 0.0
         self.drained = False
+        self.batch: Any = None  # BatchOutput, for an OpenAI batch file
+        self.batch_lines: dict[int, Any] = {}
+
+    def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None) -> None:
+        """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over)."""
+        from bm.cli.openai_batch import BatchOutput
+
+        tokenizer = self.loaded.tokenizer
+        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
+        self.batch = BatchOutput(self.out_dir, self.loaded.name, decode, keep)
+        self.batch_lines = batch_lines
+
+    def forget(self, index: int) -> None:
+        """A line a resume keeps: its batch line was carried over, so nothing is written for it."""
+        self.batch_lines.pop(index, None)
+
+    def close_batch(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
 
     def write(self, record: dict[str, Any]) -> None:
         self.outputs.write(record)
+        if self.batch is not None:
+            self.batch.write(self.batch_lines.pop(record["index"]), record)
         _count_record(self.summary, record)
         if self.progress is not None:
             elapsed = max(time.perf_counter() - self.started, 1e-9)
