@@ -42,7 +42,7 @@ GUIDED_KEYS = ("response_format", "guided_json", "guided_regex", "guided_choice"
 @dataclass(frozen=True)
 class GuidedSpec:
     """One request's output constraint: ``kind`` (one of :data:`KINDS`) and its canonical ``text`` (a
-    schema as sorted compact JSON, a regex, a JSON list of choices, a Lark grammar)."""
+    schema as compact JSON in its own key order, a regex, a JSON list of choices, a Lark grammar)."""
 
     kind: str
     text: str
@@ -84,7 +84,8 @@ def make_spec(kind: str, value: Any, key: str) -> GuidedSpec:
                 raise SpecError(f"{key}: the schema is not valid JSON ({exc.msg})") from None
         if not isinstance(value, dict):
             raise SpecError(f"{key}: expected a JSON schema object, got {type(value).__name__}")
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        # compact, keys in the user's order: a schema's property order is the order the output follows
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     elif kind == "json_object":
         text = ""
     elif kind == "choice":
@@ -96,7 +97,10 @@ def make_spec(kind: str, value: Any, key: str) -> GuidedSpec:
             what = "a regular expression" if kind == "regex" else "a Lark grammar"
             raise SpecError(f"{key}: expected {what} as a non-empty string")
         text = value
-    problem = _check(kind, text)
+    try:
+        problem = _check(kind, text)
+    except SpecError as exc:  # the library is missing
+        raise SpecError(f"{key}: {exc}") from None
     if problem:
         raise SpecError(f"{key}: {problem}")
     return GuidedSpec(kind, text)
@@ -182,6 +186,8 @@ def _check(kind: str, text: str) -> str:
     """Why the spec cannot be compiled ('' when it can); checked once per distinct spec."""
     try:
         grammar = _grammar(kind, text)
+    except SpecError:
+        raise  # the library is missing: not a problem of this spec
     except ValueError as exc:
         return f"cannot be compiled: {exc}"
     is_error, messages = load_llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
