@@ -193,3 +193,29 @@ def test_structured_output_refuses_beams_and_drafts(tiny_model):
     )
     assert "beam_width > 1" in results[0].error
     assert "drafts are not checked against the grammar" in results[1].error
+
+
+def test_the_library_and_the_seeds_api_take_structured_output(tiny_model):
+    import bm
+    from bm.engine import BatchManager, InferenceRequest
+    from tests.clients import StaggeredClient
+
+    llm = bm.LLM(model="tiny-random", device="cpu")
+    choice = bm.SamplingParams(max_tokens=20, guided_decoding={"choice": ["red", "green"]})
+    schema = bm.SamplingParams(
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}},
+    )
+    first, second = llm.generate(["Pick one:", "True or false:"], [choice, schema])
+    assert first.text in ("red", "green") and first.finish_reason == "stop"
+    assert second.text in ("true", "false") and second.finish_reason == "stop"
+    with pytest.raises(ValueError, match="not both"):
+        bm.SamplingParams(
+            response_format={"type": "json_object"}, guided_decoding={"regex": "a"}
+        ).request_fields(None)
+
+    seed = InferenceRequest.from_values(0, [5, 6, 7], 12, end_id=EOS, guided_decoding={"choice": ["abc"]})
+    client = StaggeredClient([seed])
+    with BatchManager(make_config(), client.get_requests, client.send_response, model=tiny_model):
+        client.wait_or_fail()
+    assert client.results[0].output_ids == [*ByteTokenizer().encode("abc"), EOS]

@@ -41,9 +41,10 @@ class GrammarState:
             self.matcher.rollback(self.num_consumed - len(output_ids))
             self.num_consumed = len(output_ids)
         new = list(output_ids[self.num_consumed :])
-        if new:
+        if new and not self.matcher.is_stopped():
             self.matcher.consume_tokens(new)
-            self.num_consumed = len(output_ids)
+        # past the grammar's end (a request whose end id is another token goes on): nothing to follow
+        self.num_consumed = len(output_ids)
         if self.matcher.is_error():
             return f"structured output: the grammar cannot continue: {self.matcher.get_error()}"
         return ""
