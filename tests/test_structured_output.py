@@ -11,7 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from bm.engine.offline import generate
 from bm.engine.request import Request
-from bm.engine.structured import guided_spec
+from bm.engine.structured import GuidedSpec, guided_spec
 from bm.runtime import grammar as grammar_module
 from bm.runtime.tokenizer import ByteTokenizer
 from tests.conftest import hf_generate, hf_greedy, make_config, random_prompts
@@ -219,3 +219,26 @@ def test_the_library_and_the_seeds_api_take_structured_output(tiny_model):
     with BatchManager(make_config(), client.get_requests, client.send_response, model=tiny_model):
         client.wait_or_fail()
     assert client.results[0].output_ids == [*ByteTokenizer().encode("abc"), EOS]
+
+
+def test_a_constraint_no_output_satisfies_ends_only_its_own_request(tiny_model, monkeypatch):
+    # caught when compiled, even when handed over as a GuidedSpec that skipped the field table
+    unchecked = GuidedSpec("json_schema", '{"type": "integer", "minimum": 5, "maximum": 1}')
+    results = generate(
+        [Request(0, [5, 6], 8, guided_decoding=unchecked), Request(1, [5, 6], 8)],
+        make_config(),
+        model=tiny_model,
+    )
+    assert "minimum (5) is greater than maximum (1)" in results[0].error and results[1].ok
+    # and a step where the mask allows nothing ends that request, not the batch
+    monkeypatch.setattr(
+        grammar_module.GrammarRuntime,
+        "fill",
+        lambda self, states: torch.zeros((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32),
+    )
+    spec = guided_spec("guided_choice", ["a"])
+    results = generate(
+        [Request(0, [5, 6], 8, guided_decoding=spec), Request(1, [5, 6], 8)], make_config(), model=tiny_model
+    )
+    assert results[0].error == "structured output: no token can continue the output"
+    assert results[1].ok and len(results[1].output_ids) == 8

@@ -113,6 +113,9 @@ class Decoder:
         if live:
             bitmask = self.grammar.fill([state for _, state in live])
             apply_bitmask(logits, [i for i, _ in live], bitmask)
+            for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
+                if not allows:  # e.g. a schema no value satisfies (minimum above maximum)
+                    faults[rows[i].request_id] = "structured output: no token can continue the output"
 
 
 def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingOptions]]) -> None:
