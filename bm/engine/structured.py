@@ -192,8 +192,9 @@ def _check(kind: str, text: str) -> str:
         return f"cannot be compiled: {exc}"
     is_error, messages = load_llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        first = messages[0].strip().splitlines()[0] if messages else "unknown error"
-        return f"cannot be compiled: {first}"
+        # one line: the library's message can span several (a regex error draws a caret under the spot)
+        text = " ".join(messages[0].split()) if messages else "unknown error"
+        return f"cannot be compiled: {text if len(text) <= 240 else text[:237] + '...'}"
     return ""
 
 
