@@ -111,7 +111,7 @@ def test_constrained_greedy_output_equals_hf_with_the_same_librarys_mask(
 def test_a_mask_allowing_every_token_leaves_greedy_output_equal_to_hf(
     tiny_model, tiny_reference, monkeypatch
 ):
-    """The mask path itself (sync, one bitmask, one masked_fill) changes nothing where nothing is masked."""
+    """The mask path itself (sync, one bitmask, one torch.minimum) changes nothing where nothing is masked."""
     monkeypatch.setattr(grammar_module.GrammarState, "sync", lambda self, output_ids: "")
     monkeypatch.setattr(
         grammar_module.GrammarRuntime,

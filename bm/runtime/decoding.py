@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bm.runtime.beam_search import StepOutcome
-from bm.runtime.grammar import GrammarRuntime, apply_bitmask
+from bm.runtime.grammar import GrammarRuntime, MaskApplier
 from bm.runtime.logits import DecodingOptions, Row, apply_controls
 from bm.runtime.sampler import Sampler
 from bm.scheduling.request import LlmRequest
@@ -33,6 +33,7 @@ class Decoder:
     def __init__(self, grammar: GrammarRuntime | None = None) -> None:
         self.sampler = Sampler()
         self.grammar = grammar
+        self.masks = MaskApplier()
 
     def release(self, request_id: int) -> None:
         self.sampler.release(request_id)
@@ -112,7 +113,7 @@ class Decoder:
                 live.append((i, r.options.grammar))
         if live:
             bitmask = self.grammar.fill([state for _, state in live])
-            apply_bitmask(logits, [i for i, _ in live], bitmask)
+            self.masks.apply(logits, [i for i, _ in live], bitmask)
             for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
                 if not allows:  # e.g. a schema no value satisfies (minimum above maximum)
                     faults[rows[i].request_id] = "structured output: no token can continue the output"
