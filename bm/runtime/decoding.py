@@ -115,7 +115,7 @@ class Decoder:
             bitmask = self.grammar.fill([state for _, state in live])
             self.masks.apply(logits, [i for i, _ in live], bitmask)
             for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
-                if not allows:  # e.g. a schema no value satisfies (minimum above maximum)
+                if not allows:  # a dead end the compile did not see: end this request, not the batch
                     faults[rows[i].request_id] = "structured output: no token can continue the output"
 
 
