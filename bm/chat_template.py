@@ -12,7 +12,7 @@ class ChatTemplateError(ValueError):
     """A chat template that cannot be compiled or that fails on a chat; phrased for the user."""
 
 
-def jinja_renderer(template: str) -> Callable[[list[dict[str, Any]]], str]:
+def jinja_renderer(template: str) -> Callable[..., str]:
     """Render a chat template the way transformers does (sandboxed Jinja, trimmed blocks), for tokenizers
     that have no ``apply_chat_template`` of their own (the embedded byte-level one)."""
     from jinja2.exceptions import TemplateError
@@ -24,9 +24,11 @@ def jinja_renderer(template: str) -> Callable[[list[dict[str, Any]]], str]:
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template: not a valid Jinja template: {exc}") from None
 
-    def render(messages: list[dict[str, Any]]) -> str:
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         try:
-            return compiled.render(messages=messages, add_generation_prompt=True, eos_token="", bos_token="")
+            return compiled.render(
+                messages=messages, tools=tools, add_generation_prompt=True, eos_token="", bos_token=""
+            )
         except TemplateError as exc:
             raise ChatTemplateError(f"messages: the chat template failed: {exc}") from None
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, load_config
-from bm.engine.fields import token_id_list
+from bm.engine.fields import request_field, token_id_list
 from bm.engine.request import Request, Response
 
 Prompt = str | Sequence[int]
@@ -57,6 +57,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False  # return_log_probs: the log prob of each generated token
+    # Structured output (guided_decoding; needs llguidance): OpenAI's response_format, e.g.
+    # {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}, or vLLM's guided form,
+    # {"json": schema} | {"regex": "..."} | {"choice": [...]} | {"grammar": "..."}. docs/structured-output.md
+    response_format: dict[str, Any] | None = None
+    guided_decoding: Any = None
 
     def request_fields(self, encode_word: Any) -> dict[str, Any]:
         """The engine request's fields for these parameters (strings tokenized by ``encode_word``)."""
@@ -72,6 +77,12 @@ class SamplingParams:
             "frequency_penalty": self.frequency_penalty,
             "return_log_probs": self.logprobs or None,
         }
+        if self.response_format is not None and self.guided_decoding is not None:
+            raise ValueError("SamplingParams: give response_format or guided_decoding, not both")
+        if self.response_format is not None:
+            out["guided_decoding"] = request_field("guided_decoding", "response_format", self.response_format)
+        elif self.guided_decoding is not None:
+            out["guided_decoding"] = request_field("guided_decoding", "guided_decoding", self.guided_decoding)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         words = [_encode_word(w, "stop", encode_word) for w in stops]
         words += [[t] for t in self.stop_token_ids or []]

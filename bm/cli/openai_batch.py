@@ -2,7 +2,7 @@
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
-so the same checks apply. A body field bm cannot honour (``n: 2``, ``top_logprobs``, ``tools``, ...) makes
+so the same checks apply. A body field bm cannot honour (``n: 2``, ``top_logprobs``, ...) makes
 that line an error record; it is never silently ignored. Plain Python (no torch): the file is checked
 before the model loads.
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 from bm.workloads.jsonl import iter_lines, parse_request
 from bm.workloads.request import Row, RowError
+from bm.workloads.tools import tool_calls
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
@@ -33,6 +34,10 @@ COMMON_FIELDS = {
     "frequency_penalty": "frequency_penalty",
 }
 METADATA_FIELDS = ("model", "user", "metadata")  # describe the request, change nothing bm computes
+# Passed through to bm's line as they are: structured output (bm.engine.structured) and tools
+# (bm.workloads.tools), read and checked there.
+STRUCTURED_FIELDS = ("response_format",)
+TOOL_FIELDS = ("tools", "tool_choice")
 FINISH_REASONS = {"end_id": "stop", "stop": "stop", "length": "length"}
 
 
@@ -109,9 +114,9 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
     """The bm request line for an OpenAI body; a field bm cannot honour raises :class:`RowError`."""
     chat = entry.url == CHAT_URL
     prompt_key = "messages" if chat else "prompt"
-    allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, "n", "stream", "logprobs"}
+    allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, "n", "stream", "logprobs"}
     if chat:
-        allowed |= {"max_completion_tokens", "top_logprobs"}
+        allowed |= {"max_completion_tokens", "top_logprobs", *TOOL_FIELDS}
     for key in body:
         if key not in allowed:
             raise RowError(
@@ -134,6 +139,9 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
     for key, name in COMMON_FIELDS.items():
         if body.get(key) is not None:
             request[name] = body[key]
+    for key in (*STRUCTURED_FIELDS, *TOOL_FIELDS):
+        if key in body:
+            request[key] = body[key]
     if chat and body.get("max_completion_tokens") is not None:
         if "max_tokens" in request:
             raise RowError("body.max_completion_tokens: given with max_tokens; keep one")
@@ -251,12 +259,12 @@ def batch_output_line(
                 ],
                 "refusal": None,
             }
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        calls = tool_calls(text, f"call_bm_{index}") if line.parsed.tool_call and reason == "stop" else None
+        if calls is not None:
+            message.update(content=None, tool_calls=calls)
+            reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         body = {"id": f"chatcmpl-bm-{index}", "object": "chat.completion", "created": created, "model": model}
     else:
         logprobs = None

@@ -27,7 +27,7 @@ class Codec:
 
     encode: Callable[[str], list[int]] | None = None
     encode_word: Callable[[str], list[int]] | None = None
-    render_chat: Callable[[list[dict[str, Any]]], list[int]] | None = None
+    render_chat: Callable[..., list[int]] | None = None  # (messages, tools=None) -> ids
 
 
 def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
@@ -37,9 +37,9 @@ def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
         return Codec()
     render = chat_renderer(tokenizer, chat_template)
 
-    def render_chat(messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            return render(messages)
+            return render(messages, tools=tools) if tools else render(messages)
         except ChatTemplateError as exc:
             raise RowError(str(exc)) from None
 
@@ -123,7 +123,11 @@ def _prompt_ids(entry: Row, codec: Codec) -> list[int]:
                 "messages: this model has no chat template; give one with --chat-template FILE, "
                 "or send the prompt as text"
             )
-        ids = codec.render_chat(entry.messages)
+        ids = (
+            codec.render_chat(entry.messages, tools=entry.tools)
+            if entry.tools
+            else codec.render_chat(entry.messages)
+        )
         if not ids:
             raise RowError("messages: the chat renders to no tokens")
         return ids

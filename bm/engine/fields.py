@@ -16,6 +16,8 @@ import json
 import math
 from typing import Any
 
+from bm.engine.structured import GUIDED_KEYS, SpecError, guided_spec
+
 
 class RequestError(ValueError):
     """A request the batch manager refuses; the message is sent back as the error response."""
@@ -24,6 +26,9 @@ class RequestError(ValueError):
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
 FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+# Structured output: response_format, guided_json, guided_regex, guided_choice and guided_grammar each set
+# the one field guided_decoding (a GuidedSpec; bm.engine.structured reads and checks every form).
+FIELD_ALIASES.update(dict.fromkeys(GUIDED_KEYS, "guided_decoding"))
 
 # Every request field the engine implements, by its spec name, with the JSON type it must have and the
 # bounds that hold whatever the model; the engine's validator narrows some by the model (the vocabulary,
@@ -61,6 +66,7 @@ LIST_FIELDS = ("embedding_bias",)
 # Nested lists of numbers (the engine checks their shapes and values).
 NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
 ID_LIST_FIELDS = ("draft_input_ids",)  # flat lists of token ids
+GUIDED_FIELDS = ("guided_decoding",)
 REQUEST_FIELDS = (
     *INT_FIELDS,
     *FLOAT_FIELDS,
@@ -69,6 +75,7 @@ REQUEST_FIELDS = (
     *LIST_FIELDS,
     *NESTED_FIELDS,
     *ID_LIST_FIELDS,
+    *GUIDED_FIELDS,
 )
 MAX_TOKEN_ID = INT32_MAX
 
@@ -87,6 +94,11 @@ def request_field(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
             raise RequestError(f"{key}: expected a nested list of numbers (one list per row)")
         return value
+    if name in GUIDED_FIELDS:
+        try:
+            return guided_spec(key, value)
+        except SpecError as exc:
+            raise RequestError(str(exc)) from None
     if name in ID_LIST_FIELDS:
         if not isinstance(value, list) or not all(is_int(t) for t in value):
             raise RequestError(f"{key}: expected a list of integer token ids")

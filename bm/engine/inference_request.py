@@ -72,12 +72,16 @@ class InferenceRequest:
         request_id: int,
         tensors: Mapping[str, torch.Tensor] | None = None,
         logits_post_processor: LogitsPostProcessor | None = None,
+        guided_decoding: Any = None,
     ) -> None:
         self.request_id = request_id
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
         # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
         # controls, each step this request samples (rows: 1, or one per beam).
         self.logits_post_processor = logits_post_processor
+        # Structured output, as TensorRT-LLM's guided_decoding_params: not a tensor, so an attribute
+        # beside the map ({"json": schema}, {"regex": ...}, ...; docs/structured-output.md).
+        self.guided_decoding = guided_decoding
 
     @classmethod
     def from_values(cls, request_id: int, input_ids: list[int], request_output_len: int, **fields: Any):
@@ -85,7 +89,7 @@ class InferenceRequest:
 
         ``input_ids`` may also be what a transformers tokenizer returns (a mapping with ``input_ids``, one
         row or a flat list) or a tensor; anything else is refused with bm's own message."""
-        req = cls(request_id)
+        req = cls(request_id, guided_decoding=fields.pop("guided_decoding", None))
         req.tensors["input_ids"] = torch.tensor([token_id_list(input_ids)], dtype=torch.int32)
         req.tensors["request_output_len"] = torch.tensor([[request_output_len]], dtype=torch.int32)
         for name, value in fields.items():
@@ -171,6 +175,7 @@ def to_core_request(request: InferenceRequest) -> Request:
         request_id=request.request_id,
         input_ids=_prompt(tensors),
         logits_post_processor=getattr(request, "logits_post_processor", None),
+        guided_decoding=getattr(request, "guided_decoding", None),
         **values,
     )
 

@@ -81,6 +81,9 @@ class Request:
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
+    # Structured output: the output follows this constraint (a bm.engine.structured.GuidedSpec, or any
+    # form bm.engine.structured.guided_spec reads, e.g. {"json": schema}).
+    guided_decoding: Any = None
 
 
 @dataclass
@@ -220,6 +223,7 @@ class Controls:
     logits_post_processor: Callable[..., Any] | None = None
     len_penalty: float = 1.0
     early_stopping: int = 1
+    guided: Any = None  # a bm.engine.structured.GuidedSpec: the runtime masks tokens to follow it
 
     @property
     def processes_logits(self) -> bool:
@@ -228,7 +232,8 @@ class Controls:
     @property
     def needs_runtime_state(self) -> bool:
         return bool(
-            self.processes_logits
+            self.guided is not None
+            or self.processes_logits
             or self.stop_words
             or self.return_log_probs
             or self.return_context_logits
@@ -329,7 +334,20 @@ def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls
         # Validated whatever the width; they only act on beams (as in TensorRT-LLM and HF).
         len_penalty=_float("len_penalty", request.len_penalty, 1.0),
         early_stopping=_int("early_stopping", request.early_stopping, 1),
+        guided=_guided(request.guided_decoding),
     )
+
+
+def _guided(value: Any) -> Any:
+    """The request's structured-output spec, checked by the one reader of its forms."""
+    if value is None:
+        return None
+    from bm.engine.structured import SpecError, guided_spec
+
+    try:
+        return guided_spec("guided_decoding", value)
+    except SpecError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _check_beam_request(sampling: SamplingParams, streaming: bool, controls: Controls) -> None:
@@ -345,6 +363,8 @@ def _check_beam_request(sampling: SamplingParams, streaming: bool, controls: Con
         raise RequestError("stop_words_list: not supported with beam_width > 1")
     if controls.return_generation_logits:
         raise RequestError("return_generation_logits: not supported with beam_width > 1")
+    if controls.guided is not None:
+        raise RequestError("guided_decoding: structured output is not supported with beam_width > 1")
 
 
 # -- inputs beyond token ids ----------------------------------------------------------------------------
@@ -523,6 +543,11 @@ def _drafts(request: Request, limits: RequestLimits, beam_width: int, controls: 
     drafts = _token_ids("draft_input_ids", drafts, limits.vocab_size)
     if beam_width > 1:
         raise RequestError("draft_input_ids: not supported with beam_width > 1")
+    if controls.guided is not None:
+        raise RequestError(
+            "draft_input_ids: not supported with structured output (drafts are not checked against the "
+            "grammar's mask); drop the drafts or the response_format / guided_* field"
+        )
     if controls.needs_runtime_state:
         raise RequestError(
             "draft_input_ids: not supported beside logits controls, stop words, log probs or returned logits "

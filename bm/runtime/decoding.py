@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bm.runtime.beam_search import StepOutcome
+from bm.runtime.grammar import GrammarRuntime, MaskApplier
 from bm.runtime.logits import DecodingOptions, Row, apply_controls
 from bm.runtime.sampler import Sampler
 from bm.scheduling.request import LlmRequest
@@ -29,8 +30,10 @@ class DecodeResult:
 
 
 class Decoder:
-    def __init__(self) -> None:
+    def __init__(self, grammar: GrammarRuntime | None = None) -> None:
         self.sampler = Sampler()
+        self.grammar = grammar
+        self.masks = MaskApplier()
 
     def release(self, request_id: int) -> None:
         self.sampler.release(request_id)
@@ -65,6 +68,7 @@ class Decoder:
             logits.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index), dim=-1))
         faults: dict[int, str] = {}
         logits = apply_controls(logits, rows, faults)
+        self._mask_grammars(logits, rows, faults)
         tokens = self.sampler.sample(logits, params, ids)
         result = DecodeResult(tokens, faults=faults)
         host = _beam_rows_on_host(logits, beam_rows)
@@ -91,6 +95,28 @@ class Decoder:
             for i, v in zip(wanted, values, strict=True):
                 result.log_probs[i] = v
         return result
+
+    def _mask_grammars(
+        self, logits: torch.Tensor, rows: Sequence[Row | None], faults: dict[int, str]
+    ) -> None:
+        """Structured output, last of the logits controls: each guided row's matcher follows its
+        request's accepted tokens, then one bitmask for all of them masks the batch's logits."""
+        guided = [(i, r) for i, r in enumerate(rows) if r is not None and r.options.grammar is not None]
+        if not guided or self.grammar is None:
+            return
+        live = []
+        for i, r in guided:
+            problem = r.options.grammar.sync(r.output)  # type: ignore[union-attr]
+            if problem:
+                faults[r.request_id] = problem
+            elif r.request_id not in faults:
+                live.append((i, r.options.grammar))
+        if live:
+            bitmask = self.grammar.fill([state for _, state in live])
+            self.masks.apply(logits, [i for i, _ in live], bitmask)
+            for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
+                if not allows:  # a dead end the compile did not see: end this request, not the batch
+                    faults[rows[i].request_id] = "structured output: no token can continue the output"
 
 
 def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingOptions]]) -> None:

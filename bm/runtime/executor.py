@@ -23,6 +23,7 @@ from bm.engine.executor import (
 from bm.engine.request import LoraSpec
 from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult
+from bm.runtime.grammar import GrammarRuntime
 from bm.runtime.kv_sizing import num_kv_blocks
 from bm.runtime.logits import DecodingOptions
 from bm.runtime.lora import LoraLayers
@@ -36,7 +37,8 @@ class TorchExecutor:
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
         self.runner: ModelRunner | None = None
-        self.decoder = Decoder()
+        self.grammar = GrammarRuntime(model.tokenizer, model.vocab_size, model.eos_token_id)
+        self.decoder = Decoder(self.grammar)
         self._limits = ModelLimits(
             vocab_size=model.vocab_size,
             max_position_embeddings=model.max_position_embeddings,
@@ -115,6 +117,8 @@ class TorchExecutor:
                 controls.len_penalty,
                 controls.early_stopping,
             )
+        if controls.guided is not None:
+            options.grammar = self.grammar.start(controls.guided)
         request.decoding = options
 
     def load_adapter(self, slot: int, adapter: LoraSpec) -> None:

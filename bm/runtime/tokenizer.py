@@ -68,6 +68,7 @@ class HFTokenizer:
         messages: list[dict[str, Any]],
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The chat rendered with the checkpoint's template (or ``chat_template``), as token ids.
 
@@ -79,6 +80,7 @@ class HFTokenizer:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                tools=tools,
             )
         except Exception as exc:  # a template is a program: any of its errors is the caller's to fix
             raise ChatTemplateError(f"messages: the chat template failed: {exc}") from None
@@ -95,4 +97,4 @@ def chat_renderer(tokenizer: TextCodec | None, chat_template: str | None = None)
     if chat_template is None:
         return None
     render = jinja_renderer(chat_template)
-    return lambda messages: tokenizer.encode(render(messages))
+    return lambda messages, tools=None: tokenizer.encode(render(messages, tools=tools))

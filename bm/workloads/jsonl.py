@@ -32,6 +32,7 @@ from bm.engine.fields import (
 )
 from bm.suggest import did_you_mean
 from bm.workloads.request import Row, RowError
+from bm.workloads.tools import read_tools, tool_choice_spec
 
 __all__ = [
     "WORD_LISTS",
@@ -47,8 +48,19 @@ OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output
 # lora_weights; a relative path is taken from the request file's directory.
 LORA_DIR = "lora_dir"
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
+TOOL_KEYS = ("tools", "tool_choice")  # bm.workloads.tools
 KNOWN_KEYS = frozenset(
-    {"id", "arrival_time", "stop", LORA_DIR, *PROMPT_KEYS, *OUTPUT_LEN_KEYS, *FIELD_ALIASES, *REQUEST_FIELDS}
+    {
+        "id",
+        "arrival_time",
+        "stop",
+        LORA_DIR,
+        *PROMPT_KEYS,
+        *OUTPUT_LEN_KEYS,
+        *FIELD_ALIASES,
+        *REQUEST_FIELDS,
+        *TOOL_KEYS,
+    }
 )
 MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse
 
@@ -213,6 +225,24 @@ def parse_request(data: dict[str, Any], entry: Row) -> None:
         if value is None:
             continue
         entry.fields[name] = request_field(name, key, value)
+    if any(data.get(k) is not None for k in TOOL_KEYS):
+        _tools(data, entry)
+
+
+def _tools(data: dict[str, Any], entry: Row) -> None:
+    """``tools`` for the chat template, and the call ``tool_choice`` constrains the reply to."""
+    if data.get("tools") is not None:
+        if entry.messages is None:
+            raise RowError("tools: need a chat ('messages'), whose template renders them")
+        entry.tools = read_tools(data["tools"])
+    spec = tool_choice_spec(entry.tools, data.get("tool_choice"))
+    if spec is not None:
+        if entry.fields.get("guided_decoding") is not None:
+            raise RowError(
+                "tool_choice: a forced tool call is already a structured output; drop response_format"
+            )
+        entry.fields["guided_decoding"] = spec
+        entry.tool_call = True
 
 
 def parse_prompt(data: dict[str, Any], entry: Row, keys: tuple[str, ...] = PROMPT_KEYS) -> None:
@@ -281,11 +311,16 @@ def chat_messages(value: Any, name: str) -> list[dict[str, Any]]:
                     )
                 parts.append(part["text"])
             content = "".join(parts)
+        if content is None and isinstance(turn.get("tool_calls"), list):
+            content = ""  # an assistant turn that only called tools
         if not isinstance(content, str):
             raise RowError(f"{where}.content: expected a string, got {show_value(content)}")
-        extra = sorted(set(turn) - {"role", "content", "name"})
+        extra = sorted(set(turn) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
-            raise RowError(f"{where}.{extra[0]}: not supported in a chat turn (role, content and name are)")
+            raise RowError(
+                f"{where}.{extra[0]}: not supported in a chat turn (role, content, name, tool_calls and "
+                "tool_call_id are)"
+            )
         out.append({**turn, "content": content})
     return out
 

@@ -53,6 +53,8 @@ class Row:
     lora_dir: str | None = None  # a PEFT adapter directory, resolved against the file's directory
     # Request fields by spec name, plain values: word lists as [str | list[int], ...] or the [2, n] form.
     fields: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools, rendered by the chat template
+    tool_call: bool = False  # tool_choice made the reply a call (its output carries tool_calls)
     error: str | None = None  # "line N: field: problem; fix", when the row cannot run
     num_prompt_tokens: int | None = None  # set once the prompt is tokenized
 
