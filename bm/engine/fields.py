@@ -20,7 +20,13 @@ from bm.engine.request import RequestError
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
-FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+FIELD_ALIASES = {
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "seed": "random_seed",
+    "n": "num_return_sequences",
+}
+
 
 # Every request field the engine implements, by its spec name, with the JSON type it must have.
 # (A test keeps this equal to the engine's SUPPORTED_INPUT_TENSORS.)
@@ -35,6 +41,8 @@ INT_FIELDS: dict[str, tuple[int, int]] = {
     "pad_id": (INT32_MIN, INT32_MAX),
     "lora_task_id": (0, UINT64_MAX),
     "prompt_vocab_size": (1, INT32_MAX),
+    "num_return_sequences": (1, INT32_MAX),  # at most MAX_RETURN_SEQUENCES (validate_request)
+    "top_logprobs": (0, INT32_MAX),  # at most MAX_TOP_LOGPROBS (validate_request)
 }
 FLOAT_FIELDS = (
     "temperature",
@@ -50,6 +58,7 @@ LIST_FIELDS = ("embedding_bias",)
 # Nested lists of numbers (the engine checks their shapes and values).
 NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
 ID_LIST_FIELDS = ("draft_input_ids",)  # flat lists of token ids
+MAP_FIELDS = ("logit_bias",)  # {token id: bias}, OpenAI's sparse logit bias
 REQUEST_FIELDS = (
     *INT_FIELDS,
     *FLOAT_FIELDS,
@@ -58,6 +67,7 @@ REQUEST_FIELDS = (
     *LIST_FIELDS,
     *NESTED_FIELDS,
     *ID_LIST_FIELDS,
+    *MAP_FIELDS,
 )
 MAX_TOKEN_ID = INT32_MAX
 
@@ -83,9 +93,28 @@ def request_field(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, list) or not all(is_int(t) for t in value):
             raise RequestError(f"{key}: expected a list of integer token ids")
         return value
+    if name in MAP_FIELDS:
+        return logit_bias(value, key)
     if not isinstance(value, list) or not value or not all(is_number(v) for v in value):
         raise RequestError(f"{key}: expected a list of finite numbers, one per vocabulary token")
     return value
+
+
+def logit_bias(value: Any, name: str) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` read into ``{token id: bias}``: JSON object keys are strings, so "50256"
+    names token 50256. The bias's range and the ids against the vocabulary are validate_request's
+    (the library path gives the same dict)."""
+    if not isinstance(value, dict):
+        raise RequestError(f'{name}: expected an object of token id to bias, e.g. {{"50256": -100}}')
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+            raise RequestError(f"{name}: key {show_value(key)} is not a token id (a non-negative integer)")
+        if not is_number(bias):
+            raise RequestError(f"{name}[{key}]: expected a number in [-100, 100], got {show_value(bias)}")
+        out[token] = bias
+    return out
 
 
 def strict_int(value: Any, name: str, low: int, high: int) -> int:

@@ -59,6 +59,8 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "return_generation_logits": (torch.bool, "[1] return generation logits"),
     "draft_input_ids": (torch.int32, "[num_draft_tokens] a guess of the continuation"),
     "draft_logits": (torch.float32, "[num_draft_tokens, vocab_size] the drafts' logits"),
+    "num_return_sequences": (torch.int32, "[1] samples of the prompt (one prefill, a forked table each)"),
+    "top_logprobs": (torch.int32, "[1] most likely tokens returned per position (0-20)"),
 }
 
 SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - set(UNSUPPORTED_FIELDS)

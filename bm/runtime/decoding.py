@@ -26,6 +26,8 @@ class DecodeResult:
     log_probs: list[float | None] | None = None  # one per row when some row asked for them
     beams: dict[int, StepOutcome] = field(default_factory=dict)  # request id -> its beam step
     faults: dict[int, str] = field(default_factory=dict)  # request id -> why its decoding failed
+    # one per row when some row asked for top log probs: (token, log prob) pairs, most likely first
+    top_log_probs: list[list[tuple[int, float]] | None] | None = None
 
 
 class Decoder:
@@ -90,7 +92,20 @@ class Decoder:
             result.log_probs = [None] * len(rows)
             for i, v in zip(wanted, values, strict=True):
                 result.log_probs[i] = v
+            counts = [rows[i].options.top_log_probs for i in wanted]  # type: ignore[union-attr]
+            if any(counts):
+                result.top_log_probs = [None] * len(rows)
+                for i, top in zip(wanted, _top_log_probs(lp, counts), strict=True):
+                    result.top_log_probs[i] = top
         return result
+
+
+def _top_log_probs(lp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:
+    """Each row's ``counts[i]`` most likely (token, log prob) pairs, most likely first: one topk over the
+    rows for the largest count, one copy to the host."""
+    values, ids = lp.topk(max(counts), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[j][:k], values[j][:k], strict=True)) if k else None for j, k in enumerate(counts)]
 
 
 def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingOptions]]) -> None:
