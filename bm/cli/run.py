@@ -26,6 +26,7 @@ import bm
 from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
 from bm.cli.prompts import codec_for, to_request
+from bm.cli.records import extra_fields
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
@@ -125,6 +126,7 @@ def output_record(row: ParsedLine, result: Response | None, loaded: LoadedModel)
         record["cum_log_probs"] = (
             result.cum_log_probs if result.beams is not None else result.cum_log_probs[0]
         )
+    record.update(extra_fields(row, result, loaded.tokenizer))  # top log probs, n samples
     return record
 
 
@@ -273,7 +275,7 @@ def run_prompts(
 
         tokenizer = loaded.tokenizer
         decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
-        write_batch_output(out_dir, batch_lines, loaded.name, decode)
+        write_batch_output(out_dir, batch_lines, _model_label(config), decode)  # the model as named
     (out_dir / "summary.json").write_text(
         json.dumps(
             {

@@ -117,6 +117,23 @@ def logit_bias(value: Any, name: str) -> dict[int, float]:
     return out
 
 
+# OpenAI body fields bm accepts and that change nothing it computes, with the JSON type each must have.
+OPENAI_NO_EFFECT_FIELDS: dict[str, tuple[type, str]] = {
+    "store": (bool, "true or false"),
+    "service_tier": (str, 'a string such as "auto"'),
+    "parallel_tool_calls": (bool, "true or false"),
+    "stream_options": (dict, "an object (ignored: a batch has no stream)"),
+}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: logprobs is a count of top tokens, 0-5
+
+
+def no_effect_field(name: str, value: Any) -> None:
+    """An accepted OpenAI field that changes nothing computed must still have its type (null is fine)."""
+    kind, form = OPENAI_NO_EFFECT_FIELDS[name]
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)):
+        raise RequestError(f"{name}: expected {form}, got {show_value(value)}")
+
+
 def strict_int(value: Any, name: str, low: int, high: int) -> int:
     """An integer in [low, high]; 12.0 and true are refused, not read as 12 and 1."""
     if not is_int(value):
