@@ -202,6 +202,7 @@ def run_prompts(
     batch_lines: list[Any] | None = None,
     interrupts: Interrupts | None = None,
     num_lines: int | None = None,
+    run_seed: int | None = None,
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
@@ -213,7 +214,7 @@ def run_prompts(
     ``batch_output.jsonl`` in OpenAI's format."""
     if interrupts is None:
         with Interrupts() as own:
-            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines)  # fmt: skip
+            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines, run_seed=run_seed)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     loaded = LLM(config=config).loaded  # the front door a library user has loads the model
     default_end_id = None if ignore_eos else loaded.eos_token_id
@@ -223,7 +224,7 @@ def run_prompts(
     done = _carry_over(out_dir, summary) if resume else set()
     if prompts is not None:
         options = run_options(default_output_len, ignore_eos, chat_template)
-        write_run_identity(out_dir, run_identity(prompts, config, options), loaded.name)
+        write_run_identity(out_dir, run_identity(prompts, config, options, run_seed), loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, loaded, out_dir)
@@ -255,7 +256,7 @@ def run_prompts(
                     run.cancel_unstarted(feeder, console, interrupts.signal_name)
                     run.write(cancelled_record(entry))
                     continue
-                request = to_request(entry, codec, default_output_len, default_end_id)
+                request = to_request(entry, codec, default_output_len, default_end_id, run_seed)
                 if request is None:
                     run.write(output_record(entry, None, loaded))
                     continue
