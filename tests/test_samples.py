@@ -170,3 +170,24 @@ def test_logit_bias_is_added_to_the_logits_as_hf_does_it(tiny_model, tiny_refere
     processors = LogitsProcessorList([AddBias(bias)])
     expected = hf_generate(tiny_reference, PROMPT, 8, logits_processor=processors)[0, len(PROMPT) :].tolist()
     assert response.output_ids == expected and expected != plain
+
+
+def test_the_seeds_tensor_api_takes_num_return_sequences_and_returns_every_sample(tiny_model, tiny_reference):
+    from bm.engine import BatchManager, InferenceRequest
+    from tests.clients import ScriptedClient
+
+    client = ScriptedClient()
+    client.push(
+        InferenceRequest.from_values(1, PROMPT, 6, num_return_sequences=3, return_log_probs=True),
+        InferenceRequest.from_values(2, PROMPT, 6, num_return_sequences=2, temperature=1.0, random_seed=4),
+    )
+    config = make_config()
+    with BatchManager(config, client.get_requests, client.send_response, model=tiny_model):
+        client.wait_finals(2)
+    ((greedy, error),) = client.finals_for(1)
+    assert not error
+    expected = hf_greedy(tiny_reference, PROMPT, 6)
+    assert greedy["output_ids"].tolist() == [expected] * 3
+    assert greedy["sequence_length"].tolist() == [6] * 3 and greedy["output_log_probs"].shape == (1, 3, 6)
+    ((sampled, _),) = client.finals_for(2)
+    assert sampled["num_return_sequences"].tolist() == [2] and sampled["output_ids"].shape[0] == 2

@@ -73,6 +73,8 @@ def combined_response(family: Family) -> Response:
     first.num_pauses = sum(r.num_pauses for r in responses)
     first.num_reused_blocks = sum(r.num_reused_blocks for r in responses)
     first.num_missed_blocks = sum(r.num_missed_blocks for r in responses)
+    end_id = family.root.sampling.end_id
+    first.pad_fill = end_id if end_id >= 0 else family.root.sampling.pad_id
     failed = next((r for r in responses if r.error), None)
     if failed is not None:
         first.error, first.finish_reason = failed.error, FinishReason.ERROR
