@@ -191,3 +191,18 @@ def test_the_seeds_tensor_api_takes_num_return_sequences_and_returns_every_sampl
     assert greedy["sequence_length"].tolist() == [6] * 3 and greedy["output_log_probs"].shape == (1, 3, 6)
     ((sampled, _),) = client.finals_for(2)
     assert sampled["num_return_sequences"].tolist() == [2] and sampled["output_ids"].shape[0] == 2
+
+
+def test_bm_generate_returns_every_sample_and_the_top_log_probs(tiny_model):
+    from bm.engine.offline import generate
+
+    results = generate(
+        [Request(1, PROMPT, 5, temperature=1.0, random_seed=2, num_return_sequences=3, top_logprobs=2)],
+        make_config(),
+        model=tiny_model,
+    )
+    result = results[1]
+    assert result.ok and [s.index for s in result.samples] == [0, 1, 2]
+    assert result.output_ids == result.samples[0].output_ids
+    assert [len(s.output_top_log_probs) for s in result.samples] == [5, 5, 5]
+    assert len(result.output_top_log_probs) == 5 and all(len(top) == 2 for top in result.output_top_log_probs)
