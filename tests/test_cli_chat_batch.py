@@ -89,7 +89,7 @@ BATCH_LINES = [
     {"custom_id": "new", "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [{"role": "user", "content": "Bye"}], "max_completion_tokens": 3}},
 ]  # fmt: skip
-REFUSED = {"n-2": "body.n", "tools": "body.tools", "top": "body.top_logprobs", "embed": "url", "typed": "body.max_tokens"}  # fmt: skip
+REFUSED = {"tools": "body.tools", "embed": "url", "typed": "body.max_tokens"}  # fmt: skip
 
 
 def test_openai_batch_input_gets_batch_output_in_openais_schema(tmp_path):

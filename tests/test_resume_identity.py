@@ -35,11 +35,11 @@ def finished_run(tmp_path):
     return prompts, out
 
 
-def test_run_json_records_the_model_config_digest_version_and_a_seed_slot(finished_run):
+def test_run_json_records_the_model_config_digest_version_and_the_run_seed(finished_run):
     _prompts, out = finished_run
     identity = json.loads((out / "run.json").read_text())
     assert identity["model"] == "embedded tiny-llama" and identity["loaded"]
-    assert identity["bm_version"] == bm.__version__ and identity["seed"] is None
+    assert identity["bm_version"] == bm.__version__ and isinstance(identity["seed"], int)  # random
     assert identity["options"]["--max-tokens"] == 2
     assert len(identity["config_sha256"]) == 64 and identity["config"]["model.dtype"] == "auto"
     assert "engine.max_batch_size" in identity["config_not_in_digest"]

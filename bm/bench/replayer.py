@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from bm.engine.fields import FIELD_ALIASES  # vLLM's names for request fields, as in `bm run`
 from bm.engine.request import Request, Response
+from bm.engine.seeds import line_seed
 from bm.scheduling import FinishReason
 from bm.workloads import Workload
 
@@ -177,10 +178,14 @@ class Replayer:
             return len(open_)
 
 
-def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, Request]]:
+def build_requests(
+    workload: Workload, end_id: int | None, run_seed: int | None = None
+) -> list[tuple[int, Request]]:
     """(index, request) for every runnable row; a row whose fields cannot make a request gets its error.
 
-    Every request streams: the client timestamps each token, which is what TTFT and ITL need."""
+    Every request streams: the client timestamps each token, which is what TTFT and ITL need. With
+    ``run_seed``, a row without a seed samples with one derived from it and the row's index, so
+    duplicate rows differ and the same seed replays the same tokens."""
     built = []
     for index, req in enumerate(workload.requests):
         if not req.ok or req.input_ids is None:
@@ -188,6 +193,8 @@ def build_requests(workload: Workload, end_id: int | None) -> list[tuple[int, Re
         fields = {FIELD_ALIASES.get(k, k): v for k, v in req.fields.items() if k != "streaming"}
         if end_id is not None:
             fields.setdefault("end_id", end_id)
+        if run_seed is not None:
+            fields.setdefault("random_seed", line_seed(run_seed, index))
         try:
             request = Request(index, list(req.input_ids), req.output_len, streaming=True, **fields)
         except TypeError as exc:

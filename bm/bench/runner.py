@@ -80,7 +80,7 @@ def run_bench(
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
     if len(times) != len(workload.requests):
         raise ValueError(f"{len(times)} arrival times for {len(workload.requests)} requests")
-    built = build_requests(workload, None if bench.ignore_eos else model.eos_token_id)
+    built = build_requests(workload, None if bench.ignore_eos else model.eos_token_id, run_seed=bench.seed)
     replayer = Replayer(
         [r for _, r in built], [times[i] for i, _ in built], max_concurrency=bench.max_concurrency
     )

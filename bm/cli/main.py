@@ -110,6 +110,9 @@ def run(
     ),
     resume: bool = typer.Option(False, "--resume", help="Keep OUT_DIR's finished records; run the rest."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR."),
+    seed: int | None = typer.Option(
+        None, "--seed", min=0, help="Run seed for lines without one [random; --resume reuses it]."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     show: bool = typer.Option(False, "--show", help="Print every answer (id and text) after the run."),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
@@ -133,6 +136,7 @@ def _run(
     chat_template: Path | None,
     resume: bool,
     overwrite: bool,
+    seed: int | None,
     quiet: bool,
     show: bool,
     data_parallel: int | None,
@@ -154,8 +158,9 @@ def _run(
         template = _read_template(chat_template)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
         _prepare_out_dir(out, resume, overwrite, prompts)
+        run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
-            _check_resume(out, prompts, cfg, max_tokens, ignore_eos, template)
+            _check_resume(out, prompts, cfg, max_tokens, ignore_eos, template, run_seed)
         parsed, batch_lines = _read_requests(prompts)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
@@ -178,6 +183,7 @@ def _run(
             batch_lines=batch_lines,
             interrupts=interrupts,
             num_lines=None if quiet else _count_lines(prompts),
+            run_seed=run_seed,
         )
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
@@ -253,13 +259,27 @@ def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) ->
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
 
 
+def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
+    from bm.cli.outdir import run_seed_for
+
+    return run_seed_for(out, given, resume)
+
+
 def _check_resume(
-    out: Path, prompts: Path, cfg: BmConfig, max_tokens: int, ignore_eos: bool, template: str | None
+    out: Path,
+    prompts: Path,
+    cfg: BmConfig,
+    max_tokens: int,
+    ignore_eos: bool,
+    template: str | None,
+    run_seed: int | None = None,
 ) -> None:
-    """``--resume`` into records of another model, config or run options is refused (docs/resume.md)."""
+    """``--resume`` into records of another model, config, run options or run seed is refused
+    (docs/resume.md)."""
     from bm.cli.outdir import check_run_identity, run_identity, run_options
 
-    check_run_identity(out, run_identity(prompts, cfg, run_options(max_tokens, ignore_eos, template)))
+    options = run_options(max_tokens, ignore_eos, template)
+    check_run_identity(out, run_identity(prompts, cfg, options, run_seed))
 
 
 def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:

@@ -2,21 +2,24 @@
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
-so the same checks apply. A body field bm cannot honour (``n: 2``, ``top_logprobs``, ...) makes
-that line an error record; it is never silently ignored. Plain Python (no torch): the file is checked
-before the model loads.
+so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ``tool_choice:
+"auto"``, ...) makes that line an error record; it is never silently ignored. Fields that change nothing
+computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` beside ``stream: false``)
+are accepted once their type is right. Plain Python (no torch): the file is checked before the model loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
 from bm.workloads.jsonl import iter_lines, parse_request
 from bm.workloads.request import Row, RowError
 from bm.workloads.tools import tool_calls
@@ -39,6 +42,16 @@ METADATA_FIELDS = ("model", "user", "metadata")  # describe the request, change 
 STRUCTURED_FIELDS = ("response_format",)
 TOOL_FIELDS = ("tools", "tool_choice")
 FINISH_REASONS = {"end_id": "stop", "stop": "stop", "length": "length"}
+# bm's field names in an engine error -> the body field the user wrote (an error's ``param``)
+OPENAI_NAMES = {
+    "num_return_sequences": "n",
+    "random_seed": "seed",
+    "runtime_top_p": "top_p",
+    "request_output_len": "max_tokens",
+    "stop_words_list": "stop",
+    "return_log_probs": "logprobs",
+}
+FIELD_PATH = re.compile(r"^(?:line \d+: )?(?:body\.)?([A-Za-z_][\w.\[\]]*): ")
 
 
 @dataclass
@@ -50,6 +63,7 @@ class BatchLine:
     url: str = CHAT_URL
     model: str | None = None
     logprobs: bool = False
+    top_logprobs: int = 0  # most likely tokens per position in the output's logprobs
 
 
 def is_batch_file(path: Path) -> bool:
@@ -114,7 +128,8 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
     """The bm request line for an OpenAI body; a field bm cannot honour raises :class:`RowError`."""
     chat = entry.url == CHAT_URL
     prompt_key = "messages" if chat else "prompt"
-    allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, "n", "stream", "logprobs"}
+    allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, *OPENAI_NO_EFFECT_FIELDS}
+    allowed |= {"n", "stream", "logprobs", "logit_bias"}
     if chat:
         allowed |= {"max_completion_tokens", "top_logprobs", *TOOL_FIELDS}
     for key in body:
@@ -129,11 +144,17 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
     entry.model = model
     if prompt_key not in body:
         raise RowError(f"body.{prompt_key}: missing; {entry.url} needs it")
-    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise RowError(f"body.n: bm returns one choice per request; got {body.get('n')!r} (use 1)")
-    if body.get("stream", False) is not False:
+    if body.get("stream") not in (None, False):
         raise RowError("body.stream: a batch has no stream; remove it or set false")
+    for key in OPENAI_NO_EFFECT_FIELDS:
+        try:
+            no_effect_field(key, body.get(key))
+        except RowError as exc:
+            raise RowError(f"body.{exc}") from None
     request: dict[str, Any] = {prompt_key: body[prompt_key]}
+    for key in ("n", "logit_bias"):  # checked by the bm line's parser, bounds by the engine
+        if body.get(key) is not None:
+            request[key] = body[key]
     if not chat and isinstance(body["prompt"], list):
         raise RowError("body.prompt: bm runs one prompt per line; give a string, not a list")
     for key, name in COMMON_FIELDS.items():
@@ -150,18 +171,21 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
     if chat:
         if logprobs is not None and not isinstance(logprobs, bool):
             raise RowError(f"body.logprobs: expected true or false, got {logprobs!r}")
-        top = body.get("top_logprobs")
-        if top not in (None, 0) or isinstance(top, bool):
-            raise RowError(
-                f"body.top_logprobs: bm returns the chosen token's log prob only; got {top!r} (use 0)"
-            )
         entry.logprobs = bool(logprobs)
+        top = body.get("top_logprobs")
+        if top is not None:
+            if top != 0 and not entry.logprobs:
+                raise RowError("body.top_logprobs: needs logprobs: true; add it or drop top_logprobs")
+            request["top_logprobs"] = top
+            entry.top_logprobs = top if isinstance(top, int) else 0
     elif logprobs is not None:
-        if isinstance(logprobs, bool) or logprobs != 0:
-            raise RowError(
-                f"body.logprobs: bm returns the chosen token's log prob only; got {logprobs!r} (use 0)"
-            )
+        try:  # a count of top tokens on /v1/completions (0: the chosen token's log prob only)
+            entry.top_logprobs = strict_int(logprobs, "body.logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        except RowError as exc:
+            raise RowError(f"{exc} (on {COMPLETIONS_URL} logprobs counts the top tokens listed)") from None
         entry.logprobs = True
+        if entry.top_logprobs:
+            request["top_logprobs"] = entry.top_logprobs
     if entry.logprobs:
         request["return_log_probs"] = True
     return request
@@ -229,10 +253,11 @@ def batch_output_line(
         message = "the run was interrupted before this request finished; run again with --resume"
         return {**base, "response": None, "error": {"code": "cancelled", "message": message}}
     if record.get("finish_reason") not in FINISH_REASONS:
+        message = record.get("error") or "failed"
         error = {
-            "message": record.get("error") or "failed",
+            "message": message,
             "type": "invalid_request_error",
-            "param": None,
+            "param": error_param(message),
             "code": None,
         }
         response = {"status_code": 400, "request_id": f"bm-{index}", "body": {"error": error}}
@@ -244,46 +269,95 @@ def batch_output_line(
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-    text = record.get("text") or ""
-    reason = FINISH_REASONS[record["finish_reason"]]
+    decode = decode_token or str
+    samples = record.get("samples") or [record]  # n > 1: every sample; else the record is the one
     model = line.model or model_name
-    log_probs = record.get("output_log_probs") if line.logprobs else None
-    tokens = [decode_token(t) if decode_token else str(t) for t in record.get("output_ids", [])]
     if line.url == CHAT_URL:
-        logprobs = None
-        if log_probs is not None:
-            logprobs = {
-                "content": [
-                    {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
-                    for tok, lp in zip(tokens, log_probs, strict=False)
-                ],
-                "refusal": None,
-            }
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        calls = tool_calls(text, f"call_bm_{index}") if line.parsed.tool_call and reason == "stop" else None
-        if calls is not None:
-            message.update(content=None, tool_calls=calls)
-            reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        choices = [_chat_choice(i, sample, line, decode) for i, sample in enumerate(samples)]
         body = {"id": f"chatcmpl-bm-{index}", "object": "chat.completion", "created": created, "model": model}
     else:
-        logprobs = None
-        if log_probs is not None:
-            offsets, at = [], 0
-            for tok in tokens:
-                offsets.append(at)
-                at += len(tok)
-            logprobs = {
-                "tokens": tokens,
-                "token_logprobs": log_probs,
-                "top_logprobs": None,
-                "text_offset": offsets,
-            }
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        choices = [_completion_choice(i, sample, line, decode) for i, sample in enumerate(samples)]
         body = {"id": f"cmpl-bm-{index}", "object": "text_completion", "created": created, "model": model}
-    body.update(choices=[choice], usage=usage)
+    body.update(choices=choices, usage=usage)
     return {
         **base,
         "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
         "error": None,
     }
+
+
+def error_param(message: str) -> str | None:
+    """The body field an error names (``line 3: body.n: ...`` -> ``n``; bm's own names for a field, as
+    the engine reports them, become the body's: ``random_seed`` -> ``seed``)."""
+    found = FIELD_PATH.match(message)
+    if found is None:
+        return None
+    path = found.group(1)
+    head, sep, rest = path.partition(".")
+    return OPENAI_NAMES.get(head, head) + sep + rest
+
+
+def _scored_tokens(sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]):
+    """(token text, log prob, top pairs) per generated token, without the end token (the text holds none
+    of it); None when log probs were not asked for."""
+    log_probs = sample.get("output_log_probs") if line.logprobs else None
+    if log_probs is None:
+        return None
+    ids = list(sample.get("output_ids", []))
+    tops = sample.get("top_log_probs") or [[] for _ in ids]
+    if sample.get("finish_reason") == "end_id" and ids:
+        ids, log_probs, tops = ids[:-1], log_probs[: len(ids) - 1], tops[: len(ids) - 1]
+    return [
+        (decode(t), lp, [(decode(int(tok)), v) for tok, v in top])
+        for t, lp, top in zip(ids, log_probs, tops, strict=False)
+    ]
+
+
+def _chat_choice(
+    index: int, sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]
+) -> dict[str, Any]:
+    scored = _scored_tokens(sample, line, decode)
+    logprobs = None
+    if scored is not None:
+        logprobs = {
+            "content": [
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(tok.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top
+                    ],
+                }
+                for tok, lp, top in scored
+            ],
+            "refusal": None,
+        }
+    message: dict[str, Any] = {"role": "assistant", "content": sample.get("text") or "", "refusal": None}
+    reason = FINISH_REASONS[sample["finish_reason"]]
+    call_id = f"call_bm_{line.parsed.index}" + (f"_{index}" if index else "")
+    calls = tool_calls(message["content"], call_id) if line.parsed.tool_call and reason == "stop" else None
+    if calls is not None:  # tool_choice constrained the reply to a call: OpenAI returns it as tool_calls
+        message.update(content=None, tool_calls=calls)
+        reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _completion_choice(
+    index: int, sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]
+) -> dict[str, Any]:
+    scored = _scored_tokens(sample, line, decode)
+    logprobs = None
+    if scored is not None:
+        offsets, at = [], 0
+        for tok, _lp, _top in scored:
+            offsets.append(at)
+            at += len(tok)
+        logprobs = {
+            "tokens": [tok for tok, _lp, _top in scored],
+            "token_logprobs": [lp for _tok, lp, _top in scored],
+            "top_logprobs": [dict(top) for _tok, _lp, top in scored] if line.top_logprobs else None,
+            "text_offset": offsets,
+        }
+    reason = FINISH_REASONS[sample["finish_reason"]]
+    return {"index": index, "text": sample.get("text") or "", "logprobs": logprobs, "finish_reason": reason}

@@ -14,6 +14,7 @@ from typing import Any
 
 import bm
 from bm.config import BmConfig
+from bm.engine.seeds import random_run_seed
 from bm.workloads.jsonl import iter_lines
 
 FINAL_REASONS = ("end_id", "stop", "length")
@@ -66,11 +67,14 @@ IDENTITY_LABELS = {  # run.json key -> how the refusal names it, in the order th
 }
 
 
-def run_identity(prompts: Path, config: BmConfig, options: dict[str, Any]) -> dict[str, Any]:
+def run_identity(
+    prompts: Path, config: BmConfig, options: dict[str, Any], seed: int | None = None
+) -> dict[str, Any]:
     """What a run directory's records depend on, known before the model loads (so a refused
     ``--resume`` costs nothing): the prompts file, bm's version, the model as named, the config keys
-    that change outputs (and their digest), the run's own options (``--max-tokens`` ...) and a slot
-    for a run seed. ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`."""
+    that change outputs (and their digest), the run's own options (``--max-tokens`` ...) and the run
+    seed that unseeded lines derive theirs from (null: a run from before run seeds, where every unseeded
+    line sampled with seed 0). ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`."""
     settings = effective_settings(config)
     return {
         "prompts": str(prompts),
@@ -81,8 +85,21 @@ def run_identity(prompts: Path, config: BmConfig, options: dict[str, Any]) -> di
         "config": settings,
         "config_not_in_digest": list(NOT_IN_DIGEST),
         "options": options,
-        "seed": None,  # a run seed, when runs get one; null matches null
+        "seed": seed,
     }
+
+
+def run_seed_for(out: Path, given: int | None, resume: bool) -> int | None:
+    """The run seed: ``--seed``; on ``--resume`` the seed run.json recorded (a different ``--seed`` is
+    then refused by :func:`check_run_identity`); else a fresh random one, recorded for the next resume."""
+    if resume and (out / "outputs.jsonl").exists():
+        try:
+            saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            saved = None
+        if isinstance(saved, dict) and "seed" in saved:
+            return saved["seed"] if given is None else given
+    return given if given is not None else random_run_seed()
 
 
 def run_options(max_tokens: int, ignore_eos: bool, chat_template: str | None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.engine.request import Request
+from bm.engine.seeds import line_seed
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
 from bm.workloads.jsonl import WORD_LISTS, read_request_file, resolve_word_list
 from bm.workloads.request import Row, RowError
@@ -46,10 +47,20 @@ def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
     return Codec(tokenizer.encode, tokenizer.encode_word, render_chat if render is not None else None)
 
 
-def to_request(row: Row, codec: Codec, default_output_len: int, default_end_id: int | None) -> Request | None:
+def to_request(
+    row: Row,
+    codec: Codec,
+    default_output_len: int,
+    default_end_id: int | None,
+    run_seed: int | None = None,
+) -> Request | None:
     """The core request for one row, tokenized; None when it cannot become one (the row then carries its
     error). Its request id is the row's index, the line's 0-based number in the file, so a blank line
-    never shifts the indexes of the lines after it. Records the prompt's length on the row."""
+    never shifts the indexes of the lines after it. Records the prompt's length on the row.
+
+    With ``run_seed``, a line without a ``seed`` samples with one derived from the run seed and its
+    index (:func:`bm.engine.seeds.line_seed`): duplicate lines differ, and the run seed reproduces the
+    run. A line's own seed stays exact."""
     if row.error is not None:
         return None
     try:
@@ -63,6 +74,8 @@ def to_request(row: Row, codec: Codec, default_output_len: int, default_end_id: 
             fields["stop_words_list"] = [*fields.get("stop_words_list", []), *stops]
         if "end_id" not in fields and default_end_id is not None:
             fields["end_id"] = default_end_id
+        if run_seed is not None:
+            fields.setdefault("random_seed", line_seed(run_seed, row.index))
         if row.lora_dir is not None:
             _add_lora_dir(fields, row.lora_dir)
     except RowError as exc:

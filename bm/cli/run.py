@@ -23,6 +23,7 @@ import bm
 from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
 from bm.cli.prompts import codec_for, to_request
+from bm.cli.records import extra_fields
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
@@ -121,6 +122,7 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
         record["cum_log_probs"] = (
             result.cum_log_probs if result.beams is not None else result.cum_log_probs[0]
         )
+    record.update(extra_fields(row, result, loaded.tokenizer))  # top log probs, n samples
     return record
 
 
@@ -168,6 +170,7 @@ def run_prompts(
     batch_lines: dict[int, Any] | None = None,
     interrupts: Interrupts | None = None,
     num_lines: int | None = None,
+    run_seed: int | None = None,
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
@@ -180,7 +183,7 @@ def run_prompts(
     a line written with each record."""
     if interrupts is None:
         with Interrupts() as own:
-            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines)  # fmt: skip
+            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines, run_seed=run_seed)  # fmt: skip
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     llm = LLM(config=config)  # the library's front door loads the model and drives the engine
     loaded = llm.loaded
@@ -191,12 +194,12 @@ def run_prompts(
     done = _carry_over(out_dir, summary) if resume else set()
     if prompts is not None:
         options = run_options(default_output_len, ignore_eos, chat_template)
-        write_run_identity(out_dir, run_identity(prompts, config, options), loaded.name)
+        write_run_identity(out_dir, run_identity(prompts, config, options, run_seed), loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, loaded, out_dir)
         if batch_lines is not None:
-            run.open_batch(batch_lines, done if resume else None)
+            run.open_batch(batch_lines, done if resume else None, _model_label(config))
         started = time.perf_counter()
         session = llm.session(return_stats=_marked(stats, run_id))
 
@@ -222,7 +225,7 @@ def run_prompts(
                     run.cancel_unstarted(session, console, interrupts.signal_name)
                     run.write(cancelled_record(entry))
                     continue
-                request = to_request(entry, codec, default_output_len, default_end_id)
+                request = to_request(entry, codec, default_output_len, default_end_id, run_seed)
                 if request is None:
                     run.write(output_record(entry, None, loaded))
                     continue
@@ -274,13 +277,14 @@ class _Run:
         self.batch: Any = None  # BatchOutput, for an OpenAI batch file
         self.batch_lines: dict[int, Any] = {}
 
-    def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None) -> None:
-        """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over)."""
+    def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None, model: str) -> None:
+        """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over;
+        ``model``: as the user named it, echoed where a line's body names none)."""
         from bm.cli.openai_batch import BatchOutput
 
         tokenizer = self.loaded.tokenizer
         decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
-        self.batch = BatchOutput(self.out_dir, self.loaded.name, decode, keep)
+        self.batch = BatchOutput(self.out_dir, model, decode, keep)
         self.batch_lines = batch_lines
 
     def forget(self, index: int) -> None:

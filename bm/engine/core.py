@@ -37,6 +37,7 @@ from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forwar
 from bm.engine.limits import cache_pools, max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
+from bm.engine.samples import Family, combined_response, fork_siblings
 from bm.engine.speculative import NgramConfig, SpecState, can_speculate, request_drafts
 from bm.engine.stats import IterationStats, iteration_stats
 from bm.engine.stopping import stop_reason
@@ -144,6 +145,10 @@ class EngineCore:
         # (blocks released behind it) keep one token a step.
         self.drafts_enabled = self.scheme != BatchingScheme.V1 and self.attention_window is None
         self._active: dict[int, LlmRequest] = {}  # insertion order is arrival order
+        # n samples: request id -> its samples while any runs (siblings get negative internal ids, which
+        # no user request can have)
+        self._families: dict[int, Family] = {}
+        self._next_sibling_id = -1
         self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)
         self._iteration = 0
         self._num_starts = 0
@@ -166,17 +171,19 @@ class EngineCore:
         return len(self._active)
 
     def has_request(self, request_id: int) -> bool:
-        return request_id in self._active
+        return request_id in self._active or request_id in self._families
 
     def add_request(self, request: Request) -> Response | None:
         """Admit a request; returns its final error response instead when it is refused."""
         rid = request.request_id
-        if isinstance(rid, int) and rid in self._active:
+        if isinstance(rid, int) and (rid in self._active or rid in self._families):
             return error_response(
                 rid, f"request id {rid} is already active; an id may be reused after its final response"
             )
         try:
             llm_request = validate_request(request, self.limits)
+            if llm_request.num_return_sequences > 1:
+                self._check_samples(llm_request)
             self._check_fits(llm_request)
             self.executor.admit(llm_request)
         except RequestError as exc:
@@ -191,6 +198,14 @@ class EngineCore:
         self._active[rid] = llm_request
         self._decode = None
         return None
+
+    def _check_samples(self, request: LlmRequest) -> None:
+        """Samples fork one table; V1's static batches and attention windows (blocks released behind the
+        window, windowed pools) are not built for it."""
+        if self.scheme == BatchingScheme.V1:
+            raise RequestError("num_return_sequences: not supported by the V1 batching scheme; send n lines")
+        if self.attention_window is not None or self.kv_cache_manager.window_tables:
+            raise RequestError("num_return_sequences: not supported with an attention window; send n lines")
 
     def _check_fits(self, request: LlmRequest) -> None:
         kv = self.kv_cache_manager
@@ -260,6 +275,7 @@ class EngineCore:
             and len(plan.generation_requests) == num_active
             and not (plan.context_requests or plan.paused_requests or plan.padding or plan.empty_slots)
             and not (out.finished_ids or result.drafts or result.beams or result.faults)
+            and not self._families
         ):
             self._decode = ([r.request_id for r in plan.generation_requests], out.stats)
         return out
@@ -326,6 +342,8 @@ class EngineCore:
                 break
             if (req.speculation is None and self.ngram is None) or not can_speculate(req):
                 continue
+            if req.num_pending_samples:  # its last chunk forks the samples from a sampled token
+                continue
             room = min(budget, req.max_new_tokens - len(req.output_ids) - 1)
             if room <= 0:
                 continue
@@ -391,9 +409,13 @@ class EngineCore:
                     counts.generation += 1
                 else:
                     counts.empty_slots += 1
+        forking: list[LlmRequest] = []
         for item, token, log_prob in result.sampled:
             if item.kind is not WorkKind.EMPTY_SLOT:
-                self._append_token(item.request, token, log_prob, now)
+                req = item.request
+                self._append_token(req, token, log_prob, now, result.top_log_probs.get(req.request_id))
+                if req.num_pending_samples and item.kind is WorkKind.CONTEXT:
+                    forking.append(req)
         update = ResourceUpdate()
         for request_id, outcome in result.drafts.items():
             req = self._active[request_id]
@@ -416,8 +438,24 @@ class EngineCore:
                 req.state = RequestState.GENERATION_TO_COMPLETE
             else:
                 update.forks.append((request_id, step.parents))
+        for req in forking:
+            self._fork_samples(req, update)
         self.kv_cache_manager.update_resources(update)
         return counts
+
+    def _fork_samples(self, parent: LlmRequest, update: ResourceUpdate) -> None:
+        """The prompt of an n-sample request is computed: its siblings join the active requests, their
+        tables forked from its blocks by the KV manager's update step (:mod:`bm.engine.samples`)."""
+        ids = list(range(self._next_sibling_id, self._next_sibling_id - parent.num_pending_samples, -1))
+        self._next_sibling_id -= len(ids)
+        siblings = fork_siblings(parent, ids)
+        for sibling in siblings:
+            self._num_starts += 1
+            sibling.start_order = self._num_starts
+            self.executor.admit(sibling)
+            self._active[sibling.request_id] = sibling
+        self._families[parent.request_id] = Family(parent, [parent, *siblings])
+        update.samples.append((parent.request_id, ids, parent.num_prompt_tokens - 1))
 
     def _accept_drafts(self, req: LlmRequest, outcome: DraftOutcome, now: float) -> None:
         """Append the accepted drafts and the model's next token (stopping where the request ends); the
@@ -435,10 +473,19 @@ class EngineCore:
         spec.num_accepted_tokens += outcome.num_accepted
         spec.num_draft_steps += 1
 
-    def _append_token(self, req: LlmRequest, token: int, log_prob: float | None, now: float) -> None:
+    def _append_token(
+        self,
+        req: LlmRequest,
+        token: int,
+        log_prob: float | None,
+        now: float,
+        top: list[tuple[int, float]] | None = None,
+    ) -> None:
         req.output_ids.append(token)
         if req.output_log_probs is not None and log_prob is not None:
             req.output_log_probs.append(log_prob)
+        if req.output_top_log_probs is not None and top is not None:
+            req.output_top_log_probs.append(top)
         req.state = RequestState.GENERATION_IN_PROGRESS
         if req.first_token_time is None:
             req.first_token_time = now
@@ -456,8 +503,7 @@ class EngineCore:
             req = self._active.get(request_id)
             if req is not None:
                 req.finish_reason = FinishReason.ERROR
-                out.responses.append(self._finish(req, error=message))
-                out.finished_ids.append(request_id)
+                self._end(req, out, error=message)
         produced: dict[int, LlmRequest] = {}
         for forward in batch.forwards:
             for item in forward:
@@ -471,9 +517,23 @@ class EngineCore:
         for req in [*self._held, *ended]:
             if self.scheduler.holds(req) or self._active.get(req.request_id) is not req:
                 continue
-            out.responses.append(self._finish(req))
-            out.finished_ids.append(req.request_id)
+            self._end(req, out)
         self._held = [r for r in self._active.values() if r.is_finished]
+
+    def _end(self, req: LlmRequest, out: StepOutput, error: str = "") -> None:
+        """Finish ``req``; a sample of an n-sample request is held until its last sibling ends, and
+        the request's one final response then carries them all."""
+        root = req.sample_parent or req
+        family = self._families.get(root.request_id)
+        if family is None:
+            out.responses.append(self._finish(req, error))
+            out.finished_ids.append(req.request_id)
+            return
+        family.done[req.sample_index] = self._finish(req, error)
+        if family.complete:
+            del self._families[root.request_id]
+            out.responses.append(combined_response(family))
+            out.finished_ids.append(root.request_id)
 
     def _finish(self, req: LlmRequest, error: str = "") -> Response:
         """Free everything the request holds and build its final response; its id may then be reused."""
@@ -492,6 +552,8 @@ class EngineCore:
         if req.output_log_probs is not None:
             response.output_log_probs = req.output_log_probs[start:]
             response.cum_log_probs = [sum(req.output_log_probs)]
+        if req.output_top_log_probs is not None:
+            response.output_top_log_probs = req.output_top_log_probs[start:]
         if final:
             extras = self.executor.final_outputs(req)
             if extras.beams is not None:
@@ -526,18 +588,28 @@ class EngineCore:
         self, request_id: int, reason: FinishReason = FinishReason.CANCELLED, error: str = ""
     ) -> Response | None:
         """End an active request now (a stop signal); None when it is not active."""
+        family = self._families.get(request_id)
+        members = [m for m in family.members if self._active.get(m.request_id) is m] if family else []
         req = self._active.get(request_id)
-        if req is None:
+        if req is not None and req.sample_parent is not None:
+            return None  # a sample ends with its request
+        if req is None and not members:
             return None
-        if not req.is_finished:
-            req.finish_reason = reason
+        out = StepOutput()
+        for member in members or [req]:
+            if not member.is_finished:
+                member.finish_reason = reason
+            self._held = [r for r in self._held if r is not member]
+            self._end(member, out, error)
         self._decode = None
-        self._held = [r for r in self._held if r is not req]
-        return self._finish(req, error)
+        return out.responses[0] if out.responses else None
 
     def finish_all(self, reason: FinishReason, error: str = "") -> list[Response]:
         """End every active request (cancel all, or an internal error)."""
-        responses = [self.cancel(rid, reason, error) for rid in list(self._active)]
+        ids = [
+            rid for rid, r in self._active.items() if r.sample_parent is None and rid not in self._families
+        ]
+        responses = [self.cancel(rid, reason, error) for rid in [*ids, *self._families]]
         self._held.clear()
         return [r for r in responses if r is not None]
 

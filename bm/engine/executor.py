@@ -85,6 +85,9 @@ class ExecutionResult:
     faults: dict[int, str] = field(default_factory=dict)  # request id -> why it must end with an error
     drafts: dict[int, DraftOutcome] = field(default_factory=dict)  # request id -> its verified step
     num_forwards: int = 0
+    # request id -> the most likely (token, log prob) pairs at its sampled position, for requests that
+    # asked for top log probs
+    top_log_probs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

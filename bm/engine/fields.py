@@ -25,7 +25,12 @@ class RequestError(ValueError):
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT64_MAX = 2**64 - 1
-FIELD_ALIASES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "random_seed"}
+FIELD_ALIASES = {
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "seed": "random_seed",
+    "n": "num_return_sequences",
+}
 # Structured output: response_format, guided_json, guided_regex, guided_choice and guided_grammar each set
 # the one field guided_decoding (a GuidedSpec; bm.engine.structured reads and checks every form).
 FIELD_ALIASES.update(dict.fromkeys(GUIDED_KEYS, "guided_decoding"))
@@ -45,6 +50,8 @@ INT_FIELDS: dict[str, tuple[int, int]] = {
     "pad_id": (0, INT32_MAX),
     "lora_task_id": (0, UINT64_MAX),
     "prompt_vocab_size": (1, INT32_MAX),
+    "num_return_sequences": (1, INT32_MAX),  # at most MAX_RETURN_SEQUENCES (validate_request)
+    "top_logprobs": (0, INT32_MAX),  # at most MAX_TOP_LOGPROBS (validate_request)
 }
 FLOAT_FIELDS = (
     "temperature",
@@ -67,6 +74,7 @@ LIST_FIELDS = ("embedding_bias",)
 NESTED_FIELDS = ("prompt_embedding_table", "lora_weights", "lora_config", "draft_logits")
 ID_LIST_FIELDS = ("draft_input_ids",)  # flat lists of token ids
 GUIDED_FIELDS = ("guided_decoding",)
+MAP_FIELDS = ("logit_bias",)  # {token id: bias}, OpenAI's sparse logit bias
 REQUEST_FIELDS = (
     *INT_FIELDS,
     *FLOAT_FIELDS,
@@ -76,6 +84,7 @@ REQUEST_FIELDS = (
     *NESTED_FIELDS,
     *ID_LIST_FIELDS,
     *GUIDED_FIELDS,
+    *MAP_FIELDS,
 )
 MAX_TOKEN_ID = INT32_MAX
 
@@ -103,6 +112,8 @@ def request_field(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, list) or not all(is_int(t) for t in value):
             raise RequestError(f"{key}: expected a list of integer token ids")
         return value
+    if name in MAP_FIELDS:
+        return logit_bias(value, key)
     if not isinstance(value, list) or not value or not all(is_number(v) for v in value):
         raise RequestError(f"{key}: expected a list of finite numbers, one per vocabulary token")
     return value
@@ -144,6 +155,40 @@ def check_bool(value: Any, name: str) -> bool:
 def short_float(value: float) -> str:
     """A float as the user wrote it (1.01, not 1.0099999904632568 from a float32 tensor)."""
     return repr(float(f"{value:.7g}"))
+
+
+def logit_bias(value: Any, name: str) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` read into ``{token id: bias}``: JSON object keys are strings, so "50256"
+    names token 50256. The bias's range and the ids against the vocabulary are validate_request's
+    (the library path gives the same dict)."""
+    if not isinstance(value, dict):
+        raise RequestError(f'{name}: expected an object of token id to bias, e.g. {{"50256": -100}}')
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+            raise RequestError(f"{name}: key {show_value(key)} is not a token id (a non-negative integer)")
+        if not is_number(bias):
+            raise RequestError(f"{name}[{key}]: expected a number in [-100, 100], got {show_value(bias)}")
+        out[token] = bias
+    return out
+
+
+# OpenAI body fields bm accepts and that change nothing it computes, with the JSON type each must have.
+OPENAI_NO_EFFECT_FIELDS: dict[str, tuple[type, str]] = {
+    "store": (bool, "true or false"),
+    "service_tier": (str, 'a string such as "auto"'),
+    "parallel_tool_calls": (bool, "true or false"),
+    "stream_options": (dict, "an object (ignored: a batch has no stream)"),
+}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI completions: logprobs is a count of top tokens, 0-5
+
+
+def no_effect_field(name: str, value: Any) -> None:
+    """An accepted OpenAI field that changes nothing computed must still have its type (null is fine)."""
+    kind, form = OPENAI_NO_EFFECT_FIELDS[name]
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)):
+        raise RequestError(f"{name}: expected {form}, got {show_value(value)}")
 
 
 def strict_int(value: Any, name: str, low: int, high: int) -> int:

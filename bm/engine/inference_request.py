@@ -20,6 +20,7 @@ from bm.engine.request import (
     RequestError,
     RequestLimits,
     Response,
+    SampleOutput,
     validate_request,
 )
 from bm.runtime.logits import LogitsPostProcessor
@@ -59,6 +60,8 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "return_generation_logits": (torch.bool, "[1] return generation logits"),
     "draft_input_ids": (torch.int32, "[num_draft_tokens] a guess of the continuation"),
     "draft_logits": (torch.float32, "[num_draft_tokens, vocab_size] the drafts' logits"),
+    "num_return_sequences": (torch.int32, "[1] samples of the prompt (one prefill, a forked table each)"),
+    "top_logprobs": (torch.int32, "[1] most likely tokens returned per position (0-20)"),
 }
 
 SUPPORTED_INPUT_TENSORS = frozenset(SPEC_INPUT_TENSORS) - set(UNSUPPORTED_FIELDS)
@@ -189,7 +192,9 @@ def response_tensors(response: Response) -> dict[str, torch.Tensor]:
     """A core response as the seed's ``send_response`` tensors (the spec's response table, plus bm's
     per-request counters on a final response)."""
     tensors: dict[str, torch.Tensor] = {}
-    if response.beams is not None:
+    if response.samples is not None:
+        _sample_tensors(response, tensors)
+    elif response.beams is not None:
         beams, lps = response.beams, response.beam_log_probs or [[] for _ in response.beams]
         width = max((len(b) for b in beams), default=0)
         ids = torch.full((len(beams), width), response.pad_fill, dtype=torch.int32)
@@ -237,6 +242,28 @@ def response_tensors(response: Response) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _sample_tensors(response: Response, tensors: dict[str, torch.Tensor]) -> None:
+    """n samples as the beams' shapes: ``output_ids [n, longest]`` (padded with the end id, else the
+    pad id), ``sequence_length [n]``, log probs ``[1, n, longest]`` and ``cum_log_probs [n]`` when asked
+    for, and ``num_return_sequences [1]`` and each sample's ``finish_reasons [n]`` so a reader tells
+    samples from beams."""
+    samples = response.samples or []
+    width = max((len(s.output_ids) for s in samples), default=0)
+    ids = torch.full((len(samples), width), response.pad_fill, dtype=torch.int32)
+    for i, sample in enumerate(samples):
+        ids[i, : len(sample.output_ids)] = torch.tensor(sample.output_ids, dtype=torch.int32)
+    tensors["output_ids"] = ids
+    tensors["sequence_length"] = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.int32)
+    tensors["num_return_sequences"] = torch.tensor([len(samples)], dtype=torch.int32)
+    tensors["finish_reasons"] = torch.tensor([int(s.finish_reason) for s in samples], dtype=torch.int32)
+    if all(s.output_log_probs is not None for s in samples) and samples:
+        lp = torch.zeros((1, len(samples), width), dtype=torch.float32)
+        for i, sample in enumerate(samples):
+            lp[0, i, : len(sample.output_log_probs)] = torch.tensor(sample.output_log_probs)
+        tensors["output_log_probs"] = lp
+        tensors["cum_log_probs"] = torch.tensor([sum(s.output_log_probs) for s in samples])
+
+
 def response_from_tensors(
     request_id: int, tensors: Mapping[str, torch.Tensor], final: bool, error: str
 ) -> Response:
@@ -244,7 +271,21 @@ def response_from_tensors(
     response = Response(request_id, final=final, error=error)
     ids, lengths = tensors.get("output_ids"), tensors.get("sequence_length")
     lp = tensors.get("output_log_probs")
-    if ids is not None and ids.dim() == 2 and ids.shape[0] > 1:  # beams
+    if "num_return_sequences" in tensors and ids is not None:  # n samples
+        lens = lengths.tolist() if lengths is not None else [ids.shape[1]] * ids.shape[0]
+        reasons = tensors["finish_reasons"].tolist()
+        response.samples = [
+            SampleOutput(
+                i,
+                ids[i, :n].tolist(),
+                FinishReason(reasons[i]),
+                lp[0, i, :n].tolist() if lp is not None else None,
+            )
+            for i, n in enumerate(lens)
+        ]
+        response.output_ids = list(response.samples[0].output_ids) if response.samples else []
+        response.output_log_probs = response.samples[0].output_log_probs if response.samples else None
+    elif ids is not None and ids.dim() == 2 and ids.shape[0] > 1:  # beams
         lens = lengths.tolist() if lengths is not None else [ids.shape[1]] * ids.shape[0]
         response.beams = [ids[b, :n].tolist() for b, n in enumerate(lens)]
         response.output_ids = list(response.beams[0])

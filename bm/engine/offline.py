@@ -18,7 +18,7 @@ from bm.config import BmConfig
 from bm.engine.executor import Executor
 from bm.engine.inference_request import InferenceRequest, response_from_tensors, to_core_request
 from bm.engine.loop import EngineLoop
-from bm.engine.request import Request, RequestError, Response, error_response
+from bm.engine.request import Request, RequestError, Response, SampleOutput, error_response
 from bm.engine.stats import hit_rate
 from bm.scheduling import FinishReason
 
@@ -44,6 +44,9 @@ class RequestResult:
     beam_log_probs: list[list[float]] | None = None
     context_logits: Any = None  # [prompt, vocab] tensor
     generation_logits: Any = None  # [output, vocab] tensor
+    # top_logprobs: per token, the most likely (token, log prob) pairs; n > 1: every sample, index 0 first
+    output_top_log_probs: list[list[tuple[int, float]]] | None = None
+    samples: list[SampleOutput] | None = None
 
     @property
     def ok(self) -> bool:
@@ -164,6 +167,12 @@ def _collect(result: RequestResult, response: Response) -> None:
             if result.output_log_probs is None:
                 result.output_log_probs = []
             result.output_log_probs.extend(response.output_log_probs)
+        if response.output_top_log_probs is not None:
+            if result.output_top_log_probs is None:
+                result.output_top_log_probs = []
+            result.output_top_log_probs.extend(response.output_top_log_probs)
+    if response.samples is not None:
+        result.samples = response.samples
     if response.cum_log_probs is not None:
         result.cum_log_probs = list(response.cum_log_probs)
     if response.context_logits is not None:

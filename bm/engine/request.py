@@ -20,6 +20,9 @@ from bm.engine.fields import RequestError, check_bool, check_float, check_int, s
 from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
 
 UINT64_MAX = 2**64 - 1
+MAX_RETURN_SEQUENCES = 128  # OpenAI's bound on n
+MAX_TOP_LOGPROBS = 20  # OpenAI chat's bound on top_logprobs
+LOGIT_BIAS_BOUND = 100.0  # OpenAI: each bias in [-100, 100]
 
 # Fields of the spec table bm refuses by name until they are implemented.
 UNSUPPORTED_FIELDS: tuple[str, ...] = ()
@@ -78,12 +81,30 @@ class Request:
     # (rows as lists or an array) make sampled requests accept them by rejection sampling.
     draft_input_ids: list[int] | None = None
     draft_logits: Any = None
+    # n samples of the prompt (OpenAI's n, TensorRT-LLM's num_return_sequences): one prefill, then a
+    # forked block table and a generator (seed derived from random_seed and the index) per sample.
+    num_return_sequences: int | None = None
+    # The most likely tokens and their log probs at each generated position (0-20; implies log probs).
+    top_logprobs: int | None = None
+    # OpenAI's sparse logit bias: token id -> bias in [-100, 100], added with embedding_bias.
+    logit_bias: dict[int, float] | None = None
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
     # Structured output: the output follows this constraint (a bm.engine.structured.GuidedSpec, or any
     # form bm.engine.structured.guided_spec reads, e.g. {"json": schema}).
     guided_decoding: Any = None
+
+
+@dataclass
+class SampleOutput:
+    """One of a request's n samples (final response only), in the order of its index."""
+
+    index: int
+    output_ids: list[int]
+    finish_reason: FinishReason
+    output_log_probs: list[float] | None = None
+    output_top_log_probs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -117,6 +138,10 @@ class Response:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Per token of ``output_ids`` when top log probs were asked for: (token, log prob), most likely first.
+    output_top_log_probs: list[list[tuple[int, float]]] | None = None
+    # n > 1 (final only): every sample, index 0 first; ``output_ids`` and the rest describe sample 0.
+    samples: list[SampleOutput] | None = None
 
 
 def error_response(request_id: int, message: str) -> Response:
@@ -189,6 +214,37 @@ def _embedding_bias(value: Any, vocab_size: int) -> tuple[float, ...] | None:
     return tuple(float(v) for v in value)
 
 
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """OpenAI's sparse bias, checked: token ids in the vocabulary, each bias in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias: expected a mapping of token id to bias, e.g. {50256: -100}")
+    out = {}
+    for token, bias in value.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias: token id {token!r} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise RequestError(f"logit_bias[{token}]: expected a number in [-100, 100], got {bias!r}")
+        if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
+            raise RequestError(f"logit_bias[{token}]: {show(bias)} is out of range; allowed [-100, 100]")
+        out[token] = float(bias)
+    return out
+
+
+def _bias(request: Request, vocab_size: int) -> tuple[float, ...] | None:
+    """embedding_bias and logit_bias as one dense row: both are added to the logits before sampling, in
+    the same pass (a token named by both gets both)."""
+    dense = _embedding_bias(request.embedding_bias, vocab_size)
+    sparse = _logit_bias(request.logit_bias, vocab_size)
+    if not sparse:
+        return dense
+    row = list(dense) if dense is not None else [0.0] * vocab_size
+    for token, bias in sparse.items():
+        row[token] += bias
+    return tuple(row)
+
+
 def processes_logits(controls: Any) -> bool:
     """Whether any control rewrites logits; one definition for the engine's plain ``Controls`` and the
     runtime's ``DecodingOptions``, which carry the same fields."""
@@ -224,6 +280,7 @@ class Controls:
     len_penalty: float = 1.0
     early_stopping: int = 1
     guided: Any = None  # a bm.engine.structured.GuidedSpec: the runtime masks tokens to follow it
+    top_log_probs: int = 0  # most likely tokens returned per position (with return_log_probs)
 
     @property
     def processes_logits(self) -> bool:
@@ -272,6 +329,9 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     )
     streaming = _bool("streaming", request.streaming)
     controls = _controls(request, limits, max_new)
+    num_samples = _int("num_return_sequences", request.num_return_sequences, 1, high=MAX_RETURN_SEQUENCES)
+    if num_samples > 1:
+        _check_samples_request(request, beam_width, streaming, controls)
     if beam_width > 1:
         _check_beam_request(sampling, streaming, controls)
     if table is not None:
@@ -289,6 +349,9 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         output_log_probs=[] if controls.return_log_probs and beam_width == 1 else None,
         model_inputs=ModelInputs(prompt_table=table, lora=lora) if table or lora else None,
         speculation=speculation,
+        output_top_log_probs=[] if controls.top_log_probs and beam_width == 1 else None,
+        num_return_sequences=num_samples,
+        num_pending_samples=num_samples - 1,
     )
 
 
@@ -318,16 +381,20 @@ def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls
         raise RequestError(
             "logits_post_processor: expected a callable (request_id, logits, tokens) -> logits"
         )
+    top = _int("top_logprobs", request.top_logprobs, 0, high=MAX_TOP_LOGPROBS)
+    if top and request.beam_width not in (None, 1):
+        raise RequestError("top_logprobs: not supported with beam_width > 1; set it to 0")
     return Controls(
         repetition_penalty=repetition,
         presence_penalty=_float("presence_penalty", request.presence_penalty, 0.0),
         frequency_penalty=_float("frequency_penalty", request.frequency_penalty, 0.0),
         min_length=_int("min_length", request.min_length, 0, high=max_new),
         no_repeat_ngram_size=_int("no_repeat_ngram_size", request.no_repeat_ngram_size, 0),
-        embedding_bias=_embedding_bias(request.embedding_bias, limits.vocab_size),
+        embedding_bias=_bias(request, limits.vocab_size),
         bad_words=_words("bad_words_list", request.bad_words_list, limits.vocab_size),
         stop_words=_words("stop_words_list", request.stop_words_list, limits.vocab_size),
-        return_log_probs=_bool("return_log_probs", request.return_log_probs),
+        return_log_probs=_bool("return_log_probs", request.return_log_probs) or top > 0,
+        top_log_probs=top,
         return_context_logits=_bool("return_context_logits", request.return_context_logits),
         return_generation_logits=_bool("return_generation_logits", request.return_generation_logits),
         logits_post_processor=processor,
@@ -348,6 +415,24 @@ def _guided(value: Any) -> Any:
         return guided_spec("guided_decoding", value)
     except SpecError as exc:
         raise RequestError(str(exc)) from None
+
+
+def _check_samples_request(request: Request, beam_width: int, streaming: bool, controls: Controls) -> None:
+    """What n samples are not built for is refused by name, never silently ignored."""
+    n = request.num_return_sequences
+    if beam_width > 1:
+        raise RequestError(
+            f"num_return_sequences: {n} samples with beam_width > 1 is not supported; beam search already "
+            "returns beam_width sequences (use one or the other)"
+        )
+    if streaming:
+        raise RequestError("num_return_sequences: not supported with streaming; set streaming to false")
+    if controls.return_generation_logits:
+        raise RequestError("num_return_sequences: not supported with return_generation_logits")
+    if request.draft_input_ids is not None:
+        raise RequestError("num_return_sequences: not supported with draft_input_ids")
+    if request.lora_task_id is not None:
+        raise RequestError("num_return_sequences: not supported with a LoRA adapter yet; send n lines")
 
 
 def _check_beam_request(sampling: SamplingParams, streaming: bool, controls: Controls) -> None:

@@ -110,6 +110,11 @@ class KVCacheManager:
         beams = getattr(request, "beam_width", 1)
         if beams > 1:
             return full * beams
+        samples = 1 + getattr(request, "num_pending_samples", 0)
+        if samples > 1 or getattr(request, "shares_blocks", False):
+            # n samples: every sample's full table, each with one copy of a shared block (see
+            # fork_samples); counted before the fork for all of them, after it by each sibling
+            return (full + 1) * samples
         bound = self.max_window_blocks()
         if bound is None:
             return full
@@ -165,7 +170,8 @@ class KVCacheManager:
         needed = self.num_blocks_for_tokens(num_tokens)
         if blocks is None or blocks.num_beams == 1:
             held = len(blocks.tables[0]) if blocks is not None else 0
-            return max(0, needed - held)
+            copy = blocks is not None and blocks.family is not None and self._shared_tail(blocks) is not None
+            return max(0, needed - held) + copy
         total = 0
         index = (num_tokens - 1) // self.tokens_per_block
         writers: dict[int, int] = {}  # block written at the next position -> beams writing into it
@@ -216,6 +222,10 @@ class KVCacheManager:
                         prepared.copies.append(copy)
                     self.allocate(request_id, num_tokens, beam)
             else:
+                if blocks is not None and blocks.family is not None:
+                    copy = self._copy_shared_tail(request_id, blocks)
+                    if copy is not None:
+                        prepared.copies.append(copy)
                 self.allocate(request_id, num_tokens)
         for request_id, num_tokens in plan.pad:
             self.allocate_padding(request_id, num_tokens)
@@ -232,6 +242,8 @@ class KVCacheManager:
             self.release_outside_window(request.request_id, num_computed)
         for request_id, parents in update.forks:
             self.fork_beams(request_id, parents)
+        for request_id, sibling_ids, num_tokens in update.samples:
+            self.fork_samples(request_id, sibling_ids, num_tokens)
 
     def allocate(self, request_id: int, num_tokens: int, beam: int = 0) -> list[int]:
         """Grow one table of the request to hold ``num_tokens`` tokens (a context chunk, or one more token).
@@ -451,6 +463,47 @@ class KVCacheManager:
         self.pool.release([source])
         return source, destination
 
+    # -- n samples: sibling requests that share a prompt's blocks -------------------------------------
+
+    def fork_samples(self, request_id: int, sibling_ids: Sequence[int], num_tokens: int) -> None:
+        """Each of ``sibling_ids`` starts with a table sharing the request's first ``num_tokens`` tokens.
+
+        The prompt is computed once: siblings take its blocks by reference count (no copy here) and
+        their registered chain, so block reuse goes on from where the prompt stands. The block holding
+        the next written position, when partial, is shared until a sibling (or the request) writes it:
+        :meth:`prepare_resources` then copies it first (:meth:`_copy_shared_tail`).
+        """
+        source = self._requests[request_id]
+        require(source.num_beams == 1 and not source.padding, f"request {request_id}: samples need one table")
+        keep = self.num_blocks_for_tokens(num_tokens)
+        table = source.tables[0][:keep]
+        source.family = request_id
+        for sibling_id in sibling_ids:
+            require(sibling_id not in self._requests, f"request {sibling_id} already holds blocks")
+            self.pool.share([b for b in table if b != NO_BLOCK])
+            blocks = self._requests[sibling_id] = RequestBlocks()
+            blocks.tables[0] = list(table)
+            blocks.num_tokens[0] = num_tokens
+            blocks.chain = list(source.chain[: num_tokens // self.tokens_per_block])
+            blocks.num_released = source.num_released
+            blocks.family = request_id
+
+    def _shared_tail(self, blocks: RequestBlocks) -> int | None:
+        """The index of the table's block at its next written position when another table shares it."""
+        table = blocks.tables[0]
+        index = blocks.num_tokens[0] // self.tokens_per_block
+        if index < len(table) and table[index] != NO_BLOCK and self.pool.ref_count(table[index]) > 1:
+            return index
+        return None
+
+    def _copy_shared_tail(self, request_id: int, blocks: RequestBlocks) -> tuple[int, int] | None:
+        """Before a sample writes into a block its siblings share: its own copy (``(source, destination)``
+        for the runtime to copy), as :meth:`copy_on_write` does for beams."""
+        index = self._shared_tail(blocks)
+        if index is None:
+            return None
+        return self.copy_on_write(request_id, 0, index * self.tokens_per_block)
+
     def _references(self, request_ids: Iterable[int]) -> dict[int, int]:
         """Block id -> references the given requests hold on it."""
         refs: dict[int, int] = {}
@@ -535,9 +588,10 @@ class KVCacheManager:
                 live = [b for b in table if b != NO_BLOCK]
                 if len(live) != len(set(live)):
                     raise IntegrityError(f"request {request_id}: a table lists a block twice: {table}")
+            family = blocks.family if blocks.family is not None else request_id
             for block_id in blocks.live_blocks():
                 holders[block_id] = holders.get(block_id, 0) + 1
-                if owner.setdefault(block_id, request_id) != request_id and not self.enable_block_reuse:
+                if owner.setdefault(block_id, family) != family and not self.enable_block_reuse:
                     raise IntegrityError(
                         f"block {block_id} is shared by requests {owner[block_id]} and {request_id} "
                         "without block reuse"

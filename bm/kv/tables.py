@@ -18,7 +18,7 @@ NO_BLOCK = -1
 class RequestBlocks:
     """Block tables of one request: ``tables[b]`` covers ``num_tokens[b]`` tokens of beam ``b``."""
 
-    __slots__ = ("chain", "num_padding_tokens", "num_released", "num_tokens", "padding", "tables")
+    __slots__ = ("chain", "family", "num_padding_tokens", "num_released", "num_tokens", "padding", "tables")
 
     def __init__(self) -> None:
         self.tables: list[list[int]] = [[]]
@@ -29,6 +29,7 @@ class RequestBlocks:
         self.num_padding_tokens = 0
         self.chain: list[BlockKey | None] = []  # keys of the registered prefix (block reuse)
         self.num_released = 0  # attention window: blocks below this index were looked at
+        self.family: int | None = None  # n samples: the request whose prompt blocks these tables share
 
     @property
     def num_beams(self) -> int:

@@ -82,9 +82,11 @@ class ResourceUpdate:
     trim: list[tuple[int, int]] = field(default_factory=list)  # (request id, tokens each table keeps)
     computed: list[tuple[KVRequest, int]] = field(default_factory=list)  # (request, tokens computed)
     forks: list[tuple[int, list[int]]] = field(default_factory=list)  # (request id, parent beam of each)
+    # n samples: (request id, its new siblings' ids, tokens each sibling's table starts with)
+    samples: list[tuple[int, list[int], int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.trim or self.computed or self.forks)
+        return bool(self.trim or self.computed or self.forks or self.samples)
 
 
 @dataclass

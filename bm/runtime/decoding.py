@@ -27,6 +27,8 @@ class DecodeResult:
     log_probs: list[float | None] | None = None  # one per row when some row asked for them
     beams: dict[int, StepOutcome] = field(default_factory=dict)  # request id -> its beam step
     faults: dict[int, str] = field(default_factory=dict)  # request id -> why its decoding failed
+    # one per row when some row asked for top log probs: (token, log prob) pairs, most likely first
+    top_log_probs: list[list[tuple[int, float]] | None] | None = None
 
 
 class Decoder:
@@ -94,6 +96,11 @@ class Decoder:
             result.log_probs = [None] * len(rows)
             for i, v in zip(wanted, values, strict=True):
                 result.log_probs[i] = v
+            counts = [rows[i].options.top_log_probs for i in wanted]  # type: ignore[union-attr]
+            if any(counts):
+                result.top_log_probs = [None] * len(rows)
+                for i, top in zip(wanted, _top_log_probs(lp, counts), strict=True):
+                    result.top_log_probs[i] = top
         return result
 
     def _mask_grammars(
@@ -117,6 +124,14 @@ class Decoder:
             for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
                 if not allows:  # a dead end the compile did not see: end this request, not the batch
                     faults[rows[i].request_id] = "structured output: no token can continue the output"
+
+
+def _top_log_probs(lp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:
+    """Each row's ``counts[i]`` most likely (token, log prob) pairs, most likely first: one topk over the
+    rows for the largest count, one copy to the host."""
+    values, ids = lp.topk(max(counts), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[j][:k], values[j][:k], strict=True)) if k else None for j, k in enumerate(counts)]
 
 
 def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingOptions]]) -> None:

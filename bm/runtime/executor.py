@@ -108,6 +108,7 @@ class TorchExecutor:
             return_context_logits=controls.return_context_logits,
             return_generation_logits=controls.return_generation_logits,
             logits_post_processor=controls.logits_post_processor,
+            top_log_probs=controls.top_log_probs,
         )
         if request.beam_width > 1:
             options.beam = BeamSearch(
@@ -171,10 +172,13 @@ class TorchExecutor:
             req = next(item.request for item in to_sample if item.request.request_id == request_id)
             result.beams[request_id] = _beam_step(req, outcome.parents, outcome.done)
         log_probs = decoded.log_probs or [None] * len(to_sample)
-        for item, token, lp in zip(to_sample, decoded.tokens, log_probs, strict=True):
+        tops = decoded.top_log_probs or [None] * len(to_sample)
+        for item, token, lp, top in zip(to_sample, decoded.tokens, log_probs, tops, strict=True):
             decoding = item.request.decoding
             if decoding is None or decoding.beam is None:
                 result.sampled.append((item, token, lp))
+                if top is not None:
+                    result.top_log_probs[item.request.request_id] = top
 
     def _slot(self, request: LlmRequest) -> int:
         inputs = request.model_inputs

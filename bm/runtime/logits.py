@@ -46,6 +46,7 @@ class DecodingOptions:
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     beam: object | None = None  # bm.runtime.beam_search.BeamSearch while a beam request runs
     grammar: object | None = None  # bm.runtime.grammar.GrammarState: structured output's matcher
+    top_log_probs: int = 0  # most likely tokens returned per position (with return_log_probs)
 
     @property
     def processes_logits(self) -> bool:

@@ -80,6 +80,7 @@ class RequestControls(Protocol):
     return_generation_logits: bool
     len_penalty: float
     early_stopping: int
+    top_log_probs: int
 
     @property
     def needs_runtime_state(self) -> bool: ...
@@ -179,6 +180,17 @@ class LlmRequest:
     model_inputs: ModelInputValues | None = None
     # Draft tokens and their counts; None: no drafts so far.
     speculation: SpecState | None = None
+    # Per generated token when top log probs were asked for: the most likely (token, log prob) pairs.
+    output_top_log_probs: list[list[tuple[int, float]]] | None = None
+    # n samples (num_return_sequences): the prompt is computed once, by sample 0; when its last chunk
+    # runs, the engine forks ``num_pending_samples`` sibling requests whose tables share its blocks
+    # (see bm.kv). ``sample_parent``: a sibling's sample 0; ``shares_blocks``: the table shares blocks
+    # with siblings, so one write may copy a shared block first.
+    num_return_sequences: int = 1
+    num_pending_samples: int = 0
+    sample_index: int = 0
+    sample_parent: LlmRequest | None = None
+    shares_blocks: bool = False
 
     @property
     def block_extra_keys(self) -> tuple[str | int, ...]:
