@@ -26,6 +26,9 @@ REFUSED = [
     ("runtime_top_k", 1.9),
     ("temperature", True),
     ("return_log_probs", 1),
+    ("num_return_sequences", 129),
+    ("top_logprobs", 21),
+    ("logit_bias", {"5": 200}),
 ]
 
 
@@ -36,6 +39,8 @@ def file_error(name: str, value: object) -> str:
 
 
 def library_error(name: str, value: object) -> str:
+    if name == "logit_bias":  # the library's dict has int keys where JSON has strings
+        value = {int(k): v for k, v in value.items()}
     with pytest.raises(RequestError) as caught:
         validate_request(Request(0, [1, 2], 4, **{name: value}), LIMITS)
     return str(caught.value)

@@ -24,6 +24,9 @@ class RequestError(ValueError):
 
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+MAX_RETURN_SEQUENCES = 128  # OpenAI's bound on n
+MAX_TOP_LOGPROBS = 20  # OpenAI chat's bound on top_logprobs
+LOGIT_BIAS_BOUND = 100.0  # OpenAI: each bias in [-100, 100]
 UINT64_MAX = 2**64 - 1
 FIELD_ALIASES = {
     "top_k": "runtime_top_k",
@@ -50,8 +53,8 @@ INT_FIELDS: dict[str, tuple[int, int]] = {
     "pad_id": (0, INT32_MAX),
     "lora_task_id": (0, UINT64_MAX),
     "prompt_vocab_size": (1, INT32_MAX),
-    "num_return_sequences": (1, INT32_MAX),  # at most MAX_RETURN_SEQUENCES (validate_request)
-    "top_logprobs": (0, INT32_MAX),  # at most MAX_TOP_LOGPROBS (validate_request)
+    "num_return_sequences": (1, MAX_RETURN_SEQUENCES),
+    "top_logprobs": (0, MAX_TOP_LOGPROBS),
 }
 FLOAT_FIELDS = (
     "temperature",
@@ -158,9 +161,9 @@ def short_float(value: float) -> str:
 
 
 def logit_bias(value: Any, name: str) -> dict[int, float]:
-    """OpenAI's ``logit_bias`` read into ``{token id: bias}``: JSON object keys are strings, so "50256"
-    names token 50256. The bias's range and the ids against the vocabulary are validate_request's
-    (the library path gives the same dict)."""
+    """OpenAI's ``logit_bias`` read into ``{token id: bias}``, each bias in [-100, 100]: JSON object keys
+    are strings, so "50256" names token 50256 (the library's dict may use ints). Only the ids against the
+    vocabulary are left to validate_request, which knows the model."""
     if not isinstance(value, dict):
         raise RequestError(f'{name}: expected an object of token id to bias, e.g. {{"50256": -100}}')
     out: dict[int, float] = {}
@@ -170,7 +173,9 @@ def logit_bias(value: Any, name: str) -> dict[int, float]:
             raise RequestError(f"{name}: key {show_value(key)} is not a token id (a non-negative integer)")
         if not is_number(bias):
             raise RequestError(f"{name}[{key}]: expected a number in [-100, 100], got {show_value(bias)}")
-        out[token] = bias
+        if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
+            raise RequestError(f"{name}[{key}]: {short_float(bias)} is out of range; allowed [-100, 100]")
+        out[token] = float(bias)
     return out
 
 

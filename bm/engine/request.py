@@ -16,13 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bm.engine.fields import RequestError, check_bool, check_float, check_int, short_float
+from bm.engine.fields import (
+    RequestError,
+    check_bool,
+    check_float,
+    check_int,
+    logit_bias,
+    short_float,
+)
 from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
 
 UINT64_MAX = 2**64 - 1
-MAX_RETURN_SEQUENCES = 128  # OpenAI's bound on n
-MAX_TOP_LOGPROBS = 20  # OpenAI chat's bound on top_logprobs
-LOGIT_BIAS_BOUND = 100.0  # OpenAI: each bias in [-100, 100]
 
 # Fields of the spec table bm refuses by name until they are implemented.
 UNSUPPORTED_FIELDS: tuple[str, ...] = ()
@@ -215,20 +219,13 @@ def _embedding_bias(value: Any, vocab_size: int) -> tuple[float, ...] | None:
 
 
 def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    """OpenAI's sparse bias, checked: token ids in the vocabulary, each bias in [-100, 100]."""
+    """OpenAI's sparse bias: read and bounded by the field table, then its ids against the vocabulary."""
     if value is None:
         return {}
-    if not isinstance(value, dict):
-        raise RequestError("logit_bias: expected a mapping of token id to bias, e.g. {50256: -100}")
-    out = {}
-    for token, bias in value.items():
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise RequestError(f"logit_bias: token id {token!r} is outside the vocabulary [0, {vocab_size})")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-            raise RequestError(f"logit_bias[{token}]: expected a number in [-100, 100], got {bias!r}")
-        if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
-            raise RequestError(f"logit_bias[{token}]: {show(bias)} is out of range; allowed [-100, 100]")
-        out[token] = float(bias)
+    out = logit_bias(value, "logit_bias")
+    outside = next((token for token in out if token >= vocab_size), None)
+    if outside is not None:
+        raise RequestError(f"logit_bias: token id {outside} is outside the vocabulary [0, {vocab_size})")
     return out
 
 
@@ -329,7 +326,7 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     )
     streaming = _bool("streaming", request.streaming)
     controls = _controls(request, limits, max_new)
-    num_samples = _int("num_return_sequences", request.num_return_sequences, 1, high=MAX_RETURN_SEQUENCES)
+    num_samples = _int("num_return_sequences", request.num_return_sequences, 1)
     if num_samples > 1:
         _check_samples_request(request, beam_width, streaming, controls)
     if beam_width > 1:
@@ -381,7 +378,7 @@ def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls
         raise RequestError(
             "logits_post_processor: expected a callable (request_id, logits, tokens) -> logits"
         )
-    top = _int("top_logprobs", request.top_logprobs, 0, high=MAX_TOP_LOGPROBS)
+    top = _int("top_logprobs", request.top_logprobs, 0)
     if top and request.beam_width not in (None, 1):
         raise RequestError("top_logprobs: not supported with beam_width > 1; set it to 0")
     return Controls(
