@@ -90,7 +90,7 @@ def test_response_format_and_tool_choice_lines_parse_with_openais_types_and_foll
     types = pytest.importorskip("openai.types")
     from openai.types.chat import ChatCompletion
 
-    outputs, _ = run_batch(tmp_path, LINES)
+    outputs, records = run_batch(tmp_path, LINES)
     for custom_id, message in REFUSED.items():
         response = outputs[custom_id]["response"]
         assert response["status_code"] == 400
@@ -117,6 +117,8 @@ def test_response_format_and_tool_choice_lines_parse_with_openais_types_and_foll
             jsonschema.validate(arguments, CITY)
         else:
             assert arguments == {}
+        record = records[next(i for i, line in enumerate(LINES) if line["custom_id"] == custom_id)]
+        assert record["tool_calls"] == [call.model_dump(exclude_none=True)]  # bm's own record has it too
     none = ChatCompletion.model_validate(outputs["none"]["response"]["body"])
     assert none.choices[0].message.tool_calls is None
 

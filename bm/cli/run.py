@@ -23,7 +23,7 @@ import bm
 from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
 from bm.cli.prompts import codec_for, to_request
-from bm.cli.records import extra_fields
+from bm.cli.records import cut_at_stop, extra_fields
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
@@ -33,6 +33,7 @@ from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
+from bm.workloads.tools import tool_calls
 
 
 @dataclass
@@ -99,11 +100,9 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
     }
     reason = result.finish_reason.label
     if loaded.tokenizer is not None:
-        text = loaded.tokenizer.decode(result.output_ids)
-        cut = min((i for i in (text.find(s) for s in row.stop) if i >= 0), default=-1)
-        if cut >= 0:  # stop strings end the text before them, as in OpenAI's API
-            text, reason = text[:cut], FinishReason.STOP_WORDS.label
-        record["text"] = text
+        record["text"], reason = cut_at_stop(row, loaded.tokenizer.decode(result.output_ids), reason)
+        if row.tool_call:  # tool_choice forced a call: the record carries it parsed, as OpenAI's message does
+            record["tool_calls"] = tool_calls(record["text"], f"call_bm_{row.index}")
     record.update(
         output_ids=result.output_ids,
         num_output_tokens=len(result.output_ids),
