@@ -170,11 +170,13 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class SmallGemmKernel(NativeKernel):
-    """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX2 + FMA).
+    """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX-512 or
+    AVX2 + FMA register tiles; plain C in the scalar build).
 
-    Faster than torch's default GEMM at every row count measured on SmolLM2-135M's shapes (1.05-1.1x at
-    2,048 rows, 1.3-5x at 1-64) and than oneDNN with a prepacked weight (1.0-1.9x); each output row is
-    computed alone, in one order, so results do not depend on the rest of the batch.
+    Faster than torch's default GEMM at every row count measured on SmolLM2-135M's shapes (AVX2 build on
+    an AVX2 EPYC: 1.05-1.1x at 2,048 rows, 1.3-5x at 1-64) and than oneDNN with a prepacked weight
+    (1.0-1.9x); the AVX-512 build is 1.4-1.9x the AVX2 one from 8 rows up (``benchmarks/cpu_isa.py``).
+    Each output row is computed alone, in one order, so results do not depend on the rest of the batch.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -213,12 +215,13 @@ class SmallGemmKernel(NativeKernel):
             out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise RuntimeError("small GEMM: this build has no AVX2/FMA kernel")
+            raise RuntimeError("small GEMM: the compiled kernel refused its arguments")
         return out.view(*x.shape[:-1], n)
 
 
 def small_gemm_kernel(isa: str | None = None) -> SmallGemmKernel | None:
-    """The compiled panel GEMM where the CPU has AVX2 and FMA; None elsewhere (see :func:`_kernel`)."""
+    """The compiled panel GEMM (AVX-512, AVX2 or plain C: batch invariant in each), or None (see
+    :func:`_kernel`)."""
     return _kernel(
         "small_gemm",
         _GEMM_SOURCE,

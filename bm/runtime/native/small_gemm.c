@@ -12,11 +12,18 @@
  * Built per instruction set (bm/runtime/cpu_isa.py). With AVX-512 a panel row is one register, and a
  * tile covers two adjacent panels (32 columns) of up to twelve rows: 24 accumulators, twice the work per
  * instruction and fewer loads per FMA than the AVX2 tile. Every element is still the same sequential FMA
- * chain over k, so the AVX-512 and AVX2 builds give bit-identical results. Without AVX2 and FMA only
- * bm_small_gemm_available() is useful (it says 0) and bm runs its oneDNN path instead.
+ * chain over k, so the AVX-512 and AVX2 builds give bit-identical results. Without AVX2 and FMA the same
+ * tiles run in plain C (slower than oneDNN, but batch invariant, which oneDNN's GEMM is not).
  */
 #include <stdint.h>
 #include <stddef.h>
+
+/* bm builds with -fassociative-math; the plain C path's sums must keep their order (batch invariance). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-associative-math")
+#elif defined(__clang__)
+#pragma clang fp reassociate(off)
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -33,7 +40,7 @@
 #define NR 16
 #define MR 6
 
-int bm_small_gemm_available(void) { return BM_HAVE_AVX2; }
+int bm_small_gemm_available(void) { return 1; }
 int bm_small_gemm_avx512(void) { return BM_HAVE_AVX512; }
 
 #if BM_HAVE_AVX2
@@ -164,14 +171,45 @@ static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float 
     }
 }
 
+#else
+/* Plain C (the scalar build): the same tiles and the same per-element order, each output one sequential
+   sum over k (multiply, then add: no FMA in the x86-64 baseline), so this build's rows are batch
+   invariant too; its sums keep their written order (see the pragma above). */
+static void tile(const int mr, const float *x, int64_t ldx, const float *panel, int64_t K, float *y,
+                 int64_t ldy, const float *bias)
+{
+    float acc[MR][NR] = {{0}};
+    for (int64_t k = 0; k < K; k++)
+        for (int i = 0; i < mr; i++) {
+            const float a = x[i * ldx + k];
+            for (int j = 0; j < NR; j++) acc[i][j] += a * panel[k * NR + j];
+        }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) y[i * ldy + j] = bias ? acc[i][j] + bias[j] : acc[i][j];
+}
+
+static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K, float *y,
+                       int64_t ldy, const float *bias)
+{
+    for (int64_t m = 0; m < M; m += MR)
+        tile(M - m < MR ? (int)(M - m) : MR, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias);
+}
+
+static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
+                            float *y, int64_t ldy, const float *bias, int ncols)
+{
+    float buf[NR];
+    for (int64_t m = 0; m < M; m++) {
+        tile(1, x + m * ldx, ldx, panel, K, buf, NR, NULL);
+        for (int j = 0; j < ncols; j++) y[m * ldy + j] = bias ? buf[j] + bias[j] : buf[j];
+    }
+}
 #endif
 
-/* wp holds ceil(N / 16) panels (the last zero-padded). Returns 0, or 1 when this build cannot run it
- * (no AVX2/FMA). */
+/* wp holds ceil(N / 16) panels (the last zero-padded). Returns 0. */
 int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
                       int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
 {
-#if BM_HAVE_AVX2
     const int64_t panels = (N + NR - 1) / NR;
     /* Rows in blocks that stay in L2 (MB x K floats) while every panel passes over them. */
     const int64_t MB = 96;
@@ -215,9 +253,4 @@ int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float 
     }
     (void)num_threads;
     return 0;
-#else
-    (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K;
-    (void)num_threads;
-    return 1;
-#endif
 }
