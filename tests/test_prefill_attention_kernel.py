@@ -140,8 +140,20 @@ def test_window_masks_and_odd_head_sizes_stay_with_sdpa():
     plain = attention.PrefillSegment(0, 10, 0)
     assert attention._native_prefill(torch.zeros(4, 10, 20), cache, plain) is None
     assert attention._native_prefill(q.double(), cache, plain) is None
-    if kernel is not None and kernel.vectorized:
+    if kernel is not None:
         assert attention._native_prefill(q, cache, plain) is kernel
+
+
+def test_the_scalar_build_still_serves_prefill_for_batch_invariance(monkeypatch):
+    """SDPA's sums depend on how a prompt is chunked; the plain C loops' do not."""
+    from bm.runtime.cpu_isa import ENV_ISA, machine_isas
+
+    if "scalar" not in machine_isas() or prefill_attention_kernel("scalar") is None:
+        pytest.skip("needs an x86-64 CPU and a C compiler")
+    monkeypatch.setenv(ENV_ISA, "scalar")
+    plain = attention.PrefillSegment(0, 10, 0)
+    chosen = attention._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain)
+    assert chosen is not None and chosen.isa == "scalar" and not chosen.vectorized
 
 
 def test_native_kernels_switched_off_leave_prefill_on_sdpa(monkeypatch):
