@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Each C kernel's builds (AVX-512, AVX2, scalar: bm.runtime.cpu_isa) against each other, in one sitting.
+"""Each C kernel's builds (AVX-512, AVX2, scalar: bm.cpu_isa) against each other, in one sitting.
 
     python benchmarks/cpu_isa.py [--repeats 20] [--isas avx512,avx2]
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from bm.cpu_isa import cpu_features, machine_isas
 from bm.runtime import native
-from bm.runtime.cpu_isa import cpu_features, machine_isas
 from bm.runtime.native import LoraDeltaWeights, SmallGemmKernel
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64

@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bm.cpu_isa import ENV_ISA, kernel_isa
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import load_model
-from bm.runtime.cpu_isa import ENV_ISA, kernel_isa
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import ENV_SWITCH, paged_decode_kernel
 from tests.clients import StaggeredClient

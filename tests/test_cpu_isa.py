@@ -1,12 +1,12 @@
-"""The choice of each C kernel's instruction-set build (bm.runtime.cpu_isa), with CPU features faked:
+"""The choice of each C kernel's instruction-set build (bm.cpu_isa), with CPU features faked:
 every branch of the dispatch is pinned here, whatever CPU runs the tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from bm.runtime import cpu_isa
-from bm.runtime.cpu_isa import KERNEL_ISAS, choose_isa, supported_isas
+from bm import cpu_isa
+from bm.cpu_isa import KERNEL_ISAS, choose_isa, supported_isas
 
 # Linux /proc/cpuinfo flag names
 SAPPHIRE_RAPIDS = frozenset(
@@ -105,3 +105,21 @@ def test_the_kernel_cache_keeps_one_file_per_build():
     source = Path(native_build.__file__).parent / "native" / "elementwise.c"
     keys = {isa: native_build._cache_key(source, "cc", None, isa) for isa in ("avx512", "avx2", "scalar")}
     assert len(set(keys.values())) == 3
+
+
+def test_a_bad_bm_cpu_isa_is_a_config_error_before_anything_loads(monkeypatch):
+    from bm.config import ConfigError, config_from_dict
+
+    monkeypatch.setenv(cpu_isa.ENV_ISA, "sse9")
+    with pytest.raises(ConfigError, match="BM_CPU_ISA='sse9' is not an instruction set"):
+        config_from_dict({"model": {"device": "cpu"}})
+
+
+def test_the_cpu_isa_module_loads_without_torch():
+    """bm.config imports it, and bm run checks its config before torch loads (seconds)."""
+    import subprocess
+    import sys
+
+    code = "import sys, bm.config; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

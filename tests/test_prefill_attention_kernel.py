@@ -146,7 +146,7 @@ def test_window_masks_and_odd_head_sizes_stay_with_sdpa():
 
 def test_the_scalar_build_still_serves_prefill_for_batch_invariance(monkeypatch):
     """SDPA's sums depend on how a prompt is chunked; the plain C loops' do not."""
-    from bm.runtime.cpu_isa import ENV_ISA, machine_isas
+    from bm.cpu_isa import ENV_ISA, machine_isas
 
     if "scalar" not in machine_isas() or prefill_attention_kernel("scalar") is None:
         pytest.skip("needs an x86-64 CPU and a C compiler")

@@ -1,6 +1,6 @@
 """Optional C kernels, compiled from source at first use with the machine's C compiler.
 
-Each kernel is built for the instruction set :mod:`bm.runtime.cpu_isa` picks from the CPU's features
+Each kernel is built for the instruction set :mod:`bm.cpu_isa` picks from the CPU's features
 (AVX-512, AVX2 or scalar; ``BM_CPU_ISA`` caps it) and cached per machine (bm.runtime.native_build).
 Where nothing can be built (no compiler, an unusual platform, or ``BM_NATIVE_KERNELS=0`` in the
 environment), bm runs its torch implementation of the same computation, which gives the same results up
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bm.runtime.cpu_isa import KERNEL_ISAS, kernel_isa
+from bm.cpu_isa import KERNEL_ISAS, kernel_isa
 from bm.runtime.native_build import compile_kernel
 
 ENV_SWITCH = "BM_NATIVE_KERNELS"
@@ -35,7 +35,7 @@ _loaded: dict[tuple[str, str], object] = {}
 
 
 class NativeKernel:
-    """A compiled kernel's wrapper; ``isa`` names the variant it was built for (bm.runtime.cpu_isa)."""
+    """A compiled kernel's wrapper; ``isa`` names the variant it was built for (bm.cpu_isa)."""
 
     isa: str = ""
 
@@ -139,7 +139,7 @@ class PagedDecodeKernel(NativeKernel):
 def _kernel(
     name: str, source: Path, wrap: Callable[[ctypes.CDLL], NativeKernel | None], isa: str | None
 ) -> Any:
-    """``wrap`` of the compiled ``source`` for the variant :func:`bm.runtime.cpu_isa.kernel_isa` picks
+    """``wrap`` of the compiled ``source`` for the variant :func:`bm.cpu_isa.kernel_isa` picks
     (``isa`` caps it, else ``BM_CPU_ISA``), or None where kernels are switched off or it cannot be
     built; decided once per process and variant."""
     if not native_kernels_enabled() or sys.platform == "win32":
@@ -499,6 +499,6 @@ def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, ob
         "device": str(dev),
         "torch_threads": torch.get_num_threads(),
         "decode_attention": "native" if native else "torch",
-        # the instruction set each compiled kernel runs (bm.runtime.cpu_isa), when they are on
+        # the instruction set each compiled kernel runs (bm.cpu_isa), when they are on
         "cpu_isa": {name: kernel_isa(name) for name in KERNEL_ISAS} if native_kernels_enabled() else {},
     }

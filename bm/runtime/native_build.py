@@ -3,7 +3,7 @@
 bm ships no binaries and needs no build step at install: the first engine on a machine compiles each
 kernel it loads (about a second with gcc) into bm's cache directory (``$BM_CACHE_DIR``, else
 ``~/.cache/bm``: ``kernels/``), under a name that carries the variant (``avx512``, ``avx2``, ``scalar``:
-bm.runtime.cpu_isa) and hashes the source, the flags, the variant, the compiler, the OpenMP runtime it
+bm.cpu_isa) and hashes the source, the flags, the variant, the compiler, the OpenMP runtime it
 links and the CPU (``-mtune=native``), so every later run on that machine only loads it. A cache that
 cannot be written falls back to compiling into a temporary directory for this process.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bm.runtime.cpu_isa import isa_flags
+from bm.cpu_isa import isa_flags
 
 log = logging.getLogger(__name__)
 

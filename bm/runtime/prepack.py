@@ -4,7 +4,7 @@ On the CPU, torch's default GEMM (MKL ``sgemm``) packs the weight matrix again o
 few rows of a decode iteration (1-256 tokens) that repacking, not the arithmetic, is most of the cost.
 Two packed paths, measured on a 2-core AVX2 EPYC with SmolLM2-135M's shapes (``benchmarks/small_gemm.py``):
 
-* bm's own panel GEMM (``native/small_gemm.c``, AVX-512 / AVX2 builds chosen by bm.runtime.cpu_isa, compiled
+* bm's own panel GEMM (``native/small_gemm.c``, AVX-512 / AVX2 builds chosen by bm.cpu_isa, compiled
   once per machine; the AVX2 build): 1.3-5x faster than
   MKL at 1-64 rows and still 1.05-1.1x at 2,048 (190-196 GFLOP/s, where a 2048-cubed ``torch.mm`` peaks at
   about 185), so it serves every row count;

@@ -10,7 +10,7 @@
  * the same order per element); only the reduction order of RMSNorm's mean and the exp of SiLU differ
  * from torch's, by float rounding.
  *
- * Built per instruction set (bm/runtime/cpu_isa.py): AVX-512 loops take sixteen lanes first, then the
+ * Built per instruction set (bm/cpu_isa.py): AVX-512 loops take sixteen lanes first, then the
  * AVX2 loops eight, then plain C the rest. Rotary and SiLU give the same bits in every build (the same
  * per-element operations); RMSNorm's sum of squares is reduced in another order per build. Each row is
  * computed alone, so no result depends on the rest of the batch.

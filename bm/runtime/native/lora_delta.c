@@ -17,7 +17,7 @@
  * row (x @ A^T: eight-lane partial sums over k, then their sum, then the k tail; then y plus each rank
  * term in turn), so a row's result does not depend on the other rows of the batch or on threads.
  *
- * With AVX2 + FMA (bm/runtime/cpu_isa.py's avx2 and avx512 builds) the loops use 8-wide vectors;
+ * With AVX2 + FMA (bm/cpu_isa.py's avx2 and avx512 builds) the loops use 8-wide vectors;
  * elsewhere the same loops run in plain C, in the written order.
  */
 #include <stdint.h>

@@ -13,7 +13,7 @@
    Per layer, optionally: Gemma 2's logit soft-capping, ALiBi slopes (bloom, mpt, falcon), gpt-oss's sink
    logits, and a sliding window (a layer of a model whose layers attend different spans).
 
-   Built per instruction set (bm/runtime/cpu_isa.py): AVX-512 builds score keys and exponentiate in
+   Built per instruction set (bm/cpu_isa.py): AVX-512 builds score keys and exponentiate in
    sixteen lanes where the head size allows, AVX2 builds in eight, plain C elsewhere. Each (row, kv head)
    is computed alone, in one order fixed by its own length, whatever else is in the batch. */
 #include <math.h>

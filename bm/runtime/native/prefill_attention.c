@@ -20,7 +20,7 @@
    first (the last tiles see the most keys under the causal mask), which balances the threads.
 
    Without AVX2/FMA, or with a head size that is not a multiple of 8, the same loops run in plain C.
-   AVX-512 builds (bm/runtime/cpu_isa.py) hold a panel row in one register and take two panels (S) or
+   AVX-512 builds (bm/cpu_isa.py) hold a panel row in one register and take two panels (S) or
    32 value columns (O) per register tile, and run the softmax in sixteen lanes. Each query row's result
    depends only on its own keys: tiles cut the chunk, never the batch. */
 #include <math.h>

@@ -9,7 +9,7 @@
  * Every output element is one sequential sum over k in the same order whatever M is, so a row's result
  * does not depend on the other rows of the batch.
  *
- * Built per instruction set (bm/runtime/cpu_isa.py). With AVX-512 a panel row is one register, and a
+ * Built per instruction set (bm/cpu_isa.py). With AVX-512 a panel row is one register, and a
  * tile covers two adjacent panels (32 columns) of up to twelve rows: 24 accumulators, twice the work per
  * instruction and fewer loads per FMA than the AVX2 tile. Every element is still the same sequential FMA
  * chain over k, so the AVX-512 and AVX2 builds give bit-identical results. Without AVX2 and FMA the same

@@ -123,7 +123,8 @@ def machine_isas() -> tuple[str, ...]:
 
 
 def kernel_isa(kernel: str, requested: str | None = None) -> str:
-    """The variant ``kernel`` loads with on this machine: ``requested`` if given, else ``BM_CPU_ISA``."""
+    """The variant ``kernel`` loads with on this machine: ``requested`` if given, else ``BM_CPU_ISA``
+    (checked once when a config is validated: bm.config.validate)."""
     if requested is None:
         requested = os.environ.get(ENV_ISA)
     return choose_isa(kernel, cpu_features(), platform.machine(), requested)
@@ -132,3 +133,9 @@ def kernel_isa(kernel: str, requested: str | None = None) -> str:
 def isa_flags(isa: str) -> list[str]:
     """The compiler flags that select ``isa``'s code in the kernels' sources."""
     return list(ISA_FLAGS[isa])
+
+
+def check_environment() -> None:
+    """Refuse a ``BM_CPU_ISA`` that names no variant or one this CPU cannot run (ValueError), so that a
+    run stops before loading anything rather than at its first kernel."""
+    kernel_isa("small_gemm")
