@@ -8,8 +8,9 @@ absolute difference between bm's logits and HF's for every position of the promp
 prompt in two chunks, the second after a cached prefix, as the engine does), the share of positions
 whose argmax agrees, and, for greedy generation through the engine with all prompts batched together,
 the tokens that agree with HF generate() (run on each prompt alone) before the first divergence, and
-the requests that agree in full. The same figures for float32 are printed beside them: there bm's
-output must equal HF's exactly in tokens. Prints JSON; tests/test_bf16_oracle.py pins the tolerance.
+the requests that agree in full; and, as the scale to read the bf16 difference against, how far HF's
+own bf16 logits are from its float32 ones. The same figures for float32 are printed beside them: there
+bm's output must equal HF's exactly in tokens. Prints JSON; tests/test_bf16_oracle.py pins the tolerance.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ def prompts(vocab: int, count: int, max_new: int) -> list[tuple[list[int], int]]
         n = int(torch.randint(8, 96, (1,), generator=g))
         out.append((torch.randint(3, vocab, (n,), generator=g).tolist(), max_new))
     return out
+
+
+def hf_rounding(ref, specs) -> float:
+    """Max |HF in bf16 - HF in fp32| over the same positions: the scale of bf16's own rounding, which bm's
+    difference from HF's bf16 is to be read against."""
+    wide = copy.deepcopy(ref).float()
+    worst = 0.0
+    for prompt, _ in specs:
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            worst = max(worst, (ref(ids).logits[0].float() - wide(ids).logits[0]).abs().max().item())
+    return worst
 
 
 def logit_figures(loaded, ref, specs) -> tuple[float, float]:
@@ -103,6 +116,8 @@ def main() -> None:
             worst, argmax = logit_figures(loaded, ref, specs)
             line[dtype] = {"max_abs_logit_diff": round(worst, 5), "position_argmax_agreement": round(argmax, 4),
                            **token_figures(loaded, ref, specs, dtype)}  # fmt: skip
+            if dtype == "bfloat16":
+                line[dtype]["hf_bf16_vs_hf_fp32_max_abs_logit_diff"] = round(hf_rounding(ref, specs), 5)
             print(name, dtype, line[dtype], file=sys.stderr, flush=True)
         result["models"][name] = line
     print(json.dumps(result, indent=1))
