@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from bm.cpu_isa import check_environment as check_cpu_isa
 from bm.suggest import did_you_mean
 
 # The source checkout (configs/ and examples/ live there, beside the package).
@@ -667,6 +668,10 @@ def validate(cfg: BmConfig) -> None:
     if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
         raise ConfigError(_sim_needs_shape(cfg.model.preset))
     _validate_bench(cfg.bench)
+    try:  # the environment's pick of the C kernels' instruction set (docs/cpu-kernels.md)
+        check_cpu_isa()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _sim_needs_shape(preset: str | None) -> str:

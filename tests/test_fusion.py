@@ -22,6 +22,7 @@ from bm.runtime.fusion import (
     unfuse_elementwise,
 )
 from bm.runtime.native import elementwise_kernels
+from tests.native_variants import each_isa
 
 pytestmark = pytest.mark.skipif(elementwise_kernels() is None, reason="bm's C kernels do not build here")
 
@@ -41,8 +42,9 @@ def tiny_llama(**overrides) -> torch.nn.Module:
 
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("cols", [40, 576, 13])
-def test_rms_norm_kernel_matches_transformers_rmsnorm_to_rounding(rows, cols):
-    kernels = elementwise_kernels()
+@each_isa
+def test_rms_norm_kernel_matches_transformers_rmsnorm_to_rounding(rows, cols, isa):
+    kernels = elementwise_kernels(isa)
     norm = modeling_llama.LlamaRMSNorm(cols, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(cols))
@@ -52,15 +54,17 @@ def test_rms_norm_kernel_matches_transformers_rmsnorm_to_rounding(rows, cols):
 
 
 @pytest.mark.parametrize("shape", [(1, 72), (7, 13), (300, 1536)])
-def test_silu_mul_kernel_matches_torch_to_rounding_across_the_whole_range(shape):
+@each_isa
+def test_silu_mul_kernel_matches_torch_to_rounding_across_the_whole_range(shape, isa):
     gate = torch.randn(shape) * 30  # large negative and positive inputs: exp's clamping is exercised
     up = torch.randn(shape)
-    got = elementwise_kernels().silu_mul(gate, up)
+    got = elementwise_kernels(isa).silu_mul(gate, up)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tokens,heads,d", [(1, 4, 10), (9, 3, 64), (300, 9, 64), (5, 2, 18)])
-def test_rotary_kernel_equals_transformers_rotary_bit_for_bit(tokens, heads, d):
+@each_isa
+def test_rotary_kernel_equals_transformers_rotary_bit_for_bit(tokens, heads, d, isa):
     q = torch.randn(1, tokens, heads * d).view(1, tokens, heads, d).transpose(1, 2)  # as the q projection
     k = torch.randn(1, tokens, d).view(1, tokens, 1, d).transpose(1, 2)
     cos, sin = torch.randn(1, tokens, d), torch.randn(1, tokens, d)
@@ -69,7 +73,7 @@ def test_rotary_kernel_equals_transformers_rotary_bit_for_bit(tokens, heads, d):
         if isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
         else modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     )
-    kernels = elementwise_kernels()
+    kernels = elementwise_kernels(isa)
     got_q = kernels.rotary(q[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
     got_k = kernels.rotary(k[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
     assert torch.equal(got_q, expected[0]) and torch.equal(got_k, expected[1])

@@ -3,44 +3,20 @@
 The engine-level oracle (bm greedy == HF + peft ``generate()``) is in test_lora.py; these pin the
 kernel itself on the shapes the engine never happens to produce: slots in any order with base rows
 between them, an adapter that skips the layer (rank 0), ranks that differ per slot and exceed the
-kernel's stack buffer, K and N that are not multiples of the vector width, a first-row offset. Both
-the machine's build and a build for a CPU without AVX2 are checked.
+kernel's stack buffer, K and N that are not multiples of the vector width, a first-row offset. Every
+build this machine runs is checked (tests/native_variants.py), the scalar one (no AVX2) included.
 """
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
-from bm.runtime import native
-from bm.runtime.native import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
+from bm.runtime.native import LoraDeltaWeights, lora_delta_kernel
+from tests.native_variants import ISAS, each_isa
 
 machine_kernel = lora_delta_kernel()
 needs_kernel = pytest.mark.skipif(machine_kernel is None, reason="no C compiler here: bm runs the torch path")
-
-
-@pytest.fixture(scope="module")
-def portable_kernel(tmp_path_factory):
-    """The same source built for the x86-64 baseline (no AVX2, no FMA): its plain-C loops."""
-    if machine_kernel is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs a C compiler and an x86-64 machine to build for the baseline CPU")
-    saved_flags, saved_root = native._FLAGS, native.os.environ.get("BM_CACHE_DIR")
-    native._FLAGS = ["-march=x86-64" if f == "-march=native" else f for f in saved_flags]
-    native.os.environ["BM_CACHE_DIR"] = str(tmp_path_factory.mktemp("portable-kernels"))
-    try:
-        lib = native._compile(native._LORA_SOURCE)
-    finally:
-        native._FLAGS = saved_flags
-        if saved_root is None:
-            del native.os.environ["BM_CACHE_DIR"]
-        else:
-            native.os.environ["BM_CACHE_DIR"] = saved_root
-    assert lib is not None
-    kernel = LoraDeltaKernel(lib)
-    assert not kernel.avx2
-    return kernel
 
 
 def stacked_adapters(slots: int, r: int, k: int, n: int, ranks: list[int], seed: int):
@@ -73,12 +49,10 @@ CASES = [
 
 
 @needs_kernel
-@pytest.mark.parametrize("build", ["machine", "portable"])
+@each_isa
 @pytest.mark.parametrize(("rows", "k", "n", "r", "ranks"), CASES)
-def test_kernel_adds_each_rows_own_adapter_and_leaves_other_rows_bit_exact(
-    build, rows, k, n, r, ranks, request
-):
-    kernel = machine_kernel if build == "machine" else request.getfixturevalue("portable_kernel")
+def test_kernel_adds_each_rows_own_adapter_and_leaves_other_rows_bit_exact(isa, rows, k, n, r, ranks):
+    kernel = lora_delta_kernel(isa)
     a, b, rank = stacked_adapters(len(ranks), r, k, n, ranks, seed=rows + k)
     g = torch.Generator().manual_seed(1)
     first = 3
@@ -97,7 +71,8 @@ def test_kernel_adds_each_rows_own_adapter_and_leaves_other_rows_bit_exact(
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
+@each_isa
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(isa):
     """The engine's tokens of one request meet different neighbours from step to step; each row is
     summed in one fixed order, so its bits never change with them."""
     a, b, rank = stacked_adapters(3, 8, 200, 72, [8, 6, 8], seed=5)
@@ -106,10 +81,11 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
     x, y = torch.randn(600, 200, generator=g), torch.randn(600, 72, generator=g)
     slots = torch.sort(torch.randint(0, 3, (600,), generator=g)).values
     batch = y.clone()
-    machine_kernel(x, batch, 0, slots, weights)
+    kernel = lora_delta_kernel(isa)
+    kernel(x, batch, 0, slots, weights)
     for row in (0, 1, 250, 599):
         alone = y[row : row + 1].clone()
-        machine_kernel(x[row : row + 1], alone, 0, slots[row : row + 1], weights)
+        kernel(x[row : row + 1], alone, 0, slots[row : row + 1], weights)
         assert torch.equal(alone[0], batch[row])
 
 
@@ -130,3 +106,10 @@ def test_kernel_refuses_what_it_would_read_or_write_out_of_bounds():
     with pytest.raises(ValueError, match="rank exceeds"):
         machine_kernel(x, y, 0, slots, LoraDeltaWeights(a, b, torch.tensor([4, 5])))
     assert torch.equal(y, before)  # nothing written by a refused call
+
+
+def test_the_scalar_build_runs_plain_c_and_the_vector_builds_avx2():
+    if "scalar" not in ISAS or machine_kernel is None:
+        pytest.skip("needs a C compiler and an x86-64 machine")
+    assert not lora_delta_kernel("scalar").avx2
+    assert all(lora_delta_kernel(isa).avx2 for isa in ISAS if isa != "scalar")

@@ -10,6 +10,7 @@ from bm.runtime import ModelRunner
 from bm.runtime.native import ENV_SWITCH, paged_decode_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
+from tests.native_variants import ISAS, each_isa
 
 kernel = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: bm runs the torch path")
@@ -48,14 +49,14 @@ def reference_decode(
 @pytest.fixture(scope="module")
 def own_threads_kernel():
     """The build used where torch's OpenMP runtime cannot be found: the kernel starts its own threads."""
-    from bm.runtime import native
+    from bm.runtime import native, native_build
 
-    saved_loaded, saved_finder = native._loaded, native._loaded_openmp_runtime
-    native._loaded, native._loaded_openmp_runtime = {}, lambda: None
+    saved_loaded, saved_finder = native._loaded, native_build._loaded_openmp_runtime
+    native._loaded, native_build._loaded_openmp_runtime = {}, lambda: None
     try:
         return native.paged_decode_kernel()
     finally:  # later tests see the process's usual kernel again
-        native._loaded, native._loaded_openmp_runtime = saved_loaded, saved_finder
+        native._loaded, native_build._loaded_openmp_runtime = saved_loaded, saved_finder
 
 
 @needs_kernel
@@ -63,10 +64,12 @@ def own_threads_kernel():
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(6, 2, 64, 32), (4, 4, 16, 8), (6, 3, 12, 4), (8, 1, 40, 16)],  # 12 and 40: the non-vector tail
 )
-@pytest.mark.parametrize("build", ["torch_openmp", "own_threads"])
+@pytest.mark.parametrize("build", [*[f"torch_openmp-{isa}" for isa in ISAS], "own_threads"])
 def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_size, build, request):
     kernel = (
-        paged_decode_kernel() if build == "torch_openmp" else request.getfixturevalue("own_threads_kernel")
+        paged_decode_kernel(build.split("-")[1])
+        if build.startswith("torch_openmp")
+        else request.getfixturevalue("own_threads_kernel")
     )
     assert kernel is not None
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
@@ -107,7 +110,10 @@ def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_
         (None, False, 6, True),
     ],
 )
-def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(softcap, alibi, window, sink):
+@each_isa
+def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(
+    softcap, alibi, window, sink, isa
+):
     """Scores soft-capped (Gemma 2), ALiBi-biased (bloom/mpt/falcon), with sink logits (gpt-oss), or
     limited to the last ``window`` keys; under a window the blocks wholly before it are never read (released ones hold NaN here)."""
     heads, kv_heads, head_dim, bs = 8, 2, 32, 4
@@ -135,6 +141,7 @@ def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(sof
     scaling = head_dim**-0.5
     sinks = torch.randn(heads, generator=g) * 3 if sink else None
     lens = torch.tensor(lengths)
+    kernel = paged_decode_kernel(isa)
     kernel(out, q, cache, token_index, table, lens, max(lengths), scaling, softcap, slopes, window, sinks)
     safe = torch.nan_to_num(cache)  # the reference reads every key, then masks those outside the window
     expected = reference_decode(q, safe, token_index, table.clamp(min=0).tolist(), lengths, scaling,
@@ -184,13 +191,13 @@ def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
 
 @needs_kernel
 def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monkeypatch, tmp_path):
-    from bm.runtime import native
+    from bm.runtime import native, native_build
 
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
     compiles = []
-    real = native._run_compiler
-    monkeypatch.setattr(native, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
+    real = native_build._run_compiler
+    monkeypatch.setattr(native_build, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
     monkeypatch.setattr(native, "_loaded", {})
     assert native.paged_decode_kernel() is not None
     built = len(compiles)
@@ -227,12 +234,13 @@ def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
     ("rows", "n", "k"), [(1, 16, 8), (5, 50, 33), (6, 96, 64), (13, 7, 40), (200, 130, 72)]
 )
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_panel_gemm_matches_torch_linear(rows, n, k, with_bias):
+@each_isa
+def test_panel_gemm_matches_torch_linear(rows, n, k, with_bias, isa):
     from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
 
-    kernel = small_gemm_kernel()
+    kernel = small_gemm_kernel(isa)
     if kernel is None:
-        pytest.skip("the panel GEMM needs a C compiler and AVX2/FMA")
+        pytest.skip(f"the panel GEMM needs a C compiler and AVX2/FMA (this build: {isa})")
     torch.manual_seed(rows * n + k)
     weight, bias = torch.randn(n, k), torch.randn(n) if with_bias else None
     x = torch.randn(2, rows, k + 3)[:, :, 1 : k + 1]  # strided rows: not contiguous
@@ -251,3 +259,35 @@ def test_panel_gemm_refuses_a_weight_packed_for_another_shape():
         kernel(torch.randn(3, 9), packed, None, 32)
     with pytest.raises(ValueError, match="do not fit"):
         kernel(torch.randn(3, 8), packed, None, 48)
+
+
+def test_the_avx512_and_avx2_panel_gemms_give_the_same_bits():
+    """Both sum each output over k in one FMA chain, in order; only the tiles differ. So switching the
+    instruction set never changes a result (the elementwise and attention builds may, by rounding)."""
+    from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
+
+    if not {"avx512", "avx2"} <= set(ISAS) or small_gemm_kernel("avx512") is None:
+        pytest.skip("needs a CPU with AVX-512 and a C compiler")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 96), torch.randn(200)
+    packed = SmallGemmKernel.pack(weight)
+    for rows in (1, 7, 12, 13, 25, 200):
+        x = torch.randn(rows, 96)
+        wide = small_gemm_kernel("avx512")(x, packed, bias, 200)
+        assert torch.equal(wide, small_gemm_kernel("avx2")(x, packed, bias, 200)), f"{rows} rows"
+
+
+@each_isa
+def test_a_panel_gemm_rows_result_does_not_depend_on_the_batch(isa):
+    from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
+
+    kernel = small_gemm_kernel(isa)
+    if kernel is None:
+        pytest.skip(f"the panel GEMM needs a C compiler and AVX2/FMA (this build: {isa})")
+    torch.manual_seed(1)
+    weight = torch.randn(72, 40)
+    packed = SmallGemmKernel.pack(weight)
+    x = torch.randn(150, 40)
+    batch = kernel(x, packed, None, 72)
+    for rows in (slice(0, 1), slice(5, 18), slice(140, 150), slice(13, 14)):
+        assert torch.equal(kernel(x[rows], packed, None, 72), batch[rows]), rows

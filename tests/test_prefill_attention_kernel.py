@@ -12,6 +12,7 @@ from bm.runtime import attention
 from bm.runtime.native import ENV_SWITCH, prefill_attention_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
+from tests.native_variants import each_isa
 
 kernel = prefill_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: bm runs SDPA")
@@ -35,7 +36,9 @@ def packed_views(tokens: int, heads: int, kv_heads: int, d: int, g: torch.Genera
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("vectorize", [True, False])
-def test_prefill_kernel_matches_causal_sdpa_on_whole_prompts(heads, kv_heads, head_dim, vectorize):
+@each_isa
+def test_prefill_kernel_matches_causal_sdpa_on_whole_prompts(heads, kv_heads, head_dim, vectorize, isa):
+    kernel = prefill_attention_kernel(isa)
     g = torch.Generator().manual_seed(heads * 1000 + head_dim)
     scale = head_dim**-0.5
     for length in LENGTHS:
@@ -56,8 +59,9 @@ def test_prefill_kernel_matches_causal_sdpa_on_whole_prompts(heads, kv_heads, he
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 128), (6, 3, 20)])
 @pytest.mark.parametrize(("prefix", "length"), [(1, 2), (15, 17), (16, 16), (37, 1), (70, 66), (200, 9)])
 @pytest.mark.parametrize("vectorize", [True, False])
+@each_isa
 def test_prefill_kernel_reads_a_cached_prefix_through_the_block_table(
-    heads, kv_heads, head_dim, prefix, length, vectorize
+    heads, kv_heads, head_dim, prefix, length, vectorize, isa
 ):
     """Keys and values come from scattered cache blocks, the chunk's own already written there; blocks
     and slots past the context hold NaN, so reading any of them would show in the output."""
@@ -76,6 +80,7 @@ def test_prefill_kernel_reads_a_cached_prefix_through_the_block_table(
     v[:, start : start + length] = keys[1, :, prefix:]
     out = torch.full((tokens, heads, head_dim), float("nan"))
     scale = 0.3
+    kernel = prefill_attention_kernel(isa)
     kernel(out, q, k, v, start, start + length, scale, cache, table, prefix, vectorize=vectorize)
     mask = torch.arange(ctx)[None, :] <= torch.arange(prefix, ctx)[:, None]
     want = F.scaled_dot_product_attention(
@@ -88,8 +93,10 @@ def test_prefill_kernel_reads_a_cached_prefix_through_the_block_table(
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-def test_prefill_kernel_result_does_not_depend_on_the_thread_count(threads):
+@each_isa
+def test_prefill_kernel_result_does_not_depend_on_the_thread_count(threads, isa):
     """Each (kv head, query tile) item is computed whole by one thread, in one order."""
+    kernel = prefill_attention_kernel(isa)
     g = torch.Generator().manual_seed(5)
     q, k, v = packed_views(200, 9, 3, 64, g)
     saved = torch.get_num_threads()
@@ -133,8 +140,20 @@ def test_window_masks_and_odd_head_sizes_stay_with_sdpa():
     plain = attention.PrefillSegment(0, 10, 0)
     assert attention._native_prefill(torch.zeros(4, 10, 20), cache, plain) is None
     assert attention._native_prefill(q.double(), cache, plain) is None
-    if kernel is not None and kernel.vectorized:
+    if kernel is not None:
         assert attention._native_prefill(q, cache, plain) is kernel
+
+
+def test_the_scalar_build_still_serves_prefill_for_batch_invariance(monkeypatch):
+    """SDPA's sums depend on how a prompt is chunked; the plain C loops' do not."""
+    from bm.cpu_isa import ENV_ISA, machine_isas
+
+    if "scalar" not in machine_isas() or prefill_attention_kernel("scalar") is None:
+        pytest.skip("needs an x86-64 CPU and a C compiler")
+    monkeypatch.setenv(ENV_ISA, "scalar")
+    plain = attention.PrefillSegment(0, 10, 0)
+    chosen = attention._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain)
+    assert chosen is not None and chosen.isa == "scalar" and not chosen.vectorized
 
 
 def test_native_kernels_switched_off_leave_prefill_on_sdpa(monkeypatch):

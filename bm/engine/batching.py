@@ -51,6 +51,7 @@ def build_batch(
                 kv.block_ids(req.request_id),
                 end == req.num_tokens,
                 window_block_ids=kv.window_block_ids(req.request_id),
+                decode_from=req.num_prompt_tokens,
             )
         )
     for work in plan.padding:

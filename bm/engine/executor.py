@@ -50,6 +50,10 @@ class WorkItem:
     draft_logits: Any = None
     # The request's table in each windowed pool, by window (None: every layer reads ``block_ids``).
     window_block_ids: dict[int, list[int]] | None = None
+    # A context item: its positions from here on (the output a paused request recomputes) run as decode
+    # rows, as they first ran, and the prompt's as prefill, however the chunks fall: a row's numbers then
+    # never depend on pausing or chunking (batch invariance). None: the runtime decides by shape.
+    decode_from: int | None = None
 
 
 @dataclass

@@ -308,8 +308,9 @@ def _native_prefill(
 
     It does plain causal attention only: a whole prompt without a mask, or a chunk after a cached prefix
     whose gather is the request's first blocks in order (no ``key_pos``, one key per position). Masks of
-    an attention window stay with SDPA. Only its AVX2 build is faster than SDPA; the plain C loops are
-    there for correctness where AVX2 is missing, and SDPA runs instead.
+    an attention window stay with SDPA. Its vector builds (AVX2, AVX-512) are faster than SDPA; its
+    scalar build runs too (``BM_CPU_ISA=scalar``, or a CPU without AVX2), slower than SDPA but, unlike
+    it, giving each row the same result however the prompt is chunked (batch invariance).
     """
     if not PrefillAttentionKernel.handles(q.device, q.dtype) or q.shape[-1] % 8:
         return None
@@ -324,8 +325,7 @@ def _native_prefill(
         or not cache.is_contiguous()
     ):
         return None
-    kernel = prefill_attention_kernel()
-    return kernel if kernel is not None and kernel.vectorized else None
+    return prefill_attention_kernel()
 
 
 def _prefill_scores(

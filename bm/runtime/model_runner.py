@@ -53,6 +53,9 @@ class Segment:
     num_draft: int = 0
     # The request's table in each windowed pool, by window (None: every layer reads ``block_ids``).
     window_block_ids: dict[int, list[int]] | None = None
+    # Positions from here on run as decode rows, those before as a prefill run, even a one-token one
+    # (None: one token is a decode row, more a prefill run); see bm.engine.executor.WorkItem.
+    decode_from: int | None = None
 
 
 class ModelRunner:
@@ -305,9 +308,18 @@ def _place(
     prefill: list[tuple[int, int, int, list[int]]],
     decode_rows: list[tuple[int, int, list[int]]],
 ) -> None:
-    """Add ``seg``'s queries (from packed index ``offset``) to the decode rows or the prefill runs."""
+    """Add ``seg``'s queries (from packed index ``offset``) to the decode rows or the prefill runs.
+
+    A context segment that says where its decode rows begin (``decode_from``) is split there: its prompt
+    positions always prefill and a resumed request's output always decodes, as each first ran alone, so
+    chunking and pausing never change which kernel computes a position."""
     n, start = len(seg.token_ids), seg.start_pos
-    if n == 1 or _verify_step(seg, n):
+    if seg.decode_from is not None and not _verify_step(seg, n):
+        split = min(n, max(0, seg.decode_from - start))
+        if split:
+            prefill.append((offset, offset + split, start, table))
+        decode_rows.extend((offset + i, start + i + 1, table) for i in range(split, n))
+    elif n == 1 or _verify_step(seg, n):
         decode_rows.extend((offset + i, start + i + 1, table) for i in range(n))
     else:
         prefill.append((offset, offset + n, start, table))

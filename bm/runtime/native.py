@@ -1,26 +1,17 @@
 """Optional C kernels, compiled from source at first use with the machine's C compiler.
 
-bm ships no binaries and needs no build step at install: the first engine on a machine compiles
-``native/paged_decode.c`` (about a second with gcc) into bm's cache directory
-(``$BM_CACHE_DIR``, else ``~/.cache/bm``: ``kernels/``), under a name that hashes the source, the flags,
-the compiler, the OpenMP runtime it links and the CPU (``-march=native``), so every later run on that
-machine only loads it. A cache that cannot be written falls back to compiling into a temporary directory
-for this process. Where nothing can be built (no compiler, an unusual platform, or
-``BM_NATIVE_KERNELS=0`` in the environment), bm runs its torch implementation of the same computation,
-which gives the same results up to float rounding; tests pin that the two agree.
+Each kernel is built for the instruction set :mod:`bm.cpu_isa` picks from the CPU's features
+(AVX-512, AVX2 or scalar; ``BM_CPU_ISA`` caps it) and cached per machine (bm.runtime.native_build).
+Where nothing can be built (no compiler, an unusual platform, or ``BM_NATIVE_KERNELS=0`` in the
+environment), bm runs its torch implementation of the same computation, which gives the same results up
+to float rounding; tests pin that the two agree, for every variant the machine runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +19,8 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from bm.cpu_isa import KERNEL_ISAS, kernel_isa
+from bm.runtime.native_build import compile_kernel
 
 ENV_SWITCH = "BM_NATIVE_KERNELS"
 _SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
@@ -37,28 +29,22 @@ _PREFILL_SOURCE = Path(__file__).parent / "native" / "prefill_attention.c"
 _LORA_SOURCE = Path(__file__).parent / "native" / "lora_delta.c"
 _ELEMENTWISE_SOURCE = Path(__file__).parent / "native" / "elementwise.c"
 PANEL = 16  # output columns per packed weight panel in small_gemm.c
-_FLAGS = [
-    "-O3",
-    "-march=native",
-    # Let the compiler vectorize the scalar fallback's reductions; no -ffast-math, whose start-up code
-    # would flush denormals for the whole process (torch included).
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fno-signed-zeros",
-    "-fassociative-math",
-    "-fPIC",
-    "-pthread",
-]
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}
+_loaded: dict[tuple[str, str], object] = {}
+
+
+class NativeKernel:
+    """A compiled kernel's wrapper; ``isa`` names the variant it was built for (bm.cpu_isa)."""
+
+    isa: str = ""
 
 
 def native_kernels_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class PagedDecodeKernel:
+class PagedDecodeKernel(NativeKernel):
     """Single-token queries attending their own KV blocks, read in place (no gather)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -150,143 +136,28 @@ class PagedDecodeKernel:
             raise MemoryError("paged decode attention: no memory for a thread's scratch buffer")
 
 
-def _loaded_openmp_runtime() -> Path | None:
-    """The OpenMP library torch runs its ops on, as mapped into this process (Linux)."""
-    torch.ones(2).sum()  # make sure torch has started its runtime
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
-        name = Path(path).name
-        if name.startswith(("libgomp", "libiomp5")) and ".so" in name and Path(path).is_file():
-            return Path(path)
-    return None
-
-
-def _run_compiler(cmd: list[str]) -> str | None:
-    """None on success, else why not."""
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return getattr(exc, "stderr", "") or str(exc)
-    return None
-
-
-@functools.cache
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU model and its feature flags (Linux), else the arch."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(wanted)) or os.uname().machine
-
-
-@functools.cache
-def _compiler_version(compiler: str) -> str:
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout
-
-
-def _cache_key(source: Path, compiler: str, omp: Path | None) -> str:
-    parts = [
-        source.read_text(),
-        # the headers the sources include (a changed header must rebuild every kernel)
-        *(header.read_text() for header in sorted(source.parent.glob("*.h"))),
-        " ".join(_FLAGS),
-        compiler,
-        _compiler_version(compiler),
-        str(omp),
-        _cpu_identity(),
-    ]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def kernel_cache_dir() -> Path:
-    from bm.runtime.presets import cache_root
-
-    return cache_root() / "kernels"
-
-
-def _compile(source: Path) -> ctypes.CDLL | None:
-    """Load the machine's cached build of ``source``, building it first when there is none."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        log.info("no C compiler found: %s runs on torch ops", source.stem)
-        return None
-    omp = _loaded_openmp_runtime()
-    cached = kernel_cache_dir() / f"{source.stem}-{_cache_key(source, compiler, omp)}.so"
-    if cached.is_file():
-        try:
-            return ctypes.CDLL(str(cached))
-        except OSError as exc:  # a damaged file: build it again below
-            log.info("the cached %s could not be loaded (%s); building it again", cached, exc)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="bm-native-", dir=cached.parent) as tmp:
-            built = _build(source, compiler, omp, Path(tmp))
-            if built is None:
-                return None
-            os.replace(built, cached)  # atomic: a concurrent run sees the whole file or none
-        return ctypes.CDLL(str(cached))
-    except OSError as exc:  # an unwritable cache, or one mounted noexec: this process only
-        log.info("kernel cache %s unusable (%s); compiling for this process only", cached.parent, exc)
-    with tempfile.TemporaryDirectory(prefix="bm-native-") as tmp:
-        built = _build(source, compiler, omp, Path(tmp))
-        if built is None:
-            return None
-        try:
-            # dlopen maps the file; it may be deleted with the directory once loaded.
-            return ctypes.CDLL(str(built))
-        except OSError as exc:  # e.g. a temporary directory mounted noexec
-            log.info("loading the compiled %s failed, it runs on torch ops: %s", source.name, exc)
-            return None
-
-
-def _build(source: Path, compiler: str, omp: Path | None, tmp: Path) -> Path | None:
-    """Compile ``source`` into a shared library in ``tmp``; None (logged) when it cannot be."""
-    lib_path = tmp / f"{source.stem}.so"
-    error = "no OpenMP runtime found in this process"
-    if omp is not None:
-        # Threads from torch's own OpenMP pool: compile with OpenMP, link against the very library
-        # torch loaded (not the compiler's), so one runtime serves both.
-        obj = tmp / f"{source.stem}.o"
-        error = _run_compiler(
-            [compiler, *_FLAGS, "-fopenmp", "-DBM_OPENMP", "-c", str(source), "-o", str(obj)]
-        )
-        if error is None:
-            link = [compiler, "-shared", "-pthread", str(obj), str(omp), f"-Wl,-rpath,{omp.parent}"]
-            error = _run_compiler([*link, "-o", str(lib_path), "-lm"])
-    if error is not None:
-        log.info("OpenMP build of %s failed (%s); using its own threads", source.name, error.strip())
-        error = _run_compiler([compiler, *_FLAGS, "-shared", str(source), "-o", str(lib_path), "-lm"])
-    if error is not None:
-        log.info("compiling %s failed, it runs on torch ops: %s", source.name, error)
-        return None
-    return lib_path
-
-
-def _kernel(name: str, source: Path, wrap: Callable[[ctypes.CDLL], object | None]) -> Any:
-    """``wrap`` of the compiled ``source``, or None where kernels are switched off or it cannot be built;
-    decided once per process."""
+def _kernel(
+    name: str, source: Path, wrap: Callable[[ctypes.CDLL], NativeKernel | None], isa: str | None
+) -> Any:
+    """``wrap`` of the compiled ``source`` for the variant :func:`bm.cpu_isa.kernel_isa` picks
+    (``isa`` caps it, else ``BM_CPU_ISA``), or None where kernels are switched off or it cannot be
+    built; decided once per process and variant."""
     if not native_kernels_enabled() or sys.platform == "win32":
         return None
+    variant = kernel_isa(name, isa)
     with _lock:
-        if name not in _loaded:
-            lib = _compile(source)
-            _loaded[name] = wrap(lib) if lib is not None else None
-        return _loaded[name]
+        if (name, variant) not in _loaded:
+            lib = compile_kernel(source, variant)
+            kernel = wrap(lib) if lib is not None else None
+            if kernel is not None:
+                kernel.isa = variant
+            _loaded[name, variant] = kernel
+        return _loaded[name, variant]
 
 
-def paged_decode_kernel() -> PagedDecodeKernel | None:
+def paged_decode_kernel(isa: str | None = None) -> PagedDecodeKernel | None:
     """The compiled decode attention kernel, or None (see :func:`_kernel`)."""
-    return _kernel("paged_decode", _SOURCE, PagedDecodeKernel)
+    return _kernel("paged_decode", _SOURCE, PagedDecodeKernel, isa)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -298,12 +169,14 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-class SmallGemmKernel:
-    """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX2 + FMA).
+class SmallGemmKernel(NativeKernel):
+    """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX-512 or
+    AVX2 + FMA register tiles; plain C in the scalar build).
 
-    Faster than torch's default GEMM at every row count measured on SmolLM2-135M's shapes (1.05-1.1x at
-    2,048 rows, 1.3-5x at 1-64) and than oneDNN with a prepacked weight (1.0-1.9x); each output row is
-    computed alone, in one order, so results do not depend on the rest of the batch.
+    Faster than torch's default GEMM at every row count measured on SmolLM2-135M's shapes (AVX2 build on
+    an AVX2 EPYC: 1.05-1.1x at 2,048 rows, 1.3-5x at 1-64) and than oneDNN with a prepacked weight
+    (1.0-1.9x); the AVX-512 build is 1.4-1.9x the AVX2 one from 8 rows up (``benchmarks/cpu_isa.py``).
+    Each output row is computed alone, in one order, so results do not depend on the rest of the batch.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -342,22 +215,25 @@ class SmallGemmKernel:
             out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise RuntimeError("small GEMM: this build has no AVX2/FMA kernel")
+            raise RuntimeError("small GEMM: the compiled kernel refused its arguments")
         return out.view(*x.shape[:-1], n)
 
 
-def small_gemm_kernel() -> SmallGemmKernel | None:
-    """The compiled panel GEMM where the CPU has AVX2 and FMA; None elsewhere (see :func:`_kernel`)."""
+def small_gemm_kernel(isa: str | None = None) -> SmallGemmKernel | None:
+    """The compiled panel GEMM (AVX-512, AVX2 or plain C: batch invariant in each), or None (see
+    :func:`_kernel`)."""
     return _kernel(
         "small_gemm",
         _GEMM_SOURCE,
         lambda lib: SmallGemmKernel(lib) if lib.bm_small_gemm_available() == 1 else None,
+        isa,
     )
 
 
-class PrefillAttentionKernel:
+class PrefillAttentionKernel(NativeKernel):
     """Causal attention of one context chunk's queries to its own keys, or to a cached prefix read by
-    block table plus its own keys (flash-attention style, AVX2/FMA register tiles; plain C elsewhere).
+    block table plus its own keys (flash-attention style, AVX-512 or AVX2/FMA register tiles; plain C
+    in the scalar build).
 
     At SmolLM2-135M's shape (head size 64, 9 query heads over 3 kv heads, two threads) 1.6-2.2x torch's
     CPU flash attention on whole prompts of 64-1024 tokens (up to 79% of the 2048^3 matmul peak, against
@@ -454,9 +330,9 @@ class PrefillAttentionKernel:
             raise MemoryError("prefill attention: no memory for the packed keys or a thread's tile")
 
 
-def prefill_attention_kernel() -> PrefillAttentionKernel | None:
+def prefill_attention_kernel(isa: str | None = None) -> PrefillAttentionKernel | None:
     """The compiled prefill attention kernel, or None (see :func:`_kernel`)."""
-    return _kernel("prefill_attention", _PREFILL_SOURCE, PrefillAttentionKernel)
+    return _kernel("prefill_attention", _PREFILL_SOURCE, PrefillAttentionKernel, isa)
 
 
 class _LoraWeightsStruct(ctypes.Structure):
@@ -498,7 +374,7 @@ class LoraDeltaWeights:
         self.ref = ctypes.byref(self.struct)
 
 
-class LoraDeltaKernel:
+class LoraDeltaKernel(NativeKernel):
     """``y[row] += (x[row] @ A[s].T) @ B[s]`` for each row with adapter slot ``s >= 0``, in one call per
     linear (``native/lora_delta.c``). Built on every CPU: with AVX2 + FMA it runs vector code, elsewhere
     the same loops in plain C."""
@@ -544,12 +420,12 @@ class LoraDeltaKernel:
             raise ValueError("LoRA kernel: an adapter's rank exceeds its stacked rows")
 
 
-def lora_delta_kernel() -> LoraDeltaKernel | None:
+def lora_delta_kernel(isa: str | None = None) -> LoraDeltaKernel | None:
     """The compiled LoRA delta kernel, or None (see :func:`_kernel`)."""
-    return _kernel("lora_delta", _LORA_SOURCE, LoraDeltaKernel)
+    return _kernel("lora_delta", _LORA_SOURCE, LoraDeltaKernel, isa)
 
 
-class ElementwiseKernels:
+class ElementwiseKernels(NativeKernel):
     """A decoder layer's elementwise chains (RMSNorm, SiLU(gate) * up, rotary) each in one C pass.
 
     The callers (bm.runtime.fusion) check dtype, device and layout first; these methods only reshape
@@ -610,9 +486,9 @@ class ElementwiseKernels:
         return out
 
 
-def elementwise_kernels() -> ElementwiseKernels | None:
+def elementwise_kernels(isa: str | None = None) -> ElementwiseKernels | None:
     """The compiled elementwise chains, or None (see :func:`_kernel`)."""
-    return _kernel("elementwise", _ELEMENTWISE_SOURCE, ElementwiseKernels)
+    return _kernel("elementwise", _ELEMENTWISE_SOURCE, ElementwiseKernels, isa)
 
 
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
@@ -624,4 +500,6 @@ def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, ob
         "device": str(dev),
         "torch_threads": torch.get_num_threads(),
         "decode_attention": "native" if native else "torch",
+        # the instruction set each compiled kernel runs (bm.cpu_isa), when they are on
+        "cpu_isa": {name: kernel_isa(name) for name in KERNEL_ISAS} if native_kernels_enabled() else {},
     }

@@ -4,10 +4,11 @@ On the CPU, torch's default GEMM (MKL ``sgemm``) packs the weight matrix again o
 few rows of a decode iteration (1-256 tokens) that repacking, not the arithmetic, is most of the cost.
 Two packed paths, measured on a 2-core AVX2 EPYC with SmolLM2-135M's shapes (``benchmarks/small_gemm.py``):
 
-* bm's own panel GEMM (``native/small_gemm.c``, AVX2 + FMA, compiled once per machine): 1.3-5x faster than
+* bm's own panel GEMM (``native/small_gemm.c``, AVX-512 / AVX2 builds chosen by bm.cpu_isa, compiled
+  once per machine; the AVX2 build): 1.3-5x faster than
   MKL at 1-64 rows and still 1.05-1.1x at 2,048 (190-196 GFLOP/s, where a 2048-cubed ``torch.mm`` peaks at
   about 185), so it serves every row count;
-* where that kernel is unavailable (no compiler, no AVX2), oneDNN with a prepacked weight: 1.1-2.8x
+* where that kernel is unavailable (no compiler), oneDNN with a prepacked weight: 1.1-2.8x
   faster at 2-128 rows, 2-4.5x for the 49k-row vocabulary projection, even at 256 and slower from 512,
   so it serves up to ``MAX_PACKED_ROWS`` rows and MKL the rest.
 
@@ -44,7 +45,7 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype != torch.float32:
         return f"prepacked weights are measured and tested for float32 only, not {dtype}"
     if small_gemm_kernel() is None and not torch.backends.mkldnn.is_available():
-        return "neither bm's compiled GEMM (it needs a C compiler and AVX2) nor oneDNN is available here"
+        return "neither bm's compiled GEMM (it needs a C compiler) nor oneDNN is available here"
     return None
 
 

@@ -10,7 +10,10 @@
  * the same order per element); only the reduction order of RMSNorm's mean and the exp of SiLU differ
  * from torch's, by float rounding.
  *
- * Built with -march=native; the AVX2 paths are used where the compiler targets AVX2, plain C elsewhere.
+ * Built per instruction set (bm/cpu_isa.py): AVX-512 loops take sixteen lanes first, then the
+ * AVX2 loops eight, then plain C the rest. Rotary and SiLU give the same bits in every build (the same
+ * per-element operations); RMSNorm's sum of squares is reduced in another order per build. Each row is
+ * computed alone, so no result depends on the rest of the batch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +32,11 @@
 #else
 #define BM_HAVE_AVX2 0
 #endif
+#if BM_HAVE_AVX2 && defined(__AVX512F__)
+#define BM_HAVE_AVX512 1
+#else
+#define BM_HAVE_AVX512 0
+#endif
 
 /* Below this many elements one thread does the whole tensor: waking the other costs more. */
 #define PARALLEL_MIN 32768
@@ -44,6 +52,15 @@ void bm_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int6
         float *yr = y + r * cols;
         int64_t c = 0;
         float sum = 0.0f;
+#if BM_HAVE_AVX512
+        __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
+        for (; c + 32 <= cols; c += 32) {
+            const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
+            z0 = _mm512_fmadd_ps(a, a, z0);
+            z1 = _mm512_fmadd_ps(b, b, z1);
+        }
+        sum = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
+#endif
 #if BM_HAVE_AVX2
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
         for (; c + 16 <= cols; c += 16) {
@@ -55,12 +72,19 @@ void bm_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int6
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        sum = _mm_cvtss_f32(h);
+        sum += _mm_cvtss_f32(h);
 #endif
         for (; c < cols; c++)
             sum += xr[c] * xr[c];
         const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
         c = 0;
+#if BM_HAVE_AVX512
+        const __m512 zinv = _mm512_set1_ps(inv);
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 n = _mm512_mul_ps(_mm512_loadu_ps(xr + c), zinv);
+            _mm512_storeu_ps(yr + c, _mm512_mul_ps(_mm512_loadu_ps(w + c), n));
+        }
+#endif
 #if BM_HAVE_AVX2
         const __m256 vinv = _mm256_set1_ps(inv);
         for (; c + 8 <= cols; c += 8) {
@@ -84,6 +108,15 @@ void bm_silu_mul_f32(const float *g, int64_t ldg, const float *u, int64_t ldu, f
         const float *gr = g + r * ldg, *ur = u + r * ldu;
         float *yr = y + r * cols;
         int64_t c = 0;
+#if BM_HAVE_AVX512
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 v = _mm512_loadu_ps(gr + c);
+            const __m512 e = bm_exp16(_mm512_castsi512_ps(
+                _mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))));
+            const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            _mm512_storeu_ps(yr + c, _mm512_mul_ps(s, _mm512_loadu_ps(ur + c)));
+        }
+#endif
 #if BM_HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.0f);
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -113,6 +146,17 @@ void bm_rotary_f32(const float *x, int64_t ldt, int64_t ldh, const float *cos_, 
             const float *xr = x + t * ldt + h * ldh;
             float *yr = y + (t * heads + h) * d;
             int64_t i = 0;
+#if BM_HAVE_AVX512
+            for (; i + 16 <= half; i += 16) {
+                const __m512 lo = _mm512_loadu_ps(xr + i), hi = _mm512_loadu_ps(xr + half + i);
+                const __m512 a = _mm512_mul_ps(lo, _mm512_loadu_ps(ct + i));
+                const __m512 b = _mm512_mul_ps(hi, _mm512_loadu_ps(st + i));
+                _mm512_storeu_ps(yr + i, _mm512_sub_ps(a, b));
+                const __m512 c = _mm512_mul_ps(hi, _mm512_loadu_ps(ct + half + i));
+                const __m512 e = _mm512_mul_ps(lo, _mm512_loadu_ps(st + half + i));
+                _mm512_storeu_ps(yr + half + i, _mm512_add_ps(c, e));
+            }
+#endif
 #if BM_HAVE_AVX2
             for (; i + 8 <= half; i += 8) {
                 const __m256 lo = _mm256_loadu_ps(xr + i), hi = _mm256_loadu_ps(xr + half + i);

@@ -17,11 +17,20 @@
  * row (x @ A^T: eight-lane partial sums over k, then their sum, then the k tail; then y plus each rank
  * term in turn), so a row's result does not depend on the other rows of the batch or on threads.
  *
- * With AVX2 + FMA (the build uses -march=native) the loops use 8-wide vectors; elsewhere the same loops
- * run in plain C, in the same order up to the compiler's own vectorization.
+ * With AVX2 + FMA (bm/cpu_isa.py's avx2 and avx512 builds) the loops use 8-wide vectors;
+ * elsewhere the same loops run in plain C, in the written order.
  */
 #include <stdint.h>
 #include <stddef.h>
+
+/* bm builds with -fassociative-math, which lets the compiler vectorize a plain-C reduction however it
+   likes in each inlined copy of a tile (one per row count), so a row's sum would depend on how many rows
+   of its adapter share its tile; measured in the scalar build. Here every sum keeps its written order. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-associative-math")
+#elif defined(__clang__)
+#pragma clang fp reassociate(off)
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -19,7 +19,10 @@
    t * g + h), so one pass over a key panel serves all the group's heads. Items are handed out largest
    first (the last tiles see the most keys under the causal mask), which balances the threads.
 
-   Without AVX2/FMA, or with a head size that is not a multiple of 8, the same loops run in plain C. */
+   Without AVX2/FMA, or with a head size that is not a multiple of 8, the same loops run in plain C.
+   AVX-512 builds (bm/cpu_isa.py) hold a panel row in one register and take two panels (S) or
+   32 value columns (O) per register tile, and run the softmax in sixteen lanes. Each query row's result
+   depends only on its own keys: tiles cut the chunk, never the batch. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +33,11 @@
 #include <immintrin.h>
 #else
 #define BM_AVX2 0
+#endif
+#if BM_AVX2 && defined(__AVX512F__)
+#define BM_AVX512 1
+#else
+#define BM_AVX512 0
 #endif
 
 #define KP 16 /* keys per packed panel */
@@ -181,6 +189,83 @@ static inline float hsum8(__m256 x) {
 }
 #endif
 
+#if BM_AVX512
+/* s[i][0..16 np) = qs[i] . (16 np keys of np adjacent panels), for mr <= MR rows, np 1 or 2. */
+static inline __attribute__((always_inline)) void s_tile512(const int mr, const int np, const float *qs,
+                                                             int64_t d, const float *kp, float *s) {
+    __m512 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const float *kp1 = kp + d * KP;
+    for (int64_t kk = 0; kk < d; kk++) {
+        const __m512 b0 = _mm512_loadu_ps(kp + kk * KP);
+        const __m512 b1 = np == 2 ? _mm512_loadu_ps(kp1 + kk * KP) : b0;
+        for (int i = 0; i < mr; i++) {
+            const __m512 x = _mm512_set1_ps(qs[i * d + kk]);
+            acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
+            if (np == 2) acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) _mm512_storeu_ps(s + i * KB + j * KP, acc[i][j]);
+}
+static inline __attribute__((always_inline)) void s_tile512_1(const int mr, const float *qs, int64_t d,
+                                                               const float *kp, float *s) {
+    s_tile512(mr, 1, qs, d, kp, s);
+}
+static inline __attribute__((always_inline)) void s_tile512_2(const int mr, const float *qs, int64_t d,
+                                                               const float *kp, float *s) {
+    s_tile512(mr, 2, qs, d, kp, s);
+}
+
+/* o[i][0..16 nc) = alpha[i] * o[i][..] + sum_n p[i][n] * v[n][..], nc (1 or 2) sixteen-column groups. */
+static inline __attribute__((always_inline)) void pv_tile512(const int mr, const int nc, const float *p,
+                                                              int64_t nk, const float *v, int64_t d,
+                                                              float *o, const float *alpha) {
+    __m512 acc[MR][2];
+    for (int i = 0; i < mr; i++) {
+        const __m512 s = _mm512_set1_ps(alpha[i]);
+        for (int j = 0; j < nc; j++) acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o + i * d + 16 * j), s);
+    }
+    for (int64_t n = 0; n < nk; n++) {
+        const __m512 b0 = _mm512_loadu_ps(v + n * d);
+        const __m512 b1 = nc == 2 ? _mm512_loadu_ps(v + n * d + 16) : b0;
+        for (int i = 0; i < mr; i++) {
+            const __m512 x = _mm512_set1_ps(p[i * KB + n]);
+            acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
+            if (nc == 2) acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nc; j++) _mm512_storeu_ps(o + i * d + 16 * j, acc[i][j]);
+}
+static inline __attribute__((always_inline)) void pv_tile32(const int mr, const float *p, int64_t nk,
+                                                             const float *v, int64_t d, float *o,
+                                                             const float *alpha) {
+    pv_tile512(mr, 2, p, nk, v, d, o, alpha);
+}
+static inline __attribute__((always_inline)) void pv_tile16z(const int mr, const float *p, int64_t nk,
+                                                              const float *v, int64_t d, float *o,
+                                                              const float *alpha) {
+    pv_tile512(mr, 1, p, nk, v, d, o, alpha);
+}
+
+/* exp2_8 in sixteen lanes (the same result lane for lane). */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* One row's online-softmax step (in base 2) over w = panels * 16 scores of a key block starting at key j0: keys
    past `pos` are masked when `masked`. The scores become probabilities relative to the new running max
    (0 where masked), alpha the factor the row's accumulated output must be scaled by. */
@@ -189,7 +274,25 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
     const float old = *m;
     float mx = -INFINITY;
     int64_t n = 0;
-#if BM_AVX2
+#if BM_AVX512
+    if (a->vec) { /* w is a whole number of 16-key panels */
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 posv = _mm512_set1_ps((float)(pos - j0));
+        __m512 mv = ninf;
+        for (; n < w; n += 16) {
+            __m512 x = _mm512_loadu_ps(s + n);
+            if (masked) {
+                const __mmask16 keep =
+                    _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)n)), posv, _CMP_LE_OQ);
+                x = _mm512_mask_blend_ps(keep, ninf, x);
+                _mm512_storeu_ps(s + n, x);
+            }
+            mv = _mm512_max_ps(mv, x);
+        }
+        mx = _mm512_reduce_max_ps(mv);
+    }
+#elif BM_AVX2
     if (a->vec) {
         const __m256 ninf = _mm256_set1_ps(-INFINITY), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 posv = _mm256_set1_ps((float)(pos - j0));
@@ -218,7 +321,20 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
     }
     float sum = 0.f;
     n = 0;
-#if BM_AVX2
+#if BM_AVX512
+    if (a->vec) {
+        const __m512 topv = _mm512_set1_ps(top), ninf = _mm512_set1_ps(-INFINITY);
+        __m512 sv = _mm512_setzero_ps();
+        for (; n < w; n += 16) {
+            const __m512 x = _mm512_loadu_ps(s + n);
+            const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(x, topv)));
+            _mm512_storeu_ps(s + n, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        sum = _mm512_reduce_add_ps(sv);
+    }
+#elif BM_AVX2
     if (a->vec) {
         const __m256 topv = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-INFINITY);
         __m256 sv = _mm256_setzero_ps();
@@ -254,7 +370,19 @@ static inline int64_t keys_for(int64_t r, int mr, int64_t lo, int64_t g, int64_t
 static void scores(const args_t *a, const float *qs, int64_t rows, const float *kp, int64_t nk, float *s,
                    int64_t lo, int64_t j0) {
     const int64_t d = a->d, g = a->heads / a->kv_heads;
-#if BM_AVX2
+#if BM_AVX512
+    if (a->vec) {
+        for (int64_t r = 0; r < rows; r += MR) {
+            const int mr = rows - r < MR ? (int)(rows - r) : MR;
+            const int64_t panels = (keys_for(r, mr, lo, g, j0, nk) + KP - 1) / KP;
+            int64_t p = 0;
+            for (; p + 2 <= panels; p += 2)
+                BY_ROWS(s_tile512_2, mr, qs + r * d, d, kp + p * d * KP, s + r * KB + p * KP);
+            if (p < panels) BY_ROWS(s_tile512_1, mr, qs + r * d, d, kp + p * d * KP, s + r * KB + p * KP);
+        }
+        return;
+    }
+#elif BM_AVX2
     if (a->vec) {
         for (int64_t r = 0; r < rows; r += MR) {
             const int mr = rows - r < MR ? (int)(rows - r) : MR;
@@ -288,6 +416,12 @@ static void accumulate(const args_t *a, const float *s, int64_t rows, int64_t nk
             const int mr = rows - r < MR ? (int)(rows - r) : MR;
             const int64_t n = keys_for(r, mr, lo, g, j0, nk); /* the rest have probability 0 */
             int64_t col = 0;
+#if BM_AVX512
+            for (; col + 32 <= d; col += 32)
+                BY_ROWS(pv_tile32, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);
+            for (; col + 16 <= d; col += 16)
+                BY_ROWS(pv_tile16z, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);
+#endif
             for (; col + 16 <= d; col += 16)
                 BY_ROWS(pv_tile16, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);
             if (col < d) BY_ROWS(pv_tile8, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);

@@ -1,0 +1,141 @@
+"""Which instruction set each compiled kernel is built for, chosen at load from the CPU's features.
+
+bm's C kernels (``native/*.c``) are compiled per *variant*, each with explicit flags: ``avx512``
+(AVX-512 F/BW/VL/DQ with AVX2 and FMA), ``avx2`` (AVX2 + FMA) and ``scalar`` (the x86-64 baseline: the
+plain C loops, which the compiler may still vectorize with SSE2). Explicit flags rather than
+``-march=native`` alone, so that an AVX-512 machine can still build and run the AVX2 variant: tests run
+every variant the machine supports, and the benchmarks compare them in one sitting.
+
+Each kernel lists the variants it has code for (``KERNEL_ISAS``); at load it gets the best of them that
+the CPU supports, capped by ``BM_CPU_ISA`` (``avx512``, ``avx2``, ``scalar``; unset or ``auto``: the
+best). A kernel without an AVX-512 path (LoRA) runs its AVX2 build under ``BM_CPU_ISA=avx512``. Asking
+for a variant the CPU lacks is an error, not a silent fallback: figures measured under a forced variant
+must be what they say. Off x86-64 there is one variant, ``native`` (``-march=native``, as before).
+
+The choice is a pure function of a feature set (:func:`choose_isa`), so the dispatch is tested with
+features faked; :func:`cpu_features` reads the real ones from ``/proc/cpuinfo``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from collections.abc import Iterable
+from pathlib import Path
+
+ENV_ISA = "BM_CPU_ISA"
+X86_MACHINES = ("x86_64", "amd64", "i686", "i386")
+# Best first; "scalar" needs nothing beyond x86-64.
+ISAS = ("avx512", "avx2", "scalar")
+REQUIRED_FEATURES: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx2": frozenset({"avx2", "fma"}),
+    "scalar": frozenset(),
+}
+_BASE = ["-march=x86-64", "-mtune=native"]
+_AVX2 = ["-mavx2", "-mfma"]
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx512": [
+        *_BASE,
+        *_AVX2,
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mprefer-vector-width=512",
+    ],
+    "avx2": [*_BASE, *_AVX2],
+    "scalar": list(_BASE),
+    "native": ["-march=native"],
+}
+# The variants each kernel has code for (its source's #if branches), best first.
+KERNEL_ISAS: dict[str, tuple[str, ...]] = {
+    "small_gemm": ("avx512", "avx2", "scalar"),
+    "paged_decode": ("avx512", "avx2", "scalar"),
+    "prefill_attention": ("avx512", "avx2", "scalar"),
+    "elementwise": ("avx512", "avx2", "scalar"),
+    "lora_delta": ("avx2", "scalar"),
+}
+
+
+def is_x86(machine: str) -> bool:
+    return machine.lower() in X86_MACHINES
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (``flags`` in /proc/cpuinfo); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def supported_isas(features: Iterable[str], machine: str) -> tuple[str, ...]:
+    """The variants a CPU with ``features`` can run, best first."""
+    if not is_x86(machine):
+        return ("native",)
+    have = frozenset(features)
+    return tuple(isa for isa in ISAS if REQUIRED_FEATURES[isa] <= have)
+
+
+def requested_isa(value: str | None) -> str | None:
+    """``BM_CPU_ISA``'s value checked: None for unset/auto, else one of :data:`ISAS`."""
+    if value is None or value.strip().lower() in ("", "auto"):
+        return None
+    isa = value.strip().lower()
+    if isa not in ISAS:
+        raise ValueError(
+            f"{ENV_ISA}={value!r} is not an instruction set bm builds for; use one of auto, {', '.join(ISAS)}"
+        )
+    return isa
+
+
+def choose_isa(kernel: str, features: Iterable[str], machine: str, requested: str | None = None) -> str:
+    """The variant ``kernel`` is built for: the best it has code for that the CPU runs, no better than
+    ``requested`` (a value of ``BM_CPU_ISA``). Raises ValueError where ``requested`` cannot run here."""
+    cap = requested_isa(requested)
+    runnable = supported_isas(features, machine)
+    if runnable == ("native",):
+        if cap is not None:
+            raise ValueError(f"{ENV_ISA}={cap} is an x86-64 setting; this CPU is {machine}: unset it")
+        return "native"
+    if cap is not None and cap not in runnable:
+        missing = sorted(REQUIRED_FEATURES[cap] - frozenset(features))
+        raise ValueError(
+            f"{ENV_ISA}={cap}, but this CPU lacks {', '.join(missing)}; use one of {', '.join(runnable)}"
+        )
+    allowed = ISAS[ISAS.index(cap) :] if cap is not None else ISAS
+    for isa in KERNEL_ISAS[kernel]:
+        if isa in allowed and isa in runnable:
+            return isa
+    return "scalar"
+
+
+def machine_isas() -> tuple[str, ...]:
+    """The variants this machine runs, best first."""
+    return supported_isas(cpu_features(), platform.machine())
+
+
+def kernel_isa(kernel: str, requested: str | None = None) -> str:
+    """The variant ``kernel`` loads with on this machine: ``requested`` if given, else ``BM_CPU_ISA``
+    (checked once when a config is validated: bm.config.validate)."""
+    if requested is None:
+        requested = os.environ.get(ENV_ISA)
+    return choose_isa(kernel, cpu_features(), platform.machine(), requested)
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags that select ``isa``'s code in the kernels' sources."""
+    return list(ISA_FLAGS[isa])
+
+
+def check_environment() -> None:
+    """Refuse a ``BM_CPU_ISA`` that names no variant or one this CPU cannot run (ValueError), so that a
+    run stops before loading anything rather than at its first kernel."""
+    kernel_isa("small_gemm")

@@ -1,0 +1,125 @@
+"""The choice of each C kernel's instruction-set build (bm.cpu_isa), with CPU features faked:
+every branch of the dispatch is pinned here, whatever CPU runs the tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from bm import cpu_isa
+from bm.cpu_isa import KERNEL_ISAS, choose_isa, supported_isas
+
+# Linux /proc/cpuinfo flag names
+SAPPHIRE_RAPIDS = frozenset(
+    [
+        "sse4_2",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512dq",
+        "avx512cd",
+        "avx512bw",
+        "avx512vl",
+        "avx512_bf16",
+        "avx512_vnni",
+        "amx_bf16",
+    ]
+)
+HASWELL = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c"])
+SANDY_BRIDGE = frozenset(["sse4_2", "avx"])
+# AVX-512 F without BW/VL (Knights Landing): not enough for the avx512 build
+KNIGHTS_LANDING = frozenset(["avx", "avx2", "fma", "avx512f", "avx512cd"])
+
+
+def test_an_avx512_cpu_gets_every_build_best_first():
+    assert supported_isas(SAPPHIRE_RAPIDS, "x86_64") == ("avx512", "avx2", "scalar")
+    assert supported_isas(HASWELL, "x86_64") == ("avx2", "scalar")
+    assert supported_isas(SANDY_BRIDGE, "x86_64") == ("scalar",)
+    assert supported_isas(KNIGHTS_LANDING, "x86_64") == ("avx2", "scalar")
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNEL_ISAS))
+def test_each_kernel_gets_the_best_build_it_has_code_for(kernel):
+    best = "avx512" if "avx512" in KERNEL_ISAS[kernel] else "avx2"
+    assert choose_isa(kernel, SAPPHIRE_RAPIDS, "x86_64") == best
+    assert choose_isa(kernel, HASWELL, "x86_64") == "avx2"
+    assert choose_isa(kernel, SANDY_BRIDGE, "x86_64") == "scalar"
+
+
+def test_lora_has_no_avx512_code_so_it_runs_its_avx2_build_on_avx512_cpus():
+    assert choose_isa("lora_delta", SAPPHIRE_RAPIDS, "x86_64", "avx512") == "avx2"
+    assert choose_isa("small_gemm", SAPPHIRE_RAPIDS, "x86_64", "avx512") == "avx512"
+
+
+@pytest.mark.parametrize(("requested", "expected"), [("avx2", "avx2"), ("scalar", "scalar"), ("auto", "avx512"),
+                                                     (None, "avx512"), ("", "avx512"), (" AVX2 ", "avx2")])  # fmt: skip
+def test_bm_cpu_isa_caps_the_choice_on_a_cpu_that_has_more(requested, expected):
+    assert choose_isa("small_gemm", SAPPHIRE_RAPIDS, "x86_64", requested) == expected
+
+
+def test_forcing_a_build_the_cpu_cannot_run_names_the_missing_features():
+    with pytest.raises(ValueError, match=r"BM_CPU_ISA=avx512, but this CPU lacks avx512bw, .*avx2, scalar"):
+        choose_isa("small_gemm", HASWELL, "x86_64", "avx512")
+    with pytest.raises(ValueError, match="lacks avx2, fma"):
+        choose_isa("elementwise", SANDY_BRIDGE, "x86_64", "avx2")
+
+
+def test_an_unknown_value_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"BM_CPU_ISA='sse9' .* auto, avx512, avx2, scalar"):
+        choose_isa("small_gemm", SAPPHIRE_RAPIDS, "x86_64", "sse9")
+
+
+def test_other_architectures_build_one_native_variant_and_refuse_x86_settings():
+    assert supported_isas(frozenset({"neon", "asimd"}), "aarch64") == ("native",)
+    assert choose_isa("small_gemm", frozenset({"asimd"}), "aarch64") == "native"
+    with pytest.raises(ValueError, match="x86-64 setting"):
+        choose_isa("small_gemm", frozenset({"asimd"}), "aarch64", "avx2")
+
+
+def test_each_build_is_compiled_with_explicit_flags_so_avx2_can_be_forced_on_an_avx512_machine():
+    assert "-march=native" not in cpu_isa.isa_flags("avx2")
+    assert {"-mavx2", "-mfma"} <= set(cpu_isa.isa_flags("avx2"))
+    assert not any(f.startswith("-mavx512") for f in cpu_isa.isa_flags("avx2"))
+    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"} <= set(cpu_isa.isa_flags("avx512"))
+    assert not any(f.startswith(("-mavx", "-mfma")) for f in cpu_isa.isa_flags("scalar"))
+
+
+def test_the_environment_variable_is_read_at_each_load(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "cpu_features", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_isa.ENV_ISA, "avx2")
+    assert cpu_isa.kernel_isa("small_gemm") == "avx2"
+    monkeypatch.delenv(cpu_isa.ENV_ISA)
+    assert cpu_isa.kernel_isa("small_gemm") == "avx512"
+    assert cpu_isa.kernel_isa("small_gemm", "scalar") == "scalar"
+
+
+def test_the_kernel_cache_keeps_one_file_per_build():
+    """The variant is part of the cached library's name and hash: forcing AVX2 never loads the AVX-512
+    build (or the reverse)."""
+    from pathlib import Path
+
+    from bm.runtime import native_build
+
+    source = Path(native_build.__file__).parent / "native" / "elementwise.c"
+    keys = {isa: native_build._cache_key(source, "cc", None, isa) for isa in ("avx512", "avx2", "scalar")}
+    assert len(set(keys.values())) == 3
+
+
+def test_a_bad_bm_cpu_isa_is_a_config_error_before_anything_loads(monkeypatch):
+    from bm.config import ConfigError, config_from_dict
+
+    monkeypatch.setenv(cpu_isa.ENV_ISA, "sse9")
+    with pytest.raises(ConfigError, match="BM_CPU_ISA='sse9' is not an instruction set"):
+        config_from_dict({"model": {"device": "cpu"}})
+
+
+def test_the_cpu_isa_module_loads_without_torch():
+    """bm.config imports it, and bm run checks its config before torch loads (seconds)."""
+    import subprocess
+    import sys
+
+    code = "import sys, bm.config; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
