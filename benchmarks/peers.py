@@ -124,7 +124,10 @@ class PeerModels:
             env = {**os.environ, "PYTHONPATH": f"{llama / 'gguf-py'}:{llama}", "PYTHONDONTWRITEBYTECODE": "1"}
             python = _venv_python("ct2")
             cmd = [python, str(llama / "convert_hf_to_gguf.py"), str(self.hf_dir()), "--outtype", "f32"]
-            _run([*cmd, "--outfile", str(out)], env=env)
+            try:
+                _run([*cmd, "--outfile", str(out)], env=env)
+            except PeerSkipped as exc:
+                raise PeerSkipped(f"llama.cpp's converter could not read {self.hf_dir()}: {exc}") from exc
         return out
 
     def ct2(self, compute_type: str) -> Path:
