@@ -2,8 +2,14 @@
 
 The pool knows nothing of requests or tensors. It hands out block ids and takes them back; the tensors
 that hold the keys and values live in ``bm.runtime`` and are indexed by these ids. The free list and the
-cached (reusable) list are insertion-ordered dicts, so taking from the front and removing any given block
-are both O(1).
+cached (reusable) list are insertion-ordered dicts, so taking from either end and removing any given block
+are all O(1).
+
+Empty blocks are handed out last released, first taken, and a fresh pool hands out its ids in ascending
+order: the blocks in use at any moment stay among the lowest ids that the run's peak ever needed. The
+runtime allocates the cache's memory untouched on a CPU (the OS maps a page at its first write), so the
+memory a run touches is its peak concurrent KV use, however large the pool; a first-in-first-out free
+list would instead walk every block of a pool sized to most of RAM over a long run, touching all of it.
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        # insertion order: the front is the next block handed out; cached blocks (unreferenced,
-        # registered) are evicted from the front.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # empty blocks: the back is the next one handed out (the latest released, else the lowest fresh
+        # id); cached blocks (unreferenced, registered) are evicted from the front (least recent).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._keys: dict[int, BlockKey] = {}  # registered blocks (in use or cached)
         self._by_hash: dict[int, int] = {}  # block_hash -> block_id
@@ -76,15 +82,17 @@ class BlockPool:
         return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks, each with a reference count of one: empty ones first, then the
-        least recently released cached ones (their registration is dropped)."""
+        """Take ``num_blocks`` blocks, each with a reference count of one: empty ones first (the latest
+        released first, so few distinct blocks are ever touched), then the least recently released
+        cached ones (their registration is dropped)."""
         if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         taken = []
         for _ in range(num_blocks):
-            source = self._free if self._free else self._cached
-            block_id = source.popitem(last=False)[0]
-            if source is self._cached:
+            if self._free:
+                block_id = self._free.popitem(last=True)[0]
+            else:
+                block_id = self._cached.popitem(last=False)[0]
                 self._evict(block_id)
             self._ref_counts[block_id] = 1
             taken.append(block_id)

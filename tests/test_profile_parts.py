@@ -1,0 +1,45 @@
+"""benchmarks/profile_parts.py: its timers see every part of a run and leave the engine as they found it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from tests.conftest import REPO, make_config
+
+
+def _profile_parts():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "profile_parts", REPO / "benchmarks" / "profile_parts.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+def test_parts_add_up_to_the_engine_steps_and_gemms_are_timed_by_shape(tiny_model):
+    from bm.engine.core import EngineCore
+    from bm.runtime.model_runner import ModelRunner
+
+    pp = _profile_parts()
+    step, forward = EngineCore.__dict__["step"], ModelRunner.__dict__["forward"]
+    timers = pp.Timers()
+    workload = [(list(range(3, 3 + n)), 4) for n in (5, 17, 40)]
+    wall, iterations, output_tokens = pp.run_profiled(tiny_model, make_config(), workload, timers)
+    assert output_tokens == 12 and iterations >= 4
+    assert EngineCore.__dict__["step"] is step and ModelRunner.__dict__["forward"] is forward
+    report = pp.summarize(timers, wall, iterations, peak=1e11)
+    parts = {k: v["seconds"] for k, v in report["parts"].items()}
+    assert all(v >= 0 for k, v in parts.items() if k not in ("forward_other", "engine_python"))
+    inside = sum(v for k, v in parts.items() if k != "outside_step")
+    assert abs(inside - timers.seconds["step"]) < 1e-3 and timers.calls["step"] == iterations
+    config = tiny_model.model.config
+    shapes = {(row["k"], row["n"]) for row in report["gemm_by_shape"]}
+    assert (config.hidden_size, config.intermediate_size) in shapes
+    assert (config.hidden_size, config.vocab_size) in shapes  # the LM head
+    assert sum(flops for _, _, flops in timers.gemm.values()) > 0
+    assert timers.calls["sampling"] == iterations
