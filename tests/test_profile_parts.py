@@ -36,7 +36,9 @@ def test_parts_add_up_to_the_engine_steps_and_gemms_are_timed_by_shape(tiny_mode
     parts = {k: v["seconds"] for k, v in report["parts"].items()}
     assert all(v >= 0 for k, v in parts.items() if k not in ("forward_other", "engine_python"))
     inside = sum(v for k, v in parts.items() if k != "outside_step")
-    assert abs(inside - timers.seconds["step"]) < 1e-3 and timers.calls["step"] == iterations
+    # the parts telescope to the step time; each is reported rounded to the millisecond
+    assert abs(inside - timers.seconds["step"]) <= 0.5e-3 * len(parts) + 1e-9
+    assert timers.calls["step"] == iterations
     config = tiny_model.model.config
     shapes = {(row["k"], row["n"]) for row in report["gemm_by_shape"]}
     assert (config.hidden_size, config.intermediate_size) in shapes
