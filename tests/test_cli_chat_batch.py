@@ -28,6 +28,19 @@ def records_of(out):
     return {r["index"]: r for r in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
 
 
+def run_batch_file(tmp_path, lines, template=TEMPLATE):
+    """``bm run`` over OpenAI batch ``lines`` with a chat ``template``: the output lines by custom_id, and
+    bm's own records by index."""
+    template_path = tmp_path / "chat.jinja"
+    template_path.write_text(template)
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    run(batch, "-o", out, "--chat-template", template_path)
+    outputs = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
+    return {line["custom_id"]: line for line in outputs}, records_of(out)
+
+
 def test_messages_are_rendered_with_the_chat_template_and_generation_prompt(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)

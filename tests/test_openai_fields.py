@@ -9,8 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bm.cli.main import app
-from tests.test_cli_chat_batch import TEMPLATE
+from tests.test_cli_chat_batch import run_batch_file
 
 openai_types = pytest.importorskip("openai.types")
 from openai.types.chat import ChatCompletion  # noqa: E402
@@ -31,26 +30,7 @@ def completion(custom_id: str, **body) -> dict:
 
 def run_batch(tmp_path, lines: list[dict]) -> dict[str, dict]:
     """``bm run`` over the lines; the output lines by custom_id."""
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    batch = tmp_path / "batch.jsonl"
-    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out = tmp_path / "out"
-    args = [
-        "run",
-        str(batch),
-        "-o",
-        str(out),
-        "-q",
-        "--set",
-        "model.device=cpu",
-        "--chat-template",
-        str(template),
-    ]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
-    outputs = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
-    return {line["custom_id"]: line for line in outputs}
+    return run_batch_file(tmp_path, lines)[0]
 
 
 def body_of(line: dict) -> dict:

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from bm.runtime import ByteTokenizer
+from tests.test_cli_chat_batch import run_batch_file
 
 pytest.importorskip("llguidance", reason="structured output needs llguidance (optional extra)")
 jsonschema = pytest.importorskip("jsonschema")
@@ -63,27 +64,7 @@ REFUSED = {
 
 
 def run_batch(tmp_path, lines):
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    batch = tmp_path / "batch.jsonl"
-    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    out = tmp_path / "out"
-    args = [
-        "run",
-        str(batch),
-        "-o",
-        str(out),
-        "-q",
-        "--set",
-        "model.device=cpu",
-        "--chat-template",
-        str(template),
-    ]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
-    outputs = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
-    records = {r["index"]: r for r in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
-    return {x["custom_id"]: x for x in outputs}, records
+    return run_batch_file(tmp_path, lines, TEMPLATE)
 
 
 def test_response_format_and_tool_choice_lines_parse_with_openais_types_and_follow_their_schemas(tmp_path):
