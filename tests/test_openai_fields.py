@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from tests.test_cli_chat_batch import run_batch_file
 
 openai_types = pytest.importorskip("openai.types")
 from openai.types.chat import ChatCompletion  # noqa: E402
 
-runner = CliRunner()
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
