@@ -34,6 +34,7 @@ from typing import Any
 from bm.config import MODEL_PRESETS, BmConfig, load_config
 from bm.engine.fields import request_field, token_id_list
 from bm.engine.request import Request, Response
+from bm.engine.stopping import text_before_stop
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -261,9 +262,9 @@ class LLM:
         reason = _FINISH.get(result.finish_reason.label, result.finish_reason.label)
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:  # stop strings end the text before them, as in OpenAI's API
-            text, reason = text[:cut], "stop"
+        cut = text_before_stop(text, stops)
+        if cut is not None:
+            text, reason = cut, "stop"
         cumulative = result.cum_log_probs[0] if result.cum_log_probs else None
         completion = CompletionOutput(
             0, text, tokens, reason, result.output_log_probs, cumulative, result.error or None

@@ -7,16 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from bm.engine.request import Response, SampleOutput
+from bm.engine.stopping import text_before_stop
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
 
 
 def cut_at_stop(row: Row, text: str, reason: str) -> tuple[str, str]:
     """Stop strings end the text before them, as in OpenAI's API (the finish reason becomes ``stop``)."""
-    cut = min((i for i in (text.find(s) for s in row.stop) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], FinishReason.STOP_WORDS.label
-    return text, reason
+    cut = text_before_stop(text, row.stop)
+    return (text, reason) if cut is None else (cut, FinishReason.STOP_WORDS.label)
 
 
 def top_log_probs(values: list[list[tuple[int, float]]] | None) -> list[list[list[float]]] | None:

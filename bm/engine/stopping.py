@@ -5,6 +5,13 @@ from __future__ import annotations
 from bm.scheduling import FinishReason, LlmRequest
 
 
+def text_before_stop(text: str, stops: list[str]) -> str | None:
+    """The text before the first stop string in it, or None when none occurs: stop strings end the text
+    before them, as in OpenAI's API. One rule for ``bm run``'s records and ``bm.LLM``'s outputs."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return text[:cut] if cut >= 0 else None
+
+
 def ends_with(prompt: list[int], output: list[int], word: tuple[int, ...]) -> bool:
     """Whether prompt + output ends with ``word``, without building the concatenation."""
     n = len(word)
