@@ -24,8 +24,6 @@ end id -1 never stops, which surprises everyone who did not ask for it).
 from __future__ import annotations
 
 import queue
-import threading
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, load_config
 from bm.engine.fields import request_field, token_id_list
+from bm.engine.offline import RequestQueue
 from bm.engine.request import Request, Response
 from bm.engine.stopping import text_before_stop
 
@@ -282,8 +281,7 @@ class Session:
     def __init__(self, llm: LLM, return_stats: Callable[[str], None] | None = None) -> None:
         from bm.distributed.engine import engine_loop
 
-        self._pending: deque[Request] = deque()
-        self._lock = threading.Lock()
+        self._pending = RequestQueue()
         self._finished: queue.Queue[Response] = queue.Queue()
         self.stopped = False
         self._manager = engine_loop(
@@ -291,8 +289,7 @@ class Session:
         )
 
     def submit(self, request: Request) -> None:
-        with self._lock:
-            self._pending.append(request)
+        self._pending.put(request)
 
     def next_final(self, timeout: float = 0.1) -> Response | None:
         """The next request's final response, or None when none finished within ``timeout`` seconds."""
@@ -318,10 +315,7 @@ class Session:
     def take_pending(self) -> list[Request]:
         """Every request not yet handed to the engine, removed; nothing more is handed out after this."""
         self.stopped = True
-        with self._lock:
-            taken = list(self._pending)
-            self._pending.clear()
-        return taken
+        return self._pending.take_all()
 
     def close(self) -> None:
         self._manager.shutdown(cancel=True)
@@ -333,11 +327,7 @@ class Session:
         self.close()
 
     def _get_requests(self, max_new: int) -> list[Request]:
-        if self.stopped:
-            return []
-        with self._lock:
-            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
-            return [self._pending.popleft() for _ in range(count)]
+        return [] if self.stopped else self._pending.take(max_new)
 
     def _on_response(self, response: Response) -> None:
         if response.final:  # the engine's thread; a request's one final response (nothing streams here)

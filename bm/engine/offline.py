@@ -74,6 +74,34 @@ FINAL_COUNTERS = (
 )
 
 
+class RequestQueue:
+    """Requests waiting for the engine, taken as it has room: what every client's ``get_requests`` hands
+    out, and what an interrupted caller takes back (``take_all``) to account for each one."""
+
+    def __init__(self, requests: Iterable[Any] = ()) -> None:
+        self._pending: deque[Any] = deque(requests)
+        self._lock = threading.Lock()
+
+    def put(self, request: Any) -> None:
+        with self._lock:
+            self._pending.append(request)
+
+    def take(self, max_new: int) -> list[Any]:
+        """Up to ``max_new`` requests, oldest first (all of them when ``max_new`` < 0)."""
+        with self._lock:
+            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
+            return [self._pending.popleft() for _ in range(count)]
+
+    def take_all(self) -> list[Any]:
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+            return taken
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
 class OfflineClient:
     """Hands requests to the engine as it asks for them and collects every response."""
 
@@ -82,7 +110,7 @@ class OfflineClient:
         requests: Iterable[Request | InferenceRequest],
         on_final: Callable[[RequestResult], None] | None = None,
     ) -> None:
-        self._pending = deque(requests)
+        self._pending = RequestQueue(requests)
         self._expected = len(self._pending)
         self._on_final = on_final
         self._lock = threading.Lock()
@@ -93,22 +121,15 @@ class OfflineClient:
             self._done.set()
 
     def get_requests(self, max_new: int) -> list[Request | Response]:
-        with self._lock:
-            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
-            taken = [self._pending.popleft() for _ in range(count)]
-        return [_typed(r) for r in taken]
+        return [_typed(r) for r in self._pending.take(max_new)]
 
     @property
     def num_pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
+        return len(self._pending)
 
     def take_pending(self) -> list[Request | InferenceRequest]:
         """Remove and return every request not yet handed to the engine (an interrupted run)."""
-        with self._lock:
-            taken = list(self._pending)
-            self._pending.clear()
-            return taken
+        return self._pending.take_all()
 
     def send_response(
         self,
