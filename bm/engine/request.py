@@ -22,7 +22,6 @@ from bm.engine.fields import (
     check_float,
     check_int,
     logit_bias,
-    short_float,
 )
 from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
 
@@ -166,9 +165,6 @@ def _float(name: str, value: Any, default: float) -> float:
 
 def _bool(name: str, value: Any) -> bool:
     return False if value is None else check_bool(value, name)
-
-
-show = short_float
 
 
 def _token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
