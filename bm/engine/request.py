@@ -11,7 +11,6 @@ type is refused, never coerced (``beam_width: 1.9`` is an error, not 1).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from bm.engine.fields import (
     check_bool,
     check_float,
     check_int,
+    is_number,
     logit_bias,
 )
 from bm.scheduling.request import FinishReason, LlmRequest, SamplingParams
@@ -209,7 +209,7 @@ def _embedding_bias(value: Any, vocab_size: int) -> tuple[float, ...] | None:
             f"as a tensor), got {got}"
         )
     for v in value:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not is_number(v):
             raise RequestError("embedding_bias: values must be finite numbers")
     return tuple(float(v) for v in value)
 
@@ -527,7 +527,7 @@ def _prompt_table(request: Request, limits: RequestLimits) -> PromptTable | None
                 f"hidden size {width}"
             )
         for v in row:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_number(v):
                 raise RequestError(
                     f"prompt_embedding_table: row {i} holds {v!r}; values must be finite numbers"
                 )
