@@ -47,7 +47,7 @@ import shutil, os
 cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 with tempfile.TemporaryDirectory() as tmp:
     t = time.perf_counter()
-    ok = native._build(native._SOURCE, cc, native._loaded_openmp_runtime(), Path(tmp)) is not None
+    ok = native._build(native._SOURCE, cc, native.loaded_openmp_runtime(), Path(tmp)) is not None
     print(json.dumps({"kernel_build_s": time.perf_counter() - t, "built": ok}))
 """
 

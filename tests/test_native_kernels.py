@@ -51,12 +51,12 @@ def own_threads_kernel():
     """The build used where torch's OpenMP runtime cannot be found: the kernel starts its own threads."""
     from bm.runtime import native, native_build
 
-    saved_loaded, saved_finder = native._loaded, native_build._loaded_openmp_runtime
-    native._loaded, native_build._loaded_openmp_runtime = {}, lambda: None
+    saved_loaded, saved_finder = native._loaded, native_build.loaded_openmp_runtime
+    native._loaded, native_build.loaded_openmp_runtime = {}, lambda: None
     try:
         return native.paged_decode_kernel()
     finally:  # later tests see the process's usual kernel again
-        native._loaded, native_build._loaded_openmp_runtime = saved_loaded, saved_finder
+        native._loaded, native_build.loaded_openmp_runtime = saved_loaded, saved_finder
 
 
 @needs_kernel

@@ -43,6 +43,7 @@ from bm.engine.executor import (
     Executor,
     FinalOutputs,
     ModelLimits,
+    hand_over_threads,
 )
 from bm.engine.request import Request, RequestError, Response, error_response
 from bm.engine.stats import IterationStats
@@ -272,6 +273,7 @@ class DistributedEngineLoop:
         self._cancel = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="bm-distributed", daemon=True)
+        hand_over_threads(self.core.executor)
         self._thread.start()
 
     # -- EngineLoop's control surface -----------------------------------------------------------------

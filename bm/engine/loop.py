@@ -22,7 +22,7 @@ from typing import Any
 from bm.config import BmConfig
 from bm.engine.core import EngineCore
 from bm.engine.driver import Driver, to_request
-from bm.engine.executor import Executor
+from bm.engine.executor import Executor, hand_over_threads
 from bm.engine.request import Request, Response
 from bm.engine.stats import IterationStats
 from bm.scheduling import FinishReason
@@ -83,6 +83,7 @@ class EngineLoop:
         self._cancel_requested = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="bm-batch-manager", daemon=True)
+        hand_over_threads(self.executor)
         self._thread.start()
 
     # -- public control -------------------------------------------------------------------------------

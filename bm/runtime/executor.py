@@ -30,6 +30,7 @@ from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.speculative import verify_drafts
+from bm.runtime.threads import release_caller_team
 from bm.scheduling import FinishReason, LlmRequest
 
 
@@ -69,6 +70,11 @@ class TorchExecutor:
             sink_token_length=layout.sink_token_length,
             window_pools=layout.window_pools,
         )
+
+    def hand_over_threads(self) -> None:
+        """The engine's worker thread computes from now on: the calling thread gives its OpenMP team
+        back, so only one team competes for the cores (bm.runtime.threads)."""
+        release_caller_team()
 
     def close(self) -> None:
         """The engine is done with this executor: LoRA layers give the shared model its own forwards back

@@ -44,7 +44,7 @@ def _flags(isa: str) -> list[str]:
     return [*_FLAGS, *isa_flags(isa)]
 
 
-def _loaded_openmp_runtime() -> Path | None:
+def loaded_openmp_runtime() -> Path | None:
     """The OpenMP library torch runs its ops on, as mapped into this process (Linux)."""
     torch.ones(2).sum()  # make sure torch has started its runtime
     try:
@@ -117,7 +117,7 @@ def compile_kernel(source: Path, isa: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler found: %s runs on torch ops", source.stem)
         return None
-    omp = _loaded_openmp_runtime()
+    omp = loaded_openmp_runtime()
     cached = kernel_cache_dir() / f"{source.stem}-{isa}-{_cache_key(source, compiler, omp, isa)}.so"
     if cached.is_file():
         try:
