@@ -123,11 +123,11 @@ def test_prepack_modes():
     cpu = torch.device("cpu")
     assert should_prepack("off", model, cpu, torch.float32) is False
     assert should_prepack("auto", model, cpu, torch.float32) is True
-    assert should_prepack("auto", model, cpu, torch.bfloat16) is False
+    assert should_prepack("auto", model, cpu, torch.float16) is False
     with pytest.raises(
-        ValueError, match=r"model\.prepack is on, but .*bfloat16.*set model\.prepack to auto or off"
+        ValueError, match=r"model\.prepack is on, but .*float16.*set model\.prepack to auto or off"
     ):
-        should_prepack("on", model, cpu, torch.bfloat16)
+        should_prepack("on", model, cpu, torch.float16)
 
 
 def test_model_prepack_config_takes_auto_on_off_and_yaml_booleans(tmp_path):

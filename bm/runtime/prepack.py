@@ -12,8 +12,12 @@ Two packed paths, measured on a 2-core AVX2 EPYC with SmolLM2-135M's shapes (``b
   faster at 2-128 rows, 2-4.5x for the 49k-row vocabulary projection, even at 256 and slower from 512,
   so it serves up to ``MAX_PACKED_ROWS`` rows and MKL the rest.
 
-The packed copy doubles the memory of the linear weights, so ``model.prepack`` ``auto`` packs only fp32
-CPU models whose linear weights take at most a quarter of the machine's memory. The packed path runs
+bfloat16 weights (``model.dtype: bfloat16`` on a CPU whose oneDNN runs bfloat16: AVX512_BF16 or AMX) are
+packed for oneDNN at every row count: ``F.linear`` reaches the same oneDNN kernel, with the same results
+(tests/test_prepack_bf16.py), but reorders the weight on every call first.
+
+The packed copy doubles the memory of the linear weights, so ``model.prepack`` ``auto`` packs only
+fp32 and bf16 CPU models whose linear weights take at most a quarter of the machine's memory. The packed path runs
 only inside a bm forward: the same module called by anything else (``generate()`` in the oracle tests,
 a user's own code) computes exactly as transformers does. A weight changed in place after packing is
 noticed (its version counter moves) and packed again.
@@ -36,14 +40,19 @@ MAX_PACKED_ROWS = 256
 # The batch size oneDNN tunes the packed layout for; 16-128 measured alike, 1 was worse.
 _PACK_HINT = 64
 _MEMORY_SHARE = 0.25
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why packing cannot be used here, or None when it can."""
     if device.type != "cpu":
         return f"prepacked weights are a CPU path; the model is on {device}"
+    if dtype == torch.bfloat16:
+        if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "bfloat16 weights are packed for oneDNN, which this torch or CPU does not run in bfloat16"
+        return None
     if dtype != torch.float32:
-        return f"prepacked weights are measured and tested for float32 only, not {dtype}"
+        return f"prepacked weights are measured and tested for float32 and bfloat16 only, not {dtype}"
     if small_gemm_kernel() is None and not torch.backends.mkldnn.is_available():
         return "neither bm's compiled GEMM (it needs a C compiler) nor oneDNN is available here"
     return None
@@ -82,7 +91,8 @@ def should_prepack(mode: str, model: nn.Module, device: torch.device, dtype: tor
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Give every plain float32 ``nn.Linear`` of ``model`` a packed weight; returns how many were packed.
+    """Give every plain float32 or bfloat16 ``nn.Linear`` of ``model`` a packed weight; returns how many
+    were packed.
 
     Subclasses that override ``forward`` keep it unpacked.
     Weights that are not plain tensors (sharded DTensors, quantized or meta tensors) are left as they are.
@@ -93,7 +103,7 @@ def prepack_linears(model: nn.Module) -> int:
         if type(module).forward is not nn.Linear.forward or isinstance(module.forward, _PackedForward):
             continue
         weight = module.weight
-        if type(weight.data) is not torch.Tensor or weight.dtype != torch.float32 or weight.is_meta:
+        if type(weight.data) is not torch.Tensor or weight.dtype not in _PACKED_DTYPES or weight.is_meta:
             continue
         module.forward = _PackedForward(module)
         packed += 1
@@ -130,12 +140,15 @@ class _PackedForward:
         module = state["_module"]
         self._module = module
         self._own: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(type(module).forward, module)
-        self._kernel: SmallGemmKernel | None = small_gemm_kernel()
+        self._kernel: SmallGemmKernel | None = None  # chosen when packing, by the weight's dtype
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None  # the weight's (address, version) when packed
 
     def _pack(self) -> None:
         weight = self._module.weight
+        # bm's panel GEMM is float32; bfloat16 weights always take oneDNN (AMX or AVX512_BF16 where the
+        # CPU has them), packed once instead of reordered on every call as F.linear does
+        self._kernel = small_gemm_kernel() if weight.dtype == torch.float32 else None
         with torch.no_grad():
             if self._kernel is not None:
                 self._packed = SmallGemmKernel.pack(weight.detach())
@@ -145,17 +158,13 @@ class _PackedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module
-        if (
-            x.dim() < 2
-            or x.dtype != torch.float32
-            or torch.is_grad_enabled()
-            or not in_bm_forward()
-            or (self._kernel is None and x.numel() > MAX_PACKED_ROWS * module.in_features)
-        ):
-            return self._own(x)
         weight = module.weight
+        if x.dim() < 2 or x.dtype != weight.dtype or torch.is_grad_enabled() or not in_bm_forward():
+            return self._own(x)
         if (weight.data_ptr(), weight._version) != self._key:
             self._pack()
         if self._kernel is not None:
             return self._kernel(x, self._packed, module.bias, module.out_features)
+        if x.dtype == torch.float32 and x.numel() > MAX_PACKED_ROWS * module.in_features:
+            return self._own(x)  # float32 without bm's kernel: MKL is faster than oneDNN from 512 rows
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, module.bias, "none", [None], "")
