@@ -15,8 +15,9 @@
  * run of panel pairs for all rows (no barrier between row blocks), takes decode batches as one row
  * block (each weight is read from memory once per call), and has each pair's tiles prefetch the next
  * pair's weight into L2, spread evenly over their k steps: without it the first tile of every pair
- * waited on memory, and a 64-row GEMM with a cold weight ran at about two thirds of the FMA peak. Every element is still the same sequential FMA
- * chain over k, so the AVX-512 and AVX2 builds give bit-identical results. Without AVX2 and FMA the same
+ * waited on memory, and a 64-row GEMM with a cold weight ran at about two thirds of the FMA peak.
+ * Every element is still the same sequential FMA chain over k, so the AVX-512 and AVX2 builds give
+ * bit-identical results. Without AVX2 and FMA the same
  * tiles run in plain C (slower than oneDNN, but batch invariant, which oneDNN's GEMM is not).
  */
 #include <stdint.h>
@@ -116,8 +117,8 @@ static __attribute__((unused)) void panel_rows(const float *x, int64_t ldx, int6
  * While it runs, the tile asks for the next pf_lines 64-byte lines at pf (two per k step at most) to be
  * brought into L2: the weight the next work item reads, so that its first tile does not wait on memory. */
 static inline __attribute__((always_inline)) void tile512(
-    const int mr, const int np, const int prefetch, const float *x, int64_t ldx, const float *panel, int64_t K,
-    float *y, int64_t ldy, const float *bias, const char *pf, int64_t pf_lines)
+    const int mr, const int np, const int prefetch, const float *x, int64_t ldx, const float *panel,
+    int64_t K, float *y, int64_t ldy, const float *bias, const char *pf, int64_t pf_lines)
 {
     __m512 acc[MR512][2];
     for (int i = 0; i < MR512; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -152,20 +153,20 @@ static inline __attribute__((always_inline)) void tile512(
     }
 }
 
-#define BY_ROWS512(np, pf, h, ...)                                                                        \
+#define BY_ROWS512(np, pf, h, ...)                                                                    \
     switch (h) {                                                                                      \
-    case 12: tile512(12, np, pf, __VA_ARGS__); break;                                                     \
-    case 11: tile512(11, np, pf, __VA_ARGS__); break;                                                     \
-    case 10: tile512(10, np, pf, __VA_ARGS__); break;                                                     \
-    case 9: tile512(9, np, pf, __VA_ARGS__); break;                                                       \
-    case 8: tile512(8, np, pf, __VA_ARGS__); break;                                                       \
-    case 7: tile512(7, np, pf, __VA_ARGS__); break;                                                       \
-    case 6: tile512(6, np, pf, __VA_ARGS__); break;                                                       \
-    case 5: tile512(5, np, pf, __VA_ARGS__); break;                                                       \
-    case 4: tile512(4, np, pf, __VA_ARGS__); break;                                                       \
-    case 3: tile512(3, np, pf, __VA_ARGS__); break;                                                       \
-    case 2: tile512(2, np, pf, __VA_ARGS__); break;                                                       \
-    default: tile512(1, np, pf, __VA_ARGS__); break;                                                      \
+    case 12: tile512(12, np, pf, __VA_ARGS__); break;                                                 \
+    case 11: tile512(11, np, pf, __VA_ARGS__); break;                                                 \
+    case 10: tile512(10, np, pf, __VA_ARGS__); break;                                                 \
+    case 9: tile512(9, np, pf, __VA_ARGS__); break;                                                   \
+    case 8: tile512(8, np, pf, __VA_ARGS__); break;                                                   \
+    case 7: tile512(7, np, pf, __VA_ARGS__); break;                                                   \
+    case 6: tile512(6, np, pf, __VA_ARGS__); break;                                                   \
+    case 5: tile512(5, np, pf, __VA_ARGS__); break;                                                   \
+    case 4: tile512(4, np, pf, __VA_ARGS__); break;                                                   \
+    case 3: tile512(3, np, pf, __VA_ARGS__); break;                                                   \
+    case 2: tile512(2, np, pf, __VA_ARGS__); break;                                                   \
+    default: tile512(1, np, pf, __VA_ARGS__); break;                                                  \
     }
 
 /* np full panels against rows [0, M), in tiles of at most twelve rows with heights as equal as possible;
@@ -295,8 +296,9 @@ static void gemm512(const float *x, int64_t ldx, const float *wp, const float *b
             for (int64_t it = lo; it < hi; it++) {
                 const int64_t next = it + 1 < hi ? it + 1 : (m0 + mb < M ? lo : -1);
                 const int64_t next_panels = next < 0 ? 0 : (panels - 2 * next < 2 ? panels - 2 * next : 2);
-                item512(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N,
-                        next < 0 || m0 > 0 ? NULL : (const char *)(wp + 2 * next * K * NR), next_panels * K * NR * 4);
+                const char *pf = next < 0 || m0 > 0 ? NULL : (const char *)(wp + 2 * next * K * NR);
+                item512(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N, pf,
+                        next_panels * K * NR * (int64_t)sizeof(float));
             }
         }
     }
