@@ -11,12 +11,20 @@
  *
  * Built per instruction set (bm/cpu_isa.py). With AVX-512 a panel row is one register, and a
  * tile covers two adjacent panels (32 columns) of up to twelve rows: 24 accumulators, twice the work per
- * instruction and fewer loads per FMA than the AVX2 tile. Every element is still the same sequential FMA
- * chain over k, so the AVX-512 and AVX2 builds give bit-identical results. Without AVX2 and FMA the same
+ * instruction and fewer loads per FMA than the AVX2 tile. Its driver (gemm512) gives each thread a fixed
+ * run of panel pairs for all rows (no barrier between row blocks), takes decode batches as one row
+ * block (each weight is read from memory once per call), and has each pair's tiles prefetch the next
+ * pair's weight into L2, spread evenly over their k steps: without it the first tile of every pair
+ * waited on memory, and a 64-row GEMM with a cold weight ran at about two thirds of the FMA peak.
+ * Every element is still the same sequential FMA chain over k, so the AVX-512 and AVX2 builds give
+ * bit-identical results. Without AVX2 and FMA the same
  * tiles run in plain C (slower than oneDNN, but batch invariant, which oneDNN's GEMM is not).
  */
 #include <stdint.h>
 #include <stddef.h>
+#ifdef BM_OPENMP
+#include <omp.h>
+#endif
 
 /* bm builds with -fassociative-math; the plain C path's sums must keep their order (batch invariance). */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -101,16 +109,35 @@ static __attribute__((unused)) void panel_rows(const float *x, int64_t ldx, int6
 
 #if BM_HAVE_AVX512
 #define MR512 12
+#ifndef BM_GEMM_XBLOCK_BYTES
+#define BM_GEMM_XBLOCK_BYTES (1024 * 1024)
+#endif
 
-/* np (1 or 2) adjacent panels against mr <= 12 rows: acc[i][j] holds row i's 16 columns of panel j. */
+/* np (1 or 2) adjacent panels against mr <= 12 rows: acc[i][j] holds row i's 16 columns of panel j.
+ * While it runs, the tile asks for the next pf_lines 64-byte lines at pf (two per k step at most) to be
+ * brought into L2: the weight the next work item reads, so that its first tile does not wait on memory. */
 static inline __attribute__((always_inline)) void tile512(
-    const int mr, const int np, const float *x, int64_t ldx, const float *panel, int64_t K, float *y,
-    int64_t ldy, const float *bias)
+    const int mr, const int np, const int prefetch, const float *x, int64_t ldx, const float *panel,
+    int64_t K, float *y, int64_t ldy, const float *bias, const char *pf, int64_t pf_lines)
 {
     __m512 acc[MR512][2];
     for (int i = 0; i < MR512; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     const float *panel1 = panel + K * NR;
+    /* pf_lines spread evenly over the K steps (Bresenham): a burst would fill the line-fill buffers
+       and stall the loads of this tile. */
+    int64_t credit = 0;
     for (int64_t k = 0; k < K; k++) {
+        credit += pf_lines;
+        if (prefetch && credit >= K) {
+            _mm_prefetch(pf, _MM_HINT_T1);
+            pf += 64;
+            credit -= K;
+            if (credit >= K) {
+                _mm_prefetch(pf, _MM_HINT_T1);
+                pf += 64;
+                credit -= K;
+            }
+        }
         const __m512 b0 = _mm512_loadu_ps(panel + k * NR);
         const __m512 b1 = np == 2 ? _mm512_loadu_ps(panel1 + k * NR) : b0;
         for (int i = 0; i < mr; i++) {
@@ -126,34 +153,45 @@ static inline __attribute__((always_inline)) void tile512(
     }
 }
 
-#define BY_ROWS512(np, h, ...)                                                                        \
+#define BY_ROWS512(np, pf, h, ...)                                                                    \
     switch (h) {                                                                                      \
-    case 12: tile512(12, np, __VA_ARGS__); break;                                                     \
-    case 11: tile512(11, np, __VA_ARGS__); break;                                                     \
-    case 10: tile512(10, np, __VA_ARGS__); break;                                                     \
-    case 9: tile512(9, np, __VA_ARGS__); break;                                                       \
-    case 8: tile512(8, np, __VA_ARGS__); break;                                                       \
-    case 7: tile512(7, np, __VA_ARGS__); break;                                                       \
-    case 6: tile512(6, np, __VA_ARGS__); break;                                                       \
-    case 5: tile512(5, np, __VA_ARGS__); break;                                                       \
-    case 4: tile512(4, np, __VA_ARGS__); break;                                                       \
-    case 3: tile512(3, np, __VA_ARGS__); break;                                                       \
-    case 2: tile512(2, np, __VA_ARGS__); break;                                                       \
-    default: tile512(1, np, __VA_ARGS__); break;                                                      \
+    case 12: tile512(12, np, pf, __VA_ARGS__); break;                                                 \
+    case 11: tile512(11, np, pf, __VA_ARGS__); break;                                                 \
+    case 10: tile512(10, np, pf, __VA_ARGS__); break;                                                 \
+    case 9: tile512(9, np, pf, __VA_ARGS__); break;                                                   \
+    case 8: tile512(8, np, pf, __VA_ARGS__); break;                                                   \
+    case 7: tile512(7, np, pf, __VA_ARGS__); break;                                                   \
+    case 6: tile512(6, np, pf, __VA_ARGS__); break;                                                   \
+    case 5: tile512(5, np, pf, __VA_ARGS__); break;                                                   \
+    case 4: tile512(4, np, pf, __VA_ARGS__); break;                                                   \
+    case 3: tile512(3, np, pf, __VA_ARGS__); break;                                                   \
+    case 2: tile512(2, np, pf, __VA_ARGS__); break;                                                   \
+    default: tile512(1, np, pf, __VA_ARGS__); break;                                                  \
     }
 
-/* np full panels against rows [0, M), in tiles of at most twelve rows with heights as equal as possible. */
+/* np full panels against rows [0, M), in tiles of at most twelve rows with heights as equal as possible;
+ * the tiles share out the prefetch of the pf_bytes at pf (the next work item's weight) between them. */
 static void panels_rows512(const int np, const float *x, int64_t ldx, int64_t M, const float *panel,
-                           int64_t K, float *y, int64_t ldy, const float *bias)
+                           int64_t K, float *y, int64_t ldy, const float *bias, const char *pf,
+                           int64_t pf_bytes)
 {
     const int64_t tiles = (M + MR512 - 1) / MR512;
+    const int64_t lines = (pf_bytes + 63) / 64, per_tile = (lines + tiles - 1) / tiles;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t h = (M - m) / (tiles - t) + ((M - m) % (tiles - t) != 0);
-        if (np == 2)
-            BY_ROWS512(2, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias)
+        const int64_t first = t * per_tile < lines ? t * per_tile : lines;
+        const int64_t n_pf = lines - first < per_tile ? lines - first : per_tile;
+        const char *pft = pf ? pf + first * 64 : NULL;
+        const int64_t npf = pf ? n_pf : 0;
+        if (np == 2 && pft)
+            BY_ROWS512(2, 1, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, pft, npf)
+        else if (np == 2)
+            BY_ROWS512(2, 0, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, NULL, 0)
+        else if (pft)
+            BY_ROWS512(1, 1, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, pft, npf)
         else
-            BY_ROWS512(1, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias)
+            BY_ROWS512(1, 0, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, NULL, 0)
         m += h;
     }
 }
@@ -206,15 +244,80 @@ static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float 
 }
 #endif
 
+#if BM_HAVE_AVX512
+
+/* Work item it: panels 2it and 2it+1 (or what N leaves from 2it) against rows [0, M), prefetching pf. */
+static void item512(int64_t it, const float *x, int64_t ldx, int64_t M, const float *wp, int64_t K,
+                    float *y, int64_t ldy, const float *bias, int64_t N, const char *pf, int64_t pf_bytes)
+{
+    const int64_t p = it * 2;
+    const float *b = bias ? bias + p * NR : NULL;
+    if ((p + 2) * NR <= N) { /* two full panels */
+        panels_rows512(2, x, ldx, M, wp + p * K * NR, K, y + p * NR, ldy, b, pf, pf_bytes);
+        return;
+    }
+    if ((p + 1) * NR <= N) { /* one full panel, maybe a tail panel after it */
+        panels_rows512(1, x, ldx, M, wp + p * K * NR, K, y + p * NR, ldy, b, pf, pf_bytes);
+        if (N > (p + 1) * NR)
+            tail_panel_rows(x, ldx, M, wp + (p + 1) * K * NR, K, y + (p + 1) * NR, ldy, b ? b + NR : NULL,
+                            (int)(N - (p + 1) * NR));
+        return;
+    }
+    tail_panel_rows(x, ldx, M, wp + p * K * NR, K, y + p * NR, ldy, b, (int)(N - p * NR));
+}
+
+/* Each thread owns a contiguous run of panel pairs for every row, so the threads never wait on each
+ * other. Rows go in blocks of at most BM_GEMM_XBLOCK_BYTES of x (they stay in L2 while the thread's
+ * pairs pass over them; decode batches are one block, so each weight is read from memory once). In the
+ * first row block every item prefetches the weight of the item the thread runs next; later blocks find
+ * the weights in cache, and skip the prefetch's few instructions per step. */
+static void gemm512(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
+                    int64_t M, int64_t N, int64_t K, int64_t num_threads)
+{
+    const int64_t panels = (N + NR - 1) / NR, items = (panels + 1) / 2;
+    if (M <= 0 || items <= 0) return;
+    int64_t mb_max = BM_GEMM_XBLOCK_BYTES / ((K > 0 ? K : 1) * (int64_t)sizeof(float)) / MR512 * MR512;
+    if (mb_max < MR512) mb_max = MR512;
+    const int64_t blocks = (M + mb_max - 1) / mb_max, mb = (M + blocks - 1) / blocks;
+    int64_t team = num_threads < items ? num_threads : items;
+    if (team < 1) team = 1;
+#ifdef BM_OPENMP
+#pragma omp parallel num_threads(team) if (team > 1)
+#endif
+    {
+#ifdef BM_OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t rows = M - m0 < mb ? M - m0 : mb;
+            for (int64_t it = lo; it < hi; it++) {
+                const int64_t next = it + 1 < hi ? it + 1 : (m0 + mb < M ? lo : -1);
+                const int64_t next_panels = next < 0 ? 0 : (panels - 2 * next < 2 ? panels - 2 * next : 2);
+                const char *pf = next < 0 || m0 > 0 ? NULL : (const char *)(wp + 2 * next * K * NR);
+                item512(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N, pf,
+                        next_panels * K * NR * (int64_t)sizeof(float));
+            }
+        }
+    }
+    (void)team;
+}
+#endif
+
 /* wp holds ceil(N / 16) panels (the last zero-padded). Returns 0. */
 int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
                       int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
 {
+#if BM_HAVE_AVX512
+    gemm512(x, ldx, wp, bias, y, ldy, M, N, K, num_threads);
+    return 0;
+#else
     const int64_t panels = (N + NR - 1) / NR;
     /* Rows in blocks that stay in L2 (MB x K floats) while every panel passes over them. */
     const int64_t MB = 96;
-    /* Work items: with AVX-512 pairs of panels (the last item may hold one), else single panels. */
-    const int64_t per = BM_HAVE_AVX512 ? 2 : 1, items = (panels + per - 1) / per;
+    const int64_t items = panels; /* one panel per work item */
 #ifdef BM_OPENMP
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
 #endif
@@ -226,31 +329,15 @@ int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float 
         for (int64_t it = 0; it < items; it++) {
             const float *xm = x + m0 * ldx;
             float *ym = y + m0 * ldy;
-#if BM_HAVE_AVX512
-            const int64_t p = it * 2;
-            if ((p + 2) * NR <= N) { /* two full panels */
-                panels_rows512(2, xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, bias ? bias + p * NR : NULL);
-                continue;
-            }
-            if ((p + 1) * NR <= N) { /* one full panel, maybe a tail panel after it */
-                panels_rows512(1, xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, bias ? bias + p * NR : NULL);
-                if (N > (p + 1) * NR)
-                    tail_panel_rows(xm, ldx, rows, wp + (p + 1) * K * NR, K, ym + (p + 1) * NR, ldy,
-                                    bias ? bias + (p + 1) * NR : NULL, (int)(N - (p + 1) * NR));
-                continue;
-            }
-            tail_panel_rows(xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, bias ? bias + p * NR : NULL,
-                            (int)(N - p * NR));
-#else
             const int64_t p = it, left = N - p * NR;
             const float *b = bias ? bias + p * NR : NULL;
             if (left >= NR)
                 panel_rows(xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, b);
             else
                 tail_panel_rows(xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, b, (int)left);
-#endif
         }
     }
     (void)num_threads;
     return 0;
+#endif
 }

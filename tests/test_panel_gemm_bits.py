@@ -1,0 +1,64 @@
+"""The AVX-512 panel GEMM's blocking (tiles of up to 12 rows, row blocks of up to 1 MiB of x, a run of
+panel pairs per thread, the next pair's weight prefetched) never changes a bit: every output stays one
+FMA chain over k in order, as in the AVX2 build, whose tiles (6 rows x 16 columns, row blocks of 96) cut
+the work differently. The row counts cross each boundary: the 12-row tile (11, 12, 13), the AVX2 build's
+96-row block (95, 96, 97), and at K = 1536 the 1 MiB row block, 168 rows (168, 169, 337, 2048)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
+from tests.native_variants import ISAS
+
+K = 1536  # 1 MiB of x holds 170 rows of 1536 floats: the AVX-512 driver's row blocks are 168 rows
+ROWS = (1, 11, 12, 13, 95, 96, 97, 168, 169, 337, 2048)
+# 48: a pair and a lone full panel; 200: 12 full panels and an 8-column tail alone; 216: a full panel
+# with the tail in the last work item
+WIDTHS = (48, 200, 216)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> tuple[SmallGemmKernel, SmallGemmKernel]:
+    if not {"avx512", "avx2"} <= set(ISAS):
+        pytest.skip("needs a CPU with AVX-512 (the AVX2 build is the reference)")
+    wide, narrow = small_gemm_kernel("avx512"), small_gemm_kernel("avx2")
+    if wide is None or narrow is None:
+        pytest.skip("the panel GEMM needs a C compiler")
+    return wide, narrow
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's (and so the kernel's) thread count for one test, then puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("team", [1, 3])
+def test_avx512_blocking_gives_the_avx2_builds_bits_at_every_boundary(kernels, threads, n, team):
+    wide, narrow = kernels
+    threads(team)  # 3 threads: runs of pairs of unequal length
+    torch.manual_seed(n)
+    weight, bias = torch.randn(n, K), torch.randn(n)
+    packed = SmallGemmKernel.pack(weight)
+    x = torch.randn(max(ROWS), K + 5)[:, 2 : K + 2]  # strided rows
+    for rows in ROWS:
+        for b in (bias, None):
+            got = wide(x[:rows], packed, b, n)
+            assert torch.equal(got, narrow(x[:rows], packed, b, n)), f"{rows} rows, bias {b is not None}"
+
+
+def test_avx512_rows_alone_equal_the_same_rows_in_a_2048_row_batch(kernels):
+    """Batch invariance across tiles, row blocks and the prefetching first block."""
+    wide, _ = kernels
+    torch.manual_seed(7)
+    weight = torch.randn(216, K)
+    packed = SmallGemmKernel.pack(weight)
+    x = torch.randn(2048, K)
+    batch = wide(x, packed, None, 216)
+    for start, stop in ((0, 1), (11, 13), (167, 170), (95, 97), (2040, 2048), (400, 413)):
+        assert torch.equal(wide(x[start:stop], packed, None, 216), batch[start:stop]), (start, stop)
