@@ -86,6 +86,108 @@ typedef struct {
     int status;
 } job_t;
 
+/* Ask for `floats` floats from `p` on into the cache, one request per 64-byte line. */
+static inline void prefetch_block(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+#if BM_AVX512
+#define BM_VT_LANES 16
+#define BM_VT_MAXH 6 /* 6 heads x 4 vectors of accumulators, 4 of values, 1 weight: 29 of 32 registers */
+typedef __m512 vt_t;
+#define vt_load _mm512_loadu_ps
+#define vt_store _mm512_storeu_ps
+#define vt_fma _mm512_fmadd_ps
+#define vt_set1 _mm512_set1_ps
+#elif BM_AVX2
+#define BM_VT_LANES 8
+#define BM_VT_MAXH 2 /* 2 heads x 4 vectors, 4 of values, 1 weight: 13 of 16 registers */
+typedef __m256 vt_t;
+#define vt_load _mm256_loadu_ps
+#define vt_store _mm256_storeu_ps
+#define vt_fma _mm256_fmadd_ps
+#define vt_set1 _mm256_set1_ps
+#endif
+
+#ifdef BM_VT_LANES
+/* acc[h][c] += w[h][o] * v[o][c] over keys o in [o0, n) of one block, for H heads and C vectors of
+   columns, the accumulators held in registers across the keys. Per output element it is the same
+   fused multiply-add, in the same key order, that the plain loop compiles to in these builds (each
+   sum starts from 0 and takes one FMA per key), so the bits do not change; only the loads and stores of
+   the accumulators between keys go. */
+static inline __attribute__((always_inline)) void v_tile(float *acc, const float *w, int64_t wstride,
+                                                         const float *vb, int64_t o0, int64_t n,
+                                                         int64_t d, const int H, const int C) {
+    vt_t r[BM_VT_MAXH][4];
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < C; c++) r[h][c] = vt_load(acc + h * d + c * BM_VT_LANES);
+    for (int64_t o = o0; o < n; o++) {
+        vt_t v[4];
+        for (int c = 0; c < C; c++) v[c] = vt_load(vb + o * d + c * BM_VT_LANES);
+        for (int h = 0; h < H; h++) {
+            const vt_t wv = vt_set1(w[h * wstride + o]);
+            for (int c = 0; c < C; c++) r[h][c] = vt_fma(wv, v[c], r[h][c]);
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < C; c++) vt_store(acc + h * d + c * BM_VT_LANES, r[h][c]);
+}
+
+#define BM_VT_CASE_C(H)                                                   \
+    case H:                                                               \
+        switch (nc) {                                                     \
+        case 1: v_tile(acc, w, wstride, vb, o0, n, d, H, 1); break;       \
+        case 2: v_tile(acc, w, wstride, vb, o0, n, d, H, 2); break;       \
+        case 3: v_tile(acc, w, wstride, vb, o0, n, d, H, 3); break;       \
+        default: v_tile(acc, w, wstride, vb, o0, n, d, H, 4); break;      \
+        }                                                                 \
+        break;
+
+/* One tile of nh (<= BM_VT_MAXH) heads by nc (<= 4) vectors, sizes made compile-time constants. */
+static void v_tile_any(float *acc, const float *w, int64_t wstride, const float *vb, int64_t o0,
+                       int64_t n, int64_t d, int nh, int nc) {
+    switch (nh) {
+        BM_VT_CASE_C(1)
+#if BM_VT_MAXH >= 2
+        BM_VT_CASE_C(2)
+#endif
+#if BM_VT_MAXH >= 6
+        BM_VT_CASE_C(3)
+        BM_VT_CASE_C(4)
+        BM_VT_CASE_C(5)
+        BM_VT_CASE_C(6)
+#endif
+    }
+}
+#endif
+
+/* acc[h * d + i] += scores[h * span + o] * v[o][i] for the keys o in [o0, n) of one value block vb
+   (sb = the block's first key's scores), heads h < g. */
+static void accumulate_v(float *acc, const float *sb, int64_t span, const float *vb, int64_t o0, int64_t n,
+                         int64_t g, int64_t d) {
+#ifdef BM_VT_LANES
+    if (d % BM_VT_LANES == 0) {
+        const int64_t vecs = d / BM_VT_LANES;
+        for (int64_t h0 = 0; h0 < g; h0 += BM_VT_MAXH)
+            for (int64_t c0 = 0; c0 < vecs; c0 += 4) {
+                const int nh = (int)(g - h0 < BM_VT_MAXH ? g - h0 : BM_VT_MAXH);
+                const int nc = (int)(vecs - c0 < 4 ? vecs - c0 : 4);
+                v_tile_any(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span, vb + c0 * BM_VT_LANES, o0,
+                           n, d, nh, nc);
+            }
+        return;
+    }
+#endif
+    for (int64_t o = o0; o < n; o++) {
+        const float *vp = vb + o * d;
+        for (int64_t h = 0; h < g; h++) {
+            const float w = sb[h * span + o];
+            float *ah = acc + h * d;
+            for (int64_t i = 0; i < d; i++) ah[i] += w * vp[i];
+        }
+    }
+}
+
 static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
     const int64_t g = a->heads / a->kv_heads, d = a->head_dim, bs = a->block_size;
     const int64_t row = item / a->kv_heads, kvh = item % a->kv_heads;
@@ -101,6 +203,10 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
     for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
         const float *kb = kh + table[b] * bs * d;
         const int64_t n = len - j0 < bs ? len - j0 : bs;
+        /* The next block sits anywhere in the pool, where the hardware prefetcher cannot guess it: ask
+           for it now, while this one is scored. After the last key block, the first value block. */
+        if (j0 + bs < len) prefetch_block(kh + table[b + 1] * bs * d, (len - j0 - bs < bs ? len - j0 - bs : bs) * d);
+        else prefetch_block(vh + table[first / bs] * bs * d, (bs < span ? bs : span) * d);
         float *sb = scores - first + j0; /* sb[h * span + o]: key j0 + o */
         int64_t o = first > j0 ? first - j0 : 0;
 #if BM_AVX512
@@ -180,15 +286,8 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
     for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
         const float *vb = vh + table[b] * bs * d;
         const int64_t n = len - j0 < bs ? len - j0 : bs;
-        const float *sb = scores - first + j0;
-        for (int64_t o = first > j0 ? first - j0 : 0; o < n; o++) {
-            const float *vp = vb + o * d;
-            for (int64_t h = 0; h < g; h++) {
-                const float w = sb[h * span + o];
-                float *ah = acc + h * d;
-                for (int64_t i = 0; i < d; i++) ah[i] += w * vp[i];
-            }
-        }
+        if (j0 + bs < len) prefetch_block(vh + table[b + 1] * bs * d, (len - j0 - bs < bs ? len - j0 - bs : bs) * d);
+        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d);
     }
     float *o0 = a->out + (tok * a->heads + kvh * g) * d;
     for (int64_t x = 0; x < g * d; x++) o0[x] = acc[x];
