@@ -503,6 +503,9 @@ class ElementwiseKernels(NativeKernel):
         self._rms = lib.bm_rms_norm_f32
         self._rms.restype = None
         self._rms.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i64]
+        self._add_rms = lib.bm_add_rms_norm_f32
+        self._add_rms.restype = None
+        self._add_rms.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i64]
         self._silu = lib.bm_silu_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
@@ -522,6 +525,25 @@ class ElementwiseKernels(NativeKernel):
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def add_rms_norm(
+        self, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, rms_norm(s, weight, eps))`` with ``s = a + b``, float32, in one pass: a decoder layer's
+        residual add and the norm after it, bitwise what ``a + b`` then :meth:`rms_norm` give."""
+        cols = a.shape[-1]
+        if a.shape != b.shape or weight.shape != (cols,) or not weight.is_contiguous():
+            raise ValueError(
+                f"add-RMSNorm kernel: a {tuple(a.shape)}, b {tuple(b.shape)}, weight {tuple(weight.shape)}"
+            )
+        ra, rb = _as_rows(a), _as_rows(b)
+        s = torch.empty(a.shape, dtype=torch.float32)
+        out = torch.empty(a.shape, dtype=torch.float32)
+        self._add_rms(
+            ra.data_ptr(), ra.stride(0), rb.data_ptr(), rb.stride(0), weight.data_ptr(), s.data_ptr(),
+            out.data_ptr(), ra.shape[0], cols, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return s, out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up``, float32, same shapes."""
