@@ -536,12 +536,16 @@ class ElementwiseKernels(NativeKernel):
             raise ValueError(
                 f"add-RMSNorm kernel: a {tuple(a.shape)}, b {tuple(b.shape)}, weight {tuple(weight.shape)}"
             )
-        ra, rb = _as_rows(a), _as_rows(b)
         s = torch.empty(a.shape, dtype=torch.float32)
         out = torch.empty(a.shape, dtype=torch.float32)
+        # Called twice per layer and forward: the contiguous inputs of a packed batch skip the row views.
+        ra = a if a.is_contiguous() else _as_rows(a)
+        rb = b if b.is_contiguous() else _as_rows(b)
+        lda = cols if ra is a else ra.stride(0)
+        ldb = cols if rb is b else rb.stride(0)
         self._add_rms(
-            ra.data_ptr(), ra.stride(0), rb.data_ptr(), rb.stride(0), weight.data_ptr(), s.data_ptr(),
-            out.data_ptr(), ra.shape[0], cols, eps, torch.get_num_threads(),
+            ra.data_ptr(), lda, rb.data_ptr(), ldb, weight.data_ptr(), s.data_ptr(), out.data_ptr(),
+            s.numel() // cols if cols else 0, cols, eps, torch.get_num_threads(),
         )  # fmt: skip
         return s, out
 
