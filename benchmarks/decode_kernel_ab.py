@@ -13,6 +13,10 @@ same flags, bm.runtime.native_build), then
   decoding rows with context lengths in ``--min-len``..``--max-len`` on shuffled blocks, interleaved, and
   prints the median milliseconds and the keys-and-values bandwidth of each.
 
+Then the two pieces of the forward's remainder this checkout replaced, old and new in turns: each
+layer's KV write (two ``index_copy_`` against the compiled copy) and the residual add + RMSNorm (torch's
+add then the C norm against the fused kernel), at 1 to 2048 tokens, bitwise compared too.
+
 One thread by default: on a machine shared with other work, two OpenMP threads wait on the slower one
 and the ratio drifts; ``--threads 2`` measures what the engine runs.
 """
@@ -27,13 +31,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bm.cpu_isa import machine_isas
-from bm.runtime.native import PagedDecodeKernel
+from bm.runtime.native import PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
 from bm.runtime.native_build import compile_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +126,54 @@ def timed(old: PagedDecodeKernel, new: PagedDecodeKernel, args: argparse.Namespa
     return {name: statistics.median(s) for name, s in samples.items()} | {"bytes": kv_bytes}
 
 
+def median_s(fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def remainder_at(tokens: int, kernel: PagedDecodeKernel, elementwise: Any) -> str:
+    """One line: the KV write and the add + RMSNorm at ``tokens``, torch's way against the compiled one."""
+    cache = torch.zeros(2, 3, 4000, 32, 64)
+    flat = cache.view(2, 3, 4000 * 32, 64)
+    weight = torch.randn(576)
+    k = torch.randn(1, tokens, 3, 64).transpose(1, 2)[0]  # as the rotary kernel leaves them
+    v = torch.randn(1, tokens, 192).view(1, tokens, 3, 64).transpose(1, 2)[0]  # as v_proj does
+    slots = torch.arange(tokens) + 32 * 1000  # a chunk's slots, consecutive within its blocks
+    a, b = torch.randn(1, tokens, 576), torch.randn(1, tokens, 576)
+
+    def torch_kv() -> None:
+        flat[0].index_copy_(1, slots, k)
+        flat[1].index_copy_(1, slots, v)
+
+    def torch_add_norm() -> tuple[torch.Tensor, torch.Tensor]:
+        total = a + b
+        return total, elementwise.rms_norm(total, weight, 1e-5)
+
+    torch_kv()
+    expected = cache.clone()
+    cache.zero_()
+    kernel.write_kv(cache, slots, k, v)
+    fused = elementwise.add_rms_norm(a, b, weight, 1e-5)
+    same = torch.equal(cache, expected) and all(map(torch.equal, fused, torch_add_norm()))
+    repeat = 400 if tokens <= 64 else 60
+    kv = (median_s(torch_kv, repeat), median_s(lambda: kernel.write_kv(cache, slots, k, v), repeat))
+    add_norm = (
+        median_s(torch_add_norm, repeat),
+        median_s(lambda: elementwise.add_rms_norm(a, b, weight, 1e-5), repeat),
+    )
+    return (
+        f"{tokens:5d} tokens: KV write index_copy_ x2 {kv[0] * 1e6:.1f} us, compiled {kv[1] * 1e6:.1f} us "
+        f"({kv[0] / kv[1]:.2f}x); add + RMSNorm {add_norm[0] * 1e6:.1f} us, fused {add_norm[1] * 1e6:.1f} us "
+        f"({add_norm[0] / add_norm[1]:.2f}x); bitwise equal: {same}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ref", default="main", help="the git ref to compare with (default: main)")
@@ -149,6 +202,9 @@ def main() -> None:
             f"({t['bytes'] / t['old'] / 1e9:.1f} GB/s), this tree {t['new'] * 1e3:.3f} ms "
             f"({t['bytes'] / t['new'] / 1e9:.1f} GB/s), {t['old'] / t['new']:.2f}x"
         )
+    with torch.inference_mode():
+        for tokens in (1, 64, 512, 2048):
+            print(remainder_at(tokens, paged_decode_kernel(), elementwise_kernels()))
 
 
 if __name__ == "__main__":
