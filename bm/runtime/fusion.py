@@ -12,6 +12,8 @@ sizes and repeated trips to memory at prefill sizes. bm replaces each chain by o
   projections still run as the model's own (packed, LoRA-wrapped) linears, only ``silu(g) * u`` is fused;
 * the modeling module's ``apply_rotary_pos_emb`` where it is Llama's, for [1, heads, tokens, d] queries
   and keys with one row of cos/sin per token (the packed batch bm runs).
+* decoder layers whose ``forward`` is Llama's, around a fused post-attention norm: the residual add after
+  attention and that norm become one pass (``add_rms_norm``), bitwise the add then the norm.
 
 Each replacement computes the same formula (rotary and the products bit for bit; RMSNorm's mean and
 SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward on float32 CPU
