@@ -15,7 +15,13 @@
 
    Built per instruction set (bm/cpu_isa.py): AVX-512 builds score keys and exponentiate in
    sixteen lanes where the head size allows, AVX2 builds in eight, plain C elsewhere. Each (row, kv head)
-   is computed alone, in one order fixed by its own length, whatever else is in the batch. */
+   is computed alone, in one order fixed by its own length, whatever else is in the batch.
+
+   Two passes (scores over K, then a pass over V), not one with an online softmax: that would change
+   every result's bits, and this kernel's results must stay what they were (the oracle and
+   batch-invariance tests rest on them; benchmarks/decode_kernel_ab.py checks a change against the
+   previous source bit for bit). Within that, each pass is arranged to read memory at close to its
+   speed: see score8_heads, v_tile, row_max and the prefetch of the next block in attend. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
