@@ -101,7 +101,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
     if decode is not None:
         patches.append((decode, "__call__", _timed(timers, "attention_decode", decode.__call__)))
     kernels = getattr(native, "ElementwiseKernels", None)
-    for name in ("rms_norm", "silu_mul", "rotary"):
+    for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotary"):
         if kernels is not None and hasattr(kernels, name):
             patches.append((kernels, name, _timed(timers, f"elementwise_{name}", getattr(kernels, name))))
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]

@@ -14,6 +14,7 @@ from transformers.models.llama import modeling_llama
 from bm.config import ConfigError, load_config
 from bm.runtime.attention import AttentionMetadata, batch_metadata
 from bm.runtime.fusion import (
+    _FusedDecoderLayer,
     _FusedMLP,
     _FusedRMSNorm,
     _FusedRotary,
@@ -53,6 +54,20 @@ def test_rms_norm_kernel_matches_transformers_rmsnorm_to_rounding(rows, cols, is
         torch.testing.assert_close(got, norm(x), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("cols", [40, 576, 13])
+@each_isa
+def test_add_rms_norm_kernel_gives_the_bits_of_the_add_then_the_norm(rows, cols, isa):
+    kernels = elementwise_kernels(isa)
+    weight = torch.randn(cols)
+    a = torch.randn(rows, cols + 3)[:, :cols]  # row strides that are not the row length
+    b = torch.randn(rows, cols + 5)[:, :cols]
+    total, normed = kernels.add_rms_norm(a, b, weight, 1e-5)
+    expected = a + b
+    assert torch.equal(total, expected)
+    assert torch.equal(normed, kernels.rms_norm(expected, weight, 1e-5))
+
+
 @pytest.mark.parametrize("shape", [(1, 72), (7, 13), (300, 1536)])
 @each_isa
 def test_silu_mul_kernel_matches_torch_to_rounding_across_the_whole_range(shape, isa):
@@ -83,8 +98,9 @@ def test_a_llama_model_gets_every_norm_mlp_and_its_rotary_fused():
     model = tiny_llama()
     counts = fuse_elementwise(model)
     # two norms per layer and the final one; one MLP per layer; the modeling module's rotary function
-    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 1}
+    assert counts == {"rms_norm": 5, "mlp": 2, "rotary": 1, "decoder_layer": 2}
     assert isinstance(model.model.norm.forward, _FusedRMSNorm)
+    assert isinstance(model.model.layers[1].forward, _FusedDecoderLayer)
     assert isinstance(model.model.layers[0].mlp.forward, _FusedMLP)
     assert isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
 
@@ -115,6 +131,25 @@ def test_fused_model_forward_matches_transformers_inside_a_bm_forward_and_is_unt
             torch.testing.assert_close(layer.input_layernorm(h), layer.input_layernorm.forward._own(h))
             torch.testing.assert_close(layer.mlp(h), layer.mlp.forward._own(h), rtol=1e-5, atol=1e-6)
     assert torch.equal(outside, expected)
+
+
+def test_fused_decoder_layer_gives_the_bits_of_the_layer_with_only_its_modules_fused():
+    """The layer's residual add folded into its post-attention norm changes no bit: compared with the
+    layer's own forward, whose norms and MLP are still the fused ones, over prefill and decode sizes."""
+    model = tiny_llama()
+    fuse_elementwise(model)
+    rotary = model.model.rotary_emb
+    with torch.no_grad(), in_bm_forward():
+        for tokens in (1, 11, 900):
+            h = torch.randn(1, tokens, 40) * 3
+            positions = torch.arange(tokens)[None]
+            emb = rotary(h, positions)
+            for layer in model.model.layers:
+                assert isinstance(layer.forward, _FusedDecoderLayer)
+                got = layer(h, position_ids=positions, position_embeddings=emb)
+                want = layer.forward._own(h, position_ids=positions, position_embeddings=emb)
+                assert torch.equal(got, want)
+                h = got
 
 
 def test_fused_modules_survive_deepcopy_and_pickle_and_unfuse_restores_the_own_forward():

@@ -230,6 +230,38 @@ def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
         kernel(out, q, cache, idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1, 1.0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 7, 600])  # 600 x 3 heads x 40: past the size that splits threads
+@each_isa
+def test_kv_write_kernel_gives_the_cache_index_copy_gives(tokens, isa):
+    """The compiled KV write against the two index_copy_ calls it replaces, bit for bit, from the strided
+    views transformers hands over (keys after rotary [tokens, heads, d] transposed, values the
+    projection's [tokens, heads * d] viewed per head)."""
+    write = paged_decode_kernel(isa)
+    kv_heads, num_blocks, bs, d = 3, 64, 16, 40
+    g = torch.Generator().manual_seed(tokens)
+    cache = torch.randn(2, kv_heads, num_blocks, bs, d, generator=g)
+    expected = cache.clone()
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    k = torch.randn(tokens, kv_heads, d, generator=g).transpose(0, 1)
+    v = torch.randn(tokens, kv_heads * d, generator=g).view(tokens, kv_heads, d).transpose(0, 1)
+    flat = expected.view(2, kv_heads, num_blocks * bs, d)
+    flat[0].index_copy_(1, slots, k)
+    flat[1].index_copy_(1, slots, v)
+    assert write.write_kv(cache, slots, k, v)
+    assert torch.equal(cache, expected)
+
+
+@needs_kernel
+def test_kv_write_kernel_refuses_a_slot_outside_the_cache_and_declines_other_dtypes():
+    cache = torch.zeros(2, 1, 2, 4, 8)
+    k = torch.ones(1, 2, 8)
+    with pytest.raises(IndexError, match="outside the cache"):
+        kernel.write_kv(cache, torch.tensor([3, 8]), k, k)
+    assert torch.equal(cache, torch.zeros_like(cache))  # nothing written
+    assert not kernel.write_kv(cache, torch.tensor([0, 1]), k.double(), k.double())  # the caller copies
+
+
 @pytest.mark.parametrize(
     ("rows", "n", "k"), [(1, 16, 8), (5, 50, 33), (6, 96, 64), (13, 7, 40), (200, 130, 72)]
 )

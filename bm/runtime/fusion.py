@@ -12,6 +12,8 @@ sizes and repeated trips to memory at prefill sizes. bm replaces each chain by o
   projections still run as the model's own (packed, LoRA-wrapped) linears, only ``silu(g) * u`` is fused;
 * the modeling module's ``apply_rotary_pos_emb`` where it is Llama's, for [1, heads, tokens, d] queries
   and keys with one row of cos/sin per token (the packed batch bm runs).
+* decoder layers whose ``forward`` is Llama's, around a fused post-attention norm: the residual add after
+  attention and that norm become one pass (``add_rms_norm``), bitwise the add then the norm.
 
 Each replacement computes the same formula (rotary and the products bit for bit; RMSNorm's mean and
 SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward on float32 CPU
@@ -57,6 +59,7 @@ def _reference_bodies() -> dict[str, str | None]:
         "rms_norm": _body(llama.LlamaRMSNorm.forward),
         "mlp": _body(llama.LlamaMLP.forward),
         "rotary": _body(llama.apply_rotary_pos_emb),
+        "decoder_layer": _body(llama.LlamaDecoderLayer.forward),
     }
 
 
@@ -88,7 +91,7 @@ def should_fuse(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
 def fuse_elementwise(model: nn.Module) -> dict[str, int]:
     """Install the fused chains on every matching module of ``model``; returns how many of each."""
     kernels = elementwise_kernels()
-    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0, "decoder_layer": 0}
     if kernels is None:
         return counts
     modeling_modules = set()
@@ -103,6 +106,15 @@ def fuse_elementwise(model: nn.Module) -> dict[str, int]:
         elif _matches(forward, "mlp") and _is_silu(getattr(module, "act_fn", None)):
             module.forward = _FusedMLP(module, kernels)
             counts["mlp"] += 1
+    for module in model.modules():  # after the norms: a layer is fused only around a fused norm
+        norm = getattr(module, "post_attention_layernorm", None)
+        if (
+            not isinstance(module.forward, _FusedForward)
+            and _matches(type(module).forward, "decoder_layer")
+            and isinstance(getattr(norm, "forward", None), _FusedRMSNorm)
+        ):
+            module.forward = _FusedDecoderLayer(module, kernels)
+            counts["decoder_layer"] += 1
     for name in sorted(modeling_modules):
         namespace = sys.modules.get(name)
         rotary = getattr(namespace, _ROTARY_NAME, None)
@@ -181,6 +193,47 @@ class _FusedMLP(_FusedForward):
         if not (_fits(gate) and _fits(up)):
             return m.down_proj(m.act_fn(gate) * up)
         return m.down_proj(self._kernels.silu_mul(gate, up))
+
+
+class _FusedDecoderLayer(_FusedForward):
+    """Llama's decoder layer with the residual add after attention and the RMSNorm before the MLP in one C
+    pass (bitwise the add then the fused norm), inside a bm forward; the layer's own forward otherwise.
+    The add wrote a [tokens, hidden] tensor that the norm read straight back: at prefill sizes a trip to
+    memory and a torch dispatch per layer."""
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        m = self._module
+        inputs = dict(
+            attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache
+        )
+        inputs.update(position_embeddings=position_embeddings, **kwargs)
+        if "past_key_values" in kwargs or not (in_bm_forward() and _fits(hidden_states)):
+            return self._own(hidden_states, **inputs)
+        residual = hidden_states
+        hidden_states, _ = m.self_attn(hidden_states=m.input_layernorm(hidden_states), **inputs)
+        norm = m.post_attention_layernorm
+        if (
+            _fits(hidden_states)
+            and hidden_states.shape == residual.shape
+            and norm.weight.dtype == torch.float32
+        ):
+            eps = float(norm.variance_epsilon)
+            residual, hidden_states = self._kernels.add_rms_norm(
+                residual, hidden_states, norm.weight.detach(), eps
+            )
+        else:
+            residual = residual + hidden_states
+            hidden_states = norm(residual)
+        return residual + m.mlp(hidden_states)
 
 
 class _FusedRotary:

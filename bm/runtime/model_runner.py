@@ -360,6 +360,7 @@ class _Layout:
             slot_mapping=slot_mapping,
             prefill=[self._prefill_segment(*p) for p in prefill],
             scratch=scratch,
+            kv_writer=self.native_decode,
         )
         if self._native_decode_fits(decode_rows):
             meta.native_decode = self._native_decode_rows(decode_rows)

@@ -54,6 +54,10 @@ class PagedDecodeKernel(NativeKernel):
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
         fn.argtypes += [i64] * 8 + [ctypes.c_float, ctypes.c_float, ptr, i64, ptr, i64]
         self._fn = fn
+        write = lib.bm_kv_write_f32
+        write.restype = ctypes.c_int
+        write.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr] + [i64] * 5
+        self._write = write
 
     @staticmethod
     def handles(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,6 +66,37 @@ class PagedDecodeKernel(NativeKernel):
     @classmethod
     def supports(cls, cache: torch.Tensor) -> bool:
         return cls.handles(cache.device, cache.dtype) and cache.is_contiguous()
+
+    def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Copy keys ``k`` and values ``v`` [kv_heads, T, d] (any strides, unit along d) into ``cache``'s
+        flat slots ``slots`` [T] int64, as ``index_copy_`` along the slot dimension does; False (nothing
+        written) where the tensors do not fit the kernel, so the caller copies with torch instead."""
+        _, kv_heads, num_blocks, block_size, d = cache.shape
+        # Called per layer and forward, so the checks are kept to plain attribute reads.
+        if (
+            k.dtype != torch.float32
+            or v.dtype != torch.float32
+            or cache.dtype != torch.float32
+            or k.shape != v.shape
+            or k.shape != (kv_heads, slots.shape[0], d)
+            or k.stride(2) != 1
+            or v.stride(2) != 1
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
+            or not cache.is_contiguous()
+            or cache.device.type != "cpu"
+        ):
+            return False
+        base = cache.data_ptr()
+        k_st, k_sh = k.stride(1), k.stride(0)
+        v_st, v_sh = v.stride(1), v.stride(0)
+        status = self._write(
+            k.data_ptr(), k_st, k_sh, v.data_ptr(), v_st, v_sh, base, base + 4 * cache.stride(0),
+            slots.data_ptr(), slots.shape[0], kv_heads, num_blocks * block_size, d, torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise IndexError("KV write: a slot lies outside the cache")
+        return True
 
     def __call__(
         self,
@@ -253,6 +288,37 @@ class PrefillAttentionKernel(NativeKernel):
     def handles(device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype == torch.float32
 
+    def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Copy keys ``k`` and values ``v`` [kv_heads, T, d] (any strides, unit along d) into ``cache``'s
+        flat slots ``slots`` [T] int64, as ``index_copy_`` along the slot dimension does; False (nothing
+        written) where the tensors do not fit the kernel, so the caller copies with torch instead."""
+        _, kv_heads, num_blocks, block_size, d = cache.shape
+        # Called per layer and forward, so the checks are kept to plain attribute reads.
+        if (
+            k.dtype != torch.float32
+            or v.dtype != torch.float32
+            or cache.dtype != torch.float32
+            or k.shape != v.shape
+            or k.shape != (kv_heads, slots.shape[0], d)
+            or k.stride(2) != 1
+            or v.stride(2) != 1
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
+            or not cache.is_contiguous()
+            or cache.device.type != "cpu"
+        ):
+            return False
+        base = cache.data_ptr()
+        k_st, k_sh = k.stride(1), k.stride(0)
+        v_st, v_sh = v.stride(1), v.stride(0)
+        status = self._write(
+            k.data_ptr(), k_st, k_sh, v.data_ptr(), v_st, v_sh, base, base + 4 * cache.stride(0),
+            slots.data_ptr(), slots.shape[0], kv_heads, num_blocks * block_size, d, torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise IndexError("KV write: a slot lies outside the cache")
+        return True
+
     def __call__(
         self,
         out: torch.Tensor,
@@ -437,6 +503,9 @@ class ElementwiseKernels(NativeKernel):
         self._rms = lib.bm_rms_norm_f32
         self._rms.restype = None
         self._rms.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i64]
+        self._add_rms = lib.bm_add_rms_norm_f32
+        self._add_rms.restype = None
+        self._add_rms.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i64]
         self._silu = lib.bm_silu_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
@@ -456,6 +525,29 @@ class ElementwiseKernels(NativeKernel):
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def add_rms_norm(
+        self, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, rms_norm(s, weight, eps))`` with ``s = a + b``, float32, in one pass: a decoder layer's
+        residual add and the norm after it, bitwise what ``a + b`` then :meth:`rms_norm` give."""
+        cols = a.shape[-1]
+        if a.shape != b.shape or weight.shape != (cols,) or not weight.is_contiguous():
+            raise ValueError(
+                f"add-RMSNorm kernel: a {tuple(a.shape)}, b {tuple(b.shape)}, weight {tuple(weight.shape)}"
+            )
+        s = torch.empty(a.shape, dtype=torch.float32)
+        out = torch.empty(a.shape, dtype=torch.float32)
+        # Called twice per layer and forward: the contiguous inputs of a packed batch skip the row views.
+        ra = a if a.is_contiguous() else _as_rows(a)
+        rb = b if b.is_contiguous() else _as_rows(b)
+        lda = cols if ra is a else ra.stride(0)
+        ldb = cols if rb is b else rb.stride(0)
+        self._add_rms(
+            ra.data_ptr(), lda, rb.data_ptr(), ldb, weight.data_ptr(), s.data_ptr(), out.data_ptr(),
+            s.numel() // cols if cols else 0, cols, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return s, out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up``, float32, same shapes."""

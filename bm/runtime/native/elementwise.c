@@ -41,59 +41,90 @@
 /* Below this many elements one thread does the whole tensor: waking the other costs more. */
 #define PARALLEL_MIN 32768
 
+/* One row: y = w * (x * (1 / sqrt(mean(x^2) + eps))). Shared by the plain and the add-fused RMSNorm, so
+   the two give the same bits for the same input row. */
+static void rms_row(const float *xr, const float *w, float *yr, int64_t cols, float eps)
+{
+    int64_t c = 0;
+    float sum = 0.0f;
+#if BM_HAVE_AVX512
+    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
+    for (; c + 32 <= cols; c += 32) {
+        const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
+        z0 = _mm512_fmadd_ps(a, a, z0);
+        z1 = _mm512_fmadd_ps(b, b, z1);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
+#endif
+#if BM_HAVE_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; c + 16 <= cols; c += 16) {
+        const __m256 a = _mm256_loadu_ps(xr + c), b = _mm256_loadu_ps(xr + c + 8);
+        s0 = _mm256_fmadd_ps(a, a, s0);
+        s1 = _mm256_fmadd_ps(b, b, s1);
+    }
+    s0 = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    sum += _mm_cvtss_f32(h);
+#endif
+    for (; c < cols; c++)
+        sum += xr[c] * xr[c];
+    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+    c = 0;
+#if BM_HAVE_AVX512
+    const __m512 zinv = _mm512_set1_ps(inv);
+    for (; c + 16 <= cols; c += 16) {
+        const __m512 n = _mm512_mul_ps(_mm512_loadu_ps(xr + c), zinv);
+        _mm512_storeu_ps(yr + c, _mm512_mul_ps(_mm512_loadu_ps(w + c), n));
+    }
+#endif
+#if BM_HAVE_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; c + 8 <= cols; c += 8) {
+        const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv);
+        _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), n));
+    }
+#endif
+    for (; c < cols; c++)
+        yr[c] = w[c] * (xr[c] * inv);
+}
+
 /* rows of x [rows, cols] (row stride ldx) -> y [rows, cols] contiguous:
    y = w * (x * (1 / sqrt(mean(x^2) + eps))) */
 void bm_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t rows, int64_t cols,
                      float eps, int64_t threads)
 {
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        rms_row(x + r * ldx, w, y + r * cols, cols, eps);
+}
+
+/* A decoder layer's residual add and the RMSNorm after it, in one pass: s = a + b (rows of a and b with
+   row strides lda, ldb; s [rows, cols] contiguous, the new residual), then y = RMSNorm(s) as
+   bm_rms_norm_f32 computes it, while the row is still in L1. Torch's separate add wrote s to memory
+   and the norm read it back; each element's sum is the same single float add, so s and y are
+   bitwise what the two calls give. */
+void bm_add_rms_norm_f32(const float *a, int64_t lda, const float *b, int64_t ldb, const float *w, float *s,
+                         float *y, int64_t rows, int64_t cols, float eps, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
-        float *yr = y + r * cols;
+        const float *ar = a + r * lda, *br = b + r * ldb;
+        float *sr = s + r * cols;
         int64_t c = 0;
-        float sum = 0.0f;
 #if BM_HAVE_AVX512
-        __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
-        for (; c + 32 <= cols; c += 32) {
-            const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
-            z0 = _mm512_fmadd_ps(a, a, z0);
-            z1 = _mm512_fmadd_ps(b, b, z1);
-        }
-        sum = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
+        for (; c + 16 <= cols; c += 16)
+            _mm512_storeu_ps(sr + c, _mm512_add_ps(_mm512_loadu_ps(ar + c), _mm512_loadu_ps(br + c)));
 #endif
 #if BM_HAVE_AVX2
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        for (; c + 16 <= cols; c += 16) {
-            const __m256 a = _mm256_loadu_ps(xr + c), b = _mm256_loadu_ps(xr + c + 8);
-            s0 = _mm256_fmadd_ps(a, a, s0);
-            s1 = _mm256_fmadd_ps(b, b, s1);
-        }
-        s0 = _mm256_add_ps(s0, s1);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        sum += _mm_cvtss_f32(h);
+        for (; c + 8 <= cols; c += 8)
+            _mm256_storeu_ps(sr + c, _mm256_add_ps(_mm256_loadu_ps(ar + c), _mm256_loadu_ps(br + c)));
 #endif
         for (; c < cols; c++)
-            sum += xr[c] * xr[c];
-        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-        c = 0;
-#if BM_HAVE_AVX512
-        const __m512 zinv = _mm512_set1_ps(inv);
-        for (; c + 16 <= cols; c += 16) {
-            const __m512 n = _mm512_mul_ps(_mm512_loadu_ps(xr + c), zinv);
-            _mm512_storeu_ps(yr + c, _mm512_mul_ps(_mm512_loadu_ps(w + c), n));
-        }
-#endif
-#if BM_HAVE_AVX2
-        const __m256 vinv = _mm256_set1_ps(inv);
-        for (; c + 8 <= cols; c += 8) {
-            const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv);
-            _mm256_storeu_ps(yr + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), n));
-        }
-#endif
-        for (; c < cols; c++)
-            yr[c] = w[c] * (xr[c] * inv);
+            sr[c] = ar[c] + br[c];
+        rms_row(sr, w, y + r * cols, cols, eps);
     }
 }
 
