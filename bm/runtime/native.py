@@ -288,37 +288,6 @@ class PrefillAttentionKernel(NativeKernel):
     def handles(device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype == torch.float32
 
-    def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Copy keys ``k`` and values ``v`` [kv_heads, T, d] (any strides, unit along d) into ``cache``'s
-        flat slots ``slots`` [T] int64, as ``index_copy_`` along the slot dimension does; False (nothing
-        written) where the tensors do not fit the kernel, so the caller copies with torch instead."""
-        _, kv_heads, num_blocks, block_size, d = cache.shape
-        # Called per layer and forward, so the checks are kept to plain attribute reads.
-        if (
-            k.dtype != torch.float32
-            or v.dtype != torch.float32
-            or cache.dtype != torch.float32
-            or k.shape != v.shape
-            or k.shape != (kv_heads, slots.shape[0], d)
-            or k.stride(2) != 1
-            or v.stride(2) != 1
-            or slots.dtype != torch.int64
-            or not slots.is_contiguous()
-            or not cache.is_contiguous()
-            or cache.device.type != "cpu"
-        ):
-            return False
-        base = cache.data_ptr()
-        k_st, k_sh = k.stride(1), k.stride(0)
-        v_st, v_sh = v.stride(1), v.stride(0)
-        status = self._write(
-            k.data_ptr(), k_st, k_sh, v.data_ptr(), v_st, v_sh, base, base + 4 * cache.stride(0),
-            slots.data_ptr(), slots.shape[0], kv_heads, num_blocks * block_size, d, torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            raise IndexError("KV write: a slot lies outside the cache")
-        return True
-
     def __call__(
         self,
         out: torch.Tensor,

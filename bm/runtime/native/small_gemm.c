@@ -197,18 +197,6 @@ static void panels_rows512(const int np, const float *x, int64_t ldx, int64_t M,
 }
 #endif
 
-/* The last panel of an N that is not a multiple of 16 (zero-padded in wp): one row at a time through a
- * buffer, writing only its ncols valid columns. Same summation order as the full panels. */
-static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
-                            float *y, int64_t ldy, const float *bias, int ncols)
-{
-    float buf[NR];
-    for (int64_t m = 0; m < M; m++) {
-        tile(1, x + m * ldx, ldx, panel, K, buf, NR, NULL);
-        for (int j = 0; j < ncols; j++) y[m * ldy + j] = bias ? buf[j] + bias[j] : buf[j];
-    }
-}
-
 #else
 /* Plain C (the scalar build): the same tiles and the same per-element order, each output one sequential
    sum over k (multiply, then add: no FMA in the x86-64 baseline), so this build's rows are batch
@@ -232,7 +220,10 @@ static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *pane
     for (int64_t m = 0; m < M; m += MR)
         tile(M - m < MR ? (int)(M - m) : MR, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias);
 }
+#endif
 
+/* The last panel of an N that is not a multiple of 16 (zero-padded in wp): one row at a time through a
+ * buffer, writing only its ncols valid columns. Same summation order as the full panels. */
 static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
                             float *y, int64_t ldy, const float *bias, int ncols)
 {
@@ -242,7 +233,6 @@ static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float 
         for (int j = 0; j < ncols; j++) y[m * ldy + j] = bias ? buf[j] + bias[j] : buf[j];
     }
 }
-#endif
 
 #if BM_HAVE_AVX512
 
