@@ -9,8 +9,8 @@ after a two-request warm-up, with a wall-clock timer around each part's entry po
 (bm's packed GEMM or torch's), the attention call of each layer (KV write and kernel), the fused
 elementwise kernels, sampling, the model forward and the engine step. Timers, not the torch profiler: bm's
 C kernels run through ctypes, which the profiler cannot see, and a timer costs well under a microsecond
-against calls of tens of microseconds. The KV writes stay in the forward's remainder. Derived: the engine's own Python per iteration (step minus forward
-and sampling) and the forward's remainder (embedding, residual adds, metadata). GEMM efficiency is per
+against calls of tens of microseconds. The compiled KV write is timed on its own. Derived: the engine's own Python per iteration (step minus forward
+and sampling) and the forward's remainder (embedding, residual adds, metadata, torch's KV write where the compiled one is absent). GEMM efficiency is per
 shape (rows bucketed, K x N), against the fp32 GEMM peak measured in the same run. Prints one JSON object.
 """
 
@@ -100,6 +100,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
     decode = getattr(native, "PagedDecodeKernel", None)  # the compiled decode kernel, called per layer
     if decode is not None:
         patches.append((decode, "__call__", _timed(timers, "attention_decode", decode.__call__)))
+        patches.append((decode, "write_kv", _timed(timers, "kv_write", decode.write_kv)))
     kernels = getattr(native, "ElementwiseKernels", None)
     for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotary"):
         if kernels is not None and hasattr(kernels, name):
@@ -149,7 +150,8 @@ def summarize(timers: Timers, wall: float, iterations: int, peak: float) -> dict
         "attention_prefill": s["attention_prefill"],
         "attention_decode": s["attention_decode"],
         "elementwise": elementwise,
-        "forward_other": s["forward"] - s["gemm"] - attention - elementwise,
+        "kv_write": s["kv_write"],
+        "forward_other": s["forward"] - s["gemm"] - attention - elementwise - s["kv_write"],
         "sampling": s["sampling"],
         "engine_python": s["step"] - s["forward"] - s["sampling"],
         "outside_step": wall - s["step"],
