@@ -8,12 +8,15 @@ sizes and repeated trips to memory at prefill sizes. bm replaces each chain by o
 
 * RMSNorm modules whose ``forward`` is, line for line, transformers' Llama RMSNorm (the copies in Mistral,
   Qwen2/3, SmolLM3, Granite, ... match; Gemma's ``1 + weight`` and every other variant do not);
-* MLP modules whose ``forward`` is Llama's gated MLP and whose activation is SiLU: the gate and up
-  projections still run as the model's own (packed, LoRA-wrapped) linears, only ``silu(g) * u`` is fused;
+* MLP modules whose ``forward`` is Llama's gated MLP and whose activation is SiLU: ``silu(g) * u`` in one
+  pass after the model's own (packed, LoRA-wrapped) gate and up linears, or, where those are bm's packed
+  GEMMs with nothing wrapped around them and the build is AVX-512, gate, up and SiLU in one GEMM pass
+  (docs/cpu-kernels.md, "fused epilogues");
 * the modeling module's ``apply_rotary_pos_emb`` where it is Llama's, for [1, heads, tokens, d] queries
   and keys with one row of cos/sin per token (the packed batch bm runs).
 * decoder layers whose ``forward`` is Llama's, around a fused post-attention norm: the residual add after
-  attention and that norm become one pass (``add_rms_norm``), bitwise the add then the norm.
+  attention and that norm become one pass (``add_rms_norm``), bitwise the add then the norm; the last
+  residual add rides on the down projection's GEMM where the MLP's fused pass runs.
 
 Each replacement computes the same formula (rotary and the products bit for bit; RMSNorm's mean and
 SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward on float32 CPU
@@ -35,6 +38,7 @@ from torch import nn
 
 from bm.runtime.attention import in_bm_forward
 from bm.runtime.native import ElementwiseKernels, elementwise_kernels
+from bm.runtime.prepack import fusable_gemm
 
 _ROTARY_NAME = "apply_rotary_pos_emb"
 
@@ -183,16 +187,48 @@ class _FusedRMSNorm(_FusedForward):
 
 
 class _FusedMLP(_FusedForward):
-    """A gated SiLU MLP's forward: the model's gate/up/down linears, with ``silu(g) * u`` in one pass."""
+    """A gated SiLU MLP's forward: the model's gate/up/down linears, with ``silu(g) * u`` in one pass.
+
+    Where the three linears are bm's packed GEMMs (no LoRA adapter attached, no bias on gate and up) and
+    its build fuses epilogues (AVX-512), gate, up and the activation are one GEMM pass
+    (SmallGemmKernel.gated), and the decoder layer's residual add rides on the down projection's:
+    the same bits, without writing and reading back the [tokens, intermediate] products.
+    """
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not (in_bm_forward() and _fits(x)):
             return self._own(x)
+        return self._mlp(x, None)
+
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, the decoder layer's last line, inside a bm forward."""
+        if not (_fits(x) and _fits(residual)):
+            return residual + self._module(x)
+        return self._mlp(x, residual)
+
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         m = self._module
-        gate, up = m.gate_proj(x), m.up_proj(x)
-        if not (_fits(gate) and _fits(up)):
-            return m.down_proj(m.act_fn(gate) * up)
-        return m.down_proj(self._kernels.silu_mul(gate, up))
+        gate_packed, up_packed = fusable_gemm(m.gate_proj), fusable_gemm(m.up_proj)
+        if (
+            gate_packed is not None
+            and up_packed is not None
+            and m.gate_proj.bias is None
+            and m.up_proj.bias is None
+            and m.gate_proj.out_features % 16 == 0
+            and m.up_proj.out_features == m.gate_proj.out_features
+        ):
+            h = gate_packed[0].gated(x, gate_packed[1], up_packed[1], m.gate_proj.out_features)
+        else:
+            gate, up = m.gate_proj(x), m.up_proj(x)
+            fits = _fits(gate) and _fits(up)
+            h = self._kernels.silu_mul(gate, up) if fits else m.act_fn(gate) * up
+        down = fusable_gemm(m.down_proj) if residual is not None else None
+        if down is None:
+            out = m.down_proj(h)
+            return out if residual is None else residual + out
+        kernel, packed = down
+        bias = m.down_proj.bias
+        return kernel(h, packed, None if bias is None else bias.detach(), m.down_proj.out_features, residual)
 
 
 class _FusedDecoderLayer(_FusedForward):
@@ -233,6 +269,9 @@ class _FusedDecoderLayer(_FusedForward):
         else:
             residual = residual + hidden_states
             hidden_states = norm(residual)
+        mlp = getattr(m.mlp, "__dict__", {}).get("forward")
+        if isinstance(mlp, _FusedMLP) and hidden_states.shape[:-1] == residual.shape[:-1]:
+            return mlp.with_residual(hidden_states, residual)  # the add rides on the down GEMM
         return residual + m.mlp(hidden_states)
 
 

@@ -220,6 +220,13 @@ class SmallGemmKernel(NativeKernel):
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self._fn = fn
+        ex = lib.bm_small_gemm_f32_ex
+        ex.restype = ctypes.c_int
+        ex.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
+        # The fused epilogues (SiLU-gated pair, residual add) exist in the AVX-512 build only: elsewhere the
+        # caller runs the separate ops, which compute the same values.
+        self.fuses_epilogues = bool(lib.bm_small_gemm_avx512())
+        self._ex = ex
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -231,9 +238,16 @@ class SmallGemmKernel(NativeKernel):
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
     def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` [..., K] float32; ``packed`` from :meth:`pack`; returns [..., n]."""
+        """``x`` [..., K] float32; ``packed`` from :meth:`pack`; returns [..., n], plus ``residual``
+        ([..., n], added after the bias as torch's ``residual + linear(x)`` does) where given: only where
+        :attr:`fuses_epilogues`."""
         k = x.shape[-1]
         if packed.dtype != torch.float32 or x.dtype != torch.float32 or packed.shape[1:] != (k, PANEL):
             raise ValueError(
@@ -245,12 +259,50 @@ class SmallGemmKernel(NativeKernel):
             raise ValueError(f"small GEMM: {n} outputs do not fit the packed weight or the bias")
         rows = _as_rows(x)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        status = self._fn(
-            rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if residual is None:
+            status = self._fn(
+                rows.data_ptr(), rows.stride(0), packed.data_ptr(), bias_ptr, out.data_ptr(), n,
+                rows.shape[0], n, k, torch.get_num_threads(),
+            )  # fmt: skip
+        else:
+            add = _as_rows(residual)
+            if add.shape != out.shape or add.dtype != torch.float32:
+                raise ValueError(
+                    f"small GEMM: residual {tuple(residual.shape)} for an output of {tuple(out.shape)}"
+                )
+            status = self._ex(
+                rows.data_ptr(), rows.stride(0), packed.data_ptr(), None, bias_ptr, add.data_ptr(), add.stride(0),
+                out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
+            )  # fmt: skip
+        if status:
+            raise RuntimeError(f"small GEMM: the compiled kernel refused its arguments ({status})")
+        return out.view(*x.shape[:-1], n)
+
+    def gated(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, n: int) -> torch.Tensor:
+        """``silu(x @ G^T) * (x @ U^T)`` from two packed weights of ``n`` outputs (a multiple of 16, no
+        bias), bit for bit the two GEMMs and ElementwiseKernels.silu_mul; only where
+        :attr:`fuses_epilogues`."""
+        k = x.shape[-1]
+        if (
+            x.dtype != torch.float32
+            or gate.dtype != torch.float32
+            or gate.shape != up.shape
+            or gate.shape[1:] != (k, PANEL)
+            or n % PANEL
+            or gate.shape[0] * PANEL != n
+        ):
+            raise ValueError(
+                f"gated GEMM: x {tuple(x.shape)} against {tuple(gate.shape)} and {tuple(up.shape)}"
+            )
+        rows = _as_rows(x)
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        status = self._ex(
+            rows.data_ptr(), rows.stride(0), gate.data_ptr(), up.data_ptr(), None, None, 0, out.data_ptr(), n,
+            rows.shape[0], n, k, torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise RuntimeError("small GEMM: the compiled kernel refused its arguments")
+            raise RuntimeError(f"gated GEMM: the compiled kernel refused its arguments ({status})")
         return out.view(*x.shape[:-1], n)
 
 

@@ -117,6 +117,13 @@ def unpack_linears(model: nn.Module) -> None:
             del module.forward
 
 
+def fusable_gemm(linear: nn.Module) -> tuple[SmallGemmKernel, torch.Tensor] | None:
+    """(kernel, packed weight) of a linear whose forward is a packed panel GEMM whose build fuses
+    epilogues, with nothing wrapped around it (a LoRA adapter replaces the forward); else None."""
+    forward = getattr(linear, "__dict__", {}).get("forward")
+    return forward.fusable() if isinstance(forward, _PackedForward) else None
+
+
 class _PackedForward:
     """A Linear's forward: a packed GEMM inside a bm forward, the module's own otherwise."""
 
@@ -155,6 +162,18 @@ class _PackedForward:
             else:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
         self._key = (weight.data_ptr(), weight._version)
+
+    def fusable(self) -> tuple[SmallGemmKernel, torch.Tensor] | None:
+        """(kernel, packed weight, current) where this layer's GEMM runs on bm's panel kernel and that
+        build fuses epilogues (bm.runtime.fusion hands it a layer's activation or residual add); else
+        None. A weight changed in place is packed again first, as :meth:`__call__` does."""
+        weight = self._module.weight
+        if weight.dtype != torch.float32 or torch.is_grad_enabled():
+            return None
+        if (weight.data_ptr(), weight._version) != self._key:
+            self._pack()
+        kernel = self._kernel
+        return (kernel, self._packed) if kernel is not None and kernel.fuses_epilogues else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module

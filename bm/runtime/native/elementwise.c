@@ -140,13 +140,8 @@ void bm_silu_mul_f32(const float *g, int64_t ldg, const float *u, int64_t ldu, f
         float *yr = y + r * cols;
         int64_t c = 0;
 #if BM_HAVE_AVX512
-        for (; c + 16 <= cols; c += 16) {
-            const __m512 v = _mm512_loadu_ps(gr + c);
-            const __m512 e = bm_exp16(_mm512_castsi512_ps(
-                _mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))));
-            const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            _mm512_storeu_ps(yr + c, _mm512_mul_ps(s, _mm512_loadu_ps(ur + c)));
-        }
+        for (; c + 16 <= cols; c += 16)
+            _mm512_storeu_ps(yr + c, bm_silu_mul16(_mm512_loadu_ps(gr + c), _mm512_loadu_ps(ur + c)));
 #endif
 #if BM_HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.0f);

@@ -35,6 +35,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "vec_exp.h" /* bm_silu_mul16 */
 #define BM_HAVE_AVX2 1
 #else
 #define BM_HAVE_AVX2 0
@@ -122,18 +123,28 @@ static __attribute__((unused)) void panel_rows(const float *x, int64_t ldx, int6
 #define BM_GEMM_STREAM_BYTES (4 << 20)
 #endif
 
-/* np (1 or 2) adjacent panels against mr <= 12 rows: acc[i][j] holds row i's 16 columns of panel j.
- * With stream set, the results go out with non-temporal stores (see gemm512). While it runs, the tile
+/* What a call adds to the plain product (bm_small_gemm_f32_ex): an addend matrix (a residual) added to
+ * the result, or a second weight (up) whose product multiplies SiLU of the first's (gate). */
+typedef struct {
+    const float *wp2; /* non-NULL: y = silu(x @ W^T) * (x @ W2^T), one output panel per work item */
+    const float *add; /* non-NULL: y = (x @ W^T + bias) + add, row stride ldadd */
+    int64_t ldadd;
+} extra_t;
+
+/* np (1 or 2) panels (panel, panel1) against mr <= 12 rows: acc[i][j] holds row i's 16 columns of panel
+ * j. With silu set, the two are gate and up, and the tile writes silu(acc0) * acc1 as one panel of
+ * output; otherwise each panel's columns, plus bias, plus the addend rows at add (when given), in
+ * that order: torch's residual + linear(x). With stream set, the results go out with non-temporal
+ * stores (see gemm512). While it runs, the tile
  * asks for the next pf_lines 64-byte lines at pf (two per k step at most) to be brought into L2: the
  * weight the next work item reads, so that its first tile does not wait on memory. */
 static inline __attribute__((always_inline)) void tile512(
-    const int mr, const int np, const int prefetch, const int stream, const float *x, int64_t ldx,
-    const float *panel, int64_t K, float *y, int64_t ldy, const float *bias, const char *pf,
-    int64_t pf_lines)
+    const int mr, const int np, const int prefetch, const int stream, const int silu, const float *x,
+    int64_t ldx, const float *panel, const float *panel1, int64_t K, float *y, int64_t ldy,
+    const float *bias, const float *add, int64_t ldadd, const char *pf, const char *pf2, int64_t pf_lines)
 {
     __m512 acc[MR512][2];
     for (int i = 0; i < MR512; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    const float *panel1 = panel + K * NR;
     /* pf_lines spread evenly over the K steps (Bresenham): a burst would fill the line-fill buffers
        and stall the loads of this tile. */
     int64_t credit = 0;
@@ -141,11 +152,15 @@ static inline __attribute__((always_inline)) void tile512(
         credit += pf_lines;
         if (prefetch && credit >= K) {
             _mm_prefetch(pf, _MM_HINT_T1);
+            if (silu) _mm_prefetch(pf2, _MM_HINT_T1);
             pf += 64;
+            pf2 += 64;
             credit -= K;
             if (credit >= K) {
                 _mm_prefetch(pf, _MM_HINT_T1);
+                if (silu) _mm_prefetch(pf2, _MM_HINT_T1);
                 pf += 64;
+                pf2 += 64;
                 credit -= K;
             }
         }
@@ -157,10 +172,21 @@ static inline __attribute__((always_inline)) void tile512(
             if (np == 2) acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
         }
     }
+    if (silu) {
+        for (int i = 0; i < mr; i++) {
+            const __m512 v = bm_silu_mul16(acc[i][0], acc[i][1]);
+            if (stream)
+                _mm512_stream_ps(y + i * ldy, v);
+            else
+                _mm512_storeu_ps(y + i * ldy, v);
+        }
+        return;
+    }
     for (int j = 0; j < np; j++) {
         const __m512 c = bias ? _mm512_loadu_ps(bias + j * NR) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++) {
-            const __m512 v = bias ? _mm512_add_ps(acc[i][j], c) : acc[i][j];
+            __m512 v = bias ? _mm512_add_ps(acc[i][j], c) : acc[i][j];
+            if (add) v = _mm512_add_ps(_mm512_loadu_ps(add + i * ldadd + j * NR), v);
             if (stream)
                 _mm512_stream_ps(y + i * ldy + j * NR, v);
             else
@@ -169,34 +195,41 @@ static inline __attribute__((always_inline)) void tile512(
     }
 }
 
-/* The tile for h rows, with its flags as constants (stream comes from the caller's scope). */
+/* The tile for h rows, with its flags as constants (stream and silu come from the caller's scope). */
 #define BY_ROWS512(np, pf, h, ...)                                                                    \
-    if (stream) {                                                                                     \
-        BY_ROWS512_(np, pf, 1, h, __VA_ARGS__)                                                        \
+    if (silu) {                                                                                       \
+        if (stream) {                                                                                 \
+            BY_ROWS512_(np, pf, 1, 1, h, __VA_ARGS__)                                                 \
+        } else {                                                                                      \
+            BY_ROWS512_(np, pf, 0, 1, h, __VA_ARGS__)                                                 \
+        }                                                                                             \
+    } else if (stream) {                                                                              \
+        BY_ROWS512_(np, pf, 1, 0, h, __VA_ARGS__)                                                     \
     } else {                                                                                          \
-        BY_ROWS512_(np, pf, 0, h, __VA_ARGS__)                                                        \
+        BY_ROWS512_(np, pf, 0, 0, h, __VA_ARGS__)                                                     \
     }
-#define BY_ROWS512_(np, pf, st, h, ...)                                                               \
+#define BY_ROWS512_(np, pf, st, si, h, ...)                                                               \
     switch (h) {                                                                                      \
-    case 12: tile512(12, np, pf, st, __VA_ARGS__); break;                                         \
-    case 11: tile512(11, np, pf, st, __VA_ARGS__); break;                                         \
-    case 10: tile512(10, np, pf, st, __VA_ARGS__); break;                                         \
-    case 9: tile512(9, np, pf, st, __VA_ARGS__); break;                                           \
-    case 8: tile512(8, np, pf, st, __VA_ARGS__); break;                                           \
-    case 7: tile512(7, np, pf, st, __VA_ARGS__); break;                                           \
-    case 6: tile512(6, np, pf, st, __VA_ARGS__); break;                                           \
-    case 5: tile512(5, np, pf, st, __VA_ARGS__); break;                                           \
-    case 4: tile512(4, np, pf, st, __VA_ARGS__); break;                                           \
-    case 3: tile512(3, np, pf, st, __VA_ARGS__); break;                                           \
-    case 2: tile512(2, np, pf, st, __VA_ARGS__); break;                                           \
-    default: tile512(1, np, pf, st, __VA_ARGS__); break;                                          \
+    case 12: tile512(12, np, pf, st, si, __VA_ARGS__); break;                                         \
+    case 11: tile512(11, np, pf, st, si, __VA_ARGS__); break;                                         \
+    case 10: tile512(10, np, pf, st, si, __VA_ARGS__); break;                                         \
+    case 9: tile512(9, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 8: tile512(8, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 7: tile512(7, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 6: tile512(6, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 5: tile512(5, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 4: tile512(4, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 3: tile512(3, np, pf, st, si, __VA_ARGS__); break;                                           \
+    case 2: tile512(2, np, pf, st, si, __VA_ARGS__); break;                                           \
+    default: tile512(1, np, pf, st, si, __VA_ARGS__); break;                                          \
     }
 
 /* np full panels against rows [0, M), in tiles of at most twelve rows with heights as equal as possible;
  * the tiles share out the prefetch of the pf_bytes at pf (the next work item's weight) between them. */
-static void panels_rows512(const int np, const int stream, const float *x, int64_t ldx, int64_t M,
-                           const float *panel, int64_t K, float *y, int64_t ldy, const float *bias,
-                           const char *pf, int64_t pf_bytes)
+static void panels_rows512(const int np, const int stream, const int silu, const float *x, int64_t ldx,
+                           int64_t M, const float *panel, const float *panel1, int64_t K, float *y,
+                           int64_t ldy, const float *bias, const float *add, int64_t ldadd, const char *pf,
+                           const char *pf2, int64_t pf_bytes)
 {
     const int64_t tiles = (M + MR512 - 1) / MR512;
     const int64_t lines = (pf_bytes + 63) / 64, per_tile = (lines + tiles - 1) / tiles;
@@ -205,16 +238,17 @@ static void panels_rows512(const int np, const int stream, const float *x, int64
         const int64_t h = (M - m) / (tiles - t) + ((M - m) % (tiles - t) != 0);
         const int64_t first = t * per_tile < lines ? t * per_tile : lines;
         const int64_t n_pf = lines - first < per_tile ? lines - first : per_tile;
-        const char *pft = pf ? pf + first * 64 : NULL;
+        const char *pft = pf ? pf + first * 64 : NULL, *pft2 = pf2 ? pf2 + first * 64 : NULL;
+        const float *am = add ? add + m * ldadd : NULL;
         const int64_t npf = pf ? n_pf : 0;
         if (np == 2 && pft)
-            BY_ROWS512(2, 1, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, pft, npf)
+            BY_ROWS512(2, 1, h, x + m * ldx, ldx, panel, panel1, K, y + m * ldy, ldy, bias, am, ldadd, pft, pft2, npf)
         else if (np == 2)
-            BY_ROWS512(2, 0, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, NULL, 0)
+            BY_ROWS512(2, 0, h, x + m * ldx, ldx, panel, panel1, K, y + m * ldy, ldy, bias, am, ldadd, NULL, NULL, 0)
         else if (pft)
-            BY_ROWS512(1, 1, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, pft, npf)
+            BY_ROWS512(1, 1, h, x + m * ldx, ldx, panel, panel1, K, y + m * ldy, ldy, bias, am, ldadd, pft, pft2, npf)
         else
-            BY_ROWS512(1, 0, h, x + m * ldx, ldx, panel, K, y + m * ldy, ldy, bias, NULL, 0)
+            BY_ROWS512(1, 0, h, x + m * ldx, ldx, panel, panel1, K, y + m * ldy, ldy, bias, am, ldadd, NULL, NULL, 0)
         m += h;
     }
 }
@@ -248,36 +282,51 @@ static void panel_rows(const float *x, int64_t ldx, int64_t M, const float *pane
 /* The last panel of an N that is not a multiple of 16 (zero-padded in wp): one row at a time through a
  * buffer, writing only its ncols valid columns. Same summation order as the full panels. */
 static void tail_panel_rows(const float *x, int64_t ldx, int64_t M, const float *panel, int64_t K,
-                            float *y, int64_t ldy, const float *bias, int ncols)
+                            float *y, int64_t ldy, const float *bias, const float *add, int64_t ldadd,
+                            int ncols)
 {
     float buf[NR];
     for (int64_t m = 0; m < M; m++) {
         tile(1, x + m * ldx, ldx, panel, K, buf, NR, NULL);
-        for (int j = 0; j < ncols; j++) y[m * ldy + j] = bias ? buf[j] + bias[j] : buf[j];
+        for (int j = 0; j < ncols; j++) {
+            const float v = bias ? buf[j] + bias[j] : buf[j];
+            y[m * ldy + j] = add ? add[m * ldadd + j] + v : v;
+        }
     }
 }
 
 #if BM_HAVE_AVX512
 
-/* Work item it: panels 2it and 2it+1 (or what N leaves from 2it) against rows [0, M), prefetching pf. */
+/* Work item it: panels 2it and 2it+1 (or what N leaves from 2it) against rows [0, M), prefetching pf;
+ * with e->wp2 (SiLU-gated), output panel it from gate panel it and up panel it, prefetching pf and pf2. */
 static void item512(int64_t it, const int stream, const float *x, int64_t ldx, int64_t M,
                     const float *wp, int64_t K, float *y, int64_t ldy, const float *bias, int64_t N,
-                    const char *pf, int64_t pf_bytes)
+                    const extra_t *e, const char *pf, const char *pf2, int64_t pf_bytes)
 {
+    if (e->wp2) {
+        const int silu = 1;
+        panels_rows512(2, stream, silu, x, ldx, M, wp + it * K * NR, e->wp2 + it * K * NR, K, y + it * NR,
+                       ldy, NULL, NULL, 0, pf, pf2, pf_bytes);
+        return;
+    }
+    const int silu = 0;
     const int64_t p = it * 2;
-    const float *b = bias ? bias + p * NR : NULL;
+    const float *b = bias ? bias + p * NR : NULL, *add = e->add ? e->add + p * NR : NULL;
+    const float *panel = wp + p * K * NR;
     if ((p + 2) * NR <= N) { /* two full panels */
-        panels_rows512(2, stream, x, ldx, M, wp + p * K * NR, K, y + p * NR, ldy, b, pf, pf_bytes);
+        panels_rows512(2, stream, silu, x, ldx, M, panel, panel + K * NR, K, y + p * NR, ldy, b, add,
+                       e->ldadd, pf, NULL, pf_bytes);
         return;
     }
     if ((p + 1) * NR <= N) { /* one full panel, maybe a tail panel after it */
-        panels_rows512(1, stream, x, ldx, M, wp + p * K * NR, K, y + p * NR, ldy, b, pf, pf_bytes);
+        panels_rows512(1, stream, silu, x, ldx, M, panel, panel, K, y + p * NR, ldy, b, add, e->ldadd, pf,
+                       NULL, pf_bytes);
         if (N > (p + 1) * NR)
-            tail_panel_rows(x, ldx, M, wp + (p + 1) * K * NR, K, y + (p + 1) * NR, ldy, b ? b + NR : NULL,
-                            (int)(N - (p + 1) * NR));
+            tail_panel_rows(x, ldx, M, panel + K * NR, K, y + (p + 1) * NR, ldy, b ? b + NR : NULL,
+                            add ? add + NR : NULL, e->ldadd, (int)(N - (p + 1) * NR));
         return;
     }
-    tail_panel_rows(x, ldx, M, wp + p * K * NR, K, y + p * NR, ldy, b, (int)(N - p * NR));
+    tail_panel_rows(x, ldx, M, panel, K, y + p * NR, ldy, b, add, e->ldadd, (int)(N - p * NR));
 }
 
 /* Each thread owns a contiguous run of panel pairs for every row, so the threads never wait on each
@@ -287,9 +336,11 @@ static void item512(int64_t it, const int stream, const float *x, int64_t ldx, i
  * item the thread runs next; later blocks find the weights in cache, and skip the prefetch's few
  * instructions per step. */
 static void gemm512(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
-                    int64_t M, int64_t N, int64_t K, int64_t num_threads)
+                    int64_t M, int64_t N, int64_t K, int64_t num_threads, const extra_t *e)
 {
-    const int64_t panels = (N + NR - 1) / NR, items = (panels + 1) / 2;
+    /* a work item is two panels of W, or with wp2 one panel each of W and W2 (the same weight bytes) */
+    const int64_t per_item = e->wp2 ? 1 : 2;
+    const int64_t panels = (N + NR - 1) / NR, items = (panels + per_item - 1) / per_item;
     if (M <= 0 || items <= 0) return;
     int64_t mb_max = BM_GEMM_XBLOCK_BYTES / ((K > 0 ? K : 1) * (int64_t)sizeof(float)) / MR512 * MR512;
     if (mb_max < MR512) mb_max = MR512;
@@ -316,9 +367,14 @@ static void gemm512(const float *x, int64_t ldx, const float *wp, const float *b
             const int64_t rows = M - m0 < mb ? M - m0 : mb;
             for (int64_t it = lo; it < hi; it++) {
                 const int64_t next = it + 1 < hi ? it + 1 : (m0 + mb < M ? lo : -1);
-                const int64_t next_panels = next < 0 ? 0 : (panels - 2 * next < 2 ? panels - 2 * next : 2);
-                const char *pf = next < 0 || m0 > 0 ? NULL : (const char *)(wp + 2 * next * K * NR);
-                item512(it, stream, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N, pf,
+                const int64_t first = per_item * next, left = panels - first;
+                const int64_t next_panels = next < 0 ? 0 : (left < per_item ? left : per_item);
+                const int go = next >= 0 && m0 == 0;
+                const char *pf = go ? (const char *)(wp + first * K * NR) : NULL;
+                const char *pf2 = go && e->wp2 ? (const char *)(e->wp2 + first * K * NR) : NULL;
+                const float *add = e->add ? e->add + m0 * e->ldadd : NULL;
+                const extra_t em = {e->wp2, add, e->ldadd};
+                item512(it, stream, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N, &em, pf, pf2,
                         next_panels * K * NR * (int64_t)sizeof(float));
             }
         }
@@ -328,12 +384,38 @@ static void gemm512(const float *x, int64_t ldx, const float *wp, const float *b
 }
 #endif
 
+/* The epilogues of a layer fused into its GEMMs (AVX-512 builds only; the others return 2 and the caller
+ * runs the separate ops):
+ * - wp2 given: y = silu(x @ W^T) * (x @ W2^T), a gated MLP's gate and up projections and its activation
+ *   in one pass (no bias; N a multiple of 16). Each output is computed from the same two FMA chains and
+ *   the same bm_silu_mul16 as the separate GEMMs and elementwise.c's silu_mul: the same bits, without
+ *   writing and reading back the two [M, N] products.
+ * - add given: y = (x @ W^T + bias) + add, the residual add after a down or output projection, as torch
+ *   adds it (add is [M, N] with row stride ldadd).
+ * Returns 0, 2 (not in this build) or 3 (the arguments do not fit). */
+int bm_small_gemm_f32_ex(const float *x, int64_t ldx, const float *wp, const float *wp2, const float *bias,
+                         const float *add, int64_t ldadd, float *y, int64_t ldy, int64_t M, int64_t N,
+                         int64_t K, int64_t num_threads)
+{
+#if BM_HAVE_AVX512
+    if ((wp2 && (bias || add || N % NR)) || (add && ldadd < N)) return 3;
+    const extra_t e = {wp2, add, ldadd};
+    gemm512(x, ldx, wp, bias, y, ldy, M, N, K, num_threads, &e);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)wp, (void)wp2, (void)bias, (void)add, (void)ldadd, (void)y, (void)ldy;
+    (void)M, (void)N, (void)K, (void)num_threads;
+    return 2;
+#endif
+}
+
 /* wp holds ceil(N / 16) panels (the last zero-padded). Returns 0. */
 int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y,
                       int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
 {
 #if BM_HAVE_AVX512
-    gemm512(x, ldx, wp, bias, y, ldy, M, N, K, num_threads);
+    const extra_t e = {NULL, NULL, 0};
+    gemm512(x, ldx, wp, bias, y, ldy, M, N, K, num_threads, &e);
     return 0;
 #else
     const int64_t panels = (N + NR - 1) / NR;
@@ -356,7 +438,7 @@ int bm_small_gemm_f32(const float *x, int64_t ldx, const float *wp, const float 
             if (left >= NR)
                 panel_rows(xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, b);
             else
-                tail_panel_rows(xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, b, (int)left);
+                tail_panel_rows(xm, ldx, rows, wp + p * K * NR, K, ym + p * NR, ldy, b, NULL, 0, (int)left);
         }
     }
     (void)num_threads;
