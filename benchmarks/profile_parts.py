@@ -82,6 +82,23 @@ def _timed_linear(timers: Timers, fn: Callable, module_of: Callable[[Any], torch
     return wrapper
 
 
+def _timed_fused_gemm(timers: Timers, fn: Callable, gated: bool) -> Callable:
+    """The fused MLP's direct kernel calls: the gate/up pass (two GEMMs' FLOPs) and the down projection
+    with the residual add (the panel GEMM's other calls are timed by their linear's wrapper)."""
+
+    def wrapper(self: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        if not gated and (len(args) < 4 or args[3] is None):
+            return fn(self, x, *args)
+        start = time.perf_counter()
+        out = fn(self, x, *args)
+        k = x.shape[-1]
+        n = out.shape[-1]
+        timers.add_gemm(x.numel() // k, k, 2 * n if gated else n, time.perf_counter() - start)
+        return out
+
+    return wrapper
+
+
 @contextmanager
 def instrumented(timers: Timers) -> Iterator[None]:
     """Wrap each part's entry point with a timer; the originals come back on exit."""
@@ -97,6 +114,10 @@ def instrumented(timers: Timers) -> Iterator[None]:
         (prepack._PackedForward, "__call__", _timed_linear(timers, prepack._PackedForward.__call__, lambda s: s._module)),
         (torch.nn.Linear, "forward", _timed_linear(timers, torch.nn.Linear.forward, lambda s: s)),
     ]  # fmt: skip
+    gemm = getattr(native, "SmallGemmKernel", None)
+    if gemm is not None and hasattr(gemm, "gated"):  # the fused MLP's GEMMs, called outside the linears
+        patches.append((gemm, "gated", _timed_fused_gemm(timers, gemm.gated, gated=True)))
+        patches.append((gemm, "__call__", _timed_fused_gemm(timers, gemm.__call__, gated=False)))
     decode = getattr(native, "PagedDecodeKernel", None)  # the compiled decode kernel, called per layer
     if decode is not None:
         patches.append((decode, "__call__", _timed(timers, "attention_decode", decode.__call__)))
