@@ -117,3 +117,33 @@ def test_fused_epilogues_leave_a_generation_bitwise_unchanged(kernels, monkeypat
         assert result.output_ids == separate[rid].output_ids
         assert result.output_log_probs == separate[rid].output_log_probs
         assert torch.equal(result.generation_logits, separate[rid].generation_logits)
+
+
+def test_a_linear_with_a_forward_hook_is_called_not_fused(kernels, monkeypatch):
+    """transformers' tensor-parallel plan all-reduces a row-split projection's output in a forward hook;
+    a fused epilogue would skip it, so a hooked linear runs as a module call."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from bm.runtime.attention import AttentionMetadata, batch_metadata
+    from bm.runtime.fusion import fuse_elementwise
+    from bm.runtime.prepack import fusable_gemm, prepack_linears
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=64)).eval()
+    prepack_linears(mlp)
+    fuse_elementwise(mlp)
+    x, residual = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    with (
+        torch.no_grad(),
+        batch_metadata(AttentionMetadata(kv_caches=[], slot_mapping=torch.zeros(1, dtype=torch.long))),
+    ):
+        assert fusable_gemm(mlp.down_proj) is not None
+        plain = mlp.forward.with_residual(x, residual)
+        handle = mlp.down_proj.register_forward_hook(lambda module, args, out: out * 2)
+        assert fusable_gemm(mlp.down_proj) is None
+        hooked = mlp.forward.with_residual(x, residual)
+        expected = residual + mlp(x)  # the module call, hook included
+        handle.remove()
+    assert torch.equal(hooked, expected)
+    assert not torch.allclose(hooked, plain)

@@ -38,7 +38,7 @@ from torch import nn
 
 from bm.runtime.attention import in_bm_forward
 from bm.runtime.native import ElementwiseKernels, elementwise_kernels
-from bm.runtime.prepack import fusable_gemm
+from bm.runtime.prepack import fusable_gemm, has_forward_hooks
 
 _ROTARY_NAME = "apply_rotary_pos_emb"
 
@@ -270,7 +270,11 @@ class _FusedDecoderLayer(_FusedForward):
             residual = residual + hidden_states
             hidden_states = norm(residual)
         mlp = getattr(m.mlp, "__dict__", {}).get("forward")
-        if isinstance(mlp, _FusedMLP) and hidden_states.shape[:-1] == residual.shape[:-1]:
+        if (
+            isinstance(mlp, _FusedMLP)
+            and hidden_states.shape[:-1] == residual.shape[:-1]
+            and not has_forward_hooks(m.mlp)  # a hook runs only when the module is called
+        ):
             return mlp.with_residual(hidden_states, residual)  # the add rides on the down GEMM
         return residual + m.mlp(hidden_states)
 

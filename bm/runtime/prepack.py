@@ -119,9 +119,25 @@ def unpack_linears(model: nn.Module) -> None:
 
 def fusable_gemm(linear: nn.Module) -> tuple[SmallGemmKernel, torch.Tensor] | None:
     """(kernel, packed weight) of a linear whose forward is a packed panel GEMM whose build fuses
-    epilogues, with nothing wrapped around it (a LoRA adapter replaces the forward); else None."""
+    epilogues, with nothing wrapped around it; else None. A LoRA adapter replaces the forward; a forward
+    hook (transformers' tensor-parallel plan all-reduces a row-split layer's output in one) runs only
+    when the module is called, which a fused epilogue would skip."""
     forward = getattr(linear, "__dict__", {}).get("forward")
-    return forward.fusable() if isinstance(forward, _PackedForward) else None
+    if not isinstance(forward, _PackedForward) or has_forward_hooks(linear):
+        return None
+    return forward.fusable()
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks around its forward (its own or global ones)."""
+    from torch.nn.modules import module as module_impl
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module_impl._global_forward_hooks
+        or module_impl._global_forward_pre_hooks
+    )
 
 
 class _PackedForward:
