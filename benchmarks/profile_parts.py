@@ -82,18 +82,28 @@ def _timed_linear(timers: Timers, fn: Callable, module_of: Callable[[Any], torch
     return wrapper
 
 
-def _timed_fused_gemm(timers: Timers, fn: Callable, gated: bool) -> Callable:
-    """The fused MLP's direct kernel calls: the gate/up pass (two GEMMs' FLOPs) and the down projection
-    with the residual add (the panel GEMM's other calls are timed by their linear's wrapper)."""
+def _timed_gated(timers: Timers, fn: Callable) -> Callable:
+    """The fused MLP's gate/up pass, one kernel call timed as a GEMM of both projections' width."""
 
-    def wrapper(self: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        if not gated and (len(args) < 4 or args[3] is None):
-            return fn(self, x, *args)
+    def wrapper(self: Any, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, n: int) -> torch.Tensor:
         start = time.perf_counter()
-        out = fn(self, x, *args)
-        k = x.shape[-1]
-        n = out.shape[-1]
-        timers.add_gemm(x.numel() // k, k, 2 * n if gated else n, time.perf_counter() - start)
+        out = fn(self, x, gate, up, n)
+        timers.add_gemm(x.numel() // x.shape[-1], x.shape[-1], 2 * n, time.perf_counter() - start)
+        return out
+
+    return wrapper
+
+
+def _timed_residual_gemm(timers: Timers, fn: Callable) -> Callable:
+    """The panel GEMM with the residual add fused, which the fused MLP calls directly (its other calls
+    come through a linear, whose wrapper times them)."""
+
+    def wrapper(self: Any, x: torch.Tensor, packed: torch.Tensor, bias: Any, n: int, residual: Any = None):
+        if residual is None:
+            return fn(self, x, packed, bias, n)
+        start = time.perf_counter()
+        out = fn(self, x, packed, bias, n, residual)
+        timers.add_gemm(x.numel() // x.shape[-1], x.shape[-1], n, time.perf_counter() - start)
         return out
 
     return wrapper
@@ -116,8 +126,8 @@ def instrumented(timers: Timers) -> Iterator[None]:
     ]  # fmt: skip
     gemm = getattr(native, "SmallGemmKernel", None)
     if gemm is not None and hasattr(gemm, "gated"):  # the fused MLP's GEMMs, called outside the linears
-        patches.append((gemm, "gated", _timed_fused_gemm(timers, gemm.gated, gated=True)))
-        patches.append((gemm, "__call__", _timed_fused_gemm(timers, gemm.__call__, gated=False)))
+        patches.append((gemm, "gated", _timed_gated(timers, gemm.gated)))
+        patches.append((gemm, "__call__", _timed_residual_gemm(timers, gemm.__call__)))
     decode = getattr(native, "PagedDecodeKernel", None)  # the compiled decode kernel, called per layer
     if decode is not None:
         patches.append((decode, "__call__", _timed(timers, "attention_decode", decode.__call__)))

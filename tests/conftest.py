@@ -24,6 +24,14 @@ def make_config(**sections) -> BmConfig:
     return config_from_dict(data)
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's (and so bm's kernels') thread count for one test, then puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
     """The embedded tiny Llama (initializer_range 0.2, so greedy argmax is rarely a near-tie)."""

@@ -32,13 +32,6 @@ def kernels():
     return gemm, elementwise
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("n", [48, 1536])  # 1536 x 2,048 rows: a 12.6 MB output, streamed
 @pytest.mark.parametrize("team", [1, 3])
 def test_gated_gemm_gives_the_bits_of_two_gemms_then_silu_mul(kernels, threads, n, team):

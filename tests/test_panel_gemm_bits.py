@@ -30,14 +30,6 @@ def kernels() -> tuple[SmallGemmKernel, SmallGemmKernel]:
     return wide, narrow
 
 
-@pytest.fixture
-def threads():
-    """Sets torch's (and so the kernel's) thread count for one test, then puts it back."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("n", WIDTHS)
 @pytest.mark.parametrize("team", [1, 3])
 def test_avx512_blocking_gives_the_avx2_builds_bits_at_every_boundary(kernels, threads, n, team):

@@ -257,27 +257,11 @@ class SmallGemmKernel(NativeKernel):
             bias is not None and (bias.numel() != n or not bias.is_contiguous())
         ):
             raise ValueError(f"small GEMM: {n} outputs do not fit the packed weight or the bias")
-        rows = _as_rows(x)
-        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        if residual is None:
-            status = self._fn(
-                rows.data_ptr(), rows.stride(0), packed.data_ptr(), bias_ptr, out.data_ptr(), n,
-                rows.shape[0], n, k, torch.get_num_threads(),
-            )  # fmt: skip
-        else:
-            add = _as_rows(residual)
-            if add.shape != out.shape or add.dtype != torch.float32:
-                raise ValueError(
-                    f"small GEMM: residual {tuple(residual.shape)} for an output of {tuple(out.shape)}"
-                )
-            status = self._ex(
-                rows.data_ptr(), rows.stride(0), packed.data_ptr(), None, bias_ptr, add.data_ptr(), add.stride(0),
-                out.data_ptr(), n, rows.shape[0], n, k, torch.get_num_threads(),
-            )  # fmt: skip
-        if status:
-            raise RuntimeError(f"small GEMM: the compiled kernel refused its arguments ({status})")
-        return out.view(*x.shape[:-1], n)
+        if residual is not None and (residual.dtype != torch.float32 or residual.shape != (*x.shape[:-1], n)):
+            raise ValueError(
+                f"small GEMM: residual {tuple(residual.shape)} for {n} outputs of x {tuple(x.shape)}"
+            )
+        return self._launch("small GEMM", x, packed, None, bias, residual, n)
 
     def gated(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, n: int) -> torch.Tensor:
         """``silu(x @ G^T) * (x @ U^T)`` from two packed weights of ``n`` outputs (a multiple of 16, no
@@ -295,14 +279,38 @@ class SmallGemmKernel(NativeKernel):
             raise ValueError(
                 f"gated GEMM: x {tuple(x.shape)} against {tuple(gate.shape)} and {tuple(up.shape)}"
             )
+        return self._launch("gated GEMM", x, gate, up, None, None, n)
+
+    def _launch(
+        self,
+        what: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        up: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        n: int,
+    ) -> torch.Tensor:
+        """One call of the compiled GEMM on checked arguments: the plain entry point, or the one with the
+        fused epilogues where ``up`` or ``residual`` is given."""
         rows = _as_rows(x)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        status = self._ex(
-            rows.data_ptr(), rows.stride(0), gate.data_ptr(), up.data_ptr(), None, None, 0, out.data_ptr(), n,
-            rows.shape[0], n, k, torch.get_num_threads(),
-        )  # fmt: skip
+        bias_ptr = None if bias is None else bias.data_ptr()
+        threads = torch.get_num_threads()
+        if up is None and residual is None:
+            status = self._fn(
+                rows.data_ptr(), rows.stride(0), packed.data_ptr(), bias_ptr, out.data_ptr(), n,
+                rows.shape[0], n, rows.shape[1], threads,
+            )  # fmt: skip
+        else:
+            add = None if residual is None else _as_rows(residual)
+            status = self._ex(
+                rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if up is None else up.data_ptr(),
+                bias_ptr, None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
+                out.data_ptr(), n, rows.shape[0], n, rows.shape[1], threads,
+            )  # fmt: skip
         if status:
-            raise RuntimeError(f"gated GEMM: the compiled kernel refused its arguments ({status})")
+            raise RuntimeError(f"{what}: the compiled kernel refused its arguments ({status})")
         return out.view(*x.shape[:-1], n)
 
 

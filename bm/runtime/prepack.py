@@ -179,15 +179,18 @@ class _PackedForward:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
         self._key = (weight.data_ptr(), weight._version)
 
+    def _repack_if_changed(self) -> None:
+        weight = self._module.weight
+        if (weight.data_ptr(), weight._version) != self._key:
+            self._pack()
+
     def fusable(self) -> tuple[SmallGemmKernel, torch.Tensor] | None:
         """(kernel, packed weight, current) where this layer's GEMM runs on bm's panel kernel and that
         build fuses epilogues (bm.runtime.fusion hands it a layer's activation or residual add); else
         None. A weight changed in place is packed again first, as :meth:`__call__` does."""
-        weight = self._module.weight
-        if weight.dtype != torch.float32 or torch.is_grad_enabled():
+        if self._module.weight.dtype != torch.float32 or torch.is_grad_enabled():
             return None
-        if (weight.data_ptr(), weight._version) != self._key:
-            self._pack()
+        self._repack_if_changed()
         kernel = self._kernel
         return (kernel, self._packed) if kernel is not None and kernel.fuses_epilogues else None
 
@@ -196,8 +199,7 @@ class _PackedForward:
         weight = module.weight
         if x.dim() < 2 or x.dtype != weight.dtype or torch.is_grad_enabled() or not in_bm_forward():
             return self._own(x)
-        if (weight.data_ptr(), weight._version) != self._key:
-            self._pack()
+        self._repack_if_changed()
         if self._kernel is not None:
             return self._kernel(x, self._packed, module.bias, module.out_features)
         if x.dtype == torch.float32 and x.numel() > MAX_PACKED_ROWS * module.in_features:

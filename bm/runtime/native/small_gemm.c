@@ -304,22 +304,20 @@ static void item512(int64_t it, const int stream, const float *x, int64_t ldx, i
                     const extra_t *e, const char *pf, const char *pf2, int64_t pf_bytes)
 {
     if (e->wp2) {
-        const int silu = 1;
-        panels_rows512(2, stream, silu, x, ldx, M, wp + it * K * NR, e->wp2 + it * K * NR, K, y + it * NR,
+        panels_rows512(2, stream, 1, x, ldx, M, wp + it * K * NR, e->wp2 + it * K * NR, K, y + it * NR,
                        ldy, NULL, NULL, 0, pf, pf2, pf_bytes);
         return;
     }
-    const int silu = 0;
     const int64_t p = it * 2;
     const float *b = bias ? bias + p * NR : NULL, *add = e->add ? e->add + p * NR : NULL;
     const float *panel = wp + p * K * NR;
     if ((p + 2) * NR <= N) { /* two full panels */
-        panels_rows512(2, stream, silu, x, ldx, M, panel, panel + K * NR, K, y + p * NR, ldy, b, add,
+        panels_rows512(2, stream, 0, x, ldx, M, panel, panel + K * NR, K, y + p * NR, ldy, b, add,
                        e->ldadd, pf, NULL, pf_bytes);
         return;
     }
     if ((p + 1) * NR <= N) { /* one full panel, maybe a tail panel after it */
-        panels_rows512(1, stream, silu, x, ldx, M, panel, panel, K, y + p * NR, ldy, b, add, e->ldadd, pf,
+        panels_rows512(1, stream, 0, x, ldx, M, panel, panel, K, y + p * NR, ldy, b, add, e->ldadd, pf,
                        NULL, pf_bytes);
         if (N > (p + 1) * NR)
             tail_panel_rows(x, ldx, M, panel + K * NR, K, y + (p + 1) * NR, ldy, b ? b + NR : NULL,
