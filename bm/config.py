@@ -241,8 +241,8 @@ class ModelConfig:
     )
     fused_elementwise: str = _knob(
         "auto",
-        "Run RMSNorm, rotary embedding and SiLU(gate)*up as single C passes in Llama-family layers: auto "
-        "(fp32 CPU where bm's kernels build), on, off.",
+        "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "
+        "fp32 CPU, Triton on CUDA): auto (fp32 CPU where bm's kernels build; CUDA with triton), on, off.",
         _on_off_auto,
     )
 

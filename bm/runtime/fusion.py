@@ -18,10 +18,13 @@ sizes and repeated trips to memory at prefill sizes. bm replaces each chain by o
   attention and that norm become one pass (``add_rms_norm``), bitwise the add then the norm; the last
   residual add rides on the down projection's GEMM where the MLP's fused pass runs.
 
+On a CUDA model the same four chains run as Triton kernels (bm.runtime.triton.elementwise), in the
+model's dtype with transformers' roundings; the decoder layer's last residual add stays a torch add there.
+
 Each replacement computes the same formula (rotary and the products bit for bit; RMSNorm's mean and
-SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward on float32 CPU
-tensors: the same module called by anything else (``generate()`` in the oracle tests) runs
-transformers' code. Which modules match is decided by comparing source text, not class names, so a
+SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward, on tensors its
+kernels take (float32 CPU for the C passes; CUDA for the Triton ones): the same module called by
+anything else (``generate()`` in the oracle tests) runs transformers' code. Which modules match is decided by comparing source text, not class names, so a
 new architecture that copies Llama's code is covered and one that changes a line is left alone.
 """
 
@@ -32,6 +35,7 @@ import sys
 import types
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +43,7 @@ from torch import nn
 from bm.runtime.attention import in_bm_forward
 from bm.runtime.native import ElementwiseKernels, elementwise_kernels
 from bm.runtime.prepack import fusable_gemm, has_forward_hooks
+from bm.runtime.triton import triton_available
 
 _ROTARY_NAME = "apply_rotary_pos_emb"
 
@@ -75,11 +80,26 @@ def _matches(fn: Callable, kind: str) -> bool:
 
 def fusion_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the fused chains cannot be used here, or None when they can."""
+    if device.type == "cuda":
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the fused elementwise Triton kernels take float32, bfloat16 and float16, not {dtype}"
+        if not triton_available():
+            return "the fused elementwise kernels on CUDA are Triton kernels, and triton is not installed"
+        return None
     if device.type != "cpu" or dtype != torch.float32:
-        return f"fused elementwise kernels are float32 CPU code; the model is {dtype} on {device}"
+        return f"fused elementwise kernels are float32 CPU or CUDA code; the model is {dtype} on {device}"
     if elementwise_kernels() is None:
         return "bm's C kernels could not be built here (no C compiler, or BM_NATIVE_KERNELS=0)"
     return None
+
+
+def kernels_for(device: torch.device) -> ElementwiseKernels | Any | None:
+    """The chains' kernels for a model on ``device``: Triton's on CUDA, bm's C passes on CPU."""
+    if device.type == "cuda":
+        from bm.runtime.triton.elementwise import TritonElementwise
+
+        return TritonElementwise("cuda")
+    return elementwise_kernels()
 
 
 def should_fuse(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -92,9 +112,11 @@ def should_fuse(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return why_not is None
 
 
-def fuse_elementwise(model: nn.Module) -> dict[str, int]:
-    """Install the fused chains on every matching module of ``model``; returns how many of each."""
-    kernels = elementwise_kernels()
+def fuse_elementwise(model: nn.Module, kernels: ElementwiseKernels | Any | None = None) -> dict[str, int]:
+    """Install the fused chains on every matching module of ``model``; returns how many of each.
+    ``kernels``: those of the model's device (:func:`kernels_for`) unless given."""
+    if kernels is None:
+        kernels = kernels_for(next(model.parameters()).device)
     counts = {"rms_norm": 0, "mlp": 0, "rotary": 0, "decoder_layer": 0}
     if kernels is None:
         return counts
@@ -149,10 +171,6 @@ def _is_silu(act: object) -> bool:
     return type(act) is SiLUActivation
 
 
-def _fits(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-
-
 class _FusedForward:
     """A module's forward replaced inside bm forwards; its own otherwise. Copies and pickles rebuild it
     around the copied module (the kernels are a process-wide handle, never copied)."""
@@ -168,11 +186,11 @@ class _FusedForward:
         return type(self)(copy.deepcopy(self._module, memo), self._kernels)
 
     def __reduce__(self):
-        return (_rebuild, (type(self), self._module))
+        return (_rebuild, (type(self), self._module, getattr(self._kernels, "device_type", "cpu")))
 
 
-def _rebuild(cls: type[_FusedForward], module: nn.Module) -> Callable:
-    kernels = elementwise_kernels()
+def _rebuild(cls: type[_FusedForward], module: nn.Module, device_type: str = "cpu") -> Callable:
+    kernels = kernels_for(torch.device(device_type))
     return cls(module, kernels) if kernels else types.MethodType(type(module).forward, module)
 
 
@@ -181,7 +199,7 @@ class _FusedRMSNorm(_FusedForward):
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self._module.weight
-        if not (in_bm_forward() and _fits(hidden_states) and weight.dtype == torch.float32):
+        if not (in_bm_forward() and self._kernels.accepts(hidden_states, weight)):
             return self._own(hidden_states)
         return self._kernels.rms_norm(hidden_states, weight.detach(), float(self._module.variance_epsilon))
 
@@ -196,13 +214,13 @@ class _FusedMLP(_FusedForward):
     """
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not (in_bm_forward() and _fits(x)):
+        if not (in_bm_forward() and self._kernels.accepts(x)):
             return self._own(x)
         return self._mlp(x, None)
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``, the decoder layer's last line, inside a bm forward."""
-        if not (_fits(x) and _fits(residual)):
+        if not self._kernels.accepts(x, residual):
             return residual + self._module(x)
         return self._mlp(x, residual)
 
@@ -220,7 +238,7 @@ class _FusedMLP(_FusedForward):
             h = gate_packed[0].gated(x, gate_packed[1], up_packed[1], m.gate_proj.out_features)
         else:
             gate, up = m.gate_proj(x), m.up_proj(x)
-            fits = _fits(gate) and _fits(up)
+            fits = self._kernels.accepts(gate, up)
             h = self._kernels.silu_mul(gate, up) if fits else m.act_fn(gate) * up
         down = fusable_gemm(m.down_proj) if residual is not None else None
         if down is None:
@@ -252,15 +270,13 @@ class _FusedDecoderLayer(_FusedForward):
             attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache
         )
         inputs.update(position_embeddings=position_embeddings, **kwargs)
-        if "past_key_values" in kwargs or not (in_bm_forward() and _fits(hidden_states)):
+        if "past_key_values" in kwargs or not (in_bm_forward() and self._kernels.accepts(hidden_states)):
             return self._own(hidden_states, **inputs)
         residual = hidden_states
         hidden_states, _ = m.self_attn(hidden_states=m.input_layernorm(hidden_states), **inputs)
         norm = m.post_attention_layernorm
-        if (
-            _fits(hidden_states)
-            and hidden_states.shape == residual.shape
-            and norm.weight.dtype == torch.float32
+        if hidden_states.shape == residual.shape and self._kernels.accepts(
+            hidden_states, residual, norm.weight
         ):
             eps = float(norm.variance_epsilon)
             residual, hidden_states = self._kernels.add_rms_norm(
@@ -303,7 +319,7 @@ class _FusedRotary:
             or cos.shape[0] != 1
             or cos.shape[1:] != (q.shape[2], q.shape[3])
             or k.shape[2:] != q.shape[2:]
-            or not all(_fits(t) for t in (q, k, cos, sin))
+            or not self._kernels.accepts(q, k, cos, sin)
         ):
             return self._original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
         # [1, heads, tokens, d] -> the kernel's [tokens, heads, d] and back (a view, as torch's ops give)

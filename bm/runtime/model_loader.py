@@ -193,8 +193,8 @@ def describe_model(
 
     ``prepack`` (auto, on, off): give the linear layers oneDNN-packed weights for small batches
     (bm.runtime.prepack). It happens here, at load, so the KV cache is sized from the memory left after.
-    ``fused_elementwise`` (auto, on, off): run RMSNorm, rotary and SiLU-mul as single C passes inside bm
-    forwards (bm.runtime.fusion).
+    ``fused_elementwise`` (auto, on, off): run RMSNorm, rotary and SiLU-mul as single passes inside bm
+    forwards, C on CPU and Triton on CUDA (bm.runtime.fusion).
     """
     config: Any = model.config.get_text_config()
     param = next(model.parameters())

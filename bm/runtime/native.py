@@ -542,6 +542,14 @@ class ElementwiseKernels(NativeKernel):
         self._rot.restype = None
         self._rot.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
 
+    device_type = "cpu"
+
+    def accepts(self, *tensors: torch.Tensor) -> bool:
+        """Whether these are tensors the C passes take: float32 on the CPU, outside autograd."""
+        return not torch.is_grad_enabled() and all(
+            t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
+        )
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` over the last dimension, float32."""
         cols = x.shape[-1]

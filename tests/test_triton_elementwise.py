@@ -1,0 +1,130 @@
+"""The decoder layer's elementwise chains as Triton kernels (what a CUDA model runs), checked on CPU in
+Triton's interpreter against transformers' own modules, and in a whole generation against HF
+``generate()``.
+
+In float32 the kernels match transformers to float rounding (the mean's summation order, ``exp``). In
+bfloat16 the compiled kernels round each intermediate to the nearest bfloat16 as torch does, but
+Triton 3.6's interpreter rounds a float32 -> bfloat16 cast differently (checked below), and the kernels
+round up to three intermediates, so the bfloat16 checks here allow a few bfloat16 steps; ``benchmarks/gpu_check.py`` measures the compiled kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from transformers.models.llama import modeling_llama as llama
+
+from bm.config import ModelConfig
+from bm.engine import Request, generate
+from bm.runtime import load_model
+from bm.runtime.fusion import fuse_elementwise
+from bm.runtime.triton.elementwise import TritonElementwise
+from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> TritonElementwise:
+    return TritonElementwise("cpu")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to float32 rounding, or within a few bfloat16 steps (see the module's docstring)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 2e-6 if want.dtype == torch.float32 else 2**-5
+    scale = want.float().abs().clamp(min=1.0)
+    assert ((got.float() - want.float()).abs() <= tol * scale).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_kernel_matches_transformers_llama_rms_norm(kernels, dtype):
+    torch.manual_seed(0)
+    norm = llama.LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x = torch.randn(2, 7, 96).to(dtype)
+    with torch.inference_mode():
+        _close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_kernel_is_torch_add_then_the_norm(kernels, dtype):
+    torch.manual_seed(1)
+    norm = llama.LlamaRMSNorm(80, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(80).to(dtype)
+    a, b = torch.randn(5, 80).to(dtype), torch.randn(5, 80).to(dtype)
+    with torch.inference_mode():
+        s, out = kernels.add_rms_norm(a, b, norm.weight, 1e-6)
+        _close(s, a + b)
+        _close(out, norm(a + b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_kernel_matches_torch_across_column_blocks(kernels, dtype):
+    torch.manual_seed(2)
+    gate, up = torch.randn(3, 2500).to(dtype), torch.randn(3, 2500).to(dtype)  # 3 blocks, a tail
+    with torch.inference_mode():
+        _close(kernels.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])  # 80: a head size that is not a power of two
+def test_rotary_kernel_matches_transformers_apply_rotary_pos_emb(kernels, dtype, head_dim):
+    torch.manual_seed(3)
+    q = torch.randn(1, 6, 5, head_dim).to(dtype)  # 6 heads (not a power of two), 5 tokens
+    k = torch.randn(1, 2, 5, head_dim).to(dtype)
+    cos, sin = torch.randn(1, 5, head_dim).to(dtype), torch.randn(1, 5, head_dim).to(dtype)
+    want_q, want_k = llama.apply_rotary_pos_emb(q, k, cos, sin)
+    with torch.inference_mode():
+        got_q = kernels.rotary(q[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
+        got_k = kernels.rotary(k[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
+    if dtype == torch.float32:  # each product, then the sum, rounded as torch rounds them
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    _close(got_q, want_q)
+    _close(got_k, want_k)
+
+
+def test_kernels_accept_only_their_device_one_dtype_and_no_autograd(kernels):
+    x = torch.zeros(2, 4)
+    assert not kernels.accepts(x)  # autograd on (pytest's default)
+    with torch.no_grad():
+        assert kernels.accepts(x, torch.zeros(4))
+        assert kernels.accepts(x.to(torch.bfloat16))
+        assert not kernels.accepts(x, torch.zeros(4, dtype=torch.bfloat16))  # mixed dtypes
+        assert not kernels.accepts(torch.zeros(2, 4, dtype=torch.float64))
+        assert not TritonElementwise("cuda").accepts(x)  # a CPU tensor for the CUDA kernels
+
+
+def test_interpreter_rounds_bfloat16_casts_unlike_torch_which_is_why_bf16_checks_allow_one_step():
+    """If a later Triton rounds like torch, the bfloat16 checks above can be made exact."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
+
+    x = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(256, dtype=torch.bfloat16)
+    cast[(1,)](x, out, N=256)
+    assert (out.float() - x.to(torch.bfloat16).float()).abs().max() <= 2**-7 * x.abs().max()
+
+
+def test_greedy_output_equals_hf_generate_with_the_triton_elementwise_chains_fused(threads):
+    threads(1)
+    # prepack off: no packed GEMMs, so the MLP runs gate, up, then the SiLU-mul kernel, as on a GPU
+    loaded = load_model(ModelConfig(device="cpu", seed=0, fused_elementwise="off", prepack="off"))
+    reference = reference_model(loaded)
+    counts = fuse_elementwise(loaded.model, TritonElementwise("cpu"))
+    layers = loaded.model.config.num_hidden_layers
+    assert counts == {"rms_norm": 2 * layers + 1, "mlp": layers, "rotary": 1, "decoder_layer": layers}
+    specs = random_prompts(seed=11, count=6, vocab=loaded.vocab_size, max_prompt=24, max_output=6)
+    config = make_config(engine={"max_batch_size": 4, "max_num_tokens": 32, "enable_chunked_context": True})
+    results = generate([Request(i, p, m) for i, (p, m) in enumerate(specs)], config, model=loaded)
+    for i, (prompt, max_new) in enumerate(specs):
+        assert not results[i].error, results[i].error
+        assert results[i].output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
