@@ -47,16 +47,18 @@ def prompts(vocab: int, count: int, max_new: int) -> list[tuple[list[int], int]]
     return out
 
 
-def hf_rounding(ref, specs) -> float:
-    """Max |HF in bf16 - HF in fp32| over the same positions: the scale of bf16's own rounding, which bm's
-    difference from HF's bf16 is to be read against."""
-    wide = copy.deepcopy(ref).float()
-    worst = 0.0
+def hf_rounding(ref, wide, specs) -> tuple[float, float]:
+    """Max |HF in bf16 - HF in fp32| over the same positions, and the share of positions whose argmax
+    agrees: the scale of bf16's own rounding, which bm's difference from HF's bf16 is to be read against."""
+    worst, agree, total = 0.0, 0, 0
     for prompt, _ in specs:
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            worst = max(worst, (ref(ids).logits[0].float() - wide(ids).logits[0]).abs().max().item())
-    return worst
+            narrow, exact = ref(ids).logits[0].float(), wide(ids).logits[0]
+        worst = max(worst, (narrow - exact).abs().max().item())
+        agree += int((narrow.argmax(-1) == exact.argmax(-1)).sum())
+        total += len(prompt)
+    return worst, agree / total
 
 
 def logit_figures(loaded, ref, specs) -> tuple[float, float]:
@@ -116,8 +118,16 @@ def main() -> None:
             worst, argmax = logit_figures(loaded, ref, specs)
             line[dtype] = {"max_abs_logit_diff": round(worst, 5), "position_argmax_agreement": round(argmax, 4),
                            **token_figures(loaded, ref, specs, dtype)}  # fmt: skip
-            if dtype == "bfloat16":
-                line[dtype]["hf_bf16_vs_hf_fp32_max_abs_logit_diff"] = round(hf_rounding(ref, specs), 5)
+            if dtype == "bfloat16":  # both bf16 forwards against HF's in float32, the more exact answer
+                wide = copy.deepcopy(ref).float()
+                hf_worst, hf_argmax = hf_rounding(ref, wide, specs)
+                bm_worst, bm_argmax = logit_figures(loaded, wide, specs)
+                line[dtype] |= {
+                    "hf_bf16_vs_hf_fp32_max_abs_logit_diff": round(hf_worst, 5),
+                    "hf_bf16_vs_hf_fp32_argmax_agreement": round(hf_argmax, 4),
+                    "bm_bf16_vs_hf_fp32_max_abs_logit_diff": round(bm_worst, 5),
+                    "bm_bf16_vs_hf_fp32_argmax_agreement": round(bm_argmax, 4),
+                }
             print(name, dtype, line[dtype], file=sys.stderr, flush=True)
         result["models"][name] = line
     print(json.dumps(result, indent=1))

@@ -179,6 +179,8 @@ def paged_attention_forward(
         return _triton_attention(query, key, value, cache, meta.paged, scaling, extra), None
     kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
     q, k, v = query[0], key[0], value[0]  # [heads, T, d], [kv_heads, T, d]
+    if cache.dtype != q.dtype:  # a bfloat16 model's float32 cache on CPU (LoadedModel.kv_dtype)
+        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
     if meta.kv_writer is None or not meta.kv_writer.write_kv(cache, meta.slot_mapping, k, v):
         flat = cache.view(2, kv_heads, num_blocks * block_size, head_dim)
         flat[0].index_copy_(1, meta.slot_mapping, k)
@@ -196,7 +198,7 @@ def paged_attention_forward(
             out, q, cache, nd.token_index, nd.block_table, nd.lengths, nd.max_len, scaling,
             extra.softcap, extra.alibi, nd.window, extra.sinks,
         )  # fmt: skip
-    return out.unsqueeze(0), None
+    return out.to(query.dtype).unsqueeze(0), None
 
 
 @dataclass(slots=True)

@@ -53,9 +53,19 @@ class LoadedModel:
     cuda_graphs: str = "auto"
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the model's, except a bfloat16 or float16 model on the CPU, whose keys
+        and values are kept in float32 (each value exactly, as a wider float holds a narrower one) so
+        that bm's float32 attention kernels read them in place: the torch path they would otherwise
+        take gathers every block and runs SDPA per group, about three times slower (docs/performance.md)."""
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one token across all layers."""
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return sum(2 * heads * dim * element for heads, dim in self.kv_shapes.values())
 
 

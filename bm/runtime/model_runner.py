@@ -108,10 +108,10 @@ class ModelRunner:
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 blocks = self.window_pools.get(layout.windows[layer], num_blocks)
                 shape = (2, heads, blocks, tokens_per_block, dim)
-                self.kv_caches[layer] = alloc(shape, dtype=loaded.dtype, device=loaded.device)
+                self.kv_caches[layer] = alloc(shape, dtype=loaded.kv_dtype, device=loaded.device)
             # keys and values of the largest decode group, gathered side by side (torch path only)
             scratch = 0 if self.attention_backend == "triton" else 2 * widest * group_tokens
-            self.scratch = torch.empty(scratch, dtype=loaded.dtype, device=loaded.device)
+            self.scratch = torch.empty(scratch, dtype=loaded.kv_dtype, device=loaded.device)
         # Decode attention reading blocks in place, where the compiled kernel exists and fits the cache;
         # otherwise (and with attention sinks) the gather-then-SDPA groups of _Layout.
         kernel = paged_decode_kernel()
@@ -344,7 +344,7 @@ class _Layout:
         self.sink = sink
         self.tokens_per_block = runner.tokens_per_block
         self.device = runner.device
-        self.dtype = runner.loaded.dtype
+        self.dtype = runner.loaded.kv_dtype  # attention computes in the cache's dtype
         self.native_decode = runner.native_decode
 
     def metadata(
