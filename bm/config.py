@@ -242,7 +242,7 @@ class ModelConfig:
     fused_elementwise: str = _knob(
         "auto",
         "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "
-        "fp32 CPU, Triton on CUDA): auto (fp32 CPU where bm's kernels build; CUDA with triton), on, off.",
+        "fp32 or bf16 CPU, Triton on CUDA): auto (CPU where bm's kernels build; CUDA with triton), on, off.",
         _on_off_auto,
     )
 

@@ -23,7 +23,7 @@ from bm.runtime.fusion import (
     unfuse_elementwise,
 )
 from bm.runtime.native import elementwise_kernels
-from tests.native_variants import each_isa
+from tests.native_variants import ISAS, each_isa
 
 pytestmark = pytest.mark.skipif(elementwise_kernels() is None, reason="bm's C kernels do not build here")
 
@@ -167,9 +167,78 @@ def test_fused_elementwise_modes():
     cpu = torch.device("cpu")
     assert should_fuse("auto", cpu, torch.float32)
     assert not should_fuse("off", cpu, torch.float32)
-    assert not should_fuse("auto", cpu, torch.bfloat16)
+    bf16 = torch.bfloat16 in elementwise_kernels().dtypes  # the AVX-512 build's
+    assert should_fuse("auto", cpu, torch.bfloat16) == bf16
+    assert not should_fuse("auto", cpu, torch.float16)
     with pytest.raises(ValueError, match=r"model\.fused_elementwise is on"):
-        should_fuse("on", cpu, torch.bfloat16)
+        should_fuse("on", cpu, torch.float16)
+
+
+BF16_ISAS = [isa for isa in ISAS if torch.bfloat16 in elementwise_kernels(isa).dtypes]
+
+
+def test_only_the_avx512_build_offers_bfloat16():
+    for isa in ISAS:
+        assert (torch.bfloat16 in elementwise_kernels(isa).dtypes) == (isa == "avx512")
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Mostly the same bits; elsewhere one bf16 step apart (the mean's order, exp's last bit in float32
+    can move a value across a rounding boundary)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    step = want.float().abs().clamp(min=1e-30) * 2**-7
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("isa", BF16_ISAS)
+@pytest.mark.parametrize("cols", [40, 576, 13])
+def test_bf16_rms_norm_and_add_rms_norm_kernels_round_as_transformers_bf16_modules(cols, isa):
+    kernels = elementwise_kernels(isa)
+    norm = modeling_llama.LlamaRMSNorm(cols, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(cols))
+        x = torch.randn(300, cols + 3).to(torch.bfloat16)[:, :cols]
+        r = torch.randn(300, cols).to(torch.bfloat16)
+        _bf16_close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+        s, y = kernels.add_rms_norm(x, r, norm.weight, 1e-5)
+        assert torch.equal(s, x + r)  # one float add, rounded once, as torch's bf16 add
+        _bf16_close(y, norm(x + r))
+
+
+@pytest.mark.parametrize("isa", BF16_ISAS)
+@pytest.mark.parametrize("cols", [1536, 37])
+def test_bf16_silu_mul_kernel_rounds_silu_then_the_product_as_torch_does(cols, isa):
+    kernels = elementwise_kernels(isa)
+    gate, up = (torch.randn(7, cols).mul(4).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        _bf16_close(kernels.silu_mul(gate, up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("isa", BF16_ISAS)
+@pytest.mark.parametrize("d", [64, 40])
+def test_bf16_rotary_kernel_equals_transformers_rotary_bit_for_bit(d, isa):
+    kernels = elementwise_kernels(isa)
+    q = torch.randn(1, 6, 9, d).to(torch.bfloat16)
+    cos, sin = (torch.randn(1, 9, d).to(torch.bfloat16) for _ in range(2))
+    want, _ = modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)
+    with torch.no_grad():
+        got = kernels.rotary(q[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", BF16_ISAS)
+def test_bf16_kernels_round_nan_and_infinities_as_torch(isa):
+    kernels = elementwise_kernels(isa)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38, 1e-40] * 4)
+    x = specials.to(torch.bfloat16).view(1, 1, 32)  # half a head of 16: the sixteen-lane path
+    cos = torch.full((1, 32), 1.5).to(torch.bfloat16)
+    sin = torch.full((1, 32), 0.5).to(torch.bfloat16)
+    want, _ = modeling_llama.apply_rotary_pos_emb(x[None], x[None], cos[None], sin[None])
+    got = kernels.rotary(x, cos, sin)
+    assert torch.equal(got.isnan(), want[0].transpose(0, 1).isnan())
+    ok = ~want[0].transpose(0, 1).isnan()
+    assert torch.equal(got[ok], want[0].transpose(0, 1)[ok])
 
 
 def test_model_fused_elementwise_config_takes_auto_on_off_and_yaml_booleans():

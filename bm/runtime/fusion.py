@@ -22,10 +22,12 @@ On a CUDA model the same four chains run as Triton kernels (bm.runtime.triton.el
 model's dtype with transformers' roundings; the decoder layer's last residual add stays a torch add there.
 
 Each replacement computes the same formula (rotary and the products bit for bit; RMSNorm's mean and
-SiLU's exp differ from torch's by float rounding) and runs only inside a bm forward, on tensors its
-kernels take (float32 CPU for the C passes; CUDA for the Triton ones): the same module called by
-anything else (``generate()`` in the oracle tests) runs transformers' code. Which modules match is decided by comparing source text, not class names, so a
-new architecture that copies Llama's code is covered and one that changes a line is left alone.
+SiLU's exp differ from torch's by float rounding; in bfloat16 every intermediate torch rounds is
+rounded too) and runs only inside a bm forward, on tensors its kernels take (float32 CPU for the C
+passes, and bfloat16 in their AVX-512 build; CUDA for the Triton ones): the same module called by
+anything else (``generate()`` in the oracle tests) runs transformers' code. Which modules match is
+decided by comparing source text, not class names, so a new architecture that copies Llama's code is
+covered and one that changes a line is left alone.
 """
 
 from __future__ import annotations
@@ -86,10 +88,16 @@ def fusion_supported(device: torch.device, dtype: torch.dtype) -> str | None:
         if not triton_available():
             return "the fused elementwise kernels on CUDA are Triton kernels, and triton is not installed"
         return None
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"fused elementwise kernels are float32 CPU or CUDA code; the model is {dtype} on {device}"
-    if elementwise_kernels() is None:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return (
+            "fused elementwise kernels are float32 or bfloat16 CPU code, or CUDA code; "
+            f"the model is {dtype} on {device}"
+        )
+    kernels = elementwise_kernels()
+    if kernels is None:
         return "bm's C kernels could not be built here (no C compiler, or BM_NATIVE_KERNELS=0)"
+    if dtype not in kernels.dtypes:
+        return f"bm's {kernels.isa} build of the fused elementwise kernels is float32 only (bf16: AVX-512)"
     return None
 
 

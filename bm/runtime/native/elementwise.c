@@ -1,4 +1,4 @@
-/* The elementwise chains of a decoder layer, each in one pass over memory, in float32.
+/* The elementwise chains of a decoder layer, each in one pass over memory, in float32 (bfloat16 at the end).
  *
  * In transformers' eager code an RMSNorm is seven torch operations, rotary embedding seven per tensor
  * and SiLU(gate) * up two, each reading and writing a whole activation tensor and each paying torch's
@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Keep each product rounded on its own, as torch's separate multiply and add kernels do. */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -200,6 +201,169 @@ void bm_rotary_f32(const float *x, int64_t ldt, int64_t ldh, const float *cos_, 
                 yr[i] = a - b;
                 const float c = xr[half + i] * ct[half + i], e = xr[i] * st[half + i];
                 yr[half + i] = c + e;
+            }
+        }
+    }
+}
+
+/* ---- bfloat16 ------------------------------------------------------------------------------------
+ * The same chains on bfloat16 tensors (a bf16 model on the CPU), each intermediate rounded to bf16
+ * where torch's bf16 ops round it: torch computes every bf16 elementwise op in float32 and rounds its
+ * result, so a chain of ops is a chain of float32 operations with a rounding after each. The arithmetic
+ * in between is the float32 code's; plain C that the compiler vectorises (the conversions are integer
+ * shifts and adds). */
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+
+/* Round to nearest, ties to even, as torch's float -> bfloat16 conversion does (NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f)
+{
+    union { float f; uint32_t u; } v = { .f = f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#if BM_HAVE_AVX512
+/* Sixteen lanes of the same conversions. */
+static inline __m512 bf16x16_load(const uint16_t *p)
+{
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* The bf16 bits of each lane, rounded as f32_to_bf16 rounds, in the low half of each 32-bit lane. */
+static inline __m512i bf16x16_bits(__m512 f)
+{
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static inline __m512 bf16x16_round(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(f), 16)); }
+
+static inline void bf16x16_store(uint16_t *p, __m512 f)
+{
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16x16_bits(f)));
+}
+#endif
+
+/* One row of transformers' Llama RMSNorm in bf16: x to float32, x * (1 / sqrt(mean(x^2) + eps)) rounded
+   to bf16, times the bf16 weight, rounded. ``buf`` holds cols floats. */
+static void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t cols, float eps,
+                         float *buf)
+{
+    for (int64_t c = 0; c < cols; c++)
+        buf[c] = bf16_to_f32(xr[c]);
+    float sum = 0.0f;
+    for (int64_t c = 0; c < cols; c++)
+        sum += buf[c] * buf[c];
+    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+    for (int64_t c = 0; c < cols; c++)
+        yr[c] = f32_to_bf16(bf16_to_f32(w[c]) * round_bf16(buf[c] * inv));
+}
+
+/* Rows up to this many columns convert into a stack buffer; wider ones into one allocated per call. */
+#define ROW_STACK 8192
+
+void bm_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t rows,
+                      int64_t cols, float eps, int64_t threads)
+{
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
+    {
+        float stack[ROW_STACK];
+        float *buf = cols <= ROW_STACK ? stack : (float *)malloc((size_t)cols * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            rms_row_bf16(x + r * ldx, w, y + r * cols, cols, eps, buf);
+        if (buf != stack)
+            free(buf);
+    }
+}
+
+/* s = a + b rounded to bf16 (torch's bf16 add), stored as the new residual, then RMSNorm(s). */
+void bm_add_rms_norm_bf16(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, const uint16_t *w,
+                          uint16_t *s, uint16_t *y, int64_t rows, int64_t cols, float eps, int64_t threads)
+{
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
+    {
+        float stack[ROW_STACK];
+        float *buf = cols <= ROW_STACK ? stack : (float *)malloc((size_t)cols * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *ar = a + r * lda, *br = b + r * ldb;
+            uint16_t *sr = s + r * cols;
+            for (int64_t c = 0; c < cols; c++)
+                sr[c] = f32_to_bf16(bf16_to_f32(ar[c]) + bf16_to_f32(br[c]));
+            rms_row_bf16(sr, w, y + r * cols, cols, eps, buf);
+        }
+        if (buf != stack)
+            free(buf);
+    }
+}
+
+/* silu(g) rounded to bf16, times u, rounded: torch's SiLU then multiply in bf16. */
+void bm_silu_mul_bf16(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *y,
+                      int64_t rows, int64_t cols, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gr = g + r * ldg, *ur = u + r * ldu;
+        uint16_t *yr = y + r * cols;
+        int64_t c = 0;
+#if BM_HAVE_AVX512
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 v = bf16x16_load(gr + c);
+            const __m512 act = bf16x16_round(_mm512_div_ps(v, _mm512_add_ps(one, bm_exp16(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+            bf16x16_store(yr + c, _mm512_mul_ps(act, bf16x16_load(ur + c)));
+        }
+#endif
+        for (; c < cols; c++) {
+            const float v = bf16_to_f32(gr[c]);
+            yr[c] = f32_to_bf16(round_bf16(v / (1.0f + expf(-v))) * bf16_to_f32(ur[c]));
+        }
+    }
+}
+
+/* Rotary embedding in bf16 (layout as bm_rotary_f32): each product rounded, then their sum. */
+void bm_rotary_bf16(const uint16_t *x, int64_t ldt, int64_t ldh, const uint16_t *cos_, const uint16_t *sin_,
+                    uint16_t *y, int64_t tokens, int64_t heads, int64_t d, int64_t threads)
+{
+    const int64_t half = d / 2;
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && tokens > 1 && tokens * heads * d >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *ct = cos_ + t * d, *st = sin_ + t * d;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xr = x + t * ldt + h * ldh;
+            uint16_t *yr = y + (t * heads + h) * d;
+            int64_t i = 0;
+#if BM_HAVE_AVX512
+            for (; i + 16 <= half; i += 16) {
+                const __m512 lo = bf16x16_load(xr + i), hi = bf16x16_load(xr + half + i);
+                const __m512 a = bf16x16_round(_mm512_mul_ps(lo, bf16x16_load(ct + i)));
+                const __m512 b = bf16x16_round(_mm512_mul_ps(hi, bf16x16_load(st + i)));
+                bf16x16_store(yr + i, _mm512_sub_ps(a, b));
+                const __m512 c = bf16x16_round(_mm512_mul_ps(hi, bf16x16_load(ct + half + i)));
+                const __m512 e = bf16x16_round(_mm512_mul_ps(lo, bf16x16_load(st + half + i)));
+                bf16x16_store(yr + half + i, _mm512_add_ps(c, e));
+            }
+#endif
+            for (; i < half; i++) {
+                const float lo = bf16_to_f32(xr[i]), hi = bf16_to_f32(xr[half + i]);
+                const float a = round_bf16(lo * bf16_to_f32(ct[i])), b = round_bf16(hi * bf16_to_f32(st[i]));
+                yr[i] = f32_to_bf16(a - b);
+                const float c = round_bf16(hi * bf16_to_f32(ct[half + i]));
+                const float e = round_bf16(lo * bf16_to_f32(st[half + i]));
+                yr[half + i] = f32_to_bf16(c + e);
             }
         }
     }
