@@ -36,7 +36,7 @@ def test_auto_dtype_is_float32_on_cpu():
 
 
 def test_a_bf16_model_on_cpu_keeps_exact_bf16_keys_in_a_float32_cache_read_by_the_native_kernels():
-    from bm.runtime.native import paged_decode_kernel
+    from bm.runtime.native import paged_decode_kernel, runtime_info
 
     loaded = _bf16_model()
     assert loaded.kv_dtype == torch.float32
@@ -47,6 +47,7 @@ def test_a_bf16_model_on_cpu_keeps_exact_bf16_keys_in_a_float32_cache_read_by_th
     assert all(c.dtype == torch.float32 for c in caches)
     if paged_decode_kernel() is not None:
         assert runner.native_decode is not None
+        assert runtime_info("cpu", torch.bfloat16)["decode_attention"] == "native"  # results files say so
     prompt = random_prompts(seed=2, count=1, vocab=loaded.vocab_size, max_prompt=20, max_output=1)[0][0]
     logits = runner.forward([Segment(prompt, 0, list(range(4)), True)])
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -19,6 +19,7 @@ from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fusion import fuse_elementwise, should_fuse
+from bm.runtime.native import kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
@@ -54,13 +55,8 @@ class LoadedModel:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype: the model's, except a bfloat16 or float16 model on the CPU, whose keys
-        and values are kept in float32 (each value exactly, as a wider float holds a narrower one) so
-        that bm's float32 attention kernels read them in place: the torch path they would otherwise
-        take gathers every block and runs SDPA per group, about three times slower (docs/performance.md)."""
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
-            return torch.float32
-        return self.dtype
+        """The KV cache's dtype (bm.runtime.native.kv_cache_dtype: float32 for a bf16 model on CPU)."""
+        return kv_cache_dtype(self.device, self.dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -641,10 +641,22 @@ def elementwise_kernels(isa: str | None = None) -> ElementwiseKernels | None:
     return _kernel("elementwise", _ELEMENTWISE_SOURCE, ElementwiseKernels, isa)
 
 
+def kv_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model of ``dtype`` on ``device``: the model's, except a bfloat16 or
+    float16 model on the CPU, whose keys and values are kept in float32 (each value exactly, as a wider
+    float holds a narrower one) so that the float32 attention kernels here read them in place: the torch
+    path they would otherwise take gathers every block and runs SDPA per group, about three times slower
+    (docs/cpu-kernels.md, "bfloat16 on the CPU")."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
     """What a results file needs to say for its figures to be compared with another machine's."""
     dev = torch.device(device)
-    native = PagedDecodeKernel.handles(dev, dtype) and paged_decode_kernel() is not None
+    kv_dtype = kv_cache_dtype(dev, dtype)
+    native = PagedDecodeKernel.handles(dev, kv_dtype) and paged_decode_kernel() is not None
     return {
         "torch": torch.__version__,
         "device": str(dev),
