@@ -22,10 +22,12 @@ time limit still leaves what it measured. ``--profile`` adds the decode step's b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -281,27 +283,17 @@ def copy_bandwidth(device: torch.device, small: bool) -> float:
     return 2 * n / best
 
 
-class unfused:
+@contextlib.contextmanager
+def unfused(loaded: LoadedModel) -> Iterator[None]:
     """The model's elementwise chains back to transformers' own code for a ``with`` block (the modeling
     module's rotary function too), fused again after."""
+    from bm.runtime.fusion import fuse_elementwise, unfuse_elementwise
 
-    def __init__(self, loaded: LoadedModel) -> None:
-        self.loaded = loaded
-
-    def __enter__(self) -> None:
-        import bm.runtime.fusion as fusion
-
-        fusion.unfuse_elementwise(self.loaded.model)
-        self.namespaces = [sys.modules[type(m).__module__] for m in self.loaded.model.modules()]
-        for namespace in self.namespaces:
-            rotary = getattr(namespace, fusion._ROTARY_NAME, None)
-            if isinstance(rotary, fusion._FusedRotary):
-                setattr(namespace, fusion._ROTARY_NAME, rotary.__wrapped__)
-
-    def __exit__(self, *exc: object) -> None:
-        from bm.runtime.fusion import fuse_elementwise
-
-        fuse_elementwise(self.loaded.model)
+    unfuse_elementwise(loaded.model, rotary=True)
+    try:
+        yield
+    finally:
+        fuse_elementwise(loaded.model)
 
 
 @torch.inference_mode()

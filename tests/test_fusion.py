@@ -163,6 +163,19 @@ def test_fused_modules_survive_deepcopy_and_pickle_and_unfuse_restores_the_own_f
     assert "forward" not in vars(model.model.norm) and "forward" not in vars(model.model.layers[0].mlp)
 
 
+def test_unfuse_with_rotary_gives_the_modeling_module_its_own_rotary_back_and_fuse_installs_it_again():
+    model = tiny_llama()
+    fuse_elementwise(model)
+    assert isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
+    unfuse_elementwise(model)  # the default keeps the shared global
+    assert isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
+    unfuse_elementwise(model, rotary=True)
+    assert not isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
+    assert "forward" not in vars(model.model.norm)
+    assert fuse_elementwise(model)["rotary"] == 1
+    assert isinstance(modeling_llama.apply_rotary_pos_emb, _FusedRotary)
+
+
 def test_fused_elementwise_modes():
     cpu = torch.device("cpu")
     assert should_fuse("auto", cpu, torch.float32)
@@ -182,7 +195,7 @@ def test_only_the_avx512_build_offers_bfloat16():
         assert (torch.bfloat16 in elementwise_kernels(isa).dtypes) == (isa == "avx512")
 
 
-def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Mostly the same bits; elsewhere one bf16 step apart (the mean's order, exp's last bit in float32
     can move a value across a rounding boundary)."""
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
@@ -200,10 +213,10 @@ def test_bf16_rms_norm_and_add_rms_norm_kernels_round_as_transformers_bf16_modul
         norm.weight.copy_(torch.randn(cols))
         x = torch.randn(300, cols + 3).to(torch.bfloat16)[:, :cols]
         r = torch.randn(300, cols).to(torch.bfloat16)
-        _bf16_close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+        assert_bf16_close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
         s, y = kernels.add_rms_norm(x, r, norm.weight, 1e-5)
         assert torch.equal(s, x + r)  # one float add, rounded once, as torch's bf16 add
-        _bf16_close(y, norm(x + r))
+        assert_bf16_close(y, norm(x + r))
 
 
 @pytest.mark.parametrize("isa", BF16_ISAS)
@@ -212,7 +225,7 @@ def test_bf16_silu_mul_kernel_rounds_silu_then_the_product_as_torch_does(cols, i
     kernels = elementwise_kernels(isa)
     gate, up = (torch.randn(7, cols).mul(4).to(torch.bfloat16) for _ in range(2))
     with torch.no_grad():
-        _bf16_close(kernels.silu_mul(gate, up), F.silu(gate) * up)
+        assert_bf16_close(kernels.silu_mul(gate, up), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("isa", BF16_ISAS)

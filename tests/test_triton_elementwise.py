@@ -32,7 +32,7 @@ def kernels() -> TritonElementwise:
     return TritonElementwise("cpu")
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_close_to_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal to float32 rounding, or within a few bfloat16 steps (see the module's docstring)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = 2e-6 if want.dtype == torch.float32 else 2**-5
@@ -47,7 +47,7 @@ def test_rms_norm_kernel_matches_transformers_llama_rms_norm(kernels, dtype):
     norm.weight.data = torch.randn(96).to(dtype)
     x = torch.randn(2, 7, 96).to(dtype)
     with torch.inference_mode():
-        _close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+        assert_close_to_rounding(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,8 +58,8 @@ def test_add_rms_norm_kernel_is_torch_add_then_the_norm(kernels, dtype):
     a, b = torch.randn(5, 80).to(dtype), torch.randn(5, 80).to(dtype)
     with torch.inference_mode():
         s, out = kernels.add_rms_norm(a, b, norm.weight, 1e-6)
-        _close(s, a + b)
-        _close(out, norm(a + b))
+        assert_close_to_rounding(s, a + b)
+        assert_close_to_rounding(out, norm(a + b))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -67,7 +67,7 @@ def test_silu_mul_kernel_matches_torch_across_column_blocks(kernels, dtype):
     torch.manual_seed(2)
     gate, up = torch.randn(3, 2500).to(dtype), torch.randn(3, 2500).to(dtype)  # 3 blocks, a tail
     with torch.inference_mode():
-        _close(kernels.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+        assert_close_to_rounding(kernels.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,8 +83,8 @@ def test_rotary_kernel_matches_transformers_apply_rotary_pos_emb(kernels, dtype,
         got_k = kernels.rotary(k[0].transpose(0, 1), cos[0], sin[0]).transpose(0, 1)[None]
     if dtype == torch.float32:  # each product, then the sum, rounded as torch rounds them
         assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    _close(got_q, want_q)
-    _close(got_k, want_k)
+    assert_close_to_rounding(got_q, want_q)
+    assert_close_to_rounding(got_k, want_k)
 
 
 def test_kernels_accept_only_their_device_one_dtype_and_no_autograd(kernels):

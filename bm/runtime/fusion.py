@@ -161,12 +161,20 @@ def fuse_elementwise(model: nn.Module, kernels: ElementwiseKernels | Any | None 
     return counts
 
 
-def unfuse_elementwise(model: nn.Module) -> None:
-    """Give ``model``'s modules their own forwards back (the rotary global stays: outside a bm forward
-    it is transformers' function)."""
+def unfuse_elementwise(model: nn.Module, rotary: bool = False) -> None:
+    """Give ``model``'s modules their own forwards back. The rotary global of their modeling modules
+    stays unless ``rotary`` (outside a bm forward it is transformers' function anyway, and other models
+    of the same family may share it); an A/B inside bm forwards needs it back too."""
+    namespaces = set()
     for module in model.modules():
+        namespaces.add(type(module).__module__)
         if isinstance(module.forward, _FusedForward):
             del module.forward
+    for name in namespaces if rotary else ():
+        namespace = sys.modules.get(name)
+        fused = getattr(namespace, _ROTARY_NAME, None)
+        if isinstance(fused, _FusedRotary):
+            setattr(namespace, _ROTARY_NAME, fused.__wrapped__)
 
 
 def _is_silu(act: object) -> bool:

@@ -10,6 +10,7 @@ to float rounding; tests pin that the two agree, for every variant the machine r
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -195,8 +196,8 @@ def paged_decode_kernel(isa: str | None = None) -> PagedDecodeKernel | None:
     return _kernel("paged_decode", _SOURCE, PagedDecodeKernel, isa)
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as [rows, cols] with unit column stride and one row stride the C code can step by (no
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, cols] with unit column stride and one row stride a kernel can step by (no
     overlapping rows), copying only where the view cannot give that."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
@@ -293,7 +294,7 @@ class SmallGemmKernel(NativeKernel):
     ) -> torch.Tensor:
         """One call of the compiled GEMM on checked arguments: the plain entry point, or the one with the
         fused epilogues where ``up`` or ``residual`` is given."""
-        rows = _as_rows(x)
+        rows = as_rows(x)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
         threads = torch.get_num_threads()
@@ -303,7 +304,7 @@ class SmallGemmKernel(NativeKernel):
                 rows.shape[0], n, rows.shape[1], threads,
             )  # fmt: skip
         else:
-            add = None if residual is None else _as_rows(residual)
+            add = None if residual is None else as_rows(residual)
             status = self._ex(
                 rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if up is None else up.data_ptr(),
                 bias_ptr, None if add is None else add.data_ptr(), 0 if add is None else add.stride(0),
@@ -530,7 +531,7 @@ class ElementwiseKernels(NativeKernel):
 
     device_type = "cpu"
 
-    @property
+    @functools.cached_property  # read on every fused call; ``isa`` is set right after construction
     def dtypes(self) -> tuple[torch.dtype, ...]:
         """float32 in every build; bfloat16 in the AVX-512 one, whose passes convert sixteen lanes at a
         time (the plain C bf16 loops, left to the compiler, ran SiLU 6x slower than torch's own)."""
@@ -573,7 +574,7 @@ class ElementwiseKernels(NativeKernel):
         if weight.shape != (cols,) or not weight.is_contiguous():
             raise ValueError(f"RMSNorm kernel: weight {tuple(weight.shape)} for rows of {cols}")
         fn = self._fn("rms_norm", x, weight)
-        rows = _as_rows(x)
+        rows = as_rows(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         fn(
             rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], cols, eps,
@@ -595,8 +596,8 @@ class ElementwiseKernels(NativeKernel):
         s = torch.empty(a.shape, dtype=a.dtype)
         out = torch.empty(a.shape, dtype=a.dtype)
         # Called twice per layer and forward: the contiguous inputs of a packed batch skip the row views.
-        ra = a if a.is_contiguous() else _as_rows(a)
-        rb = b if b.is_contiguous() else _as_rows(b)
+        ra = a if a.is_contiguous() else as_rows(a)
+        rb = b if b.is_contiguous() else as_rows(b)
         lda = cols if ra is a else ra.stride(0)
         ldb = cols if rb is b else rb.stride(0)
         fn(
@@ -610,7 +611,7 @@ class ElementwiseKernels(NativeKernel):
         if gate.shape != up.shape:
             raise ValueError(f"SiLU-mul kernel: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
         fn = self._fn("silu_mul", gate, up)
-        g, u = _as_rows(gate), _as_rows(up)
+        g, u = as_rows(gate), as_rows(up)
         out = torch.empty(gate.shape, dtype=gate.dtype)
         fn(
             g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), g.shape[0], g.shape[1],

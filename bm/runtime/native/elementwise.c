@@ -17,7 +17,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 /* Keep each product rounded on its own, as torch's separate multiply and add kernels do. */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -257,56 +256,39 @@ static inline void bf16x16_store(uint16_t *p, __m512 f)
 #endif
 
 /* One row of transformers' Llama RMSNorm in bf16: x to float32, x * (1 / sqrt(mean(x^2) + eps)) rounded
-   to bf16, times the bf16 weight, rounded. ``buf`` holds cols floats. */
-static void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t cols, float eps,
-                         float *buf)
+   to bf16, times the bf16 weight, rounded. Widening a bf16 value is a shift, so the row is widened
+   again in the second loop rather than kept in a float32 copy. */
+static void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t cols, float eps)
 {
-    for (int64_t c = 0; c < cols; c++)
-        buf[c] = bf16_to_f32(xr[c]);
     float sum = 0.0f;
-    for (int64_t c = 0; c < cols; c++)
-        sum += buf[c] * buf[c];
+    for (int64_t c = 0; c < cols; c++) {
+        const float v = bf16_to_f32(xr[c]);
+        sum += v * v;
+    }
     const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
     for (int64_t c = 0; c < cols; c++)
-        yr[c] = f32_to_bf16(bf16_to_f32(w[c]) * round_bf16(buf[c] * inv));
+        yr[c] = f32_to_bf16(bf16_to_f32(w[c]) * round_bf16(bf16_to_f32(xr[c]) * inv));
 }
-
-/* Rows up to this many columns convert into a stack buffer; wider ones into one allocated per call. */
-#define ROW_STACK 8192
 
 void bm_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t rows,
                       int64_t cols, float eps, int64_t threads)
 {
-#pragma omp parallel num_threads((int)threads) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
-    {
-        float stack[ROW_STACK];
-        float *buf = cols <= ROW_STACK ? stack : (float *)malloc((size_t)cols * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            rms_row_bf16(x + r * ldx, w, y + r * cols, cols, eps, buf);
-        if (buf != stack)
-            free(buf);
-    }
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        rms_row_bf16(x + r * ldx, w, y + r * cols, cols, eps);
 }
 
 /* s = a + b rounded to bf16 (torch's bf16 add), stored as the new residual, then RMSNorm(s). */
 void bm_add_rms_norm_bf16(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, const uint16_t *w,
                           uint16_t *s, uint16_t *y, int64_t rows, int64_t cols, float eps, int64_t threads)
 {
-#pragma omp parallel num_threads((int)threads) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
-    {
-        float stack[ROW_STACK];
-        float *buf = cols <= ROW_STACK ? stack : (float *)malloc((size_t)cols * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const uint16_t *ar = a + r * lda, *br = b + r * ldb;
-            uint16_t *sr = s + r * cols;
-            for (int64_t c = 0; c < cols; c++)
-                sr[c] = f32_to_bf16(bf16_to_f32(ar[c]) + bf16_to_f32(br[c]));
-            rms_row_bf16(sr, w, y + r * cols, cols, eps, buf);
-        }
-        if (buf != stack)
-            free(buf);
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && rows > 1 && rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *ar = a + r * lda, *br = b + r * ldb;
+        uint16_t *sr = s + r * cols;
+        for (int64_t c = 0; c < cols; c++)
+            sr[c] = f32_to_bf16(bf16_to_f32(ar[c]) + bf16_to_f32(br[c]));
+        rms_row_bf16(sr, w, y + r * cols, cols, eps);
     }
 }
 

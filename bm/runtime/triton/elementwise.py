@@ -18,19 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from bm.runtime.native import as_rows
 from bm.runtime.triton import load_kernels
+from bm.runtime.triton.ops import next_pow2
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as [rows, cols] with unit column stride (a view where possible)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _warps(block: int) -> int:
@@ -59,10 +51,10 @@ class TritonElementwise:
         cols = x.shape[-1]
         if weight.shape != (cols,) or not weight.is_contiguous():
             raise ValueError(f"RMSNorm kernel: weight {tuple(weight.shape)} for rows of {cols}")
-        rows = _rows(x)
+        rows = as_rows(x)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if rows.shape[0]:
-            block = _pow2(cols)
+            block = next_pow2(cols)
             self._k.rms_norm_kernel[(rows.shape[0],)](
                 rows, rows.stride(0), rows, 0, weight, out, out, cols, float(eps),
                 BLOCK=block, ADD=False, num_warps=_warps(block),
@@ -78,11 +70,11 @@ class TritonElementwise:
             raise ValueError(
                 f"add-RMSNorm kernel: a {tuple(a.shape)}, b {tuple(b.shape)}, weight {tuple(weight.shape)}"
             )
-        ra, rb = _rows(a), _rows(b)
+        ra, rb = as_rows(a), as_rows(b)
         s = torch.empty(a.shape, dtype=a.dtype, device=a.device)
         out = torch.empty_like(s)
         if ra.shape[0]:
-            block = _pow2(cols)
+            block = next_pow2(cols)
             self._k.rms_norm_kernel[(ra.shape[0],)](
                 ra, ra.stride(0), rb, rb.stride(0), weight, s, out, cols, float(eps),
                 BLOCK=block, ADD=True, num_warps=_warps(block),
@@ -93,11 +85,11 @@ class TritonElementwise:
         """``silu(gate) * up`` in the dtype, same shapes."""
         if gate.shape != up.shape:
             raise ValueError(f"SiLU-mul kernel: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-        g, u = _rows(gate), _rows(up)
+        g, u = as_rows(gate), as_rows(up)
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         cols = g.shape[1]
         if g.shape[0] and cols:
-            block = min(1024, _pow2(cols))
+            block = min(1024, next_pow2(cols))
             grid = (g.shape[0], -(-cols // block))
             self._k.silu_mul_kernel[grid](g, g.stride(0), u, u.stride(0), out, cols, BLOCK=block)
         return out
@@ -115,7 +107,7 @@ class TritonElementwise:
         if tokens:
             self._k.rotary_kernel[(tokens,)](
                 x, x.stride(0), x.stride(1), cos, sin, out, heads,
-                HEAD_DIM=d, HEAD_PAD=_pow2(d), BLOCK_H=_pow2(heads), **self._no_fma,
+                HEAD_DIM=d, HEAD_PAD=next_pow2(d), BLOCK_H=next_pow2(heads), **self._no_fma,
             )  # fmt: skip
         return out
 

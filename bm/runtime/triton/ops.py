@@ -16,7 +16,8 @@ from bm.runtime.triton.batch import PagedBatch
 MAX_HEAD_DIM = 256
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): Triton's tile extents must be powers of two."""
     return 1 << (n - 1).bit_length()
 
 
@@ -38,7 +39,7 @@ def store_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
         key, value, cache[0], cache[1], slot_mapping,
         key.stride(0), key.stride(1),
         cache.stride(1), cache.stride(2), cache.stride(3),
-        TOKENS_PER_BLOCK=cache.shape[3], HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim),
+        TOKENS_PER_BLOCK=cache.shape[3], HEAD_DIM=head_dim, HEAD_PAD=next_pow2(head_dim),
     )  # fmt: skip
 
 
@@ -65,7 +66,7 @@ def paged_attention(
     group = num_heads // kv_heads
     # 16 query rows (a tensor-core tile) per program for decode; 64 when prompts are in the batch so a
     # long prompt's keys are read by fewer programs.
-    block_m = max(16 if batch.max_query_len == 1 else 64, _pow2(group))
+    block_m = max(16 if batch.max_query_len == 1 else 64, next_pow2(group))
     block_q = max(1, block_m // group)
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
@@ -80,7 +81,7 @@ def paged_attention(
         batch.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(1), cache.stride(2), cache.stride(3),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, _pow2(head_dim)), TOKENS_PER_BLOCK=tokens_per_block,
+        HEAD_DIM=head_dim, HEAD_PAD=max(16, next_pow2(head_dim)), TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_SINKS=sinks is not None,
         USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype),
     )  # fmt: skip
