@@ -2,7 +2,8 @@
 """A model's GEMM shapes: torch's default path against the two packed paths of ``bm.runtime.prepack``.
 
     python benchmarks/small_gemm.py --model-config CFG.json [--rows 1,2,4,8,16,32,64,128,256,512,2048]
-        [--baseline main] [--cold-mb 300] [--threads 1] [--shapes gate/up,down,lm_head] [--skip-torch]
+        [--baseline main] [--cold-mb 300] [--cold-x] [--threads 1] [--shapes gate/up,down,lm_head]
+        [--skip-torch]
 
 For each distinct linear shape of the model (and its vocabulary projection) and each row count, the
 best-of-N time of ``F.linear`` (MKL), of oneDNN with the weight prepacked, and of bm's compiled panel GEMM
@@ -16,7 +17,9 @@ times it in turns with the working tree's (``bm_panel_REF``; ``bm_panel_vs_REF``
 kernel change is judged against its predecessor in one sitting on a shared machine. ``--cold-mb``
 cycles each call through enough copies of the weight to fill that many MiB, as a forward pass sees it
 (every layer's weight comes from memory); without it the weight stays in cache between repeats and
-the small-row figures are above what a forward gets.
+the small-row figures are above what a forward gets. ``--cold-x`` writes the input again before each call
+(a torch add on every thread), as the op before a GEMM does in a forward: the input is then in the
+other core's cache or in L3, not in this one's L2.
 """
 
 from __future__ import annotations
@@ -43,25 +46,30 @@ from bm.runtime.prepack import _PACK_HINT
 def baseline_kernel(ref: str, workdir: Path) -> SmallGemmKernel:
     """The panel GEMM compiled from ``native/small_gemm.c`` at git revision ``ref``, same variant."""
     repo = _GEMM_SOURCE.parents[3]
-    rel = _GEMM_SOURCE.relative_to(repo).as_posix()
-    text = subprocess.run(
-        ["git", "-C", str(repo), "show", f"{ref}:{rel}"], check=True, capture_output=True, text=True
-    ).stdout
     source = workdir / _GEMM_SOURCE.name
-    source.write_text(text)
+    for name in (_GEMM_SOURCE.name, "vec_exp.h"):  # the source and the header it includes, both at ref
+        rel = (_GEMM_SOURCE.parent / name).relative_to(repo).as_posix()
+        text = subprocess.run(
+            ["git", "-C", str(repo), "show", f"{ref}:{rel}"], check=True, capture_output=True, text=True
+        ).stdout
+        (workdir / name).write_text(text)
     lib = compile_kernel(source, kernel_isa("small_gemm"))
     if lib is None:
         raise SystemExit(f"could not compile small_gemm.c at {ref}")
     return SmallGemmKernel(lib)
 
 
-def cold_time(call: Callable[[object], object], weights: list, repeats: int) -> float:
+def cold_time(
+    call: Callable[[object], object], weights: list, repeats: int, before: Callable[[], object] | None = None
+) -> float:
     """Shortest single call over ``repeats`` passes through ``weights``, one call per (cold) copy; the
-    copy used to warm up is never timed."""
+    copy used to warm up is never timed. ``before`` runs, untimed, ahead of each call."""
     call(weights[-1])
     best = float("inf")
     for _ in range(repeats):
         for w in weights[:-1] or weights:
+            if before is not None:
+                before()
             start = time.perf_counter()
             call(w)
             best = min(best, time.perf_counter() - start)
@@ -74,8 +82,8 @@ def model_shapes(config: str) -> dict[str, tuple[int, int]]:
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q = cfg.num_attention_heads * head_dim
     kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
-    return {"q": (q, hidden), "k/v": (kv, hidden), "o": (hidden, q), "gate/up": (inter, hidden),
-            "down": (hidden, inter), "lm_head": (cfg.vocab_size, hidden)}  # fmt: skip
+    return {"q": (q, hidden), "k/v": (kv, hidden), "qkv": (q + 2 * kv, hidden), "o": (hidden, q),
+            "gate/up": (inter, hidden), "down": (hidden, inter), "lm_head": (cfg.vocab_size, hidden)}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,8 +93,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--baseline", metavar="REF", help="also time native/small_gemm.c as of git REF")
     p.add_argument("--cold-mb", type=int, default=0, help="cycle weight copies filling this many MiB")
+    p.add_argument("--cold-x", action="store_true", help="write the input again before each call")
     p.add_argument("--threads", type=int, help="torch (and kernel) threads; default: torch's")
-    p.add_argument("--shapes", help="comma-separated subset of q,k/v,o,gate/up,down,lm_head")
+    p.add_argument("--shapes", help="comma-separated subset of q,k/v,qkv,o,gate/up,down,lm_head")
     p.add_argument("--peak-gflop-s", type=float, help="the FLOP/s peak to compare with; default: measured")
     p.add_argument("--skip-torch", action="store_true", help="time only the panel GEMM(s)")
     return p.parse_args()
@@ -107,6 +116,7 @@ def main() -> None:
     peak = args.peak_gflop_s or measure_gemm_peak() / 1e9
     result: dict = {"torch_threads": torch.get_num_threads(), "pack_hint": _PACK_HINT, "shapes": {}}
     result |= {"native_kernel": kernel is not None, "peak_gflop_s": round(peak, 1), "cold_mb": args.cold_mb}
+    result["cold_x"] = args.cold_x
     for name, (n, k) in shapes.items():
         result["shapes"][f"{name} {n}x{k}"] = time_shape(n, k, rows, kernel, base, peak, args)
     result["torch_mm_2048_gflop_s_after"] = round(measure_gemm_peak() / 1e9, 1)
@@ -114,7 +124,14 @@ def main() -> None:
 
 
 def time_path(fn: Callable, x: torch.Tensor, ws: list, args: argparse.Namespace) -> float:
-    """One path's best time on ``x``: through cold weight copies, or on one weight kept in cache."""
+    """One path's best time on ``x``: through cold weight copies, or on one weight kept in cache; with
+    ``--cold-x``, ``x`` is written again (by torch, on every thread) before each call, as the op before
+    a GEMM in a forward writes its input."""
+    if args.cold_x:
+        a, b = torch.randn_like(x), torch.randn_like(x)
+        return cold_time(
+            lambda w: fn(x, w), ws, max(1, args.repeats // len(ws)), lambda: torch.add(a, b, out=x)
+        )
     if args.cold_mb:
         return cold_time(lambda w: fn(x, w), ws, max(1, args.repeats // len(ws)))
     return best_time(lambda: fn(x, ws[0]), args.repeats)
