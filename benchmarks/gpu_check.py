@@ -134,6 +134,13 @@ def iteration_summary(iterations: list[dict[str, Any]], wall_s: float) -> dict[s
     }  # fmt: skip
 
 
+def timed_bm(loaded: LoadedModel, rows, config) -> tuple[PeerResult, dict[str, Any]]:
+    """One bm run, and its figures with where its iterations went (:func:`iteration_summary`)."""
+    iterations: list[dict[str, Any]] = []
+    _, result = run_bm(loaded, rows, config, iterations)
+    return result, result.to_dict() | {"iterations": iteration_summary(iterations, result.wall_s)}
+
+
 def agreement(ours: dict[int, list[int]], ref: torch.nn.Module, rows) -> dict[str, Any]:
     exact, agreeing, total, mismatched = 0, 0, 0, []
     for i, (prompt, n) in enumerate(rows):
@@ -232,23 +239,15 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     # The first run in a process compiles Triton's kernels for each shape class it meets (about 0.5 s
     # each) and captures CUDA graphs: reported as bm_first_run. bm is the second, steady-state run, as
     # vLLM's and TensorRT-LLM's throughput benchmarks time theirs after start-up.
-    iterations: list[dict[str, Any]] = []
-    _, first = run_bm(loaded, rows, config, iterations)
-    figures["bm_first_run"] = first.to_dict() | {"iterations": iteration_summary(iterations, first.wall_s)}
-    iterations = []
-    _, bm_result = run_bm(loaded, rows, config, iterations)
-    figures["bm"] = bm_result.to_dict() | {"iterations": iteration_summary(iterations, bm_result.wall_s)}
+    _, figures["bm_first_run"] = timed_bm(loaded, rows, config)
+    bm_result, figures["bm"] = timed_bm(loaded, rows, config)
     figures["fused_elementwise"] = dict(loaded.fused_elementwise)
     log(f"{name}: bm {bm_result.output_tok_s:.0f} output tok/s")
     figures["roofline"] = check_roofline(loaded, args, args.profile)
     save()
     if args.ab_fusion and loaded.fused_elementwise:  # the same model with transformers' elementwise ops
         with unfused(loaded):
-            iterations = []
-            _, plain = run_bm(loaded, rows, config, iterations)
-            figures["bm_unfused"] = plain.to_dict() | {
-                "iterations": iteration_summary(iterations, plain.wall_s)
-            }
+            plain, figures["bm_unfused"] = timed_bm(loaded, rows, config)
             figures["roofline_unfused"] = check_roofline(loaded, args, False)
         log(f"{name}: bm without fused elementwise kernels {plain.output_tok_s:.0f} output tok/s")
         save()
@@ -309,11 +308,11 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
         runner.forward([Segment([5] * ctx, 0, tables[j], True) for j in range(i, min(num, i + chunk))])
     steps = 3 if args.small else 10
     for _ in range(2):  # warm-up (graph capture)
-        runner.forward([Segment([7], ctx, t, True) for t in tables]).argmax(-1).tolist()
+        decode_step(runner, tables, ctx)
     sync(loaded.device)
     start = time.perf_counter()
     for step in range(steps):
-        runner.forward([Segment([7], ctx + step, t, True) for t in tables]).argmax(-1).tolist()
+        decode_step(runner, tables, ctx + step)
     step_s = (time.perf_counter() - start) / steps
     kernels = profile_step(runner, tables, ctx + steps) if profile else None
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -327,6 +326,12 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
             **({"profile": kernels} if kernels is not None else {})}  # fmt: skip
 
 
+def decode_step(runner: ModelRunner, tables: list[list[int]], position: int) -> None:
+    """One decode token for every sequence at ``position``, greedy, and the one copy of tokens to the
+    host, as an engine step does."""
+    runner.forward([Segment([7], position, t, True) for t in tables]).argmax(-1).tolist()
+
+
 def profile_step(
     runner: ModelRunner, tables: list[list[int]], position: int, steps: int = 3
 ) -> list[dict[str, Any]]:
@@ -337,7 +342,7 @@ def profile_step(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for step in range(steps):
-            runner.forward([Segment([7], position + step, t, True) for t in tables]).argmax(-1).tolist()
+            decode_step(runner, tables, position + step)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:15]
     return [{"name": e.key[:80], "calls": e.count, "self_ms_per_step": getattr(e, key, 0) / 1e3 / steps}

@@ -521,6 +521,19 @@ def lora_delta_kernel(isa: str | None = None) -> LoraDeltaKernel | None:
     return _kernel("lora_delta", _LORA_SOURCE, LoraDeltaKernel, isa)
 
 
+def kernel_inputs(
+    tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...], device_type: str
+) -> bool:
+    """Whether ``tensors`` share one dtype of ``dtypes`` on ``device_type``, with autograd off: what the
+    fused chains' kernels (these C passes, or bm.runtime.triton.elementwise on CUDA) take."""
+    dtype = tensors[0].dtype
+    return (
+        dtype in dtypes
+        and not torch.is_grad_enabled()
+        and all(t.dtype == dtype and t.device.type == device_type for t in tensors)
+    )
+
+
 class ElementwiseKernels(NativeKernel):
     """A decoder layer's elementwise chains (RMSNorm, SiLU(gate) * up, rotary) each in one C pass, on
     float32 or bfloat16 tensors (the bf16 passes round each intermediate as torch's bf16 ops do).
@@ -555,12 +568,7 @@ class ElementwiseKernels(NativeKernel):
 
     def accepts(self, *tensors: torch.Tensor) -> bool:
         """Whether these are tensors the C passes take: CPU, one dtype of :attr:`dtypes`, no autograd."""
-        dtype = tensors[0].dtype
-        return (
-            dtype in self.dtypes
-            and not torch.is_grad_enabled()
-            and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
-        )
+        return kernel_inputs(tensors, self.dtypes, self.device_type)
 
     def _fn(self, name: str, *tensors: torch.Tensor) -> Any:
         dtype = tensors[0].dtype

@@ -302,10 +302,8 @@ void bm_silu_mul_bf16(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t
         uint16_t *yr = y + r * cols;
         int64_t c = 0;
 #if BM_HAVE_AVX512
-        const __m512 one = _mm512_set1_ps(1.0f);
         for (; c + 16 <= cols; c += 16) {
-            const __m512 v = bf16x16_load(gr + c);
-            const __m512 act = bf16x16_round(_mm512_div_ps(v, _mm512_add_ps(one, bm_exp16(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+            const __m512 act = bf16x16_round(bm_silu16(bf16x16_load(gr + c)));
             bf16x16_store(yr + c, _mm512_mul_ps(act, bf16x16_load(ur + c)));
         }
 #endif

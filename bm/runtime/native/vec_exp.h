@@ -44,12 +44,16 @@ static inline __m512 bm_exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-/* silu(g) * u in sixteen lanes, silu(v) = v / (1 + e^-v) as torch computes it: the one definition that
-   elementwise.c's silu_mul and small_gemm.c's fused gate/up epilogue both run, so they agree bit for bit. */
-static inline __m512 bm_silu_mul16(__m512 g, __m512 u) {
+/* silu(v) = v / (1 + e^-v) in sixteen lanes, as torch computes it: the one definition that elementwise.c's
+   silu_mul (float32 and bfloat16) and small_gemm.c's fused gate/up epilogue all run, so they agree bit
+   for bit. */
+static inline __m512 bm_silu16(__m512 g) {
     const __m512 e = bm_exp16(
         _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
-    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
+
+/* silu(g) * u in sixteen lanes. */
+static inline __m512 bm_silu_mul16(__m512 g, __m512 u) { return _mm512_mul_ps(bm_silu16(g), u); }
 #endif
 #endif

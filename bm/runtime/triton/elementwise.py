@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from bm.runtime.native import as_rows
+from bm.runtime.native import as_rows, kernel_inputs
 from bm.runtime.triton import load_kernels
 from bm.runtime.triton.ops import next_pow2
 
@@ -39,12 +39,7 @@ class TritonElementwise:
 
     def accepts(self, *tensors: torch.Tensor) -> bool:
         """Whether these tensors are ones this object's kernels take (one dtype, no autograd)."""
-        dtype = tensors[0].dtype
-        return (
-            dtype in DTYPES
-            and not torch.is_grad_enabled()
-            and all(t.dtype == dtype and t.device.type == self.device_type for t in tensors)
-        )
+        return kernel_inputs(tensors, DTYPES, self.device_type)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' Llama RMSNorm of ``x`` over its last dimension, in ``x``'s dtype."""
