@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bm.config import MODEL_PRESETS, BmConfig, load_config
+from bm.config import MODEL_PRESETS, BmConfig, load_config, resolve_engine
 from bm.engine.fields import request_field, token_id_list
 from bm.engine.offline import RequestQueue
 from bm.engine.request import Request, Response
@@ -170,8 +170,11 @@ class LLM:
     ):
         from bm.runtime import load_model
 
-        self.config = _build_config(model, config, options)
-        self.loaded = load_model(self.config.model)
+        config_ = _build_config(model, config, options)
+        self.loaded = load_model(config_.model)
+        # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what
+        # this object reports is what its engines run
+        self.config = resolve_engine(config_, self.loaded.device_type)
         self.tokenizer = self.loaded.tokenizer
         self._next_id = 0
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-import yaml
 from rich.console import Console
 
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
-from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override
+from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override, resolve_engine
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -102,27 +101,10 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
                 key, value = model_override(value)
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
-    cfg = load_config(config, overrides)
-    if cfg.engine.executor == "sim" and not _sets(config, overrides, SIM_CHUNKING_KEY):
-        # A what-if replays a trace as a deployment would serve it: with chunked context, which
-        # TensorRT-LLM recommends and vLLM enables by default, so a prompt longer than max_num_tokens
-        # is computed in chunks instead of being refused. An explicit setting (file or --set) wins.
-        cfg = load_config(config, overrides | {SIM_CHUNKING_KEY: True})
-    return cfg
-
-
-SIM_CHUNKING_KEY = "engine.enable_chunked_context"
-
-
-def _sets(config: Path | None, overrides: dict[str, Any], dotted: str) -> bool:
-    """Whether the user gave ``dotted`` (SECTION.KEY) in the config file or as an override."""
-    if dotted in overrides:
-        return True
-    if config is None:
-        return False
-    section, _, key = dotted.partition(".")
-    data = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-    return isinstance(data.get(section), dict) and key in data[section]
+    # The simulator gets no defaults of its own: it resolves the engine's per-device defaults from its
+    # hardware row exactly as the real engine does from the model's device (bm.config.resolve_engine),
+    # so a what-if predicts the run the same flags would make.
+    return load_config(config, overrides)
 
 
 # Options bm bench and bm compare share, declared once so the two commands cannot drift apart: a
@@ -250,6 +232,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         from bm.runtime import KVCacheSizeError
 
     loaded, workload = loaded_pair
+    cfg = engine_config(cfg, loaded, workload, console)
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
     progress = bench_progress(console, show_progress)
     task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
@@ -341,6 +324,36 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
         return None
     _report_dataset(console, workload)
     return loaded, workload
+
+
+def engine_config(
+    cfg: BmConfig, model: Any, workload: Workload, console: Console, others: Sequence[BmConfig] = ()
+) -> BmConfig:
+    """``cfg`` as the run will use it: the budgets resolved for the model's device (what results.json
+    records), and the KV cache sized for the dataset unless ``kv_cache.max_tokens`` is set, the same
+    cache for ``cfg`` and every config of ``others`` (a sweep's other points), said on one line."""
+    from bm.bench.sizing import size_cache, workload_cache
+
+    cfg = resolve_engine(cfg, model.device_type)
+    others = [resolve_engine(c, model.device_type) for c in others]
+    needed = workload_cache(workload, [cfg, *others])
+    if needed is not None and cfg.kv_cache.max_tokens is None:
+        console.print(needed.describe(), highlight=False, soft_wrap=True)
+    return size_cache(cfg, needed)
+
+
+def pin_cache(cfg: BmConfig, model: Any) -> BmConfig:
+    """``cfg`` with the cache's size fixed now, for runs that build several engines in one process (the
+    variants of ``bm compare``, the points of ``bm sweep``): each then gets this cache, whatever memory
+    the previous engine's cache left reserved. The simulator's is fixed by its hardware row already."""
+    from dataclasses import replace
+
+    if not hasattr(model, "kv_bytes_per_token"):
+        return cfg
+    from bm.runtime import num_kv_blocks
+
+    kv = cfg.kv_cache
+    return replace(cfg, kv_cache=replace(kv, max_tokens=num_kv_blocks(model, kv) * kv.tokens_per_block))
 
 
 def _report_dataset(console: Console, workload: Any) -> None:

@@ -210,7 +210,7 @@ def run_prompts(
         interrupts.on_first.append(first_interrupt)
         if interrupts.signal_name is not None:  # the signal came while the model loaded
             first_interrupt()
-        limit = in_flight_limit(config)
+        limit = in_flight_limit(llm.config)
         with _progress(console, show_progress) as progress:
             total = None if num_lines is None else num_lines - len(done)
             run.task = progress.add_task("generating", total=total, tps="0")

@@ -48,6 +48,7 @@ class TorchExecutor:
             layer_windows=model.layer_windows,
             hidden_size=model.model.get_input_embeddings().embedding_dim,
             weight_bytes=torch.empty((), dtype=model.dtype).element_size(),
+            device_type=model.device.type,
         )
         self.lora: LoraLayers | None = None  # built when the first adapter arrives
         self._adapter_slots: dict[int, int] = {}  # LoRA task id -> its slot

@@ -54,6 +54,11 @@ class LoadedModel:
     cuda_graphs: str = "auto"
 
     @property
+    def device_type(self) -> str:
+        """cpu or cuda: which device's engine defaults a run on this model resolves (bm.config)."""
+        return self.device.type
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's dtype (bm.runtime.native.kv_cache_dtype: float32 for a bf16 model on CPU)."""
         return kv_cache_dtype(self.device, self.dtype)
@@ -251,10 +256,15 @@ def describe_model(
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory free for the KV cache now: device memory on CUDA, available system memory on CPU."""
+    """Memory free for the KV cache now: device memory on CUDA, available system memory on CPU.
+
+    On CUDA the driver's free memory does not count what torch's caching allocator holds without using
+    (a previous engine's cache, freed but kept reserved): counted here, a second engine in one process
+    (a ``bm compare`` variant, a sweep point, a second ``bm.LLM``) sees the memory the first one saw."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -44,6 +44,12 @@ class Hardware:
     gemm_half_tokens: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def device_type(self) -> str:
+        """The device a simulated run stands for, whose engine defaults it resolves (bm.config): this
+        machine's CPU for cpu-local, a GPU for every datasheet row."""
+        return "cpu" if self.key == CPU_LOCAL else "cuda"
+
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
             raise ConfigError(

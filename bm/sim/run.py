@@ -52,6 +52,11 @@ class SimModel:
     def vocab_size(self) -> int:
         return self.shape.vocab_size
 
+    @property
+    def device_type(self) -> str:
+        """The device the hardware row stands for, whose engine defaults the run resolves (bm.config)."""
+        return self.hardware.device_type
+
     def cost_model(self) -> CostModel:
         return CostModel(self.shape, self.hardware, self.dtype, self.tensor_parallel)
 
