@@ -243,6 +243,13 @@ class ModelConfig:
         "captured, e.g. CPU under the Triton interpreter), off.",
         _on_off_auto,
     )
+    warmup: str = _knob(
+        "auto",
+        "Run every shape class a run will meet once when the engine is built, before any request: a "
+        "decode step per CUDA-graph bucket up to max_batch_size (captured) and the prompt-carrying "
+        "forwards whose Triton kernel variants would otherwise compile mid-run: auto (on CUDA), on, off.",
+        _on_off_auto,
+    )
     fused_elementwise: str = _knob(
         "auto",
         "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "

@@ -7,6 +7,8 @@ steps). Block tables, positions and what to sample come from the core; nothing h
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from bm.config import KvCacheConfig
@@ -17,6 +19,7 @@ from bm.engine.executor import (
     ExecutionResult,
     FinalOutputs,
     ModelLimits,
+    WarmupShapes,
     WorkItem,
     WorkKind,
 )
@@ -71,6 +74,17 @@ class TorchExecutor:
             sink_token_length=layout.sink_token_length,
             window_pools=layout.window_pools,
         )
+
+    def warm_up(self, shapes: WarmupShapes) -> dict[str, Any] | None:
+        """Run the shape classes of a run within ``shapes`` once, before any request (bm.runtime.warmup),
+        where model.warmup asks for it; the report, or None when nothing ran."""
+        from bm.runtime.warmup import warm_up, warmup_enabled
+
+        assert self.runner is not None, "bind() the executor before warming it up"
+        if not warmup_enabled(self.model.warmup, self.model.device):
+            return None
+        report = warm_up(self.runner, shapes.max_batch_size, shapes.max_num_tokens, shapes.max_seq_len)
+        return report.to_dict()
 
     def hand_over_threads(self) -> None:
         """The engine's worker thread computes from now on: the calling thread gives its OpenMP team

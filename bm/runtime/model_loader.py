@@ -52,6 +52,8 @@ class LoadedModel:
     fused_elementwise: dict[str, int] = field(default_factory=dict)
     # model.cuda_graphs: auto, on, off (decode-only steps replaying CUDA graphs; bm.runtime.triton.graphs)
     cuda_graphs: str = "auto"
+    # model.warmup: auto, on, off (shape classes run when an engine is built; bm.runtime.warmup)
+    warmup: str = "auto"
 
     @property
     def device_type(self) -> str:
@@ -139,6 +141,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer, name, prepack=cfg.prepack, fused_elementwise=cfg.fused_elementwise
     )
     loaded.cuda_graphs = cfg.cuda_graphs
+    loaded.warmup = cfg.warmup
     return loaded
 
 

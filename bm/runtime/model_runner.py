@@ -114,7 +114,8 @@ class ModelRunner:
             self.scratch = torch.empty(scratch, dtype=loaded.kv_dtype, device=loaded.device)
         # Decode attention reading blocks in place, where the compiled kernel exists and fits the cache;
         # otherwise (and with attention sinks) the gather-then-SDPA groups of _Layout.
-        kernel = paged_decode_kernel()
+        # bm's C kernels serve CPU caches only: on a GPU they are not even built (a compile per machine)
+        kernel = paged_decode_kernel() if loaded.device.type == "cpu" else None
         caches = [c for c in self.kv_caches if c is not None]
         supported = kernel is not None and all(PagedDecodeKernel.supports(c) for c in caches)
         self.native_decode = kernel if supported else None
