@@ -35,13 +35,13 @@ if "--device" in sys.argv and "cpu" in sys.argv:  # Triton kernels, if forced on
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
 from bm.config import config_from_dict
 from bm.engine import Request, generate
 from bm.runtime import ModelRunner, Segment
-from bm.runtime.model_loader import LoadedModel, describe_model, resolve_dtype
+from bm.runtime.model_loader import LoadedModel, describe_model, random_model, resolve_dtype
 from bm.runtime.triton import ENV_SWITCH
 
 ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -63,9 +63,10 @@ def log(message: str) -> None:
 
 
 def build(shape: dict[str, Any], dtype: str, device: torch.device, cuda_graphs: str = "auto") -> LoadedModel:
+    """Random weights drawn once on ``device`` itself, as bm's loader builds them (bm.runtime.random_weights),
+    not twice on the CPU and then copied over."""
     config = AutoConfig.for_model("llama", max_position_embeddings=4096, **shape)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device)).to(device).eval()
+    model = random_model(config, resolve_dtype(dtype, device), device, seed=0).eval()
     loaded = describe_model(model, None, f"random {shape['hidden_size']}x{shape['num_hidden_layers']}")
     loaded.cuda_graphs = cuda_graphs
     return loaded

@@ -1,7 +1,8 @@
 """Build the model with transformers from a checkpoint, a config file, or the embedded default.
 
 Nothing here touches the network: checkpoints load with ``local_files_only``, and configs build random
-weights from a seed (like vLLM's dummy load format), which is what benchmarking needs.
+weights from a seed (like vLLM's dummy load format), which is what benchmarking needs. Those are drawn
+on the model's own device, once each (:func:`random_model`, bm.runtime.random_weights).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fusion import fuse_elementwise, should_fuse
 from bm.runtime.native import kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
+from bm.runtime.random_weights import random_model
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,9 +133,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             hf_config = AutoConfig.for_model(**TINY_LLAMA_CONFIG)
             tokenizer = ByteTokenizer()
             name = "embedded tiny-llama"
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = random_model(hf_config, dtype, device, cfg.seed)
         if cfg.tokenizer:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
