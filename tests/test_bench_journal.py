@@ -1,5 +1,6 @@
 """Issue 38: a long ``bm bench`` shows where it is. Its stats and records are written as the run goes (a
-killed run leaves them), and a finished run's files are as they always were."""
+killed run leaves them), a finished run's files are as they always were, and a progress line with the
+time left is printed where no progress bar can be drawn."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
-from bm.bench import run_bench, write_results
+import bm.cli.progress
+from bm.bench import ReplayProgress, run_bench, write_results
 from bm.bench.metrics import RECORD_COLUMNS
 from bm.bench.results import request_line, stats_line
+from bm.cli.bench_report import bench_progress, replay_eta, tick
 from bm.cli.journal import FileJournal
 from bm.cli.main import app
+from bm.cli.progress import PlainProgress, eta_s, format_duration, progress_line
 from bm.compare.runner import run_compare
 from bm.compare.variants import plan_variants
 from bm.config import load_config
@@ -225,3 +230,95 @@ def test_compare_hands_each_run_of_a_bm_variant_a_fresh_journal(tmp_path):
         recorder = [r for name, r in given if name == outcome.variant.name][-1]
         assert recorder.stats == outcome.last.stats
         assert sorted(r["index"] for r in recorder.records) == list(range(12))
+
+
+# -- progress -----------------------------------------------------------------------------------------
+
+
+def test_eta_is_the_work_left_at_the_rate_so_far():
+    assert eta_s(250, 1000, 10.0) == pytest.approx(30.0)
+    assert eta_s(1000, 1000, 10.0) == 0.0
+    assert eta_s(1200, 1000, 10.0) == 0.0  # more than expected (a longer beam): never negative
+    assert eta_s(0, 1000, 10.0) is None  # no rate yet
+    assert eta_s(10, None, 10.0) is None  # no total
+    assert eta_s(10, 1000, 0.0) is None
+
+
+def test_the_bench_eta_counts_output_tokens_when_their_total_is_known_else_requests():
+    known = ReplayProgress(num_requests=10, num_finished=5, num_output_tokens=100, elapsed_s=10.0,
+                           num_expected_output_tokens=400)  # fmt: skip
+    assert replay_eta(known) == pytest.approx(30.0)  # 300 tokens left at 10/s
+    unknown = ReplayProgress(num_requests=10, num_finished=5, num_output_tokens=100, elapsed_s=10.0)
+    assert replay_eta(unknown) == pytest.approx(10.0)  # 5 requests left at 0.5/s
+
+
+def test_durations_read_as_a_clock():
+    assert [format_duration(s) for s in (0, 0.2, 27, 59.5, 725, 3725)] == [
+        "0:00", "0:01", "0:27", "1:00", "12:05", "1:02:05"
+    ]  # fmt: skip
+    assert format_duration(None) == "?"
+
+
+def test_the_plain_progress_line_fits_80_columns():
+    line = progress_line("bm bench", 312, 1024, 45210, 11.9, 27.2)
+    assert line == "bm bench [0:12] 312/1,024 requests, 45,210 output tokens (3,799/s), ETA 0:28"
+    assert len(progress_line("bm bench", 31200, 100000, 4521000, 1186, 3725)) <= 90
+    assert progress_line("bm run", 4, 4, 40, 2.0, None, final=True).endswith("output tokens (20/s)")
+
+
+def test_a_plain_line_comes_every_interval_and_once_at_the_end_without_an_eta():
+    now = [0.0]
+    console = Console(width=80, record=True, color_system=None)
+    plain = PlainProgress(console, "bm run", interval_s=10.0, clock=lambda: now[0])
+    for second in range(26):  # the figures move every second; a line every 10
+        now[0] = float(second)
+        plain.update(second, 100, 10 * second, float(second), eta_s(second, 100, second))
+    plain.finish()
+    assert console.export_text().splitlines() == [
+        "bm run [0:10] 10/100 requests, 100 output tokens (10/s), ETA 1:30",
+        "bm run [0:20] 20/100 requests, 200 output tokens (10/s), ETA 1:20",
+        "bm run [0:25] 25/100 requests, 250 output tokens (10/s)",
+    ]
+    plain.finish()  # nothing moved since: no second final line
+    assert len(console.export_text().splitlines()) == 0  # export_text cleared the record
+
+
+def test_the_progress_bar_shows_the_time_left_and_output_tok_s_at_80_columns():
+    console = Console(width=80, force_terminal=True, record=True, color_system=None)
+    progress = bench_progress(console, True)
+    task = progress.add_task("replaying", total=1024, tps="0", rps="0", eta="?")
+    tick(progress, task, ReplayProgress(1024, 312, 45210, 11.86, 148000))
+    console.print(progress.get_renderable())
+    (line,) = console.export_text().splitlines()
+    assert len(line) <= 80 and "312/1024" in line
+    assert "ETA 0:27" in line and "3,812 output tok/s" in line and "26.31 req/s" in line
+
+
+def sim_bench_args(tmp_path: Path, *extra: str) -> list[str]:
+    model_config = tmp_path / "tiny.json"
+    model_config.write_text(json.dumps(TINY))
+    return ["bench", "--executor", "sim", "--hardware", "a100-80gb", "--model-config", str(model_config),
+            "--dataset-kind", "synthetic", "-n", "300", "--input-len", "64", "--output-len", "32",
+            "--rate", "50", "--ignore-eos", *extra]  # fmt: skip
+
+
+PLAIN_LINE = r"bm bench \[\d+:\d\d\] [\d,]+/300 requests, [\d,]+ output tokens \([\d,]+/s\)"
+
+
+def test_off_a_terminal_bm_bench_prints_a_plain_progress_line_with_the_time_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm.cli.progress, "PLAIN_INTERVAL_S", 0.0)
+    result = runner.invoke(app, sim_bench_args(tmp_path, "-o", str(tmp_path / "out")))
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("bm bench [")]
+    assert len(lines) >= 2, result.output
+    assert all(re.fullmatch(PLAIN_LINE + r", ETA \d+:\d\d", line) for line in lines), lines
+    assert "300/300 requests" in lines[-1]
+    assert "replaying" not in result.output  # no progress bar drawn into the log
+
+
+@pytest.mark.parametrize("flag", ["-q", "--json"])
+def test_quiet_and_json_print_no_progress_line(tmp_path, monkeypatch, flag):
+    monkeypatch.setattr(bm.cli.progress, "PLAIN_INTERVAL_S", 0.0)
+    result = runner.invoke(app, sim_bench_args(tmp_path, flag, "-o", str(tmp_path / "out")))
+    assert result.exit_code == 0, result.output
+    assert "bm bench [" not in result.output and "bm bench [" not in result.stderr

@@ -37,6 +37,7 @@ class ReplayProgress:
     num_finished: int
     num_output_tokens: int
     elapsed_s: float
+    num_expected_output_tokens: int | None = None  # the run's output tokens, when known in advance
 
 
 @dataclass
@@ -104,6 +105,7 @@ def snapshot(replayer: Replayer) -> ReplayProgress:
         num_finished=replayer.num_finished,
         num_output_tokens=replayer.num_output_tokens,
         elapsed_s=replayer.now(),
+        num_expected_output_tokens=replayer.num_expected_output_tokens,
     )
 
 

@@ -244,6 +244,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
     from bm.cli.journal import FileJournal
+    from bm.cli.progress import PlainProgress
 
     if cfg.engine.executor == "sim":  # no torch under the simulator: its import alone costs seconds
 
@@ -255,16 +256,22 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
 
     loaded, workload = loaded_pair
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
-    progress = bench_progress(console, show_progress)
-    task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
+    # On a terminal rich draws the bar; elsewhere (a CI log, a pipe) it would show nothing until the
+    # end, so a plain line is printed every few seconds instead.
+    progress = bench_progress(console, show_progress and console.is_terminal)
+    plain = PlainProgress(console, "bm bench") if show_progress and not console.is_terminal else None
+    total = sum(r.ok for r in workload.requests)
+    task = progress.add_task("replaying", total=total, tps="0", rps="0", eta="?")
     try:
         with progress, FileJournal(out, workload.requests) as journal:
             result = run_bench(
-                cfg, loaded, workload, progress=lambda p: tick(progress, task, p), journal=journal
+                cfg, loaded, workload, progress=lambda p: tick(progress, task, p, plain), journal=journal
             )
     except KVCacheSizeError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return USAGE
+    if plain is not None:
+        plain.finish()
     name_rows(result.records, workload)
     results = write_results(out, result, stats_written=journal.holds_stats(result.stats))
     if bench.json_output:
