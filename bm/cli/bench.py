@@ -214,14 +214,19 @@ def _fail(console: Console, message: str) -> typer.Exit:
 def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool = False) -> int:
     """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code.
 
-    Plots are drawn from the written files (the path ``bm report`` takes), so a plot never shows anything
-    the saved results do not hold."""
+    ``stats.jsonl`` and ``requests.jsonl`` are written as the run goes (:class:`bm.cli.journal.FileJournal`),
+    so a killed run leaves what it did; at the end ``requests.jsonl`` is replaced by the complete file
+    in workload order (``stats.jsonl`` is complete as streamed). Plots are
+    drawn from the written files (the path ``bm report`` takes), so a plot never shows anything the
+    saved results do not hold."""
     bench = cfg.bench
     loaded_pair = load_model_and_workload(cfg, console)
     if loaded_pair is None:
         return USAGE
     from bm.bench import run_bench, write_results
     from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.cli.journal import FileJournal
+    from bm.cli.progress import PlainProgress
 
     if cfg.engine.executor == "sim":  # no torch under the simulator: its import alone costs seconds
 
@@ -234,16 +239,24 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     loaded, workload = loaded_pair
     cfg = engine_config(cfg, loaded, workload, console)
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
-    progress = bench_progress(console, show_progress)
-    task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
+    # On a terminal rich draws the bar; elsewhere (a CI log, a pipe) it would show nothing until the
+    # end, so a plain line is printed every few seconds instead.
+    progress = bench_progress(console, show_progress and console.is_terminal)
+    plain = PlainProgress(console, "bm bench") if show_progress and not console.is_terminal else None
+    total = sum(r.ok for r in workload.requests)
+    task = progress.add_task("replaying", total=total, tps="0", rps="0", eta="?")
     try:
-        with progress:
-            result = run_bench(cfg, loaded, workload, progress=lambda p: tick(progress, task, p))
+        with progress, FileJournal(out, workload.requests) as journal:
+            result = run_bench(
+                cfg, loaded, workload, progress=lambda p: tick(progress, task, p, plain), journal=journal
+            )
     except KVCacheSizeError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return USAGE
+    if plain is not None:
+        plain.finish()
     name_rows(result.records, workload)
-    results = write_results(out, result)
+    results = write_results(out, result, stats_written=journal.holds_stats(result.stats))
     if bench.json_output:
         print(json.dumps(results, indent=2))
     else:
@@ -267,16 +280,19 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
 
 
 def name_rows(records: Any, workload: Workload) -> None:
-    """Prefix errors found by the engine with the row they came from ("line 12: ..."): the engine only
-    knows request ids, the CLI knows which line of the dataset each one was."""
+    """Prefix errors found by the engine with the row they came from ("line 12: ...", as the journal
+    names them while the run goes): the engine only knows request ids, the CLI knows which line of the
+    dataset each one was."""
+    from bm.cli.journal import named_error
+
     if "error" not in records or "index" not in records:
         return
     for position, (index, error) in enumerate(zip(records["index"], records["error"], strict=False)):
         if not isinstance(error, str) or not error or not 0 <= int(index) < len(workload.requests):
             continue
-        source = workload.requests[int(index)].where
-        if not error.startswith(f"{source}:"):
-            records.iat[position, records.columns.get_loc("error")] = f"{source}: {error}"
+        records.iat[position, records.columns.get_loc("error")] = named_error(
+            error, workload.requests[int(index)]
+        )
 
 
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:

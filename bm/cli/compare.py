@@ -143,9 +143,11 @@ def _run(
     quiet: bool,
     console: Console,
 ) -> int:
+    from bm.cli.journal import FileJournal
     from bm.compare.expr import AssertionEvalError, evaluate_assertion
     from bm.compare.regress import find_regressions
     from bm.compare.runner import compare_document, run_compare, write_compare
+    from bm.report.data import variant_dir
     from bm.runtime import KVCacheSizeError
     from bm.workloads import DatasetError, arrival_times
 
@@ -176,7 +178,8 @@ def _run(
 
     try:
         result = run_compare(cfg, loaded, workload, arrivals, variants, repeat=repeat, reference=reference,
-                             hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done)  # fmt: skip
+                             hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done,
+                             journal=lambda v: FileJournal(variant_dir(out, v.name)))  # fmt: skip
     except (KVCacheSizeError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2

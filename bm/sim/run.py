@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError
@@ -31,7 +32,8 @@ from bm.sim.model import ModelShape
 from bm.workloads import Workload, arrival_times
 
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
-_STOP_EVERY = 50  # driver rounds between questions to a stop callback
+_STOP_EVERY = 50  # driver rounds between questions to a stop callback (and looks at the wall clock)
+_JOURNAL_S = 0.1  # wall seconds between journal feeds, as a real run polls
 
 
 @dataclass
@@ -118,13 +120,15 @@ def run_sim(
     progress: Callable[[ReplayProgress], None] | None = None,
     fast_forward: bool = True,
     stop: Callable[[Replayer], bool] | None = None,
+    journal: BenchJournal | None = None,
 ) -> BenchResult:
     """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
 
     ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
     result is the same either way (a test pins it), only the wall time differs. ``stop``: asked every
     few iterations; True ends the replay there, every unfinished request failed as stopped early
-    (``bm sweep`` stops a point once its SLO is certainly missed)."""
+    (``bm sweep`` stops a point once its SLO is certainly missed). ``journal``: given the stats rows and
+    finished requests' records about ten times a wall second, as :func:`bm.bench.run_bench` does."""
     wall_start = time.perf_counter()
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
@@ -140,6 +144,8 @@ def run_sim(
         requests, [times[i] for i, _ in built], max_concurrency=bench.max_concurrency, clock=clock
     )
     replay = _VirtualReplay(config, model, replayer, clock)
+    if journal is not None:
+        replay.feed = JournalFeed(journal, workload, built, replayer, lambda: replay.stats)
     replay.run(fast_forward, progress, stop)
     result = bench_result(
         config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
@@ -184,6 +190,7 @@ class _VirtualReplay:
         self.iterations = 0
         self.skipped = 0  # iterations advanced by fast-forward
         self.stopped_early = False
+        self.feed: JournalFeed | None = None
 
     def _timestamp(self, _out: StepOutput) -> None:
         now, timelines = self.clock.now, self.replayer.timelines
@@ -206,13 +213,18 @@ class _VirtualReplay:
         replayer.start()
         arrival_of = [t.arrival_s for t in replayer.timelines.values()]  # in request order
         next_progress = _PROGRESS_EVERY
+        next_feed = time.perf_counter() + _JOURNAL_S
         rounds = 0
         while not replayer.done:
             rounds += 1
-            if stop is not None and rounds % _STOP_EVERY == 0 and stop(replayer):
-                replayer.fail_unfinished("stopped early: the point already missed its SLO")
-                self.stopped_early = True
-                break
+            if rounds % _STOP_EVERY == 0:
+                if stop is not None and stop(replayer):
+                    replayer.fail_unfinished("stopped early: the point already missed its SLO")
+                    self.stopped_early = True
+                    break
+                if self.feed is not None and time.perf_counter() >= next_feed:
+                    self.feed.pump()
+                    next_feed = time.perf_counter() + _JOURNAL_S
             out = driver.round()
             if out.stats is not None:  # a step ran
                 self.iterations += 1
@@ -232,6 +244,8 @@ class _VirtualReplay:
                 )
                 break
             self.clock.advance_to(arrival_of[sent])
+        if self.feed is not None:
+            self.feed.pump()
         if progress is not None:
             progress(snapshot(replayer))
 
