@@ -101,51 +101,60 @@ def cuda_design() -> Design:
 
 def measure_forward_fit(model_config: Any, *, design: Design | None = None) -> dict[str, Any]:
     """Run bm's engine with its torch executor on ``model_config`` (a ``ModelConfig``, on its device)
-    over ``design`` (default: the device's) and fit the terms.
+    over ``design`` (default: the device's) and fit the design's terms.
 
     Returns ``{"terms": {name: seconds}, "fitted": [names], "samples": n, "r2": ..., "device": ...}``.
     """
-    import numpy as np
-    import torch
-
     from bm.runtime import load_model
 
     loaded = load_model(model_config)
     device = loaded.device
     design = design or (cuda_design() if device.type == "cuda" else cpu_design())
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    samples = _time_runs(loaded, model_config, design, sync)
+    samples = time_design(loaded, model_config, design)
     del loaded
     if device.type == "cuda":  # the model, its KV cache and graphs are garbage now: give the memory back
+        import torch
+
         gc.collect()
         torch.cuda.empty_cache()
-    columns = [TERMS.index(t) for t in design.terms]
+    return fit_samples(samples, design.terms) | {"device": str(device)}
+
+
+def fit_samples(samples: list[tuple[list[float], float]], terms: tuple[str, ...]) -> dict[str, Any]:
+    """The non-negative fit of ``terms`` (the rest 0) to timed forwards ``(totals in TERMS order,
+    seconds)``; one set of samples can be fitted with several sets of terms (benchmarks/sim_fit_terms.py)."""
+    import numpy as np
+
+    columns = [TERMS.index(t) for t in terms]
     x = np.array([s[0] for s in samples], dtype=float)[:, columns]
     y = np.array([s[1] for s in samples], dtype=float)
     fitted = nnls(x, y)
-    coef = dict.fromkeys(TERMS, 0.0) | {t: float(c) for t, c in zip(design.terms, fitted, strict=True)}
     predicted = x @ fitted
     residual = float(((y - predicted) ** 2).sum())
     total = float(((y - y.mean()) ** 2).sum()) or 1.0
     return {
-        "terms": coef,
-        "fitted": list(design.terms),
+        "terms": dict.fromkeys(TERMS, 0.0) | {t: float(c) for t, c in zip(terms, fitted, strict=True)},
+        "fitted": list(terms),
         "samples": len(samples),
         "r2": 1.0 - residual / total,
         "measured_seconds": float(y.sum()),
-        "device": str(device),
     }
 
 
-def _time_runs(loaded: Any, model_config: Any, design: Design, sync: Any) -> list[tuple[list[float], float]]:
-    """Every forward of the design's runs as (totals in TERMS order, seconds): its best over the passes.
+def time_design(loaded: Any, model_config: Any, design: Design) -> list[tuple[list[float], float]]:
+    """Every forward of the design's runs on ``loaded`` (a ``LoadedModel`` built from ``model_config``)
+    as (totals in TERMS order, seconds): its best over the passes.
 
     One engine core serves every run and pass, so the KV cache is allocated and each CUDA graph captured
     once (in the first pass, which the best over passes then leaves out), and every forward is timed
     between two device synchronizations."""
+    import torch
+
     from bm.engine.core import EngineCore
     from bm.runtime.executor import TorchExecutor
 
+    device = loaded.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     inner = TorchExecutor(loaded)
     samples: list[tuple[list[float], float]] = []
 
