@@ -256,7 +256,9 @@ def nnls(x: Any, y: Any) -> Any:
         z = solve(passive)
         while (z[passive] <= 0).any():  # step back to the boundary, drop the terms that reach it
             blocked = passive & (z <= 0)
-            step = np.min(coef[blocked] / (coef[blocked] - z[blocked]))
+            gap = coef[blocked] - z[blocked]  # > 0 unless both are 0 (then that term just leaves)
+            ratios = coef[blocked][gap > 0] / gap[gap > 0]
+            step = float(ratios.min()) if ratios.size else 0.0
             coef = coef + step * (z - coef)
             passive &= coef > 1e-15
             z = solve(passive)
