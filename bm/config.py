@@ -561,8 +561,9 @@ class SimConfig:
 
     hardware: str = _knob(
         "h100-sxm",
-        "Row of bm/sim/hardware.yaml (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or cpu-local "
-        "(this machine, measured by `bm sim calibrate`).",
+        "Row of bm/sim/hardware.yaml (h100-sxm, h200, b200, a100-80gb, l40s, mi300x: a well-tuned engine at "
+        "the datasheet's peaks, not bm) or a local row measured with bm's own forward by `bm sim calibrate`: "
+        "cpu-local (this CPU) or cuda-local (this GPU).",
         _optional_str,
     )
     tensor_parallel: int = _knob(1, "Devices the model is split over (tensor parallelism).", _int_at_least(1))

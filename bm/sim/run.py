@@ -27,7 +27,7 @@ from bm.engine.request import Response
 from bm.engine.stats import IterationStats
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
-from bm.sim.hardware import CPU_LOCAL, Hardware, ensure_forward_fit, load_hardware
+from bm.sim.hardware import LOCAL_ROWS, Hardware, ensure_forward_fit, load_hardware
 from bm.sim.model import ModelShape
 from bm.workloads import Workload, arrival_times
 
@@ -49,6 +49,7 @@ class SimModel:
     tokenizer: Any = None
     eos_token_id: int | None = None
     device: str = "sim"
+    decode_graphs: bool = True  # model.cuda_graphs is not off (a cuda-local row prices graph replays)
 
     @property
     def vocab_size(self) -> int:
@@ -60,7 +61,7 @@ class SimModel:
         return self.hardware.device_type
 
     def cost_model(self) -> CostModel:
-        return CostModel(self.shape, self.hardware, self.dtype, self.tensor_parallel)
+        return CostModel(self.shape, self.hardware, self.dtype, self.tensor_parallel, self.decode_graphs)
 
     def runtime(self) -> dict[str, Any]:
         """The ``runtime`` block of results.json: what ran, for a simulated run."""
@@ -84,11 +85,22 @@ def load_sim_model(config: BmConfig) -> SimModel:
     dtype = config.model.dtype
     if dtype in ("auto", "float32"):
         dtype = shape.torch_dtype or "float32"
-    if hardware.key == CPU_LOCAL:  # this machine: the forward's cost as bm's engine runs this model here
-        model_config = dataclasses.replace(config.model, dtype=dtype, device="cpu")
-        hardware = ensure_forward_fit(model_config, shape, dtype)
-    hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run
-    return SimModel(shape, hardware, config.sim.tensor_parallel, dtype, name=shape.name or str(source))
+    hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run (or after a fit)
+    if hardware.key in LOCAL_ROWS:  # this machine: the forward's cost as bm's engine runs this model here
+        if config.sim.tensor_parallel > 1:
+            raise ConfigError(
+                f"--hardware {hardware.key} measures one device, bm's forward on it: tensor parallelism "
+                "needs a datasheet row (e.g. --hardware h100-sxm)"
+            )
+        hardware = ensure_forward_fit(config.model, shape, dtype, hardware.key)
+    return SimModel(
+        shape,
+        hardware,
+        config.sim.tensor_parallel,
+        dtype,
+        name=shape.name or str(source),
+        decode_graphs=config.model.cuda_graphs != "off",
+    )
 
 
 def is_sim(model: Any) -> bool:
