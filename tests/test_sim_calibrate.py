@@ -17,7 +17,6 @@ from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor
 from bm.runtime.model_loader import ModelConfig
 from bm.sim import CostModel, ModelShape, load_hardware
-from bm.sim.cost import work_totals
 from bm.sim.forward_fit import (
     CPU_TERMS,
     CUDA_BUDGET,
@@ -32,6 +31,7 @@ from bm.sim.forward_fit import (
     nnls,
 )
 from bm.sim.hardware import calibrate, default_device, ensure_forward_fit, local_row_name, local_row_path
+from bm.sim.work import work_totals
 
 TINY = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 64,

@@ -11,13 +11,15 @@ the engine, refused at load, or failed because the run was interrupted.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import FIELD_ALIASES, Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, records_frame, snapshot
-from bm.config import BmConfig
+from bm.bench.sizing import size_cache, workload_cache
+from bm.config import BmConfig, resolve_engine
 from bm.distributed.engine import engine_loop
 from bm.engine import EngineLoop, Request, Response
 from bm.workloads import Workload, arrival_times
@@ -75,6 +77,7 @@ def run_bench(
     measured replay's new stats rows and finished requests' records. Ctrl-C ends the run early with
     every record kept.
     """
+    config = sized_for(config, model, workload)
     if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.sim.run)
         from bm.sim.run import run_sim
 
@@ -97,9 +100,12 @@ def run_bench(
 
     feed = None if journal is None else JournalFeed(journal, workload, built, replayer, parsed_stats)
     interrupted = False
+    built_at = time.perf_counter()
     manager = engine_loop(
         config, router.get_requests, router.send_response, return_stats=router.return_stats, model=model
     )
+    core = manager.core  # its config is resolved for the model's device: what the results record
+    startup = {"engine_build_s": time.perf_counter() - built_at, "warmup": core.warmup}
     try:
         if bench.warmup and built:
             warm = Replayer([r for _, r in built[: bench.warmup]], [0.0] * min(bench.warmup, len(built)))
@@ -118,8 +124,8 @@ def run_bench(
     parsed_stats()
     if feed is not None:  # what came after the last poll: the stream ends equal to the results
         feed.pump()
-    return bench_result(
-        config,
+    result = bench_result(
+        core.config,
         model.name,
         workload,
         built,
@@ -128,6 +134,16 @@ def run_bench(
         runtime=_runtime_info(model.device, model.dtype),
         interrupted=interrupted,
     )
+    result.startup, result.warnings = startup, list(core.warnings)
+    return result
+
+
+def sized_for(config: BmConfig, model: Any, workload: Workload) -> BmConfig:
+    """``config`` with its budgets resolved for the model's device and, unless ``kv_cache.max_tokens`` is
+    set, its KV cache sized for ``workload`` (:mod:`bm.bench.sizing`): what ``bm bench`` runs, so a
+    library caller of :func:`run_bench` gets the same run as the command."""
+    resolved = resolve_engine(config, model.device_type)
+    return size_cache(resolved, workload_cache(workload, [resolved]))
 
 
 def _drain(

@@ -224,6 +224,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     if loaded_pair is None:
         return USAGE
     from bm.bench import run_bench, write_results
+    from bm.bench.results import startup_line
     from bm.cli.bench_report import bench_progress, print_results, tick
     from bm.cli.journal import FileJournal
     from bm.cli.progress import PlainProgress
@@ -256,10 +257,12 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     if plain is not None:
         plain.finish()
     name_rows(result.records, workload)
+    result.startup["load_model_s"] = getattr(loaded, "load_seconds", None)
     results = write_results(out, result, stats_written=journal.holds_stats(result.stats))
     if bench.json_output:
         print(json.dumps(results, indent=2))
     else:
+        console.print(startup_line(results["startup"]), highlight=False)
         print_results(console, results)
         console.print(
             f"results: {out / 'results.json'}  requests: {out / 'requests.jsonl'}  stats: {out / 'stats.jsonl'}",
@@ -352,7 +355,7 @@ def engine_config(
 
     cfg = resolve_engine(cfg, model.device_type)
     others = [resolve_engine(c, model.device_type) for c in others]
-    needed = workload_cache(workload, [cfg, *others])
+    needed = workload_cache(workload, [cfg, *others])  # as run_bench would size it (bm.bench.runner)
     if needed is not None and cfg.kv_cache.max_tokens is None:
         console.print(needed.describe(), highlight=False, soft_wrap=True)
     return size_cache(cfg, needed)

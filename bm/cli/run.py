@@ -252,7 +252,7 @@ def run_prompts(
                 "run_id": run_id,
                 "prompts": str(prompts) if prompts is not None else None,
                 "model": loaded.name,
-                "config": config.to_dict(),
+                "config": llm.config.to_dict(),  # resolved for the device: what ran
                 "runtime": runtime_info(loaded.device, loaded.dtype),
                 "parallel": parallel_info(),
                 **asdict(summary),

@@ -8,6 +8,7 @@ on the model's own device, once each (:func:`random_model`, bm.runtime.random_we
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class LoadedModel:
     cuda_graphs: str = "auto"
     # model.warmup: auto, on, off (shape classes run when an engine is built; bm.runtime.warmup)
     warmup: str = "auto"
+    # seconds load_model took (start-up, reported apart from a run's measured time)
+    load_seconds: float | None = None
 
     @property
     def device_type(self) -> str:
@@ -101,6 +104,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
+    started = time.perf_counter()
     if cfg.preset is not None:  # a named model becomes a checkpoint path (bm/runtime/presets.py)
         from bm.runtime.presets import PresetError, resolve_preset
 
@@ -142,6 +146,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     )
     loaded.cuda_graphs = cfg.cuda_graphs
     loaded.warmup = cfg.warmup
+    loaded.load_seconds = time.perf_counter() - started
     return loaded
 
 

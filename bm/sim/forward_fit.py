@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from bm.sim.cost import work_totals
+from bm.sim.work import work_totals
 
 TERMS = ("per_forward", "per_context_forward", "per_token", "per_row", "per_pair", "per_key")
 CPU_TERMS = ("per_forward", "per_token", "per_row", "per_pair")

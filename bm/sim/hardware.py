@@ -50,9 +50,9 @@ class Hardware:
 
     @property
     def device_type(self) -> str:
-        """The device a simulated run stands for, whose engine defaults it resolves (bm.config): this
-        machine's CPU for cpu-local, a GPU for every datasheet row."""
-        return "cpu" if self.key == CPU_LOCAL else "cuda"
+        """The device a simulated run stands for, whose engine defaults it resolves (bm.config): the
+        device a local row measured, a GPU for every datasheet row."""
+        return LOCAL_ROWS.get(self.key, "cuda")
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:

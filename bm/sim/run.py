@@ -155,13 +155,16 @@ def run_sim(
     replayer = Replayer(
         requests, [times[i] for i, _ in built], max_concurrency=bench.max_concurrency, clock=clock
     )
+    built_at = time.perf_counter()
     replay = _VirtualReplay(config, model, replayer, clock)
+    startup = {"engine_build_s": time.perf_counter() - built_at, "warmup": None}
     if journal is not None:
         replay.feed = JournalFeed(journal, workload, built, replayer, lambda: replay.stats)
     replay.run(fast_forward, progress, stop)
     result = bench_result(
-        config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
+        replay.core.config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
     )
+    result.startup, result.warnings = startup, list(replay.core.warnings)
     metrics = result.metrics
     metrics |= cost_metrics(
         model.hardware,
