@@ -177,6 +177,8 @@ class LLM:
         self.config = resolve_engine(config_, self.loaded.device_type)
         self.tokenizer = self.loaded.tokenizer
         self._next_id = 0
+        self._executor: Any = None  # one executor for every engine of this object: one cache, one warm-up
+        self._prepare_engine()
 
     def generate(
         self,
@@ -217,6 +219,25 @@ class LLM:
         return Session(self, return_stats)
 
     # -- inside -----------------------------------------------------------------------------------------
+
+    def _engine_executor(self) -> Any:
+        """The executor every engine of this object runs on (None under several ranks, where each rank
+        builds its own): its KV cache, CUDA graphs and warm-up outlive one ``generate`` call."""
+        from bm.distributed.layout import current_layout
+
+        if current_layout().is_distributed:
+            return None
+        if self._executor is None:
+            from bm.runtime.executor import TorchExecutor
+
+            self._executor = TorchExecutor(self.loaded)
+        return self._executor
+
+    def _prepare_engine(self) -> None:
+        """Build an engine once now, so the KV cache is allocated and the warm-up (compiles, CUDA graph
+        captures) done before the first ``generate``, as vLLM's ``LLM`` does at construction."""
+        if self._engine_executor() is not None:
+            self.session().close()
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -288,7 +309,12 @@ class Session:
         self._finished: queue.Queue[Response] = queue.Queue()
         self.stopped = False
         self._manager = engine_loop(
-            llm.config, self._get_requests, self._on_response, return_stats=return_stats, model=llm.loaded
+            llm.config,
+            self._get_requests,
+            self._on_response,
+            return_stats=return_stats,
+            model=llm.loaded,
+            **({"executor": executor} if (executor := llm._engine_executor()) is not None else {}),
         )
 
     def submit(self, request: Request) -> None:

@@ -87,3 +87,23 @@ def test_warmup_runs_every_graph_bucket_up_to_max_batch_size_and_keeps_outputs_o
     cold = _run(dataclasses.replace(static, warmup="off"), specs, config)
     warm = _run(dataclasses.replace(static, warmup="on"), specs, config)
     assert warm == cold
+
+
+def test_an_llm_allocates_its_cache_and_warms_up_once_at_construction_for_every_generate(monkeypatch):
+    import bm
+    import bm.runtime.warmup as warmup
+
+    runs = []
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: runs.append(a[1:]) or real(*a, **k))
+    llm = bm.LLM(
+        "tiny-random", device="cpu", warmup="on", engine={"max_batch_size": 4, "max_num_tokens": 32},
+        kv_cache={"max_tokens": 1024, "tokens_per_block": 8},
+    )  # fmt: skip
+    assert len(runs) == 1  # at construction, before the first generate
+    runner = llm._executor.runner
+    params = bm.SamplingParams(max_tokens=5, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate([[5, 6, 7], [9, 10, 11, 12]], params)]
+    second = [o.token_ids for o in llm.generate([[5, 6, 7], [9, 10, 11, 12]], params)]
+    assert first == second and all(len(t) == 5 for t in first)
+    assert llm._executor.runner is runner and len(runs) == 1  # the same cache, warmed up once

@@ -148,6 +148,11 @@ class ModelRunner:
         )  # fmt: skip
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes the KV tensors take (what a new engine over the same executor may take over)."""
+        return sum(c.numel() * c.element_size() for c in self.kv_caches if c is not None)
+
+    @property
     def window(self) -> int | None:
         """The first attention layer's window (every layer's, unless the layout is mixed)."""
         return self._default_window
