@@ -24,6 +24,7 @@ end id -1 never stops, which surprises everyone who did not ask for it).
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -235,9 +236,15 @@ class LLM:
 
     def _prepare_engine(self) -> None:
         """Build an engine once now, so the KV cache is allocated and the warm-up (compiles, CUDA graph
-        captures) done before the first ``generate``, as vLLM's ``LLM`` does at construction."""
-        if self._engine_executor() is not None:
-            self.session().close()
+        captures) done before the first ``generate``, as vLLM's ``LLM`` does at construction; what it
+        cost is :attr:`startup`."""
+        self.startup: dict[str, Any] = {"load_model_s": self.loaded.load_seconds}
+        if self._engine_executor() is None:
+            return
+        started = time.perf_counter()
+        session = self.session()
+        self.startup |= {"engine_build_s": time.perf_counter() - started, "warmup": session.warmup}
+        session.close()
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -316,6 +323,12 @@ class Session:
             model=llm.loaded,
             **({"executor": executor} if (executor := llm._engine_executor()) is not None else {}),
         )
+
+    @property
+    def warmup(self) -> dict[str, Any] | None:
+        """The engine's warm-up report (None when it ran none, or reused an earlier one's)."""
+        core = getattr(self._manager, "core", None)
+        return getattr(core, "warmup", None)
 
     def submit(self, request: Request) -> None:
         self._pending.put(request)

@@ -42,6 +42,9 @@ def test_run_on_the_shipped_sample_writes_one_record_per_line(tmp_path):
     # what a reader needs to compare figures across machines
     assert summary["runtime"]["decode_attention"] in ("native", "torch")
     assert summary["runtime"]["device"] == "cpu" and summary["runtime"]["torch_threads"] >= 1
+    # start-up on its own, before the run's clock: the model's load and the engine's build
+    assert summary["startup"]["total_s"] >= summary["startup"]["load_model_s"] > 0
+    assert "start-up" in result.output
     assert "output tok/s" in result.output
 
 

@@ -187,6 +187,9 @@ def run_prompts(
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     llm = LLM(config=config)  # the library's front door loads the model and drives the engine
     loaded = llm.loaded
+    from bm.bench.results import startup_document, startup_line
+
+    console.print(startup_line(llm.startup), highlight=False)
     default_end_id = None if ignore_eos else loaded.eos_token_id
     codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,6 +258,7 @@ def run_prompts(
                 "config": llm.config.to_dict(),  # resolved for the device: what ran
                 "runtime": runtime_info(loaded.device, loaded.dtype),
                 "parallel": parallel_info(),
+                "startup": startup_document(llm.startup),
                 **asdict(summary),
                 "output_tokens_per_s": summary.output_tokens_per_s,
                 "total_tokens_per_s": summary.total_tokens_per_s,
