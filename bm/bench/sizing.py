@@ -32,10 +32,11 @@ class WorkloadCache:
         return self.concurrency * self.tokens_per_sequence * self.samples
 
     def describe(self) -> str:
-        samples = f" x {self.samples} samples" if self.samples > 1 else ""
+        """One line under 80 columns, e.g. ``KV cache: 6,144 tokens for the dataset (64 x 96)``."""
+        samples = f" x {self.samples}" if self.samples > 1 else ""
         return (
-            f"KV cache sized for the dataset: {self.concurrency} requests x {self.tokens_per_sequence:,} "
-            f"tokens{samples} = {self.max_tokens:,} tokens (kv_cache.max_tokens; set it to override)"
+            f"KV cache: {self.max_tokens:,} tokens for the dataset ({self.concurrency} x "
+            f"{self.tokens_per_sequence:,}{samples}; kv_cache.max_tokens overrides)"
         )
 
 

@@ -110,6 +110,12 @@ def latency_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def _budgets(engine: dict[str, Any]) -> str:
+    """``128 requests, 2,048 tokens, chunked``: what the engine's defaults resolved to on this device."""
+    chunked = "chunked" if engine.get("enable_chunked_context") else "whole contexts"
+    return f"{_fmt(engine.get('max_batch_size'))} requests, {_fmt(engine.get('max_num_tokens'))} tokens, {chunked}"
+
+
 def engine_table(results: dict[str, Any]) -> Table:
     table = Table(title="Batch manager", title_justify="left")
     table.add_column("metric")
@@ -117,6 +123,7 @@ def engine_table(results: dict[str, Any]) -> Table:
     engine = results["config"]["engine"]
     rows = [
         ("Scheme / policy", f"{engine['batching_scheme']} / {engine['scheduler_policy']}"),
+        ("Budgets (an iteration)", _budgets(engine)),
         ("Iterations", results["num_iterations"]),
         ("Mean requests per iteration", results["mean_requests_per_iteration"]),
         ("Mean tokens per iteration", results["mean_tokens_per_iteration"]),
