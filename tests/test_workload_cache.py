@@ -14,6 +14,7 @@ from bm.config import load_config, resolve_engine
 from bm.report.data import variant_dir
 from bm.workloads import Workload
 from bm.workloads.request import Row
+from tests.conftest import compare_dataset
 
 runner = CliRunner()
 
@@ -70,10 +71,7 @@ def test_unresolved_budgets_are_refused_rather_than_guessed():
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "requests.jsonl"
-    rows = [{"input_ids": [5 + i, 17, 33 + i, 9] * (i + 1), "max_tokens": 3 + (i % 3)} for i in range(6)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
+    return compare_dataset(tmp_path_factory.mktemp("data"))
 
 
 def test_two_variants_of_one_compare_get_equal_kv_caches_sized_for_the_dataset(dataset, tmp_path):
