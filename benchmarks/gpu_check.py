@@ -13,8 +13,13 @@ Every model has random weights built from a config (no file to carry). One JSON 
   shape, bm against HF ``generate()`` (left-padded batches) and transformers' continuous batching;
 - ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
   over the copy bandwidth measured in the same run;
-- ``goals``: whether each of the issue's goals held.
-Progress goes to stderr. The JSON file is rewritten after every section, so a run cut short by a lease's
+- what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py): ``cli_run`` (bm bench
+  with default flags on 1,024 Azure conversation rows), ``bench_harness_workload`` (this check's workload
+  as a synthetic bm bench dataset, beside the harness's figure), the simulator's predictions of both on
+  the calibrated ``cuda-local`` row (``calibration``) and the datasheet row, ``load_8b`` and ``compare``;
+- ``goals``: whether each of the issues' goals held.
+The trace is read from ../shared/traces or bm-out/traces (copy it there to carry it to a lent machine;
+never commit it). Progress goes to stderr. The JSON file is rewritten after every section, so a run cut short by a lease's
 time limit still leaves what it measured. ``--profile`` adds the decode step's busiest CUDA kernels
 (``torch.profiler``) to each roofline entry, to say where a step below the roofline spends its time.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -34,14 +40,15 @@ from typing import Any
 if "--device" in sys.argv and "cpu" in sys.argv:  # Triton kernels, if forced on CPU, need the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gpu_user_path as user
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
 from bm.config import config_from_dict
 from bm.engine import Request, generate
 from bm.runtime import ModelRunner, Segment
-from bm.runtime.model_loader import LoadedModel, describe_model, resolve_dtype
+from bm.runtime.model_loader import LoadedModel, describe_model, random_model, resolve_dtype
 from bm.runtime.triton import ENV_SWITCH
 
 ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -63,9 +70,10 @@ def log(message: str) -> None:
 
 
 def build(shape: dict[str, Any], dtype: str, device: torch.device, cuda_graphs: str = "auto") -> LoadedModel:
+    """Random weights drawn once on ``device`` itself, as bm's loader builds them (bm.runtime.random_weights),
+    not twice on the CPU and then copied over."""
     config = AutoConfig.for_model("llama", max_position_embeddings=4096, **shape)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, device)).to(device).eval()
+    model = random_model(config, resolve_dtype(dtype, device), device, seed=0).eval()
     loaded = describe_model(model, None, f"random {shape['hidden_size']}x{shape['num_hidden_layers']}")
     loaded.cuda_graphs = cuda_graphs
     return loaded
@@ -394,6 +402,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="also run bm with transformers' own elementwise ops (fusion's A/B, same sitting)",
     )
+    p.add_argument("--trace", type=Path, default=None,
+                   help="the Azure conversation trace (default: ../shared/traces or bm-out/traces)")  # fmt: skip
     p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
                    help="force bm's attention path (triton on CPU runs Triton's interpreter: slow)")  # fmt: skip
     args = p.parse_args(argv)
@@ -423,8 +433,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         check_throughput(name, shape, device, args, report["throughput"][name], save)
     report["goals"] = goals(report)
     save()
+    user_path(report, args, device, save)
     log(f"wrote {args.out} in {report['seconds']:.0f} s")
     return report
+
+
+def user_path(report: dict[str, Any], args, device: torch.device, save) -> None:
+    """What users run, through the CLI (benchmarks/gpu_user_path.py), each section saved as it ends."""
+    gc.collect()
+    if device.type == "cuda":  # this process's cached blocks would look used to the subprocesses
+        torch.cuda.empty_cache()
+    folder = user.workdir()
+    sim_rows = ["h100-sxm"]
+    if device.type == "cuda" and not args.small:
+        from bm.sim.hardware import calibrate
+
+        started = time.perf_counter()
+        row = calibrate(device=str(device))
+        report["calibration"] = {"seconds": time.perf_counter() - started, "row": row}
+        sim_rows.insert(0, "cuda-local")
+        save()
+    shape = user.shape_file(SMALL if args.small else SHAPES["llama-1b"], folder)
+    report["cli_run"] = user.check_cli_run(shape, user.find_trace(args.trace), args.small, folder, sim_rows)
+    log(f"cli run: {json.dumps({k: report['cli_run'].get(k) for k in ('finished', 'output_tok_s')})}")
+    save()
+    harness = report["throughput"]["small" if args.small else "llama-1b"]
+    steady = (harness.get("bm") or {}).get("output_tok_s")
+    rows = [] if args.small else sim_rows  # one prediction is enough to check the code path on CPU
+    report["bench_harness_workload"] = user.check_bench_workload(shape, args, steady, folder, rows)
+    save()
+    models = user.REPO / "configs" / "models"
+    big = models / ("bench-llama-15m.json" if args.small else "llama-3.1-8b.json")
+    report["load_8b"] = user.check_load(big, str(device))
+    log(f"8B load: {report['load_8b'].get('load_s')}")
+    save()
+    report["compare"] = user.check_compare(shape, args.small, folder)
+    report["goals"] |= user.user_path_goals(report)
+    for name, figures in report["throughput"].items():
+        report["goals"][f"{name}_first_run_within_10pct_of_second"] = bool(
+            user.first_run_within_10pct(figures)
+        )
+    save()
 
 
 if __name__ == "__main__":

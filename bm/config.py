@@ -80,6 +80,10 @@ def _bool(key: str, value: Any) -> Any:
     return value
 
 
+def _optional_bool(key: str, value: Any) -> Any:
+    return None if value is None else _bool(key, value)
+
+
 def _optional_str(key: str, value: Any) -> Any:
     if value is None:
         return None
@@ -239,6 +243,13 @@ class ModelConfig:
         "captured, e.g. CPU under the Triton interpreter), off.",
         _on_off_auto,
     )
+    warmup: str = _knob(
+        "auto",
+        "Run every shape class a run will meet once when the engine is built, before any request: a "
+        "decode step per CUDA-graph bucket up to max_batch_size (captured) and the prompt-carrying "
+        "forwards whose Triton kernel variants would otherwise compile mid-run: auto (on CUDA), on, off.",
+        _on_off_auto,
+    )
     fused_elementwise: str = _knob(
         "auto",
         "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "
@@ -262,9 +273,25 @@ class EngineConfig:
         "the latest started when short), static_batch (no new request until the batch drains).",
         _choice(SCHEDULER_POLICIES),
     )
-    max_batch_size: int = _knob(128, "Most requests scheduled in one iteration.", _int_at_least(1))
-    max_num_tokens: int = _knob(
-        2048, "Most tokens (context + generation) computed in one iteration.", _int_at_least(1)
+    defaults: str = _knob(
+        "bm",
+        "What the budget keys left unset (max_batch_size, max_num_tokens, enable_chunked_context) resolve "
+        "to, per device: bm (chunked context on; CPU 128 requests and 2048 tokens an iteration, CUDA 256 "
+        "and 8192: a long prompt never waits for the batch to drain) or seed (the seed's, TensorRT-LLM "
+        "Batch Manager's: chunked context off, 128 requests, 2048 tokens, on every device). A key you set "
+        "wins either way.",
+        _choice({"bm": "bm", "seed": "seed", "trtllm": "seed"}),
+    )
+    max_batch_size: int | None = _knob(
+        None,
+        "Most requests scheduled in one iteration (default per device, see engine.defaults).",
+        _int_at_least(1, optional=True),
+    )
+    max_num_tokens: int | None = _knob(
+        None,
+        "Most tokens (context + generation) computed in one iteration (default per device, see "
+        "engine.defaults).",
+        _int_at_least(1, optional=True),
     )
     max_num_active_requests: int | None = _knob(
         None,
@@ -277,8 +304,11 @@ class EngineConfig:
         _int_at_least(1, optional=True),
     )
     max_beam_width: int = _knob(1, "Largest beam_width a request may ask for.", _int_at_least(1))
-    enable_chunked_context: bool = _knob(
-        False, "Split long contexts across iterations so generation keeps flowing beside them.", _bool
+    enable_chunked_context: bool | None = _knob(
+        None,
+        "Split long contexts across iterations so generation keeps flowing beside them (default: on; off "
+        "under engine.defaults: seed).",
+        _optional_bool,
     )
     context_chunking_policy: ContextChunkingPolicy = _knob(  # noqa: RUF009
         ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
@@ -531,8 +561,9 @@ class SimConfig:
 
     hardware: str = _knob(
         "h100-sxm",
-        "Row of bm/sim/hardware.yaml (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or cpu-local "
-        "(this machine, measured by `bm sim calibrate`).",
+        "Row of bm/sim/hardware.yaml (h100-sxm, h200, b200, a100-80gb, l40s, mi300x: a well-tuned engine at "
+        "the datasheet's peaks, not bm) or a local row measured with bm's own forward by `bm sim calibrate`: "
+        "cpu-local (this CPU) or cuda-local (this GPU).",
         _optional_str,
     )
     tensor_parallel: int = _knob(1, "Devices the model is split over (tensor parallelism).", _int_at_least(1))
@@ -624,6 +655,61 @@ def config_from_dict(data: Mapping[str, Any] | None) -> BmConfig:
     return cfg
 
 
+# What engine.defaults gives the budget keys left unset, per device type. bm's values were chosen by
+# measurement (docs/defaults.md): with chunked context a prompt at the token cap never waits for the
+# generating requests to drain, and CUDA's larger budgets keep a GPU's batch full. "seed" is the seed's
+# (TensorRT-LLM Batch Manager's) behaviour, the same on every device.
+ENGINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "bm": {
+        "cpu": {"enable_chunked_context": True, "max_batch_size": 128, "max_num_tokens": 2048},
+        "cuda": {"enable_chunked_context": True, "max_batch_size": 256, "max_num_tokens": 8192},
+    },
+    "seed": {
+        device: {"enable_chunked_context": False, "max_batch_size": 128, "max_num_tokens": 2048}
+        for device in ("cpu", "cuda")
+    },
+}
+
+
+def _chunked(engine: EngineConfig) -> bool:
+    """Whether chunked context is on, set or by engine.defaults (the same on every device)."""
+    if engine.enable_chunked_context is not None:
+        return engine.enable_chunked_context
+    return ENGINE_DEFAULTS[engine.defaults]["cpu"]["enable_chunked_context"]
+
+
+def engine_defaults(engine: EngineConfig, device_type: str) -> dict[str, Any]:
+    """The values engine.defaults gives on ``device_type`` (cpu; cuda and every accelerator torch calls
+    cuda), whether or not the keys are set."""
+    return dict(ENGINE_DEFAULTS[engine.defaults]["cpu" if device_type == "cpu" else "cuda"])
+
+
+def resolve_engine(cfg: BmConfig, device_type: str) -> BmConfig:
+    """``cfg`` with every budget key left unset filled in for ``device_type``; keys already set stay.
+
+    The one place the per-device defaults are decided: the engine core resolves its config with it (the
+    real engine from the model's device, the simulator from its hardware row's), and the CLI and
+    ``bm.LLM`` resolve the same way once the model is loaded, so what a results file records is what
+    ran. Resolving twice changes nothing."""
+    engine = cfg.engine
+    unset = {k: v for k, v in engine_defaults(engine, device_type).items() if getattr(engine, k) is None}
+    if not unset:
+        return cfg
+    resolved = dataclasses.replace(cfg, engine=dataclasses.replace(engine, **unset))
+    validate_budgets(resolved)
+    return resolved
+
+
+def validate_budgets(cfg: BmConfig) -> None:
+    """The budget checks that need the resolved values (a set token budget is checked at load)."""
+    engine, kv = cfg.engine, cfg.kv_cache
+    if engine.enable_chunked_context and (engine.max_num_tokens or 0) < kv.tokens_per_block:
+        raise ConfigError(
+            f"engine.max_num_tokens ({engine.max_num_tokens}) must hold at least one block "
+            f"(kv_cache.tokens_per_block = {kv.tokens_per_block}) when chunked context is on"
+        )
+
+
 def validate(cfg: BmConfig) -> None:
     """Cross-field checks that no single knob can make alone."""
     if cfg.model.path and cfg.model.config:
@@ -636,13 +722,13 @@ def validate(cfg: BmConfig) -> None:
             "exclusive: a preset names the model; drop one"
         )
     kv, engine = cfg.kv_cache, cfg.engine
-    if engine.enable_chunked_context and engine.max_num_tokens < kv.tokens_per_block:
+    if engine.max_num_tokens is not None and _chunked(engine) and engine.max_num_tokens < kv.tokens_per_block:
         raise ConfigError(
             f"engine.max_num_tokens ({engine.max_num_tokens}) must hold at least one block "
             f"(kv_cache.tokens_per_block = {kv.tokens_per_block}) when chunked context is on"
         )
     if engine.context_chunk_size is not None:
-        if not engine.enable_chunked_context:
+        if not _chunked(engine):
             raise ConfigError("engine.context_chunk_size needs engine.enable_chunked_context: true")
         if engine.context_chunk_size < kv.tokens_per_block:
             raise ConfigError(

@@ -24,12 +24,13 @@ end id -1 never stops, which surprises everyone who did not ask for it).
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bm.config import MODEL_PRESETS, BmConfig, load_config
+from bm.config import MODEL_PRESETS, BmConfig, load_config, resolve_engine
 from bm.engine.fields import request_field, token_id_list
 from bm.engine.offline import RequestQueue
 from bm.engine.request import Request, Response
@@ -170,10 +171,15 @@ class LLM:
     ):
         from bm.runtime import load_model
 
-        self.config = _build_config(model, config, options)
-        self.loaded = load_model(self.config.model)
+        config_ = _build_config(model, config, options)
+        self.loaded = load_model(config_.model)
+        # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what
+        # this object reports is what its engines run
+        self.config = resolve_engine(config_, self.loaded.device_type)
         self.tokenizer = self.loaded.tokenizer
         self._next_id = 0
+        self._executor: Any = None  # one executor for every engine of this object: one cache, one warm-up
+        self._prepare_engine()
 
     def generate(
         self,
@@ -214,6 +220,31 @@ class LLM:
         return Session(self, return_stats)
 
     # -- inside -----------------------------------------------------------------------------------------
+
+    def _engine_executor(self) -> Any:
+        """The executor every engine of this object runs on (None under several ranks, where each rank
+        builds its own): its KV cache, CUDA graphs and warm-up outlive one ``generate`` call."""
+        from bm.distributed.layout import current_layout
+
+        if current_layout().is_distributed:
+            return None
+        if self._executor is None:
+            from bm.runtime.executor import TorchExecutor
+
+            self._executor = TorchExecutor(self.loaded)
+        return self._executor
+
+    def _prepare_engine(self) -> None:
+        """Build an engine once now, so the KV cache is allocated and the warm-up (compiles, CUDA graph
+        captures) done before the first ``generate``, as vLLM's ``LLM`` does at construction; what it
+        cost is :attr:`startup`."""
+        self.startup: dict[str, Any] = {"load_model_s": self.loaded.load_seconds}
+        if self._engine_executor() is None:
+            return
+        started = time.perf_counter()
+        session = self.session()
+        self.startup |= {"engine_build_s": time.perf_counter() - started, "warmup": session.warmup}
+        session.close()
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -285,8 +316,19 @@ class Session:
         self._finished: queue.Queue[Response] = queue.Queue()
         self.stopped = False
         self._manager = engine_loop(
-            llm.config, self._get_requests, self._on_response, return_stats=return_stats, model=llm.loaded
+            llm.config,
+            self._get_requests,
+            self._on_response,
+            return_stats=return_stats,
+            model=llm.loaded,
+            **({"executor": executor} if (executor := llm._engine_executor()) is not None else {}),
         )
+
+    @property
+    def warmup(self) -> dict[str, Any] | None:
+        """The engine's warm-up report (None when it ran none, or reused an earlier one's)."""
+        core = getattr(self._manager, "core", None)
+        return getattr(core, "warmup", None)
 
     def submit(self, request: Request) -> None:
         self._pending.put(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,14 @@ def reference_model(loaded: LoadedModel) -> torch.nn.Module:
     ref.generation_config.eos_token_id = None
     ref.generation_config.pad_token_id = 0
     return ref
+
+
+def compare_dataset(folder: Path) -> Path:
+    """Six token-id requests of 4 to 24 prompt tokens and 3 to 5 outputs: a comparison in seconds."""
+    path = folder / "requests.jsonl"
+    rows = [{"input_ids": [5 + i, 17, 33 + i, 9] * (i + 1), "max_tokens": 3 + (i % 3)} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
 
 
 @pytest.fixture(scope="session")

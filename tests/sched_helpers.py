@@ -68,6 +68,7 @@ class Harness:
             "scheduler_policy": policy,
             "max_batch_size": max_batch_size,
             "max_num_tokens": max_num_tokens,
+            "enable_chunked_context": False,  # chunking=None: a context runs whole (the seed's)
         }
         if chunking:
             engine.update(enable_chunked_context=True, context_chunking_policy=chunking)

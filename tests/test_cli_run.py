@@ -36,10 +36,15 @@ def test_run_on_the_shipped_sample_writes_one_record_per_line(tmp_path):
     stats = read_jsonl(tmp_path / "stats.jsonl")
     assert stats and all("Iteration Counter" in s for s in stats)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_ok"] == len(lines) and summary["config"]["engine"]["max_batch_size"] == 128
+    assert (
+        summary["num_ok"] == len(lines) and summary["config"]["engine"]["max_batch_size"] == 128
+    )  # resolved for the CPU
     # what a reader needs to compare figures across machines
     assert summary["runtime"]["decode_attention"] in ("native", "torch")
     assert summary["runtime"]["device"] == "cpu" and summary["runtime"]["torch_threads"] >= 1
+    # start-up on its own, before the run's clock: the model's load and the engine's build
+    assert summary["startup"]["total_s"] >= summary["startup"]["load_model_s"] > 0
+    assert "start-up" in result.output
     assert "output tok/s" in result.output
 
 
@@ -140,3 +145,24 @@ def test_version_prints_bm_torch_and_transformers_versions_and_exits_0():
     assert result.output.startswith(f"bm {bm.__version__} ")
     assert f"torch {torch.__version__}" in result.output
     assert f"transformers {transformers.__version__}" in result.output
+
+
+def test_off_a_terminal_run_prints_a_plain_progress_line_with_the_time_left(tmp_path, monkeypatch):
+    import re
+
+    import bm.cli.progress
+
+    monkeypatch.setattr(bm.cli.progress, "PLAIN_INTERVAL_S", 0.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"line {i}", "max_tokens": 4}) + "\n" for i in range(5)))
+    args = ["run", str(prompts), "-o", str(tmp_path / "out"), "--set", "model.device=cpu"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("bm run [")]
+    assert lines and "5/5 requests" in lines[-1], result.output
+    pattern = r"bm run \[\d+:\d\d\] \d/5 requests, \d+ output tokens \([\d,]+/s\)(, ETA (\d+:\d\d|\?))?"
+    assert all(re.fullmatch(pattern, line) for line in lines), lines
+    assert "generating" not in result.output  # no progress bar drawn into the log
+
+    quiet = runner.invoke(app, [*args[:3], str(tmp_path / "quiet"), "-q", *args[4:]])
+    assert quiet.exit_code == 0 and "bm run [" not in quiet.output

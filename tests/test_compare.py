@@ -12,17 +12,14 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from bm.report.plots import PLOT_FILES
-from tests.conftest import REPO
+from tests.conftest import REPO, compare_dataset
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "requests.jsonl"
-    rows = [{"input_ids": [5 + i, 17, 33 + i, 9] * (i + 1), "max_tokens": 3 + (i % 3)} for i in range(6)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
+    return compare_dataset(tmp_path_factory.mktemp("data"))
 
 
 def compare(dataset, out, *extra):

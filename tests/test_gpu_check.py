@@ -32,3 +32,15 @@ def test_gpu_check_runs_on_cpu_small_and_writes_one_json_file(tmp_path, monkeypa
     assert small["bm"]["output_tokens"] == small["hf-generate"]["output_tokens"] > 0
     assert small["roofline"]["fraction_of_roofline"] > 0
     assert report["goals"]["bm_equals_hf_fp32_on_every_request"]
+    # what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py)
+    cli = report["cli_run"]
+    assert cli["finished"] and cli["output_tok_s"] > 0 and cli["num_iterations"] > 0
+    assert cli["engine"]["enable_chunked_context"] is True  # the defaults, as a user gets them
+    assert cli["startup"]["total_s"] >= cli["startup"]["load_model_s"] > 0
+    assert cli["sim"]["h100-sxm"]["finished"] and cli["sim"]["h100-sxm"]["predicted_over_real"] > 0
+    bench = report["bench_harness_workload"]
+    assert bench["finished"] and bench["bench_over_harness"] > 0
+    assert report["load_8b"]["finished"] and report["load_8b"]["parameters"] > 0
+    compare = report["compare"]
+    assert compare["finished"] and compare["equal_caches"]
+    assert report["goals"]["cli_run_finishes"] and report["goals"]["compare_variants_get_equal_caches"]

@@ -79,7 +79,11 @@ def test_top_logprobs_have_openais_shape_sorted_with_the_chosen_token(tmp_path):
     for token, value, top in zip(
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
-        assert len(top) <= 3 and top[token] == value
+        assert len(top) <= 3
+        # OpenAI's legacy shape maps token text to log prob: a byte-level tokenizer's partial UTF-8
+        # bytes all render as U+FFFD, so such an entry names one of several tokens; check the others
+        if token != "\ufffd":
+            assert top[token] == value
 
 
 def test_fields_that_change_nothing_are_accepted_and_change_nothing(tmp_path):

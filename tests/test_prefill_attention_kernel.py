@@ -179,9 +179,11 @@ def test_greedy_output_equals_hf_generate_with_the_prefill_kernel(
     specs = random_prompts(seed=23, count=12, vocab=tiny_model.vocab_size, max_prompt=70, max_output=8)
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
     client = StaggeredClient(requests, per_iteration=3)
-    engine = {"max_batch_size": 8, "max_num_tokens": 24 if chunked else 128}
-    if chunked:
-        engine["enable_chunked_context"] = True
+    engine = {
+        "max_batch_size": 8,
+        "max_num_tokens": 24 if chunked else 128,
+        "enable_chunked_context": chunked,
+    }
     with BatchManager(
         make_config(engine=engine), client.get_requests, client.send_response, model=tiny_model
     ):

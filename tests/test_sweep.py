@@ -50,6 +50,12 @@ def sweep_inputs(schemes: str = "inflight_fused", **sets: object):
     return configs, model, workload
 
 
+def load_workload_for(config, model):
+    from bm.workloads import load_workload
+
+    return load_workload(config.bench, vocab_size=model.vocab_size, encode=None)
+
+
 def replay(config, model, workload, slo: Slo, rate: float) -> bool:
     """Feasibility of one full replay at ``rate`` (no early stop)."""
     from bm.sim.run import run_sim
@@ -125,6 +131,35 @@ def test_parallel_workers_find_the_same_loads_as_one(tmp_path):
         outcomes = run_sweep(plan, model, workload, PointStore(tmp_path / str(workers)))
         found.append({o.name: (o.max_load, len(o.points)) for o in outcomes})
     assert found[0] == found[1]
+
+
+def test_a_parallel_sweep_loads_every_simulated_model_before_its_workers_fork(tmp_path, monkeypatch):
+    """A local row's forward fit is measured in the parent, once per row, never by a forked worker
+    (CUDA cannot start again in a forked child, and workers measuring at once would skew each other)."""
+    import os
+
+    import bm.sim.run
+
+    base = load_config(None, base_overrides(**{"bench.num_requests": 12}))
+    configs = expand(base, plan_axes(None, {"sim.hardware": "h100-sxm,h200"}))
+    model = bm.sim.run.load_sim_model(base)
+    workload = load_workload_for(base, model)
+    loads = tmp_path / "loads"
+    real = bm.sim.run.load_sim_model
+
+    def recording(config):
+        with loads.open("a") as f:
+            f.write(f"{os.getpid()} {config.sim.hardware}\n")
+        return real(config)
+
+    monkeypatch.setattr(bm.sim.run, "load_sim_model", recording)
+    monkeypatch.setattr(sweep_runner, "_SHARED", {})
+    run_sweep(
+        SweepPlan(configs, Slo.parse([SLO_FLAGS], 99), workers=2), model, workload, PointStore(tmp_path)
+    )
+    loaded = [line.split() for line in loads.read_text().splitlines()]
+    assert sorted(hw for _, hw in loaded) == ["h100-sxm", "h200"]
+    assert {int(pid) for pid, _ in loaded} == {os.getpid()}
 
 
 # -- resume ----------------------------------------------------------------------------------------------

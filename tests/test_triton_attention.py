@@ -149,3 +149,23 @@ def test_windowed_table_with_freed_blocks_reads_only_live_ones():
 def test_bfloat16_stays_within_bf16_rounding():
     out, ref = _run(MIXED, 4, 2, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5, 8])
+def test_every_packed_array_starts_16_byte_aligned_whatever_the_batch_size(num_seqs):
+    """Triton compiles a kernel variant per pointer alignment: arrays at offsets that followed the batch
+    size made steps of different sizes compile different variants mid-run."""
+    tokens = [[7] * (1 + i % 3) for i in range(num_seqs)]
+    starts = [3 * i for i in range(num_seqs)]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(num_seqs)]
+    builder = BatchBuilder(torch.device("cpu"), BS)
+    inputs = builder.build(tokens, starts, tables, keep=list(range(num_seqs)), pooled_tables={6: tables})
+    batches = [inputs.batch, *inputs.pooled.values()]
+    arrays = [inputs.input_ids, inputs.positions, inputs.logits_index]
+    arrays += [t for b in batches for t in (b.cu_seqlens, b.seq_lens, b.block_table, b.slot_mapping)]
+    assert all(t.data_ptr() % 16 == 0 for t in arrays)
+    assert inputs.batch.cu_seqlens.tolist() == [0, *[sum(map(len, tokens[: i + 1])) for i in range(num_seqs)]]
+    assert inputs.batch.seq_lens.tolist() == [s + len(t) for s, t in zip(starts, tokens, strict=True)]
+    assert inputs.positions[0].tolist() == [
+        p for s, t in zip(starts, tokens, strict=True) for p in range(s, s + len(t))
+    ]

@@ -7,14 +7,19 @@ on the same workload and arrival times::
     times = arrival_times(workload, config.bench)
     result = run_bench(config, model, workload, times)  # BenchResult: records, stats, metrics
     write_results(out_dir, result)
+
+``run_bench(..., journal=...)`` also hands a :class:`BenchJournal` the stats rows and records as they
+come (the CLI streams them to the files, so a killed run leaves its trace).
 """
 
+from bm.bench.journal import BenchJournal
 from bm.bench.metrics import engine_metrics, latency_stats, request_record, run_metrics
 from bm.bench.replayer import Replayer, Timeline
 from bm.bench.results import results_document, write_results
 from bm.bench.runner import BenchResult, ReplayProgress, build_requests, records_frame, run_bench
 
 __all__ = [
+    "BenchJournal",
     "BenchResult",
     "ReplayProgress",
     "Replayer",

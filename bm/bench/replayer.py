@@ -78,6 +78,10 @@ class Replayer:
         self.finished: queue.Queue[Timeline] = queue.Queue()
         self.num_finished = 0
         self.num_output_tokens = 0
+        # Known when nothing can end a request before its length (no end id, no stop words: --ignore-eos,
+        # and every simulated request), so a progress display can tell the time left from tokens.
+        known = all(r.end_id is None and not r.stop_words_list for r in self._requests)
+        self.num_expected_output_tokens = sum(r.request_output_len for r in self._requests) if known else None
         if not self._requests:
             self._all_done.set()
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import pandas as pd
 
@@ -35,6 +37,7 @@ class ReplayProgress:
     num_finished: int
     num_output_tokens: int
     elapsed_s: float
+    num_expected_output_tokens: int | None = None  # the run's output tokens, when known in advance
 
 
 @dataclass
@@ -51,6 +54,9 @@ class BenchResult:
     workload: dict[str, Any] = field(default_factory=dict)  # Workload.describe()
     arrivals: dict[str, Any] = field(default_factory=dict)  # ArrivalPlan.describe()
     runtime: dict[str, Any] = field(default_factory=dict)  # bm.runtime.native.runtime_info()
+    # before the clock: engine_build_s (cache and warm-up), warmup (its report), load_model_s (the CLI's)
+    startup: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what the engine said during the run (once each)
 
 
 def bench_result(
@@ -102,6 +108,7 @@ def snapshot(replayer: Replayer) -> ReplayProgress:
         num_finished=replayer.num_finished,
         num_output_tokens=replayer.num_output_tokens,
         elapsed_s=replayer.now(),
+        num_expected_output_tokens=replayer.num_expected_output_tokens,
     )
 
 
@@ -124,6 +131,8 @@ def results_document(result: BenchResult) -> dict[str, Any]:
             "warmup": bench.warmup,
             "slo_ms": {k: v for k, v in slo.items() if v is not None},
             "interrupted": result.interrupted,
+            "startup": startup_document(result.startup),
+            "warnings": list(result.warnings),
             "config": result.config.to_dict(),
             "runtime": result.runtime,
             "parallel": parallel_info(),
@@ -132,18 +141,68 @@ def results_document(result: BenchResult) -> dict[str, Any]:
     )
 
 
-def write_results(out_dir: Path, result: BenchResult) -> dict[str, Any]:
-    """Write the three files into ``out_dir`` (created if needed); returns the results document."""
+def startup_document(startup: dict[str, Any]) -> dict[str, Any]:
+    """The start-up figures with their total (model load, engine build with its warm-up): the time a run
+    spends before its clock starts, reported apart from the measured run."""
+    parts = [startup.get("load_model_s"), startup.get("engine_build_s")]
+    return dict(startup) | {"total_s": sum(p for p in parts if p is not None)}
+
+
+def startup_line(startup: dict[str, Any]) -> str:
+    """``start-up 14.2 s (model 3.1 s, engine 11.1 s: warm-up 10.7 s, 19 CUDA graphs), not measured``"""
+    doc = startup_document(startup)
+    parts = []
+    if doc.get("load_model_s") is not None:
+        parts.append(f"model {doc['load_model_s']:.1f} s")
+    if doc.get("engine_build_s") is not None:
+        engine = f"engine {doc['engine_build_s']:.1f} s"
+        warm = doc.get("warmup")
+        if warm:
+            graphs = len(warm.get("graph_buckets") or [])
+            engine += f": warm-up {warm['seconds']:.1f} s" + (f", {graphs} CUDA graphs" if graphs else "")
+        parts.append(engine)
+    return f"start-up {doc['total_s']:.1f} s ({', '.join(parts)}), before the clock"
+
+
+def write_results(out_dir: Path, result: BenchResult, *, stats_written: bool = False) -> dict[str, Any]:
+    """Write the three files into ``out_dir`` (created if needed); returns the results document.
+
+    Each file is written whole under a temporary name, then renamed over the one a journal streamed
+    while the run went (:mod:`bm.bench.journal`), so a kill at any moment leaves either the streamed
+    file or the complete one, never half of either. ``stats_written``: ``stats.jsonl`` already holds
+    every row of ``result.stats`` in order, as :func:`stats_line` writes them (a journal streamed them),
+    so it is left as it is rather than written twice (a long simulated run's is hundreds of MB)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     document = results_document(result)
-    (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    with (out_dir / "requests.jsonl").open("w", encoding="utf-8") as f:
+    with _replacing(out_dir / "requests.jsonl") as f:
         for record in result.records.to_dict("records"):
-            f.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
-    with (out_dir / "stats.jsonl").open("w", encoding="utf-8") as f:
-        for stats in result.stats:
-            f.write(json.dumps(stats) + "\n")
+            f.write(request_line(record))
+    if not stats_written:
+        with _replacing(out_dir / "stats.jsonl") as f:
+            for stats in result.stats:
+                f.write(stats_line(stats))
+    with _replacing(out_dir / "results.json") as f:  # last: its presence says the run finished
+        f.write(json.dumps(document, indent=2) + "\n")
     return document
+
+
+def request_line(record: dict[str, Any]) -> str:
+    """One line of ``requests.jsonl``, as the final file and a journal write it."""
+    return json.dumps(json_safe(record), ensure_ascii=False) + "\n"
+
+
+def stats_line(row: dict[str, Any]) -> str:
+    """One line of ``stats.jsonl``, as the final file and a journal write it."""
+    return json.dumps(row) + "\n"
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[TextIO]:
+    """A file written beside ``path`` and renamed onto it once complete (not if writing failed)."""
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w", encoding="utf-8") as f:
+        yield f
+    os.replace(temporary, path)
 
 
 def json_safe(value: Any) -> Any:

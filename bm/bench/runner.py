@@ -11,13 +11,15 @@ the engine, refused at load, or failed because the run was interrupted.
 from __future__ import annotations
 
 import json
-import queue
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import FIELD_ALIASES, Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, records_frame, snapshot
-from bm.config import BmConfig
+from bm.bench.sizing import size_cache, workload_cache
+from bm.config import BmConfig, resolve_engine
 from bm.distributed.engine import engine_loop
 from bm.engine import EngineLoop, Request, Response
 from bm.workloads import Workload, arrival_times
@@ -64,18 +66,22 @@ def run_bench(
     arrivals: Sequence[float] | None = None,
     *,
     progress: Callable[[ReplayProgress], None] | None = None,
+    journal: BenchJournal | None = None,
 ) -> BenchResult:
     """Replay ``workload`` through a fresh batch manager and measure it.
 
     ``arrivals`` holds one time (seconds after the replay starts) per row of ``workload.requests``;
     by default they come from ``config.bench`` (:func:`bm.workloads.arrival_times`). Pass the same list
     to several runs to compare them on identical arrivals. ``progress`` is called from the calling
-    thread about ten times a second. Ctrl-C ends the run early with every record kept.
+    thread about ten times a second, and so is ``journal`` (see :mod:`bm.bench.journal`) with the
+    measured replay's new stats rows and finished requests' records. Ctrl-C ends the run early with
+    every record kept.
     """
+    config = sized_for(config, model, workload)
     if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.sim.run)
         from bm.sim.run import run_sim
 
-        return run_sim(config, model, workload, arrivals, progress=progress)
+        return run_sim(config, model, workload, arrivals, progress=progress, journal=journal)
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
     if len(times) != len(workload.requests):
@@ -85,29 +91,41 @@ def run_bench(
         [r for _, r in built], [times[i] for i, _ in built], max_concurrency=bench.max_concurrency
     )
     router = _Router()
-    stats_lines: list[str] = []
+    stats_lines: list[str] = []  # appended on the batch manager's thread, parsed on this one
+    stats: list[dict[str, Any]] = []
+
+    def parsed_stats() -> list[dict[str, Any]]:
+        stats.extend(json.loads(line) for line in stats_lines[len(stats) :])
+        return stats
+
+    feed = None if journal is None else JournalFeed(journal, workload, built, replayer, parsed_stats)
     interrupted = False
+    built_at = time.perf_counter()
     manager = engine_loop(
         config, router.get_requests, router.send_response, return_stats=router.return_stats, model=model
     )
+    core = manager.core  # its config is resolved for the model's device: what the results record
+    startup = {"engine_build_s": time.perf_counter() - built_at, "warmup": core.warmup}
     try:
         if bench.warmup and built:
             warm = Replayer([r for _, r in built[: bench.warmup]], [0.0] * min(bench.warmup, len(built)))
             router.replayer = warm
             warm.start()
-            interrupted = _drain(manager, warm, None)
+            interrupted = _drain(manager, warm, None, None)
         if interrupted:
             replayer.fail_unfinished("the run was interrupted during warm-up; this request was never sent")
         else:
             router.replayer, router.stats = replayer, stats_lines
             replayer.start()
-        interrupted |= _drain(manager, replayer, progress)
+        interrupted |= _drain(manager, replayer, progress, feed)
     finally:
         manager.shutdown(cancel=True)
 
-    stats = [json.loads(line) for line in list(stats_lines)]
-    return bench_result(
-        config,
+    parsed_stats()
+    if feed is not None:  # what came after the last poll: the stream ends equal to the results
+        feed.pump()
+    result = bench_result(
+        core.config,
         model.name,
         workload,
         built,
@@ -116,22 +134,33 @@ def run_bench(
         runtime=_runtime_info(model.device, model.dtype),
         interrupted=interrupted,
     )
+    result.startup, result.warnings = startup, list(core.warnings)
+    return result
+
+
+def sized_for(config: BmConfig, model: Any, workload: Workload) -> BmConfig:
+    """``config`` with its budgets resolved for the model's device and, unless ``kv_cache.max_tokens`` is
+    set, its KV cache sized for ``workload`` (:mod:`bm.bench.sizing`): what ``bm bench`` runs, so a
+    library caller of :func:`run_bench` gets the same run as the command."""
+    resolved = resolve_engine(config, model.device_type)
+    return size_cache(resolved, workload_cache(workload, [resolved]))
 
 
 def _drain(
-    manager: EngineLoop, replayer: Replayer, progress: Callable[[ReplayProgress], None] | None
+    manager: EngineLoop,
+    replayer: Replayer,
+    progress: Callable[[ReplayProgress], None] | None,
+    feed: JournalFeed | None,
 ) -> bool:
-    """Wait until every request of ``replayer`` has its final record; returns whether Ctrl-C cut it short."""
+    """Wait until every request of ``replayer`` has its final record, reporting progress and feeding
+    the journal every poll; returns whether Ctrl-C cut it short."""
     interrupted = False
     while not replayer.done:
         try:
-            try:
-                replayer.finished.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not manager.is_alive():
-                    replayer.fail_unfinished(
-                        f"the batch manager stopped ({manager.error or 'no error given'})"
-                    )
+            if not replayer.wait(_POLL_S) and not manager.is_alive():
+                replayer.fail_unfinished(f"the batch manager stopped ({manager.error or 'no error given'})")
+            if feed is not None:
+                feed.pump()
             if progress is not None:
                 progress(snapshot(replayer))
         except KeyboardInterrupt:

@@ -10,16 +10,15 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-import yaml
 from rich.console import Console
 
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
-from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override
+from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override, resolve_engine
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -102,27 +101,10 @@ def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], 
                 key, value = model_override(value)
             overrides[key] = str(value) if isinstance(value, Path) else value
     overrides.update(parse_slo(slo))
-    cfg = load_config(config, overrides)
-    if cfg.engine.executor == "sim" and not _sets(config, overrides, SIM_CHUNKING_KEY):
-        # A what-if replays a trace as a deployment would serve it: with chunked context, which
-        # TensorRT-LLM recommends and vLLM enables by default, so a prompt longer than max_num_tokens
-        # is computed in chunks instead of being refused. An explicit setting (file or --set) wins.
-        cfg = load_config(config, overrides | {SIM_CHUNKING_KEY: True})
-    return cfg
-
-
-SIM_CHUNKING_KEY = "engine.enable_chunked_context"
-
-
-def _sets(config: Path | None, overrides: dict[str, Any], dotted: str) -> bool:
-    """Whether the user gave ``dotted`` (SECTION.KEY) in the config file or as an override."""
-    if dotted in overrides:
-        return True
-    if config is None:
-        return False
-    section, _, key = dotted.partition(".")
-    data = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-    return isinstance(data.get(section), dict) and key in data[section]
+    # The simulator gets no defaults of its own: it resolves the engine's per-device defaults from its
+    # hardware row exactly as the real engine does from the model's device (bm.config.resolve_engine),
+    # so a what-if predicts the run the same flags would make.
+    return load_config(config, overrides)
 
 
 # Options bm bench and bm compare share, declared once so the two commands cannot drift apart: a
@@ -157,7 +139,7 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
     "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN)),
     "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
-    "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row (h100-sxm, h200, b200, a100-80gb, l40s, mi300x, cpu-local).", rich_help_panel=SIM)),
+    "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row: a datasheet's (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or one measured here with bm's own forward (cpu-local, cuda-local; bm sim calibrate).", rich_help_panel=SIM)),
     "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="Devices the model is split over (default 1): simulated under engine.executor=sim; in bm bench on torch, real ranks (tp_plan='auto', needs --model).", rich_help_panel=SIM)),
 }  # fmt: skip
 
@@ -232,14 +214,20 @@ def _fail(console: Console, message: str) -> typer.Exit:
 def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool = False) -> int:
     """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code.
 
-    Plots are drawn from the written files (the path ``bm report`` takes), so a plot never shows anything
-    the saved results do not hold."""
+    ``stats.jsonl`` and ``requests.jsonl`` are written as the run goes (:class:`bm.cli.journal.FileJournal`),
+    so a killed run leaves what it did; at the end ``requests.jsonl`` is replaced by the complete file
+    in workload order (``stats.jsonl`` is complete as streamed). Plots are
+    drawn from the written files (the path ``bm report`` takes), so a plot never shows anything the
+    saved results do not hold."""
     bench = cfg.bench
     loaded_pair = load_model_and_workload(cfg, console)
     if loaded_pair is None:
         return USAGE
     from bm.bench import run_bench, write_results
+    from bm.bench.results import startup_line
     from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.cli.journal import FileJournal
+    from bm.cli.progress import PlainProgress
 
     if cfg.engine.executor == "sim":  # no torch under the simulator: its import alone costs seconds
 
@@ -250,20 +238,31 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         from bm.runtime import KVCacheSizeError
 
     loaded, workload = loaded_pair
+    cfg = engine_config(cfg, loaded, workload, console)
     out = Path(bench.out_dir) if bench.out_dir else Path("bm-out") / time.strftime("bench-%Y%m%d-%H%M%S")
-    progress = bench_progress(console, show_progress)
-    task = progress.add_task("replaying", total=sum(r.ok for r in workload.requests), tps="0", rps="0")
+    # On a terminal rich draws the bar; elsewhere (a CI log, a pipe) it would show nothing until the
+    # end, so a plain line is printed every few seconds instead.
+    progress = bench_progress(console, show_progress and console.is_terminal)
+    plain = PlainProgress(console, "bm bench") if show_progress and not console.is_terminal else None
+    total = sum(r.ok for r in workload.requests)
+    task = progress.add_task("replaying", total=total, tps="0", rps="0", eta="?")
     try:
-        with progress:
-            result = run_bench(cfg, loaded, workload, progress=lambda p: tick(progress, task, p))
+        with progress, FileJournal(out, workload.requests) as journal:
+            result = run_bench(
+                cfg, loaded, workload, progress=lambda p: tick(progress, task, p, plain), journal=journal
+            )
     except KVCacheSizeError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return USAGE
+    if plain is not None:
+        plain.finish()
     name_rows(result.records, workload)
-    results = write_results(out, result)
+    result.startup["load_model_s"] = getattr(loaded, "load_seconds", None)
+    results = write_results(out, result, stats_written=journal.holds_stats(result.stats))
     if bench.json_output:
         print(json.dumps(results, indent=2))
     else:
+        console.print(startup_line(results["startup"]), highlight=False)
         print_results(console, results)
         console.print(
             f"results: {out / 'results.json'}  requests: {out / 'requests.jsonl'}  stats: {out / 'stats.jsonl'}",
@@ -284,16 +283,19 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
 
 
 def name_rows(records: Any, workload: Workload) -> None:
-    """Prefix errors found by the engine with the row they came from ("line 12: ..."): the engine only
-    knows request ids, the CLI knows which line of the dataset each one was."""
+    """Prefix errors found by the engine with the row they came from ("line 12: ...", as the journal
+    names them while the run goes): the engine only knows request ids, the CLI knows which line of the
+    dataset each one was."""
+    from bm.cli.journal import named_error
+
     if "error" not in records or "index" not in records:
         return
     for position, (index, error) in enumerate(zip(records["index"], records["error"], strict=False)):
         if not isinstance(error, str) or not error or not 0 <= int(index) < len(workload.requests):
             continue
-        source = workload.requests[int(index)].where
-        if not error.startswith(f"{source}:"):
-            records.iat[position, records.columns.get_loc("error")] = f"{source}: {error}"
+        records.iat[position, records.columns.get_loc("error")] = named_error(
+            error, workload.requests[int(index)]
+        )
 
 
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
@@ -341,6 +343,36 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
         return None
     _report_dataset(console, workload)
     return loaded, workload
+
+
+def engine_config(
+    cfg: BmConfig, model: Any, workload: Workload, console: Console, others: Sequence[BmConfig] = ()
+) -> BmConfig:
+    """``cfg`` as the run will use it: the budgets resolved for the model's device (what results.json
+    records), and the KV cache sized for the dataset unless ``kv_cache.max_tokens`` is set, the same
+    cache for ``cfg`` and every config of ``others`` (a sweep's other points), said on one line."""
+    from bm.bench.sizing import size_cache, workload_cache
+
+    cfg = resolve_engine(cfg, model.device_type)
+    others = [resolve_engine(c, model.device_type) for c in others]
+    needed = workload_cache(workload, [cfg, *others])  # as run_bench would size it (bm.bench.runner)
+    if needed is not None and cfg.kv_cache.max_tokens is None:
+        console.print(needed.describe(), highlight=False, soft_wrap=True)
+    return size_cache(cfg, needed)
+
+
+def pin_cache(cfg: BmConfig, model: Any) -> BmConfig:
+    """``cfg`` with the cache's size fixed now, for runs that build several engines in one process (the
+    variants of ``bm compare``, the points of ``bm sweep``): each then gets this cache, whatever memory
+    the previous engine's cache left reserved. The simulator's is fixed by its hardware row already."""
+    from dataclasses import replace
+
+    if not hasattr(model, "kv_bytes_per_token"):
+        return cfg
+    from bm.runtime import num_kv_blocks
+
+    kv = cfg.kv_cache
+    return replace(cfg, kv_cache=replace(kv, max_tokens=num_kv_blocks(model, kv) * kv.tokens_per_block))
 
 
 def _report_dataset(console: Console, workload: Any) -> None:

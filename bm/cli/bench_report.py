@@ -9,9 +9,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from bm.bench import ReplayProgress
+from bm.cli.progress import PlainProgress, eta_s, format_duration
 
 LATENCY_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("queue_time", "Queue"))
 LATENCY_CAPTION = (
@@ -21,27 +22,47 @@ LATENCY_CAPTION = (
 
 
 def bench_progress(console: Console, enabled: bool) -> Progress:
+    """The replay's bar: requests done, elapsed time, time left, output tok/s and req/s (fits 80
+    columns; the bar gives way first)."""
     return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[tps]} output tok/s  {task.fields[rps]} req/s"),
+        TextColumn("[progress.description]{task.description}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=None),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+        TextColumn(
+            "ETA {task.fields[eta]}  {task.fields[tps]} output tok/s  {task.fields[rps]} req/s",
+            table_column=Column(no_wrap=True),
+        ),
         console=console,
         disable=not enabled,
         transient=False,
     )
 
 
-def tick(progress: Progress, task: Any, snapshot: ReplayProgress) -> None:
-    """Live figures since the replay started: finished requests, output tokens per second."""
+def replay_eta(snapshot: ReplayProgress) -> float | None:
+    """Seconds left at the rate so far: from output tokens when the run's total is known (every
+    request runs to its length), else from requests."""
+    if snapshot.num_expected_output_tokens is not None:
+        return eta_s(snapshot.num_output_tokens, snapshot.num_expected_output_tokens, snapshot.elapsed_s)
+    return eta_s(snapshot.num_finished, snapshot.num_requests, snapshot.elapsed_s)
+
+
+def tick(progress: Progress, task: Any, snapshot: ReplayProgress, plain: PlainProgress | None = None) -> None:
+    """Live figures since the replay started: finished requests, time left, output tokens per second;
+    on the bar, and every few seconds as a plain line where no bar is drawn."""
     elapsed = max(snapshot.elapsed_s, 1e-9)
+    eta = replay_eta(snapshot)
     progress.update(
         task,
         completed=snapshot.num_finished,
-        tps=f"{snapshot.num_output_tokens / elapsed:.0f}",
-        rps=f"{snapshot.num_finished / elapsed:.2f}",
+        tps=f"{snapshot.num_output_tokens / elapsed:,.0f}",
+        rps=f"{snapshot.num_finished / elapsed:,.2f}",
+        eta=format_duration(eta),
     )
+    if plain is not None:
+        plain.update(
+            snapshot.num_finished, snapshot.num_requests, snapshot.num_output_tokens, snapshot.elapsed_s, eta
+        )
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -89,6 +110,12 @@ def latency_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def _budgets(engine: dict[str, Any]) -> str:
+    """``128 requests, 2,048 tokens, chunked``: what the engine's defaults resolved to on this device."""
+    chunked = "chunked" if engine.get("enable_chunked_context") else "whole contexts"
+    return f"{_fmt(engine.get('max_batch_size'))} requests, {_fmt(engine.get('max_num_tokens'))} tokens, {chunked}"
+
+
 def engine_table(results: dict[str, Any]) -> Table:
     table = Table(title="Batch manager", title_justify="left")
     table.add_column("metric")
@@ -96,6 +123,7 @@ def engine_table(results: dict[str, Any]) -> Table:
     engine = results["config"]["engine"]
     rows = [
         ("Scheme / policy", f"{engine['batching_scheme']} / {engine['scheduler_policy']}"),
+        ("Budgets (an iteration)", _budgets(engine)),
         ("Iterations", results["num_iterations"]),
         ("Mean requests per iteration", results["mean_requests_per_iteration"]),
         ("Mean tokens per iteration", results["mean_tokens_per_iteration"]),

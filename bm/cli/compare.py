@@ -17,7 +17,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
+from bm.cli.bench import (
+    RUN,
+    engine_config,
+    load_model_and_workload,
+    pin_cache,
+    resolve_config,
+    with_shared_options,
+)
 from bm.cli.help import silence_progress_bars
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.compare.regress import read_baseline_document
@@ -136,9 +143,11 @@ def _run(
     quiet: bool,
     console: Console,
 ) -> int:
+    from bm.cli.journal import FileJournal
     from bm.compare.expr import AssertionEvalError, evaluate_assertion
     from bm.compare.regress import find_regressions
     from bm.compare.runner import compare_document, run_compare, write_compare
+    from bm.report.data import variant_dir
     from bm.runtime import KVCacheSizeError
     from bm.workloads import DatasetError, arrival_times
 
@@ -147,8 +156,10 @@ def _run(
         return 2
     loaded, workload = loaded_pair
     try:
+        # every variant gets the same engine budgets and the same KV cache (sized once, here)
+        cfg = pin_cache(engine_config(cfg, loaded, workload, console), loaded)
         arrivals = arrival_times(workload, cfg.bench)
-    except (DatasetError, ConfigError) as exc:
+    except (DatasetError, ConfigError, KVCacheSizeError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
     console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)
@@ -167,7 +178,8 @@ def _run(
 
     try:
         result = run_compare(cfg, loaded, workload, arrivals, variants, repeat=repeat, reference=reference,
-                             hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done)  # fmt: skip
+                             hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done,
+                             journal=lambda v: FileJournal(variant_dir(out, v.name)))  # fmt: skip
     except (KVCacheSizeError, ConfigError) as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2

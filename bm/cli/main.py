@@ -353,16 +353,28 @@ app.add_typer(sim_app, name="sim")
 
 
 @sim_app.command("calibrate")
-def sim_calibrate() -> None:
-    """Measure this machine (GEMM throughput, memory bandwidth, per-op and per-step overheads) and cache
-    it as the cpu-local hardware row (~/.cache/bm/cpu-local.yaml)."""
+def sim_calibrate(
+    device: str | None = typer.Option(
+        None,
+        "--device",
+        help="cpu, cuda or cuda:N (default: cuda when present, else cpu): cpu writes cpu-local, cuda cuda-local.",
+    ),
+) -> None:
+    """Measure a device as bm's runtime sees it (GEMM throughput, copy bandwidth, per-op and per-step
+    overheads) and cache it as its local hardware row: cpu-local or cuda-local (~/.cache/bm/ROW.yaml).
+    Each model's forward is measured on bm's engine there at its first simulated run."""
     import yaml
 
-    from bm.sim.hardware import calibrate, cpu_local_path
+    from bm.sim.hardware import calibrate, local_row_name, local_row_path
 
-    row = calibrate()
+    try:
+        row = calibrate(device)
+        name = local_row_name(row["device"])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(yaml.safe_dump(row, sort_keys=False).rstrip())
-    typer.echo(f"written: {cpu_local_path()}")
+    typer.echo(f"written: {local_row_path(name)} ({name})")
 
 
 def main() -> None:

@@ -17,11 +17,12 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 import bm
 from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
+from bm.cli.progress import PlainProgress, eta_s, format_duration
 from bm.cli.prompts import codec_for, to_request
 from bm.cli.records import cut_at_stop, extra_fields
 from bm.cli.writers import JsonlWriter
@@ -186,6 +187,9 @@ def run_prompts(
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     llm = LLM(config=config)  # the library's front door loads the model and drives the engine
     loaded = llm.loaded
+    from bm.bench.results import startup_document, startup_line
+
+    console.print(startup_line(llm.startup), highlight=False)
     default_end_id = None if ignore_eos else loaded.eos_token_id
     codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,11 +214,14 @@ def run_prompts(
         interrupts.on_first.append(first_interrupt)
         if interrupts.signal_name is not None:  # the signal came while the model loaded
             first_interrupt()
-        limit = in_flight_limit(config)
-        with _progress(console, show_progress) as progress:
-            total = None if num_lines is None else num_lines - len(done)
-            run.task = progress.add_task("generating", total=total, tps="0")
+        limit = in_flight_limit(llm.config)
+        # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
+        terminal = console.is_terminal
+        with _progress(console, show_progress and terminal) as progress:
+            run.total = None if num_lines is None else num_lines - len(done)
+            run.task = progress.add_task("generating", total=run.total, tps="0", eta="?")
             run.progress, run.started = progress, started
+            run.plain = PlainProgress(console, "bm run") if show_progress and not terminal else None
             for entry in parsed:
                 if entry.index in done:
                     run.forget(entry.index)
@@ -234,6 +241,8 @@ def run_prompts(
                 session.submit(request)
             while run.in_flight and run.wait_one(session, console, interrupts):
                 pass
+            if run.plain is not None:
+                run.plain.finish()
         summary.wall_time_s = time.perf_counter() - started
         session.close()
         for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
@@ -246,9 +255,10 @@ def run_prompts(
                 "run_id": run_id,
                 "prompts": str(prompts) if prompts is not None else None,
                 "model": loaded.name,
-                "config": config.to_dict(),
+                "config": llm.config.to_dict(),  # resolved for the device: what ran
                 "runtime": runtime_info(loaded.device, loaded.dtype),
                 "parallel": parallel_info(),
+                "startup": startup_document(llm.startup),
                 **asdict(summary),
                 "output_tokens_per_s": summary.output_tokens_per_s,
                 "total_tokens_per_s": summary.total_tokens_per_s,
@@ -272,6 +282,9 @@ class _Run:
         self.progress: Progress | None = None
         self.task: Any = None
         self.started = 0.0
+        self.total: int | None = None  # records this run will write, when the lines were counted
+        self.num_written = 0
+        self.plain: PlainProgress | None = None
         self.drained = False
         self.batch: Any = None  # BatchOutput, for an OpenAI batch file
         self.batch_lines: dict[int, Any] = {}
@@ -299,10 +312,22 @@ class _Run:
         if self.batch is not None:
             self.batch.write(self.batch_lines.pop(record["index"]), record)
         _count_record(self.summary, record)
-        if self.progress is not None:
-            elapsed = max(time.perf_counter() - self.started, 1e-9)
-            tps = f"{self.summary.num_output_tokens / elapsed:.0f}"
-            self.progress.update(self.task, advance=1, tps=tps)
+        self.num_written += 1
+        self.show_progress(advance=1)
+
+    def show_progress(self, advance: int = 0) -> None:
+        """Records written, output tok/s and the time left (from records: output lengths are not
+        known before the lines are read), on the bar or, off a terminal, as a plain line now and then."""
+        if self.progress is None:
+            return
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        tokens = self.summary.num_output_tokens
+        eta = eta_s(self.num_written, self.total, elapsed)
+        self.progress.update(
+            self.task, advance=advance, tps=f"{tokens / elapsed:,.0f}", eta=format_duration(eta)
+        )
+        if self.plain is not None:
+            self.plain.update(self.num_written, self.total, tokens, elapsed, eta)
 
     def wait_one(self, session: Session, console: Console, interrupts: Interrupts) -> bool:
         """Write the next finished request's record; False when none will come (the worker died)."""
@@ -313,6 +338,7 @@ class _Run:
             if result is None:
                 if not session.alive:
                     return False
+                self.show_progress()  # the time goes on while no request finishes
                 continue
             row = self.in_flight.pop(result.request_id)
             record = output_record(row, result, self.loaded)
@@ -391,11 +417,13 @@ def _model_label(config: BmConfig) -> str:
 
 def _progress(console: Console, enabled: bool) -> Progress:
     return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[tps]} output tok/s"),
+        TextColumn("[progress.description]{task.description}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=None),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+        TextColumn(
+            "ETA {task.fields[eta]}  {task.fields[tps]} output tok/s", table_column=Column(no_wrap=True)
+        ),
         console=console,
         disable=not enabled,
         transient=False,

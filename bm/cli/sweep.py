@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +20,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bm.cli.bench import RUN, load_model_and_workload, resolve_config, with_shared_options
+from bm.cli.bench import (
+    RUN,
+    engine_config,
+    load_model_and_workload,
+    pin_cache,
+    resolve_config,
+    with_shared_options,
+)
 from bm.cli.outdir import OutDirError, prepare_out_dir
-from bm.config import BmConfig, ConfigError
+from bm.config import BmConfig, ConfigError, resolve_engine
 
 if TYPE_CHECKING:
     from bm.compare.expr import Assertion
@@ -191,6 +198,14 @@ def _check_identity(out: Path, identity: dict[str, Any], resume: bool) -> None:
     path.write_text(json.dumps(identity | {"digest": digest}, indent=2) + "\n", encoding="utf-8")
 
 
+def _with_cache(point: Any, model: Any, max_tokens: int | None) -> Any:
+    """A grid point resolved for the model's device, with the sweep's cache unless its axis sets one."""
+    config = resolve_engine(point.config, model.device_type)
+    if config.kv_cache.max_tokens is None:
+        config = replace(config, kv_cache=replace(config.kv_cache, max_tokens=max_tokens))
+    return replace(point, config=config)
+
+
 def _run(
     setup: dict[str, Any], out: Path, plot: bool, json_output: bool, quiet: bool, console: Console
 ) -> int:
@@ -203,6 +218,13 @@ def _run(
     if loaded is None:
         return 2
     model, workload = loaded
+    try:  # every point gets the same KV cache, sized once for the dataset and the largest point
+        base = engine_config(setup.base, model, workload, console, [c.config for c in plan.configs])
+        size = pin_cache(base, model).kv_cache.max_tokens
+    except ValueError as exc:  # ConfigError, or the runtime's KVCacheSizeError (no torch import here)
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    plan.configs = [_with_cache(c, model, size) for c in plan.configs]
     store = PointStore(out)
     sim = all(c.config.engine.executor == "sim" for c in plan.configs)
     workers = (

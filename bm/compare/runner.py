@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import bm
 from bm.baselines import run_hf_continuous_batching, run_hf_generate
 from bm.bench import BenchResult, run_bench, write_results
+from bm.bench.journal import BenchJournal
 from bm.bench.results import json_safe
 from bm.compare.expr import AssertionOutcome
 from bm.compare.regress import EXACT_IF_OFFLINE, Regression
@@ -154,6 +156,8 @@ def _baseline_metrics(
 
 
 RunCallback = Callable[[Variant, int, dict[str, Any]], None]
+# A journal for one run of a bm variant (see bm.bench.journal), entered for that run and left after it.
+JournalFactory = Callable[[Variant], AbstractContextManager[BenchJournal]]
 
 
 def run_compare(
@@ -168,8 +172,13 @@ def run_compare(
     hf_batch_size: int = 16,
     on_start: RunCallback | None = None,
     on_done: RunCallback | None = None,
+    journal: JournalFactory | None = None,
 ) -> CompareResult:
-    """Run ``repeat`` interleaved rounds of every variant and collect their metrics."""
+    """Run ``repeat`` interleaved rounds of every variant and collect their metrics.
+
+    ``journal``: called before each run of a bm variant for the journal that receives that run's stats
+    rows and records as they come (``bm compare`` streams them into the variant's folder, each repeat
+    starting it afresh, so a killed comparison leaves the runs it was in)."""
     if repeat < 1:
         raise ConfigError(f"--repeat {repeat}: must be at least 1")
     if not variants:
@@ -190,7 +199,8 @@ def run_compare(
             if on_start:
                 on_start(v, round_index, {})
             if v.kind == "bm":
-                result = run_bench(configs[v.name], loaded, workload, arrivals)
+                with journal(v) if journal is not None else nullcontext() as run_journal:
+                    result = run_bench(configs[v.name], loaded, workload, arrivals, journal=run_journal)
                 metrics = dict(result.metrics)
                 outcome.last = result
             else:

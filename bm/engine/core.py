@@ -19,11 +19,12 @@ behind the seed's callbacks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bm.config import BatchingScheme, BmConfig
+from bm.config import BatchingScheme, BmConfig, resolve_engine
 from bm.engine.batching import attach_drafts, build_batch, resource_plan
 from bm.engine.executor import (
     CacheLayout,
@@ -31,9 +32,12 @@ from bm.engine.executor import (
     ExecutionBatch,
     ExecutionResult,
     Executor,
+    WarmupShapes,
     WorkKind,
+    warm_up,
 )
 from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forward
+from bm.engine.hol import HeadOfLineWatch
 from bm.engine.limits import cache_pools, max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import Request, RequestError, RequestLimits, Response, error_response, validate_request
@@ -44,6 +48,8 @@ from bm.engine.stopping import stop_reason
 from bm.kv import KVCacheManager, ResourcePlan, ResourceUpdate
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.factory import build_scheduler
+
+log = logging.getLogger("bm")
 
 
 @dataclass
@@ -87,12 +93,15 @@ class EngineCore:
         check_integrity: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        model = executor.limits
+        # the budgets left unset take the defaults of the device the forwards run on (the simulator's:
+        # its hardware row's), so the real engine and a what-if of it resolve the same config
+        config = resolve_engine(config, getattr(model, "device_type", "cpu"))
         self.config = config
         self.executor = executor
         self.check_integrity = check_integrity
         self.clock = clock
         engine, kv_cfg = config.engine, config.kv_cache
-        model = executor.limits
         self.max_seq_len = max_seq_len(config, model)
         self.max_num_active_requests = engine.max_num_active_requests or engine.max_batch_size
         num_blocks = executor.num_kv_blocks(kv_cfg, self.max_num_active_requests * self.max_seq_len)
@@ -123,6 +132,15 @@ class EngineCore:
                 layout if layout.is_mixed else None,
                 {g.window: g.num_blocks for g in pools.window_groups},
             )
+        )
+        # compiles and graph captures happen here, while the engine is built, not in the first steps
+        self.warmup = warm_up(
+            executor,
+            WarmupShapes(
+                engine.max_batch_size,
+                engine.max_num_tokens,
+                min(self.max_seq_len, num_blocks * kv_cfg.tokens_per_block),
+            ),
         )
         self.scheduler = build_scheduler(engine, self.kv_cache_manager)
         self.scheme = BatchingScheme(engine.batching_scheme)
@@ -163,6 +181,10 @@ class EngineCore:
         )
         # (generation ids, stats) of the last iteration when it was a pure decode of every active request
         self._decode: tuple[list[int], IterationStats] | None = None
+        self._head_of_line = HeadOfLineWatch(
+            engine.max_batch_size, engine.max_num_tokens, bool(engine.enable_chunked_context)
+        )
+        self.warnings: list[str] = []  # said once each during the run (logged), for the results file
 
     # -- requests in ----------------------------------------------------------------------------------
 
@@ -231,6 +253,10 @@ class EngineCore:
         if self.kv_cache_manager.window_tables:
             ready = self._within_window_pools(ready)
         plan = self.scheduler.schedule_request(ready)
+        blocked = self._head_of_line.observe(ready, plan, self.kv_cache_manager)
+        if blocked is not None:
+            self.warnings.append(blocked)
+            log.warning("bm: %s", blocked)
         prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
         self._pause(plan)
         reuse = self._start(plan, prepared.reused_tokens)

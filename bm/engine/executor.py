@@ -106,6 +106,9 @@ class ModelLimits:
     layer_windows: tuple[int | None, ...] = ()
     hidden_size: int | None = None  # the embedding width, when the executor knows it
     weight_bytes: int = 4  # bytes of one LoRA weight value once loaded (the model's dtype)
+    # where the forwards run: "cpu", or "cuda" for a GPU (real or simulated); the engine's per-device
+    # defaults (bm.config.resolve_engine) are picked by it
+    device_type: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,16 @@ class CacheLayout:
     window_pools: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class WarmupShapes:
+    """The budgets a run's iterations stay within, for an executor to run its shape classes once at
+    build (compiles, CUDA graph captures) instead of in the first measured steps."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int  # the longest sequence the cache holds
+
+
 @dataclass
 class FinalOutputs:
     """What a finished request's final response carries beyond its tokens (beams, logits)."""
@@ -137,9 +150,10 @@ class FinalOutputs:
 class Executor(Protocol):
     """Computes what the core schedules. Implementations: TorchExecutor, FakeExecutor.
 
-    Two optional methods, looked up with ``getattr``: ``hand_over_threads()``, called on the thread
-    that built the engine right before a worker thread takes over its steps, and ``close()``, when the
-    engine is done with the executor."""
+    Three optional methods, looked up with ``getattr``: ``warm_up(shapes)``, called once right after
+    :meth:`bind` with the run's :class:`WarmupShapes` (returns a JSON-able report, or None when it ran
+    nothing); ``hand_over_threads()``, called on the thread that built the engine right before a worker
+    thread takes over its steps; and ``close()``, when the engine is done with the executor."""
 
     @property
     def limits(self) -> ModelLimits: ...
@@ -168,6 +182,12 @@ class Executor(Protocol):
     def release(self, request: LlmRequest) -> None:
         """Forget the request's runtime state (its id may be reused afterwards)."""
         ...
+
+
+def warm_up(executor: Any, shapes: WarmupShapes) -> dict[str, Any] | None:
+    """The executor's warm-up report for ``shapes``, None when it has none or ran nothing."""
+    run = getattr(executor, "warm_up", None)
+    return run(shapes) if run is not None else None
 
 
 def hand_over_threads(executor: Any) -> None:

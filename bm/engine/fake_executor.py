@@ -44,12 +44,16 @@ class FakeExecutor:
         max_position_embeddings: int | None = None,
         end_at: dict[int, int] | None = None,
         layer_windows: tuple[int | None, ...] = (),
+        device_type: str = "cpu",
     ) -> None:
         """``layer_windows``: a model's attention window per layer (None: full attention), to exercise the
-        cache's per-window accounting without a model."""
+        cache's per-window accounting without a model. ``device_type``: the device whose engine defaults
+        the core resolves (cpu or cuda)."""
         if vocab_size < 4:
             raise ValueError("the fake executor needs a vocabulary of at least 4 tokens")
-        self._limits = ModelLimits(vocab_size, max_position_embeddings, layer_windows=layer_windows)
+        self._limits = ModelLimits(
+            vocab_size, max_position_embeddings, layer_windows=layer_windows, device_type=device_type
+        )
         self.end_at = dict(end_at or {})
         self.layout: CacheLayout | None = None
         self.num_executed_tokens = 0

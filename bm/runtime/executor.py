@@ -7,6 +7,9 @@ steps). Block tables, positions and what to sample come from the core; nothing h
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 
 from bm.config import KvCacheConfig
@@ -17,6 +20,7 @@ from bm.engine.executor import (
     ExecutionResult,
     FinalOutputs,
     ModelLimits,
+    WarmupShapes,
     WorkItem,
     WorkKind,
 )
@@ -27,7 +31,7 @@ from bm.runtime.grammar import GrammarRuntime
 from bm.runtime.kv_sizing import num_kv_blocks
 from bm.runtime.logits import DecodingOptions
 from bm.runtime.lora import LoraLayers
-from bm.runtime.model_loader import LoadedModel
+from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.speculative import verify_drafts
 from bm.runtime.threads import release_caller_team
@@ -48,7 +52,10 @@ class TorchExecutor:
             layer_windows=model.layer_windows,
             hidden_size=model.model.get_input_embeddings().embedding_dim,
             weight_bytes=torch.empty((), dtype=model.dtype).element_size(),
+            device_type=model.device.type,
         )
+        self._layout: CacheLayout | None = None  # the cache the runner holds
+        self._warmed: WarmupShapes | None = None  # the budgets its warm-up ran for
         self.lora: LoraLayers | None = None  # built when the first adapter arrives
         self._adapter_slots: dict[int, int] = {}  # LoRA task id -> its slot
         self._prompt_tables: dict[int, torch.Tensor] = {}  # request id -> [num_virtual, hidden]
@@ -58,9 +65,19 @@ class TorchExecutor:
         return self._limits
 
     def num_kv_blocks(self, kv_config: KvCacheConfig, max_useful_tokens: int) -> int:
-        return num_kv_blocks(self.model, kv_config, max_useful_tokens=max_useful_tokens)
+        """Blocks for a new engine's cache; the cache this executor already holds counts as free (a new
+        engine over it takes it over rather than allocating beside it)."""
+        free = available_memory_bytes(self.model.device) + (self.runner.cache_bytes if self.runner else 0)
+        return num_kv_blocks(self.model, kv_config, max_useful_tokens=max_useful_tokens, free_bytes=free)
 
     def bind(self, layout: CacheLayout) -> None:
+        """Allocate the cache for ``layout``, or keep the one held when it serves ``layout`` (same shape,
+        at least as many blocks): a second engine over this executor (``bm.LLM``'s next ``generate``)
+        then reuses its tensors, captured CUDA graphs and warm-up instead of paying for them again."""
+        if self.runner is not None and _serves(self._layout, layout):
+            return
+        self.runner = None  # the old cache goes before the new one is allocated
+        self._layout, self._warmed = layout, None
         self.runner = ModelRunner(
             self.model,
             layout.num_blocks,
@@ -70,6 +87,18 @@ class TorchExecutor:
             sink_token_length=layout.sink_token_length,
             window_pools=layout.window_pools,
         )
+
+    def warm_up(self, shapes: WarmupShapes) -> dict[str, Any] | None:
+        """Run the shape classes of a run within ``shapes`` once, before any request (bm.runtime.warmup),
+        where model.warmup asks for it; the report, or None when nothing ran."""
+        from bm.runtime.warmup import warm_up, warmup_enabled
+
+        assert self.runner is not None, "bind() the executor before warming it up"
+        if not warmup_enabled(self.model.warmup, self.model.device) or self._warmed == shapes:
+            return None  # nothing to do, or done already for this cache and these budgets
+        report = warm_up(self.runner, shapes.max_batch_size, shapes.max_num_tokens, shapes.max_seq_len)
+        self._warmed = shapes
+        return report.to_dict()
 
     def hand_over_threads(self) -> None:
         """The engine's worker thread computes from now on: the calling thread gives its OpenMP team
@@ -240,6 +269,18 @@ class TorchExecutor:
     def release(self, request: LlmRequest) -> None:
         self.decoder.release(request.request_id)
         self._prompt_tables.pop(request.request_id, None)
+
+
+def _serves(held: CacheLayout | None, wanted: CacheLayout) -> bool:
+    """Whether a cache allocated for ``held`` serves ``wanted``: the same shape, and at least as many
+    blocks in the main pool and every windowed one (the extra blocks are never handed out)."""
+    if held is None:
+        return False
+    pools = set(held.window_pools) == set(wanted.window_pools) and all(
+        held.window_pools[w] >= n for w, n in wanted.window_pools.items()
+    )
+    same = replace(held, num_blocks=0, window_pools={}) == replace(wanted, num_blocks=0, window_pools={})
+    return same and pools and held.num_blocks >= wanted.num_blocks
 
 
 def _beam_step(req: LlmRequest, parents: list[int], done: bool) -> BeamStep:

@@ -1,12 +1,14 @@
 """Build the model with transformers from a checkpoint, a config file, or the embedded default.
 
 Nothing here touches the network: checkpoints load with ``local_files_only``, and configs build random
-weights from a seed (like vLLM's dummy load format), which is what benchmarking needs.
+weights from a seed (like vLLM's dummy load format), which is what benchmarking needs. Those are drawn
+on the model's own device, once each (:func:`random_model`, bm.runtime.random_weights).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fusion import fuse_elementwise, should_fuse
 from bm.runtime.native import kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
+from bm.runtime.random_weights import random_model
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +55,15 @@ class LoadedModel:
     fused_elementwise: dict[str, int] = field(default_factory=dict)
     # model.cuda_graphs: auto, on, off (decode-only steps replaying CUDA graphs; bm.runtime.triton.graphs)
     cuda_graphs: str = "auto"
+    # model.warmup: auto, on, off (shape classes run when an engine is built; bm.runtime.warmup)
+    warmup: str = "auto"
+    # seconds load_model took (start-up, reported apart from a run's measured time)
+    load_seconds: float | None = None
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda: which device's engine defaults a run on this model resolves (bm.config)."""
+        return self.device.type
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -92,6 +104,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
+    started = time.perf_counter()
     if cfg.preset is not None:  # a named model becomes a checkpoint path (bm/runtime/presets.py)
         from bm.runtime.presets import PresetError, resolve_preset
 
@@ -124,9 +137,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             hf_config = AutoConfig.for_model(**TINY_LLAMA_CONFIG)
             tokenizer = ByteTokenizer()
             name = "embedded tiny-llama"
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = random_model(hf_config, dtype, device, cfg.seed)
         if cfg.tokenizer:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
@@ -134,6 +145,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer, name, prepack=cfg.prepack, fused_elementwise=cfg.fused_elementwise
     )
     loaded.cuda_graphs = cfg.cuda_graphs
+    loaded.warmup = cfg.warmup
+    loaded.load_seconds = time.perf_counter() - started
     return loaded
 
 
@@ -251,10 +264,15 @@ def describe_model(
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory free for the KV cache now: device memory on CUDA, available system memory on CPU."""
+    """Memory free for the KV cache now: device memory on CUDA, available system memory on CPU.
+
+    On CUDA the driver's free memory does not count what torch's caching allocator holds without using
+    (a previous engine's cache, freed but kept reserved): counted here, a second engine in one process
+    (a ``bm compare`` variant, a sweep point, a second ``bm.LLM``) sees the memory the first one saw."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -114,7 +114,8 @@ class ModelRunner:
             self.scratch = torch.empty(scratch, dtype=loaded.kv_dtype, device=loaded.device)
         # Decode attention reading blocks in place, where the compiled kernel exists and fits the cache;
         # otherwise (and with attention sinks) the gather-then-SDPA groups of _Layout.
-        kernel = paged_decode_kernel()
+        # bm's C kernels serve CPU caches only: on a GPU they are not even built (a compile per machine)
+        kernel = paged_decode_kernel() if loaded.device.type == "cpu" else None
         caches = [c for c in self.kv_caches if c is not None]
         supported = kernel is not None and all(PagedDecodeKernel.supports(c) for c in caches)
         self.native_decode = kernel if supported else None
@@ -145,6 +146,11 @@ class ModelRunner:
             self.model, self.kv_caches, plan, self.device, self.tokens_per_block, max_seq_len,
             self.loaded.cuda_graphs, self._embed,
         )  # fmt: skip
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the KV tensors take (what a new engine over the same executor may take over)."""
+        return sum(c.numel() * c.element_size() for c in self.kv_caches if c is not None)
 
     @property
     def window(self) -> int | None:

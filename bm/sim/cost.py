@@ -13,16 +13,19 @@ slower), groups add up, then tensor-parallel communication and fixed overheads a
   ``2 (tp - 1) / tp`` of the bytes over one direction of the link), not overlapped.
 
 Work is divided evenly over the tensor-parallel ranks. The model knows nothing of time; the hardware
-row gives peak rates, derating efficiencies and overheads.
+row gives peak rates, derating efficiencies and overheads. On a local row (cpu-local, cuda-local) a
+forward's seconds come instead from the terms fitted on bm's own engine there (:mod:`bm.sim.forward_fit`),
+applied to the same totals, plus whether the forward runs eagerly (no decode CUDA graph serves it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
+from bm.engine.executor import ExecutionBatch, WorkItem
 from bm.sim.hardware import Hardware
 from bm.sim.model import DTYPE_BYTES, ModelShape
+from bm.sim.work import work_totals
 
 
 @dataclass
@@ -31,6 +34,7 @@ class ForwardCost:
 
     tokens: int = 0
     logit_rows: int = 0
+    eager: bool = False  # runs without a decode graph (a local GPU row's fit prices it apart)
     linear_flops: float = 0.0
     linear_bytes: float = 0.0
     attention_flops: float = 0.0
@@ -53,8 +57,16 @@ class CostModel:
     """Times batches of ``model`` in ``dtype`` on ``tensor_parallel`` devices of ``hardware``."""
 
     def __init__(
-        self, model: ModelShape, hardware: Hardware, dtype: str = "bfloat16", tensor_parallel: int = 1
+        self,
+        model: ModelShape,
+        hardware: Hardware,
+        dtype: str = "bfloat16",
+        tensor_parallel: int = 1,
+        decode_graphs: bool = True,
     ):
+        """``decode_graphs``: the engine replays CUDA graphs for decode-only steps (``model.cuda_graphs``
+        not off); it matters only on a row measured with graphs (cuda-local), whose decode steps larger
+        than its largest graph, or all of them without graphs, are then priced as eager forwards."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         self.model = model
@@ -70,33 +82,31 @@ class CostModel:
         # per token: attention FLOPs per key, summed over layers
         self._attn_flops_per_pair = 4.0 * m.num_heads * m.head_dim * m.num_layers
         self._hidden_bytes = m.hidden_size * self.dtype_bytes
-        # cpu-local: a forward's seconds fitted on bm's real engine for this model, when measured
+        # a local row: a forward's seconds fitted on bm's real engine for this model, when measured
         self.fit: dict[str, float] | None = hardware.forward_fit(model, dtype)
+        graph_max = hardware.extra.get("graph_max_batch_size")
+        # decode steps of more rows than this run eagerly (0: every one does; None: the row has no graphs)
+        self._graph_max: int | None = None if graph_max is None else (int(graph_max) if decode_graphs else 0)
 
     # -- accounting -----------------------------------------------------------------------------------
 
     def forward_cost(self, items: list[WorkItem]) -> ForwardCost:
-        tokens = rows = pairs = history = 0
-        for item in items:
-            n = len(item.token_ids)
-            p = item.start_pos
-            tokens += n
-            if item.keep_all:
-                rows += n
-            elif item.sample and item.kind is not WorkKind.PADDING:
-                rows += 1
-            # query i (0-based) of the item attends to p + i + 1 keys
-            pairs += n * p + n * (n + 1) // 2
-            history += p + n
-        return self.cost_of(tokens, rows, pairs, history)
+        t = work_totals(items)
+        return self.cost_of(
+            t.tokens, t.rows, t.pairs, t.history, t.eager or self._too_many_for_graphs(len(items))
+        )
 
-    def cost_of(self, tokens: int, rows: int, pairs: int, history: int) -> ForwardCost:
-        """A forward's cost from its totals: tokens computed, logit rows, (query, key) pairs attended and
-        KV history read. The totals are all the model needs, so a decode run can be priced without
-        building its work items."""
+    def _too_many_for_graphs(self, num_items: int) -> bool:
+        """A decode step of ``num_items`` rows runs eagerly on the row's device (no graph of its size)."""
+        return self._graph_max is not None and num_items > self._graph_max
+
+    def cost_of(self, tokens: int, rows: int, pairs: int, history: int, eager: bool = False) -> ForwardCost:
+        """A forward's cost from its totals: tokens computed, logit rows, (query, key) pairs attended, KV
+        history read, and whether it runs eagerly. The totals are all the model needs, so a decode run
+        can be priced without building its work items."""
         m, b = self.model, self.dtype_bytes
         cost = ForwardCost()
-        cost.tokens, cost.logit_rows = tokens, rows
+        cost.tokens, cost.logit_rows, cost.eager = tokens, rows, eager
         cost.linear_flops = 2.0 * tokens * self._linear_weights + 2.0 * rows * m.lm_head_params
         activations = tokens * (4 * m.hidden_size + 2 * m.intermediate_size) * m.num_layers * b
         cost.linear_bytes = (self._linear_weights + (m.lm_head_params if rows else 0)) * b + activations
@@ -109,10 +119,11 @@ class CostModel:
         return cost
 
     def time_forward(self, cost: ForwardCost, out: IterationCost) -> float:
-        if self.fit is not None:  # measured on bm's own engine (cpu-local, bm.sim.forward_fit)
+        if self.fit is not None:  # measured on bm's own engine (a local row, bm.sim.forward_fit)
             f = self.fit
             seconds = (
                 f["per_forward"]
+                + f["per_context_forward"] * cost.eager
                 + f["per_token"] * cost.tokens
                 + f["per_row"] * cost.logit_rows
                 + f["per_pair"] * cost.attention_flops / self._attn_flops_per_pair
@@ -157,7 +168,7 @@ class CostModel:
         """:meth:`iteration`'s seconds for one forward of ``num_requests`` generation items (one token
         each, sampled) whose positions add up to ``sum_positions``: the same arithmetic, no items."""
         pairs = sum_positions + num_requests
-        cost = self.cost_of(num_requests, num_requests, pairs, pairs)
+        cost = self.cost_of(num_requests, num_requests, pairs, pairs, self._too_many_for_graphs(num_requests))
         total = 0.0
         total += self.time_forward(cost, IterationCost())
         return total + self.hardware.iteration_overhead_s

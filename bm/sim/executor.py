@@ -69,7 +69,9 @@ class SimExecutor(FakeExecutor):
     ) -> None:
         model = cost_model.model
         super().__init__(max(model.vocab_size, 4), max_position_embeddings=model.max_position_embeddings)
-        self._limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
+        self._limits = ModelLimits(
+            model.vocab_size, model.max_position_embeddings, device_type=cost_model.hardware.device_type
+        )
         self.cost_model = cost_model
         self.clock = clock or VirtualClock()
         self.last_duration_s = 0.0

@@ -1,11 +1,12 @@
-"""Hardware rows for the simulator: datasheet peaks from ``hardware.yaml``, or ``cpu-local`` measured here.
+"""Hardware rows for the simulator: datasheet peaks from ``hardware.yaml``, or a local row measured here.
 
-Specs are data, so adding a device or changing a price is an edit to the YAML, not to code. ``cpu-local``
-is this machine as bm's own CPU runtime sees it: a short micro-benchmark (GEMM throughput through torch,
-memory bandwidth, the cost of one small op and of one engine-core step) cached in
-``~/.cache/bm/cpu-local.yaml`` and rerun by ``bm sim calibrate``. Beside the row, each simulated model
-gets its forward measured on bm's own engine here (:mod:`bm.sim.forward_fit`): on this CPU that, not the
-roofline, times its forwards.
+Specs are data, so adding a device or changing a price is an edit to the YAML, not to code. A datasheet
+row models a well-tuned engine at the vendor's peaks, not bm. The local rows are this machine as bm's own
+runtime sees it: ``cpu-local`` (the CPU) and ``cuda-local`` (a GPU), each a short micro-benchmark of its
+device (:mod:`bm.sim.calibration`: GEMM throughput, copy bandwidth, the cost of one small op and of one
+engine-core step) cached in ``~/.cache/bm/<row>.yaml`` and rerun by ``bm sim calibrate [--device DEV]``.
+Beside a local row, each simulated model gets its forward measured on bm's own engine on that device
+(:mod:`bm.sim.forward_fit`): that, not the roofline, times its forwards.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import yaml
 from bm.config import ConfigError
 
 CPU_LOCAL = "cpu-local"
+CUDA_LOCAL = "cuda-local"
+# Rows measured on this machine rather than read from the datasheet table, by the device each measures
+LOCAL_ROWS = {CPU_LOCAL: "cpu", CUDA_LOCAL: "cuda"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,12 @@ class Hardware:
     gemm_half_tokens: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def device_type(self) -> str:
+        """The device a simulated run stands for, whose engine defaults it resolves (bm.config): the
+        device a local row measured, a GPU for every datasheet row."""
+        return LOCAL_ROWS.get(self.key, "cuda")
+
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
             raise ConfigError(
@@ -53,12 +63,13 @@ class Hardware:
         return self.flops[dtype]
 
     def forward_fit(self, model: Any, dtype: str) -> dict[str, float] | None:
-        """cpu-local: the fitted forward cost of ``model`` in ``dtype`` (bm.sim.forward_fit), if measured."""
-        from bm.sim.forward_fit import model_key
+        """A local row: the fitted forward cost of ``model`` in ``dtype`` (bm.sim.forward_fit), if measured;
+        every term present (one a fit left out, or an older cache lacks, is 0)."""
+        from bm.sim.forward_fit import TERMS, model_key
 
         fits = self.extra.get("forward_fits") or {}
         entry = fits.get(model_key(model.shape_dict(), dtype))
-        return dict(entry["terms"]) if entry else None
+        return {name: float(entry["terms"].get(name, 0.0)) for name in TERMS} if entry else None
 
     def describe(self) -> dict[str, Any]:
         """The row as results.json records it."""
@@ -90,7 +101,7 @@ def _row(key: str, raw: Any, where: str) -> Hardware:
 
 
 def hardware_table() -> dict[str, Hardware]:
-    """The shipped datasheet rows (cpu-local is not among them: it is measured)."""
+    """The shipped datasheet rows (the local rows are not among them: they are measured)."""
     text = resources.files("bm.sim").joinpath("hardware.yaml").read_text(encoding="utf-8")
     raw = yaml.safe_load(text) or {}
     return {key: _row(key, row, "bm/sim/hardware.yaml") for key, row in raw.items()}
@@ -100,176 +111,101 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BM_CACHE_DIR") or Path.home() / ".cache" / "bm")
 
 
-def cpu_local_path() -> Path:
-    return cache_dir() / "cpu-local.yaml"
+def local_row_name(device: str) -> str:
+    """The local row that measures ``device`` (``cpu`` -> cpu-local, ``cuda`` or ``cuda:N`` -> cuda-local)."""
+    kind, _, index = device.partition(":")
+    for name, row_device in LOCAL_ROWS.items():
+        if row_device == kind and (not index or (kind == "cuda" and index.isdigit())):
+            return name
+    raise ConfigError(f"device {device!r}: no local hardware row measures it; allowed: cpu, cuda, cuda:N")
+
+
+def local_row_path(name: str) -> Path:
+    """Where the local row ``name`` is cached (``BM_CACHE_DIR``, else ``~/.cache/bm``)."""
+    return cache_dir() / f"{name}.yaml"
+
+
+def default_device() -> str:
+    """What ``bm sim calibrate`` measures without ``--device``: the GPU when CUDA is present, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_hardware(name: str, *, calibrate_if_missing: bool = True) -> Hardware:
-    """The row called ``name``; ``cpu-local`` is read from its cache, calibrated first when absent."""
-    if name == CPU_LOCAL:
-        path = cpu_local_path()
+    """The row called ``name``; a local row is read from its cache, calibrated first (on its device)
+    when absent."""
+    if name in LOCAL_ROWS:
+        path = local_row_path(name)
         if not path.is_file():
             if not calibrate_if_missing:
-                raise ConfigError(f"--hardware cpu-local: {path} is missing; run `bm sim calibrate`")
-            calibrate(path)
-        return _row(CPU_LOCAL, yaml.safe_load(path.read_text(encoding="utf-8")), str(path))
+                raise ConfigError(f"--hardware {name}: {path} is missing; run `bm sim calibrate`")
+            calibrate(LOCAL_ROWS[name])
+        return _row(name, yaml.safe_load(path.read_text(encoding="utf-8")), str(path))
     table = hardware_table()
     if name not in table:
-        raise ConfigError(f"--hardware {name!r}: unknown; allowed: {', '.join([*table, CPU_LOCAL])}")
+        raise ConfigError(f"--hardware {name!r}: unknown; allowed: {', '.join([*table, *LOCAL_ROWS])}")
     return table[name]
 
 
-def ensure_forward_fit(model_config: Any, shape: Any, dtype: str) -> Hardware:
-    """The cpu-local row with the fitted forward of the model ``shape`` (measured now on bm's engine
-    with ``model_config``'s random weights when the cache has none, then cached)."""
+def ensure_forward_fit(model_config: Any, shape: Any, dtype: str, row: str = CPU_LOCAL) -> Hardware:
+    """The local row ``row`` with the fitted forward of the model ``shape`` in ``dtype``: measured now on
+    bm's engine on that row's device (``model_config``'s random weights, its device and dtype forced to
+    the row's) when the cache has none, then cached beside the row."""
     from bm.sim.forward_fit import measure_forward_fit, model_key
 
-    hardware = load_hardware(CPU_LOCAL)
+    hardware = load_hardware(row)
     if hardware.forward_fit(shape, dtype) is not None:
         return hardware
-    fit = measure_forward_fit(model_config)
-    path = cpu_local_path()
+    device = str(hardware.extra.get("device") or LOCAL_ROWS[row])
+    # decode graphs as a default run has them: the fit prices graph-replayed and eager forwards apart
+    model_config = dataclasses.replace(model_config, dtype=dtype, device=device, cuda_graphs="auto")
+    from bm.runtime import ModelLoadError
+
+    try:
+        fit = measure_forward_fit(model_config)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--hardware {row}: the model to measure could not be built: {exc}") from None
+    path = local_row_path(row)
     raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     fits = raw.get("forward_fits") or {}
     fits[model_key(shape.shape_dict(), dtype)] = fit | {"model": shape.name, "dtype": dtype}
     raw["forward_fits"] = fits
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-    return load_hardware(CPU_LOCAL)
+    return load_hardware(row)
 
 
-# -- calibration --------------------------------------------------------------------------------------
+def calibrate(device: str | None = None, path: Path | None = None) -> dict[str, Any]:
+    """Measure ``device`` (``cpu``, ``cuda`` or ``cuda:N``; default: CUDA when present, else the CPU) and
+    write its local row, cpu-local or cuda-local, to ``path`` (default: the cache). Returns the row.
 
+    Rewriting the row drops its forward fits: the next simulated run of each model measures its forward
+    again, on the device as it is now."""
+    from bm.sim.calibration import measure_row
 
-def _best(fn: Any, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def measure_memory_bw(mib: int = 256) -> float:
-    """Bytes/s of a large copy (read + write), the best of a few: what streaming weights and KV costs."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency of bm's runtime
-        import numpy as np
-
-        a = np.ones(mib * 2**20 // 4, dtype=np.float32)
-        b = np.empty_like(a)
-        seconds = _best(lambda: np.copyto(b, a), 5)
-        return 2 * a.nbytes / seconds
-    a = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    b = torch.empty_like(a)
-    seconds = _best(lambda: b.copy_(a), 5)
-    return 2 * a.nbytes / seconds
-
-
-def measure_gemm(dtype: str = "float32", m: int = 256, k: int = 1024, n: int = 1024) -> float | None:
-    """FLOP/s of a mid-size matmul in ``dtype`` through torch (None without torch)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return None
-    dt = getattr(torch, dtype)
-    a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-    torch.mm(a, b)
-    reps = 10
-    seconds = (
-        _best(lambda: [torch.mm(a, b) for _ in range(reps)], 15) / reps
-    )  # best of many: other load only slows
-    return 2 * m * k * n / seconds
-
-
-def gemm_curve(dtype: str, small: int = 128, large: int = 1024) -> tuple[float | None, float]:
-    """Peak FLOP/s and the row count at which a GEMM reaches half of it, from two matmuls of ``small``
-    and ``large`` rows: ``f(m) = peak * m / (m + h)`` through both points (decode GEMMs have few rows)."""
-    f_small, f_large = measure_gemm(dtype, m=small), measure_gemm(dtype, m=large)
-    if not f_small or not f_large:
-        return f_large, 0.0
-    h_over_p = (1 / f_small - 1 / f_large) / (1 / small - 1 / large)
-    if h_over_p <= 0:
-        return max(f_small, f_large), 0.0
-    inv_peak = 1 / f_large - h_over_p / large
-    if inv_peak <= 0:
-        return f_large, 0.0
-    return 1 / inv_peak, h_over_p / inv_peak
-
-
-def measure_op_overhead() -> float:
-    """Seconds of one tiny torch op (dispatch cost): a model's many small ops pay it per layer."""
-    import torch
-
-    x = torch.ones(8, 8)
-    reps = 2000
-    return _best(lambda: [x.add(1.0) for _ in range(reps)], 5) / reps
-
-
-def measure_step_overhead() -> float:
-    """Seconds of one engine-core step around a no-op executor: bm's own Python cost per iteration."""
-    from bm.config import BmConfig
-    from bm.engine.core import EngineCore
-    from bm.engine.fake_executor import FakeExecutor
-    from bm.engine.request import Request
-
-    config = BmConfig()
-    config.kv_cache.max_tokens = 1 << 16
-    core = EngineCore(config, FakeExecutor(8192))
-    for i in range(16):
-        core.add_request(Request(i, list(range(3, 67)), 10_000, streaming=True))
-    core.step()
-    steps = 200
-    t = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    return (time.perf_counter() - t) / steps
-
-
-# Small ops per decoder layer in bm's torch forward (norms, projections, rotary, attention, MLP,
-# residuals): the dispatch overhead a layer pays beyond its FLOPs and bytes.
-OPS_PER_LAYER = 30
-
-
-def calibrate(path: Path | None = None) -> dict[str, Any]:
-    """Measure this machine and write the cpu-local row (returns it)."""
-    import platform
-
-    try:
-        import torch
-
-        threads = torch.get_num_threads()
-    except ImportError:  # pragma: no cover
-        threads = os.cpu_count() or 1
-    fp32, half_tokens = gemm_curve("float32")
-    flops = {"float32": fp32} if fp32 else {}
-    op = measure_op_overhead()
-    row = {
-        "name": f"this machine ({platform.processor() or platform.machine()}, {threads} threads)",
-        "flops": flops,
-        "memory_bw": measure_memory_bw(),
-        "memory": float(_total_memory()),
-        "interconnect_bw": 0.0,
-        "price_per_hour": 0.10,
-        # a micro-benchmark reaches its own peak by construction; the kernels bm's model runs reach less
-        "compute_efficiency": 1.0,
-        "memory_efficiency": 1.0,
-        "iteration_overhead_s": measure_step_overhead(),
-        "layer_overhead_s": OPS_PER_LAYER * op,
-        "gemm_half_tokens": half_tokens,
-        "op_overhead_s": op,
-        "torch_threads": threads,
+    device = device or default_device()
+    name = local_row_name(device)  # checks the spelling before torch sees it
+    row = measure_row(_torch_device(device), {k: r.price_per_hour for k, r in hardware_table().items()})
+    row |= {
         "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "source": "measured by `bm sim calibrate` (bm.sim.hardware.calibrate)",
+        "source": f"measured by `bm sim calibrate --device {device}` (bm.sim.hardware.calibrate)",
     }
-    path = path or cpu_local_path()
+    path = path or local_row_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(row, sort_keys=False), encoding="utf-8")
     return row
 
 
-def _total_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover
-        return 16 * 2**30
+def _torch_device(device: str) -> Any:
+    """The torch device to measure; a GPU row asked for where there is no CUDA is a user error."""
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {device!r}: CUDA is not available here; calibrate cpu-local with --device cpu"
+            )
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved

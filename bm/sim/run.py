@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError
@@ -26,12 +27,13 @@ from bm.engine.request import Response
 from bm.engine.stats import IterationStats
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
-from bm.sim.hardware import CPU_LOCAL, Hardware, ensure_forward_fit, load_hardware
+from bm.sim.hardware import LOCAL_ROWS, Hardware, ensure_forward_fit, load_hardware
 from bm.sim.model import ModelShape
 from bm.workloads import Workload, arrival_times
 
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
-_STOP_EVERY = 50  # driver rounds between questions to a stop callback
+_STOP_EVERY = 50  # driver rounds between questions to a stop callback (and looks at the wall clock)
+_JOURNAL_S = 0.1  # wall seconds between journal feeds, as a real run polls
 
 
 @dataclass
@@ -47,13 +49,19 @@ class SimModel:
     tokenizer: Any = None
     eos_token_id: int | None = None
     device: str = "sim"
+    decode_graphs: bool = True  # model.cuda_graphs is not off (a cuda-local row prices graph replays)
 
     @property
     def vocab_size(self) -> int:
         return self.shape.vocab_size
 
+    @property
+    def device_type(self) -> str:
+        """The device the hardware row stands for, whose engine defaults the run resolves (bm.config)."""
+        return self.hardware.device_type
+
     def cost_model(self) -> CostModel:
-        return CostModel(self.shape, self.hardware, self.dtype, self.tensor_parallel)
+        return CostModel(self.shape, self.hardware, self.dtype, self.tensor_parallel, self.decode_graphs)
 
     def runtime(self) -> dict[str, Any]:
         """The ``runtime`` block of results.json: what ran, for a simulated run."""
@@ -77,11 +85,22 @@ def load_sim_model(config: BmConfig) -> SimModel:
     dtype = config.model.dtype
     if dtype in ("auto", "float32"):
         dtype = shape.torch_dtype or "float32"
-    if hardware.key == CPU_LOCAL:  # this machine: the forward's cost as bm's engine runs this model here
-        model_config = dataclasses.replace(config.model, dtype=dtype, device="cpu")
-        hardware = ensure_forward_fit(model_config, shape, dtype)
-    hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run
-    return SimModel(shape, hardware, config.sim.tensor_parallel, dtype, name=shape.name or str(source))
+    hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run (or after a fit)
+    if hardware.key in LOCAL_ROWS:  # this machine: the forward's cost as bm's engine runs this model here
+        if config.sim.tensor_parallel > 1:
+            raise ConfigError(
+                f"--hardware {hardware.key} measures one device, bm's forward on it: tensor parallelism "
+                "needs a datasheet row (e.g. --hardware h100-sxm)"
+            )
+        hardware = ensure_forward_fit(config.model, shape, dtype, hardware.key)
+    return SimModel(
+        shape,
+        hardware,
+        config.sim.tensor_parallel,
+        dtype,
+        name=shape.name or str(source),
+        decode_graphs=config.model.cuda_graphs != "off",
+    )
 
 
 def is_sim(model: Any) -> bool:
@@ -113,13 +132,15 @@ def run_sim(
     progress: Callable[[ReplayProgress], None] | None = None,
     fast_forward: bool = True,
     stop: Callable[[Replayer], bool] | None = None,
+    journal: BenchJournal | None = None,
 ) -> BenchResult:
     """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
 
     ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
     result is the same either way (a test pins it), only the wall time differs. ``stop``: asked every
     few iterations; True ends the replay there, every unfinished request failed as stopped early
-    (``bm sweep`` stops a point once its SLO is certainly missed)."""
+    (``bm sweep`` stops a point once its SLO is certainly missed). ``journal``: given the stats rows and
+    finished requests' records about ten times a wall second, as :func:`bm.bench.run_bench` does."""
     wall_start = time.perf_counter()
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
@@ -134,11 +155,16 @@ def run_sim(
     replayer = Replayer(
         requests, [times[i] for i, _ in built], max_concurrency=bench.max_concurrency, clock=clock
     )
+    built_at = time.perf_counter()
     replay = _VirtualReplay(config, model, replayer, clock)
+    startup = {"engine_build_s": time.perf_counter() - built_at, "warmup": None}
+    if journal is not None:
+        replay.feed = JournalFeed(journal, workload, built, replayer, lambda: replay.stats)
     replay.run(fast_forward, progress, stop)
     result = bench_result(
-        config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
+        replay.core.config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
     )
+    result.startup, result.warnings = startup, list(replay.core.warnings)
     metrics = result.metrics
     metrics |= cost_metrics(
         model.hardware,
@@ -179,6 +205,7 @@ class _VirtualReplay:
         self.iterations = 0
         self.skipped = 0  # iterations advanced by fast-forward
         self.stopped_early = False
+        self.feed: JournalFeed | None = None
 
     def _timestamp(self, _out: StepOutput) -> None:
         now, timelines = self.clock.now, self.replayer.timelines
@@ -201,13 +228,18 @@ class _VirtualReplay:
         replayer.start()
         arrival_of = [t.arrival_s for t in replayer.timelines.values()]  # in request order
         next_progress = _PROGRESS_EVERY
+        next_feed = time.perf_counter() + _JOURNAL_S
         rounds = 0
         while not replayer.done:
             rounds += 1
-            if stop is not None and rounds % _STOP_EVERY == 0 and stop(replayer):
-                replayer.fail_unfinished("stopped early: the point already missed its SLO")
-                self.stopped_early = True
-                break
+            if rounds % _STOP_EVERY == 0:
+                if stop is not None and stop(replayer):
+                    replayer.fail_unfinished("stopped early: the point already missed its SLO")
+                    self.stopped_early = True
+                    break
+                if self.feed is not None and time.perf_counter() >= next_feed:
+                    self.feed.pump()
+                    next_feed = time.perf_counter() + _JOURNAL_S
             out = driver.round()
             if out.stats is not None:  # a step ran
                 self.iterations += 1
@@ -227,6 +259,8 @@ class _VirtualReplay:
                 )
                 break
             self.clock.advance_to(arrival_of[sent])
+        if self.feed is not None:
+            self.feed.pump()
         if progress is not None:
             progress(snapshot(replayer))
 

@@ -214,6 +214,14 @@ def run_sweep(
         return grids[name], plan.load, load, plan.slo, plan.repeats, plan.early_stop
 
     sim = all(g.config.engine.executor == "sim" for g in plan.configs)
+    if sim and plan.workers > 1:
+        from bm.sim.run import load_sim_model
+
+        # Every configuration's simulated model loaded here, before the workers fork: a local row's
+        # forward fit is then measured once, in this process, not by every worker at once on a shared
+        # device (nor on CUDA in a forked child, which cannot initialise it again).
+        for g in plan.configs:
+            _sim_model(g.config, load_sim_model)
     if not sim or plan.workers <= 1:
         for name in grids:
             while (load := next_load(name)) is not None:

@@ -130,32 +130,46 @@ class BatchBuilder:
             cu.append(cu[-1] + len(toks))
             lens.append(start + len(toks))
         width = max(cdiv(n, bs) for n in lens)
-        ints = [*cu, *lens]
+        # Every array starts 16-byte aligned in the packed buffers: Triton compiles a kernel variant per
+        # pointer alignment, and offsets that followed the batch size made steps of different sizes
+        # meet different variants (a compile each, mid-run).
+        ints: list[int] = []
+        starts_at = [_aligned(ints, cu, 4), _aligned(ints, lens, 4)]
         table_parts = [tables, *(pooled_tables or {}).values()]
         for part in table_parts:
-            for table, n in zip(part, lens, strict=True):
-                ints.extend(_padded_row(table, cdiv(n, bs), width))
-            ints.extend(_slots(part, positions, cu, bs))
+            rows = [
+                v for table, n in zip(part, lens, strict=True) for v in _padded_row(table, cdiv(n, bs), width)
+            ]
+            starts_at += [_aligned(ints, rows, 4), _aligned(ints, _slots(part, positions, cu, bs), 4)]
         num, num_seqs = len(ids), len(lens)
         max_q = max(len(t) for t in tokens)
-        longs = self._longs.send([*ids, *positions, *keep])
+        flat_longs: list[int] = []
+        long_at = [_aligned(flat_longs, values, 2) for values in (ids, positions, keep)]
+        longs = self._longs.send(flat_longs)
         flat = self._ints.send(ints)
-        cu_t, lens_t = flat[: num_seqs + 1], flat[num_seqs + 1 : 2 * num_seqs + 1]
-        offset = 2 * num_seqs + 1
+        cu_t = flat[starts_at[0] : starts_at[0] + num_seqs + 1]
+        lens_t = flat[starts_at[1] : starts_at[1] + num_seqs]
         batches: list[PagedBatch] = []
-        for _ in table_parts:
-            table_t = flat[offset : offset + num_seqs * width].view(num_seqs, width)
-            offset += num_seqs * width
-            slots_t = flat[offset : offset + num]
-            offset += num
+        for i in range(len(table_parts)):
+            table_at, slots_at = starts_at[2 + 2 * i], starts_at[3 + 2 * i]
+            table_t = flat[table_at : table_at + num_seqs * width].view(num_seqs, width)
+            slots_t = flat[slots_at : slots_at + num]
             batches.append(PagedBatch(cu_t, lens_t, table_t, slots_t, num, max_q))
         return Inputs(
-            longs[:num].view(1, num),
-            longs[num : 2 * num].view(1, num),
-            longs[2 * num :],
+            longs[long_at[0] : long_at[0] + num].view(1, num),
+            longs[long_at[1] : long_at[1] + num].view(1, num),
+            longs[long_at[2] : long_at[2] + len(keep)],
             batches[0],
             dict(zip(pooled_tables or {}, batches[1:], strict=True)),
         )
+
+
+def _aligned(flat: list[int], values: Sequence[int], multiple: int) -> int:
+    """Append ``values`` to ``flat`` starting at a multiple of ``multiple`` elements; returns the start."""
+    flat.extend([0] * (-len(flat) % multiple))
+    start = len(flat)
+    flat.extend(values)
+    return start
 
 
 def _padded_row(table: Sequence[int], used: int, width: int) -> list[int]:
