@@ -18,7 +18,8 @@ import torch
 from bm.engine import InferenceRequest, generate
 from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import LORA_MODULE_NAMES, LoraSpec, Request
+from bm.engine.model_inputs import LORA_MODULE_NAMES, LoraSpec
+from bm.engine.request import Request
 from bm.runtime import lora as lora_module
 from bm.runtime.lora import LoraLayers, find_lora_targets, read_peft_adapter, task_id_for_directory
 from bm.runtime.native import lora_delta_kernel

@@ -120,6 +120,21 @@ class IterationStats:
         )
 
 
+@dataclass(frozen=True)
+class CacheUsage:
+    """The cache's occupancy after a step's work, before finished requests free their blocks."""
+
+    used_blocks: int
+    layer_blocks: int
+    saved_layer_blocks: int
+
+    @classmethod
+    def of(cls, kv: KVCacheManager) -> CacheUsage:
+        return cls(
+            kv.pool.num_used_blocks, kv.num_layer_blocks_in_use(), kv.num_layer_blocks_saved_by_window()
+        )
+
+
 def iteration_stats(
     plan: SchedulerOutput,
     counts: Any,

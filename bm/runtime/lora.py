@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bm.engine.request import LORA_MODULE_NAMES, LORA_MODULES, LoraSpec, RequestError
+from bm.engine.model_inputs import LORA_MODULE_NAMES, LORA_MODULES, LoraSpec
+from bm.engine.request import RequestError
 from bm.runtime.native import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
 
 # Module id -> the HF names it maps to, as ``parent.leaf`` suffixes (TensorRT-LLM's default mapping for

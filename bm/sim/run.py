@@ -20,8 +20,9 @@ from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError
-from bm.engine.core import EngineCore, StepOutput
+from bm.engine.core import StepOutput
 from bm.engine.driver import Driver
+from bm.engine.factory import build_core
 from bm.engine.fast_forward import DecodeRun
 from bm.engine.request import Response
 from bm.engine.stats import IterationStats
@@ -193,7 +194,7 @@ class _VirtualReplay:
         self.replayer = replayer
         self.clock = clock
         self.executor = SimExecutor(model.cost_model(), clock)
-        self.core = EngineCore(config, self.executor, clock=clock)
+        self.core = build_core(config, self.executor, clock=clock)
         self.driver = Driver(
             self.core,
             self._deliver,
