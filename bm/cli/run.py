@@ -155,54 +155,61 @@ def in_flight_limit(config: BmConfig) -> int:
     return 2 * active + 64
 
 
+@dataclass
+class RunOptions:
+    """How ``bm run`` answers a file: the flags that shape its requests, its records and its display."""
+
+    default_output_len: int  # max_tokens of a line that gives none
+    ignore_eos: bool = False
+    show_progress: bool = True
+    prompts: Path | None = None  # the input file (its digest makes the run's identity)
+    resume: bool = False
+    chat_template: str | None = None
+    batch_lines: dict[int, Any] | None = None  # OpenAI batch input: each line's BatchLine by index
+    num_lines: int | None = None  # the file's lines, for the progress display's total
+    run_seed: int | None = None
+
+
 def run_prompts(
     parsed: Iterable[Row],
     config: BmConfig,
     out_dir: Path,
-    *,
-    default_output_len: int,
-    ignore_eos: bool,
+    options: RunOptions,
     console: Console,
-    show_progress: bool = True,
-    prompts: Path | None = None,
-    resume: bool = False,
-    chat_template: str | None = None,
-    batch_lines: dict[int, Any] | None = None,
     interrupts: Interrupts | None = None,
-    num_lines: int | None = None,
-    run_seed: int | None = None,
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
     Lines stream: each is read, tokenized and handed to the engine only when fewer than
     :func:`in_flight_limit` requests are between the reader and their records, and a record is written
     (and forgotten) as its request finishes, so memory does not grow with the file. Every line still ends
-    with exactly one record, interrupted or not. With ``resume`` the final records already in
-    ``outputs.jsonl`` are kept and only the other lines run. ``batch_lines`` (OpenAI batch input: each line's
-    BatchLine by index, filled as ``parsed`` reads it) also gets ``batch_output.jsonl`` in OpenAI's format,
-    a line written with each record."""
+    with exactly one record, interrupted or not. With ``options.resume`` the final records already in
+    ``outputs.jsonl`` are kept and only the other lines run. ``options.batch_lines`` (OpenAI batch input)
+    also gets ``batch_output.jsonl`` in OpenAI's format, a line written with each record."""
     if interrupts is None:
         with Interrupts() as own:
-            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines, run_seed=run_seed)  # fmt: skip
+            return run_prompts(parsed, config, out_dir, options, console, own)
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     llm = LLM(config=config)  # the library's front door loads the model and drives the engine
-    loaded = llm.loaded
     from bm.bench.results import startup_document, startup_line
 
     console.print(startup_line(llm.startup), highlight=False)
-    default_end_id = None if ignore_eos else loaded.eos_token_id
-    codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary()
-    done = _carry_over(out_dir, summary) if resume else set()
-    if prompts is not None:
-        options = run_options(default_output_len, ignore_eos, chat_template)
-        write_run_identity(out_dir, run_identity(prompts, config, options, run_seed), loaded.name)
+    done = _carry_over(out_dir, summary) if options.resume else set()
+    if options.prompts is not None:
+        identity = run_identity(
+            options.prompts,
+            config,
+            run_options(options.default_output_len, options.ignore_eos, options.chat_template),
+            options.run_seed,
+        )
+        write_run_identity(out_dir, identity, llm.loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
-    with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
-        run = _Run(summary, outputs, loaded, out_dir)
-        if batch_lines is not None:
-            run.open_batch(batch_lines, done if resume else None, _model_label(config))
+    with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
+        run = _Run(summary, outputs, llm.loaded, out_dir)
+        if options.batch_lines is not None:
+            run.open_batch(options.batch_lines, done if options.resume else None, _model_label(config))
         started = time.perf_counter()
         session = llm.session(return_stats=_marked(stats, run_id))
 
@@ -214,60 +221,74 @@ def run_prompts(
         interrupts.on_first.append(first_interrupt)
         if interrupts.signal_name is not None:  # the signal came while the model loaded
             first_interrupt()
-        limit = in_flight_limit(llm.config)
-        # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
-        terminal = console.is_terminal
-        with _progress(console, show_progress and terminal) as progress:
-            run.total = None if num_lines is None else num_lines - len(done)
-            run.task = progress.add_task("generating", total=run.total, tps="0", eta="?")
-            run.progress, run.started = progress, started
-            run.plain = PlainProgress(console, "bm run") if show_progress and not terminal else None
-            for entry in parsed:
-                if entry.index in done:
-                    run.forget(entry.index)
-                    continue
-                summary.num_requests += 1
-                if interrupts.signal_name is not None:
-                    run.cancel_unstarted(session, console, interrupts.signal_name)
-                    run.write(cancelled_record(entry))
-                    continue
-                request = to_request(entry, codec, default_output_len, default_end_id, run_seed)
-                if request is None:
-                    run.write(output_record(entry, None, loaded))
-                    continue
-                while len(run.in_flight) >= limit and run.wait_one(session, console, interrupts):
-                    pass
-                run.in_flight[entry.index] = entry
-                session.submit(request)
-            while run.in_flight and run.wait_one(session, console, interrupts):
-                pass
-            if run.plain is not None:
-                run.plain.finish()
+        _feed(parsed, llm, session, run, done, options, console, interrupts, started)
         summary.wall_time_s = time.perf_counter() - started
         session.close()
         for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
-            run.write(output_record(row, error_response(row.index, "the batch manager stopped"), loaded))
+            run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
         run.close_batch()
-    (out_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "bm_version": bm.__version__,
-                "run_id": run_id,
-                "prompts": str(prompts) if prompts is not None else None,
-                "model": loaded.name,
-                "config": llm.config.to_dict(),  # resolved for the device: what ran
-                "runtime": runtime_info(loaded.device, loaded.dtype),
-                "parallel": parallel_info(),
-                "startup": startup_document(llm.startup),
-                **asdict(summary),
-                "output_tokens_per_s": summary.output_tokens_per_s,
-                "total_tokens_per_s": summary.total_tokens_per_s,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    document = {
+        "bm_version": bm.__version__,
+        "run_id": run_id,
+        "prompts": str(options.prompts) if options.prompts is not None else None,
+        "model": llm.loaded.name,
+        "config": llm.config.to_dict(),  # resolved for the device: what ran
+        "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype),
+        "parallel": parallel_info(),
+        "startup": startup_document(llm.startup),
+        **asdict(summary),
+        "output_tokens_per_s": summary.output_tokens_per_s,
+        "total_tokens_per_s": summary.total_tokens_per_s,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     return summary
+
+
+def _feed(
+    parsed: Iterable[Row],
+    llm: LLM,
+    session: Session,
+    run: _Run,
+    done: set[int],
+    options: RunOptions,
+    console: Console,
+    interrupts: Interrupts,
+    started: float,
+) -> None:
+    """Hand each line not already done to the engine as room frees up, and write every record."""
+    loaded = llm.loaded
+    default_end_id = None if options.ignore_eos else loaded.eos_token_id
+    codec = codec_for(loaded, options.chat_template)
+    limit = in_flight_limit(llm.config)
+    summary = run.summary
+    # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
+    terminal = console.is_terminal
+    with _progress(console, options.show_progress and terminal) as progress:
+        run.total = None if options.num_lines is None else options.num_lines - len(done)
+        run.task = progress.add_task("generating", total=run.total, tps="0", eta="?")
+        run.progress, run.started = progress, started
+        run.plain = PlainProgress(console, "bm run") if options.show_progress and not terminal else None
+        for entry in parsed:
+            if entry.index in done:
+                run.forget(entry.index)
+                continue
+            summary.num_requests += 1
+            if interrupts.signal_name is not None:
+                run.cancel_unstarted(session, console, interrupts.signal_name)
+                run.write(cancelled_record(entry))
+                continue
+            request = to_request(entry, codec, options.default_output_len, default_end_id, options.run_seed)
+            if request is None:
+                run.write(output_record(entry, None, loaded))
+                continue
+            while len(run.in_flight) >= limit and run.wait_one(session, console, interrupts):
+                pass
+            run.in_flight[entry.index] = entry
+            session.submit(request)
+        while run.in_flight and run.wait_one(session, console, interrupts):
+            pass
+        if run.plain is not None:
+            run.plain.finish()
 
 
 class _Run:
