@@ -164,19 +164,30 @@ def startup_line(startup: dict[str, Any]) -> str:
     return f"start-up {doc['total_s']:.1f} s ({', '.join(parts)}), before the clock"
 
 
-def write_results(out_dir: Path, result: BenchResult, *, stats_written: bool = False) -> dict[str, Any]:
+def write_results(
+    out_dir: Path,
+    result: BenchResult,
+    *,
+    stats_written: bool = False,
+    request_lines: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Write the three files into ``out_dir`` (created if needed); returns the results document.
 
     Each file is written whole under a temporary name, then renamed over the one a journal streamed
     while the run went (:mod:`bm.bench.journal`), so a kill at any moment leaves either the streamed
     file or the complete one, never half of either. ``stats_written``: ``stats.jsonl`` already holds
     every row of ``result.stats`` in order, as :func:`stats_line` writes them (a journal streamed them),
-    so it is left as it is rather than written twice (a long simulated run's is hundreds of MB)."""
+    so it is left as it is rather than written twice (a long simulated run's is hundreds of MB).
+    ``request_lines``: every record's line as a journal wrote it, in workload order, written as they are
+    instead of serializing each record again."""
     out_dir.mkdir(parents=True, exist_ok=True)
     document = results_document(result)
     with _replacing(out_dir / "requests.jsonl") as f:
-        for record in result.records.to_dict("records"):
-            f.write(request_line(record))
+        if request_lines is not None:
+            f.writelines(request_lines)
+        else:
+            for record in result.records.to_dict("records"):
+                f.write(request_line(record))
     if not stats_written:
         with _replacing(out_dir / "stats.jsonl") as f:
             for stats in result.stats:
