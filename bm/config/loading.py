@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from bm.config.classpath import CLASS_KEYS, find_class_module
+from bm.config.classpath import check_class_paths
 from bm.config.fields import ConfigError
 from bm.config.sections import SECTIONS, BmConfig, config_from_dict
 from bm.suggest import did_you_mean
@@ -71,14 +71,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ConfigError(f"{section}: expected a mapping of keys")
         current[key] = value
     cfg = config_from_dict(data)
-    for key in CLASS_KEYS:
-        value = getattr(cfg.engine, key)
-        if value is not None and not find_class_module(value, folders):
-            raise ConfigError(
-                f"engine.{key}: cannot import {value!r} (no module {value.partition(':')[0]!r} in "
-                f"{' or '.join(repr(str(f)) for f in folders)} or Python's path); give a module there or "
-                "set PYTHONPATH"
-            )
+    check_class_paths(cfg.engine, folders)
     return cfg
 
 
