@@ -162,7 +162,7 @@ def validate(cfg: BmConfig) -> None:
     if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
         raise ConfigError(_sim_needs_shape(cfg.model.preset))
     validate_bench(cfg.bench)
-    try:  # the environment's pick of the C kernels' instruction set (docs/cpu-kernels.md)
+    try:  # BM_CPU_ISA, the C kernels' instruction set: bm.cpu_isa owns the rule, config only refuses early
         check_cpu_isa()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
