@@ -58,15 +58,22 @@ def kv_manager():
     return KVCacheManager(16, 8)
 
 
+def config_beside_package(tmp_path, monkeypatch, name, more_yaml=""):
+    """``tmp/cfg/bm.yaml`` naming CountingScheduler from the package ``name`` beside it, with the working
+    directory ``tmp/elsewhere`` (so only the config's folder can explain the module being found)."""
+    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_path = write_package(config_dir, name)
+    config = config_dir / "bm.yaml"
+    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n{more_yaml}")
+    monkeypatch.chdir(elsewhere)
+    return config
+
+
 def test_a_module_beside_the_config_file_resolves_from_another_working_directory(
     tmp_path, monkeypatch, isolated_imports
 ):
-    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    class_path = write_package(config_dir, "bm_sched_beside")
-    config = config_dir / "bm.yaml"
-    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n")
-    monkeypatch.chdir(elsewhere)
+    config = config_beside_package(tmp_path, monkeypatch, "bm_sched_beside")
     cfg = load_config(config)
     scheduler = build_scheduler(cfg.engine, kv_manager())
     assert type(scheduler.capacity_scheduler).__name__ == "CountingScheduler"
@@ -93,16 +100,12 @@ def test_a_module_found_nowhere_is_refused_when_the_config_loads_naming_where_it
 
 
 def test_bm_run_uses_a_scheduler_named_beside_its_config(tmp_path, monkeypatch, isolated_imports):
-    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    class_path = write_package(config_dir, "bm_sched_run")
-    config = config_dir / "bm.yaml"
-    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\nmodel:\n  device: cpu\n")
+    config = config_beside_package(tmp_path, monkeypatch, "bm_sched_run", "model:\n  device: cpu\n")
+    elsewhere = tmp_path / "elsewhere"
     prompts = elsewhere / "p.jsonl"
     prompts.write_text(
         "".join(json.dumps({"input_ids": [5, 6, 7], "max_tokens": 2}) + "\n" for _ in range(3))
     )
-    monkeypatch.chdir(elsewhere)
     result = runner.invoke(app, ["run", "p.jsonl", "-c", str(config), "-o", "out", "--quiet"])
     assert result.exit_code == 0, result.output
     assert sys.modules["bm_sched_run.policies"].CountingScheduler.plans > 0
@@ -111,17 +114,14 @@ def test_bm_run_uses_a_scheduler_named_beside_its_config(tmp_path, monkeypatch, 
 
 
 def test_loading_a_custom_scheduler_class_leaves_sys_path_unchanged(tmp_path, monkeypatch, isolated_imports):
-    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    class_path = write_package(config_dir, "bm_sched_path")
-    config = config_dir / "bm.yaml"
-    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n")
-    monkeypatch.chdir(elsewhere)
+    config = config_beside_package(tmp_path, monkeypatch, "bm_sched_path")
     before = list(sys.path)
     scheduler = build_scheduler(load_config(config).engine, kv_manager())
     assert type(scheduler.capacity_scheduler).__name__ == "CountingScheduler"
     assert sys.path == before
-    assert sys.modules["bm_sched_path.policies"].__file__ == str(config_dir / "bm_sched_path" / "policies.py")
+    assert sys.modules["bm_sched_path.policies"].__file__ == str(
+        config.parent / "bm_sched_path" / "policies.py"
+    )
 
 
 def test_the_module_imports_its_package_siblings_relatively_and_by_name(
