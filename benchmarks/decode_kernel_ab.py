@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,21 +36,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import kernel_sources_at
+
 from bm.cpu_isa import machine_isas
 from bm.runtime.native import PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
 from bm.runtime.native_build import compile_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "bm/runtime/native/paged_decode.c"
-HEADER = "bm/runtime/native/vec_exp.h"
+SOURCE = ROOT / "bm" / "runtime" / "native" / "paged_decode.c"
 
 
-def build(source: str, header: str, isa: str, tag: str) -> PagedDecodeKernel:
-    """The kernel compiled from ``source`` text, in a directory of its own (its cache key is the text)."""
-    where = Path(tempfile.mkdtemp(prefix=f"bm-ab-{tag}-"))
-    (where / "paged_decode.c").write_text(source)
-    (where / "vec_exp.h").write_text(header)
-    lib = compile_kernel(where / "paged_decode.c", isa)
+def build(source: Path, isa: str, tag: str) -> PagedDecodeKernel:
+    """The kernel compiled from ``source`` (and the headers beside it) for variant ``isa``."""
+    lib = compile_kernel(source, isa)
     if lib is None:
         raise SystemExit(f"{tag}: the {isa} build failed")
     if not hasattr(lib, "bm_kv_write_f32"):  # older sources: attention only
@@ -186,15 +183,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    def show(path: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{args.ref}:{path}"], capture_output=True, text=True, check=True
-        ).stdout
-
-    old_src, old_h = show(SOURCE), show(HEADER)
-    new_src, new_h = (ROOT / SOURCE).read_text(), (ROOT / HEADER).read_text()
+    ref_source = kernel_sources_at(args.ref, Path(tempfile.mkdtemp(prefix="bm-ab-ref-"))) / SOURCE.name
     for isa in args.isa.split(","):
-        old, new = build(old_src, old_h, isa, "ref"), build(new_src, new_h, isa, "tree")
+        old, new = build(ref_source, isa, "ref"), build(SOURCE, isa, "tree")
         cases = check(old, new, random.Random(1))
         t = timed(old, new, args)
         print(
