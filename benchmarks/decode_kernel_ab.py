@@ -4,7 +4,7 @@
     python benchmarks/decode_kernel_ab.py [--ref main] [--isa avx512,avx2,scalar] [--threads 1]
 
 Builds ``bm/runtime/native/paged_decode.c`` as ``--ref`` has it and as the working tree has it (the
-same flags, bm.runtime.native_build), then
+same flags, bm.runtime.native.build), then
 
 * checks that both give the same bits on random shapes (head sizes with and without a vector tail, any
   grouping, block sizes 1..32, lengths 1..1000, soft-capping, ALiBi, windows and sink logits), per
@@ -40,7 +40,7 @@ from common import kernel_sources_at
 
 from bm.cpu_isa import machine_isas
 from bm.runtime.native import PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
-from bm.runtime.native_build import compile_kernel
+from bm.runtime.native.build import compile_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "bm" / "runtime" / "native" / "paged_decode.c"

@@ -100,10 +100,10 @@ def test_the_kernel_cache_keeps_one_file_per_build():
     build (or the reverse)."""
     from pathlib import Path
 
-    from bm.runtime import native_build
+    from bm.runtime.native import build
 
-    source = Path(native_build.__file__).parent / "native" / "elementwise.c"
-    keys = {isa: native_build._cache_key(source, "cc", None, isa) for isa in ("avx512", "avx2", "scalar")}
+    source = Path(build.__file__).parent / "elementwise.c"
+    keys = {isa: build._cache_key(source, "cc", None, isa) for isa in ("avx512", "avx2", "scalar")}
     assert len(set(keys.values())) == 3
 
 
@@ -113,17 +113,17 @@ def test_a_changed_instruction_set_header_rebuilds_every_kernel(tmp_path):
     import shutil
     from pathlib import Path
 
-    from bm.runtime import native_build
+    from bm.runtime.native import build
 
-    native = Path(native_build.__file__).parent / "native"
+    native = Path(build.__file__).parent
     for path in [*native.glob("*.c"), *native.glob("*.h")]:
         shutil.copy(path, tmp_path / path.name)
     sources = sorted(tmp_path.glob("*.c"))
     assert all('#include "isa.h"' in s.read_text() for s in sources)
-    before = [native_build._cache_key(s, "cc", None, "avx2") for s in sources]
+    before = [build._cache_key(s, "cc", None, "avx2") for s in sources]
     header = tmp_path / "isa.h"
     header.write_text(header.read_text() + "\n/* changed */\n")
-    after = [native_build._cache_key(s, "cc", None, "avx2") for s in sources]
+    after = [build._cache_key(s, "cc", None, "avx2") for s in sources]
     assert all(a != b for a, b in zip(before, after, strict=True))
 
 

@@ -49,14 +49,15 @@ def reference_decode(
 @pytest.fixture(scope="module")
 def own_threads_kernel():
     """The build used where torch's OpenMP runtime cannot be found: the kernel starts its own threads."""
-    from bm.runtime import native, native_build
+    from bm.runtime import native
+    from bm.runtime.native import build, loader
 
-    saved_loaded, saved_finder = native._loaded, native_build.loaded_openmp_runtime
-    native._loaded, native_build.loaded_openmp_runtime = {}, lambda: None
+    saved_loaded, saved_finder = loader._loaded, build.loaded_openmp_runtime
+    loader._loaded, build.loaded_openmp_runtime = {}, lambda: None
     try:
         return native.paged_decode_kernel()
     finally:  # later tests see the process's usual kernel again
-        native._loaded, native_build.loaded_openmp_runtime = saved_loaded, saved_finder
+        loader._loaded, build.loaded_openmp_runtime = saved_loaded, saved_finder
 
 
 @needs_kernel
@@ -182,28 +183,30 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
 
 def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
     from bm.runtime import native
+    from bm.runtime.native import loader
 
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(loader, "_loaded", {})
     assert native.paged_decode_kernel() is None
 
 
 @needs_kernel
 def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monkeypatch, tmp_path):
-    from bm.runtime import native, native_build
+    from bm.runtime import native
+    from bm.runtime.native import build, loader
 
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
     compiles = []
-    real = native_build._run_compiler
-    monkeypatch.setattr(native_build, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
-    monkeypatch.setattr(native, "_loaded", {})
+    real = build._run_compiler
+    monkeypatch.setattr(build, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
+    monkeypatch.setattr(loader, "_loaded", {})
     assert native.paged_decode_kernel() is not None
     built = len(compiles)
     assert built > 0
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no temporary files left
-    monkeypatch.setattr(native, "_loaded", {})  # as a new run on the same machine
+    monkeypatch.setattr(loader, "_loaded", {})  # as a new run on the same machine
     assert native.paged_decode_kernel() is not None
     assert len(compiles) == built
 
@@ -211,12 +214,13 @@ def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monk
 @needs_kernel
 def test_an_unwritable_kernel_cache_still_gives_a_kernel_for_this_process(monkeypatch, tmp_path):
     from bm.runtime import native
+    from bm.runtime.native import loader
 
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("BM_CACHE_DIR", str(blocker))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(loader, "_loaded", {})
     assert native.paged_decode_kernel() is not None
 
 
