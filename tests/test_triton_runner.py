@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from bm.engine import BatchManager, InferenceRequest
-from bm.runtime import ModelRunner, Segment
+from bm.runtime import ModelRunner, work_item
 from bm.runtime.model_loader import describe_model
 from bm.runtime.triton import ENV_SWITCH
 from bm.runtime.triton.graphs import bucket_for
@@ -67,10 +67,10 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> 
     out = []
     half = [len(p) // 2 for p in prompts]
     out.append(
-        runner.forward([Segment(p[:h], 0, t, False) for p, h, t in zip(prompts, half, tables, strict=True)])
+        runner.forward([work_item(p[:h], 0, t, False) for p, h, t in zip(prompts, half, tables, strict=True)])
     )
     logits = runner.forward(
-        [Segment(p[h:], h, t, True) for p, h, t in zip(prompts, half, tables, strict=True)]
+        [work_item(p[h:], h, t, True) for p, h, t in zip(prompts, half, tables, strict=True)]
     )
     out.append(logits)
     for _ in range(decode_steps):
@@ -78,7 +78,7 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> 
         for s, t in zip(seqs, nxt, strict=True):
             s.append(t)
         logits = runner.forward(
-            [Segment([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+            [work_item([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
         )
         out.append(logits)
     assert all(len(t) * bs >= len(s) for s, t in zip(seqs, tables, strict=True))

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from bm.engine.executor import WorkItem
 from bm.runtime.native import PagedDecodeKernel, PrefillAttentionKernel, prefill_attention_kernel
 
 ATTENTION_NAME = "bm_paged"
@@ -43,10 +44,10 @@ class UnsupportedAttentionError(RuntimeError):
     pass
 
 
-def segment_rows(segment: Any, offset: int) -> range:
-    """The packed rows whose logits a forward returns for a segment (a ``Segment`` or the engine's work
-    item) starting at ``offset``: every row with ``keep_all``, the drafts' and the last with drafts, the
-    last when it samples. One definition for the torch and the Triton paths."""
+def segment_rows(segment: WorkItem, offset: int) -> range:
+    """The packed rows whose logits a forward returns for a work item starting at ``offset``: every row
+    with ``keep_all``, the drafts' and the last with drafts, the last when it samples. One definition
+    for the torch and the Triton paths."""
     n = len(segment.token_ids)
     if segment.keep_all:
         return range(offset, offset + n)

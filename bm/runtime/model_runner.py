@@ -1,7 +1,9 @@
-"""Owns the model and the KV tensors; turns a list of scheduled segments into one packed forward.
+"""Owns the model and the KV tensors; turns a list of scheduled work items into one packed forward.
 
-The engine hands over :class:`Segment` values (tokens, their first position, the request's block table,
-whether to sample after the last token). The runner builds the packed inputs and the attention metadata
+The engine hands over its :class:`~bm.engine.executor.WorkItem` values as they are (tokens, their first
+position, the request's block table, whether to sample after the last token); the runner reads only
+those fields, so a forward of its own (warm-up, benchmarks, tests) builds them with :func:`work_item`.
+The runner builds the packed inputs and the attention metadata
 once per forward, shares them with every layer, and returns logits only where a token will be sampled.
 Layers with different attention windows (Gemma 2/3, Qwen2's ``max_window_layers``) get one metadata per
 window, built by a :class:`_Layout` each.
@@ -11,10 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from bm.engine.executor import WorkItem, WorkKind
 from bm.kv import cdiv
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.runtime.attention import (
@@ -41,21 +44,18 @@ DECODE_GROUP_TOKENS = 8192
 _ZERO_FILL_LIMIT_BYTES = 256 << 20
 
 
-@dataclass(slots=True)
-class Segment:
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-    # Return logits for every token of the segment, not only the last (context logits were asked for).
-    keep_all: bool = False
-    # The last ``num_draft`` tokens are drafts: return the logits of the ``num_draft + 1`` last positions.
-    num_draft: int = 0
-    # The request's table in each windowed pool, by window (None: every layer reads ``block_ids``).
-    window_block_ids: dict[int, list[int]] | None = None
-    # Positions from here on run as decode rows, those before as a prefill run, even a one-token one
-    # (None: one token is a decode row, more a prefill run); see bm.engine.executor.WorkItem.
-    decode_from: int | None = None
+def work_item(
+    token_ids: list[int],
+    start_pos: int,
+    block_ids: list[int],
+    sample: bool = True,
+    **fields: Any,
+) -> WorkItem:
+    """A work item for a forward the runner computes with no request behind it (warm-up, benchmarks,
+    tests): tokens ``token_ids`` at positions ``start_pos...`` over ``block_ids``; ``fields`` sets the
+    other :class:`~bm.engine.executor.WorkItem` fields the runner reads (``keep_all``, ``num_draft``,
+    ``window_block_ids``, ``decode_from``)."""
+    return WorkItem(None, WorkKind.CONTEXT, token_ids, start_pos, block_ids, sample, **fields)
 
 
 class ModelRunner:
@@ -160,7 +160,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self,
-        segments: Sequence[Segment],
+        segments: Sequence[WorkItem],
         prompt_tables: Mapping[int, torch.Tensor] | None = None,
         static_ok: bool = True,
     ) -> torch.Tensor:
@@ -182,7 +182,7 @@ class ModelRunner:
         return out.logits[0].float()
 
     def _embed(
-        self, segments: Sequence[Segment], input_ids: torch.Tensor, tables: Mapping[int, torch.Tensor]
+        self, segments: Sequence[WorkItem], input_ids: torch.Tensor, tables: Mapping[int, torch.Tensor]
     ) -> torch.Tensor:
         """Token embeddings ``[1, T, hidden]`` with virtual ids (>= vocab) replaced by table rows."""
         embedding = self.model.get_input_embeddings()
@@ -215,7 +215,7 @@ class ModelRunner:
                 cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def _prepare(
-        self, segments: Sequence[Segment]
+        self, segments: Sequence[WorkItem]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.tokens_per_block
         ids: list[int] = []
@@ -289,7 +289,7 @@ def attention_backend(loaded: LoadedModel) -> str:
 
 
 def _rows_for(
-    segments: Sequence[Segment], window: int, bs: int
+    segments: Sequence[WorkItem], window: int, bs: int
 ) -> tuple[list[int], list[tuple[int, int, int, list[int]]], list[tuple[int, int, list[int]]]]:
     """Slots, prefill runs and decode rows of the packed batch, over each segment's table in the
     ``window`` pool (as :meth:`ModelRunner._prepare` builds them over the main tables)."""
@@ -308,7 +308,7 @@ def _rows_for(
 
 
 def _place(
-    seg: Segment,
+    seg: WorkItem,
     offset: int,
     table: list[int],
     prefill: list[tuple[int, int, int, list[int]]],
@@ -331,7 +331,7 @@ def _place(
         prefill.append((offset, offset + n, start, table))
 
 
-def _verify_step(seg: Segment, n: int) -> bool:
+def _verify_step(seg: WorkItem, n: int) -> bool:
     """A generation step verifying drafts (its last token and K drafts, after a cached context).
 
     Its K + 1 queries run as K + 1 decode rows, query i attending the first ``start + i + 1`` keys, all
