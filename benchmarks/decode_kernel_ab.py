@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import kernel_sources_at
 
 from bm.cpu_isa import machine_isas
-from bm.runtime.native import PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
+from bm.runtime.attention import LayerExtras
+from bm.runtime.native import DecodeRows, PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
 from bm.runtime.native.build import compile_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,16 +86,19 @@ def check(old: PagedDecodeKernel, new: PagedDecodeKernel, rng: random.Random) ->
         for extra in FEATURES:
             for rows, longest in [(1, 1), (3, 20), (8, 300), (5, 1000)]:
                 lengths = [rng.randint(1, longest) for _ in range(rows)]
-                args = layer(rng, heads, kv, d, bs, lengths, 3.0 if "softcap" in extra else 1.0)
+                q, cache, idx, table, lens, max_len, scale = layer(
+                    rng, heads, kv, d, bs, lengths, 3.0 if "softcap" in extra else 1.0
+                )
                 slopes = (
                     2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32) if extra.get("alibi") else None
                 )
                 sinks = torch.randn(heads) * 3 if extra.get("sink") else None
-                more = (extra.get("softcap"), slopes, extra.get("window"), sinks)
+                decode_rows = DecodeRows(idx, table, lens, max_len, extra.get("window"))
+                extras = LayerExtras(extra.get("softcap"), slopes, sinks)
                 outs = []
                 for kernel in (old, new):
                     out = torch.full((rows + 2, heads, d), float("nan"))
-                    kernel(out, *args, *more)
+                    kernel(out, q, cache, decode_rows, scale, extras)
                     outs.append(out.view(torch.int32))  # bits, NaN included
                 if not torch.equal(*outs):
                     raise SystemExit(
@@ -108,7 +112,7 @@ def timed(old: PagedDecodeKernel, new: PagedDecodeKernel, args: argparse.Namespa
     rng = random.Random(0)
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
     q, cache, _, table, lens, max_len, scale = layer(rng, 9, 3, 64, 32, lengths)
-    inputs = (q, cache, torch.arange(args.rows), table, lens, max_len, scale)
+    inputs = (q, cache, DecodeRows(torch.arange(args.rows), table, lens, max_len), scale)
     outs = {name: torch.empty(args.rows + 2, 9, 64) for name in ("old", "new")}
     samples: dict[str, list[float]] = {"old": [], "new": []}
     for i in range(args.repeat + 3):

@@ -48,8 +48,8 @@ from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate
 from bm.config import config_from_dict
 from bm.engine import Request, generate
 from bm.runtime import ModelRunner, work_item
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import LoadedModel, describe_model, random_model, resolve_dtype
-from bm.runtime.triton import ENV_SWITCH
 
 ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 1024, "initializer_range": 0.2}  # fmt: skip

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bm.config import ConfigError, config_from_dict
 from bm.engine import InferenceRequest
 from bm.kv import NO_BLOCK
-from bm.runtime.attention import batch_metadata, paged_attention_forward
+from bm.runtime.attention import forward_context, paged_attention_forward
 from bm.runtime.model_loader import describe_model
 from bm.runtime.model_runner import ModelRunner, work_item
 from tests.conftest import hf_greedy, make_config, reference_model
@@ -52,12 +52,12 @@ def test_windowed_paged_attention_matches_attention_computed_directly(tiny_model
     module = SimpleNamespace(layer_idx=layer)
 
     @torch.inference_mode()
-    def attend(segments, rows):
-        """One packed forward's attention; ``rows``: (first position, count) of each segment's
+    def attend(items, rows):
+        """One packed forward's attention; ``rows``: (first position, count) of each item's
         tokens in the long sequence (the short sequence's keys are the long one's first ones)."""
-        _, _, meta, _ = runner._prepare(segments)
+        inputs = runner.backend.prepare(items)
         q, k, v = (torch.cat([x[:, s : s + c] for s, c in rows], 1)[None] for x in (queries, keys, values))
-        with batch_metadata(meta):
+        with forward_context(runner.backend, inputs.metadata):
             return paged_attention_forward(module, q, k, v, None)[0][0]
 
     # 1. a whole prompt longer than the window, beside a short one

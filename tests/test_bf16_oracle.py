@@ -15,9 +15,9 @@ import torch
 
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, load_model, work_item
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.presets import is_available
-from bm.runtime.triton import ENV_SWITCH
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 
@@ -46,7 +46,7 @@ def test_a_bf16_model_on_cpu_keeps_exact_bf16_keys_in_a_float32_cache_read_by_th
     caches = [c for c in runner.kv_caches if c is not None]
     assert all(c.dtype == torch.float32 for c in caches)
     if paged_decode_kernel() is not None:
-        assert runner.native_decode is not None
+        assert runner.backend.native_decode is not None
         assert runtime_info("cpu", torch.bfloat16)["decode_attention"] == "native"  # results files say so
     prompt = random_prompts(seed=2, count=1, vocab=loaded.vocab_size, max_prompt=20, max_output=1)[0][0]
     logits = runner.forward([work_item(prompt, 0, list(range(4)), True)])

@@ -7,7 +7,8 @@ import torch
 
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner
-from bm.runtime.native import ENV_SWITCH, paged_decode_kernel
+from bm.runtime.attention import LayerExtras
+from bm.runtime.native import ENV_SWITCH, DecodeRows, paged_decode_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
 from tests.native_variants import ISAS, each_isa
@@ -91,7 +92,7 @@ def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_
     token_index = torch.tensor([3, 0, 19, 7, 8, 12, 1, 15])
     out = torch.full((tokens, heads, head_dim), float("nan"))
     scaling = head_dim**-0.5
-    kernel(out, q, cache, token_index, table, torch.tensor(lengths), max(lengths), scaling)
+    kernel(out, q, cache, DecodeRows(token_index, table, torch.tensor(lengths), max(lengths)), scaling)
     expected = reference_decode(q, cache, token_index, table.tolist(), lengths, scaling)
     for tok, want in expected.items():
         torch.testing.assert_close(out[tok], want, rtol=1e-5, atol=1e-5)
@@ -141,9 +142,9 @@ def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(
     out = torch.full((12, heads, head_dim), float("nan"))
     scaling = head_dim**-0.5
     sinks = torch.randn(heads, generator=g) * 3 if sink else None
-    lens = torch.tensor(lengths)
     kernel = paged_decode_kernel(isa)
-    kernel(out, q, cache, token_index, table, lens, max(lengths), scaling, softcap, slopes, window, sinks)
+    rows = DecodeRows(token_index, table, torch.tensor(lengths), max(lengths), window)
+    kernel(out, q, cache, rows, scaling, LayerExtras(softcap, slopes, sinks))
     safe = torch.nan_to_num(cache)  # the reference reads every key, then masks those outside the window
     expected = reference_decode(q, safe, token_index, table.clamp(min=0).tolist(), lengths, scaling,
                                 softcap, slopes, window, sinks)  # fmt: skip
@@ -154,14 +155,14 @@ def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(
 @needs_kernel
 def test_runner_uses_native_decode_for_fp32_cpu_caches(tiny_model):
     runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
-    assert runner.native_decode is kernel
+    assert runner.backend.native_decode is kernel
 
 
 def test_env_switch_turns_native_kernels_off(tiny_model, monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert paged_decode_kernel() is None
     runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
-    assert runner.native_decode is None
+    assert runner.backend.native_decode is None
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
@@ -175,7 +176,7 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
     config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 96})
     with BatchManager(config, client.get_requests, client.send_response, model=tiny_model) as manager:
         client.wait_or_fail()
-        runner_native = manager.runner.native_decode is not None
+        runner_native = manager.runner.backend.native_decode is not None
     assert runner_native == (native == "1" and kernel is not None)
     for i, (prompt, max_new) in enumerate(specs):
         assert client.results[i].output_ids == hf_greedy(tiny_reference, prompt, max_new), f"request {i}"
@@ -231,7 +232,7 @@ def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
     out = torch.zeros(3, 6, 32)
     idx = torch.tensor([0])
     with pytest.raises(ValueError, match="head size"):
-        kernel(out, q, cache, idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1, 1.0)
+        kernel(out, q, cache, DecodeRows(idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1), 1.0)
 
 
 @needs_kernel

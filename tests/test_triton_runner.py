@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, work_item
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import describe_model
-from bm.runtime.triton import ENV_SWITCH
 from bm.runtime.triton.graphs import bucket_for
 from bm.scheduling import FinishReason
 from tests.clients import StaggeredClient
@@ -109,7 +109,7 @@ def test_static_buffer_decode_path_gives_the_dynamic_paths_outputs(tiny_model, t
     for mode in ("off", "on"):
         loaded = dataclasses.replace(tiny_model, cuda_graphs=mode)
         runner = ModelRunner(loaded, 40, 4, 64)
-        assert (runner.paged.graphs is not None) == (mode == "on")
+        assert (runner.backend.graphs is not None) == (mode == "on")
         runs[mode] = (_steps(runner, prompts, 3), _steps(runner, prompts[:3], 2))
     (full_off, padded_off), (full_on, padded_on) = runs["off"], runs["on"]
     for got, want in zip(full_on, full_off, strict=True):

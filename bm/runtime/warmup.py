@@ -101,18 +101,14 @@ def warm_up(runner: ModelRunner, max_batch_size: int, max_num_tokens: int, max_s
             continue
         runner.forward([blocks.item(n, p) for n, p in forward])
         report.forwards.append((len(forward), sum(n for n, _ in forward)))
-    graphs = getattr(runner.paged, "graphs", None)
-    if graphs is not None:
-        from bm.runtime.triton.graphs import BUCKETS, bucket_for
-
-        top = bucket_for(max_batch_size) or BUCKETS[-1]
-        position = min(33, max_seq_len - 1)  # a context past a block boundary
-        for bucket in (b for b in BUCKETS if b <= top):
-            runner.forward([blocks.item(1, position) for _ in range(bucket)])
-            report.graph_buckets.append(bucket)
-    else:  # decode steps run eagerly: the decode tile's variants, one sequence and several
+    sizes = runner.backend.static_decode_sizes(max_batch_size)
+    position = min(33, max_seq_len - 1)  # a context past a block boundary
+    for size in sizes:  # decode steps over static buffers: each size run (captured on CUDA) once
+        runner.forward([blocks.item(1, position) for _ in range(size)])
+        report.graph_buckets.append(size)
+    if not sizes:  # decode steps run eagerly: the decode tile's variants, one sequence and several
         for size in sorted({1, min(16, max_batch_size), min(17, max_batch_size)}):
-            runner.forward([blocks.item(1, min(33, max_seq_len - 1)) for _ in range(size)])
+            runner.forward([blocks.item(1, position) for _ in range(size)])
             report.forwards.append((size, size))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -21,13 +21,14 @@ from bm.runtime.native.args import as_rows, kernel_inputs
 from bm.runtime.native.elementwise import ElementwiseKernels, elementwise_kernels
 from bm.runtime.native.loader import ENV_SWITCH, NativeKernel, native_kernels_enabled
 from bm.runtime.native.lora_delta import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
-from bm.runtime.native.paged_decode import PagedDecodeKernel, paged_decode_kernel
+from bm.runtime.native.paged_decode import DecodeRows, PagedDecodeKernel, paged_decode_kernel
 from bm.runtime.native.prefill_attention import PrefillAttentionKernel, prefill_attention_kernel
 from bm.runtime.native.small_gemm import PANEL, SmallGemmKernel, small_gemm_kernel
 
 __all__ = [
     "ENV_SWITCH",
     "PANEL",
+    "DecodeRows",
     "ElementwiseKernels",
     "LoraDeltaKernel",
     "LoraDeltaWeights",

@@ -3,13 +3,39 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
+from bm.runtime.attention import NO_EXTRAS, LayerExtras
 from bm.runtime.native.args import F32, FLOAT, I64, INT, PTR, bind, fits, pointer, require, unit_stride
 from bm.runtime.native.loader import NativeKernel, load_kernel
 
 _NAME = "paged decode kernel"
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A forward's decode rows as the kernel reads them: checked once when built, so each layer's call
+    passes them on as they are."""
+
+    token_index: torch.Tensor  # [rows] int64: each row's query in the packed batch (rows of q and out)
+    block_table: torch.Tensor  # [rows, max_blocks] int64, each row padded past its length (never read)
+    lengths: torch.Tensor  # [rows] int64: keys each row attends (its position + 1)
+    max_len: int
+    window: int | None = None  # each row attends only its last ``window`` keys; blocks before are never read
+
+    def __post_init__(self) -> None:
+        index = (self.token_index, self.block_table, self.lengths)
+        require(_NAME, I64, index, index)
+        if (
+            self.block_table.dim() != 2
+            or not self.token_index.shape == self.lengths.shape == self.block_table.shape[:1]
+        ):
+            raise ValueError(
+                f"{_NAME}: token index {tuple(self.token_index.shape)}, block table "
+                f"{tuple(self.block_table.shape)} and lengths {tuple(self.lengths.shape)} disagree on rows"
+            )
 
 
 class PagedDecodeKernel(NativeKernel):
@@ -58,43 +84,33 @@ class PagedDecodeKernel(NativeKernel):
         out: torch.Tensor,
         q: torch.Tensor,
         cache: torch.Tensor,
-        token_index: torch.Tensor,
-        block_table: torch.Tensor,
-        lengths: torch.Tensor,
-        max_len: int,
+        rows: DecodeRows,
         scaling: float,
-        softcap: float | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
+        extras: LayerExtras = NO_EXTRAS,
     ) -> None:
         """``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``cache`` one layer's
-        [2, kv_heads, num_blocks, block_size, d]; ``block_table`` [rows, max_blocks] int64; ``lengths``
-        [rows] int64 keys per row (its position + 1); ``token_index`` [rows] int64 rows of ``q``/``out``.
-        ``softcap``: scores become ``softcap * tanh(score / softcap)``; ``alibi_slopes`` [heads] float32:
-        ``slope * (key - query)`` is added to each score; ``window``: a row attends only its last
-        ``window`` keys (table entries before them are never read); ``sinks`` [heads] float32: one more
-        logit per head in the softmax's denominator (gpt-oss)."""
+        [2, kv_heads, num_blocks, block_size, d]; ``rows``: which rows of ``q``/``out`` attend which blocks.
+        ``extras``: the layer's soft-capping (scores become ``softcap * tanh(score / softcap)``), ALiBi
+        slopes ([heads] float32: ``slope * (key - query)`` is added to each score) and sink logits ([heads]
+        float32: one more logit per head in the softmax's denominator, gpt-oss)."""
         q = unit_stride(q)
         heads, _, head_dim = q.shape
         _, kv_heads, num_blocks, block_size, cache_dim = cache.shape
-        require(_NAME, F32, (q, out, cache, alibi_slopes, sinks), (out, cache, alibi_slopes, sinks))
-        require(_NAME, I64, (token_index, block_table, lengths), (token_index, block_table, lengths))
+        alibi, sinks = extras.alibi, extras.sinks
+        require(_NAME, F32, (q, out, cache, alibi, sinks), (out, cache, alibi, sinks))
         if head_dim != cache_dim or heads % kv_heads or out.shape[1:] != (heads, head_dim):
             raise ValueError(
                 f"{_NAME}: q {tuple(q.shape)}, out {tuple(out.shape)} and cache "
                 f"{tuple(cache.shape)} disagree on heads or head size"
             )
-        if (alibi_slopes is not None and alibi_slopes.shape != (heads,)) or (
-            sinks is not None and sinks.shape != (heads,)
-        ):
+        if (alibi is not None and alibi.shape != (heads,)) or (sinks is not None and sinks.shape != (heads,)):
             raise ValueError(f"{_NAME}: ALiBi slopes and sink logits must be {heads} values, one a head")
-        rows, max_blocks = block_table.shape
+        num_rows, max_blocks = rows.block_table.shape
         status = self._fn(
             q.data_ptr(), q.stride(1), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
-            token_index.data_ptr(), block_table.data_ptr(), lengths.data_ptr(), out.data_ptr(),
-            rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-            scaling, softcap or 0.0, pointer(alibi_slopes), window or 0, pointer(sinks), torch.get_num_threads(),
+            rows.token_index.data_ptr(), rows.block_table.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(),
+            num_rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, rows.max_len,
+            scaling, extras.softcap or 0.0, pointer(alibi), rows.window or 0, pointer(sinks), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise MemoryError("paged decode attention: no memory for a thread's scratch buffer")
