@@ -110,7 +110,7 @@ def read_prompt_lines(
 def _add_lora_dir(fields: dict[str, Any], directory: str) -> None:
     """A PEFT adapter directory as the seed's fields; the task id derives from the directory unless the
     line gives ``lora_task_id``. Every line carries the weights, so no line depends on another's."""
-    from bm.runtime.lora import task_id_for_directory
+    from bm.runtime.lora_adapters import task_id_for_directory
 
     try:
         fields["lora_config"], fields["lora_weights"] = _read_adapter(directory)
@@ -122,7 +122,7 @@ def _add_lora_dir(fields: dict[str, Any], directory: str) -> None:
 @functools.lru_cache(maxsize=64)
 def _read_adapter(directory: str) -> tuple[Any, Any]:
     """Each adapter directory is read once per process, however many lines name it."""
-    from bm.runtime.lora import read_peft_adapter
+    from bm.runtime.lora_adapters import read_peft_adapter
 
     return read_peft_adapter(Path(directory))
 
