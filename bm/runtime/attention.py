@@ -40,7 +40,8 @@ class UnsupportedAttentionError(RuntimeError):
 
 @dataclass(slots=True)
 class LayerExtras:
-    """Per-layer changes to the scores, which every backend applies (a fused SDPA call cannot)."""
+    """Per-layer changes to the scores that some models make; every backend applies them (one fused SDPA
+    call cannot express them, so the torch backend writes such scores out)."""
 
     softcap: float | None  # Gemma 2: scores become softcap * tanh(scores / softcap)
     alibi: torch.Tensor | None  # [heads] slopes: slope * (key - query) is added to each score
@@ -58,7 +59,7 @@ NO_EXTRAS = LayerExtras(None, None)
 class LayerCall:
     """One attention layer's call, as transformers made it: what a backend computes per layer."""
 
-    layer: int  # the module's layer_idx: which KV cache, and which window's metadata
+    layer: int  # the module's layer_idx: which KV cache and window (None only while probing: refused)
     query: torch.Tensor  # [heads, T, d]
     key: torch.Tensor  # [kv_heads, T, d]: the forward's new keys ...
     value: torch.Tensor  # ... and values

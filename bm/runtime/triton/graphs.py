@@ -90,24 +90,24 @@ class DecodeGraphs:
             logits = self._replay(bucket)
         return logits[:size].to(torch.float32, copy=True)
 
-    def _fill(self, segments: Sequence[WorkItem], bucket: int) -> None:
+    def _fill(self, items: Sequence[WorkItem], bucket: int) -> None:
         """Write this step's inputs into the static buffers (one non-blocking copy per dtype)."""
         bs = self.tokens_per_block
-        size = len(segments)
+        size = len(items)
         pad = bucket - size
-        ids = [s.token_ids[0] for s in segments]
-        positions = [s.start_pos for s in segments]
+        ids = [s.token_ids[0] for s in items]
+        positions = [s.start_pos for s in items]
         used = max(cdiv(p + 1, bs) for p in positions)
         ints = [p + 1 for p in positions] + [1] * pad
         for pool in self._pools:
-            for s in segments:
+            for s in items:
                 table = s.block_ids if pool is None else s.window_block_ids[pool]
                 row = list(table[: cdiv(s.start_pos + 1, bs)])
                 ints.extend(row + [0] * (used - len(row)))
             ints.extend([0] * (pad * used))
             slots = [
                 (s.block_ids if pool is None else s.window_block_ids[pool])[p // bs] * bs + p % bs
-                for s, p in zip(segments, positions, strict=True)
+                for s, p in zip(items, positions, strict=True)
             ]
             ints.extend(slots + [-1] * pad)
         longs = self._stage_longs.send([*ids, *[0] * pad, *positions, *[0] * pad])
