@@ -47,9 +47,9 @@ from transformers import AutoConfig
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
 from bm.config import config_from_dict
 from bm.engine import Request, generate
-from bm.runtime import ModelRunner, Segment
+from bm.runtime import ModelRunner, work_item
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import LoadedModel, describe_model, random_model, resolve_dtype
-from bm.runtime.triton import ENV_SWITCH
 
 ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 1024, "initializer_range": 0.2}  # fmt: skip
@@ -224,7 +224,7 @@ def check_bf16(device: torch.device, small: bool) -> dict[str, Any]:
     rows = workload(2, 8 if small else 32, loaded.vocab_size, (4, 40 if small else 200), 8 if small else 24)
     prompt = rows[0][0]
     runner = ModelRunner(loaded, 64, 16, 1024)
-    ours = runner.forward([Segment(prompt, 0, list(range(64)), True, keep_all=True)])
+    ours = runner.forward([work_item(prompt, 0, list(range(64)), True, keep_all=True)])
     with torch.inference_mode():
         theirs = ref(torch.tensor([prompt], device=device)).logits[0].float()
     del runner
@@ -313,7 +313,7 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num)]
     chunk = max(1, 8192 // ctx)
     for i in range(0, num, chunk):  # prefill, a few sequences per forward
-        runner.forward([Segment([5] * ctx, 0, tables[j], True) for j in range(i, min(num, i + chunk))])
+        runner.forward([work_item([5] * ctx, 0, tables[j], True) for j in range(i, min(num, i + chunk))])
     steps = 3 if args.small else 10
     for _ in range(2):  # warm-up (graph capture)
         decode_step(runner, tables, ctx)
@@ -337,7 +337,7 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
 def decode_step(runner: ModelRunner, tables: list[list[int]], position: int) -> None:
     """One decode token for every sequence at ``position``, greedy, and the one copy of tokens to the
     host, as an engine step does."""
-    runner.forward([Segment([7], position, t, True) for t in tables]).argmax(-1).tolist()
+    runner.forward([work_item([7], position, t, True) for t in tables]).argmax(-1).tolist()
 
 
 def profile_step(

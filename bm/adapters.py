@@ -21,7 +21,7 @@ def lora_fields(directory: str | Path) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=64)
 def _read(directory: str) -> tuple[Any, Any, int]:
-    from bm.runtime.lora import read_peft_adapter, task_id_for_directory
+    from bm.runtime.lora_adapters import read_peft_adapter, task_id_for_directory
 
     config, weights = read_peft_adapter(Path(directory))
     return config, weights, task_id_for_directory(Path(directory))
