@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bm.kv.block_pool import BlockPool, require
-from bm.kv.tables import NO_BLOCK
+from bm.kv.tables import NO_BLOCK, release_behind_window
 from bm.kv.types import cdiv
 
 
@@ -110,12 +110,9 @@ class WindowedTables:
             return 0
         bs = self.tokens_per_block
         start = max(cdiv(self.sink_token_length, bs), table.num_released)
-        end = min(max(0, num_computed_tokens - self.window + 1) // bs, len(table.blocks))
+        released, end = release_behind_window(table.blocks, start, num_computed_tokens, self.window, bs)
         if end <= start:
             return 0
-        blocks = table.blocks
-        released = [blocks[b] for b in range(start, end) if blocks[b] != NO_BLOCK]
-        blocks[start:end] = [NO_BLOCK] * (end - start)
         table.num_released = end
         self.pool.release(released)
         self.num_released_entries += len(released)
