@@ -2,22 +2,19 @@
 
 The manager is the only place that knows how many blocks a request needs, now and at completion, so the
 capacity policies above it never do block arithmetic of their own. It returns plain lists of block ids;
-the runtime turns them into slot mappings and block-table tensors. Blocks change hands only in its three
-steps: :meth:`KVCacheManager.prepare_resources` (the scheduler's plan), :meth:`~KVCacheManager.
-update_resources` (what a forward computed) and :meth:`~KVCacheManager.free`.
+the runtime turns them into slot mappings and block-table tensors. Blocks change hands only in its steps:
+``prepare_resources`` (a plan), ``update_resources`` (what a forward computed) and ``free``.
 
 It keeps every request's tables and applies the steps; what varies with the kind of request is handed to
 helpers it holds, each in its own module, so that a plain request's path stays short:
 
-- block reuse (:class:`bm.kv.prefix_cache.PrefixCache`, held only when reuse is on): full blocks are
-  registered by their content chain once computed, stay cached after their request frees them, and a new
-  request whose prefix matches takes them by reference;
-- shared tables (:class:`bm.kv.shared_tables.SharedTables`): beams and n-samples families fork tables
-  that share blocks, and copy a shared block before writing into it;
-- an attention window: blocks wholly older than the window (and not holding sink tokens) are released
-  while the request runs, and appear in its table as :data:`NO_BLOCK`, so positions still index it.
-  Layers with a narrower window than the main table's may keep tables of their own over pools of their
-  own (:mod:`bm.kv.window_groups`), grown, released, rolled back and freed with the main table.
+- :class:`~bm.kv.prefix_cache.PrefixCache` (only with block reuse on): matching a prefix against cached
+  blocks, taking the match by reference, and registering full blocks once computed;
+- :class:`~bm.kv.shared_tables.SharedTables`: beams and n-samples families fork tables that share
+  blocks, and copy a shared block before writing into it;
+- :mod:`bm.kv.window_groups`: an attention window releases the blocks wholly behind it (they appear as
+  :data:`NO_BLOCK`, so positions still index the table); layers with a narrower window than the main
+  table's may keep tables over pools of their own, grown, released, rolled back and freed with it.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from bm.kv.block_pool import BlockPool, require
 from bm.kv.prefix_cache import PrefixCache
 from bm.kv.shared_tables import SharedTables
-from bm.kv.tables import NO_BLOCK, RequestBlocks, release_behind_window
+from bm.kv.tables import NO_BLOCK, RequestBlocks, check_references
 from bm.kv.types import (
     NO_MATCH,
     KVRequest,
@@ -38,7 +35,7 @@ from bm.kv.types import (
     block_extra_keys_of,
     cdiv,
 )
-from bm.kv.window_groups import WindowedTables, WindowGroup
+from bm.kv.window_groups import SlidingWindow, WindowedTables, WindowGroup
 
 
 class KVCacheManager:
@@ -69,6 +66,11 @@ class KVCacheManager:
         self.enable_block_reuse = enable_block_reuse
         self.max_attention_window = max_attention_window
         self.sink_token_length = sink_token_length if max_attention_window is not None else 0
+        self._window = (
+            SlidingWindow(max_attention_window, self.sink_token_length, tokens_per_block)
+            if max_attention_window is not None
+            else None
+        )
         self._requests: dict[int, RequestBlocks] = {}
         self.num_layers = num_layers
         if window_groups and enable_block_reuse:
@@ -105,14 +107,8 @@ class KVCacheManager:
         return cdiv(num_tokens, self.tokens_per_block)
 
     def max_window_blocks(self) -> int | None:
-        """Most blocks a generating request holds under the attention window (None: no window).
-
-        The window's tokens can straddle one more block than they fill, and sink blocks stay.
-        """
-        if self.max_attention_window is None:
-            return None
-        bs = self.tokens_per_block
-        return cdiv(self.sink_token_length, bs) + cdiv(self.max_attention_window, bs) + 1
+        """Most blocks a generating request holds under the attention window (None: no window)."""
+        return self._window.max_blocks if self._window is not None else None
 
     def get_needed_resource_to_completion(self, request: KVRequest) -> int:
         """Most blocks the request holds at once from now to its end.
@@ -127,9 +123,9 @@ class KVCacheManager:
         forked = self.shared_tables.num_blocks_to_completion(request, full)
         if forked is not None:
             return forked
-        if self.max_attention_window is None:
+        if self._window is None:
             return full
-        bound = self.max_window_blocks()
+        bound = self._window.max_blocks
         if not request.is_generation_phase:
             bound = max(bound, -(-request.num_tokens // bs))
         return min(full, bound)
@@ -213,17 +209,16 @@ class KVCacheManager:
             self.free(request_id)
         for request, match in plan.starts:
             prepared.reused_tokens[request.request_id] = self.take_cached_prefix(request, match)
-        requests, pool, bs = self._requests, self.pool, self.tokens_per_block
+        requests, pool, bs, windowed = self._requests, self.pool, self.tokens_per_block, self.window_tables
         for request_id, num_tokens in plan.grow:
             blocks = requests.get(request_id)
             if blocks is None:
                 blocks = requests[request_id] = RequestBlocks()
-            elif blocks.is_forked:  # copy each shared block about to be written, then grow
+            if blocks.is_forked:  # copy each shared block about to be written, then grow
                 prepared.copies.extend(self.shared_tables.grow(blocks, num_tokens))
-                self._grow_windows(request_id, blocks, num_tokens)
-                continue
-            blocks.grow(0, num_tokens, pool, bs)
-            if self.window_tables:
+            else:
+                blocks.grow(0, num_tokens, pool, bs)
+            if windowed:
                 self._grow_windows(request_id, blocks, num_tokens)
         for request_id, num_tokens in plan.pad:
             self.allocate_padding(request_id, num_tokens)
@@ -231,13 +226,14 @@ class KVCacheManager:
 
     def update_resources(self, update: ResourceUpdate) -> None:
         """Apply what an iteration computed (TensorRT-LLM's ``update_resources``): roll tables back past
-        rejected drafts, register newly full blocks and release those behind the window, then fork beam
-        tables. Kept in that order so block ids, reuse and eviction match step by step."""
+        rejected drafts, register newly full blocks and release those behind the window, then fork the
+        tables of beams and samples. Kept in that order so block ids, reuse and eviction match step by
+        step."""
         for request_id, num_tokens in update.trim:
             self.trim(request_id, num_tokens)
         # most runs neither reuse nor window: then a computed token changes no table
         reuse = self.prefix_cache is not None
-        window = self.max_attention_window is not None or bool(self.window_tables)
+        window = self._window is not None or bool(self.window_tables)
         if reuse or window:
             for request, num_computed in update.computed:
                 if reuse:
@@ -250,11 +246,8 @@ class KVCacheManager:
             self.fork_samples(request_id, sibling_ids, num_tokens)
 
     def allocate(self, request_id: int, num_tokens: int, beam: int = 0) -> list[int]:
-        """Grow one table of the request to hold ``num_tokens`` tokens (a context chunk, or one more token).
-
-        Returns the full block table. Raises :class:`OutOfBlocksError` when the pool is short; the
-        capacity scheduler is expected to have checked.
-        """
+        """Grow one table of the request to hold ``num_tokens`` tokens (a context chunk, or one more token);
+        returns the table. Raises :class:`OutOfBlocksError` when the pool is short (the scheduler checks)."""
         blocks = self._requests.get(request_id)
         if blocks is None:
             blocks = self._requests[request_id] = RequestBlocks()
@@ -279,45 +272,28 @@ class KVCacheManager:
         blocks = self._requests.get(request_id)
         if blocks is None or blocks.num_beams > 1:
             return 0
-        table = blocks.tables[0]
-        keep = self.num_blocks_for_tokens(num_tokens)
-        extra = [b for b in reversed(table[keep:]) if b != NO_BLOCK]
-        del table[keep:]
-        self.pool.release(extra)
-        blocks.num_tokens[0] = min(blocks.num_tokens[0], num_tokens)
+        num_released = blocks.trim(num_tokens, self.pool, self.tokens_per_block)
         for windowed in self.window_tables:
             windowed.trim(request_id, num_tokens)
-        return len(extra)
+        return num_released
 
     def allocate_padding(self, request_id: int, num_tokens: int) -> list[int]:
         """V1: grow the request's pad-token table to hold ``num_tokens`` pad tokens."""
         blocks = self._requests.get(request_id)
         if blocks is None:
             blocks = self._requests[request_id] = RequestBlocks()
-        missing = self.num_blocks_for_tokens(num_tokens) - len(blocks.padding)
-        if missing > 0:
-            blocks.padding.extend(self.pool.allocate(missing))
-        blocks.num_padding_tokens = max(num_tokens, blocks.num_padding_tokens)
-        return blocks.padding
+        return blocks.grow_padding(num_tokens, self.pool, self.tokens_per_block)
 
     def free(self, request_id: int) -> int:
-        """Release every block of the request (the resource manager's ``free_resources``); returns how
-        many references it dropped. Unknown ids free nothing.
-
-        Blocks go back tail first, so among a sequence's cached blocks the tail is evicted before the
-        head, which more requests are likely to share.
+        """Release every block of the request (the resource manager's ``free_resources``), tail first
+        (:meth:`RequestBlocks.release`); returns how many references it dropped. Unknown ids free nothing.
         """
         blocks = self._requests.pop(request_id, None)
         if blocks is None:
             return 0
         for windowed in self.window_tables:
             windowed.free(request_id)
-        freed = 0
-        for table in [*blocks.tables[1:], blocks.padding, blocks.tables[0]]:
-            live = [b for b in reversed(table) if b != NO_BLOCK]
-            self.pool.release(live)
-            freed += len(live)
-        return freed
+        return blocks.release(self.pool)
 
     # -- block reuse (the prefix cache) ---------------------------------------------------------------
 
@@ -336,9 +312,7 @@ class KVCacheManager:
 
     def take_cached_prefix(self, request: KVRequest, match: PrefixMatch) -> int:
         """Start the request's table with the matched blocks (by reference); returns the tokens reused.
-
-        ``match`` must come from :meth:`find_cached_prefix` with no allocation in between.
-        """
+        ``match`` must come from :meth:`find_cached_prefix` with no allocation in between."""
         if self.prefix_cache is None:
             return 0
         rid = request.request_id
@@ -357,23 +331,17 @@ class KVCacheManager:
     # -- attention window -----------------------------------------------------------------------------
 
     def release_outside_window(self, request_id: int, num_computed_tokens: int) -> int:
-        """Release blocks no later query of the request attends; returns how many (of the main table).
-
-        The next query sits at ``num_computed_tokens`` and sees the keys after ``position - window``;
-        later queries see less. Blocks holding sink tokens stay. Beam requests keep every block. Each
-        windowed pool's table releases behind its own window.
-        """
+        """Release blocks no later query of the request attends (:meth:`SlidingWindow.release`); returns
+        how many (of the main table). Beam requests keep every block. Each windowed pool's table releases
+        behind its own window."""
         for windowed in self.window_tables:
             windowed.release_outside_window(request_id, num_computed_tokens)
-        window = self.max_attention_window
         blocks = self._requests.get(request_id)
-        if window is None or blocks is None or blocks.num_beams > 1 or not blocks.tables[0]:
+        if self._window is None or blocks is None or blocks.num_beams > 1 or not blocks.tables[0]:
             return 0
-        bs = self.tokens_per_block
-        start = max(cdiv(self.sink_token_length, bs), blocks.num_released)
-        released, end = release_behind_window(blocks.tables[0], start, num_computed_tokens, window, bs)
-        if end > start:
-            blocks.num_released = end
+        released, blocks.num_released = self._window.release(
+            blocks.tables[0], blocks.num_released, num_computed_tokens
+        )
         self.pool.release(released)
         return len(released)
 
@@ -385,19 +353,13 @@ class KVCacheManager:
         self.shared_tables.fork_beams(self._requests[request_id], parents)
 
     def copy_on_write(self, request_id: int, beam: int, position: int) -> tuple[int, int] | None:
-        """Before beam ``beam`` writes ``position``: if its block is shared, give its table its own copy.
-
-        Returns ``(source, destination)`` block ids whose contents the runtime must copy, or None.
-        """
+        """Before beam ``beam`` writes ``position``: if its block is shared, give its table its own copy;
+        returns ``(source, destination)`` block ids whose contents the runtime must copy, or None."""
         return self.shared_tables.copy_on_write(self._requests[request_id].tables[beam], position)
 
     def fork_samples(self, request_id: int, sibling_ids: Sequence[int], num_tokens: int) -> None:
-        """Each of ``sibling_ids`` starts with a table sharing the request's first ``num_tokens`` tokens.
-
-        The prompt is computed once: siblings take its blocks by reference count and its registered
-        chain (:meth:`SharedTables.fork_sample`); the shared block a sample writes next is copied when
-        its table grows.
-        """
+        """Each of ``sibling_ids`` starts with a table sharing the request's first ``num_tokens`` tokens
+        and its registered chain (:meth:`SharedTables.fork_sample`): the prompt is computed once."""
         source = self._requests[request_id]
         self.shared_tables.found_family(source, request_id)
         for sibling_id in sibling_ids:
@@ -477,22 +439,8 @@ class KVCacheManager:
         block (:meth:`SharedTables.check_integrity`), registered chains (:meth:`PrefixCache.
         check_integrity`) and the windowed pools' tables."""
         self.pool.check_integrity()
-        holders: dict[int, int] = {}
-        for request_id, blocks in self._requests.items():
-            blocks.check_integrity(request_id, self.tokens_per_block)
-            for block_id in blocks.live_blocks():
-                holders[block_id] = holders.get(block_id, 0) + 1
         self.shared_tables.check_integrity(self._requests, self.enable_block_reuse)
-        for block_id, count in holders.items():
-            require(
-                self.pool.ref_count(block_id) == count,
-                f"block {block_id} has reference count {self.pool.ref_count(block_id)} "
-                f"but {count} tables hold it",
-            )
-        require(
-            len(holders) == self.pool.num_used_blocks,
-            f"{self.pool.num_used_blocks} blocks in use but {len(holders)} in tables",
-        )
+        check_references(self._requests, self.pool, self.tokens_per_block)
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity(self._requests)
         if self.window_tables:

@@ -7,7 +7,7 @@ keys tables by ``(request, beam)`` tuples, and freeing a request is freeing one 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from bm.kv.block_hash import BlockKey
@@ -18,25 +18,6 @@ if TYPE_CHECKING:
 
 # A table entry whose block was released because it fell outside the attention window.
 NO_BLOCK = -1
-
-
-def release_behind_window(
-    table: list[int], start: int, num_computed_tokens: int, window: int, tokens_per_block: int
-) -> tuple[list[int], int]:
-    """Mark the entries from ``start`` up to the first block the next query still attends as
-    :data:`NO_BLOCK`, and return the block ids they held (for the caller's pool to release) with the
-    index the released range ends at (``start`` when there is none).
-
-    The next query sits at ``num_computed_tokens`` and sees the keys after ``position - window``; later
-    queries see less, so a block wholly before that never comes back. ``start`` is past the sink blocks
-    and the entries already looked at. The main table and every windowed pool's table release this way.
-    """
-    end = min(max(0, num_computed_tokens - window + 1) // tokens_per_block, len(table))
-    if end <= start:
-        return [], start
-    released = [b for b in table[start:end] if b != NO_BLOCK]
-    table[start:end] = [NO_BLOCK] * (end - start)
-    return released, end
 
 
 class RequestBlocks:
@@ -76,6 +57,39 @@ class RequestBlocks:
             self.num_tokens[beam] = num_tokens
         return table
 
+    def grow_padding(self, num_tokens: int, pool: BlockPool, tokens_per_block: int) -> list[int]:
+        """V1: extend the pad-token table until it holds ``num_tokens`` pad tokens. Returns the table."""
+        missing = -(-num_tokens // tokens_per_block) - len(self.padding)
+        if missing > 0:
+            self.padding.extend(pool.allocate(missing))
+        self.num_padding_tokens = max(num_tokens, self.num_padding_tokens)
+        return self.padding
+
+    def trim(self, num_tokens: int, pool: BlockPool, tokens_per_block: int) -> int:
+        """Roll the (single) table back to ``num_tokens`` tokens: the blocks past them go back to
+        ``pool``, tail first. Returns how many."""
+        table = self.tables[0]
+        keep = -(-num_tokens // tokens_per_block)
+        extra = [b for b in reversed(table[keep:]) if b != NO_BLOCK]
+        del table[keep:]
+        pool.release(extra)
+        self.num_tokens[0] = min(self.num_tokens[0], num_tokens)
+        return len(extra)
+
+    def release(self, pool: BlockPool) -> int:
+        """Give every held block back to ``pool``; returns how many references were dropped.
+
+        Each table goes back tail first, and the first beam's table (the one registered for reuse) last,
+        so among a sequence's cached blocks the tail is evicted before the head, which more requests are
+        likely to share.
+        """
+        freed = 0
+        for table in [*self.tables[1:], self.padding, self.tables[0]]:
+            live = [b for b in reversed(table) if b != NO_BLOCK]
+            pool.release(live)
+            freed += len(live)
+        return freed
+
     def all_tables(self) -> Iterator[list[int]]:
         yield from self.tables
         if self.padding:
@@ -107,3 +121,22 @@ class RequestBlocks:
             held.update(self.padding)
         held.discard(NO_BLOCK)
         return held
+
+
+def check_references(requests: Mapping[int, RequestBlocks], pool: BlockPool, tokens_per_block: int) -> None:
+    """Every request's tables are well formed, each block's reference count is the number of tables
+    holding it, and the pool's used blocks are exactly the blocks some table holds."""
+    holders: dict[int, int] = {}
+    for request_id, blocks in requests.items():
+        blocks.check_integrity(request_id, tokens_per_block)
+        for block_id in blocks.live_blocks():
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block_id, count in holders.items():
+        require(
+            pool.ref_count(block_id) == count,
+            f"block {block_id} has reference count {pool.ref_count(block_id)} but {count} tables hold it",
+        )
+    require(
+        len(holders) == pool.num_used_blocks,
+        f"{pool.num_used_blocks} blocks in use but {len(holders)} in tables",
+    )

@@ -20,8 +20,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bm.kv.block_pool import BlockPool, require
-from bm.kv.tables import NO_BLOCK, release_behind_window
+from bm.kv.tables import NO_BLOCK
 from bm.kv.types import cdiv
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindow:
+    """An attention window over one block table, as TensorRT-LLM's: a query at position ``p`` attends
+    positions ``p - window + 1 .. p`` and the first ``sink_token_length`` (the sinks). The main table and
+    every windowed pool's table release behind their window by this one rule."""
+
+    window: int
+    sink_token_length: int
+    tokens_per_block: int
+
+    @property
+    def max_blocks(self) -> int:
+        """Most blocks a generating request's table holds: the window's tokens can straddle one more
+        block than they fill, and sink blocks stay."""
+        bs = self.tokens_per_block
+        return cdiv(self.sink_token_length, bs) + cdiv(self.window, bs) + 1
+
+    def release(self, table: list[int], num_released: int, num_computed_tokens: int) -> tuple[list[int], int]:
+        """Mark the entries no query from ``num_computed_tokens`` on attends as :data:`NO_BLOCK`: those
+        past the sink blocks and below ``num_released`` (the entries already looked at) up to the first
+        block the next query reads. Returns the block ids they held, for the caller's pool to release, and
+        the table's new ``num_released``."""
+        bs = self.tokens_per_block
+        start = max(cdiv(self.sink_token_length, bs), num_released)
+        end = min(max(0, num_computed_tokens - self.window + 1) // bs, len(table))
+        if end <= start:
+            return [], num_released
+        released = [b for b in table[start:end] if b != NO_BLOCK]
+        table[start:end] = [NO_BLOCK] * (end - start)
+        return released, end
 
 
 @dataclass(frozen=True)
@@ -89,6 +121,7 @@ class WindowedTables:
         self.window = group.window
         self.tokens_per_block = tokens_per_block
         self.sink_token_length = sink_token_length
+        self._window = SlidingWindow(group.window, sink_token_length, tokens_per_block)
         self.pool = BlockPool(group.num_blocks)
         self._tables: dict[int, _Table] = {}
         self.num_released_entries = 0  # over live tables: entries released behind the window
@@ -108,12 +141,9 @@ class WindowedTables:
         table = self._tables.get(request_id)
         if table is None:
             return 0
-        bs = self.tokens_per_block
-        start = max(cdiv(self.sink_token_length, bs), table.num_released)
-        released, end = release_behind_window(table.blocks, start, num_computed_tokens, self.window, bs)
-        if end <= start:
-            return 0
-        table.num_released = end
+        released, table.num_released = self._window.release(
+            table.blocks, table.num_released, num_computed_tokens
+        )
         self.pool.release(released)
         self.num_released_entries += len(released)
         return len(released)
