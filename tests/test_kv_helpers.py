@@ -12,7 +12,7 @@ import pytest
 
 from bm.kv import NO_BLOCK, IntegrityError, KVCacheManager, KVRequest, ResourcePlan
 from bm.kv.block_hash import BlockKey
-from bm.kv.types import beam_width_of, block_extra_keys_of, num_pending_samples_of, shares_blocks_of
+from bm.kv.types import beam_width_of, block_extra_keys_of, sharing_of
 from bm.kv.window_groups import SlidingWindow
 from bm.scheduling import LlmRequest, RequestState
 
@@ -90,12 +90,11 @@ def test_the_manager_reads_no_request_field_the_protocol_does_not_declare():
 
 def test_a_request_type_without_the_optional_members_reads_as_one_beam_no_samples_no_extra_keys():
     bare = Bare(1, [1, 2, 3])
-    assert (beam_width_of(bare), num_pending_samples_of(bare), shares_blocks_of(bare)) == (1, 0, False)
-    assert block_extra_keys_of(bare) == ()
+    assert beam_width_of(bare) == 1 and sharing_of(bare) == (1, 0, False) and block_extra_keys_of(bare) == ()
     # the scheduler's request declares them all, so the defaults never stand in for a real value
     real = llm_request(1, [1, 2, 3], beam_width=2)
     assert all(hasattr(real, name) for name in PROTOCOL_MEMBERS)
-    assert beam_width_of(real) == 2
+    assert beam_width_of(real) == 2 and sharing_of(real) == (2, 0, False)
 
 
 # -- the prefix cache ---------------------------------------------------------------------------------

@@ -145,14 +145,14 @@ class KVCacheManager:
         with it, when ``requests`` are every holder, the blocks they hold are the pool's used blocks.
         """
         requests = list(requests)
-        plain = self.max_attention_window is None
+        plain = self._window is None
         counts: list[int] = []
         remaining = 0
         for request in requests:
             blocks = self._requests.get(request.request_id)
             if blocks is None:
                 own = 0
-            elif plain and blocks.num_beams == 1 and not blocks.padding:
+            elif plain and len(blocks.tables) == 1 and not blocks.padding:
                 own = len(blocks.tables[0])
             else:
                 own = len(blocks.distinct_blocks())

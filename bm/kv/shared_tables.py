@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from bm.kv.block_pool import BlockPool, IntegrityError, require
 from bm.kv.tables import NO_BLOCK, RequestBlocks
-from bm.kv.types import KVRequest, beam_width_of, num_pending_samples_of, shares_blocks_of
+from bm.kv.types import KVRequest, sharing_of
 
 
 class SharedTables:
@@ -38,12 +38,11 @@ class SharedTables:
         copy of a shared block (see :meth:`fork_sample`), counted before the fork for all of them and
         after it by each sibling.
         """
-        beams = beam_width_of(request)
+        beams, num_pending_samples, shares_blocks = sharing_of(request)
         if beams > 1:
             return num_blocks * beams
-        samples = 1 + num_pending_samples_of(request)
-        if samples > 1 or shares_blocks_of(request):
-            return (num_blocks + 1) * samples
+        if num_pending_samples > 0 or shares_blocks:
+            return (num_blocks + 1) * (1 + num_pending_samples)
         return None
 
     def num_blocks_to_allocate(self, blocks: RequestBlocks, num_tokens: int) -> int:

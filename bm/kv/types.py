@@ -17,7 +17,8 @@ class KVRequest(Protocol):
     The first five members are required. The last four describe tables shared between beams or samples
     and keys beside the tokens; they are optional, so that a bare sequence (a test's, a tool's) can drive
     the manager: a request type without one reads as its default, and only through the readers below
-    (:func:`beam_width_of` and its neighbours), the one place the defaults are written.
+    (:func:`beam_width_of`, :func:`sharing_of`, :func:`block_extra_keys_of`), the one place the defaults
+    are written.
     """
 
     @property
@@ -68,14 +69,15 @@ def beam_width_of(request: KVRequest) -> int:
     return getattr(request, "beam_width", 1)
 
 
-def num_pending_samples_of(request: KVRequest) -> int:
-    """``request.num_pending_samples``, 0 for a request type without samples."""
-    return getattr(request, "num_pending_samples", 0)
-
-
-def shares_blocks_of(request: KVRequest) -> bool:
-    """``request.shares_blocks``, False for a request type without samples."""
-    return getattr(request, "shares_blocks", False)
+def sharing_of(request: KVRequest) -> tuple[int, int, bool]:
+    """``(beam_width, num_pending_samples, shares_blocks)``, each at its default (1, 0, False) for a
+    request type without it: read at once, because the capacity policies ask how many tables every
+    running request may hold on every iteration."""
+    return (
+        getattr(request, "beam_width", 1),
+        getattr(request, "num_pending_samples", 0),
+        getattr(request, "shares_blocks", False),
+    )
 
 
 def block_extra_keys_of(request: KVRequest) -> tuple:
