@@ -5,7 +5,6 @@ the invariants each adds to ``check_integrity``."""
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from bm.kv.block_hash import BlockKey
 from bm.kv.types import beam_width_of, block_extra_keys_of, sharing_of
 from bm.kv.window_groups import SlidingWindow
 from bm.scheduling import LlmRequest, RequestState
+from tests.test_block_reuse import Seq as Bare  # a request type with only the required members
 
 KV_PACKAGE = Path(__file__).resolve().parents[1] / "bm" / "kv"
 PROTOCOL_MEMBERS = {name for name in vars(KVRequest) if not name.startswith("_")}
@@ -31,26 +31,6 @@ class OnlyTheProtocol:
         if name not in PROTOCOL_MEMBERS:
             raise AssertionError(f"bm.kv read {name!r}, which KVRequest does not declare")
         return getattr(object.__getattribute__(self, "_request"), name)
-
-
-@dataclass
-class Bare:
-    """A request type with only the protocol's required members."""
-
-    request_id: int
-    tokens: list[int]
-    is_generation_phase: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_tokens_at_completion(self) -> int:
-        return len(self.tokens) + 4
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
 
 
 def llm_request(rid: int, prompt: list[int], max_new: int = 4, **fields) -> LlmRequest:
