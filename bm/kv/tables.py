@@ -2,7 +2,8 @@
 
 Beam search forks a request's table into one per beam; they share blocks by reference count until a beam
 writes into a shared one. Keeping every table of a request behind this one class means the manager never
-keys tables by ``(request, beam)`` tuples, and freeing a request is freeing one object.
+keys tables by ``(request, beam)`` tuples, and freeing a request is freeing one object. The tables grow,
+trim and release themselves over a pool; the manager decides when.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class RequestBlocks:
     def release(self, pool: BlockPool) -> int:
         """Give every held block back to ``pool``; returns how many references were dropped.
 
-        Each table goes back tail first, and the first beam's table (the one registered for reuse) last,
-        so among a sequence's cached blocks the tail is evicted before the head, which more requests are
-        likely to share.
+        Each table goes back tail first, and the first table (the one a request without beams registers
+        for reuse) last, so among a sequence's cached blocks the tail is evicted before the head, which
+        more requests are likely to share.
         """
         freed = 0
         for table in [*self.tables[1:], self.padding, self.tables[0]]:

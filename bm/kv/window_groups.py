@@ -42,10 +42,10 @@ class SlidingWindow:
         return cdiv(self.sink_token_length, bs) + cdiv(self.window, bs) + 1
 
     def release(self, table: list[int], num_released: int, num_computed_tokens: int) -> tuple[list[int], int]:
-        """Mark the entries no query from ``num_computed_tokens`` on attends as :data:`NO_BLOCK`: those
-        past the sink blocks and below ``num_released`` (the entries already looked at) up to the first
-        block the next query reads. Returns the block ids they held, for the caller's pool to release, and
-        the table's new ``num_released``."""
+        """Mark the entries no query from ``num_computed_tokens`` on attends as :data:`NO_BLOCK`: from
+        past the sink blocks and the entries already looked at (the first ``num_released``) up to the
+        first block the next query reads. Returns the block ids they held, for the caller's pool to
+        release, and the table's new ``num_released``."""
         bs = self.tokens_per_block
         start = max(cdiv(self.sink_token_length, bs), num_released)
         end = min(max(0, num_computed_tokens - self.window + 1) // bs, len(table))
