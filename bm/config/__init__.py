@@ -30,7 +30,7 @@ from bm.config.engine import (
 from bm.config.fields import ConfigError
 from bm.config.kv import KvCacheConfig, PeftCacheConfig
 from bm.config.loading import load_config, parse_override
-from bm.config.model import DTYPES, MODEL_PRESETS, ModelConfig, model_override
+from bm.config.model import DTYPES, MODEL_PRESETS, ModelConfig, model_override, resolve_dtype_name
 from bm.config.sections import (
     REPO_ROOT,
     SECTIONS,
@@ -73,6 +73,7 @@ __all__ = [
     "load_config",
     "model_override",
     "parse_override",
+    "resolve_dtype_name",
     "resolve_engine",
     "validate",
     "validate_budgets",

@@ -15,6 +15,18 @@ DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "
           "float16": "float16", "fp16": "float16"}  # fmt: skip
 
 
+def resolve_dtype_name(dtype: str, device_type: str) -> str:
+    """The dtype ``model.dtype`` runs in on ``device_type`` (``cpu``; ``cuda`` and every accelerator torch
+    calls cuda): ``auto`` is bfloat16 on CUDA (half the bytes per decode step, tensor cores) and float32
+    on CPU (bm's C kernels are float32); any other name is itself, spelled canonically. A checkpoint's own
+    ``torch_dtype`` plays no part. The one place the choice is made: the real engine loads its weights in
+    it and the simulator prices its hardware row in it, so both run the same config."""
+    name = DTYPES[dtype]
+    if name == "auto":
+        return "float32" if device_type == "cpu" else "bfloat16"
+    return name
+
+
 # Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
 MODEL_PRESETS = ("smollm2-135m", "tiny-random")
 

@@ -19,7 +19,7 @@ from typing import Any
 from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
-from bm.config import BmConfig, ConfigError
+from bm.config import BmConfig, ConfigError, resolve_dtype_name
 from bm.engine.core import StepOutput
 from bm.engine.driver import Driver
 from bm.engine.factory import build_core
@@ -82,10 +82,8 @@ def load_sim_model(config: BmConfig) -> SimModel:
         raise ConfigError("engine.executor: sim needs --model-config CFG.json (model.config)")
     shape = ModelShape.from_file(source)
     hardware = load_hardware(config.sim.hardware or "h100-sxm")
-    # model.dtype left at auto (or float32, the old default) means "as the checkpoint ships": its torch_dtype
-    dtype = config.model.dtype
-    if dtype in ("auto", "float32"):
-        dtype = shape.torch_dtype or "float32"
+    # the dtype the real engine would load in on the row's device (auto: bfloat16 on a GPU, float32 on CPU)
+    dtype = resolve_dtype_name(config.model.dtype, hardware.device_type)
     hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run (or after a fit)
     if hardware.key in LOCAL_ROWS:  # this machine: the forward's cost as bm's engine runs this model here
         if config.sim.tensor_parallel > 1:
