@@ -1,8 +1,9 @@
 """Start-up work done before the clock: every shape class a run will meet, run once at engine build.
 
 On a GPU the first steps of a run pay for work that has nothing to do with its requests: Triton compiles
-a kernel variant the first time it meets a new specialisation (a sequence count or token count of 1, a
-multiple of 16, a prefill tile instead of a decode one: about half a second each), a CUDA graph is
+a kernel variant the first time it meets a new specialisation (a prefill tile instead of a decode one, an
+integer argument of 1 or a multiple of 16: about half a second each; the attention kernel's sequence
+count and block-table width, which change with every mix, are not specialised), a CUDA graph is
 captured the first time a decode step's batch lands in a new bucket, and cuBLAS and the caching
 allocator settle. Measured on an H100, gpu_check's first run in a process was 2.7x slower than its
 second. Here the engine does that work once, when it is built: a decode step at every CUDA-graph bucket
