@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,21 +69,28 @@ def bench_result(
     *,
     runtime: dict[str, Any],
     interrupted: bool = False,
+    records: Mapping[int, dict[str, Any]] | None = None,
 ) -> BenchResult:
     """The one place a run's result is built, real or simulated: a record per workload row (in workload
     order, from the replayer's timelines), the run's duration (the last request done), then the request
-    and engine metrics under the run's SLOs. The simulator adds its cost and clock figures on top."""
+    and engine metrics under the run's SLOs. The simulator adds its cost and clock figures on top.
+    ``records``: those a journal feed already built, by workload index (a finished request's record
+    does not change), so each is built once."""
     bench = config.bench
     timelines = {index: replayer.timelines[r.request_id] for index, r in built}
-    records = records_frame(
-        [request_record(i, req, timelines.get(i)) for i, req in enumerate(workload.requests)]
+    given = records or {}
+    frame = records_frame(
+        [
+            given[i] if i in given else request_record(i, req, timelines.get(i))
+            for i, req in enumerate(workload.requests)
+        ]
     )
     done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
     duration = max(done, default=0.0)
     slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
-    metrics = run_metrics(records, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), records)
+    metrics = run_metrics(frame, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), frame)
     return BenchResult(
-        records=records,
+        records=frame,
         stats=stats,
         metrics=metrics,
         duration_s=duration,

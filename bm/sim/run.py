@@ -10,7 +10,6 @@ very code a real run uses, in simulated seconds; the wall time is reported besid
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -161,7 +160,14 @@ def run_sim(
         replay.feed = JournalFeed(journal, workload, built, replayer, lambda: replay.stats)
     replay.run(fast_forward, progress, stop)
     result = bench_result(
-        replay.core.config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
+        replay.core.config,
+        model.name,
+        workload,
+        built,
+        replayer,
+        replay.stats,
+        runtime=model.runtime(),
+        records=replay.feed.records if replay.feed is not None else None,
     )
     result.startup, result.warnings = startup, list(replay.core.warnings)
     metrics = result.metrics
@@ -283,7 +289,7 @@ _WALL_CLOCK_STAT = "Timestamp"
 def stats_row(stats: IterationStats) -> dict[str, Any]:
     """One stats.jsonl row as a real run writes it, its wall-clock timestamp replaced by simulated
     seconds (a simulated run's stats are a function of its inputs alone)."""
-    row = json.loads(stats.to_json())
+    row = stats.to_dict()
     row[_WALL_CLOCK_STAT] = round(stats.elapsed_s, 6)
     return row
 
