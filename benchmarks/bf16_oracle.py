@@ -25,7 +25,7 @@ import torch
 from bm.config import config_from_dict
 from bm.engine import BatchManager, InferenceRequest
 from bm.engine.offline import OfflineClient
-from bm.runtime import ModelRunner, Segment, load_model
+from bm.runtime import ModelRunner, load_model, work_item
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.presets import is_available
 
@@ -69,8 +69,8 @@ def logit_figures(loaded, ref, specs) -> tuple[float, float]:
         blocks = -(-len(prompt) // bs) + 1
         runner = ModelRunner(loaded, blocks, bs, blocks * bs)
         table, cut = list(range(blocks)), len(prompt) // 2
-        first = runner.forward([Segment(prompt[:cut], 0, table, True, keep_all=True)])
-        second = runner.forward([Segment(prompt[cut:], cut, table, True, keep_all=True)])
+        first = runner.forward([work_item(prompt[:cut], 0, table, True, keep_all=True)])
+        second = runner.forward([work_item(prompt[cut:], cut, table, True, keep_all=True)])
         ours = torch.cat([first, second])
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt])).logits[0].float()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,26 @@ from bm.engine import EngineLoop, OfflineClient, Request
 from bm.runtime import LoadedModel
 
 Workload = list[tuple[list[int], int]]
-BENCH_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench.yaml"
+REPO = Path(__file__).resolve().parent.parent
+BENCH_CONFIG = REPO / "configs" / "bench.yaml"
+NATIVE_SOURCES = REPO / "bm" / "runtime" / "native"
+
+
+def kernel_sources_at(ref: str, workdir: Path) -> Path:
+    """Every C kernel source and header as git revision ``ref`` has them, written into ``workdir``: a
+    kernel compiled from there is that revision's build (the headers it includes too), for an A/B of a
+    kernel change in one process. Returns ``workdir``."""
+    folder = NATIVE_SOURCES.relative_to(REPO).as_posix()
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", ref, f"{folder}/"],
+        check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    for path in (p for p in listed if p.endswith((".c", ".h"))):
+        text = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
+        ).stdout
+        (workdir / Path(path).name).write_text(text)
+    return workdir
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -72,7 +72,7 @@ def attention_cases(isas: list[str]) -> dict[str, tuple[dict[str, Callable[[], o
     calls = {}
     for isa in isas:
         kr = native.paged_decode_kernel(isa)
-        calls[isa] = lambda kr=kr: kr(out, q, cache, idx, table, lengths, ctx, 0.125)
+        calls[isa] = lambda kr=kr: kr(out, q, cache, native.DecodeRows(idx, table, lengths, ctx), 0.125)
     cases[f"paged_decode {rows} rows x {ctx} keys"] = (calls, 4 * rows * ctx * HEADS * HEAD_DIM)
     tokens = 512
     qp = torch.randn(tokens, HEADS, HEAD_DIM).transpose(0, 1)

@@ -5,7 +5,7 @@
 
 Builds one layer's KV cache for the model's shapes, places ``--rows`` decoding requests with context
 lengths uniform in ``--min-len``..``--max-len`` on shuffled blocks (a pool after some churn), and times
-both paths on the same metadata the engine builds (``ModelRunner``'s decode groups and its native
+both paths on the same metadata the engine builds (the torch backend's decode groups and its native
 rows), interleaved, ``--repeat`` times each. Prints JSON: per path the median milliseconds per layer
 call and the effective key/value bandwidth, the speed-up, and the largest difference between the two
 outputs. The whole-engine effect is measured by ``benchmarks/throughput.py`` with
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bm.kv import cdiv
 from bm.runtime import ModelRunner, load_model
-from bm.runtime.attention import _decode
+from bm.runtime.backends.torch_ops import decode
 from bm.runtime.model_loader import ModelConfig
 
 
@@ -51,7 +51,9 @@ def main() -> None:
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
     num_blocks = sum(cdiv(n, bs) for n in lengths) + 64
     runner = ModelRunner(loaded, num_blocks=num_blocks, tokens_per_block=bs, max_seq_len=args.max_len)
-    if runner.native_decode is None:
+    backend = runner.backend
+    kernel = getattr(backend, "native_decode", None)
+    if kernel is None:
         print(
             json.dumps({"error": "the native kernel is not available here (no C compiler, or switched off)"})
         )
@@ -72,26 +74,18 @@ def main() -> None:
         0, 1
     )  # [heads, T, d], as transformers hands it over
     scaling = head_dim**-0.5
-    groups = runner._decode_groups(rows)
-    native = runner._native_decode_rows(rows)
+    layout = backend.layouts[runner.window]
+    groups = layout.decode_groups(rows)
+    native = layout.native_decode_rows(rows)
     out_torch = torch.empty(args.rows, heads, head_dim)
     out_native = torch.empty(args.rows, heads, head_dim)
 
     def torch_path() -> None:
         for group in groups:
-            _decode(out_torch, q, cache, group, scaling, runner.scratch)
+            decode(out_torch, q, cache, group, scaling, backend.scratch)
 
     def native_path() -> None:
-        native.kernel(
-            out_native,
-            q,
-            cache,
-            native.token_index,
-            native.block_table,
-            native.lengths,
-            native.max_len,
-            scaling,
-        )
+        kernel(out_native, q, cache, native, scaling)
 
     times: dict[str, list[float]] = {"torch": [], "native": []}
     with torch.inference_mode():

@@ -4,7 +4,7 @@
     python benchmarks/decode_kernel_ab.py [--ref main] [--isa avx512,avx2,scalar] [--threads 1]
 
 Builds ``bm/runtime/native/paged_decode.c`` as ``--ref`` has it and as the working tree has it (the
-same flags, bm.runtime.native_build), then
+same flags, bm.runtime.native.build), then
 
 * checks that both give the same bits on random shapes (head sizes with and without a vector tail, any
   grouping, block sizes 1..32, lengths 1..1000, soft-capping, ALiBi, windows and sink logits), per
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,21 +36,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import kernel_sources_at
+
 from bm.cpu_isa import machine_isas
-from bm.runtime.native import PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
-from bm.runtime.native_build import compile_kernel
+from bm.runtime.attention import LayerExtras
+from bm.runtime.native import DecodeRows, PagedDecodeKernel, elementwise_kernels, paged_decode_kernel
+from bm.runtime.native.build import compile_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "bm/runtime/native/paged_decode.c"
-HEADER = "bm/runtime/native/vec_exp.h"
+SOURCE = ROOT / "bm" / "runtime" / "native" / "paged_decode.c"
 
 
-def build(source: str, header: str, isa: str, tag: str) -> PagedDecodeKernel:
-    """The kernel compiled from ``source`` text, in a directory of its own (its cache key is the text)."""
-    where = Path(tempfile.mkdtemp(prefix=f"bm-ab-{tag}-"))
-    (where / "paged_decode.c").write_text(source)
-    (where / "vec_exp.h").write_text(header)
-    lib = compile_kernel(where / "paged_decode.c", isa)
+def build(source: Path, isa: str, tag: str) -> PagedDecodeKernel:
+    """The kernel compiled from ``source`` (and the headers beside it) for variant ``isa``."""
+    lib = compile_kernel(source, isa)
     if lib is None:
         raise SystemExit(f"{tag}: the {isa} build failed")
     if not hasattr(lib, "bm_kv_write_f32"):  # older sources: attention only
@@ -88,16 +86,19 @@ def check(old: PagedDecodeKernel, new: PagedDecodeKernel, rng: random.Random) ->
         for extra in FEATURES:
             for rows, longest in [(1, 1), (3, 20), (8, 300), (5, 1000)]:
                 lengths = [rng.randint(1, longest) for _ in range(rows)]
-                args = layer(rng, heads, kv, d, bs, lengths, 3.0 if "softcap" in extra else 1.0)
+                q, cache, idx, table, lens, max_len, scale = layer(
+                    rng, heads, kv, d, bs, lengths, 3.0 if "softcap" in extra else 1.0
+                )
                 slopes = (
                     2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32) if extra.get("alibi") else None
                 )
                 sinks = torch.randn(heads) * 3 if extra.get("sink") else None
-                more = (extra.get("softcap"), slopes, extra.get("window"), sinks)
+                decode_rows = DecodeRows(idx, table, lens, max_len, extra.get("window"))
+                extras = LayerExtras(extra.get("softcap"), slopes, sinks)
                 outs = []
                 for kernel in (old, new):
                     out = torch.full((rows + 2, heads, d), float("nan"))
-                    kernel(out, *args, *more)
+                    kernel(out, q, cache, decode_rows, scale, extras)
                     outs.append(out.view(torch.int32))  # bits, NaN included
                 if not torch.equal(*outs):
                     raise SystemExit(
@@ -111,7 +112,7 @@ def timed(old: PagedDecodeKernel, new: PagedDecodeKernel, args: argparse.Namespa
     rng = random.Random(0)
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
     q, cache, _, table, lens, max_len, scale = layer(rng, 9, 3, 64, 32, lengths)
-    inputs = (q, cache, torch.arange(args.rows), table, lens, max_len, scale)
+    inputs = (q, cache, DecodeRows(torch.arange(args.rows), table, lens, max_len), scale)
     outs = {name: torch.empty(args.rows + 2, 9, 64) for name in ("old", "new")}
     samples: dict[str, list[float]] = {"old": [], "new": []}
     for i in range(args.repeat + 3):
@@ -186,15 +187,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    def show(path: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{args.ref}:{path}"], capture_output=True, text=True, check=True
-        ).stdout
-
-    old_src, old_h = show(SOURCE), show(HEADER)
-    new_src, new_h = (ROOT / SOURCE).read_text(), (ROOT / HEADER).read_text()
+    ref_source = kernel_sources_at(args.ref, Path(tempfile.mkdtemp(prefix="bm-ab-ref-"))) / SOURCE.name
     for isa in args.isa.split(","):
-        old, new = build(old_src, old_h, isa, "ref"), build(new_src, new_h, isa, "tree")
+        old, new = build(ref_source, isa, "ref"), build(SOURCE, isa, "tree")
         cases = check(old, new, random.Random(1))
         t = timed(old, new, args)
         print(

@@ -3,6 +3,12 @@
 
     python benchmarks/gpu_check.py [--out gpu_check.json]            # a lent GPU, < 8 min
     python benchmarks/gpu_check.py --device cpu --small              # the same code on CPU, in seconds
+    python benchmarks/gpu_check.py --sections throughput,cli_run,bench_workload --shapes llama-1b --no-hf
+                                                                     # a short second run: some sections
+
+``--sections`` (default all) picks from oracle, elementwise, bf16, throughput and the user path's
+cli_run, bench_workload, load_8b, compare (``user_path``: all four); ``--shapes`` the throughput
+section's shapes; ``--no-hf`` skips its HF peers. A goal is reported only where its section ran.
 
 Every model has random weights built from a config (no file to carry). One JSON file holds:
 - ``oracle_fp32``: bm == HF ``generate()`` greedy, token for token, in float32, on a mixed batch with
@@ -10,7 +16,9 @@ Every model has random weights built from a config (no file to carry). One JSON 
 - ``bf16``: bm in bfloat16 against HF in bfloat16: max logit difference on one prompt, greedy tokens
   agreeing before the first divergence;
 - ``throughput``: output tok/s at ``--requests`` requests on a 1B-class Llama shape and SmolLM2-135M's
-  shape, bm against HF ``generate()`` (left-padded batches) and transformers' continuous batching;
+  shape, bm against HF ``generate()`` (left-padded batches) and transformers' continuous batching. bm's
+  runs share one executor per shape, as ``bm.LLM`` does; its start-up (KV cache, warm-up) is timed apart
+  as ``startup_s``, then ``bm_first_run`` and ``bm`` (the steady state) are both timed after it;
 - ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
   over the copy bandwidth measured in the same run;
 - what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py): ``cli_run`` (bm bench
@@ -47,9 +55,10 @@ from transformers import AutoConfig
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
 from bm.config import config_from_dict
 from bm.engine import Request, generate
-from bm.runtime import ModelRunner, Segment
+from bm.runtime import ModelRunner, work_item
+from bm.runtime.backends import ENV_SWITCH
+from bm.runtime.executor import TorchExecutor
 from bm.runtime.model_loader import LoadedModel, describe_model, random_model, resolve_dtype
-from bm.runtime.triton import ENV_SWITCH
 
 ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 1024, "initializer_range": 0.2}  # fmt: skip
@@ -110,14 +119,19 @@ def hf_greedy(ref: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 def run_bm(
-    loaded: LoadedModel, rows, config, iterations: list[dict[str, Any]] | None = None
+    loaded: LoadedModel,
+    rows,
+    config,
+    iterations: list[dict[str, Any]] | None = None,
+    executor: TorchExecutor | None = None,
 ) -> tuple[dict[int, list[int]], PeerResult]:
-    """bm on ``rows``; with ``iterations``, each iteration's stats are appended to it."""
+    """bm on ``rows``; with ``iterations``, each iteration's stats are appended to it. Without
+    ``executor`` the engine builds its own (KV cache, warm-up) inside the timed call."""
     requests = [Request(i, list(p), n) for i, (p, n) in enumerate(rows)]
     collect = None if iterations is None else (lambda line: iterations.append(json.loads(line)))
     sync(loaded.device)
     start = time.perf_counter()
-    results = generate(requests, config, model=loaded, return_stats=collect)
+    results = generate(requests, config, model=loaded, executor=executor, return_stats=collect)
     elapsed = time.perf_counter() - start
     failed = [r.error for r in results.values() if r.error]
     if failed:
@@ -142,10 +156,24 @@ def iteration_summary(iterations: list[dict[str, Any]], wall_s: float) -> dict[s
     }  # fmt: skip
 
 
-def timed_bm(loaded: LoadedModel, rows, config) -> tuple[PeerResult, dict[str, Any]]:
-    """One bm run, and its figures with where its iterations went (:func:`iteration_summary`)."""
+def start_engine(loaded: LoadedModel, config) -> tuple[TorchExecutor, float]:
+    """An executor for every bm run of ``loaded`` under ``config`` (one KV cache, one warm-up), as
+    ``bm.LLM`` keeps one per object, and the seconds its start-up took: an engine built over it with no
+    requests allocates the cache and warms up (compiles, CUDA graph captures), before any clock, as
+    ``bm bench`` and ``bm.LLM`` start up apart from what they time."""
+    executor = TorchExecutor(loaded)
+    sync(loaded.device)
+    started = time.perf_counter()
+    run_bm(loaded, [], config, executor=executor)
+    sync(loaded.device)
+    return executor, time.perf_counter() - started
+
+
+def timed_bm(loaded: LoadedModel, rows, config, executor: TorchExecutor) -> tuple[PeerResult, dict[str, Any]]:
+    """One bm run on a started ``executor`` (:func:`start_engine`), and its figures with where its
+    iterations went (:func:`iteration_summary`)."""
     iterations: list[dict[str, Any]] = []
-    _, result = run_bm(loaded, rows, config, iterations)
+    _, result = run_bm(loaded, rows, config, iterations, executor)
     return result, result.to_dict() | {"iterations": iteration_summary(iterations, result.wall_s)}
 
 
@@ -224,7 +252,7 @@ def check_bf16(device: torch.device, small: bool) -> dict[str, Any]:
     rows = workload(2, 8 if small else 32, loaded.vocab_size, (4, 40 if small else 200), 8 if small else 24)
     prompt = rows[0][0]
     runner = ModelRunner(loaded, 64, 16, 1024)
-    ours = runner.forward([Segment(prompt, 0, list(range(64)), True, keep_all=True)])
+    ours = runner.forward([work_item(prompt, 0, list(range(64)), True, keep_all=True)])
     with torch.inference_mode():
         theirs = ref(torch.tensor([prompt], device=device)).logits[0].float()
     del runner
@@ -244,21 +272,31 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
         3, args.requests, loaded.vocab_size, (args.prompt_len // 2, args.prompt_len), args.output_len
     )
     config = bm_config(args.requests, args.prompt_len + args.output_len, 8192)
-    # The first run in a process compiles Triton's kernels for each shape class it meets (about 0.5 s
-    # each) and captures CUDA graphs: reported as bm_first_run. bm is the second, steady-state run, as
-    # vLLM's and TensorRT-LLM's throughput benchmarks time theirs after start-up.
-    _, figures["bm_first_run"] = timed_bm(loaded, rows, config)
-    bm_result, figures["bm"] = timed_bm(loaded, rows, config)
+    # Start-up (KV cache, warm-up: Triton compiles, CUDA graph captures) is timed apart, before the
+    # clock, as bm bench and bm.LLM time it (startup_s); then two timed runs on the same executor:
+    # bm_first_run (whatever the warm-up missed lands here) and bm, the steady state, as vLLM's and
+    # TensorRT-LLM's throughput benchmarks time theirs after start-up.
+    executor, figures["startup_s"] = start_engine(loaded, config)
+    log(f"{name}: bm start-up {figures['startup_s']:.1f} s")
+    _, figures["bm_first_run"] = timed_bm(loaded, rows, config, executor)
+    bm_result, figures["bm"] = timed_bm(loaded, rows, config, executor)
+    del executor  # its KV cache, before the roofline's and the peers' memory
+    release_memory(device)
     figures["fused_elementwise"] = dict(loaded.fused_elementwise)
     log(f"{name}: bm {bm_result.output_tok_s:.0f} output tok/s")
     figures["roofline"] = check_roofline(loaded, args, args.profile)
     save()
     if args.ab_fusion and loaded.fused_elementwise:  # the same model with transformers' elementwise ops
-        with unfused(loaded):
-            plain, figures["bm_unfused"] = timed_bm(loaded, rows, config)
+        with unfused(loaded):  # an executor of its own: the fused one's CUDA graphs replay fused kernels
+            plain_executor, figures["startup_unfused_s"] = start_engine(loaded, config)
+            plain, figures["bm_unfused"] = timed_bm(loaded, rows, config, plain_executor)
+            del plain_executor
+            release_memory(device)
             figures["roofline_unfused"] = check_roofline(loaded, args, False)
         log(f"{name}: bm without fused elementwise kernels {plain.output_tok_s:.0f} output tok/s")
         save()
+    if args.no_hf:
+        return
     peers = {"hf-generate": lambda: run_hf_generate(loaded.model, rows, batch_size=args.hf_batch)}
     if not args.no_hf_cb:
         peers["hf-cb"] = lambda: run_hf_continuous_batching(loaded.model, rows)
@@ -313,7 +351,7 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num)]
     chunk = max(1, 8192 // ctx)
     for i in range(0, num, chunk):  # prefill, a few sequences per forward
-        runner.forward([Segment([5] * ctx, 0, tables[j], True) for j in range(i, min(num, i + chunk))])
+        runner.forward([work_item([5] * ctx, 0, tables[j], True) for j in range(i, min(num, i + chunk))])
     steps = 3 if args.small else 10
     for _ in range(2):  # warm-up (graph capture)
         decode_step(runner, tables, ctx)
@@ -337,7 +375,7 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
 def decode_step(runner: ModelRunner, tables: list[list[int]], position: int) -> None:
     """One decode token for every sequence at ``position``, greedy, and the one copy of tokens to the
     host, as an engine step does."""
-    runner.forward([Segment([7], position, t, True) for t in tables]).argmax(-1).tolist()
+    runner.forward([work_item([7], position, t, True) for t in tables]).argmax(-1).tolist()
 
 
 def profile_step(
@@ -362,6 +400,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_memory(device: torch.device) -> None:
+    """What this process no longer holds goes back to the device (the next section, or a subprocess,
+    would otherwise see it as used)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -376,14 +422,51 @@ def environment(device: torch.device) -> dict[str, Any]:
             "triton": triton_version}  # fmt: skip
 
 
+# The sections --sections picks from, in the order they run; user_path stands for its four parts.
+SECTIONS = ("oracle", "elementwise", "bf16", "throughput", "cli_run", "bench_workload", "load_8b", "compare")
+USER_PATH = ("cli_run", "bench_workload", "load_8b", "compare")
+
+
+def parse_sections(text: str) -> set[str]:
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if "all" in names:
+        names |= set(SECTIONS)
+    if "user_path" in names:
+        names |= set(USER_PATH)
+    unknown = names - {*SECTIONS, "user_path", "all"}
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {sorted(unknown)[0]!r}; allowed: all, {', '.join(SECTIONS)}, user_path"
+        )
+    return names & set(SECTIONS)
+
+
+def parse_shapes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape {(unknown or [text])[0]!r}; allowed: {', '.join(SHAPES)}"
+        )
+    return names
+
+
 def goals(report: dict[str, Any]) -> dict[str, bool]:
-    oracle = report["oracle_fp32"]
-    out = {"bm_equals_hf_fp32_on_every_request": oracle["equal_requests"] == oracle["requests"]}
-    for name, figures in report["throughput"].items():
-        ratio = figures.get("bm_over_hf-generate")
-        out[f"{name}_at_least_5x_hf_generate"] = ratio is not None and ratio >= 5
-        out[f"{name}_at_least_50pct_of_roofline"] = figures["roofline"]["fraction_of_roofline"] >= 0.5
-    return out
+    """Each goal whose section ran (a section left out, or cut short, names no goal)."""
+    out: dict[str, bool] = {}
+    oracle = report.get("oracle_fp32")
+    if oracle is not None:
+        out["bm_equals_hf_fp32_on_every_request"] = oracle["equal_requests"] == oracle["requests"]
+    for name, figures in report.get("throughput", {}).items():
+        if "hf-generate" in figures:
+            ratio = figures.get("bm_over_hf-generate")
+            out[f"{name}_at_least_5x_hf_generate"] = ratio is not None and ratio >= 5
+        if "roofline" in figures:
+            out[f"{name}_at_least_50pct_of_roofline"] = figures["roofline"]["fraction_of_roofline"] >= 0.5
+        first = user.first_run_within_10pct(figures)
+        if first is not None:
+            out[f"{name}_first_run_within_10pct_of_second"] = first
+    return out | user.user_path_goals(report)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -396,6 +479,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=64, help="HF generate()'s batch size")
     p.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
+    p.add_argument(
+        "--no-hf",
+        action="store_true",
+        help="skip both HF peers (generate() and continuous batching) in the throughput section",
+    )
+    p.add_argument(
+        "--sections",
+        type=parse_sections,
+        default=set(SECTIONS),
+        help=f"comma-separated: all (the default), {', '.join(SECTIONS)}, or user_path (its last four)",
+    )
+    p.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
+                   help=f"the throughput section's shapes, comma-separated (default: {','.join(SHAPES)}; "
+                   "--small runs one tiny shape)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="profile the decode steps (torch.profiler)")
     p.add_argument(
         "--ab-fusion",
@@ -412,40 +509,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.requests, args.prompt_len, args.output_len = 6, 24, 6
     device = torch.device(args.device)
     begin = time.perf_counter()
-    report: dict[str, Any] = {"environment": environment(device), "args": vars(args) | {"out": str(args.out)}}
+    sections = args.sections
+    report: dict[str, Any] = {
+        "environment": environment(device),
+        "args": vars(args) | {"out": str(args.out), "sections": [n for n in SECTIONS if n in sections]},
+    }
 
-    def save() -> None:
+    def save() -> None:  # after every section: a run cut short keeps what it measured, goals included
         report["seconds"] = time.perf_counter() - begin
+        report["goals"] = goals(report)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    report["oracle_fp32"] = check_oracle(device, args.small)
-    save()
-    if device.type == "cuda":
-        report["oracle_fp32_tf32"] = check_oracle(device, args.small, "high")
+    if "oracle" in sections:
+        report["oracle_fp32"] = check_oracle(device, args.small)
         save()
+        if device.type == "cuda":
+            report["oracle_fp32_tf32"] = check_oracle(device, args.small, "high")
+            save()
+    if "elementwise" in sections and device.type == "cuda":
         report["elementwise"] = check_elementwise(device)
         save()
-    report["bf16"] = check_bf16(device, args.small)
+    if "bf16" in sections:
+        report["bf16"] = check_bf16(device, args.small)
+        save()
+    if "throughput" in sections:
+        report["throughput"] = {}
+        shapes = {"small": SMALL} if args.small else {name: SHAPES[name] for name in args.shapes}
+        for name, shape in shapes.items():
+            report["throughput"][name] = {}
+            check_throughput(name, shape, device, args, report["throughput"][name], save)
+            release_memory(device)
+            save()
+    if sections & set(USER_PATH):
+        user_path(report, args, device, save)
     save()
-    report["throughput"] = {}
-    for name, shape in ({"small": SMALL} if args.small else SHAPES).items():
-        report["throughput"][name] = {}
-        check_throughput(name, shape, device, args, report["throughput"][name], save)
-    report["goals"] = goals(report)
-    save()
-    user_path(report, args, device, save)
     log(f"wrote {args.out} in {report['seconds']:.0f} s")
     return report
 
 
 def user_path(report: dict[str, Any], args, device: torch.device, save) -> None:
-    """What users run, through the CLI (benchmarks/gpu_user_path.py), each section saved as it ends."""
-    gc.collect()
-    if device.type == "cuda":  # this process's cached blocks would look used to the subprocesses
-        torch.cuda.empty_cache()
+    """What users run, through the CLI (benchmarks/gpu_user_path.py): the parts ``--sections`` names,
+    each saved as it ends."""
+    release_memory(device)  # this process's cached blocks would look used to the subprocesses
+    sections = args.sections
     folder = user.workdir()
     sim_rows = ["h100-sxm"]
-    if device.type == "cuda" and not args.small:
+    predicts = sections & {"cli_run", "bench_workload"}
+    if predicts and device.type == "cuda" and not args.small:
         from bm.sim.hardware import calibrate
 
         started = time.perf_counter()
@@ -454,26 +564,26 @@ def user_path(report: dict[str, Any], args, device: torch.device, save) -> None:
         sim_rows.insert(0, "cuda-local")
         save()
     shape = user.shape_file(SMALL if args.small else SHAPES["llama-1b"], folder)
-    report["cli_run"] = user.check_cli_run(shape, user.find_trace(args.trace), args.small, folder, sim_rows)
-    log(f"cli run: {json.dumps({k: report['cli_run'].get(k) for k in ('finished', 'output_tok_s')})}")
-    save()
-    harness = report["throughput"]["small" if args.small else "llama-1b"]
-    steady = (harness.get("bm") or {}).get("output_tok_s")
-    rows = [] if args.small else sim_rows  # one prediction is enough to check the code path on CPU
-    report["bench_harness_workload"] = user.check_bench_workload(shape, args, steady, folder, rows)
-    save()
-    models = user.REPO / "configs" / "models"
-    big = models / ("bench-llama-15m.json" if args.small else "llama-3.1-8b.json")
-    report["load_8b"] = user.check_load(big, str(device))
-    log(f"8B load: {report['load_8b'].get('load_s')}")
-    save()
-    report["compare"] = user.check_compare(shape, args.small, folder)
-    report["goals"] |= user.user_path_goals(report)
-    for name, figures in report["throughput"].items():
-        report["goals"][f"{name}_first_run_within_10pct_of_second"] = bool(
-            user.first_run_within_10pct(figures)
-        )
-    save()
+    if "cli_run" in sections:
+        trace = user.find_trace(args.trace)
+        report["cli_run"] = user.check_cli_run(shape, trace, args.small, folder, sim_rows)
+        log(f"cli run: {json.dumps({k: report['cli_run'].get(k) for k in ('finished', 'output_tok_s')})}")
+        save()
+    if "bench_workload" in sections:
+        harness = report.get("throughput", {}).get("small" if args.small else "llama-1b") or {}
+        steady = (harness.get("bm") or {}).get("output_tok_s")  # None when that shape did not run here
+        rows = [] if args.small else sim_rows  # one prediction is enough to check the code path on CPU
+        report["bench_harness_workload"] = user.check_bench_workload(shape, args, steady, folder, rows)
+        save()
+    if "load_8b" in sections:
+        models = user.REPO / "configs" / "models"
+        big = models / ("bench-llama-15m.json" if args.small else "llama-3.1-8b.json")
+        report["load_8b"] = user.check_load(big, str(device))
+        log(f"8B load: {report['load_8b'].get('load_s')}")
+        save()
+    if "compare" in sections:
+        report["compare"] = user.check_compare(shape, args.small, folder)
+        save()
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import torch
 
 from bm.config import load_config
 from bm.engine import EngineLoop, OfflineClient, Request
-from bm.engine.request import LORA_MODULE_NAMES
+from bm.engine.model_inputs import LORA_MODULE_NAMES
 from bm.runtime import load_model
-from bm.runtime.lora import find_lora_targets
+from bm.runtime.lora_adapters import find_lora_targets
 
 
 def random_adapter(model: torch.nn.Module, rank: int, seed: int) -> tuple[list[list[int]], torch.Tensor]:

@@ -5,7 +5,7 @@
         [--lengths 64,128,256,340,512,768,1024] [--prefix 256:256]
 
 Defaults are SmolLM2-135M's attention shape. For each prompt length, a causal chunk with no cached prefix
-the way ``bm.runtime.attention._prefill`` runs it (SDPA with ``is_causal`` on the packed batch's strided
+the way ``bm.runtime.backends.torch_ops.prefill`` runs it (SDPA with ``is_causal`` on the packed batch's strided
 views); for each ``CACHED:NEW`` pair of ``--prefix``, a chunk of NEW tokens after CACHED cached ones,
 keys read from a paged cache by block table (SDPA: gather plus boolean mask, as bm does). Best-of-N times,
 the two paths interleaved in the same run, next to a 2048^3 ``torch.mm`` peak measured before and after
@@ -34,7 +34,8 @@ from common import BENCH_CONFIG, model_overrides, read_workload, run_bm
 from roofline import best_time, measure_gemm_peak
 
 from bm.config import load_config
-from bm.runtime import attention, load_model
+from bm.runtime import load_model
+from bm.runtime.backends import torch_backend, torch_ops
 from bm.runtime.native import prefill_attention_kernel
 
 
@@ -48,24 +49,24 @@ def in_engine(workload_path: Path, args: argparse.Namespace) -> dict:
     config = load_config(args.config, model_overrides(args))
     loaded = load_model(config.model)
     workload = read_workload(workload_path)
-    native, prefill = attention._native_prefill, attention._prefill
+    native, prefill = torch_ops._native_prefill, torch_backend.prefill
     calls: list[tuple[int, int, float, float]] = []
 
-    def both(out, q, k, v, cache, seg, scaling, extra) -> None:
+    def both(out, call, cache, seg) -> None:
         took = {}
         for path in ("kernel", "sdpa") if len(calls) % 2 else ("sdpa", "kernel"):
-            attention._native_prefill = native if path == "kernel" else (lambda *_: None)
+            torch_ops._native_prefill = native if path == "kernel" else (lambda *_: None)
             start = time.perf_counter()
-            prefill(out, q, k, v, cache, seg, scaling, extra)
+            prefill(out, call, cache, seg)
             took[path] = time.perf_counter() - start
-        attention._native_prefill = native
+        torch_ops._native_prefill = native
         calls.append((seg.end - seg.start, seg.prefix_len, took["kernel"], took["sdpa"]))
 
-    attention._prefill = both
+    torch_backend.prefill = both
     try:
         run_bm(loaded, config, workload)
     finally:
-        attention._prefill, attention._native_prefill = prefill, native
+        torch_backend.prefill, torch_ops._native_prefill = prefill, native
     heads, d = q_shape(loaded.model.config)
     buckets: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for length, prefix, kernel_s, sdpa_s in calls:

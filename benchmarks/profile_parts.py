@@ -113,14 +113,15 @@ def _timed_residual_gemm(timers: Timers, fn: Callable) -> Callable:
 def instrumented(timers: Timers) -> Iterator[None]:
     """Wrap each part's entry point with a timer; the originals come back on exit."""
     from bm.engine.core import EngineCore as Core
-    from bm.runtime import attention, decoding, model_runner, native, prepack
+    from bm.runtime import decoding, model_runner, native, prepack
+    from bm.runtime.backends import torch_backend
 
     patches: list[tuple[Any, str, Any]] = [
         (Core, "step", _timed(timers, "step", Core.step)),
         (model_runner.ModelRunner, "forward", _timed(timers, "forward", model_runner.ModelRunner.forward)),
         (decoding.Decoder, "decode", _timed(timers, "sampling", decoding.Decoder.decode)),
-        (attention, "_prefill", _timed(timers, "attention_prefill", attention._prefill)),
-        (attention, "_decode", _timed(timers, "attention_decode", attention._decode)),  # torch's path
+        (torch_backend, "prefill", _timed(timers, "attention_prefill", torch_backend.prefill)),
+        (torch_backend, "decode", _timed(timers, "attention_decode", torch_backend.decode)),  # torch's path
         (prepack._PackedForward, "__call__", _timed_linear(timers, prepack._PackedForward.__call__, lambda s: s._module)),
         (torch.nn.Linear, "forward", _timed_linear(timers, torch.nn.Linear.forward, lambda s: s)),
     ]  # fmt: skip

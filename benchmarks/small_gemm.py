@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,25 +33,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import kernel_sources_at
 from roofline import best_time, measure_gemm_peak
 from transformers import AutoConfig
 
 from bm.cpu_isa import kernel_isa
-from bm.runtime.native import _GEMM_SOURCE, SmallGemmKernel, small_gemm_kernel
-from bm.runtime.native_build import compile_kernel
+from bm.runtime.native.build import compile_kernel
+from bm.runtime.native.small_gemm import SOURCE, SmallGemmKernel, small_gemm_kernel
 from bm.runtime.prepack import _PACK_HINT
 
 
 def baseline_kernel(ref: str, workdir: Path) -> SmallGemmKernel:
     """The panel GEMM compiled from ``native/small_gemm.c`` at git revision ``ref``, same variant."""
-    repo = _GEMM_SOURCE.parents[3]
-    source = workdir / _GEMM_SOURCE.name
-    for name in (_GEMM_SOURCE.name, "vec_exp.h"):  # the source and the header it includes, both at ref
-        rel = (_GEMM_SOURCE.parent / name).relative_to(repo).as_posix()
-        text = subprocess.run(
-            ["git", "-C", str(repo), "show", f"{ref}:{rel}"], check=True, capture_output=True, text=True
-        ).stdout
-        (workdir / name).write_text(text)
+    source = kernel_sources_at(ref, workdir) / SOURCE.name  # with the headers it includes, at ref
     lib = compile_kernel(source, kernel_isa("small_gemm"))
     if lib is None:
         raise SystemExit(f"could not compile small_gemm.c at {ref}")

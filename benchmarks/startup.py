@@ -40,14 +40,15 @@ print(json.dumps({"import_s": t1 - t0, "model_load_s": t2 - t1, "kernel_load_s":
 """
 
 BUILD = r"""
-import json, tempfile, time
+import json, os, shutil, tempfile, time
 from pathlib import Path
-from bm.runtime import native
-import shutil, os
+from bm.cpu_isa import kernel_isa
+from bm.runtime.native import build, loader
 cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+source, isa = loader.SOURCES / "paged_decode.c", kernel_isa("paged_decode")
 with tempfile.TemporaryDirectory() as tmp:
     t = time.perf_counter()
-    ok = native._build(native._SOURCE, cc, native.loaded_openmp_runtime(), Path(tmp)) is not None
+    ok = build._build(source, cc, build.loaded_openmp_runtime(), Path(tmp), isa) is not None
     print(json.dumps({"kernel_build_s": time.perf_counter() - t, "built": ok}))
 """
 

@@ -14,6 +14,12 @@ must be what they say. Off x86-64 there is one variant, ``native`` (``-march=nat
 
 The choice is a pure function of a feature set (:func:`choose_isa`), so the dispatch is tested with
 features faked; :func:`cpu_features` reads the real ones from ``/proc/cpuinfo``.
+
+This module is the one owner of those rules, for the build (``bm/runtime/native_build.py`` compiles with
+:func:`isa_flags`), the loader (``bm/runtime/native.py`` picks with :func:`kernel_isa`) and the early
+check of ``BM_CPU_ISA`` (:func:`check_environment`, which config validation calls so that a bad value is
+refused by every door, file, flags or code, before torch or a model loads). It stays outside
+``bm.runtime`` and free of torch for that last use: importing anything under ``bm.runtime`` imports torch.
 """
 
 from __future__ import annotations

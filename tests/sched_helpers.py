@@ -147,8 +147,9 @@ class Harness:
         ids = [r.request_id for r in fitting]
         with returns_within(SCHEDULE_WAIT_S, f"micro-batching requests {ids}"):
             context, generation = self.micro_batch_stage.schedule(list(fitting))
+        chunks = self.micro_batch_stage.chunk_sizes
         return Decision(
-            {r.request_id: r.context_chunk_size for r in context}, [r.request_id for r in generation], []
+            {r.request_id: chunks[r.request_id] for r in context}, [r.request_id for r in generation], []
         )
 
 

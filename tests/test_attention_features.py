@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bm.runtime.attention import ALIBI_ATTR, batch_metadata, paged_attention_forward
-from bm.runtime.model_runner import ModelRunner, Segment
+from bm.runtime.attention import ALIBI_ATTR, forward_context, paged_attention_forward
+from bm.runtime.model_runner import ModelRunner, work_item
 from bm.runtime.native import ENV_SWITCH
 
 
@@ -66,10 +66,10 @@ def test_paged_attention_with_softcap_alibi_sinks_and_window_matches_direct(
     table = list(range(10, 16))
 
     @torch.inference_mode()
-    def attend(segment, first, count):
-        _, _, meta, _ = runner._prepare([segment])
+    def attend(item, first, count):
+        inputs = runner.backend.prepare([item])
         q, k, v = (x[None, :, first : first + count] for x in (queries, keys, values))
-        with batch_metadata(meta):
+        with forward_context(runner.backend, inputs.metadata):
             return paged_attention_forward(module, q, k, v, None, softcap=softcap, s_aux=sinks)[0][0]
 
     def want(first, count):
@@ -77,13 +77,13 @@ def test_paged_attention_with_softcap_alibi_sinks_and_window_matches_direct(
                                 window, softcap, slopes, sinks)  # fmt: skip
 
     torch.testing.assert_close(
-        attend(Segment([0] * 15, 0, table, False), 0, 15), want(0, 15), atol=1e-5, rtol=1e-5
+        attend(work_item([0] * 15, 0, table, False), 0, 15), want(0, 15), atol=1e-5, rtol=1e-5
     )
     torch.testing.assert_close(
-        attend(Segment([0] * 7, 15, table, False), 15, 7), want(15, 7), atol=1e-5, rtol=1e-5
+        attend(work_item([0] * 7, 15, table, False), 15, 7), want(15, 7), atol=1e-5, rtol=1e-5
     )
     torch.testing.assert_close(
-        attend(Segment([0], 22, table, True), 22, 1), want(22, 1), atol=1e-5, rtol=1e-5
+        attend(work_item([0], 22, table, True), 22, 1), want(22, 1), atol=1e-5, rtol=1e-5
     )
 
 
@@ -100,8 +100,8 @@ def test_layers_with_different_windows_each_attend_their_own(tiny_model):
         keys, values = torch.randn(2, kv_heads, n, dim, generator=g)
         queries = torch.randn(kv_heads * 2, n, dim, generator=g)
         with torch.inference_mode():
-            _, _, meta, _ = runner._prepare([Segment([0] * n, 0, list(range(5)), False)])
-            with batch_metadata(meta):
+            inputs = runner.backend.prepare([work_item([0] * n, 0, list(range(5)), False)])
+            with forward_context(runner.backend, inputs.metadata):
                 out = paged_attention_forward(
                     SimpleNamespace(layer_idx=layer), queries[None], keys[None], values[None], None
                 )[0][0]

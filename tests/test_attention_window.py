@@ -14,9 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from bm.config import ConfigError, config_from_dict
 from bm.engine import InferenceRequest
 from bm.kv import NO_BLOCK
-from bm.runtime.attention import batch_metadata, paged_attention_forward
+from bm.runtime.attention import forward_context, paged_attention_forward
 from bm.runtime.model_loader import describe_model
-from bm.runtime.model_runner import ModelRunner, Segment
+from bm.runtime.model_runner import ModelRunner, work_item
 from tests.conftest import hf_greedy, make_config, reference_model
 from tests.engine_wait import generate_or_fail
 
@@ -52,16 +52,16 @@ def test_windowed_paged_attention_matches_attention_computed_directly(tiny_model
     module = SimpleNamespace(layer_idx=layer)
 
     @torch.inference_mode()
-    def attend(segments, rows):
-        """One packed forward's attention; ``rows``: (first position, count) of each segment's
+    def attend(items, rows):
+        """One packed forward's attention; ``rows``: (first position, count) of each item's
         tokens in the long sequence (the short sequence's keys are the long one's first ones)."""
-        _, _, meta, _ = runner._prepare(segments)
+        inputs = runner.backend.prepare(items)
         q, k, v = (torch.cat([x[:, s : s + c] for s, c in rows], 1)[None] for x in (queries, keys, values))
-        with batch_metadata(meta):
+        with forward_context(runner.backend, inputs.metadata):
             return paged_attention_forward(module, q, k, v, None)[0][0]
 
     # 1. a whole prompt longer than the window, beside a short one
-    out = attend([Segment([0] * 15, 0, long_table, False), Segment([0] * 3, 0, short_table, False)],
+    out = attend([work_item([0] * 15, 0, long_table, False), work_item([0] * 3, 0, short_table, False)],
                  [(0, 15), (0, 3)])  # fmt: skip
     want = reference_attention(queries[:, :15], keys, values, range(15), window, sink)
     torch.testing.assert_close(out[:15], want, atol=1e-5, rtol=1e-5)
@@ -73,12 +73,12 @@ def test_windowed_paged_attention_matches_attention_computed_directly(tiny_model
         with torch.inference_mode():
             runner.kv_caches[layer][:, :, long_table[b]] = float("nan")
         long_table[b] = NO_BLOCK
-    out = attend([Segment([0] * 7, 15, long_table, False)], [(15, 7)])
+    out = attend([work_item([0] * 7, 15, long_table, False)], [(15, 7)])
     torch.testing.assert_close(out, reference_attention(queries[:, 15:22], keys, values, range(15, 22), window, sink),
                                atol=1e-5, rtol=1e-5)  # fmt: skip
 
     # 3. decode: a query past the window beside one whose whole context is inside it
-    out = attend([Segment([0], 22, long_table, True)], [(22, 1)])
+    out = attend([work_item([0], 22, long_table, True)], [(22, 1)])
     torch.testing.assert_close(out, reference_attention(queries[:, 22:23], keys, values, [22], window, sink),
                                atol=1e-5, rtol=1e-5)  # fmt: skip
 

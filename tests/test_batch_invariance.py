@@ -72,8 +72,8 @@ def run(model, specs, sections, ids) -> dict:
     config = make_config(**sections)  # 8-token blocks (BLOCK)
     with BatchManager(config, client.get_requests, client.send_response, model=model) as manager:
         client.wait_or_fail()
-        assert manager.runner.native_decode is not None
-        assert manager.runner.native_decode.isa == kernel_isa("paged_decode")
+        assert manager.runner.backend.native_decode is not None
+        assert manager.runner.backend.native_decode.isa == kernel_isa("paged_decode")
     for rid, result in client.results.items():
         assert result.ok, (rid, result.error)
     return client.results

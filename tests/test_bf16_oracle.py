@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from bm.engine import BatchManager, InferenceRequest
-from bm.runtime import ModelRunner, Segment, load_model
+from bm.runtime import ModelRunner, load_model, work_item
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.presets import is_available
-from bm.runtime.triton import ENV_SWITCH
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 
@@ -46,10 +46,10 @@ def test_a_bf16_model_on_cpu_keeps_exact_bf16_keys_in_a_float32_cache_read_by_th
     caches = [c for c in runner.kv_caches if c is not None]
     assert all(c.dtype == torch.float32 for c in caches)
     if paged_decode_kernel() is not None:
-        assert runner.native_decode is not None
+        assert runner.backend.native_decode is not None
         assert runtime_info("cpu", torch.bfloat16)["decode_attention"] == "native"  # results files say so
     prompt = random_prompts(seed=2, count=1, vocab=loaded.vocab_size, max_prompt=20, max_output=1)[0][0]
-    logits = runner.forward([Segment(prompt, 0, list(range(4)), True)])
+    logits = runner.forward([work_item(prompt, 0, list(range(4)), True)])
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     written = caches[0][:, :, :4].reshape(2, -1, caches[0].shape[-1])
     assert written.abs().sum() > 0
@@ -68,8 +68,8 @@ def test_bf16_logits_within_tolerance_of_hf(record_property, monkeypatch, backen
     prompt = (prompt * 3)[:30]
     # bm: the prompt in two chunks (the second after a cached prefix), every position's logits kept
     table = list(range(8))
-    first = runner.forward([Segment(prompt[:13], 0, table, True, keep_all=True)])
-    second = runner.forward([Segment(prompt[13:], 13, table, True, keep_all=True)])
+    first = runner.forward([work_item(prompt[:13], 0, table, True, keep_all=True)])
+    second = runner.forward([work_item(prompt[13:], 13, table, True, keep_all=True)])
     ours = torch.cat([first, second])
     with torch.no_grad():
         theirs = ref(torch.tensor([prompt])).logits[0].float()
@@ -117,8 +117,8 @@ def test_smollm2_bf16_logits_are_closer_to_hf_bf16_than_bf16_is_to_float32(recor
         prompt = (prompt * 8)[:64]
         runner = ModelRunner(loaded, 8, 16, 128)
         table = list(range(8))  # two chunks, the second attending the first through the cache
-        first = runner.forward([Segment(prompt[:29], 0, table, True, keep_all=True)])
-        ours = torch.cat([first, runner.forward([Segment(prompt[29:], 29, table, True, keep_all=True)])])
+        first = runner.forward([work_item(prompt[:29], 0, table, True, keep_all=True)])
+        ours = torch.cat([first, runner.forward([work_item(prompt[29:], 29, table, True, keep_all=True)])])
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt])).logits[0].float()
             exact = wide(torch.tensor([prompt])).logits[0]

@@ -114,7 +114,7 @@ def test_eviction_takes_least_recent_first_and_tails_before_heads():
 
 
 def test_a_hash_collision_never_hands_over_other_tokens():
-    with mock.patch("bm.kv.manager.chain_hash", lambda parent, tokens, extra=(): 42):
+    with mock.patch("bm.kv.prefix_cache.chain_hash", lambda parent, tokens, extra=(): 42):
         kv = KVCacheManager(num_blocks=8, tokens_per_block=2, enable_block_reuse=True)
         start(kv, Seq(1, [1, 2, 3]))
         kv.free(1)
@@ -286,6 +286,6 @@ def test_random_operations_keep_every_invariant(machine):
 
 def test_random_operations_keep_every_invariant_under_constant_hash_collisions():
     CacheMachine.total_hits = 0
-    with mock.patch("bm.kv.manager.chain_hash", weak_hash):
+    with mock.patch("bm.kv.prefix_cache.chain_hash", weak_hash):
         run_state_machine_as_test(CacheMachine, settings=SETTINGS)
     assert CacheMachine.total_hits > 0

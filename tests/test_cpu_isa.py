@@ -100,11 +100,31 @@ def test_the_kernel_cache_keeps_one_file_per_build():
     build (or the reverse)."""
     from pathlib import Path
 
-    from bm.runtime import native_build
+    from bm.runtime.native import build
 
-    source = Path(native_build.__file__).parent / "native" / "elementwise.c"
-    keys = {isa: native_build._cache_key(source, "cc", None, isa) for isa in ("avx512", "avx2", "scalar")}
+    source = Path(build.__file__).parent / "elementwise.c"
+    keys = {isa: build._cache_key(source, "cc", None, isa) for isa in ("avx512", "avx2", "scalar")}
     assert len(set(keys.values())) == 3
+
+
+def test_a_changed_instruction_set_header_rebuilds_every_kernel(tmp_path):
+    """Every source includes isa.h (the variant's BM_HAVE_* switches): a cached build of any kernel must
+    not survive a change to it."""
+    import shutil
+    from pathlib import Path
+
+    from bm.runtime.native import build
+
+    native = Path(build.__file__).parent
+    for path in [*native.glob("*.c"), *native.glob("*.h")]:
+        shutil.copy(path, tmp_path / path.name)
+    sources = sorted(tmp_path.glob("*.c"))
+    assert all('#include "isa.h"' in s.read_text() for s in sources)
+    before = [build._cache_key(s, "cc", None, "avx2") for s in sources]
+    header = tmp_path / "isa.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    after = [build._cache_key(s, "cc", None, "avx2") for s in sources]
+    assert all(a != b for a, b in zip(before, after, strict=True))
 
 
 def test_a_bad_bm_cpu_isa_is_a_config_error_before_anything_loads(monkeypatch):

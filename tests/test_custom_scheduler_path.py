@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import textwrap
@@ -33,8 +34,10 @@ SCHEDULER_MODULE = textwrap.dedent(
 
 @pytest.fixture
 def isolated_imports(monkeypatch):
-    """sys.path and sys.modules as they were, after each test (the resolution adds a folder)."""
+    """sys.path, sys.meta_path and sys.modules as they were, after each test (the resolution adds a
+    finder for the module's name)."""
     monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     before = set(sys.modules)
     yield
     for name in set(sys.modules) - before:
@@ -55,15 +58,22 @@ def kv_manager():
     return KVCacheManager(16, 8)
 
 
+def config_beside_package(tmp_path, monkeypatch, name, more_yaml=""):
+    """``tmp/cfg/bm.yaml`` naming CountingScheduler from the package ``name`` beside it, with the working
+    directory ``tmp/elsewhere`` (so only the config's folder can explain the module being found)."""
+    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    class_path = write_package(config_dir, name)
+    config = config_dir / "bm.yaml"
+    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n{more_yaml}")
+    monkeypatch.chdir(elsewhere)
+    return config
+
+
 def test_a_module_beside_the_config_file_resolves_from_another_working_directory(
     tmp_path, monkeypatch, isolated_imports
 ):
-    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    class_path = write_package(config_dir, "bm_sched_beside")
-    config = config_dir / "bm.yaml"
-    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n")
-    monkeypatch.chdir(elsewhere)
+    config = config_beside_package(tmp_path, monkeypatch, "bm_sched_beside")
     cfg = load_config(config)
     scheduler = build_scheduler(cfg.engine, kv_manager())
     assert type(scheduler.capacity_scheduler).__name__ == "CountingScheduler"
@@ -90,18 +100,66 @@ def test_a_module_found_nowhere_is_refused_when_the_config_loads_naming_where_it
 
 
 def test_bm_run_uses_a_scheduler_named_beside_its_config(tmp_path, monkeypatch, isolated_imports):
-    config_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    class_path = write_package(config_dir, "bm_sched_run")
-    config = config_dir / "bm.yaml"
-    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\nmodel:\n  device: cpu\n")
+    config = config_beside_package(tmp_path, monkeypatch, "bm_sched_run", "model:\n  device: cpu\n")
+    elsewhere = tmp_path / "elsewhere"
     prompts = elsewhere / "p.jsonl"
     prompts.write_text(
         "".join(json.dumps({"input_ids": [5, 6, 7], "max_tokens": 2}) + "\n" for _ in range(3))
     )
-    monkeypatch.chdir(elsewhere)
     result = runner.invoke(app, ["run", "p.jsonl", "-c", str(config), "-o", "out", "--quiet"])
     assert result.exit_code == 0, result.output
     assert sys.modules["bm_sched_run.policies"].CountingScheduler.plans > 0
     records = [json.loads(line) for line in (elsewhere / "out" / "outputs.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(r["error"] is None for r in records)
+
+
+def test_loading_a_custom_scheduler_class_leaves_sys_path_unchanged(tmp_path, monkeypatch, isolated_imports):
+    config = config_beside_package(tmp_path, monkeypatch, "bm_sched_path")
+    before = list(sys.path)
+    scheduler = build_scheduler(load_config(config).engine, kv_manager())
+    assert type(scheduler.capacity_scheduler).__name__ == "CountingScheduler"
+    assert sys.path == before
+    assert sys.modules["bm_sched_path.policies"].__file__ == str(
+        config.parent / "bm_sched_path" / "policies.py"
+    )
+
+
+def test_the_module_imports_its_package_siblings_relatively_and_by_name(
+    tmp_path, monkeypatch, isolated_imports
+):
+    package = tmp_path / "bm_sched_sib"
+    package.mkdir()  # no __init__.py: a namespace package, as examples/ is
+    (package / "base.py").write_text(SCHEDULER_MODULE)
+    (package / "helpers.py").write_text("PLANS_BEFORE = 0\n")
+    (package / "policies.py").write_text(
+        "from bm_sched_sib.helpers import PLANS_BEFORE\n"
+        "from .base import CountingScheduler\n\n"
+        "class SiblingScheduler(CountingScheduler):\n"
+        "    plans = PLANS_BEFORE\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, {"engine.capacity_scheduler": "bm_sched_sib.policies:SiblingScheduler"})
+    scheduler = build_scheduler(cfg.engine, kv_manager())
+    assert type(scheduler.capacity_scheduler).__name__ == "SiblingScheduler"
+
+
+def test_only_the_named_module_becomes_importable_not_the_rest_of_its_folder(
+    tmp_path, monkeypatch, isolated_imports
+):
+    class_path = write_package(tmp_path, "bm_sched_named")
+    (tmp_path / "bm_sched_stray.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    build_scheduler(load_config(None, {"engine.capacity_scheduler": class_path}).engine, kv_manager())
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("bm_sched_stray")
+
+
+def test_a_package_on_pythons_path_wins_over_one_beside_the_config(tmp_path, monkeypatch, isolated_imports):
+    installed, config_dir = tmp_path / "site", tmp_path / "cfg"
+    class_path = write_package(installed, "bm_sched_both")
+    write_package(config_dir, "bm_sched_both")
+    monkeypatch.syspath_prepend(str(installed))
+    config = config_dir / "bm.yaml"
+    config.write_text(f"engine:\n  capacity_scheduler: {class_path}\n")
+    build_scheduler(load_config(config).engine, kv_manager())
+    assert sys.modules["bm_sched_both.policies"].__file__ == str(installed / "bm_sched_both" / "policies.py")

@@ -282,7 +282,8 @@ def test_a_lora_request_under_tensor_parallelism_is_refused_naming_the_field_and
     from bm.distributed.engine import ParallelExecutor
     from bm.distributed.layout import ParallelLayout
     from bm.engine.fake_executor import FakeExecutor
-    from bm.engine.request import RequestError, RequestLimits, validate_request
+    from bm.engine.request import RequestError, RequestLimits
+    from bm.engine.validate import validate_request
 
     limits = RequestLimits(vocab_size=64, max_seq_len=64, max_num_tokens=None, max_beam_width=1)
     lora = {"lora_task_id": 1, "lora_config": [[1, 0, 1]], "lora_weights": [[0.5] * 8]}

@@ -118,7 +118,7 @@ def test_a_linear_with_a_forward_hook_is_called_not_fused(kernels, monkeypatch):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from bm.runtime.attention import AttentionMetadata, batch_metadata
+    from bm.runtime.attention import ShapeProbe, forward_context
     from bm.runtime.fusion import fuse_elementwise
     from bm.runtime.prepack import fusable_gemm, prepack_linears
 
@@ -129,7 +129,7 @@ def test_a_linear_with_a_forward_hook_is_called_not_fused(kernels, monkeypatch):
     x, residual = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
     with (
         torch.no_grad(),
-        batch_metadata(AttentionMetadata(kv_caches=[], slot_mapping=torch.zeros(1, dtype=torch.long))),
+        forward_context(ShapeProbe(), {}),
     ):
         assert fusable_gemm(mlp.down_proj) is not None
         plain = mlp.forward.with_residual(x, residual)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig
 from transformers.models.llama import modeling_llama
 
 from bm.config import ConfigError, load_config
-from bm.runtime.attention import AttentionMetadata, batch_metadata
+from bm.runtime.attention import ShapeProbe, forward_context
 from bm.runtime.fusion import (
     _FusedDecoderLayer,
     _FusedMLP,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(elementwise_kernels() is None, reason="bm's C ke
 
 
 def in_bm_forward():
-    return batch_metadata(AttentionMetadata(kv_caches=[], slot_mapping=torch.zeros(1, dtype=torch.long)))
+    return forward_context(ShapeProbe(), {})
 
 
 def tiny_llama(**overrides) -> torch.nn.Module:

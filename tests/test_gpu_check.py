@@ -30,6 +30,7 @@ def test_gpu_check_runs_on_cpu_small_and_writes_one_json_file(tmp_path, monkeypa
     assert report["bf16"]["tokens"] > 0 and report["bf16"]["max_logit_diff"] >= 0
     small = report["throughput"]["small"]
     assert small["bm"]["output_tokens"] == small["hf-generate"]["output_tokens"] > 0
+    assert small["startup_s"] > 0 and small["bm_first_run"]["output_tokens"] == small["bm"]["output_tokens"]
     assert small["roofline"]["fraction_of_roofline"] > 0
     assert report["goals"]["bm_equals_hf_fp32_on_every_request"]
     # what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py)
@@ -44,3 +45,15 @@ def test_gpu_check_runs_on_cpu_small_and_writes_one_json_file(tmp_path, monkeypa
     compare = report["compare"]
     assert compare["finished"] and compare["equal_caches"]
     assert report["goals"]["cli_run_finishes"] and report["goals"]["compare_variants_get_equal_caches"]
+
+
+def test_gpu_check_runs_only_the_sections_asked_and_names_only_their_goals(tmp_path, monkeypatch):
+    """A short second device run: --sections picks what runs; goals come from what ran (no KeyError)."""
+    monkeypatch.delenv("BM_ATTENTION", raising=False)
+    out = tmp_path / "gpu_check.json"
+    argv = ["--device", "cpu", "--small", "--no-hf", "--sections", "bf16,compare", "--out", str(out)]
+    report = _gpu_check().main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert "oracle_fp32" not in report and "throughput" not in report and "cli_run" not in report
+    assert report["bf16"]["tokens"] > 0 and report["compare"]["finished"]
+    assert report["goals"] == {"compare_variants_get_equal_caches": True}

@@ -18,9 +18,11 @@ import torch
 from bm.engine import InferenceRequest, generate
 from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import LORA_MODULE_NAMES, LoraSpec, Request
+from bm.engine.model_inputs import LORA_MODULE_NAMES, LoraSpec
+from bm.engine.request import Request
 from bm.runtime import lora as lora_module
-from bm.runtime.lora import LoraLayers, find_lora_targets, read_peft_adapter, task_id_for_directory
+from bm.runtime.lora import LoraLayers
+from bm.runtime.lora_adapters import find_lora_targets, read_peft_adapter, task_id_for_directory
 from bm.runtime.native import lora_delta_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts

@@ -12,7 +12,7 @@ from bm.config import ModelConfig
 from bm.engine import InferenceRequest
 from bm.runtime import UnsupportedAttentionError, load_model
 from bm.runtime.model_loader import describe_model
-from bm.runtime.model_runner import ModelRunner, Segment
+from bm.runtime.model_runner import ModelRunner, work_item
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 from tests.engine_wait import generate_or_fail
 
@@ -98,9 +98,9 @@ def test_packed_forward_matches_unpacked_logits(tiny_model, tiny_reference):
     runner = ModelRunner(tiny_model, num_blocks=64, tokens_per_block=4, max_seq_len=256)
     g = torch.Generator().manual_seed(1)
     a, b, c = (torch.randint(3, 259, (n,), generator=g).tolist() for n in (23, 9, 1))
-    first = runner.forward([Segment(a, 0, list(range(6)), True), Segment(b[:5], 0, [6, 7, 8], False),
-                            Segment(c, 0, [9], True)])  # fmt: skip
-    second = runner.forward([Segment(b[5:], 5, [6, 7, 8], True), Segment([7], 23, list(range(6)), True)])
+    first = runner.forward([work_item(a, 0, list(range(6)), True), work_item(b[:5], 0, [6, 7, 8], False),
+                            work_item(c, 0, [9], True)])  # fmt: skip
+    second = runner.forward([work_item(b[5:], 5, [6, 7, 8], True), work_item([7], 23, list(range(6)), True)])
     with torch.no_grad():
         ref = [tiny_reference(torch.tensor([x])).logits[0, -1] for x in (a, c, b, [*a, 7])]
     got = [first[0], first[1], second[0], second[1]]

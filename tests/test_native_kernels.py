@@ -7,7 +7,8 @@ import torch
 
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner
-from bm.runtime.native import ENV_SWITCH, paged_decode_kernel
+from bm.runtime.attention import LayerExtras
+from bm.runtime.native import ENV_SWITCH, DecodeRows, paged_decode_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
 from tests.native_variants import ISAS, each_isa
@@ -49,14 +50,15 @@ def reference_decode(
 @pytest.fixture(scope="module")
 def own_threads_kernel():
     """The build used where torch's OpenMP runtime cannot be found: the kernel starts its own threads."""
-    from bm.runtime import native, native_build
+    from bm.runtime import native
+    from bm.runtime.native import build, loader
 
-    saved_loaded, saved_finder = native._loaded, native_build.loaded_openmp_runtime
-    native._loaded, native_build.loaded_openmp_runtime = {}, lambda: None
+    saved_loaded, saved_finder = loader._loaded, build.loaded_openmp_runtime
+    loader._loaded, build.loaded_openmp_runtime = {}, lambda: None
     try:
         return native.paged_decode_kernel()
     finally:  # later tests see the process's usual kernel again
-        native._loaded, native_build.loaded_openmp_runtime = saved_loaded, saved_finder
+        loader._loaded, build.loaded_openmp_runtime = saved_loaded, saved_finder
 
 
 @needs_kernel
@@ -90,7 +92,7 @@ def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_
     token_index = torch.tensor([3, 0, 19, 7, 8, 12, 1, 15])
     out = torch.full((tokens, heads, head_dim), float("nan"))
     scaling = head_dim**-0.5
-    kernel(out, q, cache, token_index, table, torch.tensor(lengths), max(lengths), scaling)
+    kernel(out, q, cache, DecodeRows(token_index, table, torch.tensor(lengths), max(lengths)), scaling)
     expected = reference_decode(q, cache, token_index, table.tolist(), lengths, scaling)
     for tok, want in expected.items():
         torch.testing.assert_close(out[tok], want, rtol=1e-5, atol=1e-5)
@@ -140,9 +142,9 @@ def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(
     out = torch.full((12, heads, head_dim), float("nan"))
     scaling = head_dim**-0.5
     sinks = torch.randn(heads, generator=g) * 3 if sink else None
-    lens = torch.tensor(lengths)
     kernel = paged_decode_kernel(isa)
-    kernel(out, q, cache, token_index, table, lens, max(lengths), scaling, softcap, slopes, window, sinks)
+    rows = DecodeRows(token_index, table, torch.tensor(lengths), max(lengths), window)
+    kernel(out, q, cache, rows, scaling, LayerExtras(softcap, slopes, sinks))
     safe = torch.nan_to_num(cache)  # the reference reads every key, then masks those outside the window
     expected = reference_decode(q, safe, token_index, table.clamp(min=0).tolist(), lengths, scaling,
                                 softcap, slopes, window, sinks)  # fmt: skip
@@ -153,14 +155,14 @@ def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(
 @needs_kernel
 def test_runner_uses_native_decode_for_fp32_cpu_caches(tiny_model):
     runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
-    assert runner.native_decode is kernel
+    assert runner.backend.native_decode is kernel
 
 
 def test_env_switch_turns_native_kernels_off(tiny_model, monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert paged_decode_kernel() is None
     runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
-    assert runner.native_decode is None
+    assert runner.backend.native_decode is None
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
@@ -174,7 +176,7 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
     config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 96})
     with BatchManager(config, client.get_requests, client.send_response, model=tiny_model) as manager:
         client.wait_or_fail()
-        runner_native = manager.runner.native_decode is not None
+        runner_native = manager.runner.backend.native_decode is not None
     assert runner_native == (native == "1" and kernel is not None)
     for i, (prompt, max_new) in enumerate(specs):
         assert client.results[i].output_ids == hf_greedy(tiny_reference, prompt, max_new), f"request {i}"
@@ -182,28 +184,30 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
 
 def test_a_failing_compiler_leaves_the_torch_path(monkeypatch):
     from bm.runtime import native
+    from bm.runtime.native import loader
 
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(loader, "_loaded", {})
     assert native.paged_decode_kernel() is None
 
 
 @needs_kernel
 def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monkeypatch, tmp_path):
-    from bm.runtime import native, native_build
+    from bm.runtime import native
+    from bm.runtime.native import build, loader
 
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("BM_CACHE_DIR", str(tmp_path))
     compiles = []
-    real = native_build._run_compiler
-    monkeypatch.setattr(native_build, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
-    monkeypatch.setattr(native, "_loaded", {})
+    real = build._run_compiler
+    monkeypatch.setattr(build, "_run_compiler", lambda cmd: compiles.append(cmd) or real(cmd))
+    monkeypatch.setattr(loader, "_loaded", {})
     assert native.paged_decode_kernel() is not None
     built = len(compiles)
     assert built > 0
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]  # no temporary files left
-    monkeypatch.setattr(native, "_loaded", {})  # as a new run on the same machine
+    monkeypatch.setattr(loader, "_loaded", {})  # as a new run on the same machine
     assert native.paged_decode_kernel() is not None
     assert len(compiles) == built
 
@@ -211,12 +215,13 @@ def test_the_kernel_is_compiled_once_per_machine_then_loaded_from_the_cache(monk
 @needs_kernel
 def test_an_unwritable_kernel_cache_still_gives_a_kernel_for_this_process(monkeypatch, tmp_path):
     from bm.runtime import native
+    from bm.runtime.native import loader
 
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv("BM_CACHE_DIR", str(blocker))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(loader, "_loaded", {})
     assert native.paged_decode_kernel() is not None
 
 
@@ -227,7 +232,7 @@ def test_kernel_refuses_shapes_it_would_read_out_of_bounds():
     out = torch.zeros(3, 6, 32)
     idx = torch.tensor([0])
     with pytest.raises(ValueError, match="head size"):
-        kernel(out, q, cache, idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1, 1.0)
+        kernel(out, q, cache, DecodeRows(idx, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1), 1.0)
 
 
 @needs_kernel

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from bm.engine import BatchManager, InferenceRequest
-from bm.runtime import attention
+from bm.runtime.backends import torch_ops
+from bm.runtime.backends.torch_layout import PrefillSegment
 from bm.runtime.native import ENV_SWITCH, prefill_attention_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
@@ -131,17 +132,17 @@ def test_window_masks_and_odd_head_sizes_stay_with_sdpa():
     a head size its vector path cannot take (its plain C loops are slower than SDPA)."""
     q = torch.zeros(4, 10, 64)
     cache = torch.zeros(2, 2, 4, 4, 64)
-    windowed = attention.PrefillSegment(0, 10, 0, None, torch.ones(10, 10, dtype=torch.bool))
-    assert attention._native_prefill(q, cache, windowed) is None
-    gathered = attention.PrefillSegment(
+    windowed = PrefillSegment(0, 10, 0, None, torch.ones(10, 10, dtype=torch.bool))
+    assert torch_ops._native_prefill(q, cache, windowed) is None
+    gathered = PrefillSegment(
         0, 10, 6, torch.tensor([0, 1, 2, 3]), torch.ones(10, 16, dtype=torch.bool), torch.arange(16)
     )
-    assert attention._native_prefill(q, cache, gathered) is None  # key positions: a windowed gather
-    plain = attention.PrefillSegment(0, 10, 0)
-    assert attention._native_prefill(torch.zeros(4, 10, 20), cache, plain) is None
-    assert attention._native_prefill(q.double(), cache, plain) is None
+    assert torch_ops._native_prefill(q, cache, gathered) is None  # key positions: a windowed gather
+    plain = PrefillSegment(0, 10, 0)
+    assert torch_ops._native_prefill(torch.zeros(4, 10, 20), cache, plain) is None
+    assert torch_ops._native_prefill(q.double(), cache, plain) is None
     if kernel is not None:
-        assert attention._native_prefill(q, cache, plain) is kernel
+        assert torch_ops._native_prefill(q, cache, plain) is kernel
 
 
 def test_the_scalar_build_still_serves_prefill_for_batch_invariance(monkeypatch):
@@ -151,15 +152,15 @@ def test_the_scalar_build_still_serves_prefill_for_batch_invariance(monkeypatch)
     if "scalar" not in machine_isas() or prefill_attention_kernel("scalar") is None:
         pytest.skip("needs an x86-64 CPU and a C compiler")
     monkeypatch.setenv(ENV_ISA, "scalar")
-    plain = attention.PrefillSegment(0, 10, 0)
-    chosen = attention._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain)
+    plain = PrefillSegment(0, 10, 0)
+    chosen = torch_ops._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain)
     assert chosen is not None and chosen.isa == "scalar" and not chosen.vectorized
 
 
 def test_native_kernels_switched_off_leave_prefill_on_sdpa(monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "0")
-    plain = attention.PrefillSegment(0, 10, 0)
-    assert attention._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain) is None
+    plain = PrefillSegment(0, 10, 0)
+    assert torch_ops._native_prefill(torch.zeros(4, 10, 64), torch.zeros(2, 2, 4, 4, 64), plain) is None
 
 
 @needs_kernel
@@ -175,7 +176,7 @@ def test_greedy_output_equals_hf_generate_with_the_prefill_kernel(
         return kernel(*args, **kwargs)
 
     counting.vectorized = kernel.vectorized
-    monkeypatch.setattr(attention, "prefill_attention_kernel", lambda: counting)
+    monkeypatch.setattr(torch_ops, "prefill_attention_kernel", lambda: counting)
     specs = random_prompts(seed=23, count=12, vocab=tiny_model.vocab_size, max_prompt=70, max_output=8)
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
     client = StaggeredClient(requests, per_iteration=3)

@@ -10,7 +10,7 @@ from torch import nn
 
 from bm.config import ConfigError, load_config
 from bm.runtime import prepack
-from bm.runtime.attention import AttentionMetadata, batch_metadata
+from bm.runtime.attention import ShapeProbe, forward_context
 from bm.runtime.native import small_gemm_kernel
 from bm.runtime.prepack import (
     MAX_PACKED_ROWS,
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def in_bm_forward():
-    return batch_metadata(AttentionMetadata(kv_caches=[], slot_mapping=torch.zeros(1, dtype=torch.long)))
+    return forward_context(ShapeProbe(), {})
 
 
 class Router(nn.Linear):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from bm.runtime.attention import AttentionMetadata, batch_metadata
+from bm.runtime.attention import ShapeProbe, forward_context
 from bm.runtime.prepack import _PackedForward, prepack_linears, prepack_supported, should_prepack
 
 pytestmark = pytest.mark.skipif(
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def in_bm_forward():
-    return batch_metadata(AttentionMetadata(kv_caches=[], slot_mapping=torch.zeros(1, dtype=torch.long)))
+    return forward_context(ShapeProbe(), {})
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 300, 2048])

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from bm.runtime.logits import DecodingOptions, Row, apply_controls
+from bm.runtime.logits import DecodingState, LogitsRow, apply_controls
 from bm.runtime.sampler import Sampler
-from bm.scheduling import SamplingParams
+from bm.scheduling import Controls, Sampling
 
 GRID = 2000  # u values swept: probabilities come out to within 1 / GRID
 
@@ -36,7 +36,7 @@ def filtered_distribution(logits: list[float], **params) -> dict[int, float]:
     draws = [(i + 0.5) / GRID for i in range(GRID)]
     sampler = SweepSampler(draws)
     rows = torch.tensor([logits] * GRID, dtype=torch.float32)
-    tokens = sampler.sample(rows, [SamplingParams(**params)] * GRID, list(range(GRID)))
+    tokens = sampler.sample(rows, [Sampling(**params)] * GRID, list(range(GRID)))
     counts: dict[int, float] = {}
     for t in tokens:
         counts[t] = counts.get(t, 0.0) + 1.0 / GRID
@@ -127,7 +127,7 @@ def test_top_k_then_top_p_then_temperature_combine():
 
 def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, 1.0, 0.0], [0.0, 0.0, 5.0]])
-    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.0)]
+    params = [Sampling(), Sampling(temperature=1.0, top_k=1), Sampling(temperature=0.0)]
     assert Sampler().sample(logits, params, [0, 1, 2]) == [1, 0, 2]
 
 
@@ -145,7 +145,7 @@ def test_seeded_sampling_follows_the_filtered_distribution():
     n = 20000
     probs = (0.35, 0.25, 0.2, 0.1, 0.06, 0.04)
     logits = torch.tensor([log_probs(*probs)] * n, dtype=torch.float32)
-    params = [SamplingParams(temperature=1.0, top_k=5, top_p=0.85, random_seed=s) for s in range(n)]
+    params = [Sampling(temperature=1.0, top_k=5, top_p=0.85, random_seed=s) for s in range(n)]
     tokens = Sampler().sample(logits, params, list(range(n)))
     kept = {0: 0.35 / 0.9, 1: 0.25 / 0.9, 2: 0.2 / 0.9, 3: 0.1 / 0.9}
     outside = sum(1 for t in tokens if t not in kept)
@@ -158,7 +158,7 @@ def test_seeded_sampling_follows_the_filtered_distribution():
 
 def test_each_seed_draws_the_same_token_whatever_shares_the_batch():
     logits = torch.tensor([log_probs(0.25, 0.25, 0.25, 0.25)] * 3)
-    params = [SamplingParams(temperature=1.0, random_seed=s) for s in (7, 8, 9)]
+    params = [Sampling(temperature=1.0, random_seed=s) for s in (7, 8, 9)]
     together = Sampler().sample(logits, params, [0, 1, 2])
     alone = [Sampler().sample(logits[:1], [p], [0])[0] for p in params]
     assert together == alone
@@ -167,7 +167,7 @@ def test_each_seed_draws_the_same_token_whatever_shares_the_batch():
 def test_the_seed_not_the_request_id_decides_the_draws():
     # Two requests with one seed draw the same 16 tokens; a third with another seed does not.
     logits = torch.tensor([[0.0] * 8] * 3)
-    params = [SamplingParams(temperature=1.0, random_seed=s) for s in (5, 5, 6)]
+    params = [Sampling(temperature=1.0, random_seed=s) for s in (5, 5, 6)]
     sampler = Sampler()
     draws = [sampler.sample(logits, params, [10, 11, 12]) for _ in range(16)]
     assert [d[0] for d in draws] == [d[1] for d in draws]
@@ -177,10 +177,20 @@ def test_the_seed_not_the_request_id_decides_the_draws():
 # -- logits controls (bm/runtime/logits.py) ------------------------------------------------------------
 
 
+def decoding_state(**controls) -> DecodingState:
+    """The runtime's state for these controls, as the executor builds it on admission."""
+    state = DecodingState(Controls(**controls))
+    if state.controls.embedding_bias is not None:
+        state.bias = torch.tensor(state.controls.embedding_bias, dtype=torch.float32)
+    return state
+
+
 def controlled(
     logits: list[float], prompt: list[int], output: list[int], end_id: int = -1, **options
 ) -> list[float]:
-    row = Row(request_id=0, options=DecodingOptions(**options), prompt=prompt, output=output, end_id=end_id)
+    row = LogitsRow(
+        request_id=0, state=decoding_state(**options), prompt=prompt, output=output, end_id=end_id
+    )
     return apply_controls(torch.tensor([logits]), [row])[0].tolist()
 
 
@@ -265,6 +275,6 @@ def test_no_repeat_ngram_bans_tokens_that_would_repeat_an_ngram(n, sequence, ban
 
 def test_rows_without_controls_are_left_untouched():
     logits = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    row = Row(0, DecodingOptions(repetition_penalty=2.0), prompt=[1], output=[], end_id=-1)
+    row = LogitsRow(0, decoding_state(repetition_penalty=2.0), prompt=[1], output=[], end_id=-1)
     out = apply_controls(logits.clone(), [None, row])
     assert out.tolist() == [[1.0, 2.0], [3.0, 2.0]]

@@ -62,7 +62,8 @@ def test_micro_batch_respects_token_budget_and_schedules_generation_first():
     assert [r.request_id for r in generation] == [0, 1, 2]
     # 3 generation tokens + 10 context tokens fit; the second context (10 more) would make 23 > 20
     assert [r.request_id for r in context] == [10]
-    assert context[0].context_chunk_size == 10
+    assert mb.chunk_sizes == {10: 10}
+    assert context[0].context_chunk_size == 0  # kept for the plan, not written on the request
 
 
 def test_micro_batch_respects_max_batch_size():

@@ -213,6 +213,47 @@ def test_a_simulated_run_is_marked_sim_with_its_hardware_row_and_its_cost(tmp_pa
     assert doc["median_ttft_ms"] > 0 and doc["mean_itl_ms"] > 0
 
 
+@pytest.mark.parametrize("row", ["h100-sxm", "h200", "b200", "a100-80gb", "l40s", "mi300x"])
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bf16", "float16"])
+def test_sim_and_real_engine_resolve_auto_dtype_alike(tmp_path, row, dtype):
+    """A GPU row is simulated in the dtype bm's engine would load on a GPU (auto: bfloat16; float32 stays
+    float32, run in TF32), whatever torch_dtype the model config names; results.json records it."""
+    import torch
+
+    from bm.runtime.model_loader import resolve_dtype
+    from bm.sim.run import load_sim_model
+
+    config_file = tmp_path / "tiny.json"
+    config_file.write_text(json.dumps(TINY | {"torch_dtype": "float32"}))  # no say in the dtype
+    sets = {
+        "engine.executor": "sim",
+        "sim.hardware": row,
+        "model.config": str(config_file),
+        "model.dtype": dtype,
+    }
+    config = load_config(None, sets)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        real = str(resolve_dtype(config.model.dtype, torch.device("cuda"))).removeprefix("torch.")
+    finally:
+        torch.set_float32_matmul_precision(precision)  # resolve_dtype sets TF32 for float32 on CUDA
+    model = load_sim_model(config)
+    assert model.dtype == real == {"auto": "bfloat16", "bf16": "bfloat16"}.get(dtype, dtype)
+    assert model.runtime()["dtype"] == real
+
+
+def test_auto_dtype_is_float32_on_the_cpu_for_the_sim_and_the_real_engine():
+    import torch
+
+    from bm.config import resolve_dtype_name
+    from bm.runtime.model_loader import resolve_dtype
+    from bm.sim.hardware import LOCAL_ROWS
+
+    assert resolve_dtype_name("auto", LOCAL_ROWS["cpu-local"]) == "float32"
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype_name("auto", LOCAL_ROWS["cuda-local"]) == "bfloat16"
+
+
 @pytest.mark.parametrize(
     "engine",
     [

@@ -218,7 +218,8 @@ def test_a_simulated_run_on_a_local_row_is_timed_by_the_fit_not_the_roofline(cac
     shape = ModelShape.from_file(tiny_config)
     terms = {"per_forward": 0.5, "per_context_forward": 0.25}
     graphs = {"graph_max_batch_size": 4} if row == "cuda-local" else {}
-    write_row(row, row.split("-")[0], terms, shape, "float32", **graphs)
+    auto = "float32" if row == "cpu-local" else "bfloat16"  # model.dtype auto on the row's device
+    write_row(row, row.split("-")[0], terms, shape, auto, **graphs)
     config = load_config(None, {
         "engine.executor": "sim", "sim.hardware": row, "model.config": str(tiny_config),
         "engine.max_batch_size": 6, "bench.dataset_kind": "synthetic", "bench.num_requests": 12,

@@ -133,7 +133,7 @@ def test_a_decode_runs_tokens_are_the_scalar_fake_tokens_bumped_off_the_end_id()
     import random
 
     from bm.engine.fake_executor import fake_token
-    from bm.scheduling.request import LlmRequest, SamplingParams
+    from bm.scheduling.request import LlmRequest, Sampling
     from bm.sim.executor import fake_tokens
 
     rng = random.Random(5)
@@ -142,7 +142,7 @@ def test_a_decode_runs_tokens_are_the_scalar_fake_tokens_bumped_off_the_end_id()
             rng.randrange(2**64),
             [5] * rng.randrange(1, 3000),
             10,
-            SamplingParams(end_id=rng.randrange(3, 40)),
+            Sampling(end_id=rng.randrange(3, 40)),
         )
         for _ in range(100)
     ]

@@ -18,7 +18,7 @@ from bm.config import BmConfig
 from bm.engine.fake_executor import FakeExecutor
 from bm.engine.loop import EngineLoop
 from bm.engine.request import Request
-from bm.runtime.native_build import loaded_openmp_runtime
+from bm.runtime.native.build import loaded_openmp_runtime
 
 
 def _gnu_openmp() -> bool:

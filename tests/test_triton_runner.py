@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("triton")
 
 from bm.engine import BatchManager, InferenceRequest
-from bm.runtime import ModelRunner, Segment
+from bm.runtime import ModelRunner, work_item
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import describe_model
-from bm.runtime.triton import ENV_SWITCH
 from bm.runtime.triton.graphs import bucket_for
 from bm.scheduling import FinishReason
 from tests.clients import StaggeredClient
@@ -67,10 +67,10 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> 
     out = []
     half = [len(p) // 2 for p in prompts]
     out.append(
-        runner.forward([Segment(p[:h], 0, t, False) for p, h, t in zip(prompts, half, tables, strict=True)])
+        runner.forward([work_item(p[:h], 0, t, False) for p, h, t in zip(prompts, half, tables, strict=True)])
     )
     logits = runner.forward(
-        [Segment(p[h:], h, t, True) for p, h, t in zip(prompts, half, tables, strict=True)]
+        [work_item(p[h:], h, t, True) for p, h, t in zip(prompts, half, tables, strict=True)]
     )
     out.append(logits)
     for _ in range(decode_steps):
@@ -78,7 +78,7 @@ def _steps(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> 
         for s, t in zip(seqs, nxt, strict=True):
             s.append(t)
         logits = runner.forward(
-            [Segment([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
+            [work_item([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables, strict=True)]
         )
         out.append(logits)
     assert all(len(t) * bs >= len(s) for s, t in zip(seqs, tables, strict=True))
@@ -109,7 +109,7 @@ def test_static_buffer_decode_path_gives_the_dynamic_paths_outputs(tiny_model, t
     for mode in ("off", "on"):
         loaded = dataclasses.replace(tiny_model, cuda_graphs=mode)
         runner = ModelRunner(loaded, 40, 4, 64)
-        assert (runner.paged.graphs is not None) == (mode == "on")
+        assert (runner.backend.graphs is not None) == (mode == "on")
         runs[mode] = (_steps(runner, prompts, 3), _steps(runner, prompts[:3], 2))
     (full_off, padded_off), (full_on, padded_on) = runs["off"], runs["on"]
     for got, want in zip(full_on, full_off, strict=True):

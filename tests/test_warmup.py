@@ -16,8 +16,8 @@ import torch
 from bm.engine import generate
 from bm.engine.core import EngineCore
 from bm.engine.request import Request
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.executor import TorchExecutor
-from bm.runtime.triton import ENV_SWITCH
 from bm.runtime.warmup import prefill_shapes, warmup_enabled
 from tests.conftest import hf_greedy, make_config, random_prompts
 

@@ -59,9 +59,11 @@ class JournalFeed:
         self._stats = stats
         self._num_stats = 0
         runnable = set(self._index_of.values())
-        self._refused = [
-            request_record(i, row, None) for i, row in enumerate(self._rows) if i not in runnable
-        ]
+        # every record given, by workload index: the run's results reuse them rather than build each twice
+        self.records: dict[int, dict[str, Any]] = {
+            i: request_record(i, row, None) for i, row in enumerate(self._rows) if i not in runnable
+        }
+        self._refused = list(self.records.values())
 
     def pump(self) -> None:
         """Give the journal the stats rows and finished requests that arrived since the last call."""
@@ -74,7 +76,8 @@ class JournalFeed:
             except queue.Empty:
                 break
             index = self._index_of[timeline.request_id]
-            records.append(request_record(index, self._rows[index], timeline))
+            self.records[index] = request_record(index, self._rows[index], timeline)
+            records.append(self.records[index])
         if rows:
             self.journal.add_stats(rows)
         if records:

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,21 +69,28 @@ def bench_result(
     *,
     runtime: dict[str, Any],
     interrupted: bool = False,
+    records: Mapping[int, dict[str, Any]] | None = None,
 ) -> BenchResult:
     """The one place a run's result is built, real or simulated: a record per workload row (in workload
     order, from the replayer's timelines), the run's duration (the last request done), then the request
-    and engine metrics under the run's SLOs. The simulator adds its cost and clock figures on top."""
+    and engine metrics under the run's SLOs. The simulator adds its cost and clock figures on top.
+    ``records``: those a journal feed already built, by workload index (a finished request's record
+    does not change), so each is built once."""
     bench = config.bench
     timelines = {index: replayer.timelines[r.request_id] for index, r in built}
-    records = records_frame(
-        [request_record(i, req, timelines.get(i)) for i, req in enumerate(workload.requests)]
+    given = records or {}
+    frame = records_frame(
+        [
+            given[i] if i in given else request_record(i, req, timelines.get(i))
+            for i, req in enumerate(workload.requests)
+        ]
     )
     done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
     duration = max(done, default=0.0)
     slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
-    metrics = run_metrics(records, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), records)
+    metrics = run_metrics(frame, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), frame)
     return BenchResult(
-        records=records,
+        records=frame,
         stats=stats,
         metrics=metrics,
         duration_s=duration,
@@ -164,19 +171,30 @@ def startup_line(startup: dict[str, Any]) -> str:
     return f"start-up {doc['total_s']:.1f} s ({', '.join(parts)}), before the clock"
 
 
-def write_results(out_dir: Path, result: BenchResult, *, stats_written: bool = False) -> dict[str, Any]:
+def write_results(
+    out_dir: Path,
+    result: BenchResult,
+    *,
+    stats_written: bool = False,
+    request_lines: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Write the three files into ``out_dir`` (created if needed); returns the results document.
 
     Each file is written whole under a temporary name, then renamed over the one a journal streamed
     while the run went (:mod:`bm.bench.journal`), so a kill at any moment leaves either the streamed
     file or the complete one, never half of either. ``stats_written``: ``stats.jsonl`` already holds
     every row of ``result.stats`` in order, as :func:`stats_line` writes them (a journal streamed them),
-    so it is left as it is rather than written twice (a long simulated run's is hundreds of MB)."""
+    so it is left as it is rather than written twice (a long simulated run's is hundreds of MB).
+    ``request_lines``: every record's line as a journal wrote it, in workload order, written as they are
+    instead of serializing each record again."""
     out_dir.mkdir(parents=True, exist_ok=True)
     document = results_document(result)
     with _replacing(out_dir / "requests.jsonl") as f:
-        for record in result.records.to_dict("records"):
-            f.write(request_line(record))
+        if request_lines is not None:
+            f.writelines(request_lines)
+        else:
+            for record in result.records.to_dict("records"):
+                f.write(request_line(record))
     if not stats_written:
         with _replacing(out_dir / "stats.jsonl") as f:
             for stats in result.stats:

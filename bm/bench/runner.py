@@ -133,6 +133,7 @@ def run_bench(
         stats,
         runtime=_runtime_info(model.device, model.dtype),
         interrupted=interrupted,
+        records=feed.records if feed is not None else None,
     )
     result.startup, result.warnings = startup, list(core.warnings)
     return result

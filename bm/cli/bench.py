@@ -258,7 +258,12 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         plain.finish()
     name_rows(result.records, workload)
     result.startup["load_model_s"] = getattr(loaded, "load_seconds", None)
-    results = write_results(out, result, stats_written=journal.holds_stats(result.stats))
+    results = write_results(
+        out,
+        result,
+        stats_written=journal.holds_stats(result.stats),
+        request_lines=journal.request_lines(len(workload.requests)),
+    )
     if bench.json_output:
         print(json.dumps(results, indent=2))
     else:

@@ -42,6 +42,7 @@ class FileJournal:
         self._rows = rows
         self._files: dict[str, BinaryIO] = {}
         self.num_stats = 0  # rows written to stats.jsonl
+        self._request_lines: dict[int, str] = {}  # index -> the line written, for the final file
 
     def add_stats(self, rows: Sequence[dict[str, Any]]) -> None:
         self._append("stats.jsonl", "".join(stats_line(row) for row in rows))
@@ -56,7 +57,17 @@ class FileJournal:
         if self._rows is not None:
             rows = self._rows
             records = [{**r, "error": named_error(r["error"], rows[r["index"]])} for r in records]
-        self._append("requests.jsonl", "".join(request_line(record) for record in records))
+        lines = [request_line(record) for record in records]
+        self._request_lines.update(zip((r["index"] for r in records), lines, strict=True))
+        self._append("requests.jsonl", "".join(lines))
+
+    def request_lines(self, num_requests: int) -> list[str] | None:
+        """The lines written, in workload order, when every one of ``num_requests`` records was written
+        once (the final ``requests.jsonl``, without serializing each record a second time); else None."""
+        lines = self._request_lines
+        if len(lines) != num_requests or any(i not in lines for i in range(num_requests)):
+            return None
+        return [lines[i] for i in range(num_requests)]
 
     def _append(self, name: str, text: str) -> None:
         """The batch in one unbuffered write: nothing waits in a buffer for a flush, and a kill lands

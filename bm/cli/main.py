@@ -165,26 +165,22 @@ def _run(
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
 
-    from bm.cli.run import run_prompts, summary_table
+    from bm.cli.run import RunOptions, run_prompts, summary_table
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:
-        summary = run_prompts(
-            parsed,
-            cfg,
-            out,
+        options = RunOptions(
             default_output_len=max_tokens,
             ignore_eos=ignore_eos,
-            console=console,
             show_progress=not quiet,
             prompts=prompts,
             resume=resume,
             chat_template=template,
             batch_lines=batch_lines,
-            interrupts=interrupts,
             num_lines=None if quiet else _count_lines(prompts),
             run_seed=run_seed,
         )
+        summary = run_prompts(parsed, cfg, out, options, console, interrupts)
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
     if show:

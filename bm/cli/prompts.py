@@ -9,7 +9,6 @@ its place: the batch manager gets each line's 0-based number as its request id (
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,23 +107,17 @@ def read_prompt_lines(
 
 
 def _add_lora_dir(fields: dict[str, Any], directory: str) -> None:
-    """A PEFT adapter directory as the seed's fields; the task id derives from the directory unless the
-    line gives ``lora_task_id``. Every line carries the weights, so no line depends on another's."""
-    from bm.runtime.lora import task_id_for_directory
+    """A PEFT adapter directory as the seed's fields, read through the library (bm.adapters); the task
+    id derives from the directory unless the line gives ``lora_task_id``. Every line carries the
+    weights, so no line depends on another's."""
+    from bm.adapters import lora_fields
 
     try:
-        fields["lora_config"], fields["lora_weights"] = _read_adapter(directory)
+        adapter = lora_fields(directory)
     except ValueError as exc:
         raise RowError(str(exc)) from None
-    fields.setdefault("lora_task_id", task_id_for_directory(Path(directory)))
-
-
-@functools.lru_cache(maxsize=64)
-def _read_adapter(directory: str) -> tuple[Any, Any]:
-    """Each adapter directory is read once per process, however many lines name it."""
-    from bm.runtime.lora import read_peft_adapter
-
-    return read_peft_adapter(Path(directory))
+    fields["lora_config"], fields["lora_weights"] = adapter["lora_config"], adapter["lora_weights"]
+    fields.setdefault("lora_task_id", adapter["lora_task_id"])
 
 
 def _prompt_ids(entry: Row, codec: Codec) -> list[int]:

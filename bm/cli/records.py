@@ -1,15 +1,21 @@
-"""What an output record holds beyond one sequence's tokens: top log probs, and every sample of an
-n-sample request. Kept beside ``bm run``'s record builder so the record's shape is documented in one
-place (docs/run.md, "Output records")."""
+"""``bm run``'s output records: one per input line, from its request's final response or the line's own
+error, with what a record holds beyond one sequence's tokens (top log probs, every sample of an n-sample
+request, logits files). Built in one place so the record's shape is documented in one place (docs/run.md,
+"Output records")."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from bm.engine.request import Response, SampleOutput
 from bm.engine.stopping import text_before_stop
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
+from bm.workloads.tools import tool_calls
+
+if TYPE_CHECKING:  # the records need no torch
+    from bm.runtime import LoadedModel
 
 
 def cut_at_stop(row: Row, text: str, reason: str) -> tuple[str, str]:
@@ -49,3 +55,96 @@ def extra_fields(row: Row, result: Response, tokenizer: Any) -> dict[str, Any]:
         extra["samples"] = [sample_record(row, s, tokenizer) for s in result.samples]
         extra["num_output_tokens"] = sum(len(s.output_ids) for s in result.samples)
     return extra
+
+
+def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> dict[str, Any]:
+    """Every key of a record, for a request that failed (``text`` is there too, empty, as in any record)."""
+    return {
+        "index": index,
+        "id": user_id,
+        "num_prompt_tokens": num_prompt_tokens,
+        "text": "",
+        "output_ids": [],
+        "num_output_tokens": 0,
+        "finish_reason": "error",
+        "error": None,
+    }
+
+
+def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:
+    """The record of one row: its request's final response, or the row's own error (``result`` None)."""
+    if result is None or result.error:
+        # the engine does not know lines: the CLI names the line its request came from
+        record = _error_fields(row.index, row.user_id, row.num_prompt_tokens)
+        record["error"] = row.error if result is None else f"{row.where}: {result.error}"
+        if result is not None and result.output_ids:
+            record.update(output_ids=result.output_ids, num_output_tokens=len(result.output_ids))
+        return record
+    record: dict[str, Any] = {
+        "index": row.index,
+        "id": row.user_id,
+        "num_prompt_tokens": row.num_prompt_tokens,
+    }
+    reason = result.finish_reason.label
+    if loaded.tokenizer is not None:
+        record["text"], reason = cut_at_stop(row, loaded.tokenizer.decode(result.output_ids), reason)
+        if row.tool_call:  # tool_choice forced a call: the record carries it parsed, as OpenAI's message does
+            record["tool_calls"] = tool_calls(record["text"], f"call_bm_{row.index}")
+    record.update(
+        output_ids=result.output_ids,
+        num_output_tokens=len(result.output_ids),
+        finish_reason=reason,
+        error=None,
+    )
+    log_probs = result.output_log_probs
+    if result.beams is not None:
+        record["beams"] = result.beams
+        log_probs = result.beam_log_probs[0] if result.beam_log_probs else None  # the best beam's
+    if log_probs is not None:
+        record["output_log_probs"] = log_probs
+    if result.beam_log_probs is not None:
+        record["beam_log_probs"] = result.beam_log_probs
+    if result.cum_log_probs is not None:
+        record["cum_log_probs"] = (
+            result.cum_log_probs if result.beams is not None else result.cum_log_probs[0]
+        )
+    record.update(extra_fields(row, result, loaded.tokenizer))  # top log probs, n samples
+    return record
+
+
+def write_logits(out_dir: Path, index: int, result: Response) -> str | None:
+    """Logits go to ``logits/<index>.safetensors`` beside outputs.jsonl (never inline); returns the path
+    relative to the output directory, or None when the request asked for none."""
+    tensors = {
+        name: value.contiguous()
+        for name, value in (
+            ("context_logits", result.context_logits),
+            ("generation_logits", result.generation_logits),
+        )
+        if value is not None
+    }
+    if not tensors:
+        return None
+    from safetensors.torch import save_file
+
+    relative = Path("logits") / f"{index}.safetensors"
+    (out_dir / "logits").mkdir(exist_ok=True)
+    save_file(tensors, str(out_dir / relative))
+    return relative.as_posix()
+
+
+def cancelled_record(row: Row) -> dict[str, Any]:
+    """The record of a row an interrupt ended before its request started (an unreadable row keeps its
+    error)."""
+    if row.error is not None:
+        return {**_error_fields(row.index, row.user_id, None), "error": row.error}
+    return {
+        "index": row.index,
+        "id": row.user_id,
+        "num_prompt_tokens": row.num_prompt_tokens,
+        "output_ids": [],
+        "num_output_tokens": 0,
+        "finish_reason": FinishReason.CANCELLED.label,
+        "error": None,
+        "text": "",
+    }

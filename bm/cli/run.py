@@ -24,17 +24,16 @@ from bm.cli.interrupts import Interrupts
 from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
 from bm.cli.progress import PlainProgress, eta_s, format_duration
 from bm.cli.prompts import codec_for, to_request
-from bm.cli.records import cut_at_stop, extra_fields
+from bm.cli.records import cancelled_record, output_record, write_logits
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
-from bm.engine.request import Response, error_response
+from bm.engine.request import error_response
 from bm.llm import LLM, Session
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
-from bm.workloads.tools import tool_calls
 
 
 @dataclass
@@ -71,82 +70,6 @@ class RunSummary:
             self.num_ok += 1
 
 
-def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> dict[str, Any]:
-    """Every key of a record, for a request that failed (``text`` is there too, empty, as in any record)."""
-    return {
-        "index": index,
-        "id": user_id,
-        "num_prompt_tokens": num_prompt_tokens,
-        "text": "",
-        "output_ids": [],
-        "num_output_tokens": 0,
-        "finish_reason": "error",
-        "error": None,
-    }
-
-
-def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:
-    """The record of one row: its request's final response, or the row's own error (``result`` None)."""
-    if result is None or result.error:
-        # the engine does not know lines: the CLI names the line its request came from
-        record = _error_fields(row.index, row.user_id, row.num_prompt_tokens)
-        record["error"] = row.error if result is None else f"{row.where}: {result.error}"
-        if result is not None and result.output_ids:
-            record.update(output_ids=result.output_ids, num_output_tokens=len(result.output_ids))
-        return record
-    record: dict[str, Any] = {
-        "index": row.index,
-        "id": row.user_id,
-        "num_prompt_tokens": row.num_prompt_tokens,
-    }
-    reason = result.finish_reason.label
-    if loaded.tokenizer is not None:
-        record["text"], reason = cut_at_stop(row, loaded.tokenizer.decode(result.output_ids), reason)
-        if row.tool_call:  # tool_choice forced a call: the record carries it parsed, as OpenAI's message does
-            record["tool_calls"] = tool_calls(record["text"], f"call_bm_{row.index}")
-    record.update(
-        output_ids=result.output_ids,
-        num_output_tokens=len(result.output_ids),
-        finish_reason=reason,
-        error=None,
-    )
-    log_probs = result.output_log_probs
-    if result.beams is not None:
-        record["beams"] = result.beams
-        log_probs = result.beam_log_probs[0] if result.beam_log_probs else None  # the best beam's
-    if log_probs is not None:
-        record["output_log_probs"] = log_probs
-    if result.beam_log_probs is not None:
-        record["beam_log_probs"] = result.beam_log_probs
-    if result.cum_log_probs is not None:
-        record["cum_log_probs"] = (
-            result.cum_log_probs if result.beams is not None else result.cum_log_probs[0]
-        )
-    record.update(extra_fields(row, result, loaded.tokenizer))  # top log probs, n samples
-    return record
-
-
-def write_logits(out_dir: Path, index: int, result: Response) -> str | None:
-    """Logits go to ``logits/<index>.safetensors`` beside outputs.jsonl (never inline); returns the path
-    relative to the output directory, or None when the request asked for none."""
-    tensors = {
-        name: value.contiguous()
-        for name, value in (
-            ("context_logits", result.context_logits),
-            ("generation_logits", result.generation_logits),
-        )
-        if value is not None
-    }
-    if not tensors:
-        return None
-    from safetensors.torch import save_file
-
-    relative = Path("logits") / f"{index}.safetensors"
-    (out_dir / "logits").mkdir(exist_ok=True)
-    save_file(tensors, str(out_dir / relative))
-    return relative.as_posix()
-
-
 def in_flight_limit(config: BmConfig) -> int:
     """How many requests a run keeps between its reader and its records: enough to keep every batch full
     (the engine's active requests, plus as many waiting), bounded so memory does not grow with the file."""
@@ -155,54 +78,61 @@ def in_flight_limit(config: BmConfig) -> int:
     return 2 * active + 64
 
 
+@dataclass
+class RunOptions:
+    """How ``bm run`` answers a file: the flags that shape its requests, its records and its display."""
+
+    default_output_len: int  # max_tokens of a line that gives none
+    ignore_eos: bool = False
+    show_progress: bool = True
+    prompts: Path | None = None  # the input file (its digest makes the run's identity)
+    resume: bool = False
+    chat_template: str | None = None
+    batch_lines: dict[int, Any] | None = None  # OpenAI batch input: each line's BatchLine by index
+    num_lines: int | None = None  # the file's lines, for the progress display's total
+    run_seed: int | None = None
+
+
 def run_prompts(
     parsed: Iterable[Row],
     config: BmConfig,
     out_dir: Path,
-    *,
-    default_output_len: int,
-    ignore_eos: bool,
+    options: RunOptions,
     console: Console,
-    show_progress: bool = True,
-    prompts: Path | None = None,
-    resume: bool = False,
-    chat_template: str | None = None,
-    batch_lines: dict[int, Any] | None = None,
     interrupts: Interrupts | None = None,
-    num_lines: int | None = None,
-    run_seed: int | None = None,
 ) -> RunSummary:
     """Run every parsed line; ``out_dir`` has been checked (see :func:`prepare_out_dir`).
 
     Lines stream: each is read, tokenized and handed to the engine only when fewer than
     :func:`in_flight_limit` requests are between the reader and their records, and a record is written
     (and forgotten) as its request finishes, so memory does not grow with the file. Every line still ends
-    with exactly one record, interrupted or not. With ``resume`` the final records already in
-    ``outputs.jsonl`` are kept and only the other lines run. ``batch_lines`` (OpenAI batch input: each line's
-    BatchLine by index, filled as ``parsed`` reads it) also gets ``batch_output.jsonl`` in OpenAI's format,
-    a line written with each record."""
+    with exactly one record, interrupted or not. With ``options.resume`` the final records already in
+    ``outputs.jsonl`` are kept and only the other lines run. ``options.batch_lines`` (OpenAI batch input)
+    also gets ``batch_output.jsonl`` in OpenAI's format, a line written with each record."""
     if interrupts is None:
         with Interrupts() as own:
-            return run_prompts(parsed, config, out_dir, default_output_len=default_output_len, ignore_eos=ignore_eos, console=console, show_progress=show_progress, prompts=prompts, resume=resume, chat_template=chat_template, batch_lines=batch_lines, interrupts=own, num_lines=num_lines, run_seed=run_seed)  # fmt: skip
+            return run_prompts(parsed, config, out_dir, options, console, own)
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
     llm = LLM(config=config)  # the library's front door loads the model and drives the engine
-    loaded = llm.loaded
     from bm.bench.results import startup_document, startup_line
 
     console.print(startup_line(llm.startup), highlight=False)
-    default_end_id = None if ignore_eos else loaded.eos_token_id
-    codec = codec_for(loaded, chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary()
-    done = _carry_over(out_dir, summary) if resume else set()
-    if prompts is not None:
-        options = run_options(default_output_len, ignore_eos, chat_template)
-        write_run_identity(out_dir, run_identity(prompts, config, options, run_seed), loaded.name)
+    done = _carry_over(out_dir, summary) if options.resume else set()
+    if options.prompts is not None:
+        identity = run_identity(
+            options.prompts,
+            config,
+            run_options(options.default_output_len, options.ignore_eos, options.chat_template),
+            options.run_seed,
+        )
+        write_run_identity(out_dir, identity, llm.loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
-    with JsonlWriter(out_dir / "outputs.jsonl", append=resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=resume) as stats:  # fmt: skip
-        run = _Run(summary, outputs, loaded, out_dir)
-        if batch_lines is not None:
-            run.open_batch(batch_lines, done if resume else None, _model_label(config))
+    with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
+        run = _Run(summary, outputs, llm.loaded, out_dir)
+        if options.batch_lines is not None:
+            run.open_batch(options.batch_lines, done if options.resume else None, _model_label(config))
         started = time.perf_counter()
         session = llm.session(return_stats=_marked(stats, run_id))
 
@@ -214,60 +144,74 @@ def run_prompts(
         interrupts.on_first.append(first_interrupt)
         if interrupts.signal_name is not None:  # the signal came while the model loaded
             first_interrupt()
-        limit = in_flight_limit(llm.config)
-        # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
-        terminal = console.is_terminal
-        with _progress(console, show_progress and terminal) as progress:
-            run.total = None if num_lines is None else num_lines - len(done)
-            run.task = progress.add_task("generating", total=run.total, tps="0", eta="?")
-            run.progress, run.started = progress, started
-            run.plain = PlainProgress(console, "bm run") if show_progress and not terminal else None
-            for entry in parsed:
-                if entry.index in done:
-                    run.forget(entry.index)
-                    continue
-                summary.num_requests += 1
-                if interrupts.signal_name is not None:
-                    run.cancel_unstarted(session, console, interrupts.signal_name)
-                    run.write(cancelled_record(entry))
-                    continue
-                request = to_request(entry, codec, default_output_len, default_end_id, run_seed)
-                if request is None:
-                    run.write(output_record(entry, None, loaded))
-                    continue
-                while len(run.in_flight) >= limit and run.wait_one(session, console, interrupts):
-                    pass
-                run.in_flight[entry.index] = entry
-                session.submit(request)
-            while run.in_flight and run.wait_one(session, console, interrupts):
-                pass
-            if run.plain is not None:
-                run.plain.finish()
+        _feed(parsed, llm, session, run, done, options, console, interrupts, started)
         summary.wall_time_s = time.perf_counter() - started
         session.close()
         for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
-            run.write(output_record(row, error_response(row.index, "the batch manager stopped"), loaded))
+            run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
         run.close_batch()
-    (out_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "bm_version": bm.__version__,
-                "run_id": run_id,
-                "prompts": str(prompts) if prompts is not None else None,
-                "model": loaded.name,
-                "config": llm.config.to_dict(),  # resolved for the device: what ran
-                "runtime": runtime_info(loaded.device, loaded.dtype),
-                "parallel": parallel_info(),
-                "startup": startup_document(llm.startup),
-                **asdict(summary),
-                "output_tokens_per_s": summary.output_tokens_per_s,
-                "total_tokens_per_s": summary.total_tokens_per_s,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    document = {
+        "bm_version": bm.__version__,
+        "run_id": run_id,
+        "prompts": str(options.prompts) if options.prompts is not None else None,
+        "model": llm.loaded.name,
+        "config": llm.config.to_dict(),  # resolved for the device: what ran
+        "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype),
+        "parallel": parallel_info(),
+        "startup": startup_document(llm.startup),
+        **asdict(summary),
+        "output_tokens_per_s": summary.output_tokens_per_s,
+        "total_tokens_per_s": summary.total_tokens_per_s,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     return summary
+
+
+def _feed(
+    parsed: Iterable[Row],
+    llm: LLM,
+    session: Session,
+    run: _Run,
+    done: set[int],
+    options: RunOptions,
+    console: Console,
+    interrupts: Interrupts,
+    started: float,
+) -> None:
+    """Hand each line not already done to the engine as room frees up, and write every record."""
+    loaded = llm.loaded
+    default_end_id = None if options.ignore_eos else loaded.eos_token_id
+    codec = codec_for(loaded, options.chat_template)
+    limit = in_flight_limit(llm.config)
+    summary = run.summary
+    # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
+    terminal = console.is_terminal
+    with _progress(console, options.show_progress and terminal) as progress:
+        run.total = None if options.num_lines is None else options.num_lines - len(done)
+        run.task = progress.add_task("generating", total=run.total, tps="0", eta="?")
+        run.progress, run.started = progress, started
+        run.plain = PlainProgress(console, "bm run") if options.show_progress and not terminal else None
+        for entry in parsed:
+            if entry.index in done:
+                run.forget(entry.index)
+                continue
+            summary.num_requests += 1
+            if interrupts.signal_name is not None:
+                run.cancel_unstarted(session, console, interrupts.signal_name)
+                run.write(cancelled_record(entry))
+                continue
+            request = to_request(entry, codec, options.default_output_len, default_end_id, options.run_seed)
+            if request is None:
+                run.write(output_record(entry, None, loaded))
+                continue
+            while len(run.in_flight) >= limit and run.wait_one(session, console, interrupts):
+                pass
+            run.in_flight[entry.index] = entry
+            session.submit(request)
+        while run.in_flight and run.wait_one(session, console, interrupts):
+            pass
+        if run.plain is not None:
+            run.plain.finish()
 
 
 class _Run:
@@ -392,23 +336,6 @@ def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
         summary.num_prompt_tokens += record.get("num_prompt_tokens") or 0
         summary.num_output_tokens += record.get("num_output_tokens") or 0
     summary.count(reason)
-
-
-def cancelled_record(row: Row) -> dict[str, Any]:
-    """The record of a row an interrupt ended before its request started (an unreadable row keeps its
-    error)."""
-    if row.error is not None:
-        return {**_error_fields(row.index, row.user_id, None), "error": row.error}
-    return {
-        "index": row.index,
-        "id": row.user_id,
-        "num_prompt_tokens": row.num_prompt_tokens,
-        "output_ids": [],
-        "num_output_tokens": 0,
-        "finish_reason": FinishReason.CANCELLED.label,
-        "error": None,
-        "text": "",
-    }
 
 
 def _model_label(config: BmConfig) -> str:

@@ -25,7 +25,6 @@ ends the run on rank 0 with every unfinished request answered by an error respon
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -45,8 +44,10 @@ from bm.engine.executor import (
     ModelLimits,
     hand_over_threads,
 )
+from bm.engine.factory import build_core
 from bm.engine.request import Request, RequestError, Response, error_response
 from bm.engine.stats import IterationStats
+from bm.engine.worker import EngineWorker
 from bm.scheduling.request import LlmRequest
 
 log = logging.getLogger("bm")
@@ -129,13 +130,15 @@ class ParallelExecutor:
         return getattr(self.inner, name)
 
 
-def build_core(config: BmConfig, layout: ParallelLayout, model: Any = None) -> EngineCore:
-    """This rank's core over its (sharded, when tensor-parallel) model."""
-    from bm.engine.loop import default_executor
+def build_rank_core(config: BmConfig, layout: ParallelLayout, model: Any = None) -> EngineCore:
+    """This rank's core over its (sharded, when tensor-parallel) model, its executor made to agree with
+    the replica's other shards once every rank is up."""
 
-    executor = default_executor(config, model)
-    _layout.wait_for_all_ranks()
-    return EngineCore(config, ParallelExecutor(executor, layout))
+    def joined(executor: Executor) -> Executor:
+        _layout.wait_for_all_ranks()
+        return ParallelExecutor(executor, layout)
+
+    return build_core(config, model=model, wrap=joined)
 
 
 def _digest(out: StepOutput) -> int:
@@ -170,7 +173,7 @@ def run_worker(config: BmConfig, layout: ParallelLayout, model: Any = None) -> N
     """A rank other than 0: serve rounds until rank 0 says stop (or a collective fails: re-raised)."""
     import torch.distributed as dist
 
-    replica = _Replica(build_core(config, layout, model), layout)
+    replica = _Replica(build_rank_core(config, layout, model), layout)
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -229,7 +232,7 @@ class TokenBalancer:
         return ids
 
 
-class DistributedEngineLoop:
+class DistributedEngineLoop(EngineWorker):
     """Rank 0's engine: :class:`~bm.engine.loop.EngineLoop`'s interface (callbacks in, a worker thread,
     ``shutdown`` / ``cancel_all`` / ``is_alive`` / ``error``) over every replica of the run."""
 
@@ -254,7 +257,7 @@ class DistributedEngineLoop:
         self._get_requests = get_requests
         self._send_response = send_response
         self._return_stats = return_stats
-        self.replica = _Replica(build_core(config, self.layout, model), self.layout)
+        self.replica = _Replica(build_rank_core(config, self.layout, model), self.layout)
         self.core = self.replica.core
         self.model = getattr(self.core.executor, "model", None)
         self.max_num_active_requests = self.core.max_num_active_requests
@@ -269,37 +272,12 @@ class DistributedEngineLoop:
         if loaded is not None:  # what each rank caches: its own heads only under tensor parallel
             _layout._state.kv_heads_per_rank = sorted({heads for heads, _dim in loaded.values()})
         _layout._state.fault = None
-        self._shutdown = threading.Event()
-        self._cancel = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="bm-distributed", daemon=True)
         hand_over_threads(self.core.executor)
-        self._thread.start()
-
-    # -- EngineLoop's control surface -----------------------------------------------------------------
+        self._start_worker("bm-distributed")
 
     @property
     def num_active_requests(self) -> int:
         return sum(self.balancer.active)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def cancel_all(self) -> None:
-        self._cancel.set()
-
-    def shutdown(self, wait: bool = True, cancel: bool = False, timeout: float | None = None) -> None:
-        if cancel:
-            self._cancel.set()
-        self._shutdown.set()
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def __enter__(self) -> DistributedEngineLoop:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown(cancel=exc[0] is not None)
 
     # -- rounds ---------------------------------------------------------------------------------------
 
@@ -315,8 +293,8 @@ class DistributedEngineLoop:
         import torch.distributed as dist
 
         command = _RUN
-        if self._cancel.is_set():
-            self._cancel.clear()
+        if self._cancel_requested.is_set():
+            self._cancel_requested.clear()
             command = _CANCEL
         if self._shutdown.is_set() and not self.balancer.busy:
             dist.broadcast_object_list([([], _STOP)], src=0)

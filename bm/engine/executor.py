@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from bm.engine.request import LoraSpec
+from bm.engine.model_inputs import LoraSpec
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.scheduling.request import LlmRequest
 

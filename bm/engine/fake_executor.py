@@ -21,7 +21,7 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
-from bm.engine.request import LoraSpec
+from bm.engine.model_inputs import LoraSpec
 from bm.kv import NO_BLOCK, cdiv
 from bm.scheduling.request import LlmRequest
 

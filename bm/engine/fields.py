@@ -4,7 +4,7 @@ Every reader of request lines (bm's JSONL, OpenAI batch bodies, bench datasets) 
 adapter take field names, aliases and types from here, so a field is declared once. The checks here are
 the ones that need no model: a value's type and the bounds of its encoding. What depends on the model
 (token ids against the vocabulary, where ids from vocab_size on may be prompt-table rows; lengths
-against the maximum sequence) is judged once, by :func:`bm.engine.request.validate_request`.
+against the maximum sequence) is judged once, by :func:`bm.engine.validate.validate_request`.
 
 Plain Python (no torch), so a whole file is checked before the model loads. A value of the wrong type is
 refused with the field and the fix, never coerced (``beam_width: 1.9`` is an error, not 1).

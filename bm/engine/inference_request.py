@@ -2,7 +2,7 @@
 
 :func:`to_core_request` reads the tensor map into the typed core :class:`~bm.engine.request.Request`
 (plain values), checking what only a tensor can get wrong (shape, dtype); every value is then validated
-in one place, :func:`bm.engine.request.validate_request`. Every spec tensor bm does not implement yet is
+in one place, :func:`bm.engine.validate.validate_request`. Every spec tensor bm does not implement yet is
 refused by name, never silently ignored.
 """
 
@@ -14,15 +14,8 @@ from typing import Any
 import torch
 
 from bm.engine.fields import BOOL_FIELDS, WORD_LISTS, token_id_list
-from bm.engine.request import (
-    UNSUPPORTED_FIELDS,
-    Request,
-    RequestError,
-    RequestLimits,
-    Response,
-    SampleOutput,
-    validate_request,
-)
+from bm.engine.request import COUNTERS, Request, RequestError, RequestLimits, Response, SampleOutput
+from bm.engine.validate import UNSUPPORTED_FIELDS, validate_request
 from bm.runtime.logits import LogitsPostProcessor
 from bm.scheduling.request import FinishReason, LlmRequest
 
@@ -225,13 +218,8 @@ def response_tensors(response: Response) -> dict[str, torch.Tensor]:
         scheduled = response.first_scheduled_time
         tensors.update(
             finish_reason=torch.tensor([int(response.finish_reason)], dtype=torch.int32),
-            num_pauses=torch.tensor([response.num_pauses], dtype=torch.int32),
-            # block reuse: blocks taken from the cache, and context blocks computed (every start summed)
-            num_reused_blocks=torch.tensor([response.num_reused_blocks], dtype=torch.int32),
-            num_missed_blocks=torch.tensor([response.num_missed_blocks], dtype=torch.int32),
-            num_draft_tokens=torch.tensor([response.num_draft_tokens], dtype=torch.int32),
-            num_accepted_draft_tokens=torch.tensor([response.num_accepted_draft_tokens], dtype=torch.int32),
-            num_draft_steps=torch.tensor([response.num_draft_steps], dtype=torch.int32),
+            # the response's counters, each under its own name (bm.engine.request.RequestCounters)
+            **{name: torch.tensor([getattr(response, name)], dtype=torch.int32) for name in COUNTERS},
             # seconds from admission to the first iteration that computed part of it (-1: never scheduled)
             queue_time=torch.tensor(
                 [scheduled - response.arrival_time if scheduled is not None else -1.0], dtype=torch.float64
@@ -306,14 +294,7 @@ def response_from_tensors(
     response.finish_reason = FinishReason(int(reason[0])) if reason is not None else FinishReason.NOT_FINISHED
     if final and reason is None:
         response.finish_reason = FinishReason.ERROR
-    for name in (
-        "num_pauses",
-        "num_reused_blocks",
-        "num_missed_blocks",
-        "num_draft_tokens",
-        "num_accepted_draft_tokens",
-        "num_draft_steps",
-    ):
+    for name in COUNTERS:
         value = tensors.get(name)
         if value is not None:
             setattr(response, name, int(value[0]))

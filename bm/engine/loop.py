@@ -14,18 +14,20 @@ gets an error response of its own (when it names an id) and the rest of the list
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from bm.config import BmConfig
-from bm.engine.core import EngineCore
 from bm.engine.driver import Driver, to_request
 from bm.engine.executor import Executor, hand_over_threads
+from bm.engine.factory import build_core, default_executor
 from bm.engine.request import Request, Response
 from bm.engine.stats import IterationStats
+from bm.engine.worker import EngineWorker
 from bm.scheduling import FinishReason
+
+__all__ = ["EngineLoop", "default_executor"]  # default_executor: bm.engine.factory's, kept importable
 
 log = logging.getLogger("bm")
 
@@ -35,15 +37,7 @@ ReturnStats = Callable[[str], None]
 _IDLE_SLEEP_S = 0.0005
 
 
-def default_executor(config: BmConfig, model: Any = None) -> Executor:
-    """The torch executor over ``model`` (loaded from ``config.model`` when not given)."""
-    from bm.runtime import load_model
-    from bm.runtime.executor import TorchExecutor
-
-    return TorchExecutor(model or load_model(config.model))
-
-
-class EngineLoop:
+class EngineLoop(EngineWorker):
     """Construct it with a config and the callbacks; its worker thread starts at once.
 
     Call :meth:`shutdown` to stop: the worker stops fetching, finishes the active requests and exits.
@@ -66,9 +60,9 @@ class EngineLoop:
         self.config = config
         self._send_response = send_response
         self._return_stats = return_stats
-        self.executor = executor or default_executor(config, model)
+        self.core = build_core(config, executor, model=model, check_integrity=check_integrity)
+        self.executor = self.core.executor
         self.model = getattr(self.executor, "model", None)
-        self.core = EngineCore(config, self.executor, check_integrity=check_integrity)
         self.driver = Driver(
             self.core,
             self.deliver,
@@ -79,39 +73,12 @@ class EngineLoop:
         )
         self.kv_cache_manager = self.core.kv_cache_manager
         self.max_num_active_requests = self.core.max_num_active_requests
-        self._shutdown = threading.Event()
-        self._cancel_requested = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="bm-batch-manager", daemon=True)
         hand_over_threads(self.executor)
-        self._thread.start()
-
-    # -- public control -------------------------------------------------------------------------------
+        self._start_worker("bm-batch-manager")
 
     @property
     def num_active_requests(self) -> int:
         return self.core.num_active
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def cancel_all(self) -> None:
-        """End every active request at the next iteration boundary with finish reason ``cancelled``."""
-        self._cancel_requested.set()
-
-    def shutdown(self, wait: bool = True, cancel: bool = False, timeout: float | None = None) -> None:
-        """Stop fetching; exit once no request is active (at once with ``cancel=True``)."""
-        if cancel:
-            self._cancel_requested.set()
-        self._shutdown.set()
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def __enter__(self) -> EngineLoop:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown(cancel=exc[0] is not None)
 
     # -- the seam a tensor-map adapter overrides --------------------------------------------------------
 

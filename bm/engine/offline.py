@@ -18,25 +18,18 @@ from bm.config import BmConfig
 from bm.engine.executor import Executor
 from bm.engine.inference_request import InferenceRequest, response_from_tensors, to_core_request
 from bm.engine.loop import EngineLoop
-from bm.engine.request import Request, RequestError, Response, SampleOutput, error_response
+from bm.engine.request import Request, RequestCounters, RequestError, Response, SampleOutput, error_response
 from bm.engine.stats import hit_rate
 from bm.scheduling import FinishReason
 
 
 @dataclass
-class RequestResult:
+class RequestResult(RequestCounters):
     request_id: int
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     error: str = ""
     num_responses: int = 0
-    num_pauses: int = 0
-    num_reused_blocks: int = 0
-    num_missed_blocks: int = 0
-    # Draft tokens verified / accepted, and the steps that verified drafts (speculative decoding).
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    num_draft_steps: int = 0
     # Only when asked for (return_log_probs, beam_width > 1, return_*_logits); see the spec's response table.
     output_log_probs: list[float] | None = None
     cum_log_probs: list[float] | None = None  # one per beam
@@ -61,17 +54,6 @@ class RequestResult:
     def cache_hit_rate(self) -> float:
         """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
         return hit_rate(self.num_reused_blocks, self.num_missed_blocks)
-
-
-# Per-request counters a final response carries, copied onto the result as they are.
-FINAL_COUNTERS = (
-    "num_pauses",
-    "num_reused_blocks",
-    "num_missed_blocks",
-    "num_draft_tokens",
-    "num_accepted_draft_tokens",
-    "num_draft_steps",
-)
 
 
 class RequestQueue:
@@ -151,8 +133,7 @@ class OfflineClient:
             if response.final:
                 result.finish_reason = response.finish_reason
                 result.error = response.error
-                for name in FINAL_COUNTERS:
-                    setattr(result, name, getattr(response, name))
+                result.copy_counters(response)
                 self.num_final += 1
         if response.final:
             if self._on_final is not None:

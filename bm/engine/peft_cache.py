@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bm.engine.request import LoraSpec, RequestError
+from bm.engine.model_inputs import LoraSpec
+from bm.engine.request import RequestError
 from bm.scheduling.request import LlmRequest
 
 

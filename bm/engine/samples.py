@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from bm.engine.request import Response, SampleOutput
+from bm.engine.request import COUNTERS, Response, SampleOutput
 from bm.engine.seeds import sample_seed
+from bm.kv import ResourceUpdate
 from bm.scheduling import FinishReason, LlmRequest, RequestState
 
 
@@ -70,12 +71,59 @@ def combined_response(family: Family) -> Response:
         SampleOutput(i, r.output_ids, r.finish_reason, r.output_log_probs, r.output_top_log_probs)
         for i, r in enumerate(responses)
     ]
-    first.num_pauses = sum(r.num_pauses for r in responses)
-    first.num_reused_blocks = sum(r.num_reused_blocks for r in responses)
-    first.num_missed_blocks = sum(r.num_missed_blocks for r in responses)
+    for name in COUNTERS:
+        setattr(first, name, sum(getattr(r, name) for r in responses))
     end_id = family.root.sampling.end_id
     first.pad_fill = end_id if end_id >= 0 else family.root.sampling.pad_id
     failed = next((r for r in responses if r.error), None)
     if failed is not None:
         first.error, first.finish_reason = failed.error, FinishReason.ERROR
     return first
+
+
+class SampleFamilies:
+    """Every n-sample request while any of its samples runs: the one place their state lives.
+
+    Siblings get negative internal ids, which no user request can have. A sample's final response is
+    kept until its last sibling ends; the request's one final response then carries them all."""
+
+    def __init__(self) -> None:
+        self._by_root: dict[int, Family] = {}
+        self._next_id = -1
+
+    def __bool__(self) -> bool:
+        return bool(self._by_root)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_root
+
+    def root_ids(self) -> list[int]:
+        return list(self._by_root)
+
+    def fork(self, parent: LlmRequest, update: ResourceUpdate) -> list[LlmRequest]:
+        """``parent``'s prompt is computed: its siblings, whose tables the KV manager forks from its
+        blocks in ``update`` (the caller admits them)."""
+        ids = list(range(self._next_id, self._next_id - parent.num_pending_samples, -1))
+        self._next_id -= len(ids)
+        siblings = fork_siblings(parent, ids)
+        self._by_root[parent.request_id] = Family(parent, [parent, *siblings])
+        update.samples.append((parent.request_id, ids, parent.num_prompt_tokens - 1))
+        return siblings
+
+    def settle(self, request: LlmRequest, response: Response) -> Response | None:
+        """``request``'s final response as its request's: itself for a plain request; for a sample,
+        None until its last sibling has ended, then the request's combined response."""
+        root = request.sample_parent or request
+        family = self._by_root.get(root.request_id)
+        if family is None:
+            return response
+        family.done[request.sample_index] = response
+        if not family.complete:
+            return None
+        del self._by_root[root.request_id]
+        return combined_response(family)
+
+    def members(self, request_id: int) -> list[LlmRequest]:
+        """The samples of request ``request_id`` (empty when it has none running)."""
+        family = self._by_root.get(request_id)
+        return list(family.members) if family is not None else []

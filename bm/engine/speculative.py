@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bm.kv import KVCacheManager, ResourcePlan
+from bm.scheduling import SchedulerOutput
 from bm.scheduling.request import LlmRequest, SpecState
 
-__all__ = ["NgramConfig", "SpecState", "can_speculate", "ngram_drafts", "request_drafts"]
+__all__ = ["NgramConfig", "SpecState", "can_speculate", "ngram_drafts", "propose_drafts", "request_drafts"]
 
 DraftRows = tuple[tuple[float, ...], ...]
 
@@ -67,3 +69,46 @@ def can_speculate(req: LlmRequest) -> bool:
     """Drafts need a plain request: one beam and no per-token controls (their state would have to follow
     every draft position)."""
     return req.beam_width == 1 and req.controls is None
+
+
+def propose_drafts(
+    plan: SchedulerOutput, kv: KVCacheManager, ngram: NgramConfig | None, max_num_tokens: int
+) -> dict[int, tuple[list[int], DraftRows | None]]:
+    """Drafts for this step's generation requests and for the requests whose last prompt chunk runs
+    now (its forward samples the first output token, so it verifies drafts too: a perfect draft costs
+    the prompt's forward alone), within the token budget the plan leaves and the free KV blocks (a
+    draft never pauses or delays anything: short of room, fewer drafts). Their blocks are a second
+    plan the KV manager applies, after the scheduler's."""
+    budget = max_num_tokens - sum(plan.context_chunk_sizes.values()) - len(plan.generation_requests)
+    budget -= sum(w.num_tokens for w in plan.padding) + len(plan.empty_slots)
+    free = kv.get_num_free_blocks()
+    grows = ResourcePlan()
+    out: dict[int, tuple[list[int], DraftRows | None]] = {}
+    last_chunks = [
+        req
+        for req in plan.context_requests
+        if req.num_computed_tokens + plan.context_chunk_sizes[req.request_id] == req.num_tokens
+    ]
+    for req in [*plan.generation_requests, *last_chunks]:
+        if budget <= 0:
+            break
+        if (req.speculation is None and ngram is None) or not can_speculate(req):
+            continue
+        if req.num_pending_samples:  # its last chunk forks the samples from a sampled token
+            continue
+        room = min(budget, req.max_new_tokens - len(req.output_ids) - 1)
+        if room <= 0:
+            continue
+        drafts, logits = request_drafts(req, ngram, room)
+        while drafts and kv.num_blocks_to_allocate(req.request_id, req.num_tokens + len(drafts)) > free:
+            drafts.pop()
+        if not drafts:
+            continue
+        free -= kv.num_blocks_to_allocate(req.request_id, req.num_tokens + len(drafts))
+        grows.grow.append((req.request_id, req.num_tokens + len(drafts)))
+        budget -= len(drafts)
+        if logits is not None:
+            logits = logits[: len(drafts)]
+        out[req.request_id] = (drafts, logits)
+    kv.prepare_resources(grows)  # in request order, as the blocks were counted
+    return out

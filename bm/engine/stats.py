@@ -65,58 +65,76 @@ class IterationStats:
         return hit_rate(self.reused_blocks, self.missed_blocks)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "Timestamp": time.strftime("%m-%d-%Y %H:%M:%S"),
-                "Iteration Counter": self.iteration,
-                "Active Request Count": self.active_requests,
-                "Max Request Count": self.max_requests,
-                "Max KV cache blocks": self.max_blocks,
-                "Free KV cache blocks": self.free_blocks,
-                "Used KV cache blocks": self.used_blocks,
-                "Tokens per KV cache block": self.tokens_per_block,
-                "Scheduled Requests": self.context_requests + self.generation_requests,
-                "Context Requests": self.context_requests,
-                "Generation Requests": self.generation_requests,
-                "Total Context Tokens": self.context_tokens,
-                "MicroBatch ID": self.micro_batch_id,
-                # the seed's V1 fields, reported for every scheme so schemes compare field by field
-                "Total Generation Tokens": self.generation_tokens,
-                "Empty Generation Slots": self.empty_generation_slots,
-                # bm's additions
-                "Padded Context Tokens": self.padding_tokens,
-                "Computed Tokens": self.computed_tokens,
-                "Forwards": self.num_forwards,
-                "Paused Requests": self.paused_requests,
-                "Queued Requests": self.queued_requests,
-                "Finished Requests": self.finished_requests,
-                "Elapsed Time (s)": round(self.elapsed_s, 6),
-                "Iteration Latency (ms)": round(self.latency_ms, 3),
-                # block reuse: blocks taken from the cache by requests started this iteration, context
-                # blocks those requests had to compute, and unreferenced blocks kept for reuse
-                "Reused Blocks": self.reused_blocks,
-                "Missed Blocks": self.missed_blocks,
-                "Cache Hit Rate": round(self.cache_hit_rate, 6),
-                "Reusable KV cache blocks": self.cached_blocks,
-                # attention windows: blocks per layer in use, and released behind the windows
-                "Used KV layer blocks": self.used_layer_blocks,
-                "KV layer blocks saved by window": self.saved_layer_blocks,
-                # the PEFT (LoRA) cache: adapters loaded / waiting for a slot, their bytes, requests
-                # waiting for their adapter, and loads and evictions since the engine started
-                "PEFT Loaded Adapters": self.peft.loaded,
-                "PEFT Pending Adapters": self.peft.pending,
-                "PEFT Loaded Bytes": self.peft.loaded_bytes,
-                "PEFT Waiting Requests": self.peft.waiting_requests,
-                "PEFT Loads": self.peft.loads,
-                "PEFT Evictions": self.peft.evictions,
-                # requests that verified drafts this iteration, their draft tokens, how many were accepted
-                "Draft Steps": self.draft_steps,
-                "Draft Tokens": self.draft_tokens,
-                "Accepted Draft Tokens": self.accepted_draft_tokens,
-                "Draft Acceptance Rate": round(self.accepted_draft_tokens / self.draft_tokens, 6)
-                if self.draft_tokens
-                else 0.0,
-            }
+        """The stats line TensorRT-LLM's executor reports (its field names), as JSON."""
+        return json.dumps(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stats line as a dict (the simulator's rows are built from it without a JSON round trip)."""
+        return {
+            "Timestamp": time.strftime("%m-%d-%Y %H:%M:%S"),
+            "Iteration Counter": self.iteration,
+            "Active Request Count": self.active_requests,
+            "Max Request Count": self.max_requests,
+            "Max KV cache blocks": self.max_blocks,
+            "Free KV cache blocks": self.free_blocks,
+            "Used KV cache blocks": self.used_blocks,
+            "Tokens per KV cache block": self.tokens_per_block,
+            "Scheduled Requests": self.context_requests + self.generation_requests,
+            "Context Requests": self.context_requests,
+            "Generation Requests": self.generation_requests,
+            "Total Context Tokens": self.context_tokens,
+            "MicroBatch ID": self.micro_batch_id,
+            # the seed's V1 fields, reported for every scheme so schemes compare field by field
+            "Total Generation Tokens": self.generation_tokens,
+            "Empty Generation Slots": self.empty_generation_slots,
+            # bm's additions
+            "Padded Context Tokens": self.padding_tokens,
+            "Computed Tokens": self.computed_tokens,
+            "Forwards": self.num_forwards,
+            "Paused Requests": self.paused_requests,
+            "Queued Requests": self.queued_requests,
+            "Finished Requests": self.finished_requests,
+            "Elapsed Time (s)": round(self.elapsed_s, 6),
+            "Iteration Latency (ms)": round(self.latency_ms, 3),
+            # block reuse: blocks taken from the cache by requests started this iteration, context
+            # blocks those requests had to compute, and unreferenced blocks kept for reuse
+            "Reused Blocks": self.reused_blocks,
+            "Missed Blocks": self.missed_blocks,
+            "Cache Hit Rate": round(self.cache_hit_rate, 6),
+            "Reusable KV cache blocks": self.cached_blocks,
+            # attention windows: blocks per layer in use, and released behind the windows
+            "Used KV layer blocks": self.used_layer_blocks,
+            "KV layer blocks saved by window": self.saved_layer_blocks,
+            # the PEFT (LoRA) cache: adapters loaded / waiting for a slot, their bytes, requests
+            # waiting for their adapter, and loads and evictions since the engine started
+            "PEFT Loaded Adapters": self.peft.loaded,
+            "PEFT Pending Adapters": self.peft.pending,
+            "PEFT Loaded Bytes": self.peft.loaded_bytes,
+            "PEFT Waiting Requests": self.peft.waiting_requests,
+            "PEFT Loads": self.peft.loads,
+            "PEFT Evictions": self.peft.evictions,
+            # requests that verified drafts this iteration, their draft tokens, how many were accepted
+            "Draft Steps": self.draft_steps,
+            "Draft Tokens": self.draft_tokens,
+            "Accepted Draft Tokens": self.accepted_draft_tokens,
+            "Draft Acceptance Rate": round(self.accepted_draft_tokens / self.draft_tokens, 6)
+            if self.draft_tokens
+            else 0.0,
+        }
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """The cache's occupancy after a step's work, before finished requests free their blocks."""
+
+    used_blocks: int
+    layer_blocks: int
+    saved_layer_blocks: int
+
+    @classmethod
+    def of(cls, kv: KVCacheManager) -> CacheUsage:
+        return cls(
+            kv.pool.num_used_blocks, kv.num_layer_blocks_in_use(), kv.num_layer_blocks_saved_by_window()
         )
 
 

@@ -85,16 +85,17 @@ class BlockPool:
         """Take ``num_blocks`` blocks, each with a reference count of one: empty ones first (the latest
         released first, so few distinct blocks are ever touched), then the least recently released
         cached ones (their registration is dropped)."""
-        if num_blocks > self.num_free_blocks:
+        free, ref_counts = self._free, self._ref_counts
+        if num_blocks > len(free) + len(self._cached):
             raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         taken = []
         for _ in range(num_blocks):
-            if self._free:
-                block_id = self._free.popitem(last=True)[0]
+            if free:
+                block_id = free.popitem()[0]  # the back: the latest released
             else:
                 block_id = self._cached.popitem(last=False)[0]
                 self._evict(block_id)
-            self._ref_counts[block_id] = 1
+            ref_counts[block_id] = 1
             taken.append(block_id)
         return taken
 
@@ -108,17 +109,18 @@ class BlockPool:
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, in order; a registered block with none left is cached
         (most recently released last), any other is free again."""
+        ref_counts, keys, cached, free = self._ref_counts, self._keys, self._cached, self._free
         for block_id in block_ids:
-            count = self._ref_counts[block_id]
+            count = ref_counts[block_id]
             if count <= 0:
                 raise ValueError(f"block {block_id} released more often than it was referenced")
             count -= 1
-            self._ref_counts[block_id] = count
+            ref_counts[block_id] = count
             if count == 0:
-                if block_id in self._keys:
-                    self._cached[block_id] = None
+                if block_id in keys:
+                    cached[block_id] = None
                 else:
-                    self._free[block_id] = None
+                    free[block_id] = None
 
     # -- reuse ----------------------------------------------------------------------------------------
 

@@ -11,7 +11,15 @@ from bm.kv.block_hash import BlockKey
 
 
 class KVRequest(Protocol):
-    """What the manager needs to know of a request (the scheduler's ``LlmRequest`` satisfies it)."""
+    """Every field the KV manager and its helpers read of a request (the scheduler's ``LlmRequest``
+    satisfies it); nothing in ``bm.kv`` reads a request field this protocol does not name.
+
+    The first five members are required. The last four describe tables shared between beams or samples
+    and keys beside the tokens; they are optional, so that a bare sequence (a test's, a tool's) can drive
+    the manager: a request type without one reads as its default, and only through the readers below
+    (:func:`beam_width_of`, :func:`sharing_of`, :func:`block_extra_keys_of`), the one place the defaults
+    are written.
+    """
 
     @property
     def request_id(self) -> int: ...
@@ -30,6 +38,51 @@ class KVRequest(Protocol):
     def is_generation_phase(self) -> bool: ...
 
     def token_slice(self, start: int, end: int) -> list[int]: ...
+
+    @property
+    def beam_width(self) -> int:
+        """Optional, default 1. Beams fork the request's table, so it reserves a full table per beam,
+        never takes or registers cached blocks, and keeps the blocks behind an attention window."""
+        ...
+
+    @property
+    def num_pending_samples(self) -> int:
+        """Optional, default 0. n samples: siblings still to fork from this request once its prompt is
+        computed; each will need a table of its own (see :class:`bm.kv.shared_tables.SharedTables`)."""
+        ...
+
+    @property
+    def shares_blocks(self) -> bool:
+        """Optional, default False. The table shares blocks with sample siblings, so a write may copy a
+        shared block first."""
+        ...
+
+    @property
+    def block_extra_keys(self) -> tuple:
+        """Optional, default ``()``. What changes a block's keys and values beside its tokens (a prompt
+        table's digest, a LoRA task id): blocks are shared by reuse only when these are equal too."""
+        ...
+
+
+def beam_width_of(request: KVRequest) -> int:
+    """``request.beam_width``, 1 for a request type without beams."""
+    return getattr(request, "beam_width", 1)
+
+
+def sharing_of(request: KVRequest) -> tuple[int, int, bool]:
+    """``(beam_width, num_pending_samples, shares_blocks)``, each at its default (1, 0, False) for a
+    request type without it: read at once, because the capacity policies ask how many tables every
+    running request may hold on every iteration."""
+    return (
+        getattr(request, "beam_width", 1),
+        getattr(request, "num_pending_samples", 0),
+        getattr(request, "shares_blocks", False),
+    )
+
+
+def block_extra_keys_of(request: KVRequest) -> tuple:
+    """``request.block_extra_keys`` as a tuple, ``()`` for a request type without extra keys."""
+    return tuple(getattr(request, "block_extra_keys", ()))
 
 
 def cdiv(a: int, b: int) -> int:

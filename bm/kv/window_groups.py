@@ -24,6 +24,38 @@ from bm.kv.tables import NO_BLOCK
 from bm.kv.types import cdiv
 
 
+@dataclass(frozen=True, slots=True)
+class SlidingWindow:
+    """An attention window over one block table, as TensorRT-LLM's: a query at position ``p`` attends
+    positions ``p - window + 1 .. p`` and the first ``sink_token_length`` (the sinks). The main table and
+    every windowed pool's table release behind their window by this one rule."""
+
+    window: int
+    sink_token_length: int
+    tokens_per_block: int
+
+    @property
+    def max_blocks(self) -> int:
+        """Most blocks a generating request's table holds: the window's tokens can straddle one more
+        block than they fill, and sink blocks stay."""
+        bs = self.tokens_per_block
+        return cdiv(self.sink_token_length, bs) + cdiv(self.window, bs) + 1
+
+    def release(self, table: list[int], num_released: int, num_computed_tokens: int) -> tuple[list[int], int]:
+        """Mark the entries no query from ``num_computed_tokens`` on attends as :data:`NO_BLOCK`: from
+        past the sink blocks and the entries already looked at (the first ``num_released``) up to the
+        first block the next query reads. Returns the block ids they held, for the caller's pool to
+        release, and the table's new ``num_released``."""
+        bs = self.tokens_per_block
+        start = max(cdiv(self.sink_token_length, bs), num_released)
+        end = min(max(0, num_computed_tokens - self.window + 1) // bs, len(table))
+        if end <= start:
+            return [], num_released
+        released = [b for b in table[start:end] if b != NO_BLOCK]
+        table[start:end] = [NO_BLOCK] * (end - start)
+        return released, end
+
+
 @dataclass(frozen=True)
 class WindowGroup:
     """The layers sharing one attention window narrower than the main table's, and their pool's size."""
@@ -89,6 +121,7 @@ class WindowedTables:
         self.window = group.window
         self.tokens_per_block = tokens_per_block
         self.sink_token_length = sink_token_length
+        self._window = SlidingWindow(group.window, sink_token_length, tokens_per_block)
         self.pool = BlockPool(group.num_blocks)
         self._tables: dict[int, _Table] = {}
         self.num_released_entries = 0  # over live tables: entries released behind the window
@@ -108,15 +141,9 @@ class WindowedTables:
         table = self._tables.get(request_id)
         if table is None:
             return 0
-        bs = self.tokens_per_block
-        start = max(cdiv(self.sink_token_length, bs), table.num_released)
-        end = min(max(0, num_computed_tokens - self.window + 1) // bs, len(table.blocks))
-        if end <= start:
-            return 0
-        blocks = table.blocks
-        released = [blocks[b] for b in range(start, end) if blocks[b] != NO_BLOCK]
-        blocks[start:end] = [NO_BLOCK] * (end - start)
-        table.num_released = end
+        released, table.num_released = self._window.release(
+            table.blocks, table.num_released, num_computed_tokens
+        )
         self.pool.release(released)
         self.num_released_entries += len(released)
         return len(released)

@@ -3,7 +3,7 @@
 from bm.runtime.attention import ATTENTION_NAME, UnsupportedAttentionError
 from bm.runtime.kv_sizing import KVCacheSizeError, num_kv_blocks
 from bm.runtime.model_loader import LoadedModel, ModelLoadError, load_model, resolve_device
-from bm.runtime.model_runner import ModelRunner, Segment
+from bm.runtime.model_runner import ModelRunner, work_item
 from bm.runtime.sampler import Sampler
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
@@ -16,10 +16,10 @@ __all__ = [
     "ModelLoadError",
     "ModelRunner",
     "Sampler",
-    "Segment",
     "TextCodec",
     "UnsupportedAttentionError",
     "load_model",
     "num_kv_blocks",
     "resolve_device",
+    "work_item",
 ]

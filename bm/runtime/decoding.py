@@ -16,7 +16,7 @@ import torch
 
 from bm.runtime.beam_search import StepOutcome
 from bm.runtime.grammar import GrammarRuntime, MaskApplier
-from bm.runtime.logits import DecodingOptions, Row, apply_controls
+from bm.runtime.logits import DecodingState, LogitsRow, apply_controls
 from bm.runtime.sampler import Sampler
 from bm.scheduling.request import LlmRequest
 
@@ -50,18 +50,18 @@ class Decoder:
         if all(r.decoding is None for r in requests):
             return DecodeResult(self.sampler.sample(logits, params, ids))
 
-        rows: list[Row | None] = []
+        rows: list[LogitsRow | None] = []
         beam_rows: dict[int, list[int]] = {}
-        kept: list[tuple[int, DecodingOptions]] = []  # rows whose generation logits are returned
+        kept: list[tuple[int, DecodingState]] = []  # rows whose generation logits are returned
         for i, (req, b) in enumerate(zip(requests, beams, strict=True)):
-            opts: DecodingOptions | None = req.decoding
+            opts: DecodingState | None = req.decoding
             if opts is None:
                 rows.append(None)
                 continue
-            if opts.return_generation_logits and opts.beam is None:
+            if opts.controls.return_generation_logits and opts.beam is None:
                 kept.append((i, opts))
             output = opts.beam.tokens[b] if opts.beam is not None else req.output_ids
-            rows.append(Row(req.request_id, opts, req.prompt_ids, output, req.sampling.end_id))
+            rows.append(LogitsRow(req.request_id, opts, req.prompt_ids, output, req.sampling.end_id))
             if opts.beam is not None:
                 beam_rows.setdefault(req.request_id, []).append(i)
         _keep_generation_logits(logits, kept)
@@ -77,12 +77,12 @@ class Decoder:
         for rid, indices in beam_rows.items():
             if rid in faults:
                 continue
-            opts = rows[indices[0]].options  # type: ignore[union-attr]
+            opts = rows[indices[0]].state  # type: ignore[union-attr]
             result.beams[rid] = opts.beam.step(host(indices))  # type: ignore[union-attr]
         wanted = [
             i
             for i, r in enumerate(rows)
-            if r is not None and r.options.return_log_probs and r.options.beam is None
+            if r is not None and r.state.controls.return_log_probs and r.state.beam is None
         ]
         if wanted:
             index = torch.tensor(wanted, device=logits.device)
@@ -96,7 +96,7 @@ class Decoder:
             result.log_probs = [None] * len(rows)
             for i, v in zip(wanted, values, strict=True):
                 result.log_probs[i] = v
-            counts = [rows[i].options.top_log_probs for i in wanted]  # type: ignore[union-attr]
+            counts = [rows[i].state.controls.top_log_probs for i in wanted]  # type: ignore[union-attr]
             if any(counts):
                 result.top_log_probs = [None] * len(rows)
                 for i, top in zip(wanted, _top_log_probs(lp, counts), strict=True):
@@ -104,20 +104,20 @@ class Decoder:
         return result
 
     def _mask_grammars(
-        self, logits: torch.Tensor, rows: Sequence[Row | None], faults: dict[int, str]
+        self, logits: torch.Tensor, rows: Sequence[LogitsRow | None], faults: dict[int, str]
     ) -> None:
         """Structured output, last of the logits controls: each guided row's matcher follows its
         request's accepted tokens, then one bitmask for all of them masks the batch's logits."""
-        guided = [(i, r) for i, r in enumerate(rows) if r is not None and r.options.grammar is not None]
+        guided = [(i, r) for i, r in enumerate(rows) if r is not None and r.state.grammar is not None]
         if not guided or self.grammar is None:
             return
         live = []
         for i, r in guided:
-            problem = r.options.grammar.sync(r.output)  # type: ignore[union-attr]
+            problem = r.state.grammar.sync(r.output)  # type: ignore[union-attr]
             if problem:
                 faults[r.request_id] = problem
             elif r.request_id not in faults:
-                live.append((i, r.options.grammar))
+                live.append((i, r.state.grammar))
         if live:
             bitmask = self.grammar.fill([state for _, state in live])
             self.masks.apply(logits, [i for i, _ in live], bitmask)
@@ -134,7 +134,7 @@ def _top_log_probs(lp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, 
     return [list(zip(ids[j][:k], values[j][:k], strict=True)) if k else None for j, k in enumerate(counts)]
 
 
-def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingOptions]]) -> None:
+def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingState]]) -> None:
     """Each kept row to the host, all in one copy (one per request would sync the device each time)."""
     if not kept:
         return

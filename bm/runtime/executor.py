@@ -24,12 +24,12 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
-from bm.engine.request import LoraSpec
+from bm.engine.model_inputs import LoraSpec
 from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult
 from bm.runtime.grammar import GrammarRuntime
 from bm.runtime.kv_sizing import num_kv_blocks
-from bm.runtime.logits import DecodingOptions
+from bm.runtime.logits import DecodingState
 from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
@@ -127,24 +127,9 @@ class TorchExecutor:
         controls = request.controls
         if controls is None:
             return
-        bias = None
+        options = DecodingState(controls)
         if controls.embedding_bias is not None:
-            bias = torch.tensor(controls.embedding_bias, dtype=torch.float32)
-        options = DecodingOptions(
-            repetition_penalty=controls.repetition_penalty,
-            presence_penalty=controls.presence_penalty,
-            frequency_penalty=controls.frequency_penalty,
-            min_length=controls.min_length,
-            no_repeat_ngram_size=controls.no_repeat_ngram_size,
-            embedding_bias=bias,
-            bad_words=controls.bad_words,
-            stop_words=controls.stop_words,
-            return_log_probs=controls.return_log_probs,
-            return_context_logits=controls.return_context_logits,
-            return_generation_logits=controls.return_generation_logits,
-            logits_post_processor=controls.logits_post_processor,
-            top_log_probs=controls.top_log_probs,
-        )
+            options.bias = torch.tensor(controls.embedding_bias, dtype=torch.float32)
         if request.beam_width > 1:
             options.beam = BeamSearch(
                 request.beam_width,
@@ -260,9 +245,9 @@ class TorchExecutor:
             else:  # cancelled: the running beams
                 out.beams, out.beam_log_probs = search.tokens, search.log_probs
             out.cum_log_probs = [float(sum(v)) for v in out.beam_log_probs]
-        if opts.return_context_logits and opts.context_logits:
+        if opts.controls.return_context_logits and opts.context_logits:
             out.context_logits = torch.cat(opts.context_logits)
-        if opts.return_generation_logits and opts.generation_logits:
+        if opts.controls.return_generation_logits and opts.generation_logits:
             out.generation_logits = torch.stack(opts.generation_logits)
         return out
 
@@ -312,7 +297,7 @@ def _wants_context_logits(item: WorkItem) -> bool:
     opts = item.request.decoding
     return (
         opts is not None
-        and opts.return_context_logits
+        and opts.controls.return_context_logits
         and item.start_pos < item.request.num_prompt_tokens
         and opts.num_context_logits < item.request.num_prompt_tokens
     )

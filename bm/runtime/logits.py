@@ -1,6 +1,6 @@
 """Per-request logits controls, applied to a whole batch of rows at once.
 
-A request that asks for any control carries a :class:`DecodingOptions`; one that asks for none carries
+A request that asks for any control carries a :class:`DecodingState`; one that asks for none carries
 ``None`` and costs nothing here. For the rows that need them, the controls are gathered into tensors
 (penalty columns, token-count matrices, lists of ``(row, token)`` bans) and applied with a handful of
 batched tensor operations. Python only walks each request's own short lists (its word lists, its n-gram
@@ -18,74 +18,61 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bm.engine.request import processes_logits
+from bm.scheduling.controls import Controls
 
 # (request_id, logits [rows, vocab], tokens so far per row) -> logits
 LogitsPostProcessor = Callable[[int, torch.Tensor, list[list[int]]], torch.Tensor]
 
 
 @dataclass(eq=False)
-class DecodingOptions:
-    """What a request asked of decoding beyond temperature / top-k / top-p, already validated."""
+class DecodingState:
+    """The runtime's state for a request that asked for more than temperature / top-k / top-p: its
+    validated :class:`~bm.scheduling.controls.Controls` (the one controls type, read as it is), the
+    tensors built from them once, and what accumulates while it runs."""
 
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_length: int = 0
-    no_repeat_ngram_size: int = 0
-    embedding_bias: torch.Tensor | None = None  # [vocab] float32
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    stop_words: tuple[tuple[int, ...], ...] = ()
-    return_log_probs: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
-    logits_post_processor: LogitsPostProcessor | None = None
-    # State, filled as the request runs.
+    controls: Controls
+    bias: torch.Tensor | None = None  # controls.embedding_bias as a [vocab] float32 row
     context_logits: list[torch.Tensor] = field(default_factory=list)
     num_context_logits: int = 0
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     beam: object | None = None  # bm.runtime.beam_search.BeamSearch while a beam request runs
     grammar: object | None = None  # bm.runtime.grammar.GrammarState: structured output's matcher
-    top_log_probs: int = 0  # most likely tokens returned per position (with return_log_probs)
-
-    @property
-    def processes_logits(self) -> bool:
-        return processes_logits(self)
 
 
 @dataclass(slots=True)
-class Row:
-    """One row of logits to decode: its request's options, the tokens so far, and the id for callbacks."""
+class LogitsRow:
+    """One row of logits to decode: its request's decoding state, the tokens so far, and the id for
+    callbacks."""
 
     request_id: int
-    options: DecodingOptions
+    state: DecodingState
     prompt: list[int]
     output: list[int]
     end_id: int
 
 
 def apply_controls(
-    logits: torch.Tensor, rows: Sequence[Row | None], faults: dict[int, str] | None = None
+    logits: torch.Tensor, rows: Sequence[LogitsRow | None], faults: dict[int, str] | None = None
 ) -> torch.Tensor:
     """Apply every row's controls to ``logits [len(rows), vocab]`` (in place where possible).
 
     ``None`` rows (requests without controls) are left untouched. ``faults``: where a user's
     post-processor that raises is recorded (request id -> message) instead of failing the whole batch.
     """
-    active = [(i, r) for i, r in enumerate(rows) if r is not None and r.options.processes_logits]
+    active = [(i, r) for i, r in enumerate(rows) if r is not None and r.state.controls.processes_logits]
     if not active:
         return logits
     logits = _post_processors(logits, active, faults)
     dev = logits.device
     vocab = logits.shape[1]
-    biased = [(i, r.options.embedding_bias) for i, r in active if r.options.embedding_bias is not None]
+    biased = [(i, r.state.bias) for i, r in active if r.state.bias is not None]
     if biased:
         index = torch.tensor([i for i, _ in biased], device=dev)
         logits.index_add_(0, index, torch.stack([b for _, b in biased]).to(dev, logits.dtype))
     _penalties(logits, active, vocab)
     bans: list[tuple[int, int]] = []
     for i, r in active:
-        opts = r.options
+        opts = r.state.controls
         if opts.no_repeat_ngram_size > 0:
             bans.extend((i, t) for t in _ngram_bans(r))
         for word in opts.bad_words:
@@ -101,17 +88,17 @@ def apply_controls(
 
 
 def _post_processors(
-    logits: torch.Tensor, active: list[tuple[int, Row]], faults: dict[int, str] | None
+    logits: torch.Tensor, active: list[tuple[int, LogitsRow]], faults: dict[int, str] | None
 ) -> torch.Tensor:
     """The user's callbacks, once per request (all its rows together, e.g. every beam); one that fails
     is recorded in ``faults`` (its rows left as they were) so only its own request ends."""
     by_request: dict[int, list[int]] = {}
     for i, r in active:
-        if r.options.logits_post_processor is not None:
+        if r.state.controls.logits_post_processor is not None:
             by_request.setdefault(r.request_id, []).append(i)
     for request_id, indices in by_request.items():
         rows = [r for i, r in active if i in indices]
-        fn = rows[0].options.logits_post_processor
+        fn = rows[0].state.controls.logits_post_processor
         index = torch.tensor(indices, device=logits.device)
         try:
             out = fn(request_id, logits.index_select(0, index), [r.prompt + r.output for r in rows])
@@ -129,24 +116,26 @@ def _post_processors(
     return logits
 
 
-def _penalties(logits: torch.Tensor, active: list[tuple[int, Row]], vocab: int) -> None:
+def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab: int) -> None:
     """Repetition (over prompt + output, as HF), presence and frequency (over the output, as OpenAI and
     TensorRT-LLM): one scatter to count tokens, then column-broadcast arithmetic."""
     dev = logits.device
-    rep = [(i, r) for i, r in active if r.options.repetition_penalty != 1.0]
+    rep = [(i, r) for i, r in active if r.state.controls.repetition_penalty != 1.0]
     if rep:
         index = torch.tensor([i for i, _ in rep], device=dev)
         seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev) > 0
-        penalty = torch.tensor([r.options.repetition_penalty for _, r in rep], device=dev)[:, None]
+        penalty = torch.tensor([r.state.controls.repetition_penalty for _, r in rep], device=dev)[:, None]
         sub = logits.index_select(0, index)
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         logits.index_copy_(0, index, torch.where(seen, penalised, sub))
-    freq = [(i, r) for i, r in active if r.options.presence_penalty or r.options.frequency_penalty]
+    freq = [
+        (i, r) for i, r in active if r.state.controls.presence_penalty or r.state.controls.frequency_penalty
+    ]
     if freq:
         index = torch.tensor([i for i, _ in freq], device=dev)
         counts = _token_counts([r.output for _, r in freq], vocab, dev)
-        presence = torch.tensor([r.options.presence_penalty for _, r in freq], device=dev)[:, None]
-        frequency = torch.tensor([r.options.frequency_penalty for _, r in freq], device=dev)[:, None]
+        presence = torch.tensor([r.state.controls.presence_penalty for _, r in freq], device=dev)[:, None]
+        frequency = torch.tensor([r.state.controls.frequency_penalty for _, r in freq], device=dev)[:, None]
         delta = (counts > 0).float() * presence + counts * frequency
         logits.index_add_(0, index, -delta.to(logits.dtype))
 
@@ -181,13 +170,13 @@ def ends_with_stop_word(row_prompt: list[int], row_output: list[int], words: Seq
     return any(_ends_with(row_prompt, row_output, w) for w in words)
 
 
-def _ngram_bans(row: Row) -> list[int]:
+def _ngram_bans(row: LogitsRow) -> list[int]:
     """Tokens that would repeat an n-gram of prompt + output (HF's NoRepeatNGramLogitsProcessor).
 
     Rebuilt from the row's tokens each step: beams of one request swap histories as they reorder, so
     an index kept per request would follow the wrong beam. Cost is linear in the sequence, not the vocab.
     """
-    n = row.options.no_repeat_ngram_size
+    n = row.state.controls.no_repeat_ngram_size
     seq = row.prompt + row.output
     if len(seq) + 1 < n:
         return []

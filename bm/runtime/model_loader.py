@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from bm.config import ModelConfig
+from bm.config import ModelConfig, resolve_dtype_name
 from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
@@ -93,11 +93,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA (half the bytes per decode step, tensor cores) and float32 on CPU
-    (bm's C kernels are float32). float32 asked for on CUDA runs its matmuls in TF32, as vLLM does."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = DTYPES[name]
+    """The torch dtype of ``model.dtype`` on ``device``, as :func:`bm.config.resolve_dtype_name` names it
+    (the simulator resolves with it too). float32 asked for on CUDA runs its matmuls in TF32, as vLLM does."""
+    dtype = DTYPES[resolve_dtype_name(name, device.type)]
     if dtype == torch.float32 and device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 (global to the process, like the device)
     return dtype

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bm.scheduling.request import SamplingParams
+from bm.scheduling.request import Sampling
 
 
 class Sampler:
@@ -23,7 +23,7 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[int]
+        self, logits: torch.Tensor, params: Sequence[Sampling], request_ids: Sequence[int]
     ) -> list[int]:
         """``logits`` is ``[rows, vocab]`` float32; returns one token id per row."""
         tokens = logits.argmax(dim=-1)
@@ -42,7 +42,7 @@ class Sampler:
         """The request's next uniform number from its own generator."""
         return self._uniform(request_id, seed)
 
-    def probabilities(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, params: Sampling) -> torch.Tensor:
         """``[rows, vocab]``: the distribution each row samples from (temperature, top-k, top-p applied),
         in vocabulary order, all rows under one request's parameters."""
         sorted_ids, probs = self._filtered(logits, [params] * logits.shape[0])
@@ -56,7 +56,7 @@ class Sampler:
         return torch.rand((), generator=gen).item()
 
     def _sample_rows(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], request_ids: Sequence[int]
+        self, logits: torch.Tensor, params: Sequence[Sampling], request_ids: Sequence[int]
     ) -> torch.Tensor:
         dev = logits.device
         vocab = logits.shape[1]
@@ -72,7 +72,7 @@ class Sampler:
         return sorted_ids.gather(1, choice).squeeze(1)
 
     def _filtered(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams]
+        self, logits: torch.Tensor, params: Sequence[Sampling]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids by descending logit, and their probabilities after temperature / top-k / top-p
         (not renormalized: sampling scales by the total)."""

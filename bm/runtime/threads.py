@@ -21,7 +21,7 @@ import ctypes
 import threading
 from typing import Any
 
-from bm.runtime.native_build import loaded_openmp_runtime
+from bm.runtime.native.build import loaded_openmp_runtime
 
 _OMP_PAUSE_SOFT = 1
 _lock = threading.Lock()

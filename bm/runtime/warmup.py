@@ -1,8 +1,9 @@
 """Start-up work done before the clock: every shape class a run will meet, run once at engine build.
 
 On a GPU the first steps of a run pay for work that has nothing to do with its requests: Triton compiles
-a kernel variant the first time it meets a new specialisation (a sequence count or token count of 1, a
-multiple of 16, a prefill tile instead of a decode one: about half a second each), a CUDA graph is
+a kernel variant the first time it meets a new specialisation (a prefill tile instead of a decode one, an
+integer argument of 1 or a multiple of 16: about half a second each; the attention kernel's sequence
+count and block-table width, which change with every mix, are not specialised), a CUDA graph is
 captured the first time a decode step's batch lands in a new bucket, and cuBLAS and the caching
 allocator settle. Measured on an H100, gpu_check's first run in a process was 2.7x slower than its
 second. Here the engine does that work once, when it is built: a decode step at every CUDA-graph bucket
@@ -24,8 +25,9 @@ from typing import Any
 
 import torch
 
+from bm.engine.executor import WorkItem
 from bm.kv import cdiv
-from bm.runtime.model_runner import ModelRunner, Segment
+from bm.runtime.model_runner import ModelRunner, work_item
 
 MODES = ("auto", "on", "off")
 
@@ -62,13 +64,13 @@ class _Blocks:
         self.pools = dict(runner.window_pools)
         self._next = 0
 
-    def segment(self, num_tokens: int, start: int, sample: bool = True) -> Segment:
+    def item(self, num_tokens: int, start: int, sample: bool = True) -> WorkItem:
         blocks = cdiv(start + num_tokens, self.tokens_per_block)
         ids = [(self._next + i) % self.num_blocks for i in range(blocks)]
         self._next = (self._next + blocks) % self.num_blocks
         pooled = {w: [b % size for b in ids] for w, size in self.pools.items()} or None
         # token 1: any id inside every vocabulary; the values computed are never read
-        return Segment([1] * num_tokens, start, ids, sample, window_block_ids=pooled)
+        return work_item([1] * num_tokens, start, ids, sample, window_block_ids=pooled)
 
 
 def prefill_shapes(max_batch_size: int, max_num_tokens: int, max_seq_len: int) -> list[list[tuple[int, int]]]:
@@ -98,20 +100,16 @@ def warm_up(runner: ModelRunner, max_batch_size: int, max_num_tokens: int, max_s
     for forward in prefill_shapes(max_batch_size, max_num_tokens, max_seq_len):
         if not forward:
             continue
-        runner.forward([blocks.segment(n, p) for n, p in forward])
+        runner.forward([blocks.item(n, p) for n, p in forward])
         report.forwards.append((len(forward), sum(n for n, _ in forward)))
-    graphs = getattr(runner.paged, "graphs", None)
-    if graphs is not None:
-        from bm.runtime.triton.graphs import BUCKETS, bucket_for
-
-        top = bucket_for(max_batch_size) or BUCKETS[-1]
-        position = min(33, max_seq_len - 1)  # a context past a block boundary
-        for bucket in (b for b in BUCKETS if b <= top):
-            runner.forward([blocks.segment(1, position) for _ in range(bucket)])
-            report.graph_buckets.append(bucket)
-    else:  # decode steps run eagerly: the decode tile's variants, one sequence and several
+    sizes = runner.backend.static_decode_sizes(max_batch_size)
+    position = min(33, max_seq_len - 1)  # a context past a block boundary
+    for size in sizes:  # decode steps over static buffers: each size run (captured on CUDA) once
+        runner.forward([blocks.item(1, position) for _ in range(size)])
+        report.graph_buckets.append(size)
+    if not sizes:  # decode steps run eagerly: the decode tile's variants, one sequence and several
         for size in sorted({1, min(16, max_batch_size), min(17, max_batch_size)}):
-            runner.forward([blocks.segment(1, min(33, max_seq_len - 1)) for _ in range(size)])
+            runner.forward([blocks.item(1, position) for _ in range(size)])
             report.forwards.append((size, size))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

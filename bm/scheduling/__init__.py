@@ -1,8 +1,9 @@
 """Two-stage scheduling over plain-Python requests (no torch): capacity policy, then micro-batch budgets."""
 
 from bm.scheduling.capacity import CapacityPlan, CapacityScheduler, GuaranteedNoEvictScheduler
+from bm.scheduling.controls import Controls
 from bm.scheduling.micro_batch import MicroBatchScheduler
-from bm.scheduling.request import FinishReason, LlmRequest, RequestState, SamplingParams
+from bm.scheduling.request import FinishReason, LlmRequest, RequestState, Sampling
 from bm.scheduling.scheduler import (
     EmptySlot,
     PaddingWork,
@@ -14,6 +15,7 @@ from bm.scheduling.scheduler import (
 __all__ = [
     "CapacityPlan",
     "CapacityScheduler",
+    "Controls",
     "EmptySlot",
     "FinishReason",
     "GuaranteedNoEvictScheduler",
@@ -22,7 +24,7 @@ __all__ = [
     "PaddingWork",
     "RequestScheduler",
     "RequestState",
-    "SamplingParams",
+    "Sampling",
     "SchedulerOutput",
     "SimpleScheduler",
 ]

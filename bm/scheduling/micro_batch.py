@@ -12,10 +12,11 @@ class MicroBatchScheduler:
     """Hand out this iteration's tokens under ``max_batch_size`` and ``max_num_tokens``.
 
     Requests are served in the order the capacity stage gives them (generation first). Each context
-    request gets its ``context_chunk_size`` (as TensorRT-LLM's ``setContextChunkSize``: this
-    iteration's decision, read back into the plan at once): its whole remaining context, or with chunking
-    enabled a chunk chosen by the policy: FIRST_COME_FIRST_SERVED fills the budget in arrival order,
-    EQUAL_PROGRESS advances every context by one unit per round until the budget is spent.
+    request gets a chunk (TensorRT-LLM's ``setContextChunkSize``), kept in :attr:`chunk_sizes` for the
+    plan rather than written on the request, so scheduling changes no request: its whole remaining
+    context, or with chunking enabled a chunk chosen by the policy: FIRST_COME_FIRST_SERVED fills the
+    budget in arrival order, EQUAL_PROGRESS advances every context by one unit per round until the
+    budget is spent.
     """
 
     def __init__(
@@ -24,6 +25,8 @@ class MicroBatchScheduler:
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunking = chunking or ChunkingConfig()
+        # request id -> context tokens, as the last schedule() decided them (read into the plan at once)
+        self.chunk_sizes: dict[int, int] = {}
 
     def schedule(
         self,
@@ -31,7 +34,8 @@ class MicroBatchScheduler:
         inflight_request_ids: frozenset[int] = frozenset(),
         computed: Mapping[int, int] | None = None,
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
-        """Return ``(context_requests, generation_requests)``.
+        """Return ``(context_requests, generation_requests)``; each context's chunk is in
+        :attr:`chunk_sizes` until the next call.
 
         ``computed``: request id -> tokens in the cache once the request starts (the cached prefix the
         capacity stage planned); requests not named count their own ``num_computed_tokens``.
@@ -49,20 +53,22 @@ class MicroBatchScheduler:
             elif request.is_context_phase:
                 contexts.append(request)
         if budget.equal_progress:
-            return self._equal_progress(contexts, budget, computed), generation
-        scheduled = []
-        for request in contexts:
-            tokens = budget.take(request, computed.get(request.request_id))
-            if not tokens:
-                break
-            request.context_chunk_size = tokens
-            scheduled.append(request)
-        return scheduled, generation
+            chunks = self._equal_progress(contexts, budget, computed)
+        else:
+            chunks = {}
+            for request in contexts:
+                tokens = budget.take(request, computed.get(request.request_id))
+                if not tokens:
+                    break
+                chunks[request.request_id] = tokens
+        self.chunk_sizes = chunks
+        return [r for r in contexts if r.request_id in chunks], generation
 
     def _equal_progress(
         self, contexts: list[LlmRequest], budget: IterationBudget, computed_at_start: Mapping[int, int]
-    ) -> list[LlmRequest]:
-        """Round-robin one unit step at a time, so every context advances at the same pace."""
+    ) -> dict[int, int]:
+        """Round-robin one unit step at a time, so every context advances at the same pace; returns each
+        advancing context's chunk."""
         chosen = contexts[: budget.slots_left]
         chunk = dict.fromkeys((r.request_id for r in chosen), 0)
         tokens_left = budget.tokens_left
@@ -86,9 +92,4 @@ class MicroBatchScheduler:
                 chunk[request.request_id] = done + step
                 tokens_left -= step
                 progressing = True
-        scheduled = []
-        for request in chosen:
-            if chunk[request.request_id] > 0:
-                request.context_chunk_size = chunk[request.request_id]
-                scheduled.append(request)
-        return scheduled
+        return {r.request_id: chunk[r.request_id] for r in chosen if chunk[r.request_id] > 0}

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
+from bm.scheduling.controls import Controls
+
 
 class RequestState(IntEnum):
     CONTEXT_INIT = 1
@@ -48,7 +50,7 @@ _LABELS = {
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class Sampling:
     """Per-request decoding controls, already validated. ``temperature == 0`` means greedy."""
 
     temperature: float = 0.0
@@ -61,29 +63,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-class RequestControls(Protocol):
-    """What the engine and runtime read of a request's controls beyond temperature / top-k / top-p
-    (:class:`bm.engine.request.Controls`: plain values, validated)."""
-
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    min_length: int
-    no_repeat_ngram_size: int
-    embedding_bias: tuple[float, ...] | None
-    bad_words: tuple[tuple[int, ...], ...]
-    stop_words: tuple[tuple[int, ...], ...]
-    return_log_probs: bool
-    return_context_logits: bool
-    return_generation_logits: bool
-    len_penalty: float
-    early_stopping: int
-    top_log_probs: int
-
-    @property
-    def needs_runtime_state(self) -> bool: ...
 
 
 class PromptTableInput(Protocol):
@@ -102,7 +81,7 @@ class LoraInput(Protocol):
 
 
 class ModelInputValues(Protocol):
-    """What changes a request's activations beside its token ids (:class:`bm.engine.request.ModelInputs`)."""
+    """What changes a request's activations beside its token ids (:class:`bm.engine.model_inputs.ModelInputs`)."""
 
     prompt_table: PromptTableInput | None
     lora: LoraInput | None
@@ -139,7 +118,7 @@ class LlmRequest:
     request_id: int
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
     streaming: bool = False
     state: RequestState = RequestState.CONTEXT_INIT
     output_ids: list[int] = field(default_factory=list)
@@ -168,7 +147,7 @@ class LlmRequest:
     beam_tokens: list[list[int]] | None = None
     # The validated controls beyond temperature / top-k / top-p, plain values; None for a plain request,
     # which keeps its hot path untouched.
-    controls: RequestControls | None = None
+    controls: Controls | None = None
     # Runtime-owned decoding state built from ``controls`` (logits processors, beam hypotheses, requested
     # logits): opaque here, read only by the runtime that set it, so the engine core and schedulers stay
     # free of torch.

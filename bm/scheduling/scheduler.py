@@ -89,14 +89,22 @@ class SimpleScheduler(RequestScheduler):
     ) -> SchedulerOutput:
         capacity = self.capacity_scheduler.plan(active_requests)
         micro = self.micro_batch_scheduler
+        micro.chunk_sizes = {}
         if self._passes_computed:
             computed = {rid: match.num_tokens for rid, match in capacity.prefixes.items()}
             context, generation = micro.schedule(capacity.fitting, inflight_request_ids, computed)
         else:
             context, generation = micro.schedule(capacity.fitting, inflight_request_ids)
+        # bm's micro-batch stage keeps its chunk sizes for the plan; a context it did not size (a user's
+        # subclass that sets context_chunk_size, as the seed's did) is read by SchedulerOutput
+        chunks = {
+            r.request_id: micro.chunk_sizes[r.request_id]
+            for r in context
+            if r.request_id in micro.chunk_sizes
+        }
         prefixes = {
             r.request_id: capacity.prefixes[r.request_id]
             for r in context
             if r.request_id in capacity.prefixes
         }
-        return SchedulerOutput(context, generation, capacity.paused, prefixes=prefixes)
+        return SchedulerOutput(context, generation, capacity.paused, chunks, prefixes=prefixes)

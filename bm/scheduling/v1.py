@@ -104,7 +104,7 @@ class V1Scheduler(RequestScheduler):
     def _context_work(self, members: list[_Member]) -> SchedulerOutput:
         """Real context chunks by the chunking policy, then pad tokens in what is left of the budget."""
         real, _ = self._contexts.schedule([m.request for m in members if m.request.is_context_phase])
-        out = SchedulerOutput(context_requests=real)
+        out = SchedulerOutput(context_requests=real, context_chunk_sizes=dict(self._contexts.chunk_sizes))
         tokens_left = self.max_num_tokens if self.chunking.enabled else sys.maxsize
         tokens_left -= out.num_context_tokens
         for member in members:

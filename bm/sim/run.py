@@ -10,7 +10,6 @@ very code a real run uses, in simulated seconds; the wall time is reported besid
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,9 +18,10 @@ from typing import Any
 from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
-from bm.config import BmConfig, ConfigError
-from bm.engine.core import EngineCore, StepOutput
+from bm.config import BmConfig, ConfigError, resolve_dtype_name
+from bm.engine.core import StepOutput
 from bm.engine.driver import Driver
+from bm.engine.factory import build_core
 from bm.engine.fast_forward import DecodeRun
 from bm.engine.request import Response
 from bm.engine.stats import IterationStats
@@ -81,10 +81,8 @@ def load_sim_model(config: BmConfig) -> SimModel:
         raise ConfigError("engine.executor: sim needs --model-config CFG.json (model.config)")
     shape = ModelShape.from_file(source)
     hardware = load_hardware(config.sim.hardware or "h100-sxm")
-    # model.dtype left at auto (or float32, the old default) means "as the checkpoint ships": its torch_dtype
-    dtype = config.model.dtype
-    if dtype in ("auto", "float32"):
-        dtype = shape.torch_dtype or "float32"
+    # the dtype the real engine would load in on the row's device (auto: bfloat16 on a GPU, float32 on CPU)
+    dtype = resolve_dtype_name(config.model.dtype, hardware.device_type)
     hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run (or after a fit)
     if hardware.key in LOCAL_ROWS:  # this machine: the forward's cost as bm's engine runs this model here
         if config.sim.tensor_parallel > 1:
@@ -162,7 +160,14 @@ def run_sim(
         replay.feed = JournalFeed(journal, workload, built, replayer, lambda: replay.stats)
     replay.run(fast_forward, progress, stop)
     result = bench_result(
-        replay.core.config, model.name, workload, built, replayer, replay.stats, runtime=model.runtime()
+        replay.core.config,
+        model.name,
+        workload,
+        built,
+        replayer,
+        replay.stats,
+        runtime=model.runtime(),
+        records=replay.feed.records if replay.feed is not None else None,
     )
     result.startup, result.warnings = startup, list(replay.core.warnings)
     metrics = result.metrics
@@ -193,7 +198,7 @@ class _VirtualReplay:
         self.replayer = replayer
         self.clock = clock
         self.executor = SimExecutor(model.cost_model(), clock)
-        self.core = EngineCore(config, self.executor, clock=clock)
+        self.core = build_core(config, self.executor, clock=clock)
         self.driver = Driver(
             self.core,
             self._deliver,
@@ -284,7 +289,7 @@ _WALL_CLOCK_STAT = "Timestamp"
 def stats_row(stats: IterationStats) -> dict[str, Any]:
     """One stats.jsonl row as a real run writes it, its wall-clock timestamp replaced by simulated
     seconds (a simulated run's stats are a function of its inputs alone)."""
-    row = json.loads(stats.to_json())
+    row = stats.to_dict()
     row[_WALL_CLOCK_STAT] = round(stats.elapsed_s, 6)
     return row
 

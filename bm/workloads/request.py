@@ -22,7 +22,7 @@ class DatasetError(ValueError):
 
 # One row cannot run; the loader records the message on the row and goes on. It is the engine's own
 # refusal type: a row's problem and a request's are one thing, raised by the one field table
-# (bm.engine.fields) or the one validator (bm.engine.request.validate_request).
+# (bm.engine.fields) or the one validator (bm.engine.validate.validate_request).
 RowError = RequestError
 
 

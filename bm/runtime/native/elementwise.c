@@ -25,18 +25,7 @@
 #pragma clang fp contract(off)
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#include "vec_exp.h" /* bm_exp8 */
-#define BM_HAVE_AVX2 1
-#else
-#define BM_HAVE_AVX2 0
-#endif
-#if BM_HAVE_AVX2 && defined(__AVX512F__)
-#define BM_HAVE_AVX512 1
-#else
-#define BM_HAVE_AVX512 0
-#endif
+#include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_silu_mul16 */
 
 /* Below this many elements one thread does the whole tensor: waking the other costs more. */
 #define PARALLEL_MIN 32768

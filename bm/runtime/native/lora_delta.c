@@ -32,12 +32,7 @@
 #pragma clang fp reassociate(off)
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define BM_HAVE_AVX2 1
-#else
-#define BM_HAVE_AVX2 0
-#endif
+#include "isa.h" /* BM_HAVE_AVX2 (this kernel has no AVX-512 path) */
 
 #define MR 4          /* rows per tile */
 #define MAX_RANK 256  /* rank rows a tile keeps in its stack buffer; larger ranks are done in chunks */

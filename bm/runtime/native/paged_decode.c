@@ -28,9 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define BM_AVX2 1
-#include <immintrin.h>
+#include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_exp16 */
+
+#if BM_HAVE_AVX2
 
 /* Eight dot products q . k[r] (r = 0..7, rows d floats apart), returned as one vector. */
 static inline __attribute__((always_inline)) __m256 dot8(const float *q, const float *k, int64_t d) {
@@ -50,14 +50,11 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
-
-#include "vec_exp.h" /* bm_exp8, bm_exp16 */
-#else
-#define BM_AVX2 0
 #endif
 
-#if BM_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
-#define BM_AVX512 1
+/* The AVX-512 paths here also take AVX512DQ's 256-bit extracts. */
+#if BM_HAVE_AVX512 && defined(__AVX512DQ__)
+#define BM_DECODE_AVX512 1
 /* For head sizes that are a multiple of 16: eight keys' sums of sixteen lanes each, folded to eight lanes,
    then the same reduction as dot8. */
 static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a) {
@@ -99,7 +96,7 @@ static void score8_all(const float *q0, int64_t qsh, const float *k, int64_t d, 
     if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale);
 }
 #else
-#define BM_AVX512 0
+#define BM_DECODE_AVX512 0
 #endif
 
 typedef struct {
@@ -124,7 +121,7 @@ static inline void prefetch_block(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
-#if BM_AVX512
+#if BM_DECODE_AVX512
 #define BM_VT_LANES 16
 #define BM_VT_MAXH 6 /* 6 heads x 4 vectors of accumulators, 4 of values, 1 weight: 29 of 32 registers */
 typedef __m512 vt_t;
@@ -132,7 +129,7 @@ typedef __m512 vt_t;
 #define vt_store _mm512_storeu_ps
 #define vt_fma _mm512_fmadd_ps
 #define vt_set1 _mm512_set1_ps
-#elif BM_AVX2
+#elif BM_HAVE_AVX2
 #define BM_VT_LANES 8
 #define BM_VT_MAXH 2 /* 2 heads x 4 vectors, 4 of values, 1 weight: 13 of 16 registers */
 typedef __m256 vt_t;
@@ -228,7 +225,7 @@ static void accumulate_v(float *acc, const float *sb, int64_t span, const float 
 static inline float row_max(const float *x, int64_t n) {
     float m = x[0];
     int64_t j = 1;
-#if BM_AVX512
+#if BM_DECODE_AVX512
     if (n >= 17) {
         __m512 m16 = _mm512_loadu_ps(x + 1);
         for (j = 17; j + 16 <= n; j += 16) m16 = _mm512_max_ps(_mm512_loadu_ps(x + j), m16);
@@ -236,7 +233,7 @@ static inline float row_max(const float *x, int64_t n) {
         _mm512_storeu_ps(lanes, m16);
         for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
     }
-#elif BM_AVX2
+#elif BM_HAVE_AVX2
     if (n >= 9) {
         __m256 m8 = _mm256_loadu_ps(x + 1);
         for (j = 9; j + 8 <= n; j += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(x + j), m8);
@@ -270,11 +267,11 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         else prefetch_block(vh + table[first / bs] * bs * d, (bs < span ? bs : span) * d);
         float *sb = scores - first + j0; /* sb[h * span + o]: key j0 + o */
         int64_t o = first > j0 ? first - j0 : 0;
-#if BM_AVX512
+#if BM_DECODE_AVX512
         if (d % 16 == 0)
             for (; o + 8 <= n; o += 8) score8_all(q0, a->q_stride_head, kb + o * d, d, g, sb + o, span, a->scale);
 #endif
-#if BM_AVX2
+#if BM_HAVE_AVX2
         if (d % 8 == 0)
             for (; o + 8 <= n; o += 8)
                 for (int64_t h = 0; h < g; h++)
@@ -312,7 +309,7 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         m = sink > m ? sink : m;
         float total = a->sinks ? expf(sink - m) : 0.f;
         int64_t j = 0;
-#if BM_AVX512
+#if BM_DECODE_AVX512
         __m512 tot16 = _mm512_setzero_ps();
         const __m512 m16 = _mm512_set1_ps(m);
         for (; j + 16 <= span; j += 16) {
@@ -322,7 +319,7 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         }
         total += _mm512_reduce_add_ps(tot16);
 #endif
-#if BM_AVX2
+#if BM_HAVE_AVX2
         __m256 tot8 = _mm256_setzero_ps();
         const __m256 m8 = _mm256_set1_ps(m);
         for (; j + 8 <= span; j += 8) {

@@ -28,24 +28,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define BM_AVX2 1
-#include <immintrin.h>
-#else
-#define BM_AVX2 0
-#endif
-#if BM_AVX2 && defined(__AVX512F__)
-#define BM_AVX512 1
-#else
-#define BM_AVX512 0
-#endif
+#include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512 */
 
 #define KP 16 /* keys per packed panel */
 #define KB 64 /* keys per block of the online softmax */
 #define QT 16 /* query tokens per tile */
 #define MR 6  /* rows per register tile */
 
-int bm_prefill_attention_vectorized(void) { return BM_AVX2; }
+int bm_prefill_attention_vectorized(void) { return BM_HAVE_AVX2; }
 
 typedef struct {
     const float *q;
@@ -89,7 +79,7 @@ static void pack(const args_t *a, int64_t c, int64_t p) {
     }
 }
 
-#if BM_AVX2
+#if BM_HAVE_AVX2
 /* s[i][0..16) = qs[i] . (16 keys of the panel), for mr <= MR rows. */
 static inline __attribute__((always_inline)) void s_tile(const int mr, const float *qs, int64_t d,
                                                           const float *kp, float *s) {
@@ -189,7 +179,7 @@ static inline float hsum8(__m256 x) {
 }
 #endif
 
-#if BM_AVX512
+#if BM_HAVE_AVX512
 /* s[i][0..16 np) = qs[i] . (16 np keys of np adjacent panels), for mr <= MR rows, np 1 or 2. */
 static inline __attribute__((always_inline)) void s_tile512(const int mr, const int np, const float *qs,
                                                              int64_t d, const float *kp, float *s) {
@@ -274,7 +264,7 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
     const float old = *m;
     float mx = -INFINITY;
     int64_t n = 0;
-#if BM_AVX512
+#if BM_HAVE_AVX512
     if (a->vec) { /* w is a whole number of 16-key panels */
         const __m512 ninf = _mm512_set1_ps(-INFINITY);
         const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -292,7 +282,7 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
         }
         mx = _mm512_reduce_max_ps(mv);
     }
-#elif BM_AVX2
+#elif BM_HAVE_AVX2
     if (a->vec) {
         const __m256 ninf = _mm256_set1_ps(-INFINITY), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 posv = _mm256_set1_ps((float)(pos - j0));
@@ -321,7 +311,7 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
     }
     float sum = 0.f;
     n = 0;
-#if BM_AVX512
+#if BM_HAVE_AVX512
     if (a->vec) {
         const __m512 topv = _mm512_set1_ps(top), ninf = _mm512_set1_ps(-INFINITY);
         __m512 sv = _mm512_setzero_ps();
@@ -334,7 +324,7 @@ static void softmax_row(const args_t *a, float *s, int64_t w, int64_t j0, int64_
         }
         sum = _mm512_reduce_add_ps(sv);
     }
-#elif BM_AVX2
+#elif BM_HAVE_AVX2
     if (a->vec) {
         const __m256 topv = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-INFINITY);
         __m256 sv = _mm256_setzero_ps();
@@ -370,7 +360,7 @@ static inline int64_t keys_for(int64_t r, int mr, int64_t lo, int64_t g, int64_t
 static void scores(const args_t *a, const float *qs, int64_t rows, const float *kp, int64_t nk, float *s,
                    int64_t lo, int64_t j0) {
     const int64_t d = a->d, g = a->heads / a->kv_heads;
-#if BM_AVX512
+#if BM_HAVE_AVX512
     if (a->vec) {
         for (int64_t r = 0; r < rows; r += MR) {
             const int mr = rows - r < MR ? (int)(rows - r) : MR;
@@ -382,7 +372,7 @@ static void scores(const args_t *a, const float *qs, int64_t rows, const float *
         }
         return;
     }
-#elif BM_AVX2
+#elif BM_HAVE_AVX2
     if (a->vec) {
         for (int64_t r = 0; r < rows; r += MR) {
             const int mr = rows - r < MR ? (int)(rows - r) : MR;
@@ -410,13 +400,13 @@ static void scores(const args_t *a, const float *qs, int64_t rows, const float *
 static void accumulate(const args_t *a, const float *s, int64_t rows, int64_t nk, const float *v, float *o,
                        const float *alpha, int64_t lo, int64_t j0) {
     const int64_t d = a->d, g = a->heads / a->kv_heads;
-#if BM_AVX2
+#if BM_HAVE_AVX2
     if (a->vec) {
         for (int64_t r = 0; r < rows; r += MR) {
             const int mr = rows - r < MR ? (int)(rows - r) : MR;
             const int64_t n = keys_for(r, mr, lo, g, j0, nk); /* the rest have probability 0 */
             int64_t col = 0;
-#if BM_AVX512
+#if BM_HAVE_AVX512
             for (; col + 32 <= d; col += 32)
                 BY_ROWS(pv_tile32, mr, s + r * KB, n, v + col, d, o + r * d + col, alpha + r);
             for (; col + 16 <= d; col += 16)
@@ -492,7 +482,7 @@ int bm_prefill_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const f
                              int64_t out_st, int64_t T, int64_t prefix, int64_t heads, int64_t kv_heads,
                              int64_t d, float scale, int64_t threads, int64_t vectorize) {
     args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
-                T, prefix, heads, kv_heads, d, scale, BM_AVX2 && vectorize && d % 8 == 0, 0, 0, NULL, NULL};
+                T, prefix, heads, kv_heads, d, scale, BM_HAVE_AVX2 && vectorize && d % 8 == 0, 0, 0, NULL, NULL};
     if (T <= 0) return 0;
     a.keys = prefix + T;
     a.panels = (a.keys + KP - 1) / KP;

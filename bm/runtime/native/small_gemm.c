@@ -33,18 +33,7 @@
 #pragma clang fp reassociate(off)
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#include "vec_exp.h" /* bm_silu_mul16 */
-#define BM_HAVE_AVX2 1
-#else
-#define BM_HAVE_AVX2 0
-#endif
-#if BM_HAVE_AVX2 && defined(__AVX512F__)
-#define BM_HAVE_AVX512 1
-#else
-#define BM_HAVE_AVX512 0
-#endif
+#include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_silu_mul16 */
 
 #define NR 16
 #define MR 6

@@ -2,7 +2,7 @@
    elementwise.c): 2^n * p(r) with r = x - n ln2 (ln2 in two parts, so r keeps its low bits) and p a
    degree-6 polynomial; relative error about 2e-7. Inputs are clamped to [-87.3, 88], so the result is
    always a finite normal float: below -87.3 it is about 1e-38 (softmax weights that small vanish in the
-   sum anyway), above 88 about 1.6e38. Include only where AVX2 and FMA are enabled; bm_exp16 is the
+   sum anyway), above 88 about 1.6e38. isa.h includes it where AVX2 and FMA are enabled; bm_exp16 is the
    sixteen-lane version for AVX-512 builds. */
 #ifndef BM_VEC_EXP_H
 #define BM_VEC_EXP_H

@@ -1,4 +1,4 @@
-"""bm's GPU attention path: Triton kernels over the paged KV cache, one metadata layout per forward.
+"""bm's Triton kernels over the paged KV cache (the Triton attention backend's, bm.runtime.backends).
 
 Importing this package does not import triton: bm imports (and its CPU path runs) without it. The
 kernels load on first use (:func:`load_kernels`); without a CUDA device they load in Triton's
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 from types import ModuleType
-
-ENV_SWITCH = "BM_ATTENTION"  # triton | torch | auto (unset): which attention a runner uses
 
 
 def triton_available() -> bool:

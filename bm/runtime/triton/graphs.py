@@ -13,11 +13,12 @@ the model runs eagerly over them: that is what the CPU tests compare with the dy
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from bm.engine.executor import WorkItem
 from bm.runtime.triton.batch import Inputs, PagedBatch, StagingBuffer, cdiv
 
 log = logging.getLogger("bm")
@@ -36,14 +37,26 @@ def bucket_for(batch_size: int) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Any, device: torch.device, tokens_per_block: int, max_seq_len: int) -> None:
-        self.forward = forward
+    """The static buffers and the graph of each bucket, for one runner's Triton backend.
+
+    ``run``: the model over a forward's inputs (the backend's, with its metadata current): logits of the
+    kept rows in the model's dtype; ``pools``: the windows keeping blocks in a pool of their own."""
+
+    def __init__(
+        self,
+        run: Callable[[Inputs], torch.Tensor],
+        pools: list[int],
+        device: torch.device,
+        tokens_per_block: int,
+        max_seq_len: int,
+    ) -> None:
+        self._run = run
         self.device = device
         self.capture = device.type == "cuda"
         self.tokens_per_block = tokens_per_block
         self.width = cdiv(max_seq_len, tokens_per_block)  # the block table's columns
         n = BUCKETS[-1]
-        pools = [None, *sorted(forward.plan.pooled)]  # the main tables, then each pool's
+        pools = [None, *pools]  # the main tables, then each pool's
         with torch.inference_mode():
             self._longs = torch.zeros(3, n, dtype=torch.long, device=device)  # ids, positions, kept rows
             self._longs[2] = torch.arange(n, device=device)
@@ -58,45 +71,43 @@ class DecodeGraphs:
         self._pool_handle: Any = None
         self.failure: str | None = None  # why capturing was given up (the steps then run eagerly)
 
-    def serves(self, segments: Sequence) -> bool:
+    def serves(self, items: Sequence[WorkItem]) -> bool:
         """A decode-only step that fits a bucket and the static block table."""
         return (
-            bucket_for(len(segments)) is not None
-            and all(
-                len(s.token_ids) == 1 and s.sample and not s.keep_all and not s.num_draft for s in segments
-            )
-            and max(s.start_pos for s in segments) < self.width * self.tokens_per_block
+            bucket_for(len(items)) is not None
+            and all(len(s.token_ids) == 1 and s.sample and not s.keep_all and not s.num_draft for s in items)
+            and max(s.start_pos for s in items) < self.width * self.tokens_per_block
         )
 
-    def run(self, segments: Sequence) -> torch.Tensor:
-        """Float32 logits ``[len(segments), vocab]`` of one decode step."""
-        size = len(segments)
+    def run(self, items: Sequence[WorkItem]) -> torch.Tensor:
+        """Float32 logits ``[len(items), vocab]`` of one decode step."""
+        size = len(items)
         bucket = bucket_for(size)
-        self._fill(segments, bucket)
+        self._fill(items, bucket)
         if not self.capture or self.failure is not None:
             logits = self._forward(bucket)
         else:
             logits = self._replay(bucket)
         return logits[:size].to(torch.float32, copy=True)
 
-    def _fill(self, segments: Sequence, bucket: int) -> None:
+    def _fill(self, items: Sequence[WorkItem], bucket: int) -> None:
         """Write this step's inputs into the static buffers (one non-blocking copy per dtype)."""
         bs = self.tokens_per_block
-        size = len(segments)
+        size = len(items)
         pad = bucket - size
-        ids = [s.token_ids[0] for s in segments]
-        positions = [s.start_pos for s in segments]
+        ids = [s.token_ids[0] for s in items]
+        positions = [s.start_pos for s in items]
         used = max(cdiv(p + 1, bs) for p in positions)
         ints = [p + 1 for p in positions] + [1] * pad
         for pool in self._pools:
-            for s in segments:
+            for s in items:
                 table = s.block_ids if pool is None else s.window_block_ids[pool]
                 row = list(table[: cdiv(s.start_pos + 1, bs)])
                 ints.extend(row + [0] * (used - len(row)))
             ints.extend([0] * (pad * used))
             slots = [
                 (s.block_ids if pool is None else s.window_block_ids[pool])[p // bs] * bs + p % bs
-                for s, p in zip(segments, positions, strict=True)
+                for s, p in zip(items, positions, strict=True)
             ]
             ints.extend(slots + [-1] * pad)
         longs = self._stage_longs.send([*ids, *[0] * pad, *positions, *[0] * pad])
@@ -122,10 +133,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, bucket: int) -> torch.Tensor:
-        inputs = self._inputs(bucket)
-        return self.forward.run_model(
-            {"input_ids": inputs.input_ids}, inputs.positions, inputs.logits_index, inputs
-        )
+        return self._run(self._inputs(bucket))
 
     def _replay(self, bucket: int) -> torch.Tensor:
         entry = self._graphs.get(bucket)

@@ -83,7 +83,11 @@ def _dot(a, b, DOT: tl.constexpr):
     return out
 
 
-@triton.jit
+# A run's batches differ in their sequence count and block-table width, and Triton would compile one
+# variant per class of each (1, a multiple of 16, neither: up to nine prompt variants, about 0.5 s each,
+# met mid-run by the first steps of a new mix; gpu_check's first run on an H100 paid 1.8 s of them after
+# warm-up). Neither feeds vectorized addressing, so they are left unspecialized: one variant per tile.
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
 def paged_attention_kernel(
     out_ptr,
     q_ptr,

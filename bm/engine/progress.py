@@ -1,0 +1,128 @@
+"""What a step computed, applied to its requests: progress, new tokens, finish reasons, accepted drafts
+and beam steps, and the KV cache update that follows from them (no torch).
+
+The executor returns tokens; this module writes them onto the scheduler's requests and describes what
+the KV manager must do about them (a :class:`~bm.kv.ResourceUpdate`: computed lengths, drafts to trim,
+beam forks). The engine core applies that update, through the manager, in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bm.engine.executor import DraftOutcome, ExecutionBatch, ExecutionResult, WorkKind
+from bm.engine.speculative import SpecState
+from bm.engine.stopping import stop_reason
+from bm.kv import ResourceUpdate
+from bm.scheduling import FinishReason, LlmRequest, RequestState
+
+
+@dataclass
+class WorkCounts:
+    """Token slots a step computed, by kind (the stats line's counts)."""
+
+    computed: int = 0
+    context: int = 0
+    padding: int = 0
+    generation: int = 0
+    empty_slots: int = 0
+
+
+def count_work(batch: ExecutionBatch, now: float) -> WorkCounts:
+    """Every item's progress: context tokens now in the cache (drafts after a last prompt chunk count
+    once accepted), a generation's position, a request's first scheduled time; returns the counts."""
+    counts = WorkCounts()
+    for forward in batch.forwards:
+        for item in forward:
+            req, n = item.request, len(item.token_ids)
+            counts.computed += n
+            if item.kind is WorkKind.CONTEXT:
+                req.num_computed_tokens += n - item.num_draft
+                counts.context += n - item.num_draft
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+            elif item.kind is WorkKind.PADDING:
+                counts.padding += n
+            elif item.kind is WorkKind.GENERATION:
+                req.num_computed_tokens += item.beam == 0  # every beam computes the same position
+                counts.generation += 1
+            else:
+                counts.empty_slots += 1
+    return counts
+
+
+def apply_tokens(
+    batch: ExecutionBatch, result: ExecutionResult, active: dict[int, LlmRequest], now: float
+) -> tuple[ResourceUpdate, list[LlmRequest]]:
+    """Sampled tokens, accepted drafts and beam steps onto their requests; returns the KV cache's update
+    and the n-sample requests whose prompt is now computed (their samples fork next)."""
+    forking: list[LlmRequest] = []
+    for item, token, log_prob in result.sampled:
+        if item.kind is not WorkKind.EMPTY_SLOT:
+            req = item.request
+            append_token(req, token, log_prob, now, result.top_log_probs.get(req.request_id))
+            if req.num_pending_samples and item.kind is WorkKind.CONTEXT:
+                forking.append(req)
+    update = ResourceUpdate()
+    for request_id, outcome in result.drafts.items():
+        req = active[request_id]
+        accept_drafts(req, outcome, now)
+        update.trim.append((request_id, req.num_computed_tokens))
+    for forward in batch.forwards:
+        for item in forward:
+            req = item.request
+            if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and req.beam_width == 1:
+                update.computed.append((req, req.num_computed_tokens))
+    for request_id, step in result.beams.items():
+        req = active[request_id]
+        req.beam_tokens = step.beam_tokens
+        req.output_ids = list(step.beam_tokens[0])
+        req.state = RequestState.GENERATION_IN_PROGRESS
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if step.done:
+            req.finish_reason = FinishReason.END_ID if step.ended_by_end_id else FinishReason.LENGTH
+            req.state = RequestState.GENERATION_TO_COMPLETE
+        else:
+            update.forks.append((request_id, step.parents))
+    return update, forking
+
+
+def accept_drafts(req: LlmRequest, outcome: DraftOutcome, now: float) -> None:
+    """Append the accepted drafts and the model's next token (stopping where the request ends); the KV of
+    the accepted drafts is kept, the rest of the step's blocks are rolled back (the caller's
+    :class:`ResourceUpdate` trims the table to ``num_computed_tokens``)."""
+    for token in outcome.tokens:
+        append_token(req, token, None, now)
+        if req.is_finished:
+            break
+    req.num_computed_tokens += outcome.num_accepted  # the fed token was counted with the item
+    if req.speculation is None:
+        req.speculation = SpecState()
+    spec = req.speculation
+    spec.num_draft_tokens += outcome.num_draft
+    spec.num_accepted_tokens += outcome.num_accepted
+    spec.num_draft_steps += 1
+
+
+def append_token(
+    req: LlmRequest,
+    token: int,
+    log_prob: float | None,
+    now: float,
+    top: list[tuple[int, float]] | None = None,
+) -> None:
+    """One new token: its log probs when asked for, the first token's time, and whether it ends the
+    request (end id, stop words, length)."""
+    req.output_ids.append(token)
+    if req.output_log_probs is not None and log_prob is not None:
+        req.output_log_probs.append(log_prob)
+    if req.output_top_log_probs is not None and top is not None:
+        req.output_top_log_probs.append(top)
+    req.state = RequestState.GENERATION_IN_PROGRESS
+    if req.first_token_time is None:
+        req.first_token_time = now
+    reason = stop_reason(req, token)
+    if reason is not FinishReason.NOT_FINISHED:
+        req.finish_reason = reason
+        req.state = RequestState.GENERATION_TO_COMPLETE

@@ -1,0 +1,108 @@
+"""The Triton backend: bm's Triton kernels over the paged cache, one metadata layout per forward.
+
+Every query of a forward (decode rows, whole prompts, chunks after a cached prefix, a verifying step's
+drafts) is described by one :class:`~bm.runtime.triton.batch.PagedBatch`, filled through pinned buffers
+with one copy (:mod:`bm.runtime.triton.batch`); per layer one launch stores the new keys and values and
+one computes the attention of the whole batch (:mod:`bm.runtime.triton.ops`). Layers with another
+attention window read the same tables with their own window; layers whose window keeps blocks in a pool
+of its own read that pool's tables. Decode-only steps replay CUDA graphs over static buffers
+(:mod:`bm.runtime.triton.graphs`) where ``model.cuda_graphs`` allows.
+
+Importing this module does not import triton: the kernels load at their first launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bm.engine.executor import WorkItem
+from bm.runtime.attention import LayerCall
+from bm.runtime.backends.base import AttentionBackend, BackendSetup, ForwardInputs, PerLayer, all_kept_rows
+from bm.runtime.model_loader import LoadedModel
+from bm.runtime.triton import triton_available
+from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
+from bm.runtime.triton.graphs import BUCKETS, DecodeGraphs, bucket_for, graphs_enabled
+from bm.runtime.triton.ops import paged_attention, store_kv, supports_head_dim
+
+TritonMetadata = PerLayer[PagedBatch]
+
+
+class TritonBackend(AttentionBackend[TritonMetadata]):
+    """Attention in Triton kernels: CUDA (or Triton's interpreter on the CPU, for the tests)."""
+
+    name = "triton"
+
+    @classmethod
+    def serves(cls, loaded: LoadedModel) -> bool:
+        """On CUDA, where triton is installed and every head fits the kernel (head size <= 256). Never
+        chosen on its own on the CPU, whose C kernels are faster than interpreting Triton."""
+        return (
+            loaded.device.type == "cuda"
+            and triton_available()
+            and all(supports_head_dim(dim) for _, dim in loaded.kv_shapes.values())
+        )
+
+    def __init__(self, setup: BackendSetup) -> None:
+        super().__init__(setup)
+        self.builder = BatchBuilder(self.device, self.tokens_per_block)
+        self._run_model = setup.run_model
+        self.graphs: DecodeGraphs | None = None
+        if graphs_enabled(setup.loaded.cuda_graphs, self.device):
+            self.graphs = DecodeGraphs(
+                self._run_static,
+                sorted(self.plan.pooled),
+                self.device,
+                self.tokens_per_block,
+                setup.max_seq_len,
+            )
+
+    def prepare(self, items: Sequence[WorkItem]) -> ForwardInputs[TritonMetadata]:
+        pooled = {w: [item.window_block_ids[w] for item in items] for w in self.plan.pooled}
+        inputs = self.builder.build(
+            [item.token_ids for item in items],
+            [item.start_pos for item in items],
+            [item.block_ids for item in items],
+            all_kept_rows(items),
+            pooled,
+        )
+        return self._forward_inputs(inputs)
+
+    def _forward_inputs(self, inputs: Inputs) -> ForwardInputs[TritonMetadata]:
+        """The batch of each window: its table (the main one, or its pool's) seen with its window."""
+        plan = self.plan
+        by_window = {
+            w: (inputs.pooled[w] if w in plan.pooled else inputs.batch).with_window(w, plan.sink_tokens)
+            for w in dict.fromkeys(plan.windows.values())
+        }
+        metadata = PerLayer.by_window(plan, by_window)
+        return ForwardInputs(inputs.input_ids, inputs.positions, inputs.logits_index, metadata)
+
+    def _run_static(self, inputs: Inputs) -> torch.Tensor:
+        """The model over the static buffers' inputs (run eagerly, or captured into a graph)."""
+        return self._run_model(self._forward_inputs(inputs))
+
+    def store_kv(self, metadata: TritonMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        store_kv(self.kv_caches[layer], key, value, metadata.for_layer(layer).slot_mapping)
+
+    def attend(self, metadata: TritonMetadata, call: LayerCall) -> torch.Tensor:
+        """One paged attention launch for the whole batch; keys are read from the cache only."""
+        query, extras = call.query, call.extras
+        out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
+        paged_attention(
+            out, query, self.kv_caches[call.layer], metadata.for_layer(call.layer), call.scaling,
+            extras.softcap, extras.alibi, extras.sinks,
+        )  # fmt: skip
+        return out
+
+    def try_static_decode(self, items: Sequence[WorkItem]) -> torch.Tensor | None:
+        if self.graphs is None or not self.graphs.serves(items):
+            return None
+        return self.graphs.run(items)
+
+    def static_decode_sizes(self, max_batch_size: int) -> tuple[int, ...]:
+        if self.graphs is None:
+            return ()
+        top = bucket_for(max_batch_size) or BUCKETS[-1]
+        return tuple(b for b in BUCKETS if b <= top)

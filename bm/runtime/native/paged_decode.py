@@ -1,0 +1,121 @@
+"""Decode attention over paged KV blocks read in place (``paged_decode.c``), and the KV write beside it."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from bm.runtime.attention import NO_EXTRAS, LayerExtras
+from bm.runtime.native.args import F32, FLOAT, I64, INT, PTR, bind, fits, pointer, require, unit_stride
+from bm.runtime.native.loader import NativeKernel, load_kernel
+
+_NAME = "paged decode kernel"
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A forward's decode rows as the kernel reads them: checked once when built, so each layer's call
+    passes them on as they are."""
+
+    token_index: torch.Tensor  # [rows] int64: each row's query in the packed batch (rows of q and out)
+    block_table: torch.Tensor  # [rows, max_blocks] int64, each row padded past its length (never read)
+    lengths: torch.Tensor  # [rows] int64: keys each row attends (its position + 1)
+    max_len: int
+    window: int | None = None  # each row attends only its last ``window`` keys; blocks before are never read
+
+    def __post_init__(self) -> None:
+        index = (self.token_index, self.block_table, self.lengths)
+        require(_NAME, I64, index, index)
+        if (
+            self.block_table.dim() != 2
+            or not self.token_index.shape == self.lengths.shape == self.block_table.shape[:1]
+        ):
+            raise ValueError(
+                f"{_NAME}: token index {tuple(self.token_index.shape)}, block table "
+                f"{tuple(self.block_table.shape)} and lengths {tuple(self.lengths.shape)} disagree on rows"
+            )
+
+
+class PagedDecodeKernel(NativeKernel):
+    """Single-token queries attending their own KV blocks, read in place (no gather)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = bind(
+            lib, "bm_paged_decode_f32", PTR, INT, INT, PTR, PTR, PTR, PTR, PTR, PTR, *[INT] * 8,
+            FLOAT, FLOAT, PTR, INT, PTR, INT,
+        )  # fmt: skip
+        self._write = bind(lib, "bm_kv_write_f32", PTR, INT, INT, PTR, INT, INT, PTR, PTR, PTR, *[INT] * 5)
+
+    @staticmethod
+    def handles(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32
+
+    @classmethod
+    def supports(cls, cache: torch.Tensor) -> bool:
+        return cls.handles(cache.device, cache.dtype) and cache.is_contiguous()
+
+    def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Copy keys ``k`` and values ``v`` [kv_heads, T, d] (any strides, unit along d) into ``cache``'s
+        flat slots ``slots`` [T] int64, as ``index_copy_`` along the slot dimension does; False (nothing
+        written) where the tensors do not fit the kernel, so the caller copies with torch instead."""
+        _, kv_heads, num_blocks, block_size, d = cache.shape
+        if not (
+            fits(F32, (k, v, cache), (cache,))
+            and fits(I64, (slots,), (slots,))
+            and k.shape == v.shape == (kv_heads, slots.shape[0], d)
+            and k.stride(2) == 1
+            and v.stride(2) == 1
+        ):
+            return False
+        base = cache.data_ptr()
+        status = self._write(
+            k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1), v.stride(0), base,
+            base + 4 * cache.stride(0), slots.data_ptr(), slots.shape[0], kv_heads, num_blocks * block_size, d,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise IndexError("KV write: a slot lies outside the cache")
+        return True
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        rows: DecodeRows,
+        scaling: float,
+        extras: LayerExtras = NO_EXTRAS,
+    ) -> None:
+        """``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``cache`` one layer's
+        [2, kv_heads, num_blocks, block_size, d]; ``rows``: which rows of ``q``/``out`` attend which blocks.
+        ``extras``: the layer's soft-capping (scores become ``softcap * tanh(score / softcap)``), ALiBi
+        slopes ([heads] float32: ``slope * (key - query)`` is added to each score) and sink logits ([heads]
+        float32: one more logit per head in the softmax's denominator, gpt-oss)."""
+        q = unit_stride(q)
+        heads, _, head_dim = q.shape
+        _, kv_heads, num_blocks, block_size, cache_dim = cache.shape
+        alibi, sinks = extras.alibi, extras.sinks
+        require(_NAME, F32, (q, out, cache, alibi, sinks), (out, cache, alibi, sinks))
+        if head_dim != cache_dim or heads % kv_heads or out.shape[1:] != (heads, head_dim):
+            raise ValueError(
+                f"{_NAME}: q {tuple(q.shape)}, out {tuple(out.shape)} and cache "
+                f"{tuple(cache.shape)} disagree on heads or head size"
+            )
+        if (alibi is not None and alibi.shape != (heads,)) or (sinks is not None and sinks.shape != (heads,)):
+            raise ValueError(f"{_NAME}: ALiBi slopes and sink logits must be {heads} values, one a head")
+        num_rows, max_blocks = rows.block_table.shape
+        status = self._fn(
+            q.data_ptr(), q.stride(1), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
+            rows.token_index.data_ptr(), rows.block_table.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(),
+            num_rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, rows.max_len,
+            scaling, extras.softcap or 0.0, pointer(alibi), rows.window or 0, pointer(sinks), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("paged decode attention: no memory for a thread's scratch buffer")
+
+
+def paged_decode_kernel(isa: str | None = None) -> PagedDecodeKernel | None:
+    """The compiled decode attention kernel, or None (see :func:`bm.runtime.native.loader.load_kernel`)."""
+    return load_kernel("paged_decode", PagedDecodeKernel, isa)
