@@ -191,7 +191,9 @@ def _run(
         raise _fail(console, str(exc)) from None
     if show:
         _show_answers(console, out / "outputs.jsonl")
-    console.print(summary_table(summary))
+    from bm.cli.tables import print_table
+
+    print_table(console, summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
     if batch_lines is not None:
         console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
