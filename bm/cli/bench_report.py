@@ -154,10 +154,12 @@ def _percent(value: float | None) -> str | None:
 
 
 def print_results(console: Console, results: dict[str, Any]) -> None:
+    from bm.cli.tables import print_table
+
     for table in (summary_table(results), latency_table(results), engine_table(results)):
-        console.print(table)
+        print_table(console, table)
     if results.get("executor") == "sim":
-        console.print(sim_table(results))
+        print_table(console, sim_table(results))
 
 
 def sim_table(results: dict[str, Any]) -> Table:

@@ -202,8 +202,10 @@ def _run(
     if json_output:
         print(json.dumps(document, indent=2))
     else:
+        from bm.cli.tables import print_table
+
         for table in compare_tables(result, console.width):
-            console.print(table)
+            print_table(console, table)
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
     return _gate(console, result, failed_eval)  # already stderr under --json

@@ -60,6 +60,12 @@ CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys b
 DP_HELP = "Run N engine replicas as processes (torch.distributed, gloo); requests go to the least loaded."
 TP_HELP = "Shard the model over N ranks per replica (transformers tp_plan='auto'; needs --model)."
 RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
+# The config sections bm run reads; bench, sim and sweep keys are bm bench's and bm sweep's business.
+RUN_SECTIONS = ("model", "engine", "kv_cache", "peft_cache")
+BENCH_EPILOG = (
+    "Config keys (SECTION.KEY for --set): see bm run --help for model, engine and kv_cache; the flags "
+    "above set the bench section's keys (--input-len sets bench.input_len); docs/config.md lists all."
+)
 SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeatable)."
 
 
@@ -79,7 +85,7 @@ def build_config(config: Path | None, overrides: list[str], model: str | None, m
 
 
 @app.command(
-    epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"),
+    epilog="Config keys (SECTION.KEY for --set, or a -c YAML file):\n" + config_reference(RUN_SECTIONS),
     cls=CompactHelp,
     short_help="Answer every line of a prompts or OpenAI batch file; one record per line.",
 )
@@ -116,7 +122,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     show: bool = typer.Option(False, "--show", help="Print every answer (id and text) after the run."),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help=TP_HELP),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", "--tp", help=TP_HELP),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help=RANK_TIMEOUT_HELP),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
@@ -185,7 +191,9 @@ def _run(
         raise _fail(console, str(exc)) from None
     if show:
         _show_answers(console, out / "outputs.jsonl")
-    console.print(summary_table(summary))
+    from bm.cli.tables import print_table
+
+    print_table(console, summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
     if batch_lines is not None:
         console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
@@ -303,7 +311,7 @@ def _register_bench() -> None:
 
     app.command(
         "bench",
-        epilog="Config keys (SECTION.KEY for --set): see bm run --help.",
+        epilog=BENCH_EPILOG,
         cls=CompactHelp,
         short_help="Replay timed arrivals; report throughput and latency (vllm bench serve's names).",
     )(bench)
@@ -318,7 +326,7 @@ def _register_compare() -> None:
 
     app.command(
         "compare",
-        epilog="Config keys (SECTION.KEY for --set): see bm run --help.",
+        epilog=BENCH_EPILOG,
         cls=CompactHelp,
         short_help="Schemes, policies and HF baselines side by side on one workload, with CI gates.",
     )(compare)
