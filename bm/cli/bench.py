@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 
+from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override, resolve_engine
 
@@ -207,7 +208,8 @@ def bench(
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """The error on standard error (bm.cli.errors), exit code 2; ``console`` is kept for callers."""
+    print_error(message)
     return typer.Exit(code=USAGE)
 
 
@@ -252,7 +254,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
                 cfg, loaded, workload, progress=lambda p: tick(progress, task, p, plain), journal=journal
             )
     except KVCacheSizeError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return USAGE
     if plain is not None:
         plain.finish()
@@ -283,7 +285,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
     code = run_exit_code(results["num_requests"], results["completed"], result.interrupted)
     if code == NO_SUCCESS:
-        console.print(f"[red]no request succeeded[/] (exit code {code})")
+        print_error(f"no request succeeded (exit code {code}); see the errors in requests.jsonl")
     return code
 
 
@@ -316,7 +318,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
                 f"{rows.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
             )
     except (DatasetError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return None
     sim = cfg.engine.executor == "sim"
     if sim:  # no weights, no torch: the model's shape and a hardware row (bm.sim.run)
@@ -344,7 +346,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
             workload=rows,
         )
     except (*load_errors, DatasetError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return None
     _report_dataset(console, workload)
     return loaded, workload

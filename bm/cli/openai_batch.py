@@ -77,24 +77,41 @@ def is_batch_file(path: Path) -> bool:
 
 def iter_batch_file(path: Path) -> Iterator[BatchLine]:
     """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
-    are asked for: only the custom ids seen so far are kept (to refuse a duplicate), so a file of millions
-    of lines is never held whole."""
-    seen: dict[str, int] = {}
+    are asked for, so a file of millions of lines is never held whole. Duplicate custom ids are refused
+    for the whole file, before it runs, by :func:`check_unique_custom_ids`."""
     for number, data in iter_lines(path):
         entry = BatchLine(Row.at_line(number))
         try:
             if isinstance(data, RowError):
                 raise data
             _line(data, entry)
-            if entry.custom_id in seen:
-                raise RowError(
-                    f"custom_id: duplicate {entry.custom_id!r} (also on line {seen[entry.custom_id]}); "
-                    "custom ids must be unique"
-                )
-            seen[entry.custom_id] = number  # type: ignore[index]
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
         yield entry
+
+
+class DuplicateCustomIdError(ValueError):
+    """Two lines of a batch file share a ``custom_id``; phrased for the user (exit code 2)."""
+
+
+def check_unique_custom_ids(path: Path, name: str | None = None) -> None:
+    """Refuse a batch file in which two lines share a ``custom_id``, before anything runs.
+
+    The output is matched to the input by ``custom_id`` alone (output lines come in the order requests
+    finish), so a duplicate makes two output lines that cannot be told apart; OpenAI's Batch API refuses
+    such a file at upload too. Only the ids are kept while the file is read (OpenAI caps a batch at
+    50,000 lines)."""
+    seen: dict[str, int] = {}
+    for number, data in iter_lines(path):
+        custom_id = data.get("custom_id") if isinstance(data, dict) else None
+        if not isinstance(custom_id, str) or not custom_id:
+            continue  # that line's own error says so
+        if custom_id in seen:
+            raise DuplicateCustomIdError(
+                f"{name or path}: line {number}: custom_id {custom_id!r} is also on line {seen[custom_id]}; "
+                "each line of a batch file needs its own custom_id (outputs are matched to inputs by it)"
+            )
+        seen[custom_id] = number
 
 
 def _line(data: dict[str, Any], entry: BatchLine) -> None:

@@ -86,6 +86,7 @@ class RunOptions:
     ignore_eos: bool = False
     show_progress: bool = True
     prompts: Path | None = None  # the input file (its digest makes the run's identity)
+    prompts_name: str | None = None  # the input as the user named it (prompts may be bm's copy of a pipe)
     resume: bool = False
     chat_template: str | None = None
     batch_lines: dict[int, Any] | None = None  # OpenAI batch input: each line's BatchLine by index
@@ -126,6 +127,7 @@ def run_prompts(
             config,
             run_options(options.default_output_len, options.ignore_eos, options.chat_template),
             options.run_seed,
+            name=options.prompts_name,
         )
         write_run_identity(out_dir, identity, llm.loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
@@ -153,7 +155,7 @@ def run_prompts(
     document = {
         "bm_version": bm.__version__,
         "run_id": run_id,
-        "prompts": str(options.prompts) if options.prompts is not None else None,
+        "prompts": options.prompts_name or (str(options.prompts) if options.prompts is not None else None),
         "model": llm.loaded.name,
         "config": llm.config.to_dict(),  # resolved for the device: what ran
         "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype),
@@ -355,6 +357,60 @@ def _progress(console: Console, enabled: bool) -> Progress:
         disable=not enabled,
         transient=False,
     )
+
+
+# Parameters of ``bm run`` that the printed resume command sets itself, or must not repeat.
+NOT_REPEATED = ("prompts", "out_dir", "resume", "overwrite")
+
+
+def resume_command(prompts_name: str, out: Path) -> str:
+    """The command that finishes an interrupted run: ``bm run`` with every option the user gave (so the
+    resume check, which compares the model, the config and the run options, accepts it), ``-o`` and
+    ``--resume``. It is rebuilt from the options click parsed, not from a list kept here, so an option
+    added to ``bm run`` later is repeated too; a value that was a default is left out, as it was.
+
+    The printed command used to drop ``--ignore-eos`` and ``-s``; running it was then refused."""
+    import shlex
+
+    import click
+    from click.core import ParameterSource
+
+    words = ["bm", "run", shlex.quote(prompts_name)]
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        for param in ctx.command.params:
+            name = param.name or ""
+            given = ctx.get_parameter_source(name) in (
+                ParameterSource.COMMANDLINE,
+                ParameterSource.ENVIRONMENT,
+            )
+            if name in NOT_REPEATED or not given or not isinstance(param, click.Option):
+                continue
+            words += _option_words(param, ctx.params[name])
+    words += ["-o", shlex.quote(str(out)), "--resume"]
+    command = " ".join(words)
+    if prompts_name in ("-", "/dev/stdin") or prompts_name.startswith("/dev/fd/"):
+        command += "   (pipe the same input into it again)"
+    return command
+
+
+def _option_words(option: Any, value: Any) -> list[str]:
+    """``option`` with ``value`` as it is typed on a command line (quoted for a shell)."""
+    import shlex
+    from enum import Enum
+
+    long = next((o for o in option.opts if o.startswith("--")), option.opts[0])
+    if option.is_flag:
+        if value:
+            return [long]
+        off = next((o for o in option.secondary_opts if o.startswith("--")), None)
+        return [off] if off else []
+    values = value if option.multiple else [value]
+    words: list[str] = []
+    for item in values:
+        text = item.value if isinstance(item, Enum) else item
+        words += [long, shlex.quote(str(text))]
+    return words
 
 
 def summary_table(summary: RunSummary) -> Table:
