@@ -150,6 +150,7 @@ def _run(
 ) -> None:
     from bm.distributed.cli import end_ranks, start_ranks
 
+    given = dict(locals())  # the options as parsed, for the printed resume command
     console = Console(stderr=False)
     if quiet:
         silence_progress_bars()
@@ -204,7 +205,7 @@ def _run(
     if summary.interrupted:
         console.print(
             f"[yellow]interrupted: {summary.num_cancelled} request(s) cancelled; run them with[/] "
-            + escape(resume_command(source.name, out)),
+            + escape(resume_command(source.name, out, run, given)),
             soft_wrap=True,
         )
     # kept records of a --resume count as successes for the exit code (not for this run's tok/s)

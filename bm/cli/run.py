@@ -363,51 +363,46 @@ def _progress(console: Console, enabled: bool) -> Progress:
 NOT_REPEATED = ("prompts", "out_dir", "resume", "overwrite")
 
 
-def resume_command(prompts_name: str, out: Path) -> str:
-    """The command that finishes an interrupted run: ``bm run`` with every option the user gave (so the
+def resume_command(prompts_name: str, out: Path, command: Callable[..., Any], values: dict[str, Any]) -> str:
+    """The command that finishes an interrupted run: ``bm run`` with every option the user set (so the
     resume check, which compares the model, the config and the run options, accepts it), ``-o`` and
-    ``--resume``. It is rebuilt from the options click parsed, not from a list kept here, so an option
-    added to ``bm run`` later is repeated too; a value that was a default is left out, as it was.
+    ``--resume``. ``values`` are the command's parameters as parsed; each is matched to its option in
+    ``command``'s declarations, not to a list kept here, so an option added to ``bm run`` later is
+    repeated too. A value equal to its default is left out (it is the default again on resume).
 
     The printed command used to drop ``--ignore-eos`` and ``-s``; running it was then refused."""
+    import inspect
     import shlex
 
-    import click
-    from click.core import ParameterSource
-
     words = ["bm", "run", shlex.quote(prompts_name)]
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None:
-        for param in ctx.command.params:
-            name = param.name or ""
-            given = ctx.get_parameter_source(name) in (
-                ParameterSource.COMMANDLINE,
-                ParameterSource.ENVIRONMENT,
-            )
-            if name in NOT_REPEATED or not given or not isinstance(param, click.Option):
-                continue
-            words += _option_words(param, ctx.params[name])
+    for name, parameter in inspect.signature(command).parameters.items():
+        declared = parameter.default
+        decls = getattr(declared, "param_decls", None)
+        if name in NOT_REPEATED or name not in values or not decls:
+            continue
+        value, default = values[name], getattr(declared, "default", None)
+        if value == default or value is None or value == []:
+            continue
+        words += _option_words(decls, value)
     words += ["-o", shlex.quote(str(out)), "--resume"]
-    command = " ".join(words)
+    text = " ".join(words)
     if prompts_name in ("-", "/dev/stdin") or prompts_name.startswith("/dev/fd/"):
-        command += "   (pipe the same input into it again)"
-    return command
+        text += "   (pipe the same input into it again)"
+    return text
 
 
-def _option_words(option: Any, value: Any) -> list[str]:
-    """``option`` with ``value`` as it is typed on a command line (quoted for a shell)."""
+def _option_words(decls: tuple[str, ...], value: Any) -> list[str]:
+    """An option with ``value`` as it is typed on a command line (quoted for a shell)."""
     import shlex
     from enum import Enum
 
-    long = next((o for o in option.opts if o.startswith("--")), option.opts[0])
-    if option.is_flag:
-        if value:
-            return [long]
-        off = next((o for o in option.secondary_opts if o.startswith("--")), None)
-        return [off] if off else []
-    values = value if option.multiple else [value]
+    names = [n for decl in decls for n in decl.split("/") if n.startswith("-")]
+    long = next((n for n in names if n.startswith("--")), names[0])
+    if isinstance(value, bool):  # a flag; --x/--no-x declares both
+        off = [n for decl in decls if "/" in decl for n in decl.split("/")[1:]]
+        return [long] if value else off[:1]
     words: list[str] = []
-    for item in values:
+    for item in value if isinstance(value, (list, tuple)) else [value]:
         text = item.value if isinstance(item, Enum) else item
         words += [long, shlex.quote(str(text))]
     return words
