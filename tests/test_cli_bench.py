@@ -171,3 +171,48 @@ def test_bench_with_ngram_speculation_reports_the_mean_acceptance_length(tmp_pat
     assert results["mean_acceptance_length"] >= 1.0
     assert 0.0 <= results["draft_acceptance_rate"] <= 1.0
     assert "Mean acceptance length" in result.output
+
+
+def test_an_interrupted_bench_says_so_and_counts_cancelled_requests_apart_from_failed(tmp_path):
+    """Issue 41: Ctrl-C exited 130 but showed a normal table with 'Failed requests 185'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    args = [
+        sys.executable,
+        "-m",
+        "bm.cli.main",
+        "bench",
+        "--dataset-kind",
+        "synthetic",
+        "--num-requests",
+        "120",
+    ]
+    args += ["--input-len", "8", "--output-len", "48", "-o", str(out), "-q", "--set", "model.device=cpu"]
+    args += ["--set", "engine.max_batch_size=2", "--set", "bench.warmup=0"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = out / "requests.jsonl"
+    deadline = time.monotonic() + 180
+    while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    screen = " ".join(stdout.split())
+    assert "interrupted" in screen and "Cancelled requests" in screen
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] and results["failed"] == 0
+    assert (
+        results["cancelled"] > 0
+        and results["completed"] + results["cancelled"] == results["num_requests"] == 120
+    )
+    records = read_jsonl(journal)
+    assert sum(r["finish_reason"] == "cancelled" for r in records) == results["cancelled"]

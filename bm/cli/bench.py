@@ -283,6 +283,12 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         console.print(f"plots: {len(paths)} PNGs in {out / 'plots'}", soft_wrap=True)
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
+    if result.interrupted:  # the table alone looked like a finished run
+        console.print(
+            f"[yellow]interrupted: {results.get('cancelled', 0)} request(s) cancelled (not sent, or cut off); "
+            f"the figures cover the {results['completed']} that finished[/]",
+            highlight=False,
+        )
     code = run_exit_code(results["num_requests"], results["completed"], result.interrupted)
     if code == NO_SUCCESS:
         print_error(f"no request succeeded (exit code {code}); see the errors in requests.jsonl")
