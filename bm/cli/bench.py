@@ -311,13 +311,28 @@ def name_rows(records: Any, workload: Workload) -> None:
         )
 
 
+def _read_dataset(bench: Any) -> Workload:
+    """Every row of the dataset: an OpenAI batch file through the batch reader ``bm run`` uses (it lives
+    with the CLI, which owns that format), any other kind through :func:`bm.workloads.read_workload`."""
+    from bm.workloads import detect_kind, read_workload
+
+    path = Path(bench.dataset) if bench.dataset is not None else None
+    if path is not None and path.is_file() and bench.dataset_kind in ("auto", "openai-batch"):
+        kind = detect_kind(path, bench.prompt_column) if bench.dataset_kind == "auto" else bench.dataset_kind
+        if kind == "openai-batch":
+            from bm.cli.openai_batch import load_batch_workload
+
+            return load_batch_workload(path, bench.output_len)
+    return read_workload(bench)
+
+
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
-    from bm.workloads import DatasetError, load_workload, read_workload
+    from bm.workloads import DatasetError, load_workload
 
     try:
-        rows = read_workload(cfg.bench)  # the dataset first: a bad file is reported before the model loads
+        rows = _read_dataset(cfg.bench)  # the dataset first: a bad file is reported before the model loads
         bad = [r for r in rows.requests if not r.ok]
         if len(bad) == len(rows.requests):
             raise DatasetError(

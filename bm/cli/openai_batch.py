@@ -21,7 +21,8 @@ from typing import Any
 
 from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
 from bm.workloads.jsonl import iter_lines, parse_request
-from bm.workloads.request import Row, RowError
+from bm.workloads.records import replayable
+from bm.workloads.request import DatasetError, Row, RowError, Workload
 from bm.workloads.tools import tool_calls
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -88,6 +89,19 @@ def iter_batch_file(path: Path) -> Iterator[BatchLine]:
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
         yield entry
+
+
+def load_batch_workload(path: Path, default_output_len: int) -> Workload:
+    """An OpenAI batch file as ``bm bench`` replays it (``--dataset-kind openai-batch``, or detected):
+    each line's body through the same reader as ``bm run``, then as a bm line (bench replays prompts
+    and token ids; a chat line is refused on its row, naming ``bm run``). Before, bench took such a file
+    for a Hugging Face table and suggested ``--prompt-column``, which cannot reach a prompt in ``body``."""
+    try:
+        check_unique_custom_ids(path)
+    except DuplicateCustomIdError as exc:
+        raise DatasetError(str(exc)) from None
+    rows = [replayable(line.parsed, default_output_len) for line in iter_batch_file(path)]
+    return Workload("openai-batch", str(path), rows)
 
 
 class DuplicateCustomIdError(ValueError):
