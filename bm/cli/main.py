@@ -197,10 +197,11 @@ def _run(
         _show_answers(console, out / "outputs.jsonl")
     console.print(summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
+    records = "batch_output.jsonl" if batch_lines is not None else "outputs.jsonl"  # what the user reads
     if batch_lines is not None:
         console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
     if summary.num_failed:
-        console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
+        console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in {records}[/]")
     end_ranks(console, multi_rank)
     if summary.interrupted:
         console.print(
@@ -213,7 +214,7 @@ def _run(
         summary.num_requests + summary.num_resumed, summary.num_ok + summary.num_resumed, summary.interrupted
     )
     if code == NO_SUCCESS:
-        print_error(f"no request succeeded (exit code {code}); see the errors in outputs.jsonl")
+        print_error(f"no request succeeded (exit code {code}); see the errors in {records}")
     if code:
         raise typer.Exit(code=code)
 

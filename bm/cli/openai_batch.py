@@ -182,6 +182,11 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
             no_effect_field(key, body.get(key))
         except RowError as exc:
             raise RowError(f"body.{exc}") from None
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 2:
+        raise RowError(
+            f"body.temperature: {temperature} is above OpenAI's limit of 2 (the API refuses it); lower it"
+        )
     request: dict[str, Any] = {prompt_key: body[prompt_key]}
     for key in ("n", "logit_bias"):  # checked by the bm line's parser, bounds by the engine
         if body.get(key) is not None:
@@ -288,7 +293,7 @@ def batch_output_line(
         error = {
             "message": message,
             "type": "invalid_request_error",
-            "param": error_param(message),
+            "param": _prompt_param(error_param(message), line),
             "code": None,
         }
         response = {"status_code": 400, "request_id": f"bm-{index}", "body": {"error": error}}
@@ -315,6 +320,13 @@ def batch_output_line(
         "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
         "error": None,
     }
+
+
+def _prompt_param(param: str | None, line: BatchLine) -> str | None:
+    """The engine names a prompt ``input_ids``; the user wrote ``messages`` (chat) or ``prompt``."""
+    if param != "input_ids":
+        return param
+    return "messages" if line.url == CHAT_URL else "prompt"
 
 
 def error_param(message: str) -> str | None:

@@ -189,6 +189,11 @@ def check_writable_dir(out: Path, flag: str) -> Path | None:
     (:func:`remove_created`)."""
     if out.exists() and not out.is_dir():
         raise OutDirError(f"{flag} {str(out)!r} is a file; give a directory (it is created if missing)")
+    if not out.exists() and out.suffix.lower() in (".jsonl", ".json"):  # a file name: not made a directory
+        raise OutDirError(
+            f"{flag} {str(out)!r} names a file, but {flag} is the directory the results go into (bm writes "
+            f"its files there); give a directory such as {str(out.with_suffix(''))!r}"
+        )
     created = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
