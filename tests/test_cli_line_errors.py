@@ -71,3 +71,17 @@ def test_a_batch_run_points_to_batch_output_jsonl(tmp_path):
     result = CliRunner().invoke(app, ["run", str(path), "-o", str(tmp_path / "out"), "-q", "--set", "model.device=cpu"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "1 request(s) failed; see their error in batch_output.jsonl" in " ".join(result.stdout.split())
+
+
+def test_show_puts_each_answer_under_its_own_header(tmp_path):
+    """--show ran multi-line answers together: the next id followed the last line of the previous text."""
+    from rich.console import Console
+
+    from bm.cli.main import _show_answers
+
+    outputs = tmp_path / "outputs.jsonl"
+    records = [{"index": 0, "id": "a", "text": "one\ntwo\n", "error": None}, {"index": 1, "id": "b", "text": "three", "error": None}]  # fmt: skip
+    outputs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    console = Console(record=True, width=60, color_system=None)
+    _show_answers(console, outputs)
+    assert console.export_text().splitlines() == ["── a ──", "one", "two", "── b ──", "three"]

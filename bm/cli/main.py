@@ -225,9 +225,11 @@ def _show_answers(console: Console, outputs: Path) -> None:
     from bm.workloads.jsonl import iter_lines
 
     records = [r for _, r in iter_lines(outputs) if isinstance(r, dict)]
+    # Each answer under its own header line, so multi-line answers never run into the next one.
     for record in sorted(records, key=lambda r: r.get("index", 0)):
         answer = record.get("text") if record.get("error") is None else f"[error] {record['error']}"
-        console.print(f"[bold cyan]{escape(str(record.get('id')))}[/]: {escape(str(answer))}", soft_wrap=True)
+        console.print(f"[bold cyan]── {escape(str(record.get('id')))} ──[/]", soft_wrap=True)
+        console.print(escape(str(answer).rstrip("\n")) or "(empty)", soft_wrap=True, highlight=False)
 
 
 def _count_lines(path: Path) -> int:
