@@ -25,6 +25,7 @@ from bm.cli.bench import (
     resolve_config,
     with_shared_options,
 )
+from bm.cli.errors import print_error
 from bm.cli.help import silence_progress_bars
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.compare.regress import read_baseline_document
@@ -93,7 +94,7 @@ def compare(
         out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
         created = prepare_out_dir(out, resume=False, overwrite=overwrite, files=COMPARE_FILES)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
     code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out, plot, json_output, quiet, console)  # fmt: skip
@@ -160,7 +161,7 @@ def _run(
         cfg = pin_cache(engine_config(cfg, loaded, workload, console), loaded)
         arrivals = arrival_times(workload, cfg.bench)
     except (DatasetError, ConfigError, KVCacheSizeError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return 2
     console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)
     started: dict[str, float] = {}
@@ -181,7 +182,7 @@ def _run(
                              hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done,
                              journal=lambda v: FileJournal(variant_dir(out, v.name)))  # fmt: skip
     except (KVCacheSizeError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return 2
     metrics = result.metrics()
     failed_eval = []
@@ -277,7 +278,7 @@ def report(
     try:
         data = load_plot_data(out_dir)
     except (FileNotFoundError, json.JSONDecodeError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(code=2) from None
     paths = write_plots(data, plots_dir or out_dir / "plots")
     for path in paths:

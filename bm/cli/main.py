@@ -12,9 +12,11 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
+from bm.cli.source import PromptsSource, open_prompts
 from bm.config import BmConfig, ConfigError, config_reference, load_config, model_override, parse_override
 
 # No hub access at run time: models come from local paths or configs.
@@ -70,8 +72,10 @@ SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeat
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=USAGE)
+    """The error on standard error (bm.cli.errors, shared by every command), exit code 2."""
+    from bm.cli.errors import fail
+
+    return fail(message, USAGE)
 
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
@@ -152,26 +156,31 @@ def _run(
 ) -> None:
     from bm.distributed.cli import end_ranks, start_ranks
 
+    given = dict(locals())  # the options as parsed, for the printed resume command
     console = Console(stderr=False)
     if quiet:
         silence_progress_bars()
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
-        _check_input_file(prompts)
+        source = open_prompts(
+            prompts
+        )  # a pipe or gzip is copied once; a file with no runnable line stops here
         cfg = build_config(config, set_, model, model_config)
         # Ranks other than 0 serve the run from here and exit: they touch no output file.
         multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
         template = _read_template(chat_template)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
-        _prepare_out_dir(out, resume, overwrite, prompts)
+        _prepare_out_dir(out, resume, overwrite, source)
         run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
-            _check_resume(out, prompts, cfg, max_tokens, ignore_eos, template, run_seed)
-        parsed, batch_lines = _read_requests(prompts)
+            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed)
+        parsed, batch_lines = _read_requests(source.path)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
 
-    from bm.cli.run import RunOptions, run_prompts, summary_table
+    from rich.markup import escape
+
+    from bm.cli.run import RunOptions, resume_command, run_prompts, summary_table
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:
@@ -179,11 +188,12 @@ def _run(
             default_output_len=max_tokens,
             ignore_eos=ignore_eos,
             show_progress=not quiet,
-            prompts=prompts,
+            prompts=source.path,
+            prompts_name=source.name,
             resume=resume,
             chat_template=template,
             batch_lines=batch_lines,
-            num_lines=None if quiet else _count_lines(prompts),
+            num_lines=None if quiet else _count_lines(source.path),
             run_seed=run_seed,
         )
         summary = run_prompts(parsed, cfg, out, options, console, interrupts)
@@ -195,15 +205,16 @@ def _run(
 
     print_table(console, summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
+    records = "batch_output.jsonl" if batch_lines is not None else "outputs.jsonl"  # what the user reads
     if batch_lines is not None:
         console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
     if summary.num_failed:
-        console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
+        console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in {records}[/]")
     end_ranks(console, multi_rank)
     if summary.interrupted:
         console.print(
             f"[yellow]interrupted: {summary.num_cancelled} request(s) cancelled; run them with[/] "
-            f"bm run {prompts} -o {out} --resume",
+            + escape(resume_command(source.name, out, run, given)),
             soft_wrap=True,
         )
     # kept records of a --resume count as successes for the exit code (not for this run's tok/s)
@@ -211,7 +222,7 @@ def _run(
         summary.num_requests + summary.num_resumed, summary.num_ok + summary.num_resumed, summary.interrupted
     )
     if code == NO_SUCCESS:
-        console.print(f"[red]no request succeeded[/] (exit code {code}); see the errors in outputs.jsonl")
+        print_error(f"no request succeeded (exit code {code}); see the errors in {records}")
     if code:
         raise typer.Exit(code=code)
 
@@ -222,24 +233,11 @@ def _show_answers(console: Console, outputs: Path) -> None:
     from bm.workloads.jsonl import iter_lines
 
     records = [r for _, r in iter_lines(outputs) if isinstance(r, dict)]
+    # Each answer under its own header line, so multi-line answers never run into the next one.
     for record in sorted(records, key=lambda r: r.get("index", 0)):
         answer = record.get("text") if record.get("error") is None else f"[error] {record['error']}"
-        console.print(f"[bold cyan]{escape(str(record.get('id')))}[/]: {escape(str(answer))}", soft_wrap=True)
-
-
-def _check_input_file(path: Path) -> None:
-    if path.is_dir():
-        raise ValueError(f"prompts file {str(path)!r} is a directory; give a JSONL file")
-    if not path.exists():
-        raise ValueError(f"prompts file {str(path)!r} does not exist")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"prompts file {str(path)!r} is not readable (permissions)")
-    with path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
-        if not any(line.strip().lstrip(b"\xef\xbb\xbf") for line in f):
-            raise ValueError(
-                f"prompts file {str(path)!r} holds no request (it is empty or blank); give one JSON "
-                'object per line, e.g. {"prompt": "Hello"}'
-            )
+        console.print(f"[bold cyan]── {escape(str(record.get('id')))} ──[/]", soft_wrap=True)
+        console.print(escape(str(answer).rstrip("\n")) or "(empty)", soft_wrap=True, highlight=False)
 
 
 def _count_lines(path: Path) -> int:
@@ -257,10 +255,10 @@ def _read_template(path: Path | None) -> str | None:
     return read_chat_template(path)
 
 
-def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) -> None:
+def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, source: PromptsSource) -> None:
     from bm.cli.outdir import prepare_out_dir
 
-    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
+    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
 
 
 def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
@@ -271,7 +269,7 @@ def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
 
 def _check_resume(
     out: Path,
-    prompts: Path,
+    source: PromptsSource,
     cfg: BmConfig,
     max_tokens: int,
     ignore_eos: bool,
@@ -283,7 +281,7 @@ def _check_resume(
     from bm.cli.outdir import check_run_identity, run_identity, run_options
 
     options = run_options(max_tokens, ignore_eos, template)
-    check_run_identity(out, run_identity(prompts, cfg, options, run_seed))
+    check_run_identity(out, run_identity(source.path, cfg, options, run_seed, name=source.name))
 
 
 def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:

@@ -28,6 +28,7 @@ from bm.cli.bench import (
     resolve_config,
     with_shared_options,
 )
+from bm.cli.errors import print_error
 from bm.cli.outdir import OutDirError, prepare_out_dir
 from bm.config import BmConfig, ConfigError, resolve_engine
 
@@ -87,7 +88,7 @@ def sweep(
         prepare_out_dir(out, resume=resume, overwrite=overwrite, files=SWEEP_FILES, command="bm sweep")
         _check_identity(out, setup.identity, resume)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
     code = _run(setup, out, plot, json_output, quiet, console)
@@ -236,7 +237,7 @@ def _run(
         base = engine_config(setup.base, model, workload, console, [c.config for c in plan.configs])
         size = pin_cache(base, model).kv_cache.max_tokens
     except ValueError as exc:  # ConfigError, or the runtime's KVCacheSizeError (no torch import here)
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return 2
     plan.configs = [_with_cache(c, model, size) for c in plan.configs]
     store = PointStore(out)
