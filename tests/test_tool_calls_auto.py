@@ -54,6 +54,11 @@ def test_hermes_parser_returns_each_call_and_the_text_around_it():
         {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
         {"id": "call_x_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
     ]  # fmt: skip
+    listed = calls(
+        HERMES,
+        '<tool_call>[{"name": "add", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}]</tool_call>',
+    )
+    assert [c["function"]["arguments"] for c in listed.tool_calls] == ["{}", '{"a": 2}']  # SmolLM2's form
     only_call = calls(HERMES, HERMES_CALL)
     assert only_call.content is None and only_call.tool_calls[0]["function"]["name"] == "get_weather"
 
@@ -84,6 +89,7 @@ def test_a_reply_without_a_call_is_text(parser):
         (HERMES, '<tool_call>{"name": "book_flight", "arguments": {}}</tool_call>'),  # not a given tool
         (HERMES, '<tool_call>{"arguments": {}}</tool_call>'),  # no name
         (HERMES, HERMES_CALL + "<tool_call>"),  # a second call cut short
+        (HERMES, '<tool_call>[{"name": "add", "arguments": {}}, 3]</tool_call>'),  # a list with a non-call
         (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}} and then some text'),
         (LLAMA3_JSON, '{"name": "get_weather", "parameters": ["Paris"]}'),  # arguments not an object
         (LLAMA3_JSON, '{"city": "Paris"}'),  # JSON, but not a call
@@ -215,3 +221,27 @@ def test_batch_output_of_auto_tools_parses_with_openais_types(tmp_path):
     text = chat_types.ChatCompletion.model_validate(outputs["text"]["response"]["body"]).choices[0]
     assert text.finish_reason in ("stop", "length") and text.message.tool_calls is None
     assert isinstance(text.message.content, str)
+
+
+def test_shipped_tools_batch_files_run_auto_with_the_template_that_teaches_smollm2_the_hermes_syntax():
+    """datasets/tools: the SmolLM2 tool-calling demo (docs/structured-output.md). Every line is a chat
+    with tools and no tool_choice; the shipped template renders the tools and earlier calls and is
+    detected as hermes."""
+    from pathlib import Path
+
+    from bm.chat_template import jinja_renderer
+    from bm.cli.openai_batch import iter_batch_file
+
+    root = Path(__file__).resolve().parent.parent / "datasets" / "tools"
+    template = (root / "chatml-tools.jinja").read_text()
+    assert detect_parser(template) == HERMES
+    render = jinja_renderer(template)
+    for name in ("weather-calculator-batch.jsonl", "weather-calculator-agent-batch.jsonl"):
+        lines = list(iter_batch_file(root / name))
+        assert len(lines) == 20 and all(line.parsed.ok and line.parsed.tool_auto for line in lines)
+        text = render(lines[0].parsed.messages, tools=lines[0].parsed.tools)
+        assert "<tools>[{" in text and '"name": "get_weather"' in text  # (plain Jinja's tojson sorts keys)
+        assert text.endswith("<|im_start|>assistant\n")
+    agent = next(iter_batch_file(root / "weather-calculator-agent-batch.jsonl")).parsed
+    earlier_call = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Lisbon"}}]</tool_call>'
+    assert earlier_call in render(agent.messages, tools=agent.tools)

@@ -5,7 +5,8 @@ A model left free to answer writes a call in the syntax its chat template taught
 family has its own. bm knows two, named as vLLM's ``--tool-call-parser`` names them:
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, with text around them
-  (Hermes, Qwen 2/2.5/3, SmolLM3 and other ChatML templates that render tools);
+  (Hermes, Qwen 2/2.5/3, SmolLM3 and other ChatML templates that render tools); a block may hold a JSON
+  list of calls, as SmolLM2 writes them;
 - ``llama3_json``: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after
   ``<|python_tag|>``, several calls separated by ``;``), as Llama 3.1+ templates ask for.
 
@@ -150,12 +151,14 @@ def _hermes(text: str) -> tuple[str, list[Call]] | None:
     calls: list[Call] = []
     for block in HERMES_BLOCK.findall(text):
         try:
-            call = _call(json.loads(block), "arguments")
+            value = json.loads(block)
         except json.JSONDecodeError:
             return None
-        if call is None:
-            return None
-        calls.append(call)
+        for item in value if isinstance(value, list) else [value]:  # SmolLM2 writes a list of calls
+            call = _call(item, "arguments")
+            if call is None:
+                return None
+            calls.append(call)
     content = HERMES_BLOCK.sub("", text)
     if "<tool_call>" in content or "</tool_call>" in content:
         return None
