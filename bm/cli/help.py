@@ -27,6 +27,7 @@ RUN_PANELS = {
     "max_tokens": "Generation",
     "ignore_eos": "Generation",
     "chat_template": "Generation",
+    "tool_call_parser": "Generation",
     "out_dir": "Output",
     "resume": "Output",
     "overwrite": "Output",

@@ -118,6 +118,12 @@ def run(
     chat_template: Path | None = typer.Option(
         None, "--chat-template", help="Jinja chat template for 'messages' lines (overrides the checkpoint's)."
     ),
+    tool_call_parser: str | None = typer.Option(
+        None,
+        "--tool-call-parser",
+        help="How to read tool calls from replies to lines with tools and tool_choice auto: hermes or "
+        "llama3_json [detected from the chat template].",
+    ),
     resume: bool = typer.Option(False, "--resume", help="Keep OUT_DIR's finished records; run the rest."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR."),
     seed: int | None = typer.Option(
@@ -144,6 +150,7 @@ def _run(
     max_tokens: int,
     ignore_eos: bool,
     chat_template: Path | None,
+    tool_call_parser: str | None,
     resume: bool,
     overwrite: bool,
     seed: int | None,
@@ -169,6 +176,7 @@ def _run(
         # Ranks other than 0 serve the run from here and exit: they touch no output file.
         multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
         template = _read_template(chat_template)
+        _check_tool_call_parser(tool_call_parser)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
         _prepare_out_dir(out, resume, overwrite, source)
         run_seed = _run_seed(out, seed, resume)
@@ -192,6 +200,7 @@ def _run(
             prompts_name=source.name,
             resume=resume,
             chat_template=template,
+            tool_call_parser=tool_call_parser,
             batch_lines=batch_lines,
             num_lines=None if quiet else _count_lines(source.path),
             run_seed=run_seed,
@@ -253,6 +262,12 @@ def _read_template(path: Path | None) -> str | None:
     from bm.cli.chat import read_chat_template
 
     return read_chat_template(path)
+
+
+def _check_tool_call_parser(name: str | None) -> None:
+    from bm.workloads.tool_parsers import check_parser
+
+    check_parser(name)
 
 
 def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, source: PromptsSource) -> None:

@@ -2,8 +2,8 @@
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
-so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ``tool_choice:
-"auto"``, ...) makes that line an error record; it is never silently ignored. Fields that change nothing
+so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ...) makes
+that line an error record; it is never silently ignored. Fields that change nothing
 computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` beside ``stream: false``)
 are accepted once their type is right. Plain Python (no torch): the file is checked before the model loads.
 """
@@ -23,7 +23,8 @@ from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, n
 from bm.workloads.jsonl import iter_lines, parse_request
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
-from bm.workloads.tools import tool_calls
+from bm.workloads.tool_parsers import parse_tool_calls
+from bm.workloads.tools import tool_calls, tool_names
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
@@ -383,6 +384,13 @@ def _chat_choice(
     if calls is not None:  # tool_choice constrained the reply to a call: OpenAI returns it as tool_calls
         message.update(content=None, tool_calls=calls)
         reason = "tool_calls"
+    elif line.parsed.tool_parser is not None:  # tool_choice auto: the model chose; its parser tells which
+        reply = parse_tool_calls(
+            line.parsed.tool_parser, message["content"], tool_names(line.parsed.tools), call_id
+        )
+        if reply.tool_calls is not None:
+            message.update(content=reply.content, tool_calls=reply.tool_calls)
+            reason = "tool_calls" if reason == "stop" else reason
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 

@@ -89,6 +89,7 @@ class RunOptions:
     prompts_name: str | None = None  # the input as the user named it (prompts may be bm's copy of a pipe)
     resume: bool = False
     chat_template: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser (None: detected from the chat template)
     batch_lines: dict[int, Any] | None = None  # OpenAI batch input: each line's BatchLine by index
     num_lines: int | None = None  # the file's lines, for the progress display's total
     run_seed: int | None = None
@@ -183,7 +184,7 @@ def _feed(
     """Hand each line not already done to the engine as room frees up, and write every record."""
     loaded = llm.loaded
     default_end_id = None if options.ignore_eos else loaded.eos_token_id
-    codec = codec_for(loaded, options.chat_template)
+    codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
     limit = in_flight_limit(llm.config)
     summary = run.summary
     # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds

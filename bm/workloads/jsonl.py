@@ -32,7 +32,7 @@ from bm.engine.fields import (
 )
 from bm.suggest import did_you_mean
 from bm.workloads.request import Row, RowError
-from bm.workloads.tools import read_tools, tool_choice_spec
+from bm.workloads.tools import is_auto, read_tools, tool_choice_spec
 
 __all__ = [
     "WORD_LISTS",
@@ -236,11 +236,13 @@ def parse_request(data: dict[str, Any], entry: Row) -> None:
 
 
 def _tools(data: dict[str, Any], entry: Row) -> None:
-    """``tools`` for the chat template, and the call ``tool_choice`` constrains the reply to."""
+    """``tools`` for the chat template, and the call ``tool_choice`` constrains the reply to (none for
+    "auto", OpenAI's default: the reply is parsed once generated)."""
     if data.get("tools") is not None:
         if entry.messages is None:
             raise RowError("tools: need a chat ('messages'), whose template renders them")
         entry.tools = read_tools(data["tools"])
+    entry.tool_auto = is_auto(entry.tools, data.get("tool_choice"))
     spec = tool_choice_spec(entry.tools, data.get("tool_choice"))
     if spec is not None:
         if entry.fields.get("guided_decoding") is not None:
