@@ -181,7 +181,7 @@ def _run(
         _prepare_out_dir(out, resume, overwrite, source)
         run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
-            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed)
+            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser)
         parsed, batch_lines = _read_requests(source.path)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
@@ -290,12 +290,13 @@ def _check_resume(
     ignore_eos: bool,
     template: str | None,
     run_seed: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
     (docs/resume.md)."""
     from bm.cli.outdir import check_run_identity, run_identity, run_options
 
-    options = run_options(max_tokens, ignore_eos, template)
+    options = run_options(max_tokens, ignore_eos, template, tool_call_parser)
     check_run_identity(out, run_identity(source.path, cfg, options, run_seed, name=source.name))
 
 

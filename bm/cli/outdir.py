@@ -104,10 +104,17 @@ def run_seed_for(out: Path, given: int | None, resume: bool) -> int | None:
     return given if given is not None else random_run_seed()
 
 
-def run_options(max_tokens: int, ignore_eos: bool, chat_template: str | None) -> dict[str, Any]:
-    """``bm run``'s own flags that change outputs: the default output length, EOS, the chat template."""
+def run_options(
+    max_tokens: int, ignore_eos: bool, chat_template: str | None, tool_call_parser: str | None = None
+) -> dict[str, Any]:
+    """``bm run``'s own flags that change outputs: the default output length, EOS, the chat template,
+    and the tool-call parser when one is named (only then, so run directories written before the flag
+    existed still resume)."""
     template = hashlib.sha256(chat_template.encode()).hexdigest() if chat_template is not None else None
-    return {"--max-tokens": max_tokens, "--ignore-eos": ignore_eos, "--chat-template (sha256)": template}
+    options = {"--max-tokens": max_tokens, "--ignore-eos": ignore_eos, "--chat-template (sha256)": template}
+    if tool_call_parser is not None:
+        options["--tool-call-parser"] = tool_call_parser
+    return options
 
 
 def model_named(config: BmConfig) -> str:

@@ -126,7 +126,12 @@ def run_prompts(
         identity = run_identity(
             options.prompts,
             config,
-            run_options(options.default_output_len, options.ignore_eos, options.chat_template),
+            run_options(
+                options.default_output_len,
+                options.ignore_eos,
+                options.chat_template,
+                options.tool_call_parser,
+            ),
             options.run_seed,
             name=options.prompts_name,
         )
