@@ -14,21 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS
 from bm.llm_params import InvalidParameterError
 from bm.suggest import did_you_mean
 
-# vLLM's LLM(...) / EngineArgs name -> the bm config key it sets. gpu_memory_utilization is a fraction of
-# the memory free after the weights load (TensorRT-LLM's meaning), not of the whole device as in vLLM.
-ENGINE_ARGS: dict[str, str] = {
-    "max_model_len": "engine.max_seq_len",
-    "gpu_memory_utilization": "kv_cache.free_memory_fraction",
-    "dtype": "model.dtype",
-    "max_num_seqs": "engine.max_batch_size",
-    "max_num_batched_tokens": "engine.max_num_tokens",
-    "enable_prefix_caching": "kv_cache.enable_block_reuse",
-    "enable_chunked_prefill": "engine.enable_chunked_context",
-    "tokenizer": "model.tokenizer",
-    "block_size": "kv_cache.tokens_per_block",
+# vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
+ENGINE_ARGS: dict[str, str | None] = {
+    **VLLM_ENGINE_KEYS,
     "max_logprobs": None,  # bm returns up to 20 top log probs per position, OpenAI's bound; nothing to set
 }
 # vLLM names bm takes with a meaning of their own (read by LLM itself, not the config).
@@ -58,7 +50,7 @@ def build_config(
         elif name == "enforce_eager":
             if not isinstance(value, bool):
                 raise InvalidParameterError(f"LLM(enforce_eager=...): expected True or False, got {value!r}")
-            overrides["model.cuda_graphs"] = _EAGER[value]
+            overrides[ENFORCE_EAGER_KEY] = _EAGER[value]
         elif name in model_keys:
             overrides[f"model.{name}"] = value
         elif name in sections and isinstance(value, Mapping):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import typer
 
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_SWITCHES
+
 # typer ships its own click; its usage error (exit 2, printed to stderr with the usage line) is the one
 # base of typer.BadParameter, which typer exports.
 UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
@@ -32,20 +34,17 @@ class VllmFlag:
         return self.key if self.key is not None else str(self.option)
 
 
-# vLLM flag -> what it means in bm. Keys are checked against bm.config by a test.
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# vLLM flag -> what it means in bm, from the one table bm.LLM's keywords use (bm.config.vllm). Keys are
+# checked against bm.config by a test.
 VLLM_FLAGS: dict[str, VllmFlag] = {
-    "--max-model-len": VllmFlag(key="engine.max_seq_len"),
-    "--gpu-memory-utilization": VllmFlag(key="kv_cache.free_memory_fraction"),
-    "--dtype": VllmFlag(key="model.dtype"),
-    "--max-num-seqs": VllmFlag(key="engine.max_batch_size"),
-    "--max-num-batched-tokens": VllmFlag(key="engine.max_num_tokens"),
-    "--enable-prefix-caching": VllmFlag(key="kv_cache.enable_block_reuse", switch="true"),
-    "--no-enable-prefix-caching": VllmFlag(key="kv_cache.enable_block_reuse", switch="false"),
-    "--enable-chunked-prefill": VllmFlag(key="engine.enable_chunked_context", switch="true"),
-    "--no-enable-chunked-prefill": VllmFlag(key="engine.enable_chunked_context", switch="false"),
-    "--enforce-eager": VllmFlag(key="model.cuda_graphs", switch="off"),
-    "--block-size": VllmFlag(key="kv_cache.tokens_per_block"),
-    "--tokenizer": VllmFlag(key="model.tokenizer"),
+    **{_flag(n): VllmFlag(key=k) for n, k in VLLM_ENGINE_KEYS.items() if n not in VLLM_SWITCHES},
+    **{_flag(n): VllmFlag(key=VLLM_ENGINE_KEYS[n], switch="true") for n in VLLM_SWITCHES},
+    **{"--no-" + _flag(n)[2:]: VllmFlag(key=VLLM_ENGINE_KEYS[n], switch="false") for n in VLLM_SWITCHES},
+    "--enforce-eager": VllmFlag(key=ENFORCE_EAGER_KEY, switch="off"),
     "--tensor-parallel-size": VllmFlag(option="--tensor-parallel"),
     "-tp": VllmFlag(option="--tensor-parallel"),
     "--data-parallel-size": VllmFlag(option="--data-parallel"),
