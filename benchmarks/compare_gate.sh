@@ -16,8 +16,8 @@ WORKLOAD=(--dataset-kind synthetic --input-len 64 --output-len 32 --num-requests
           --schemes inflight_fused --quiet)
 rm -rf "$OUT" && mkdir -p "$OUT"
 
-$BM compare "${WORKLOAD[@]}" --repeat 5 -o "$OUT/base" > "$OUT/base.log" 2>&1 || { echo "baseline run failed"; cat "$OUT/base.log"; exit 2; }
-echo "baseline: $OUT/base/compare.json (5 repeats)"
+$BM compare "${WORKLOAD[@]}" --repeat 10 -o "$OUT/base" > "$OUT/base.log" 2>&1 || { echo "baseline run failed"; cat "$OUT/base.log"; exit 2; }
+echo "baseline: $OUT/base/compare.json (10 repeats)"
 
 green=0
 for i in $(seq 1 10); do

@@ -22,6 +22,7 @@ from bm.compare.regress import (
     parse_noise_factor,
     parse_tolerance,
     rounds_to_settle,
+    slow_baseline_note,
     summarize_timing,
 )
 
@@ -268,3 +269,15 @@ def test_kv_block_counters_read_the_peak_and_the_sum_of_used_blocks():
 def test_bad_noise_factor_names_the_accepted_values(value):
     with pytest.raises(ToleranceError, match="--noise-factor"):
         parse_noise_factor(value)
+
+
+def test_a_baseline_beaten_beyond_its_margins_is_called_out_as_possibly_loaded():
+    loaded_base = _timed("output_throughput", [100.0, 98.0])
+    verdict = judge(loaded_base, _timed("output_throughput", [1000.0, 990.0]), 0.1)
+    assert verdict.regressions == []  # one-sided: never a failure
+    note = slow_baseline_note(verdict.timing_checks)
+    assert "inflight_fused.output_throughput 100 -> 1000" in note and "save it again" in note
+    assert (
+        slow_baseline_note(judge(loaded_base, _timed("output_throughput", [105.0, 100.0]), 0.1).timing_checks)
+        is None
+    )

@@ -253,9 +253,13 @@ def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
         console.print(f"[red]FAILED: {message}[/]", highlight=False, soft_wrap=True)
         bad = True
     if result.baseline_path is not None:
+        from bm.compare.regress import slow_baseline_note
         from bm.compare.runner import gate_rule
 
         console.print(gate_rule(result), highlight=False, soft_wrap=True)
+        note = slow_baseline_note(result.timing_checks)
+        if note:
+            console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
         if result.regressions:
             for r in result.regressions:
                 console.print(f"[red]regression: {r.message}[/]", highlight=False, soft_wrap=True)

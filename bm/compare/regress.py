@@ -181,6 +181,11 @@ class TimingCheck:
     def regressed(self) -> bool:
         return self.worse_by > self.margin
 
+    @property
+    def improved(self) -> bool:
+        """Better than the baseline beyond the margin: a speed-up, or a baseline measured under load."""
+        return -self.worse_by > self.margin
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "variant": self.variant,
@@ -192,6 +197,7 @@ class TimingCheck:
             "previous_spread": self.previous_spread,
             "current_spread": self.current_spread,
             "regressed": self.regressed,
+            "improved": self.improved,
         }
 
 
@@ -202,6 +208,22 @@ class BaselineVerdict:
 
     def widest_margin(self) -> float | None:
         return max((c.margin for c in self.timing_checks), default=None)
+
+
+def slow_baseline_note(checks: Sequence[TimingCheck]) -> str | None:
+    """A gate is one-sided: a baseline measured while other load slowed it passes any run, a slowed one
+    included. When timings beat the baseline beyond their margins, say so, so a stale or loaded
+    baseline is re-saved instead of trusted."""
+    better = [c for c in checks if c.improved]
+    if not better:
+        return None
+    most = max(better, key=lambda c: -c.worse_by)
+    return (
+        f"note: {len(better)} timing(s) beat the baseline beyond their margins "
+        f"(most: {most.variant}.{most.metric} {most.previous:.4g} -> {most.current:.4g}); unless the code "
+        "got faster, the baseline was measured on a loaded machine and would let a slowdown through: "
+        "save it again (bm compare --repeat 5 -o DIR)"
+    )
 
 
 def find_regressions(

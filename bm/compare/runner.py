@@ -32,6 +32,7 @@ from bm.compare.regress import (
     Regression,
     TimingCheck,
     kv_block_counters,
+    slow_baseline_note,
     summarize_timing,
 )
 from bm.compare.variants import Variant, variant_config
@@ -362,6 +363,9 @@ def compare_markdown(result: CompareResult) -> str:
             lines += [f"- ❌ `{r.variant}.{r.metric}`: {r.detail}" for r in result.regressions]
         else:
             lines.append("- ✅ no regressions")
+        note = slow_baseline_note(result.timing_checks)
+        if note:
+            lines.append(f"- ⚠️ {note}")
         if result.timing_checks:
             lines += [
                 "",
