@@ -92,14 +92,15 @@ class LLM:
         *,
         config: str | Path | BmConfig | None = None,
         seed: int | None = None,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | None = None,
         **options: Any,
     ):
         from bm.runtime import load_model
 
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidParameterError(f"LLM(seed=...): expected an integer >= 0, got {seed!r}")
-        check_tensor_parallel(tensor_parallel_size)
+        if tensor_parallel_size is not None:  # None: the ranks this process already runs in
+            check_tensor_parallel(tensor_parallel_size)
         config_ = build_config(model, config, options)
         self.seed = seed
         self.loaded = load_model(config_.model)
