@@ -17,9 +17,13 @@ except PackageNotFoundError:  # a source tree that is not installed
 
 _EXPORTS = {
     "LLM": "bm.llm",
-    "SamplingParams": "bm.llm",
-    "RequestOutput": "bm.llm",
-    "CompletionOutput": "bm.llm",
+    "SamplingParams": "bm.llm_params",
+    "RequestOutput": "bm.llm_params",
+    "CompletionOutput": "bm.llm_params",
+    "Logprob": "bm.llm_params",
+    "StructuredOutputsParams": "bm.llm_params",
+    "GuidedDecodingParams": "bm.llm_params",
+    "InvalidParameterError": "bm.llm_params",
     "BmConfig": "bm.config",
     "ConfigError": "bm.config",
     "load_config": "bm.config",

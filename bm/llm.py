@@ -9,7 +9,8 @@
 Why a second door beside the seed's ``BatchManager``: the seed's API speaks token ids and tensor maps, and
 a user who just wants completions should not have to tokenize, render chat templates, pick the end id
 or stitch responses. This door does those once, here, and hands typed core requests to the same engine
-(every value is still validated by the engine's one validator). The model loads once per ``LLM``; each
+(every value is still validated by the engine's one validator, before any request of a batch runs,
+and a bad one raises :class:`~bm.llm_params.InvalidParameterError`). The model loads once per ``LLM``; each
 ``generate`` call runs its prompts to completion as one batch.
 
 ``bm run`` is built on this door too: it loads through ``LLM`` and streams a file's requests through
@@ -25,126 +26,42 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bm.config import MODEL_PRESETS, BmConfig, load_config, resolve_engine
-from bm.engine.fields import request_field, token_id_list
+from bm.config import BmConfig, resolve_engine
+from bm.engine.fields import RequestError, token_id_list
 from bm.engine.offline import RequestQueue
 from bm.engine.request import Request, Response
 from bm.engine.stopping import text_before_stop
+from bm.llm_config import build_config, check_tensor_parallel
+from bm.llm_params import (
+    CompletionOutput,
+    GuidedDecodingParams,
+    InvalidParameterError,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    user_message,
+)
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GuidedDecodingParams",
+    "InvalidParameterError",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "Session",
+    "StructuredOutputsParams",
+]
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling controls, under vLLM's names (the engine's spec names in comments)."""
-
-    max_tokens: int = 16  # request_output_len
-    temperature: float = 0.0  # 0 is greedy
-    top_p: float = 1.0  # runtime_top_p
-    top_k: int = 0  # runtime_top_k; 0 (or -1) is off
-    seed: int | None = None  # random_seed (default 0, as in TensorRT-LLM)
-    stop: str | list[str] | None = None  # strings that end the text (cut before them, as OpenAI does)
-    stop_token_ids: list[int] | None = None  # single tokens that end generation
-    bad_words: list[str] | None = None  # bad_words_list
-    ignore_eos: bool = False  # keep going past the model's end token
-    min_tokens: int = 0  # min_length
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False  # return_log_probs: the log prob of each generated token
-    # Structured output (guided_decoding; needs llguidance): OpenAI's response_format, e.g.
-    # {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}, or vLLM's guided form,
-    # {"json": schema} | {"regex": "..."} | {"choice": [...]} | {"grammar": "..."}. docs/structured-output.md
-    response_format: dict[str, Any] | None = None
-    guided_decoding: Any = None
-
-    def request_fields(self, encode_word: Any) -> dict[str, Any]:
-        """The engine request's fields for these parameters (strings tokenized by ``encode_word``)."""
-        out: dict[str, Any] = {
-            "request_output_len": self.max_tokens,
-            "temperature": self.temperature,
-            "runtime_top_p": self.top_p,
-            "runtime_top_k": max(self.top_k, 0),
-            "random_seed": self.seed,
-            "min_length": self.min_tokens or None,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "return_log_probs": self.logprobs or None,
-        }
-        if self.response_format is not None and self.guided_decoding is not None:
-            raise ValueError("SamplingParams: give response_format or guided_decoding, not both")
-        if self.response_format is not None:
-            out["guided_decoding"] = request_field("guided_decoding", "response_format", self.response_format)
-        elif self.guided_decoding is not None:
-            out["guided_decoding"] = request_field("guided_decoding", "guided_decoding", self.guided_decoding)
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        words = [_encode_word(w, "stop", encode_word) for w in stops]
-        words += [[t] for t in self.stop_token_ids or []]
-        if words:
-            out["stop_words_list"] = words
-        if self.bad_words:
-            out["bad_words_list"] = [_encode_word(w, "bad_words", encode_word) for w in self.bad_words]
-        return out
-
-
-def _encode_word(word: Any, name: str, encode_word: Any) -> list[int]:
-    if not isinstance(word, str) or not word:
-        raise ValueError(f"SamplingParams.{name}: expected non-empty strings, got {word!r}")
-    if encode_word is None:
-        raise ValueError(f"SamplingParams.{name}: this model has no tokenizer to encode {word!r}")
-    return list(encode_word(word))
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence: its text, token ids, per-token log probs and why it ended."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # stop (end token, stop string or token), length, cancelled, error
-    logprobs: list[float] | None = None
-    cumulative_logprob: float | None = None
-    error: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """The result of one prompt, as vLLM shapes it (``outputs[0]``), with its fields also read directly."""
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self.outputs[0].logprobs
-
-    @property
-    def error(self) -> str | None:
-        return self.outputs[0].error
-
 
 # The engine's finish reasons under the names OpenAI and vLLM use.
 _FINISH = {
@@ -160,18 +77,32 @@ class LLM:
     """A model loaded once, and generation over lists of prompts or chats.
 
     ``model``: a preset (``smollm2-135m``, ``tiny-random``) or a local Hugging Face checkpoint directory.
-    ``config``: a YAML config file or a :class:`~bm.config.BmConfig`. Other keyword arguments are config
-    sections as mappings (``engine={"max_batch_size": 64}``, ``kv_cache={"max_tokens": 16384}``) or keys
-    of the ``model`` section (``dtype="bfloat16"``, ``device="cpu"``). Every value is checked at once, with
-    the same messages as ``bm run --set``.
+    ``config``: a YAML config file or a :class:`~bm.config.BmConfig`. Keywords: vLLM's engine arguments
+    (``max_model_len``, ``gpu_memory_utilization``, ``dtype``, ``max_num_seqs``, ... mapped by
+    :data:`bm.llm_config.ENGINE_ARGS`), keys of the ``model`` section (``device="cpu"``) and config
+    sections as mappings (``engine={"max_batch_size": 64}``). ``seed`` seeds sampling, as in vLLM: each
+    request without a seed of its own samples with one derived from it and the request's number (the
+    random weights' seed is ``model={"seed": ...}``). Every value is checked at once, with the same
+    messages as ``bm run --set``, and a bad one raises :class:`InvalidParameterError`.
     """
 
     def __init__(
-        self, model: str | None = None, *, config: str | Path | BmConfig | None = None, **options: Any
+        self,
+        model: str | None = None,
+        *,
+        config: str | Path | BmConfig | None = None,
+        seed: int | None = None,
+        tensor_parallel_size: int | None = None,
+        **options: Any,
     ):
         from bm.runtime import load_model
 
-        config_ = _build_config(model, config, options)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InvalidParameterError(f"LLM(seed=...): expected an integer >= 0, got {seed!r}")
+        if tensor_parallel_size is not None:  # None: the ranks this process already runs in
+            check_tensor_parallel(tensor_parallel_size)
+        config_ = build_config(model, config, options)
+        self.seed = seed
         self.loaded = load_model(config_.model)
         # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what
         # this object reports is what its engines run
@@ -180,38 +111,61 @@ class LLM:
         self._next_id = 0
         self._executor: Any = None  # one executor for every engine of this object: one cache, one warm-up
         self._prepare_engine()
+        self._limits = self._request_limits()
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order. A prompt is text or a list of token ids; one
-        ``SamplingParams`` serves every prompt, or give a list with one per prompt."""
+        ``SamplingParams`` serves every prompt, or give a list with one per prompt. Every request is
+        validated before any runs; a bad one raises :class:`InvalidParameterError`. ``use_tqdm`` shows
+        a progress bar on stderr (rich's) while the batch runs."""
         single = isinstance(prompts, (str, Mapping)) or hasattr(prompts, "tolist") or _is_ids(prompts)
         batch = [prompts] if single else list(prompts)
         return self._run(
-            [(p, self._encode(p)) if isinstance(p, str) else (None, _ids(p)) for p in batch], sampling_params
+            [(p, self._encode(p)) if isinstance(p, str) else (None, _ids(p)) for p in batch],
+            sampling_params,
+            use_tqdm,
         )
 
     def chat(
         self,
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
         *,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to chats (OpenAI-style ``[{"role": ..., "content": ...}]`` turns), each rendered
-        with the model's chat template (or ``chat_template``, Jinja text) and its generation prompt."""
+        with the model's chat template (or ``chat_template``, Jinja text) and its generation prompt;
+        ``tools`` (OpenAI's function specs) are handed to the template, which writes them as the model
+        was trained to read them."""
         from bm.runtime.tokenizer import chat_renderer
 
         chats = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         render = chat_renderer(self.tokenizer, chat_template)
         if render is None:
-            raise ValueError(
+            raise InvalidParameterError(
                 "this model has no chat template; pass chat_template= (Jinja text) or use generate()"
             )
-        return self._run([(None, render(list(chat))) for chat in chats], sampling_params)
+        if tools is not None and (
+            not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise InvalidParameterError(
+                "tools: expected a list of tool objects, e.g. [{'type': 'function', ...}]"
+            )
+        return self._run(
+            [(None, render(list(chat), tools=tools)) for chat in chats], sampling_params, use_tqdm
+        )
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer: the Hugging Face one of a checkpoint (as vLLM returns it), or bm's byte
+        tokenizer for the embedded random model; None for a model without one."""
+        return getattr(self.tokenizer, "tokenizer", self.tokenizer)
 
     def session(self, return_stats: Callable[[str], None] | None = None) -> Session:
         """An engine over this model that takes typed core requests one at a time and hands back each
@@ -246,60 +200,135 @@ class LLM:
         self.startup |= {"engine_build_s": time.perf_counter() - started, "warmup": session.warmup}
         session.close()
 
+    def _request_limits(self) -> Any:
+        """What the engine validates a request against, so a batch is checked before any of it runs."""
+        from bm.engine.executor import ModelLimits
+        from bm.engine.setup import request_limits
+
+        executor = self._engine_executor()
+        model = executor.limits if executor is not None else ModelLimits(
+            vocab_size=self.loaded.vocab_size, max_position_embeddings=self.loaded.max_position_embeddings
+        )  # fmt: skip
+        return request_limits(self.config, model)
+
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            raise InvalidParameterError("this model has no tokenizer; pass prompts as lists of token ids")
         return self.tokenizer.encode(text)
+
+    def _requests(
+        self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams], first: int
+    ) -> list[Request]:
+        """One engine request per prompt, each checked by the engine's validator before any is sent."""
+        from bm.engine.seeds import line_seed
+        from bm.engine.validate import validate_request
+
+        encode_word = getattr(self.tokenizer, "encode_word", None)
+        requests = []
+        for i, ((_text, ids), p) in enumerate(zip(prompts, params, strict=True)):
+            fields_ = p.request_fields(encode_word)
+            if "request_output_len" not in fields_:  # max_tokens=None: up to the model's length
+                fields_["request_output_len"] = max(self._limits.max_seq_len - len(ids), 1)
+            if "random_seed" not in fields_ and self.seed is not None:
+                fields_["random_seed"] = line_seed(self.seed, first + i)
+            end_id = None if p.ignore_eos else self.loaded.eos_token_id
+            request = Request(first + i, input_ids=ids, end_id=end_id, **fields_)
+            try:
+                validate_request(request, self._limits)
+            except RequestError as exc:
+                raise InvalidParameterError(f"prompt {i}: {user_message(str(exc))}") from None
+            requests.append(request)
+        return requests
 
     def _run(
         self,
         prompts: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
-        encode_word = getattr(self.tokenizer, "encode_word", None)
         first = self._next_id
+        requests = self._requests(prompts, params, first)
         self._next_id += len(prompts)
-        requests = []
-        for i, ((_text, ids), p) in enumerate(zip(prompts, params, strict=True)):
-            fields_ = {k: v for k, v in p.request_fields(encode_word).items() if v is not None}
-            end_id = None if p.ignore_eos else self.loaded.eos_token_id
-            requests.append(Request(first + i, input_ids=ids, end_id=end_id, **fields_))
-        with self.session() as session:
+        results: dict[int, Response] = {}
+        with self.session() as session, _progress(use_tqdm, len(requests)) as advance:
             for request in requests:
                 session.submit(request)
-            results = {}
             while len(results) < len(requests):
                 response = session.next_final()
                 if response is not None:
                     results[response.request_id] = response
+                    advance()
                 elif not session.alive:
                     raise RuntimeError(f"the batch manager failed: {session.error}")
+        for i, request in enumerate(requests):
+            error = results[request.request_id].error
+            if error:  # refused when admitted (the cache cannot hold it, ...) or failed while running
+                kind = RuntimeError if results[request.request_id].output_ids else InvalidParameterError
+                raise kind(f"prompt {i}: {user_message(error)}")
         return [
             self._output(first + i, text, ids, p, results[first + i])
             for i, ((text, ids), p) in enumerate(zip(prompts, params, strict=True))
         ]
 
     def _output(
-        self,
-        request_id: int,
-        prompt: str | None,
-        ids: list[int],
-        params: SamplingParams,
-        result: Response,
+        self, request_id: int, prompt: str | None, ids: list[int], params: SamplingParams, result: Response
     ) -> RequestOutput:
-        tokens = list(result.output_ids)
-        reason = _FINISH.get(result.finish_reason.label, result.finish_reason.label)
+        samples = result.samples or [result]
+        return RequestOutput(
+            request_id, prompt, ids, [self._completion(i, s, params) for i, s in enumerate(samples)]
+        )
+
+    def _completion(self, index: int, sample: Any, params: SamplingParams) -> CompletionOutput:
+        """One sample (a response, or one of its n samples) as vLLM's CompletionOutput."""
+        tokens = list(sample.output_ids)
+        reason = _FINISH.get(sample.finish_reason.label, sample.finish_reason.label)
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         cut = text_before_stop(text, stops)
         if cut is not None:
             text, reason = cut, "stop"
-        cumulative = result.cum_log_probs[0] if result.cum_log_probs else None
-        completion = CompletionOutput(
-            0, text, tokens, reason, result.output_log_probs, cumulative, result.error or None
-        )
-        return RequestOutput(request_id, prompt, ids, [completion])
+        chosen = sample.output_log_probs
+        if params.logprobs is None or chosen is None:
+            return CompletionOutput(index, text, tokens, reason, error=getattr(sample, "error", None) or None)
+        tops = sample.output_top_log_probs or [[] for _ in tokens]
+        logprobs = [
+            self._position(token, lp, top, params.logprobs)
+            for token, lp, top in zip(tokens, chosen, tops, strict=False)
+        ]
+        return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)))
+
+    def _position(
+        self, token: int, logprob: float, top: list[tuple[int, float]], k: int
+    ) -> dict[int, Logprob]:
+        """One position's log probs in vLLM's shape: the chosen token first (its rank known when it is
+        among the top ones the engine returned), then the ``k`` most likely."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: None
+        ranks = {int(t): r for r, (t, _lp) in enumerate(top, 1)}
+        out = {token: Logprob(logprob, ranks.get(token), decode([token]))}
+        for rank, (tok, lp) in enumerate(top[:k], 1):
+            out.setdefault(int(tok), Logprob(lp, rank, decode([int(tok)])))
+        return out
+
+
+@contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
+    """A progress bar on stderr while a batch runs (rich, a dependency already), when stderr is a
+    terminal; nothing otherwise."""
+    if not show:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:  # a log file gets no bar frames
+        yield lambda: None
+        return
+    columns = (TextColumn("bm.LLM"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("requests", total=total)
+        yield lambda: bar.advance(task)
 
 
 class Session:
@@ -376,38 +405,6 @@ class Session:
             self._finished.put(response)
 
 
-def _build_config(
-    model: str | None, config: str | Path | BmConfig | None, options: dict[str, Any]
-) -> BmConfig:
-    """A validated config from a file or object plus keyword overrides (see :class:`LLM`)."""
-    from bm.config import ModelConfig, config_from_dict
-
-    model_keys = {f.name for f in fields(ModelConfig)}
-    overrides: dict[str, Any] = {}
-    if model is not None:
-        preset = model in MODEL_PRESETS and not Path(model).exists()
-        overrides["model.preset" if preset else "model.path"] = model
-    for name, value in options.items():
-        if name in model_keys:
-            overrides[f"model.{name}"] = value
-        elif isinstance(value, Mapping):
-            overrides.update({f"{name}.{key}": v for key, v in value.items()})
-        else:
-            raise ValueError(
-                f"LLM({name}=...): not a model key ({', '.join(sorted(model_keys))}) nor a config section "
-                "given as a mapping, e.g. engine={'max_batch_size': 64}"
-            )
-    if isinstance(config, BmConfig) and not overrides:
-        return config  # already validated (the CLI builds its config from files and flags)
-    if isinstance(config, BmConfig):
-        data = config.to_dict()
-        for dotted, value in overrides.items():
-            section, _, key = dotted.partition(".")
-            data.setdefault(section, {})[key] = value
-        return config_from_dict(data)
-    return load_config(config, overrides)
-
-
 def _is_ids(value: Any) -> bool:
     return (
         isinstance(value, Sequence)
@@ -418,9 +415,14 @@ def _is_ids(value: Any) -> bool:
 
 
 def _ids(value: Any) -> list[int]:
-    ids = token_id_list(value)
+    try:
+        ids = token_id_list(value)
+    except RequestError as exc:
+        raise InvalidParameterError(f"prompt: {exc}") from None
     if not ids:
-        raise ValueError("a prompt must be text or a non-empty list of token ids, got an empty list")
+        raise InvalidParameterError(
+            "a prompt must be text or a non-empty list of token ids, got an empty list"
+        )
     return ids
 
 
@@ -430,8 +432,10 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidParameterError("sampling_params: expected bm.SamplingParams, or a list of them")
     if len(params) != count:
-        raise ValueError(
+        raise InvalidParameterError(
             f"sampling_params: {len(params)} given for {count} prompts; give one, or one per prompt"
         )
     return params

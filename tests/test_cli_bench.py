@@ -171,3 +171,85 @@ def test_bench_with_ngram_speculation_reports_the_mean_acceptance_length(tmp_pat
     assert results["mean_acceptance_length"] >= 1.0
     assert 0.0 <= results["draft_acceptance_rate"] <= 1.0
     assert "Mean acceptance length" in result.output
+
+
+def test_an_interrupted_bench_says_so_and_counts_cancelled_requests_apart_from_failed(tmp_path):
+    """Issue 41: Ctrl-C exited 130 but showed a normal table with 'Failed requests 185'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    args = [
+        sys.executable,
+        "-m",
+        "bm.cli.main",
+        "bench",
+        "--dataset-kind",
+        "synthetic",
+        "--num-requests",
+        "120",
+    ]
+    args += ["--input-len", "8", "--output-len", "48", "-o", str(out), "-q", "--set", "model.device=cpu"]
+    args += ["--set", "engine.max_batch_size=2", "--set", "bench.warmup=0"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = out / "requests.jsonl"
+    deadline = time.monotonic() + 180
+    while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    screen = " ".join(stdout.split())
+    assert "interrupted" in screen and "Cancelled requests" in screen
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] and results["failed"] == 0
+    assert (
+        results["cancelled"] > 0
+        and results["completed"] + results["cancelled"] == results["num_requests"] == 120
+    )
+    records = read_jsonl(journal)
+    assert sum(r["finish_reason"] == "cancelled" for r in records) == results["cancelled"]
+
+
+def batch_line(custom_id, url, body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}) + "\n"
+
+
+def test_bench_recognizes_an_openai_batch_file(tmp_path):
+    """Issue 41: an OpenAI batch file was taken for a Hugging Face table (with a --prompt-column hint,
+    which cannot reach a prompt nested in body). It is read by the batch reader bm run uses."""
+    from bm.workloads import detect_kind
+
+    path = tmp_path / "batch.jsonl"
+    path.write_text(
+        "".join(
+            batch_line(f"c{i}", "/v1/completions", {"prompt": f"hello {i}", "max_tokens": 3})
+            for i in range(3)
+        )
+    )
+    assert detect_kind(path) == "openai-batch"
+    out = tmp_path / "out"
+    result = bench(path, "-o", out)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["dataset"]["kind"] == "openai-batch"
+    assert results["completed"] == 3 and results["total_output_tokens"] == 9
+    assert sorted(r["id"] for r in read_jsonl(out / "requests.jsonl")) == ["c0", "c1", "c2"]
+
+
+def test_bench_on_a_chat_batch_file_names_bm_run_before_loading(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(
+        batch_line("a", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    )
+    result = bench(path, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    error = " ".join(result.stderr.split())
+    assert "line 1: messages" in error and "bm run" in error and "prompt-column" not in error

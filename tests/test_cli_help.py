@@ -88,3 +88,36 @@ def test_quiet_run_prints_no_loading_weights_bar(tiny_reference, tmp_path):
 
     assert "Loading weights" in run("-o", str(tmp_path / "loud"))  # the bar this test is about
     assert "Loading weights" not in run("-o", str(tmp_path / "quiet"), "-q")
+
+
+def test_run_help_lists_only_the_config_sections_bm_run_reads():
+    text = help_at_80_columns(["run"])
+    for section in ("model:", "engine:", "kv_cache:"):
+        assert f" {section}" in text
+    for section in ("bench:", "sim:", "sweep:"):
+        assert f" {section}" not in text
+    assert "range_ratio" not in text and "slo" not in flat(text).split()
+    assert len(text.splitlines()) <= 180  # it was 297: every key of every section, blank lines between
+
+
+def test_config_defaults_in_help_print_as_plain_values():
+    text = flat(help_at_80_columns(["run"]))
+    assert "batching_scheme (default inflight_fused)" in text
+    assert "enable_block_reuse (default false)" in text
+    assert "dtype (default auto)" in text and "<BatchingScheme" not in text
+
+
+def test_help_epilog_in_brackets_is_printed_not_read_as_markup():
+    import typer
+
+    from bm.cli.help import CompactHelp
+    from bm.config import config_reference
+
+    demo = typer.Typer()
+
+    @demo.command(cls=CompactHelp, epilog=config_reference(["bench"]))
+    def only(flag: bool = typer.Option(False, "--flag")) -> None:
+        """A command whose epilog holds the bench keys."""
+
+    result = runner.invoke(demo, ["--help"], env={"COLUMNS": "80"})
+    assert "[len*(1-r), len*(1+r)]" in flat(result.output)

@@ -168,3 +168,35 @@ def test_bm_bench_refuses_a_non_empty_results_directory_without_overwrite(tmp_pa
     ran = runner.invoke(app, [*args, "--overwrite"])
     assert ran.exit_code == 0, ran.output
     assert json.loads((out / "results.json").read_text())["completed"] == 2
+
+
+def test_the_printed_resume_command_resumes_the_run(tmp_path):
+    """Issue 41: the command printed after Ctrl-C dropped --ignore-eos and -s, so running it exactly was
+    refused ("the run options changed"). It now repeats every option given; run as printed, it finishes."""
+    import shlex
+
+    n = 24
+    prompts = write_prompts(tmp_path / "p.jsonl", n, max_tokens=40)
+    out = tmp_path / "out"
+    proc = bm_run_process(prompts, out, "--max-tokens", "7", "--set", "engine.max_seq_len=512", "--seed", "5")
+    wait_for_records(proc, out / "outputs.jsonl", MAX_BATCH)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    printed = " ".join(stdout.split()).split("run them with ", 1)[1]
+    words = shlex.split(printed)
+    assert words[:2] == ["bm", "run"] and words[-1] == "--resume"
+    for option in ("--ignore-eos", "--max-tokens", "engine.max_seq_len=512", "model.device=cpu", "--seed"):
+        assert option in words, printed
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    resumed = subprocess.run(
+        [sys.executable, "-m", "bm.cli.main", *words[1:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    records = read_jsonl(out / "outputs.jsonl")
+    assert sorted(r["index"] for r in records) == list(range(n))
+    assert all(r["finish_reason"] == "length" for r in records)

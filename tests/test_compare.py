@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 
@@ -92,6 +93,8 @@ def test_violated_assertion_exits_1_naming_the_figure_and_the_gap(dataset, tmp_p
         (["--tolerance", "lots"], "--tolerance 'lots'"),
         (["--baseline", "missing.json"], "--baseline missing.json: no such file"),
         (["--repeat", "0"], "--repeat 0"),
+        (["--noise-factor", "-1"], "--noise-factor -1.0: give a number at least 0"),
+        (["--repeat", "3", "--max-repeat", "2"], "--max-repeat 2: must be at least --repeat (3)"),
     ],
 )
 def test_bad_options_fail_before_the_model_loads(dataset, tmp_path, monkeypatch, args, message):
@@ -160,6 +163,69 @@ def test_baseline_passes_against_itself_and_catches_a_changed_counter(saved, dat
     assert "regression: hf-generate.*: variant missing from this run" in flat
     regressions = json.loads((tmp_path / "changed" / "compare.json").read_text())["baseline"]["regressions"]
     assert {r["metric"] for r in regressions} == {"num_iterations", "*"}
+
+
+def test_baseline_gate_repeats_by_default_and_passes_unchanged_code_with_margins_recorded(
+    saved, dataset, tmp_path
+):
+    # Wall-clock figures are not asserted: a huge tolerance keeps timings from deciding, so this pins the
+    # plumbing (default repeats, exact counters, every timing checked with its margin); the noise rule
+    # itself is pinned on synthetic figures in test_compare_gates.py.
+    out, _ = saved
+    result = compare(
+        dataset, tmp_path / "same", "--schemes", "v1,inflight_fused", "--baselines", "hf-generate",
+        "--baseline", out / "compare.json", "--tolerance", "10000%",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "no regressions" in result.output and "margins used 10000%" in result.output
+    doc = json.loads((tmp_path / "same" / "compare.json").read_text())
+    assert doc["repeat"] == 5  # a baseline is judged against measured noise: repeats by default
+    timings = doc["variants"]["inflight_fused"]["timings"]
+    assert timings["output_throughput"]["repeats"] == 5
+    assert timings["output_throughput"]["best"] == max(
+        doc["variants"]["inflight_fused"]["output_throughput_per_repeat"]
+    )
+    assert {"best", "median", "min", "max", "spread"} <= set(timings["p99_ttft_ms"])
+    checks = doc["baseline"]["timing_checks"]
+    assert {(c["variant"], c["metric"]) for c in checks} >= {
+        ("inflight_fused", "output_throughput"), ("v1", "p99_e2el_ms"), ("hf-generate", "output_throughput")
+    }  # fmt: skip
+    assert all(c["margin"] == 100.0 and not c["regressed"] for c in checks)
+    assert doc["baseline"]["noise_factor"] == 2.0 and doc["baseline"]["regressions"] == []
+    assert doc["variants"]["inflight_fused"]["metrics"]["max_used_kv_blocks"] > 0
+
+
+def _planted_slowdown():
+    spec = importlib.util.spec_from_file_location(
+        "planted_slowdown", REPO / "benchmarks" / "planted_slowdown.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.planted_slowdown
+
+
+def test_planted_slowdown_fails_the_baseline_gate_on_timings_with_counters_unchanged(
+    saved, dataset, tmp_path
+):
+    # every engine iteration made 1 s longer (these tiny runs take well under a second in all): far beyond
+    # any load this machine sees between two runs, so the verdict does not hang on the clock; the
+    # counters must still match exactly
+    out, _ = saved
+    with _planted_slowdown()(0.0, extra_s=1.0):
+        result = compare(
+            dataset, tmp_path / "slow", "--schemes", "v1,inflight_fused", "--repeat", "2",
+            "--max-repeat", "2", "--noise-factor", "0", "--tolerance", "100%",
+            "--baseline", out / "compare.json",
+        )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    doc = json.loads((tmp_path / "slow" / "compare.json").read_text())
+    found = doc["baseline"]["regressions"]
+    kinds = {(r["variant"], r["kind"]) for r in found}
+    assert ("inflight_fused", "timing") in kinds and ("v1", "timing") in kinds
+    assert not any(r["kind"] == "counter" for r in found), found
+    flat = " ".join(result.output.split())
+    assert "regression: inflight_fused.median_e2el_ms: rose" in flat and "margin 100.0% = tolerance" in flat
+    assert doc["repeat"] == 2  # --max-repeat 2: no re-measuring rounds
 
 
 def test_report_redraws_the_plots_of_a_saved_compare(saved, tmp_path):

@@ -13,7 +13,18 @@ from bm.compare.expr import (
     evaluate_assertion,
     parse_assertion,
 )
-from bm.compare.regress import find_regressions, parse_tolerance
+from bm.compare.regress import (
+    EXACT_IF_OFFLINE,
+    ToleranceError,
+    find_regressions,
+    judge,
+    kv_block_counters,
+    parse_noise_factor,
+    parse_tolerance,
+    rounds_to_settle,
+    slow_baseline_note,
+    summarize_timing,
+)
 
 METRICS = {
     "v1": {"output_throughput": 100.0, "p99_ttft_ms": 50.0, "completed": 8, "missing": None},
@@ -168,3 +179,105 @@ def test_tolerance_accepts_percentages_and_fractions(text, value):
 def test_bad_tolerance_names_the_accepted_forms(text):
     with pytest.raises(ValueError, match="--tolerance"):
         parse_tolerance(text)
+
+
+def _timed(metric: str, values: list[float], offline: bool = True) -> dict:
+    """A compare.json whose one variant measured ``values`` of ``metric`` over its repeats."""
+    doc = _run(offline)
+    summary = summarize_timing(metric, values)
+    doc["variants"]["inflight_fused"]["timings"] = {metric: summary.to_dict()}
+    return doc
+
+
+def test_timing_judged_on_the_best_repeat_with_the_second_best_as_its_noise():
+    # a burst of load slowed two repeats of five: the best is the machine's speed, the second best agrees
+    summary = summarize_timing("output_throughput", [100.0, 40.0, 98.0, 35.0, 95.0])
+    assert (summary.best, summary.median, summary.low, summary.high) == (100.0, 95.0, 35.0, 100.0)
+    assert summary.spread == pytest.approx(0.02)
+    latency = summarize_timing("p99_ttft_ms", [50.0, 200.0, 55.0])
+    assert (latency.best, latency.spread) == (50.0, pytest.approx(0.1))
+    assert summarize_timing("output_throughput", [100.0]).spread == 0.0
+    assert summarize_timing("p99_ttft_ms", [50.0, None]) is None  # a metric not measured every repeat
+
+
+def test_quiet_runs_are_held_to_the_tolerance_and_a_30_percent_slowdown_fails():
+    prev = _timed("median_e2el_ms", [1000.0, 1010.0, 1900.0])
+    # unchanged code, one loaded repeat: the best agrees with the baseline's
+    verdict = judge(prev, _timed("median_e2el_ms", [1030.0, 2500.0, 1040.0]), 0.1)
+    assert verdict.regressions == []
+    [check] = [c for c in verdict.timing_checks if c.metric == "median_e2el_ms"]
+    assert check.margin == pytest.approx(0.1) and check.worse_by == pytest.approx(0.03)
+    # every iteration 1.3x as long
+    slowed = judge(prev, _timed("median_e2el_ms", [1300.0, 1310.0, 1330.0]), 0.1)
+    [r] = slowed.regressions
+    assert (r.metric, r.kind, r.previous, r.current) == ("median_e2el_ms", "timing", 1000.0, 1300.0)
+    assert "30.0% worse, margin 10.0% = tolerance" in r.message
+    # throughput falls to 1/1.3 (23% lower)
+    prev_tp = _timed("output_throughput", [500.0, 495.0, 300.0])
+    [r] = judge(prev_tp, _timed("output_throughput", [384.6, 380.0, 200.0]), 0.1).regressions
+    assert r.metric == "output_throughput" and "23.1% worse" in r.message
+
+
+def test_noisy_runs_widen_the_margin_to_the_noise_they_measured_and_report_it():
+    prev = _timed("output_throughput", [500.0, 400.0, 300.0])  # second best 20% off the best
+    verdict = judge(prev, _timed("output_throughput", [350.0, 340.0]), 0.1, noise_factor=2.0)
+    assert verdict.regressions == []  # 30% worse, within 2 x 20% of measured noise
+    assert verdict.widest_margin() == pytest.approx(0.4)
+    [r] = judge(prev, _timed("output_throughput", [250.0, 245.0]), 0.1, noise_factor=2.0).regressions
+    assert "50.0% worse, margin 40.0% = 2 x measured noise 20.0%" in r.message
+
+
+def test_noise_factor_zero_with_one_repeat_is_the_fixed_tolerance_rule():
+    prev = _timed("output_throughput", [500.0, 400.0])
+    assert judge(prev, _timed("output_throughput", [440.0]), 0.1, noise_factor=0).regressions != []
+    assert judge(prev, _timed("output_throughput", [460.0]), 0.1, noise_factor=0).regressions == []
+
+
+def test_the_gate_re_measures_before_it_reports_and_when_noise_hides_the_tolerance():
+    quiet = _timed("output_throughput", [500.0, 495.0])
+    settled = judge(quiet, _timed("output_throughput", [498.0, 490.0]), 0.1)
+    assert rounds_to_settle(settled, 0.1, 2.0, repeat=5, done=5, most=15) == 0
+    suspect = judge(quiet, _timed("output_throughput", [300.0, 295.0]), 0.1)
+    assert rounds_to_settle(suspect, 0.1, 2.0, repeat=5, done=5, most=15) == 5
+    assert rounds_to_settle(suspect, 0.1, 2.0, repeat=5, done=12, most=15) == 3
+    assert rounds_to_settle(suspect, 0.1, 2.0, repeat=5, done=15, most=15) == 0
+    # nothing regressed, but this run's noise (second best 30% off) widened the margin past the tolerance
+    noisy = judge(quiet, _timed("output_throughput", [520.0, 364.0]), 0.1)
+    assert noisy.regressions == [] and rounds_to_settle(noisy, 0.1, 2.0, 5, 5, 15) == 5
+    # the baseline's own noise is not something more rounds of this run can fix
+    noisy_base = judge(
+        _timed("output_throughput", [500.0, 350.0]), _timed("output_throughput", [498.0, 495.0]), 0.1
+    )
+    assert rounds_to_settle(noisy_base, 0.1, 2.0, 5, 5, 15) == 0
+
+
+@pytest.mark.parametrize("metric", EXACT_IF_OFFLINE)
+def test_every_deterministic_counter_is_compared_exactly_and_named(metric):
+    prev, cur = _run(**{metric: 7}), _run(**{metric: 8})
+    found = find_regressions(prev, cur, tolerance=100.0)  # no timing tolerance can excuse a counter
+    assert [(r.metric, r.kind, r.previous, r.current) for r in found] == [(metric, "counter", 7, 8)]
+    assert f"inflight_fused.{metric}: counter changed 7 -> 8 (must match exactly)" == found[0].message
+
+
+def test_kv_block_counters_read_the_peak_and_the_sum_of_used_blocks():
+    rows = [{"Used KV cache blocks": n} for n in (3, 9, 4)]
+    assert kv_block_counters(rows) == {"max_used_kv_blocks": 9, "total_used_kv_block_iterations": 16}
+    assert kv_block_counters([]) == {"max_used_kv_blocks": 0, "total_used_kv_block_iterations": 0}
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_bad_noise_factor_names_the_accepted_values(value):
+    with pytest.raises(ToleranceError, match="--noise-factor"):
+        parse_noise_factor(value)
+
+
+def test_a_baseline_beaten_beyond_its_margins_is_called_out_as_possibly_loaded():
+    loaded_base = _timed("output_throughput", [100.0, 98.0])
+    verdict = judge(loaded_base, _timed("output_throughput", [1000.0, 990.0]), 0.1)
+    assert verdict.regressions == []  # one-sided: never a failure
+    note = slow_baseline_note(verdict.timing_checks)
+    assert "inflight_fused.output_throughput 100 -> 1000" in note and "save it again" in note
+    assert (
+        slow_baseline_note(judge(loaded_base, _timed("output_throughput", [105.0, 100.0]), 0.1).timing_checks)
+        is None
+    )

@@ -183,7 +183,7 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_within_the_timeout_with_a_record
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank1, signal.SIGKILL)
     assert proc.returncode == 1, stdout + stderr
-    assert "rank" in stdout and "--rank-timeout 4s" in stdout
+    assert "rank" in stderr and "--rank-timeout 4s" in stderr  # errors go to stderr (issue 41)
 
     records = read_jsonl(out / "outputs.jsonl")
     assert sorted(r["index"] for r in records) == list(range(count))

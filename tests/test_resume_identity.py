@@ -53,6 +53,7 @@ def test_run_json_records_the_model_config_digest_version_and_the_run_seed(finis
         (["--set", "engine.max_seq_len=64"], "the config changed: engine.max_seq_len null -> 64"),
         (["--set", "model.dtype=bfloat16"], 'model.dtype "auto" -> "bfloat16"'),
         (["--ignore-eos"], "the run options changed: --ignore-eos false -> true"),
+        (["--tool-call-parser", "hermes"], "the run options changed: --tool-call-parser"),
     ],
 )
 def test_resume_with_another_model_or_config_is_refused_before_the_model_loads(finished_run, extra, named):

@@ -57,7 +57,7 @@ LINES = [
     line("bad-choice", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
 ]  # fmt: skip
 REFUSED = {
-    "auto": "tool_choice: 'auto'",
+    "auto": "does not show which call syntax it teaches; name one with --tool-call-parser",
     "bad-schema": "body.response_format.json_schema.schema: cannot be compiled: Invalid type: strin",
     "bad-choice": "'nope' is not one of the tools",
 }

@@ -233,3 +233,62 @@ def test_resume_refuses_a_sweep_with_a_different_slo(tmp_path):
     assert cli(tmp_path).exit_code == 0
     again = cli(tmp_path, "--resume", "--slo", "e2el=9000")
     assert again.exit_code == 2 and "different slo" in again.output
+
+
+# -- what the command prints and writes: names whole, early stops told apart, plots that name points ------
+
+
+def test_sweep_table_at_80_columns_keeps_each_configuration_name_whole(tmp_path):
+    done = CliRunner().invoke(
+        app,
+        ["sweep", *(f"--set={k}={v}" for k, v in base_overrides().items()), "--schemes", "inflight,inflight_fused",
+         "--grid", "engine.max_batch_size=16,64", "--slo", SLO_FLAGS, "--workers", "1", "-q", "--no-plot",
+         "-o", str(tmp_path / "out")],
+        env={"COLUMNS": "80"},
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert "…" not in done.output
+    for name in ("inflight:bs16", "inflight:bs64", "inflight_fused:bs16", "inflight_fused:bs64"):
+        assert f"│ {name} " in done.output
+
+
+def test_a_point_stopped_early_is_reported_as_stopped_not_as_a_miss_of_figures_that_met_the_slo():
+    from bm.cli.sweep import point_verdict
+    from bm.sweep.runner import Point
+
+    stopped = Point("inflight", 8.0, False, {"ttft": 1742.0}, {"stopped_early": True, "not_run": 12,
+                                                                "stopped_on": "ttft"})  # fmt: skip
+    assert point_verdict(stopped) == "[red]stopped early[/]: ttft sure to miss (12 not run)"
+    missed = Point("inflight", 8.0, False, {"ttft": 2500.0}, {"stopped_early": False})
+    assert point_verdict(missed) == "[red]miss[/] ttft=2500ms"
+
+
+def test_sweep_csv_counts_requests_a_stopped_point_never_ran_as_not_run_not_failed(tmp_path):
+    import csv
+
+    assert cli(tmp_path, "--grid", "engine.max_batch_size=16,64").exit_code == 0
+    rows = list(csv.DictReader((tmp_path / "out" / "sweep.csv").open()))
+    stopped = [r for r in rows if r["stopped_early"] == "True"]
+    assert stopped, "the SLO is tight enough that some point stops early"
+    for row in stopped:
+        assert row["failed"] == "0" and int(row["not_run"]) > 0 and row["feasible"] == "False"
+        assert int(row["completed"]) + int(row["not_run"]) == int(row["num_requests"])
+        assert row["stopped_on"] in ("ttft", "tpot", "e2el", "ttft,tpot", "ttft,e2el", "failed")
+
+
+def test_pareto_plot_names_the_configuration_of_each_front_point():
+    from bm.sweep.plots import _pareto
+    from bm.sweep.runner import ConfigOutcome, Point
+
+    def point(name: str, load: float, tpot: float, out: float, feasible: bool = True) -> Point:
+        return Point(name, load, feasible, {}, {"mean_tpot_ms": tpot, "output_throughput": out})
+
+    fast = ConfigOutcome("inflight_fused:bs64", {}, 8.0, [point("a", 4, 10, 100), point("a", 8, 20, 300)])
+    slow = ConfigOutcome("inflight:bs16", {}, 4.0, [point("b", 4, 10, 100), point("b", 8, 25, 200, False)])
+    figure = _pareto([fast, slow], "rate")
+    axes = figure.axes[0]
+    labels = sorted(text.get_text() for text in axes.texts)
+    # the point both configurations reach at rate 4 names both; rate 8 only the one that made it
+    assert labels == ["inflight_fused:bs64 @ rate 4\ninflight:bs16 @ rate 4", "inflight_fused:bs64 @ rate 8"]
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert {"inflight_fused:bs64", "inflight:bs16"} <= set(legend)

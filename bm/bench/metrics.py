@@ -25,12 +25,15 @@ from typing import Any
 import pandas as pd
 
 from bm.bench.replayer import Timeline
+from bm.scheduling import FinishReason
 from bm.workloads.request import Row
 
 PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue_time")
 OK_REASONS = ("length", "end_id", "stop")
 SLO_METRICS = ("ttft", "tpot", "e2el")
+
+CANCELLED = FinishReason.CANCELLED.label
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -128,6 +131,8 @@ def run_metrics(
 ) -> dict[str, Any]:
     """Counts, throughputs, goodput and latency statistics of one run (one row per request)."""
     done = records[records["ok"].astype(bool)] if len(records) else records
+    # cut off by an interrupt (never sent, or stopped mid-way): neither completed nor failed
+    cancelled = int((records["finish_reason"] == CANCELLED).sum()) if "finish_reason" in records else 0
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     input_tokens = int(done["input_tokens"].sum()) if len(done) else 0
     output_tokens = int(done["output_tokens"].sum()) if len(done) else 0
@@ -135,7 +140,8 @@ def run_metrics(
         "duration": duration_s,
         "num_requests": len(records),
         "completed": len(done),
-        "failed": len(records) - len(done),
+        "failed": len(records) - len(done) - cancelled,
+        "cancelled": cancelled,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": per_s(len(done)),

@@ -168,16 +168,18 @@ class Replayer:
         if self.num_finished >= len(self._requests):
             self._all_done.set()
 
-    def fail_unfinished(self, error: str) -> int:
+    def fail_unfinished(self, error: str, reason: str = FinishReason.ERROR.label) -> int:
         """End every request still open (never sent, or lost by a stopped batch manager) with ``error``.
 
-        Stops sending at once, so a request is never both failed here and handed out later."""
+        Stops sending at once, so a request is never both failed here and handed out later. ``reason``
+        is ``cancelled`` when the user interrupted the run: those requests did not fail, and the results
+        count them apart (an interrupted run showed them as failed and looked finished)."""
         with self._lock:
             self._next = len(self._requests)
             now = self.now()
             open_ = [t for t in self.timelines.values() if t.done_s is None]
             for timeline in open_:
-                timeline.error, timeline.finish_reason = error, FinishReason.ERROR.label
+                timeline.error, timeline.finish_reason = error, reason
                 self._close(timeline, now)
             return len(open_)
 

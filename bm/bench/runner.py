@@ -22,6 +22,7 @@ from bm.bench.sizing import size_cache, workload_cache
 from bm.config import BmConfig, resolve_engine
 from bm.distributed.engine import engine_loop
 from bm.engine import EngineLoop, Request, Response
+from bm.scheduling import FinishReason
 from bm.workloads import Workload, arrival_times
 
 if TYPE_CHECKING:  # bm.runtime imports torch, which a simulated run never needs
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 _POLL_S = 0.1
+
+CANCELLED = FinishReason.CANCELLED.label
 
 
 class _Router:
@@ -113,7 +116,9 @@ def run_bench(
             warm.start()
             interrupted = _drain(manager, warm, None, None)
         if interrupted:
-            replayer.fail_unfinished("the run was interrupted during warm-up; this request was never sent")
+            replayer.fail_unfinished(
+                "the run was interrupted during warm-up; this request was never sent", CANCELLED
+            )
         else:
             router.replayer, router.stats = replayer, stats_lines
             replayer.start()
@@ -166,7 +171,7 @@ def _drain(
                 progress(snapshot(replayer))
         except KeyboardInterrupt:
             interrupted = True
-            replayer.fail_unfinished("the run was interrupted before this request finished")
+            replayer.fail_unfinished("the run was interrupted before this request finished", CANCELLED)
             manager.cancel_all()
     if progress is not None:
         progress(snapshot(replayer))

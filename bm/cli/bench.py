@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 
+from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override, resolve_engine
 
@@ -207,7 +208,8 @@ def bench(
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """The error on standard error (bm.cli.errors), exit code 2; ``console`` is kept for callers."""
+    print_error(message)
     return typer.Exit(code=USAGE)
 
 
@@ -252,7 +254,7 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
                 cfg, loaded, workload, progress=lambda p: tick(progress, task, p, plain), journal=journal
             )
     except KVCacheSizeError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return USAGE
     if plain is not None:
         plain.finish()
@@ -281,9 +283,15 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
         console.print(f"plots: {len(paths)} PNGs in {out / 'plots'}", soft_wrap=True)
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
+    if result.interrupted:  # the table alone looked like a finished run
+        console.print(
+            f"[yellow]interrupted: {results.get('cancelled', 0)} request(s) cancelled (not sent, or cut off); "
+            f"the figures cover the {results['completed']} that finished[/]",
+            highlight=False,
+        )
     code = run_exit_code(results["num_requests"], results["completed"], result.interrupted)
     if code == NO_SUCCESS:
-        console.print(f"[red]no request succeeded[/] (exit code {code})")
+        print_error(f"no request succeeded (exit code {code}); see the errors in requests.jsonl")
     return code
 
 
@@ -303,20 +311,35 @@ def name_rows(records: Any, workload: Workload) -> None:
         )
 
 
+def _read_dataset(bench: Any) -> Workload:
+    """Every row of the dataset: an OpenAI batch file through the batch reader ``bm run`` uses (it lives
+    with the CLI, which owns that format), any other kind through :func:`bm.workloads.read_workload`."""
+    from bm.workloads import detect_kind, read_workload
+
+    path = Path(bench.dataset) if bench.dataset is not None else None
+    if path is not None and path.is_file() and bench.dataset_kind in ("auto", "openai-batch"):
+        kind = detect_kind(path, bench.prompt_column) if bench.dataset_kind == "auto" else bench.dataset_kind
+        if kind == "openai-batch":
+            from bm.cli.openai_batch import load_batch_workload
+
+            return load_batch_workload(path, bench.output_len)
+    return read_workload(bench)
+
+
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
-    from bm.workloads import DatasetError, load_workload, read_workload
+    from bm.workloads import DatasetError, load_workload
 
     try:
-        rows = read_workload(cfg.bench)  # the dataset first: a bad file is reported before the model loads
+        rows = _read_dataset(cfg.bench)  # the dataset first: a bad file is reported before the model loads
         bad = [r for r in rows.requests if not r.ok]
         if len(bad) == len(rows.requests):
             raise DatasetError(
                 f"{rows.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
             )
     except (DatasetError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return None
     sim = cfg.engine.executor == "sim"
     if sim:  # no weights, no torch: the model's shape and a hardware row (bm.sim.run)
@@ -344,7 +367,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
             workload=rows,
         )
     except (*load_errors, DatasetError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return None
     _report_dataset(console, workload)
     return loaded, workload

@@ -74,7 +74,13 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def summary_table(results: dict[str, Any]) -> Table:
-    table = Table(title="bm bench", title_justify="left")
+    interrupted = bool(results.get("interrupted"))
+    title = (
+        "bm bench [yellow](interrupted: figures cover the requests that finished)[/]"
+        if interrupted
+        else "bm bench"
+    )
+    table = Table(title=title, title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
     arrivals = results["arrivals"]
@@ -84,6 +90,7 @@ def summary_table(results: dict[str, Any]) -> Table:
         ("Arrivals", ", ".join(f"{k}={v}" for k, v in arrivals.items() if v is not None)),
         ("Successful requests", results["completed"]),
         ("Failed requests", results["failed"]),
+        *([("Cancelled requests (not sent or cut off)", results.get("cancelled"))] if interrupted else []),
         ("Benchmark duration (s)", results["duration"]),
         ("Total input tokens", results["total_input_tokens"]),
         ("Total generated tokens", results["total_output_tokens"]),
@@ -154,10 +161,12 @@ def _percent(value: float | None) -> str | None:
 
 
 def print_results(console: Console, results: dict[str, Any]) -> None:
+    from bm.cli.tables import print_table
+
     for table in (summary_table(results), latency_table(results), engine_table(results)):
-        console.print(table)
+        print_table(console, table)
     if results.get("executor") == "sim":
-        console.print(sim_table(results))
+        print_table(console, sim_table(results))
 
 
 def sim_table(results: dict[str, Any]) -> Table:

@@ -25,6 +25,7 @@ from bm.cli.bench import (
     resolve_config,
     with_shared_options,
 )
+from bm.cli.errors import print_error
 from bm.cli.help import silence_progress_bars
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.compare.regress import read_baseline_document
@@ -44,7 +45,7 @@ def compare(
     schemes: str = typer.Option("v1,inflight,inflight_fused", "--schemes", help="Comma-separated batching schemes.", rich_help_panel=VARIANTS),
     policies: str = typer.Option("guaranteed_no_evict", "--policies", help="Comma-separated scheduler policies.", rich_help_panel=VARIANTS),
     baselines: str = typer.Option("", "--baselines", help="Reference baselines: hf-generate, hf-cb.", rich_help_panel=VARIANTS),
-    repeat: int = typer.Option(1, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians.", rich_help_panel=VARIANTS),
+    repeat: int | None = typer.Option(None, "--repeat", "-r", help="Interleaved rounds of every variant; figures are medians. [5 with --baseline, else 1]", show_default=False, rich_help_panel=VARIANTS),
     reference: str | None = typer.Option(None, "--reference", help="Variant the ratios are taken to [v1, else the first].", rich_help_panel=VARIANTS),
     hf_batch_size: int = typer.Option(16, "--hf-batch-size", help="hf-generate: requests per padded batch.", rich_help_panel=VARIANTS),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Output directory [bm-out/compare-TIME].", rich_help_panel=RUN),
@@ -53,14 +54,16 @@ def compare(
     json_output: bool = typer.Option(False, "--json", help="Print only compare.json on stdout.", rich_help_panel=RUN),
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
-    tolerance: str = typer.Option("10%", "--tolerance", help="Allowed timing regression against --baseline.", rich_help_panel=GATES),
+    tolerance: str = typer.Option("10%", "--tolerance", help="Timing change against --baseline always allowed; more is allowed when the runs measured more noise (--noise-factor).", rich_help_panel=GATES),
+    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [3 x --repeat]", show_default=False, rich_help_panel=GATES),
+    noise_factor: float = typer.Option(2.0, "--noise-factor", help="A timing regressed only when worse than the baseline by more than max(--tolerance, this x the larger measured spread); 0: by --tolerance alone.", rich_help_panel=GATES),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines or progress bars.", rich_help_panel=RUN),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Run every scheme x policy (and baseline) on the identical workload in one process, print one
     table, write compare.json and compare.md, and gate on --assert and --baseline (exit 1 on failure)."""
     from bm.compare.expr import AssertionEvalError, AssertionSyntaxError, check_refs, parse_assertion
-    from bm.compare.regress import ToleranceError, parse_tolerance
+    from bm.compare.regress import BASELINE_REPEATS, ToleranceError, parse_noise_factor, parse_tolerance
 
     err = Console(stderr=True)
     if quiet or json_output:
@@ -73,12 +76,18 @@ def compare(
         cfg = resolve_config(config, shared["set_"], flags, shared["slo"])
         # files first: these checks need no torch, so a bad baseline or -o is reported at once
         tol = parse_tolerance(tolerance)
+        noise = parse_noise_factor(noise_factor)
         previous = _read_baseline(baseline) if baseline is not None else None
         from bm.compare.variants import plan_variants
 
         variants = plan_variants(schemes, policies, baselines)
+        if repeat is None:  # a baseline is judged against measured noise, which takes repeats
+            repeat = BASELINE_REPEATS if baseline is not None else 1
         if repeat < 1:
             raise ConfigError(f"--repeat {repeat}: must be at least 1")
+        most = 3 * repeat if max_repeat is None else max_repeat
+        if most < repeat:
+            raise ConfigError(f"--max-repeat {most}: must be at least --repeat ({repeat})")
         if hf_batch_size < 1:
             raise ConfigError(f"--hf-batch-size {hf_batch_size}: must be at least 1")
         names = [v.name for v in variants]
@@ -93,10 +102,10 @@ def compare(
         out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
         created = prepare_out_dir(out, resume=False, overwrite=overwrite, files=COMPARE_FILES)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
-    code = _run(cfg, variants, parsed, previous, baseline, tol, repeat, reference, hf_batch_size, out, plot, json_output, quiet, console)  # fmt: skip
+    code = _run(cfg, variants, parsed, previous, baseline, (tol, noise, most), repeat, reference, hf_batch_size, out, plot, json_output, quiet, console)  # fmt: skip
     if code == 2:  # a usage error found while loading: nothing was written
         remove_created(out, created)
     if code:
@@ -112,7 +121,13 @@ def _known_metrics() -> set[str]:
     from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, run_metrics
 
     records = pd.DataFrame(columns=list(RECORD_COLUMNS))
-    return set(run_metrics(records, 0.0, {"ttft": 1.0})) | set(engine_metrics(pd.DataFrame(), records))
+    from bm.compare.regress import kv_block_counters
+
+    return (
+        set(run_metrics(records, 0.0, {"ttft": 1.0}))
+        | set(engine_metrics(pd.DataFrame(), records))
+        | set(kv_block_counters([]))
+    )
 
 
 def _read_baseline(path: Path) -> dict[str, Any]:
@@ -133,7 +148,7 @@ def _run(
     parsed: list[Assertion],
     previous: dict[str, Any] | None,
     baseline: Path | None,
-    tol: float,
+    gate: tuple[float, float, int],
     repeat: int,
     reference: str | None,
     hf_batch_size: int,
@@ -145,8 +160,8 @@ def _run(
 ) -> int:
     from bm.cli.journal import FileJournal
     from bm.compare.expr import AssertionEvalError, evaluate_assertion
-    from bm.compare.regress import find_regressions
-    from bm.compare.runner import compare_document, run_compare, write_compare
+    from bm.compare.regress import BaselineVerdict, judge, rounds_to_settle
+    from bm.compare.runner import CompareResult, compare_document, run_compare, write_compare
     from bm.report.data import variant_dir
     from bm.runtime import KVCacheSizeError
     from bm.workloads import DatasetError, arrival_times
@@ -160,7 +175,7 @@ def _run(
         cfg = pin_cache(engine_config(cfg, loaded, workload, console), loaded)
         arrivals = arrival_times(workload, cfg.bench)
     except (DatasetError, ConfigError, KVCacheSizeError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return 2
     console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)
     started: dict[str, float] = {}
@@ -172,16 +187,33 @@ def _run(
         if not quiet:
             took = time.perf_counter() - started[v.name]
             console.print(
-                f"  [{r + 1}/{repeat}] {v.name:<32} {m.get('output_throughput') or 0:8.1f} out tok/s  ({took:.1f} s)",
+                f"  [{r + 1}/{max(repeat, r + 1)}] {v.name:<32} {m.get('output_throughput') or 0:8.1f} out tok/s  ({took:.1f} s)",
                 highlight=False,
             )
+
+    tol, noise, most = gate
+    verdict: BaselineVerdict | None = None
+
+    def more_rounds(so_far: CompareResult) -> int:
+        """The baseline gate re-measures a timing that looks regressed, or too noisy to judge."""
+        nonlocal verdict
+        if previous is None:
+            return 0
+        verdict = judge(previous, compare_document(so_far), tol, noise)
+        more = rounds_to_settle(verdict, tol, noise, repeat, so_far.repeat, most)
+        if more:
+            suspect = sorted({f"{c.variant}.{c.metric}" for c in verdict.timing_checks if c.regressed})
+            why = f"{', '.join(suspect)} looked regressed" if suspect else "the noise hid small changes"
+            console.print(f"re-measuring: {why}; {more} more round(s)", highlight=False, soft_wrap=True)
+        return more
 
     try:
         result = run_compare(cfg, loaded, workload, arrivals, variants, repeat=repeat, reference=reference,
                              hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done,
-                             journal=lambda v: FileJournal(variant_dir(out, v.name)))  # fmt: skip
+                             journal=lambda v: FileJournal(variant_dir(out, v.name)),
+                             more_rounds=more_rounds)  # fmt: skip
     except (KVCacheSizeError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return 2
     metrics = result.metrics()
     failed_eval = []
@@ -191,8 +223,9 @@ def _run(
         except AssertionEvalError as exc:
             failed_eval.append(str(exc))
     if previous is not None:
-        result.baseline_path, result.tolerance = str(baseline), tol
-        result.regressions = find_regressions(previous, compare_document(result), tol)
+        result.baseline_path, result.tolerance, result.noise_factor = str(baseline), tol, noise
+        verdict = judge(previous, compare_document(result), tol, noise)  # the rounds as they ended
+        result.regressions, result.timing_checks = verdict.regressions, verdict.timing_checks
     document = write_compare(out, result)
     if plot:
         from bm.report.data import load_plot_data
@@ -202,8 +235,10 @@ def _run(
     if json_output:
         print(json.dumps(document, indent=2))
     else:
+        from bm.cli.tables import print_table
+
         for table in compare_tables(result, console.width):
-            console.print(table)
+            print_table(console, table)
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
     return _gate(console, result, failed_eval)  # already stderr under --json
@@ -221,6 +256,13 @@ def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
         console.print(f"[red]FAILED: {message}[/]", highlight=False, soft_wrap=True)
         bad = True
     if result.baseline_path is not None:
+        from bm.compare.regress import slow_baseline_note
+        from bm.compare.runner import gate_rule
+
+        console.print(gate_rule(result), highlight=False, soft_wrap=True)
+        note = slow_baseline_note(result.timing_checks)
+        if note:
+            console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
         if result.regressions:
             for r in result.regressions:
                 console.print(f"[red]regression: {r.message}[/]", highlight=False, soft_wrap=True)
@@ -275,7 +317,7 @@ def report(
     try:
         data = load_plot_data(out_dir)
     except (FileNotFoundError, json.JSONDecodeError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(code=2) from None
     paths = write_plots(data, plots_dir or out_dir / "plots")
     for path in paths:

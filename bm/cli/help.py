@@ -17,6 +17,8 @@ from typing import Any
 from rich.markup import escape
 from typer.core import TyperCommand
 
+from bm.cli.vllm_flags import translate_vllm_flags, vllm_note
+
 # bm run's options by panel (bench and compare declare theirs with rich_help_panel in place).
 RUN_PANELS = {
     "model": "Model and engine",
@@ -25,6 +27,7 @@ RUN_PANELS = {
     "max_tokens": "Generation",
     "ignore_eos": "Generation",
     "chat_template": "Generation",
+    "tool_call_parser": "Generation",
     "out_dir": "Output",
     "resume": "Output",
     "overwrite": "Output",
@@ -42,14 +45,29 @@ class CompactHelp(TyperCommand):
 
     _compact = False
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """vLLM's flags become the bm options they mean before click reads them (bm.cli.vllm_flags)."""
+        return super().parse_args(ctx, translate_vllm_flags(args, self.name or "", self._option_names()))
+
+    def _option_names(self) -> set[str]:
+        return {
+            name for p in self.params for name in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))
+        }
+
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)
         return [compact_option(p) for p in params] if self._compact else params
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         original_epilog = self.epilog
+        notes = [original_epilog] if original_epilog else []
         if any(_is_flag(p) and p.secondary_opts for p in self.params):
-            self.epilog = f"{original_epilog}\n\n{NEGATIVE_NOTE}" if original_epilog else NEGATIVE_NOTE
+            notes.append(NEGATIVE_NOTE)
+        vllm = vllm_note(self._option_names())
+        if vllm:
+            notes.append(vllm)
+        # escaped: rich markup would eat "[len*(1-r), len*(1+r)]" from a config key's description
+        self.epilog = escape("\n\n".join(notes)) if notes else None
         self._compact = True
         try:
             super().format_help(ctx, formatter)

@@ -12,9 +12,11 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
+from bm.cli.source import PromptsSource, open_prompts
 from bm.config import BmConfig, ConfigError, config_reference, load_config, model_override, parse_override
 
 # No hub access at run time: models come from local paths or configs.
@@ -60,12 +62,20 @@ CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys b
 DP_HELP = "Run N engine replicas as processes (torch.distributed, gloo); requests go to the least loaded."
 TP_HELP = "Shard the model over N ranks per replica (transformers tp_plan='auto'; needs --model)."
 RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
+# The config sections bm run reads; bench, sim and sweep keys are bm bench's and bm sweep's business.
+RUN_SECTIONS = ("model", "engine", "kv_cache", "peft_cache")
+BENCH_EPILOG = (
+    "Config keys (SECTION.KEY for --set): see bm run --help for model, engine and kv_cache; the flags "
+    "above set the bench section's keys (--input-len sets bench.input_len); docs/config.md lists all."
+)
 SET_HELP = "Override one config key, e.g. --set engine.max_batch_size=64 (repeatable)."
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=USAGE)
+    """The error on standard error (bm.cli.errors, shared by every command), exit code 2."""
+    from bm.cli.errors import fail
+
+    return fail(message, USAGE)
 
 
 def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
@@ -79,7 +89,7 @@ def build_config(config: Path | None, overrides: list[str], model: str | None, m
 
 
 @app.command(
-    epilog="Config keys:\n\n" + config_reference().replace("\n", "\n\n"),
+    epilog="Config keys (SECTION.KEY for --set, or a -c YAML file):\n" + config_reference(RUN_SECTIONS),
     cls=CompactHelp,
     short_help="Answer every line of a prompts or OpenAI batch file; one record per line.",
 )
@@ -108,6 +118,12 @@ def run(
     chat_template: Path | None = typer.Option(
         None, "--chat-template", help="Jinja chat template for 'messages' lines (overrides the checkpoint's)."
     ),
+    tool_call_parser: str | None = typer.Option(
+        None,
+        "--tool-call-parser",
+        help="How to read tool calls from replies to lines with tools and tool_choice auto: hermes or "
+        "llama3_json [detected from the chat template].",
+    ),
     resume: bool = typer.Option(False, "--resume", help="Keep OUT_DIR's finished records; run the rest."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR."),
     seed: int | None = typer.Option(
@@ -116,7 +132,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     show: bool = typer.Option(False, "--show", help="Print every answer (id and text) after the run."),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help=TP_HELP),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", "--tp", help=TP_HELP),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help=RANK_TIMEOUT_HELP),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
@@ -134,6 +150,7 @@ def _run(
     max_tokens: int,
     ignore_eos: bool,
     chat_template: Path | None,
+    tool_call_parser: str | None,
     resume: bool,
     overwrite: bool,
     seed: int | None,
@@ -146,26 +163,32 @@ def _run(
 ) -> None:
     from bm.distributed.cli import end_ranks, start_ranks
 
+    given = dict(locals())  # the options as parsed, for the printed resume command
     console = Console(stderr=False)
     if quiet:
         silence_progress_bars()
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
-        _check_input_file(prompts)
+        source = open_prompts(
+            prompts
+        )  # a pipe or gzip is copied once; a file with no runnable line stops here
         cfg = build_config(config, set_, model, model_config)
         # Ranks other than 0 serve the run from here and exit: they touch no output file.
         multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
         template = _read_template(chat_template)
+        _check_tool_call_parser(tool_call_parser)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
-        _prepare_out_dir(out, resume, overwrite, prompts)
+        _prepare_out_dir(out, resume, overwrite, source)
         run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
-            _check_resume(out, prompts, cfg, max_tokens, ignore_eos, template, run_seed)
-        parsed, batch_lines = _read_requests(prompts)
+            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser)
+        parsed, batch_lines = _read_requests(source.path)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
 
-    from bm.cli.run import RunOptions, run_prompts, summary_table
+    from rich.markup import escape
+
+    from bm.cli.run import RunOptions, resume_command, run_prompts, summary_table
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:
@@ -173,11 +196,13 @@ def _run(
             default_output_len=max_tokens,
             ignore_eos=ignore_eos,
             show_progress=not quiet,
-            prompts=prompts,
+            prompts=source.path,
+            prompts_name=source.name,
             resume=resume,
             chat_template=template,
+            tool_call_parser=tool_call_parser,
             batch_lines=batch_lines,
-            num_lines=None if quiet else _count_lines(prompts),
+            num_lines=None if quiet else _count_lines(source.path),
             run_seed=run_seed,
         )
         summary = run_prompts(parsed, cfg, out, options, console, interrupts)
@@ -185,17 +210,20 @@ def _run(
         raise _fail(console, str(exc)) from None
     if show:
         _show_answers(console, out / "outputs.jsonl")
-    console.print(summary_table(summary))
+    from bm.cli.tables import print_table
+
+    print_table(console, summary_table(summary))
     console.print(f"outputs: {out / 'outputs.jsonl'}  stats: {out / 'stats.jsonl'}", soft_wrap=True)
+    records = "batch_output.jsonl" if batch_lines is not None else "outputs.jsonl"  # what the user reads
     if batch_lines is not None:
         console.print(f"OpenAI batch output: {out / 'batch_output.jsonl'}", soft_wrap=True)
     if summary.num_failed:
-        console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in outputs.jsonl[/]")
+        console.print(f"[yellow]{summary.num_failed} request(s) failed; see their error in {records}[/]")
     end_ranks(console, multi_rank)
     if summary.interrupted:
         console.print(
             f"[yellow]interrupted: {summary.num_cancelled} request(s) cancelled; run them with[/] "
-            f"bm run {prompts} -o {out} --resume",
+            + escape(resume_command(source.name, out, run, given)),
             soft_wrap=True,
         )
     # kept records of a --resume count as successes for the exit code (not for this run's tok/s)
@@ -203,7 +231,7 @@ def _run(
         summary.num_requests + summary.num_resumed, summary.num_ok + summary.num_resumed, summary.interrupted
     )
     if code == NO_SUCCESS:
-        console.print(f"[red]no request succeeded[/] (exit code {code}); see the errors in outputs.jsonl")
+        print_error(f"no request succeeded (exit code {code}); see the errors in {records}")
     if code:
         raise typer.Exit(code=code)
 
@@ -214,24 +242,11 @@ def _show_answers(console: Console, outputs: Path) -> None:
     from bm.workloads.jsonl import iter_lines
 
     records = [r for _, r in iter_lines(outputs) if isinstance(r, dict)]
+    # Each answer under its own header line, so multi-line answers never run into the next one.
     for record in sorted(records, key=lambda r: r.get("index", 0)):
         answer = record.get("text") if record.get("error") is None else f"[error] {record['error']}"
-        console.print(f"[bold cyan]{escape(str(record.get('id')))}[/]: {escape(str(answer))}", soft_wrap=True)
-
-
-def _check_input_file(path: Path) -> None:
-    if path.is_dir():
-        raise ValueError(f"prompts file {str(path)!r} is a directory; give a JSONL file")
-    if not path.exists():
-        raise ValueError(f"prompts file {str(path)!r} does not exist")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"prompts file {str(path)!r} is not readable (permissions)")
-    with path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
-        if not any(line.strip().lstrip(b"\xef\xbb\xbf") for line in f):
-            raise ValueError(
-                f"prompts file {str(path)!r} holds no request (it is empty or blank); give one JSON "
-                'object per line, e.g. {"prompt": "Hello"}'
-            )
+        console.print(f"[bold cyan]── {escape(str(record.get('id')))} ──[/]", soft_wrap=True)
+        console.print(escape(str(answer).rstrip("\n")) or "(empty)", soft_wrap=True, highlight=False)
 
 
 def _count_lines(path: Path) -> int:
@@ -249,10 +264,16 @@ def _read_template(path: Path | None) -> str | None:
     return read_chat_template(path)
 
 
-def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, prompts: Path) -> None:
+def _check_tool_call_parser(name: str | None) -> None:
+    from bm.workloads.tool_parsers import check_parser
+
+    check_parser(name)
+
+
+def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, source: PromptsSource) -> None:
     from bm.cli.outdir import prepare_out_dir
 
-    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=prompts)
+    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
 
 
 def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
@@ -263,19 +284,20 @@ def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
 
 def _check_resume(
     out: Path,
-    prompts: Path,
+    source: PromptsSource,
     cfg: BmConfig,
     max_tokens: int,
     ignore_eos: bool,
     template: str | None,
     run_seed: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
     (docs/resume.md)."""
     from bm.cli.outdir import check_run_identity, run_identity, run_options
 
-    options = run_options(max_tokens, ignore_eos, template)
-    check_run_identity(out, run_identity(prompts, cfg, options, run_seed))
+    options = run_options(max_tokens, ignore_eos, template, tool_call_parser)
+    check_run_identity(out, run_identity(source.path, cfg, options, run_seed, name=source.name))
 
 
 def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:
@@ -303,7 +325,7 @@ def _register_bench() -> None:
 
     app.command(
         "bench",
-        epilog="Config keys (SECTION.KEY for --set): see bm run --help.",
+        epilog=BENCH_EPILOG,
         cls=CompactHelp,
         short_help="Replay timed arrivals; report throughput and latency (vllm bench serve's names).",
     )(bench)
@@ -318,7 +340,7 @@ def _register_compare() -> None:
 
     app.command(
         "compare",
-        epilog="Config keys (SECTION.KEY for --set): see bm run --help.",
+        epilog=BENCH_EPILOG,
         cls=CompactHelp,
         short_help="Schemes, policies and HF baselines side by side on one workload, with CI gates.",
     )(compare)

@@ -2,8 +2,8 @@
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
-so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ``tool_choice:
-"auto"``, ...) makes that line an error record; it is never silently ignored. Fields that change nothing
+so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ...) makes
+that line an error record; it is never silently ignored. Fields that change nothing
 computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` beside ``stream: false``)
 are accepted once their type is right. Plain Python (no torch): the file is checked before the model loads.
 """
@@ -21,8 +21,10 @@ from typing import Any
 
 from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
 from bm.workloads.jsonl import iter_lines, parse_request
-from bm.workloads.request import Row, RowError
-from bm.workloads.tools import tool_calls
+from bm.workloads.records import replayable
+from bm.workloads.request import DatasetError, Row, RowError, Workload
+from bm.workloads.tool_parsers import parse_tool_calls
+from bm.workloads.tools import tool_calls, tool_names
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
@@ -77,24 +79,54 @@ def is_batch_file(path: Path) -> bool:
 
 def iter_batch_file(path: Path) -> Iterator[BatchLine]:
     """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
-    are asked for: only the custom ids seen so far are kept (to refuse a duplicate), so a file of millions
-    of lines is never held whole."""
-    seen: dict[str, int] = {}
+    are asked for, so a file of millions of lines is never held whole. Duplicate custom ids are refused
+    for the whole file, before it runs, by :func:`check_unique_custom_ids`."""
     for number, data in iter_lines(path):
         entry = BatchLine(Row.at_line(number))
         try:
             if isinstance(data, RowError):
                 raise data
             _line(data, entry)
-            if entry.custom_id in seen:
-                raise RowError(
-                    f"custom_id: duplicate {entry.custom_id!r} (also on line {seen[entry.custom_id]}); "
-                    "custom ids must be unique"
-                )
-            seen[entry.custom_id] = number  # type: ignore[index]
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
         yield entry
+
+
+def load_batch_workload(path: Path, default_output_len: int) -> Workload:
+    """An OpenAI batch file as ``bm bench`` replays it (``--dataset-kind openai-batch``, or detected):
+    each line's body through the same reader as ``bm run``, then as a bm line (bench replays prompts
+    and token ids; a chat line is refused on its row, naming ``bm run``). Before, bench took such a file
+    for a Hugging Face table and suggested ``--prompt-column``, which cannot reach a prompt in ``body``."""
+    try:
+        check_unique_custom_ids(path)
+    except DuplicateCustomIdError as exc:
+        raise DatasetError(str(exc)) from None
+    rows = [replayable(line.parsed, default_output_len) for line in iter_batch_file(path)]
+    return Workload("openai-batch", str(path), rows)
+
+
+class DuplicateCustomIdError(ValueError):
+    """Two lines of a batch file share a ``custom_id``; phrased for the user (exit code 2)."""
+
+
+def check_unique_custom_ids(path: Path, name: str | None = None) -> None:
+    """Refuse a batch file in which two lines share a ``custom_id``, before anything runs.
+
+    The output is matched to the input by ``custom_id`` alone (output lines come in the order requests
+    finish), so a duplicate makes two output lines that cannot be told apart; OpenAI's Batch API refuses
+    such a file at upload too. Only the ids are kept while the file is read (OpenAI caps a batch at
+    50,000 lines)."""
+    seen: dict[str, int] = {}
+    for number, data in iter_lines(path):
+        custom_id = data.get("custom_id") if isinstance(data, dict) else None
+        if not isinstance(custom_id, str) or not custom_id:
+            continue  # that line's own error says so
+        if custom_id in seen:
+            raise DuplicateCustomIdError(
+                f"{name or path}: line {number}: custom_id {custom_id!r} is also on line {seen[custom_id]}; "
+                "each line of a batch file needs its own custom_id (outputs are matched to inputs by it)"
+            )
+        seen[custom_id] = number
 
 
 def _line(data: dict[str, Any], entry: BatchLine) -> None:
@@ -151,6 +183,11 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
             no_effect_field(key, body.get(key))
         except RowError as exc:
             raise RowError(f"body.{exc}") from None
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 2:
+        raise RowError(
+            f"body.temperature: {temperature} is above OpenAI's limit of 2 (the API refuses it); lower it"
+        )
     request: dict[str, Any] = {prompt_key: body[prompt_key]}
     for key in ("n", "logit_bias"):  # checked by the bm line's parser, bounds by the engine
         if body.get(key) is not None:
@@ -257,7 +294,7 @@ def batch_output_line(
         error = {
             "message": message,
             "type": "invalid_request_error",
-            "param": error_param(message),
+            "param": _prompt_param(error_param(message), line),
             "code": None,
         }
         response = {"status_code": 400, "request_id": f"bm-{index}", "body": {"error": error}}
@@ -284,6 +321,13 @@ def batch_output_line(
         "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
         "error": None,
     }
+
+
+def _prompt_param(param: str | None, line: BatchLine) -> str | None:
+    """The engine names a prompt ``input_ids``; the user wrote ``messages`` (chat) or ``prompt``."""
+    if param != "input_ids":
+        return param
+    return "messages" if line.url == CHAT_URL else "prompt"
 
 
 def error_param(message: str) -> str | None:
@@ -340,6 +384,13 @@ def _chat_choice(
     if calls is not None:  # tool_choice constrained the reply to a call: OpenAI returns it as tool_calls
         message.update(content=None, tool_calls=calls)
         reason = "tool_calls"
+    elif line.parsed.tool_parser is not None:  # tool_choice auto: the model chose; its parser tells which
+        reply = parse_tool_calls(
+            line.parsed.tool_parser, message["content"], tool_names(line.parsed.tools), call_id
+        )
+        if reply.tool_calls is not None:
+            message.update(content=reply.content, tool_calls=reply.tool_calls)
+            reason = "tool_calls" if reason == "stop" else reason
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 

@@ -68,16 +68,18 @@ IDENTITY_LABELS = {  # run.json key -> how the refusal names it, in the order th
 
 
 def run_identity(
-    prompts: Path, config: BmConfig, options: dict[str, Any], seed: int | None = None
+    prompts: Path, config: BmConfig, options: dict[str, Any], seed: int | None = None, name: str | None = None
 ) -> dict[str, Any]:
     """What a run directory's records depend on, known before the model loads (so a refused
     ``--resume`` costs nothing): the prompts file, bm's version, the model as named, the config keys
     that change outputs (and their digest), the run's own options (``--max-tokens`` ...) and the run
     seed that unseeded lines derive theirs from (null: a run from before run seeds, where every unseeded
-    line sampled with seed 0). ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`."""
+    line sampled with seed 0). ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`.
+    ``name`` is the input as the user gave it, when ``prompts`` is bm's copy of a pipe or gzip file
+    (the digest is of the bytes the run read)."""
     settings = effective_settings(config)
     return {
-        "prompts": str(prompts),
+        "prompts": name if name is not None else str(prompts),
         "prompts_sha256": file_digest(prompts),
         "bm_version": bm.__version__,
         "model": model_named(config),
@@ -102,10 +104,17 @@ def run_seed_for(out: Path, given: int | None, resume: bool) -> int | None:
     return given if given is not None else random_run_seed()
 
 
-def run_options(max_tokens: int, ignore_eos: bool, chat_template: str | None) -> dict[str, Any]:
-    """``bm run``'s own flags that change outputs: the default output length, EOS, the chat template."""
+def run_options(
+    max_tokens: int, ignore_eos: bool, chat_template: str | None, tool_call_parser: str | None = None
+) -> dict[str, Any]:
+    """``bm run``'s own flags that change outputs: the default output length, EOS, the chat template,
+    and the tool-call parser when one is named (only then, so run directories written before the flag
+    existed still resume)."""
     template = hashlib.sha256(chat_template.encode()).hexdigest() if chat_template is not None else None
-    return {"--max-tokens": max_tokens, "--ignore-eos": ignore_eos, "--chat-template (sha256)": template}
+    options = {"--max-tokens": max_tokens, "--ignore-eos": ignore_eos, "--chat-template (sha256)": template}
+    if tool_call_parser is not None:
+        options["--tool-call-parser"] = tool_call_parser
+    return options
 
 
 def model_named(config: BmConfig) -> str:
@@ -187,6 +196,11 @@ def check_writable_dir(out: Path, flag: str) -> Path | None:
     (:func:`remove_created`)."""
     if out.exists() and not out.is_dir():
         raise OutDirError(f"{flag} {str(out)!r} is a file; give a directory (it is created if missing)")
+    if not out.exists() and out.suffix.lower() in (".jsonl", ".json"):  # a file name: not made a directory
+        raise OutDirError(
+            f"{flag} {str(out)!r} names a file, but {flag} is the directory the results go into (bm writes "
+            f"its files there); give a directory such as {str(out.with_suffix(''))!r}"
+        )
     created = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -217,12 +231,13 @@ def remove_created(out: Path, created: Path | None) -> None:
             return
 
 
-def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run") -> Path | None:  # fmt: skip
+def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None) -> Path | None:  # fmt: skip
     """Check ``-o`` before anything runs: a directory (made here) that is writable, and never a previous
     run's results silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes
     only bm's own ``files`` (so old variant folders cannot outlive the run that replaced them).
 
-    Returns what :func:`check_writable_dir` created, for :func:`remove_created`."""
+    Returns what :func:`check_writable_dir` created, for :func:`remove_created`. ``prompts_name``: the
+    input as the user named it, when ``prompts`` is bm's copy of it."""
     if resume and overwrite:
         raise OutDirError("--resume and --overwrite are exclusive: keep the finished records or replace them")
     created = check_writable_dir(out, "-o")
@@ -247,11 +262,12 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
         except (OSError, ValueError, KeyError, TypeError):
             raise OutDirError(
                 f"--resume: {str(out)!r} has no readable run.json, so its records cannot be matched to "
-                f"{str(prompts)!r}; use --overwrite or another directory"
+                f"{prompts_name or str(prompts)!r}; use --overwrite or another directory"
             ) from None
         if saved != file_digest(prompts):
             raise OutDirError(
                 f"--resume: {str(out)!r} holds the records of a different prompts file than "
-                f"{str(prompts)!r}; resume with the same file, or use --overwrite"
+                f"{prompts_name or str(prompts)!r}; resume with the same file (the same bytes, when piped), "
+                "or use --overwrite"
             )
     return created

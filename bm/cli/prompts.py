@@ -19,6 +19,7 @@ from bm.engine.seeds import line_seed
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
 from bm.workloads.jsonl import WORD_LISTS, read_request_file, resolve_word_list
 from bm.workloads.request import Row, RowError
+from bm.workloads.tool_parsers import detect_parser, line_parser
 
 
 @dataclass
@@ -28,13 +29,18 @@ class Codec:
     encode: Callable[[str], list[int]] | None = None
     encode_word: Callable[[str], list[int]] | None = None
     render_chat: Callable[..., list[int]] | None = None  # (messages, tools=None) -> ids
+    chat_template: str | None = None  # the Jinja text render_chat uses (None: unknown or none)
+    # The parser for replies to lines with tools and tool_choice auto: the run's --tool-call-parser, else
+    # the one the chat template's call syntax gives away, else None (such a line gets an error).
+    tool_parser: str | None = None
 
 
-def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
-    """The :class:`Codec` of a loaded model; ``chat_template`` (Jinja text) overrides the checkpoint's."""
+def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: str | None = None) -> Codec:
+    """The :class:`Codec` of a loaded model; ``chat_template`` (Jinja text) overrides the checkpoint's,
+    ``tool_call_parser`` (a checked name) the parser detected from it."""
     tokenizer = loaded.tokenizer
     if tokenizer is None:
-        return Codec()
+        return Codec(tool_parser=tool_call_parser)
     render = chat_renderer(tokenizer, chat_template)
 
     def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -43,7 +49,14 @@ def codec_for(loaded: Any, chat_template: str | None = None) -> Codec:
         except ChatTemplateError as exc:
             raise RowError(str(exc)) from None
 
-    return Codec(tokenizer.encode, tokenizer.encode_word, render_chat if render is not None else None)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    return Codec(
+        tokenizer.encode,
+        tokenizer.encode_word,
+        render_chat if render is not None else None,
+        chat_template=template,
+        tool_parser=tool_call_parser or detect_parser(template),
+    )
 
 
 def to_request(
@@ -77,6 +90,8 @@ def to_request(
             fields.setdefault("random_seed", line_seed(run_seed, row.index))
         if row.lora_dir is not None:
             _add_lora_dir(fields, row.lora_dir)
+        if row.tool_auto:
+            row.tool_parser = line_parser(codec.chat_template, codec.tool_parser)
     except RowError as exc:
         row.error = f"{row.where}: {exc}"
         return None

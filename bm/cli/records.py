@@ -12,7 +12,8 @@ from bm.engine.request import Response, SampleOutput
 from bm.engine.stopping import text_before_stop
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
-from bm.workloads.tools import tool_calls
+from bm.workloads.tool_parsers import parse_tool_calls
+from bm.workloads.tools import tool_calls, tool_names
 
 if TYPE_CHECKING:  # the records need no torch
     from bm.runtime import LoadedModel
@@ -90,6 +91,11 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
         record["text"], reason = cut_at_stop(row, loaded.tokenizer.decode(result.output_ids), reason)
         if row.tool_call:  # tool_choice forced a call: the record carries it parsed, as OpenAI's message does
             record["tool_calls"] = tool_calls(record["text"], f"call_bm_{row.index}")
+        elif row.tool_parser is not None:  # tool_choice auto: the calls the reply holds, None for text
+            reply = parse_tool_calls(
+                row.tool_parser, record["text"], tool_names(row.tools), f"call_bm_{row.index}"
+            )
+            record["tool_calls"] = reply.tool_calls
     record.update(
         output_ids=result.output_ids,
         num_output_tokens=len(result.output_ids),

@@ -86,8 +86,10 @@ class RunOptions:
     ignore_eos: bool = False
     show_progress: bool = True
     prompts: Path | None = None  # the input file (its digest makes the run's identity)
+    prompts_name: str | None = None  # the input as the user named it (prompts may be bm's copy of a pipe)
     resume: bool = False
     chat_template: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser (None: detected from the chat template)
     batch_lines: dict[int, Any] | None = None  # OpenAI batch input: each line's BatchLine by index
     num_lines: int | None = None  # the file's lines, for the progress display's total
     run_seed: int | None = None
@@ -124,8 +126,14 @@ def run_prompts(
         identity = run_identity(
             options.prompts,
             config,
-            run_options(options.default_output_len, options.ignore_eos, options.chat_template),
+            run_options(
+                options.default_output_len,
+                options.ignore_eos,
+                options.chat_template,
+                options.tool_call_parser,
+            ),
             options.run_seed,
+            name=options.prompts_name,
         )
         write_run_identity(out_dir, identity, llm.loaded.name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
@@ -153,7 +161,7 @@ def run_prompts(
     document = {
         "bm_version": bm.__version__,
         "run_id": run_id,
-        "prompts": str(options.prompts) if options.prompts is not None else None,
+        "prompts": options.prompts_name or (str(options.prompts) if options.prompts is not None else None),
         "model": llm.loaded.name,
         "config": llm.config.to_dict(),  # resolved for the device: what ran
         "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype),
@@ -181,7 +189,7 @@ def _feed(
     """Hand each line not already done to the engine as room frees up, and write every record."""
     loaded = llm.loaded
     default_end_id = None if options.ignore_eos else loaded.eos_token_id
-    codec = codec_for(loaded, options.chat_template)
+    codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
     limit = in_flight_limit(llm.config)
     summary = run.summary
     # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
@@ -355,6 +363,55 @@ def _progress(console: Console, enabled: bool) -> Progress:
         disable=not enabled,
         transient=False,
     )
+
+
+# Parameters of ``bm run`` that the printed resume command sets itself, or must not repeat.
+NOT_REPEATED = ("prompts", "out_dir", "resume", "overwrite")
+
+
+def resume_command(prompts_name: str, out: Path, command: Callable[..., Any], values: dict[str, Any]) -> str:
+    """The command that finishes an interrupted run: ``bm run`` with every option the user set (so the
+    resume check, which compares the model, the config and the run options, accepts it), ``-o`` and
+    ``--resume``. ``values`` are the command's parameters as parsed; each is matched to its option in
+    ``command``'s declarations, not to a list kept here, so an option added to ``bm run`` later is
+    repeated too. A value equal to its default is left out (it is the default again on resume).
+
+    The printed command used to drop ``--ignore-eos`` and ``-s``; running it was then refused."""
+    import inspect
+    import shlex
+
+    words = ["bm", "run", shlex.quote(prompts_name)]
+    for name, parameter in inspect.signature(command).parameters.items():
+        declared = parameter.default
+        decls = getattr(declared, "param_decls", None)
+        if name in NOT_REPEATED or name not in values or not decls:
+            continue
+        value, default = values[name], getattr(declared, "default", None)
+        if value == default or value is None or value == []:
+            continue
+        words += _option_words(decls, value)
+    words += ["-o", shlex.quote(str(out)), "--resume"]
+    text = " ".join(words)
+    if prompts_name in ("-", "/dev/stdin") or prompts_name.startswith("/dev/fd/"):
+        text += "   (pipe the same input into it again)"
+    return text
+
+
+def _option_words(decls: tuple[str, ...], value: Any) -> list[str]:
+    """An option with ``value`` as it is typed on a command line (quoted for a shell)."""
+    import shlex
+    from enum import Enum
+
+    names = [n for decl in decls for n in decl.split("/") if n.startswith("-")]
+    long = next((n for n in names if n.startswith("--")), names[0])
+    if isinstance(value, bool):  # a flag; --x/--no-x declares both
+        off = [n for decl in decls if "/" in decl for n in decl.split("/")[1:]]
+        return [long] if value else off[:1]
+    words: list[str] = []
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        text = item.value if isinstance(item, Enum) else item
+        words += [long, shlex.quote(str(text))]
+    return words
 
 
 def summary_table(summary: RunSummary) -> Table:

@@ -28,6 +28,7 @@ from bm.cli.bench import (
     resolve_config,
     with_shared_options,
 )
+from bm.cli.errors import print_error
 from bm.cli.outdir import OutDirError, prepare_out_dir
 from bm.config import BmConfig, ConfigError, resolve_engine
 
@@ -87,7 +88,7 @@ def sweep(
         prepare_out_dir(out, resume=resume, overwrite=overwrite, files=SWEEP_FILES, command="bm sweep")
         _check_identity(out, setup.identity, resume)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
     code = _run(setup, out, plot, json_output, quiet, console)
@@ -206,6 +207,20 @@ def _with_cache(point: Any, model: Any, max_tokens: int | None) -> Any:
     return replace(point, config=config)
 
 
+def point_verdict(point: Any) -> str:
+    """A point's live verdict: ``ok`` or ``miss`` with its SLO figures, or, for a simulated point stopped
+    early, what it was sure to miss and how many requests it never ran. No figures then: they would
+    cover only the requests that finished, which may all have met the SLO (the late ones never finished),
+    and "miss ttft=1742ms" beside a 2000 ms limit reads as a bug."""
+    figures = " ".join(f"{k}={v:.0f}ms" for k, v in point.slo_values.items() if v is not None)
+    if point.feasible:
+        return f"[green]ok[/] {figures}"
+    if point.metrics.get("stopped_early") and "not_run" in point.metrics:
+        missed = (point.metrics.get("stopped_on") or "the SLO").replace(",", ", ")
+        return f"[red]stopped early[/]: {missed} sure to miss ({point.metrics['not_run']} not run)"
+    return f"[red]miss[/] {figures}"
+
+
 def _run(
     setup: dict[str, Any], out: Path, plot: bool, json_output: bool, quiet: bool, console: Console
 ) -> int:
@@ -222,7 +237,7 @@ def _run(
         base = engine_config(setup.base, model, workload, console, [c.config for c in plan.configs])
         size = pin_cache(base, model).kv_cache.max_tokens
     except ValueError as exc:  # ConfigError, or the runtime's KVCacheSizeError (no torch import here)
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         return 2
     plan.configs = [_with_cache(c, model, size) for c in plan.configs]
     store = PointStore(out)
@@ -235,13 +250,14 @@ def _run(
     console.print(f"{len(plan.configs)} configurations; {plan.slo.describe()}; {workers}", highlight=False)
     started = time.perf_counter()
 
+    width = max(len(c.name) for c in plan.configs)
+
     def on_point(point: Any, reused: bool) -> None:
         if not quiet:
-            verdict = "[green]ok[/]" if point.feasible else "[red]miss[/]"
-            figures = " ".join(f"{k}={v:.0f}ms" for k, v in point.slo_values.items() if v is not None)
             console.print(
-                f"  {point.config:<36} {plan.load} {point.load:<8g} {verdict} {figures}"
-                + (" (saved)" if reused else "")
+                f"  {point.config:<{width}} {plan.load} {point.load:<7g} {point_verdict(point)}"
+                + (" (saved)" if reused else ""),
+                highlight=False,
             )
 
     try:
@@ -264,8 +280,9 @@ def _run(
         grid_table = Table(*header, title=f"highest {plan.load} within {plan.slo.describe()}")
         for row in rows:
             grid_table.add_row(*row)
-        # never cut a configuration's name: it is what --assert reads
-        console.print(grid_table, width=max(console.width, max(len(r[0]) for r in rows) + 70), crop=False)
+        from bm.cli.tables import print_table
+
+        print_table(console, grid_table)  # never cuts a configuration's name: it is what --assert reads
         console.print(
             f"wrote {out}/sweep.json, sweep.csv, sweep.md"
             + (", plots/" if plot else "")

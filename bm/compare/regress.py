@@ -1,17 +1,32 @@
 """Regression checks of a comparison against a saved one (``bm compare --baseline PREV.json``).
 
-Two kinds of figure, two rules. Counters that a deterministic run reproduces exactly (tokens, completed
-requests, and, when every request arrives at t=0, the engine's iterations, computed token slots, empty
-generation slots and pauses) must match exactly: a difference is a behaviour change, not noise. Timings
-must stay within a relative tolerance, in the direction that matters (throughput may not fall, latency may
-not rise, by more than the tolerance).
+Two kinds of figure, two rules.
+
+**Counters** that a deterministic run reproduces exactly (tokens, completed requests, and, when every
+request arrives at t=0, the engine's iterations, computed and padded token slots, empty generation slots,
+pauses, batch shapes and KV blocks) must match exactly: a difference is a behaviour change, not noise,
+whatever its size.
+
+**Timings** are judged against the noise the two runs measured. A shared machine only ever slows a run
+down, so each run's figure is its *best* repeat (highest throughput, lowest latency: the repeat least
+touched by other load, as ``timeit`` reasons), and its *spread* is how far its second-best repeat is from
+the best: when the two fastest repeats agree, the best is the machine's unloaded speed; when they do
+not, the best itself is uncertain by that much. A timing regressed only when the new best is worse than
+the saved best by more than ``max(tolerance, noise_factor x the larger of the two spreads)``: a quiet
+machine is held to the tolerance, a noisy one to what its noise allows, and the margin used is reported
+with every check, so a gate too noisy to see a slowdown says so instead of crying wolf. Before it reports
+a timing regression, or when the noise left a margin wider than the tolerance, ``bm compare`` measures
+more rounds (up to ``--max-repeat``) and judges again (:func:`rounds_to_settle`): load comes and goes, a
+slowdown in the code stays. ``--repeat 1 --noise-factor 0 --max-repeat 1`` is the old rule (one figure
+within a fixed tolerance).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,16 +36,44 @@ from bm.config import ConfigError
 # Always exact: they do not depend on timing.
 EXACT_ALWAYS = ("num_requests", "completed", "failed", "total_input_tokens", "total_output_tokens")
 # Exact when arrivals do not depend on the wall clock (all at t=0); otherwise timing shifts batches.
+# Each is a pure function of the workload and the configuration under offline arrivals.
 EXACT_IF_OFFLINE = (
     "num_iterations",
     "total_computed_tokens",
+    "total_padded_context_tokens",
     "total_empty_generation_slots",
     "num_paused_requests",
+    "total_pauses",
+    "max_paused_per_iteration",
+    "mean_requests_per_iteration",
+    "mean_tokens_per_iteration",
+    "mean_computed_tokens_per_iteration",
+    "max_used_kv_blocks",
+    "total_used_kv_block_iterations",
+    "mean_kv_cache_utilization",
+    "max_kv_cache_utilization",
+    "total_draft_tokens",
+    "total_accepted_draft_tokens",
 )
 HIGHER_IS_BETTER = ("output_throughput", "request_throughput", "total_token_throughput", "request_goodput")
 LOWER_IS_BETTER = tuple(
     f"{stat}_{name}_ms" for name in ("ttft", "tpot", "e2el") for stat in ("median", "p99")
 )
+TIMING_METRICS = HIGHER_IS_BETTER + LOWER_IS_BETTER
+
+# Repeats a comparison runs by default when it is judged against a baseline (one otherwise): enough for
+# the best of them to dodge a burst of other load, and for the spread to mean something.
+BASELINE_REPEATS = 5
+# How many spreads of noise a timing may move before it is called a regression.
+NOISE_FACTOR = 2.0
+
+
+def kv_block_counters(stats: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """The KV blocks a run held, from its per-iteration stats: the peak, and the sum over iterations
+    (block-iterations). Both are exact under offline arrivals, so ``--baseline`` catches a change in
+    how many blocks the same workload needs."""
+    used = [int(row.get("Used KV cache blocks", 0)) for row in stats]
+    return {"max_used_kv_blocks": max(used, default=0), "total_used_kv_block_iterations": sum(used)}
 
 
 class ToleranceError(ValueError):
@@ -44,6 +87,57 @@ def parse_tolerance(text: str) -> float:
     if not m:
         raise ToleranceError(f"--tolerance {text!r}: write a percentage like 10% or a fraction like 0.1")
     return float(m.group(1)) / (100 if m.group(2) else 1)
+
+
+def parse_noise_factor(value: float) -> float:
+    """``--noise-factor``: a finite number at least 0 (0 judges timings by the tolerance alone)."""
+    if not value >= 0 or value == float("inf"):
+        raise ToleranceError(
+            f"--noise-factor {value}: give a number at least 0 (2 is the default; 0 judges timings "
+            "by --tolerance alone)"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TimingSummary:
+    """One timing metric over a run's repeats: the figure judged (``best``) and the noise around it."""
+
+    best: float
+    median: float
+    low: float
+    high: float
+    spread: float  # |second best - best| / best; 0 for one repeat
+    repeats: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best,
+            "median": self.median,
+            "min": self.low,
+            "max": self.high,
+            "spread": self.spread,
+            "repeats": self.repeats,
+        }
+
+
+def summarize_timing(metric: str, values: Sequence[float | None]) -> TimingSummary | None:
+    """The best repeat, the median, the range and the relative spread (second best against best) of
+    ``values``, one per repeat; None when any repeat has no figure (a metric the run does not measure)."""
+    numbers = [v for v in values if _num(v)]
+    if not numbers or len(numbers) != len(values):
+        return None
+    higher = metric in HIGHER_IS_BETTER
+    ranked = sorted(numbers, reverse=higher)  # best first
+    best = ranked[0]
+    spread = abs(ranked[1] - best) / abs(best) if len(ranked) > 1 and best else 0.0
+    return TimingSummary(best, statistics.median(numbers), min(numbers), max(numbers), spread, len(numbers))
+
+
+def timing_margin(tolerance: float, noise_factor: float, spreads: Sequence[float]) -> float:
+    """The relative change a timing may show before it counts: the tolerance, or the measured noise
+    times ``noise_factor`` when that is larger."""
+    return max(tolerance, noise_factor * max(spreads, default=0.0))
 
 
 @dataclass(frozen=True)
@@ -70,15 +164,92 @@ class Regression:
         return f"{self.variant}.{self.metric}: {self.detail}"
 
 
+@dataclass(frozen=True)
+class TimingCheck:
+    """One timing judged against the baseline, passed or not: what the gate could and could not see."""
+
+    variant: str
+    metric: str
+    previous: float
+    current: float
+    worse_by: float  # relative change in the direction that is worse (negative: better)
+    margin: float
+    previous_spread: float
+    current_spread: float
+
+    @property
+    def regressed(self) -> bool:
+        return self.worse_by > self.margin
+
+    @property
+    def improved(self) -> bool:
+        """Better than the baseline beyond the margin: a speed-up, or a baseline measured under load."""
+        return -self.worse_by > self.margin
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant,
+            "metric": self.metric,
+            "previous": self.previous,
+            "current": self.current,
+            "worse_by": self.worse_by,
+            "margin": self.margin,
+            "previous_spread": self.previous_spread,
+            "current_spread": self.current_spread,
+            "regressed": self.regressed,
+            "improved": self.improved,
+        }
+
+
+@dataclass
+class BaselineVerdict:
+    regressions: list[Regression]
+    timing_checks: list[TimingCheck]
+
+    def widest_margin(self) -> float | None:
+        return max((c.margin for c in self.timing_checks), default=None)
+
+
+def slow_baseline_note(checks: Sequence[TimingCheck]) -> str | None:
+    """A gate is one-sided: a baseline measured while other load slowed it passes any run, a slowed one
+    included. When timings beat the baseline beyond their margins, say so, so a stale or loaded
+    baseline is re-saved instead of trusted."""
+    better = [c for c in checks if c.improved]
+    if not better:
+        return None
+    most = max(better, key=lambda c: -c.worse_by)
+    return (
+        f"note: {len(better)} timing(s) beat the baseline beyond their margins "
+        f"(most: {most.variant}.{most.metric} {most.previous:.4g} -> {most.current:.4g}); unless the code "
+        "got faster, the baseline was measured on a loaded machine and would let a slowdown through: "
+        "save it again (bm compare --repeat 5 -o DIR)"
+    )
+
+
 def find_regressions(
-    previous: Mapping[str, Any], current: Mapping[str, Any], tolerance: float
+    previous: Mapping[str, Any],
+    current: Mapping[str, Any],
+    tolerance: float,
+    noise_factor: float = NOISE_FACTOR,
 ) -> list[Regression]:
-    """Compare two ``compare.json`` documents variant by variant.
+    """The regressions of ``current`` against ``previous`` (see :func:`judge`)."""
+    return judge(previous, current, tolerance, noise_factor).regressions
+
+
+def judge(
+    previous: Mapping[str, Any],
+    current: Mapping[str, Any],
+    tolerance: float,
+    noise_factor: float = NOISE_FACTOR,
+) -> BaselineVerdict:
+    """Compare two ``compare.json`` documents variant by variant: counters exactly, timings against
+    the larger of the two runs' measured noise (module docstring).
 
     A variant of the saved run that is missing now is a regression (the gate would silently stop
-    checking it); a new variant is not.
-    """
+    checking it); a new variant is not. A saved document without per-repeat timings (an older bm) is
+    read as one repeat of its medians."""
     found: list[Regression] = []
+    checks: list[TimingCheck] = []
     prev_variants = previous.get("variants", {})
     cur_variants = current.get("variants", {})
     offline = bool(previous.get("offline_arrivals")) and bool(current.get("offline_arrivals"))
@@ -88,7 +259,8 @@ def find_regressions(
                 Regression(name, "*", "present", "absent", "missing", "variant missing from this run")
             )
             continue
-        pm, cm = prev.get("metrics", {}), cur_variants[name].get("metrics", {})
+        cur = cur_variants[name]
+        pm, cm = prev.get("metrics", {}), cur.get("metrics", {})
         exact = EXACT_ALWAYS + (EXACT_IF_OFFLINE if offline else ())
         for metric in exact:
             if metric in pm and pm[metric] is not None and cm.get(metric) != pm[metric]:
@@ -98,25 +270,58 @@ def find_regressions(
                         f"counter changed {pm[metric]} -> {cm.get(metric)} (must match exactly)",
                     )
                 )  # fmt: skip
-        for metric in HIGHER_IS_BETTER:
-            p, c = pm.get(metric), cm.get(metric)
-            if _num(p) and _num(c) and p > 0 and c < p * (1 - tolerance):
+        for metric in TIMING_METRICS:
+            p, c = _timing(prev, metric), _timing(cur, metric)
+            if p is None or c is None or p.best <= 0:
+                continue
+            higher = metric in HIGHER_IS_BETTER
+            worse_by = (p.best - c.best) / p.best if higher else (c.best - p.best) / p.best
+            margin = timing_margin(tolerance, noise_factor, (p.spread, c.spread))
+            check = TimingCheck(name, metric, p.best, c.best, worse_by, margin, p.spread, c.spread)
+            checks.append(check)
+            if check.regressed:
+                verb = "fell" if higher else "rose"
                 found.append(
                     Regression(
-                        name, metric, p, c, "timing",
-                        f"fell {p:.4g} -> {c:.4g} ({(p - c) / p:.1%} worse, tolerance {tolerance:.0%})",
+                        name, metric, p.best, c.best, "timing",
+                        f"{verb} {p.best:.4g} -> {c.best:.4g} (best of {p.repeats} -> best of {c.repeats}; "
+                        f"{worse_by:.1%} worse, margin {_margin_text(margin, tolerance, noise_factor, p, c)})",
                     )
                 )  # fmt: skip
-        for metric in LOWER_IS_BETTER:
-            p, c = pm.get(metric), cm.get(metric)
-            if _num(p) and _num(c) and p > 0 and c > p * (1 + tolerance):
-                found.append(
-                    Regression(
-                        name, metric, p, c, "timing",
-                        f"rose {p:.4g} -> {c:.4g} ({(c - p) / p:.1%} worse, tolerance {tolerance:.0%})",
-                    )
-                )  # fmt: skip
-    return found
+    return BaselineVerdict(found, checks)
+
+
+def rounds_to_settle(
+    verdict: BaselineVerdict, tolerance: float, noise_factor: float, repeat: int, done: int, most: int
+) -> int:
+    """How many more rounds the gate runs before it answers: none when the verdict is settled (no timing
+    regression, and this run's own noise small enough that the tolerance decides), else another
+    ``repeat`` rounds, up to ``most`` in all. Only this run's noise counts here: more rounds cannot
+    quiet the baseline's. A regression reported is one that survived re-measuring; a pass under heavy
+    noise is reported with its margin."""
+    unsettled = any(c.regressed or noise_factor * c.current_spread > tolerance for c in verdict.timing_checks)
+    return max(0, min(repeat, most - done)) if unsettled else 0
+
+
+def _timing(variant: Mapping[str, Any], metric: str) -> TimingSummary | None:
+    """A variant's timing summary from its ``timings`` section, else its median as a single repeat."""
+    saved = variant.get("timings", {}).get(metric)
+    if isinstance(saved, Mapping) and all(_num(saved.get(k)) for k in ("best", "median", "spread")):
+        return TimingSummary(
+            float(saved["best"]), float(saved["median"]), float(saved.get("min", saved["best"])),
+            float(saved.get("max", saved["best"])), float(saved["spread"]), int(saved.get("repeats", 1)),
+        )  # fmt: skip
+    value = variant.get("metrics", {}).get(metric)
+    return summarize_timing(metric, [value]) if _num(value) else None
+
+
+def _margin_text(
+    margin: float, tolerance: float, noise_factor: float, p: TimingSummary, c: TimingSummary
+) -> str:
+    noise = max(p.spread, c.spread)
+    if margin > tolerance:
+        return f"{margin:.1%} = {noise_factor:g} x measured noise {noise:.1%}"
+    return f"{margin:.1%} = tolerance; measured noise {noise:.1%}"
 
 
 def _num(x: Any) -> bool:

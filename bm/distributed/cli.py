@@ -87,7 +87,7 @@ def start_ranks(
             )
         start(cfg, tensor_parallel, data_parallel, rank_timeout)
     except ParallelError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     return True
 
@@ -98,5 +98,5 @@ def end_ranks(console: Console, multi_rank: bool) -> None:
         return
     fault = finish()
     if fault:
-        console.print(f"[red]error:[/] {escape(fault)}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error:[/] {escape(fault)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)

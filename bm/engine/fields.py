@@ -59,6 +59,7 @@ INT_FIELDS: dict[str, tuple[int, int]] = {
 FLOAT_FIELDS = (
     "temperature",
     "runtime_top_p",
+    "min_p",
     "len_penalty",
     "repetition_penalty",
     "presence_penalty",
@@ -68,6 +69,7 @@ FLOAT_FIELDS = (
 FLOAT_BOUNDS: dict[str, tuple[float, bool, float | None, str]] = {
     "temperature": (0.0, False, None, " (0 is greedy)"),
     "runtime_top_p": (0.0, True, 1.0, ""),
+    "min_p": (0.0, False, 1.0, " (0 is off)"),
     "repetition_penalty": (0.0, True, None, " (1 is off)"),
 }
 BOOL_FIELDS = ("streaming", "return_log_probs", "return_context_logits", "return_generation_logits")

@@ -30,6 +30,7 @@ SPEC_INPUT_TENSORS: dict[str, tuple[torch.dtype, str]] = {
     "temperature": (torch.float32, "[1] sampling temperature (0: greedy)"),
     "runtime_top_k": (torch.int32, "[1] top-k (0: off)"),
     "runtime_top_p": (torch.float32, "[1] top-p in (0, 1]"),
+    "min_p": (torch.float32, "[1] min-p in [0, 1] (0: off)"),
     "len_penalty": (torch.float32, "[1] beam length penalty"),
     "early_stopping": (torch.int32, "[1] beam early stopping"),
     "repetition_penalty": (torch.float32, "[1] repetition penalty"),

@@ -40,6 +40,8 @@ class Request:
     temperature: float | None = None
     runtime_top_k: int | None = None
     runtime_top_p: float | None = None
+    # vLLM's min-p: drop tokens less likely than min_p times the most likely one (0: off).
+    min_p: float | None = None
     len_penalty: float | None = None
     early_stopping: int | None = None
     repetition_penalty: float | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bm.config import BatchingScheme, BmConfig, resolve_engine
-from bm.engine.executor import CacheLayout, Executor, WarmupShapes, warm_up
+from bm.engine.executor import CacheLayout, Executor, ModelLimits, WarmupShapes, warm_up
 from bm.engine.limits import cache_pools, max_seq_len, window_layout
 from bm.engine.peft_cache import PeftCache
 from bm.engine.request import RequestLimits
@@ -37,6 +37,20 @@ class CoreSetup:
     peft_cache: PeftCache
     ngram: NgramConfig | None  # prompt-lookup drafts, when engine.speculative asks for them
     warmup: dict[str, Any] | None  # the executor's warm-up report (None: it ran none)
+
+
+def request_limits(config: BmConfig, model: ModelLimits) -> RequestLimits:
+    """What a request is validated against under ``config`` (resolved for the device): the engine's
+    cores and ``bm.LLM`` (which checks a batch before it starts any of it) take it from here."""
+    engine = config.engine
+    return RequestLimits(
+        vocab_size=model.vocab_size,
+        max_seq_len=max_seq_len(config, model),
+        # with chunking a prompt of any length fits the budget piece by piece
+        max_num_tokens=None if engine.enable_chunked_context else engine.max_num_tokens,
+        max_beam_width=engine.max_beam_width,
+        hidden_size=model.hidden_size,
+    )
 
 
 def set_up_core(config: BmConfig, executor: Executor) -> CoreSetup:
@@ -78,14 +92,7 @@ def set_up_core(config: BmConfig, executor: Executor) -> CoreSetup:
         )
     )
     report = warm_up(executor, WarmupShapes(engine.max_batch_size, engine.max_num_tokens, cached))
-    limits = RequestLimits(
-        vocab_size=model.vocab_size,
-        max_seq_len=longest,
-        # with chunking a prompt of any length fits the budget piece by piece
-        max_num_tokens=None if engine.enable_chunked_context else engine.max_num_tokens,
-        max_beam_width=engine.max_beam_width,
-        hidden_size=model.hidden_size,
-    )
+    limits = request_limits(config, model)
     peft = config.peft_cache
     spec = engine.speculative
     return CoreSetup(

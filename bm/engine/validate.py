@@ -124,12 +124,14 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     temperature = _float("temperature", request.temperature, 0.0)
     top_k = _int("runtime_top_k", request.runtime_top_k, 0)
     top_p = _float("runtime_top_p", request.runtime_top_p, 1.0)
-    if request.temperature is None and (top_k > 1 or top_p < 1):
+    min_p = _float("min_p", request.min_p, 0.0)
+    if request.temperature is None and (top_k > 1 or top_p < 1 or min_p > 0):
         temperature = 1.0  # asking for a filter means asking to sample
     sampling = Sampling(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         random_seed=_int("random_seed", request.random_seed, 0),
         end_id=_int("end_id", request.end_id, -1, high=limits.vocab_size - 1),
         pad_id=_int("pad_id", request.pad_id, 0, high=limits.vocab_size - 1),

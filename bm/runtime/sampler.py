@@ -1,5 +1,5 @@
 """Token selection for a whole batch at once: greedy rows by argmax, sampled rows by one vectorized
-temperature / top-k / top-p pass over sorted logits.
+temperature / top-k / top-p / min-p pass over sorted logits.
 
 Each sampling request owns a ``torch.Generator`` seeded with its ``random_seed`` and draws exactly one
 uniform number per generated token, so its samples do not depend on what else shares the batch, on the
@@ -88,4 +88,8 @@ class Sampler:
         # Nucleus: drop a token once the mass strictly before it already reaches top_p (the first stays).
         before = probs.cumsum(dim=-1) - probs
         probs.masked_fill_(before >= top_p[:, None], 0.0)
+        # Min-p: drop a token less likely than min_p times the most likely one (always the first, kept).
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            probs.masked_fill_(probs < min_p[:, None] * probs[:, :1], 0.0)
         return sorted_ids, probs

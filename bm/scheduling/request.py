@@ -56,6 +56,7 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
+    min_p: float = 0.0  # 0.0: no min-p filter (keep tokens at least min_p x the top token's probability)
     random_seed: int = 0
     end_id: int = -1  # -1: never stop on a token
     pad_id: int = 0

@@ -190,6 +190,10 @@ def run_sim(
     return result
 
 
+# The error of the requests a replay stopped early never finished (bm sweep counts them as not run).
+STOPPED_EARLY = "stopped early: the point already missed its SLO"
+
+
 class _VirtualReplay:
     """The driver on a virtual clock: when the engine is idle the clock jumps to the next arrival, and
     after each step a steady decode stretch may be advanced at once, up to the next arrival."""
@@ -239,7 +243,7 @@ class _VirtualReplay:
             rounds += 1
             if rounds % _STOP_EVERY == 0:
                 if stop is not None and stop(replayer):
-                    replayer.fail_unfinished("stopped early: the point already missed its SLO")
+                    replayer.fail_unfinished(STOPPED_EARLY)
                     self.stopped_early = True
                     break
                 if self.feed is not None and time.perf_counter() >= next_feed:

@@ -25,7 +25,7 @@ _UNITS = {"rate": "request rate (req/s)", "concurrency": "concurrency", "trace":
 def write_plots(out_dir: Path, plan: SweepPlan, outcomes: list[ConfigOutcome]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = {f"slo_{name}.png": _slo_plot(plan, outcomes, name) for name in plan.slo.limits}
-    figures["pareto.png"] = _pareto(outcomes)
+    figures["pareto.png"] = _pareto(outcomes, plan.load)
     if any(_cost(o) is not None for o in outcomes):
         figures["cost.png"] = _cost_bars(outcomes)
     paths = []
@@ -101,41 +101,50 @@ def _per_device(p: Point) -> float | None:
     return out / devices if out is not None else None
 
 
-def _pareto(outcomes: list[ConfigOutcome]) -> plt.Figure:
-    fig, ax = plt.subplots(figsize=(8, 6))
-    front: list[tuple[float, float]] = []
-    xs, ys, ok = [], [], []
-    for o in outcomes:
-        for p in o.points:
-            x, y = _per_user(p), _per_device(p)
-            if x is None or y is None or p.metrics.get("stopped_early"):
-                continue
-            xs.append(x)
-            ys.append(y)
-            ok.append(p.feasible)
-            if p.feasible:
-                front.append((x, y))
-    ax.scatter([x for x, f in zip(xs, ok, strict=True) if not f], [y for y, f in zip(ys, ok, strict=True) if not f],
-               s=14, facecolors="none", edgecolors="grey", label="infeasible")  # fmt: skip
-    ax.scatter([x for x, f in zip(xs, ok, strict=True) if f], [y for y, f in zip(ys, ok, strict=True) if f],
-               s=16, color="tab:blue", label="feasible")  # fmt: skip
-    pareto = _front(front)
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _pareto(outcomes: list[ConfigOutcome], load: str = "rate") -> plt.Figure:
+    """Every fully run point, one colour and marker per configuration (filled: feasible, hollow: not),
+    and the Pareto front of the feasible ones with each of its points named ``config @ load``: the plot
+    answers "which configuration gives this trade-off", not only "some configuration does"."""
+    fig, ax = plt.subplots(figsize=(9, 6))
+    colours = plt.get_cmap("tab10").colors
+    front: dict[tuple[float, float], list[str]] = {}  # a position -> every configuration point there
+    for i, o in enumerate(outcomes):
+        colour, marker = colours[i % len(colours)], MARKERS[(i // len(colours)) % len(MARKERS)]
+        shown = [(p, _per_user(p), _per_device(p)) for p in o.points if not p.metrics.get("stopped_early")]
+        shown = [(p, x, y) for p, x, y in shown if x is not None and y is not None]
+        good = [(x, y) for p, x, y in shown if p.feasible]
+        bad = [(x, y) for p, x, y in shown if not p.feasible]
+        ax.scatter([x for x, _ in good], [y for _, y in good], s=22, color=colour, marker=marker, label=o.name,
+                   alpha=0.8)  # fmt: skip
+        ax.scatter([x for x, _ in bad], [y for _, y in bad], s=22, marker=marker, facecolors="none",
+                   edgecolors=colour)  # fmt: skip
+        for p, x, y in shown:
+            if p.feasible:  # configurations that behave alike (bs16 and bs64 at a low rate) share a label
+                front.setdefault((x, y), []).append(f"{o.name} @ {load} {p.load:g}")
+    pareto = _front([(x, y, "\n".join(names)) for (x, y), names in front.items()])
     if pareto:
-        ax.plot(*zip(*pareto, strict=True), "-", color="tab:orange", lw=2, label="Pareto front (feasible)")
+        ax.plot([x for x, _, _ in pareto], [y for _, y, _ in pareto], "-", color="grey", lw=1.5, zorder=0,
+                label="Pareto front (feasible)")  # fmt: skip
+        for x, y, name in pareto:
+            ax.annotate(name, (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7)
     ax.set_xlabel("tokens/s per user (1000 / mean TPOT ms)")
     ax.set_ylabel("output tokens/s per device")
-    ax.set_title("Throughput per device against speed per user")
+    ax.set_title("Throughput per device against speed per user (hollow: misses the SLO)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, title="configuration")
+    fig.tight_layout()
     return fig
 
 
-def _front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _front(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """Points no other beats on both axes, by increasing per-user speed."""
-    out: list[tuple[float, float]] = []
-    for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
+    out: list[tuple[float, float, str]] = []
+    for x, y, name in sorted(points, key=lambda p: (-p[0], -p[1])):
         if not out or y > out[-1][1]:
-            out.append((x, y))
+            out.append((x, y, name))
     return sorted(out)
 
 

@@ -119,6 +119,12 @@ class EarlyStop:
         self._count_waiting(replayer)
         return self.failed > 0 or any(len(ids) > self.allowed for ids in self.misses.values())
 
+    def reasons(self) -> list[str]:
+        """Why the replay should stop: the SLO metrics already missed by more requests than the
+        percentile allows, and ``failed`` when a request failed."""
+        missed = [name for name, ids in self.misses.items() if len(ids) > self.allowed]
+        return missed + (["failed"] if self.failed else [])
+
     def _count(self, timeline: Any) -> None:
         tokens, sent = timeline.token_s, timeline.send_s
         if timeline.error or sent is None or not tokens:

@@ -32,7 +32,7 @@ from bm.engine.fields import (
 )
 from bm.suggest import did_you_mean
 from bm.workloads.request import Row, RowError
-from bm.workloads.tools import read_tools, tool_choice_spec
+from bm.workloads.tools import is_auto, read_tools, tool_choice_spec
 
 __all__ = [
     "WORD_LISTS",
@@ -90,6 +90,7 @@ def iter_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
 
 
 def _load_object(text: str) -> dict[str, Any] | RowError:
+    text = text.rstrip("\r\n")  # the line ending is not JSON: an error there was reported at column 1
     # scanned only when there are enough brackets to matter: a plain 200 KB prompt costs two counts
     depth = _max_depth(text) if text.count("[") + text.count("{") > MAX_DEPTH else 0
     if depth > MAX_DEPTH:
@@ -97,7 +98,12 @@ def _load_object(text: str) -> dict[str, Any] | RowError:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        return RowError(f"malformed JSON ({exc.msg} at column {exc.colno})")
+        if exc.pos >= len(text.rstrip()):
+            return RowError(
+                f"malformed JSON (the line ends at column {len(text.rstrip()) + 1} before the object is "
+                "closed: was it cut short?)"
+            )
+        return RowError(f"malformed JSON ({exc.msg} at column {exc.pos + 1})")
     except (RecursionError, ValueError) as exc:  # belt and braces: json's own limits
         return RowError(f"unreadable JSON ({type(exc).__name__})")
     if not isinstance(data, dict):
@@ -190,15 +196,15 @@ def iter_request_file(path: Path) -> Iterator[Row]:
 
 def parse_request(data: dict[str, Any], entry: Row) -> None:
     """Fill ``entry`` from one line's object or raise :class:`RowError` naming the field and the fix."""
-    unknown = sorted(k for k in data if k not in KNOWN_KEYS)
-    if unknown:
-        hint = did_you_mean(unknown[0], KNOWN_KEYS) or "; the fields are listed in docs/request-fields.md"
-        raise RowError(f"unknown field {unknown[0]!r}{hint}")
-    if "id" in data:
+    if "id" in data:  # first: the error record of a line refused for another field keeps its id
         value = data["id"]
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise RowError(f"id: expected a string or an integer, got {show_value(value)}")
         entry.user_id = value
+    unknown = sorted(k for k in data if k not in KNOWN_KEYS)
+    if unknown:
+        hint = did_you_mean(unknown[0], KNOWN_KEYS) or "; the fields are listed in docs/request-fields.md"
+        raise RowError(f"unknown field {unknown[0]!r}{hint}")
     parse_prompt(data, entry)
     given = [k for k in OUTPUT_LEN_KEYS if k in data]
     if len(given) > 1:
@@ -230,11 +236,13 @@ def parse_request(data: dict[str, Any], entry: Row) -> None:
 
 
 def _tools(data: dict[str, Any], entry: Row) -> None:
-    """``tools`` for the chat template, and the call ``tool_choice`` constrains the reply to."""
+    """``tools`` for the chat template, and the call ``tool_choice`` constrains the reply to (none for
+    "auto", OpenAI's default: the reply is parsed once generated)."""
     if data.get("tools") is not None:
         if entry.messages is None:
             raise RowError("tools: need a chat ('messages'), whose template renders them")
         entry.tools = read_tools(data["tools"])
+    entry.tool_auto = is_auto(entry.tools, data.get("tool_choice"))
     spec = tool_choice_spec(entry.tools, data.get("tool_choice"))
     if spec is not None:
         if entry.fields.get("guided_decoding") is not None:

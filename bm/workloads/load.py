@@ -66,6 +66,8 @@ def detect_kind(path: Path, prompt_column: str = "prompt") -> str:
             return "sharegpt"
     if suffix == ".jsonl":
         first = _first_json_line(path)
+        if "custom_id" in first and "body" in first:  # OpenAI Batch API input: the prompt is in body
+            return "openai-batch"
         if "task_id" in first:
             return "trtllm"
         if "input_length" in first or "hash_ids" in first:
@@ -98,6 +100,8 @@ def read_workload(bench: BenchConfig) -> Workload:
         kind = detect_kind(path, bench.prompt_column) if bench.dataset_kind == "auto" else bench.dataset_kind
         if kind != "hf" and path.is_dir():
             raise DatasetError(f"{path} is a directory; only --dataset-kind hf reads directories")
+        if kind not in LOADERS:  # openai-batch: its reader is the CLI's (bm.cli.openai_batch)
+            raise DatasetError(f"{path}: {kind} files are read by the bm bench and bm run commands")
         workload = LOADERS[kind](path, bench)
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None

@@ -24,21 +24,24 @@ TRTLLM_KEYS = ("task_id", "prompt", "input_ids", "output_tokens")
 
 def load_bm_jsonl(path: Path, default_output_len: int) -> Workload:
     """bm's own format through the one parser ``bm run`` uses, so a file means the same to both."""
-    rows = []
-    for row in iter_request_file(path):
-        if row.ok:
-            row.output_len = row.output_len or default_output_len
-            if row.input_ids is not None:
-                row.input_len = len(row.input_ids)
-            elif row.messages is not None:
-                row.error = (
-                    f"{row.where}: messages: bm bench replays 'prompt' or 'input_ids' lines; "
-                    "render the chat with bm run, or give the prompt as text"
-                )
-            if row.stop and row.ok:
-                row.error = f"{row.where}: stop: stop strings are read by bm run; give stop_words_list"
-        rows.append(row)
-    return Workload("bm", str(path), rows)
+    return Workload("bm", str(path), [replayable(row, default_output_len) for row in iter_request_file(path)])
+
+
+def replayable(row: Row, default_output_len: int) -> Row:
+    """A parsed request line (bm's, or an OpenAI batch line's) as ``bm bench`` replays it: its output
+    length settled, and what only ``bm run`` reads (chats, stop strings) refused on the row."""
+    if row.ok:
+        row.output_len = row.output_len or default_output_len
+        if row.input_ids is not None:
+            row.input_len = len(row.input_ids)
+        elif row.messages is not None:
+            row.error = (
+                f"{row.where}: messages: bm bench replays 'prompt' or 'input_ids' lines; "
+                "render the chat with bm run, or give the prompt as text"
+            )
+        if row.stop and row.ok:
+            row.error = f"{row.where}: stop: stop strings are read by bm run; give stop_words_list"
+    return row
 
 
 def load_trtllm_jsonl(path: Path) -> Workload:

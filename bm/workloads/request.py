@@ -55,6 +55,8 @@ class Row:
     fields: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # OpenAI tools, rendered by the chat template
     tool_call: bool = False  # tool_choice made the reply a call (its output carries tool_calls)
+    tool_auto: bool = False  # tools given, tool_choice absent or "auto": a parser reads the free reply
+    tool_parser: str | None = None  # that parser, chosen with the chat template (bm.workloads.tool_parsers)
     error: str | None = None  # "line N: field: problem; fix", when the row cannot run
     num_prompt_tokens: int | None = None  # set once the prompt is tokenized
 

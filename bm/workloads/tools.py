@@ -4,8 +4,9 @@
 ``tool_choice`` naming a function, or ``"required"``, makes the reply a call: structured output
 constrains it to ``{"name": <the function>, "arguments": <its parameters' schema>}``, and the output
 carries it as OpenAI's ``message.tool_calls``. ``"none"`` constrains nothing (the tools are still shown
-to the model, as OpenAI does). ``"auto"``, OpenAI's default when tools are given, would need to tell a
-call from text in whatever syntax each model writes calls in; bm refuses it and says what works.
+to the model, as OpenAI does). ``"auto"``, OpenAI's default when tools are given, constrains nothing
+either: the model answers freely and a tool-call parser tells a call from text afterwards
+(:mod:`bm.workloads.tool_parsers`), so no grammar of bm's own competes with llguidance's.
 
 Plain Python (no torch): a file's tools are checked before the model loads.
 """
@@ -17,12 +18,6 @@ from typing import Any
 
 from bm.engine.request import RequestError
 from bm.engine.structured import GuidedSpec, SpecError, make_spec
-
-AUTO_REFUSED = (
-    "tool_choice: 'auto' (OpenAI's default when tools are given) is not supported: bm does not parse "
-    'free-form tool calls; name the function, {"type": "function", "function": {"name": ...}}, '
-    'or use "required" (the reply is then a call to one of the tools), or "none"'
-)
 
 
 def read_tools(value: Any, key: str = "tools") -> list[dict[str, Any]]:
@@ -53,18 +48,14 @@ def read_tools(value: Any, key: str = "tools") -> list[dict[str, Any]]:
 
 
 def tool_choice_spec(tools: list[dict[str, Any]] | None, choice: Any) -> GuidedSpec | None:
-    """The constraint ``tool_choice`` puts on the reply (None: none); :class:`RequestError` for "auto" and
-    for a choice that names no given tool."""
+    """The constraint ``tool_choice`` puts on the reply (None: none, as for "none" and "auto");
+    :class:`RequestError` for a choice that names no given tool."""
     if choice is None:
-        if tools is None:
-            return None
-        raise RequestError(AUTO_REFUSED.replace("'auto' (OpenAI's default when tools are given)", "missing"))
+        return None
     if tools is None:
         raise RequestError("tool_choice: given without tools; give the tools or drop tool_choice")
-    if choice == "none":
+    if choice in ("none", "auto"):
         return None
-    if choice == "auto":
-        raise RequestError(AUTO_REFUSED)
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if choice == "required":
         chosen = list(functions)
@@ -81,7 +72,8 @@ def tool_choice_spec(tools: list[dict[str, Any]] | None, choice: Any) -> GuidedS
         chosen = [name]
     else:
         raise RequestError(
-            'tool_choice: expected "none", "required" or {"type": "function", "function": {"name": ...}}'
+            'tool_choice: expected "auto", "none", "required" or {"type": "function", "function": '
+            '{"name": ...}}'
         )
     calls = [_call_schema(name, functions[name].get("parameters")) for name in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -89,6 +81,17 @@ def tool_choice_spec(tools: list[dict[str, Any]] | None, choice: Any) -> GuidedS
         return make_spec("json_schema", schema, "tools")
     except SpecError as exc:
         raise RequestError(str(exc)) from None
+
+
+def is_auto(tools: list[dict[str, Any]] | None, choice: Any) -> bool:
+    """Whether the model chooses between a call and text (tools given, ``tool_choice`` absent or
+    "auto"): its reply then goes through a tool-call parser."""
+    return tools is not None and choice in (None, "auto")
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
+    """The function names a parsed call may name."""
+    return {t["function"]["name"] for t in tools or []}
 
 
 def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,176 @@
+"""The prompts file of ``bm run`` as bm reads it: a regular file, or a private copy of what was piped in.
+
+A pipe (``bm run -``, ``/dev/stdin``, ``<(...)``) can be read once only, while a run reads its input
+three times: the digest that ``run.json`` records (so ``--resume`` can refuse another file), the line
+count of the progress bar, and the run itself. Reading a pipe straight away gave the digest of the
+whole input and a run of nothing. So a pipe, and a gzip file, are copied once to a temporary file (on
+disk, so a large input costs no memory), and every later reader sees those same bytes.
+
+Before the model loads the file is also checked to hold at least one line that can run: binary junk,
+a CSV trace, a broken gzip file or a file whose every line is refused is one usage error (exit 2)
+naming the file, the first bad line and the fix, not a model load followed by thousands of error
+records. Plain Python (no torch).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gzip
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+GZIP_MAGIC = b"\x1f\x8b"
+STDIN_NAMES = ("-",)
+SNIFF_BYTES = 4096
+
+
+class PromptsFileError(ValueError):
+    """The prompts file cannot run at all; phrased for the user (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class PromptsSource:
+    """``name``: the input as the user gave it (``-``, ``/dev/stdin``, ``p.jsonl.gz``), for messages and
+    the printed resume command; ``path``: a regular file of JSONL text that every reader opens."""
+
+    name: str
+    path: Path
+    copied: bool = False  # path is bm's private copy (a pipe, or decompressed gzip)
+
+
+def open_prompts(given: Path | str) -> PromptsSource:
+    """The readable JSONL behind ``given``, checked to hold a line that can run; raises
+    :class:`PromptsFileError` for an input that cannot run (missing, a directory, a terminal, broken
+    gzip, empty, binary, a CSV table, every line refused) before anything loads.
+
+    Ranks other than 0 of a multi-rank run re-run the same command line but never read the prompts:
+    they must not consume a pipe that rank 0 reads."""
+    name = str(given)
+    if int(os.environ.get("RANK", "0") or 0) > 0:
+        return PromptsSource(name, Path(given))
+    if name in STDIN_NAMES:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise PromptsFileError(
+                "prompts '-' reads standard input, but nothing is piped in; e.g. "
+                "cat prompts.jsonl | bm run - -o out"
+            )
+        return _checked(_copied(name, sys.stdin.buffer))
+    path = Path(given)
+    if path.is_dir():
+        raise PromptsFileError(f"prompts file {name!r} is a directory; give a JSONL file")
+    if not path.exists():
+        raise PromptsFileError(f"prompts file {name!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise PromptsFileError(f"prompts file {name!r} is not readable (permissions)")
+    if not stat.S_ISREG(path.stat().st_mode):  # a pipe, /dev/stdin, <(...): readable once only
+        with path.open("rb") as stream:
+            return _checked(_copied(name, stream))
+    with path.open("rb") as f:
+        if f.read(2) == GZIP_MAGIC:
+            f.seek(0)
+            return _checked(_copied(name, f))
+    return _checked(PromptsSource(name, path))
+
+
+def _checked(source: PromptsSource) -> PromptsSource:
+    _check_not_blank(source)
+    check_runnable(source)
+    return source
+
+
+def _copied(name: str, stream: BinaryIO) -> PromptsSource:
+    """Copy a stream (decompressing gzip, found by its magic bytes) to a temporary file removed at exit."""
+    fd, temp = tempfile.mkstemp(prefix="bm-prompts-", suffix=".jsonl")
+    atexit.register(_remove, temp)
+    with os.fdopen(fd, "wb") as out:
+        head = stream.read(2)
+        if head == GZIP_MAGIC:
+            _gunzip(name, head, stream, out)
+        else:
+            out.write(head)
+            shutil.copyfileobj(stream, out, 1 << 20)
+    return PromptsSource(name, Path(temp), copied=True)
+
+
+class _Prefixed:
+    """A stream with bytes already read put back in front (gzip needs the magic it was sniffed by)."""
+
+    def __init__(self, head: bytes, stream: BinaryIO) -> None:
+        self.head, self.stream = head, stream
+
+    def read(self, size: int = -1) -> bytes:
+        if self.head:
+            data, self.head = self.head, b""
+            return data
+        return self.stream.read(size)
+
+
+def _gunzip(name: str, head: bytes, stream: BinaryIO, out: BinaryIO) -> None:
+    try:
+        with gzip.GzipFile(fileobj=_Prefixed(head, stream), mode="rb") as unzipped:  # type: ignore[arg-type]
+            shutil.copyfileobj(unzipped, out, 1 << 20)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise PromptsFileError(
+            f"prompts file {name!r} starts as gzip but does not decompress ({exc}); the file is truncated "
+            "or corrupt: download it again, or give the uncompressed .jsonl"
+        ) from None
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _check_not_blank(source: PromptsSource) -> None:
+    with source.path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
+        if not any(line.strip().lstrip(b"\xef\xbb\xbf") for line in f):
+            raise PromptsFileError(
+                f"prompts file {source.name!r} holds no request (it is empty or blank); give one JSON "
+                'object per line, e.g. {"prompt": "Hello"}'
+            )
+
+
+def check_runnable(source: PromptsSource) -> None:
+    """Refuse, before the model loads, a file where no line can run: binary data, a CSV table, or lines
+    that are all refused by the reader. A file with one good line runs (each bad line gets its record).
+
+    The reader is the one the run uses (bm lines or OpenAI batch lines); it stops at the first good line,
+    so a good file costs one line here."""
+    from bm.cli.openai_batch import check_unique_custom_ids, is_batch_file, iter_batch_file
+    from bm.workloads.jsonl import iter_request_file
+
+    with source.path.open("rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\x00" in head:
+        raise PromptsFileError(
+            f"prompts file {source.name!r} is binary data (it holds NUL bytes), not JSONL text; give one "
+            'JSON object per line, e.g. {"prompt": "Hello"}'
+        )
+    batch = is_batch_file(source.path)
+    rows = (line.parsed for line in iter_batch_file(source.path)) if batch else iter_request_file(source.path)
+    count, first_error = 0, None
+    for row in rows:
+        if row.error is None:
+            if batch:
+                check_unique_custom_ids(source.path, source.name)
+            return
+        count += 1
+        first_error = first_error or row.error
+    first_line = head.lstrip(b"\xef\xbb\xbf").split(b"\n", 1)[0].strip()
+    if not first_line.startswith((b"{", b"[")) and b"," in first_line:
+        raise PromptsFileError(
+            f"prompts file {source.name!r} is a CSV table (first line: "
+            f"{first_line[:80].decode('utf-8', 'replace')!r}), not JSONL; bm run reads one JSON object per "
+            "line. To replay a trace, use bm bench FILE (e.g. --dataset-kind azure)"
+        )
+    raise PromptsFileError(
+        f"prompts file {source.name!r}: none of its {count} line(s) can run; the first: {first_error}"
+    )

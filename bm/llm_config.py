@@ -1,0 +1,102 @@
+"""``bm.LLM(...)``'s keywords: vLLM's engine arguments mapped onto bm's config keys, and the config built.
+
+Why a table: a vLLM user types ``LLM(model, max_model_len=512, gpu_memory_utilization=0.8)``; each such
+name lands on one key of :mod:`bm.config` (listed once, here, and pinned by a test), and the config
+loader checks the values as it checks ``bm run --set``. A keyword that is neither a vLLM name, a model
+key nor a config section is refused with the nearest name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS
+from bm.llm_params import InvalidParameterError
+from bm.suggest import did_you_mean
+
+# vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
+ENGINE_ARGS: dict[str, str | None] = {
+    **VLLM_ENGINE_KEYS,
+    "max_logprobs": None,  # bm returns up to 20 top log probs per position, OpenAI's bound; nothing to set
+}
+# vLLM names bm takes with a meaning of their own (read by LLM itself, not the config).
+OWN_ARGS = ("seed", "tensor_parallel_size")
+# vLLM's enforce_eager=True: no CUDA graphs (bm's model.cuda_graphs).
+_EAGER = {True: "off", False: "auto"}
+
+
+def build_config(
+    model: str | None, config: str | Path | BmConfig | None, options: dict[str, Any]
+) -> BmConfig:
+    """A validated config from a file or object plus keyword overrides (see :class:`bm.LLM`): vLLM's
+    names (:data:`ENGINE_ARGS`), ``model`` section keys (``device="cpu"``) and sections as mappings
+    (``engine={"max_batch_size": 64}``). Raises :class:`InvalidParameterError`."""
+    from bm.config import ModelConfig, config_from_dict
+
+    model_keys = {f.name for f in fields(ModelConfig)} - {"seed"}  # seed= is vLLM's: sampling
+    sections = set(BmConfig.__dataclass_fields__)
+    overrides: dict[str, Any] = {}
+    if model is not None:
+        preset = model in MODEL_PRESETS and not Path(model).exists()
+        overrides["model.preset" if preset else "model.path"] = model
+    for name, value in options.items():
+        if name in ENGINE_ARGS:
+            if ENGINE_ARGS[name] is not None:
+                overrides[ENGINE_ARGS[name]] = value
+        elif name == "enforce_eager":
+            if not isinstance(value, bool):
+                raise InvalidParameterError(f"LLM(enforce_eager=...): expected True or False, got {value!r}")
+            overrides[ENFORCE_EAGER_KEY] = _EAGER[value]
+        elif name in model_keys:
+            overrides[f"model.{name}"] = value
+        elif name in sections and isinstance(value, Mapping):
+            overrides.update({f"{name}.{key}": v for key, v in value.items()})
+        else:
+            known = [*ENGINE_ARGS, "enforce_eager", *OWN_ARGS, *model_keys, *sections]
+            raise InvalidParameterError(
+                f"LLM({name}=...): unknown keyword{did_you_mean(name, known)}; LLM takes vLLM's engine "
+                f"arguments ({', '.join(ENGINE_ARGS)}, enforce_eager, seed, tensor_parallel_size), model "
+                "keys (device=, dtype=, ...) and config sections as mappings, e.g. engine={'max_batch_size': 64}"
+            )
+    try:
+        if isinstance(config, BmConfig) and not overrides:
+            return config  # already validated (the CLI builds its config from files and flags)
+        if isinstance(config, BmConfig):
+            data = config.to_dict()
+            for dotted, value in overrides.items():
+                section, _, key = dotted.partition(".")
+                data.setdefault(section, {})[key] = value
+            return config_from_dict(data)
+        return load_config(config, overrides)
+    except InvalidParameterError:
+        raise
+    except ConfigError as exc:
+        raise InvalidParameterError(_vllm_names(str(exc))) from None
+
+
+def _vllm_names(message: str) -> str:
+    """A config message that also names the vLLM keyword a user may have typed for the key."""
+    for name, key in ENGINE_ARGS.items():
+        if key is not None and message.startswith(f"{key}:"):
+            return f"{name} ({key}){message[len(key) :]}"
+    return message
+
+
+def check_tensor_parallel(size: Any) -> None:
+    """``tensor_parallel_size`` must be the ranks this process already runs in: ``bm.LLM`` joins a
+    layout, it does not start one (``bm run --tensor-parallel N`` and ``bm bench --tp N`` do)."""
+    from bm.distributed.layout import current_layout
+
+    have = current_layout().tensor_parallel
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidParameterError(f"LLM(tensor_parallel_size=...): expected an integer >= 1, got {size!r}")
+    if size != have:
+        raise InvalidParameterError(
+            f"LLM(tensor_parallel_size={size}): this process runs {have} tensor-parallel rank(s); run "
+            f"`bm run --tensor-parallel {size}` or `bm bench --tp {size}`, or start this script under "
+            f"torchrun after bm.distributed.layout.setup_parallel({size})"
+        )

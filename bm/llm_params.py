@@ -1,0 +1,263 @@
+"""``bm.LLM``'s values: the parameters a request takes and the outputs it returns, in vLLM's shapes.
+
+Why their own module: these are the library's contract with a vLLM user (the names, their defaults,
+what comes back), and every name here maps onto one engine field of :mod:`bm.engine.fields`, the one
+table every door of bm reads. Nothing here checks a value by itself: each is handed to that table's
+checks (``request_field``) when the parameters are built, and to the engine's one validator
+(:func:`bm.engine.validate.validate_request`) before a batch starts, so a bad value is refused with the
+same rule whichever door it came in by, and raised here as :class:`InvalidParameterError`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+from bm.config import ConfigError
+from bm.engine.fields import RequestError, check_int, request_field
+
+
+class InvalidParameterError(RequestError, ConfigError):
+    """A parameter ``bm.LLM`` cannot run, raised before anything runs; the message names the field and
+    the fix. One type for both kinds a vLLM user hands over (``SamplingParams`` fields and ``LLM(...)``
+    keywords), and a ``ValueError``, as vLLM raises."""
+
+
+# vLLM's SamplingParams name -> the engine request field it sets (bm.engine.fields), for the mapping
+# test, the docs and the messages: an engine error names the field the user wrote, not the spec's name.
+SAMPLING_FIELDS: dict[str, str] = {
+    "n": "num_return_sequences",
+    "max_tokens": "request_output_len",
+    "temperature": "temperature",
+    "top_p": "runtime_top_p",
+    "top_k": "runtime_top_k",
+    "min_p": "min_p",
+    "seed": "random_seed",
+    "stop": "stop_words_list",
+    "stop_token_ids": "stop_words_list",
+    "bad_words": "bad_words_list",
+    "ignore_eos": "end_id",
+    "min_tokens": "min_length",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logprobs": "top_logprobs",
+    "logit_bias": "logit_bias",
+    "structured_outputs": "guided_decoding",
+    "guided_decoding": "guided_decoding",
+    "response_format": "guided_decoding",
+}
+# The engine field -> the name a message says (first vLLM name that sets it).
+_USER_NAME = {
+    "num_return_sequences": "n",
+    "request_output_len": "max_tokens",
+    "runtime_top_p": "top_p",
+    "runtime_top_k": "top_k",
+    "random_seed": "seed",
+    "stop_words_list": "stop",
+    "bad_words_list": "bad_words",
+    "min_length": "min_tokens",
+    "top_logprobs": "logprobs",
+    "return_log_probs": "logprobs",
+}
+_SPEC_NAME = re.compile(r"\b(" + "|".join(sorted(_USER_NAME, key=len, reverse=True)) + r")\b")
+
+
+def user_message(message: str) -> str:
+    """An engine message in the library's names (``request_output_len`` -> ``max_tokens``)."""
+    message = message.replace("(engine.max_seq_len)", "(LLM(max_model_len=...), engine.max_seq_len)")
+    return _SPEC_NAME.sub(lambda m: _USER_NAME[m.group(1)], message)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Structured output in vLLM's shape: give exactly one of ``json`` (a JSON schema, as a dict or JSON
+    text), ``regex``, ``choice`` (strings), ``grammar`` (Lark text) or ``json_object=True``. Compiled by
+    llguidance (``pip install llguidance``), as bm run's ``guided_*`` fields are."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> dict[str, Any]:
+        """The engine's ``guided_decoding`` object form (``{"json": schema}``, ...)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name for the same parameters
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling controls under vLLM's names (the engine field each sets: SAMPLING_FIELDS).
+
+    Every value is checked against the engine's field table when the object is built, so a bad one
+    raises :class:`InvalidParameterError` here, not an empty answer later. One default differs from
+    vLLM's: ``temperature`` is 0 (greedy), as in TensorRT-LLM and HF ``generate()``.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's length (engine.max_seq_len)
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # 0: off; else drop tokens below min_p x the top token's probability
+    seed: int | None = None  # None: the LLM's seed, derived per request (else the engine's 0)
+    stop: str | list[str] | None = None  # strings that end the text (cut before them, as OpenAI does)
+    stop_token_ids: list[int] | None = None  # single tokens that end generation
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False  # keep going past the model's end token
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # None: no log probs; k: the chosen token's and the k most likely ones' at each position (0-20)
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    # Structured output (needs llguidance): vLLM's StructuredOutputsParams (or its dict form, also under
+    # the older name guided_decoding) or OpenAI's response_format. docs/structured-output.md
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    guided_decoding: StructuredOutputsParams | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.request_fields(None)  # checks every value the engine's field table can judge alone
+
+    def request_fields(self, encode_word: Any) -> dict[str, Any]:
+        """The engine request's fields for these parameters (strings tokenized by ``encode_word``; None
+        checks everything but the strings' tokens). Raises :class:`InvalidParameterError`."""
+        try:
+            return self._fields(encode_word)
+        except RequestError as exc:
+            raise InvalidParameterError(f"SamplingParams.{user_message(str(exc))}") from None
+
+    def _fields(self, encode_word: Any) -> dict[str, Any]:
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+        ):
+            raise RequestError(
+                f"logprobs: expected a count of top log probs (0 returns only the chosen token's), got "
+                f"{self.logprobs!r}"
+            )
+        top_k = self.top_k if self.top_k != -1 else 0  # vLLM's -1 is off, as 0 is
+        values = {
+            "num_return_sequences": ("n", self.n),
+            "temperature": ("temperature", self.temperature),
+            "runtime_top_p": ("top_p", self.top_p),
+            "runtime_top_k": ("top_k", top_k),
+            "min_p": ("min_p", self.min_p),
+            "random_seed": ("seed", self.seed),
+            "min_length": ("min_tokens", self.min_tokens),
+            "repetition_penalty": ("repetition_penalty", self.repetition_penalty),
+            "presence_penalty": ("presence_penalty", self.presence_penalty),
+            "frequency_penalty": ("frequency_penalty", self.frequency_penalty),
+            "top_logprobs": ("logprobs", self.logprobs),
+            "logit_bias": ("logit_bias", self.logit_bias),
+        }
+        out = {name: request_field(name, key, v) for name, (key, v) in values.items() if v is not None}
+        if self.max_tokens is not None:
+            out["request_output_len"] = check_int("request_output_len", self.max_tokens, "max_tokens", low=1)
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            out["return_log_probs"] = True
+            # the most likely token is always asked for, so the chosen one's rank is known when it is 1
+            out["top_logprobs"] = max(self.logprobs, 1)
+        out["guided_decoding"] = self._guided()
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        words = [_encode_word(w, "stop", encode_word) for w in stops]
+        words += [[t] for t in self.stop_token_ids or []]
+        if words:
+            out["stop_words_list"] = request_field("stop_words_list", "stop_token_ids", words)
+        if self.bad_words:
+            bad = [_encode_word(w, "bad_words", encode_word) for w in self.bad_words]
+            out["bad_words_list"] = request_field("bad_words_list", "bad_words", bad)
+        return {k: v for k, v in out.items() if v is not None}
+
+    def _guided(self) -> Any:
+        given = {
+            name: value
+            for name, value in (
+                ("structured_outputs", self.structured_outputs),
+                ("guided_decoding", self.guided_decoding),
+                ("response_format", self.response_format),
+            )
+            if value is not None
+        }
+        if len(given) > 1:
+            raise RequestError(f"{' and '.join(given)}: give one structured-output field, not both")
+        if not given:
+            return None
+        ((name, value),) = given.items()
+        if isinstance(value, StructuredOutputsParams):
+            value = value.spec()
+        engine_key = "response_format" if name == "response_format" else "guided_decoding"
+        spec = request_field("guided_decoding", engine_key, value)
+        return spec
+
+
+def _encode_word(word: Any, name: str, encode_word: Any) -> list[int]:
+    """A stop or bad word's token ids ([0] stands in for a string until a tokenizer encodes it)."""
+    if not isinstance(word, str) or not word:
+        raise RequestError(f"{name}: expected non-empty strings, got {word!r}")
+    return [0] if encode_word is None else list(encode_word(word))
+
+
+class Logprob(NamedTuple):
+    """One token's log probability at one position, as vLLM returns it: its ``rank`` among the whole
+    vocabulary (1 is the most likely; None when the chosen token was below the top ones asked for)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence: its text, token ids, log probs and why it ended.
+
+    ``logprobs`` (with ``SamplingParams(logprobs=k)``): one dict per generated token, token id ->
+    :class:`Logprob`, holding the chosen token and the k most likely ones (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop (end token, stop string or token), length, cancelled, error
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt, as vLLM shapes it (``outputs``: ``n`` of them), with the first
+    output's fields also read directly."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error

@@ -1,0 +1,165 @@
+"""What users pipe into ``bm run`` is read, and what can never run is refused before the model loads.
+
+Issue 41: ``head -2 p.jsonl | bm run /dev/stdin`` ran 0 requests and exited 0 (run.json recorded the
+digest of empty input), ``bm run -`` said the file ``-`` did not exist, a gzip file got "save the file as
+UTF-8", and binary junk, a CSV trace or a file of only bad lines loaded the model before failing."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from bm.cli.main import app
+from tests.conftest import REPO
+
+runner = CliRunner()
+LINES = b'{"id": "a", "prompt": "hello there", "max_tokens": 3}\n{"id": "b", "prompt": "good bye", "max_tokens": 3}\n'
+CPU = ["--set", "model.device=cpu", "-q"]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def assert_ran_both_lines(out):
+    records = read_jsonl(out / "outputs.jsonl")
+    assert sorted(r["id"] for r in records) == ["a", "b"]
+    assert all(r["error"] is None and r["num_output_tokens"] == 3 for r in records)
+    # run.json's digest is of the bytes the run read, so --resume can match them
+    identity = json.loads((out / "run.json").read_text())
+    assert identity["prompts_sha256"] == hashlib.sha256(LINES).hexdigest()
+    return identity
+
+
+def test_run_reads_prompts_piped_on_stdin(tmp_path):
+    """``bm run -`` (in process) and ``bm run /dev/stdin`` (a real pipe, in a shell)."""
+    out = tmp_path / "dash"
+    result = runner.invoke(app, ["run", "-", "-o", str(out), *CPU], input=LINES)
+    assert result.exit_code == 0, result.output
+    assert assert_ran_both_lines(out)["prompts"] == "-"
+
+    piped = tmp_path / "devstdin"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = f"printf '%s' '{LINES.decode()}' | {sys.executable} -m bm.cli.main run /dev/stdin -o {piped} -q --set model.device=cpu"  # fmt: skip
+    proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert assert_ran_both_lines(piped)["prompts"] == "/dev/stdin"
+
+
+def test_run_reads_a_process_substitution(tmp_path):
+    """``bm run <(...)`` names a pipe under /dev/fd: read once, completely."""
+    read_end, write_end = os.pipe()
+
+    def feed():
+        with os.fdopen(write_end, "wb") as f:
+            f.write(LINES)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    out = tmp_path / "out"
+    try:
+        result = runner.invoke(app, ["run", f"/dev/fd/{read_end}", "-o", str(out), *CPU])
+    finally:
+        writer.join()
+        os.close(read_end)
+    assert result.exit_code == 0, result.output
+    assert_ran_both_lines(out)
+
+
+@pytest.mark.parametrize("name", ["p.jsonl.gz", "p.jsonl"])  # gzip is found by its magic bytes, not the name
+def test_run_reads_gzipped_prompts(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(LINES))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["run", str(path), "-o", str(out), *CPU])
+    assert result.exit_code == 0, result.output
+    assert assert_ran_both_lines(out)["prompts"] == str(path)
+    # the same lines uncompressed resume the gzip run: the digest is of the text
+    resumed = runner.invoke(app, ["run", str(path), "-o", str(out), "--resume", *CPU])
+    assert resumed.exit_code == 0, resumed.output
+    assert len(read_jsonl(out / "outputs.jsonl")) == 2
+
+
+PROBE = """
+import sys
+from typer.testing import CliRunner
+from bm.cli.main import app
+result = CliRunner().invoke(app, sys.argv[1:])
+print("EXIT", result.exit_code)
+print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+print("STDOUT", repr(result.stdout))
+print("STDERR", " ".join(result.stderr.split()))
+"""
+
+NEVER_RUNNABLE = [
+    ("junk.bin", bytes(range(256)) * 16, "is binary data"),
+    ("broken.jsonl.gz", gzip.compress(LINES)[:25], "does not decompress"),
+    (
+        "trace.csv",
+        b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n",
+        "is a CSV table",
+    ),
+    (
+        "bad.jsonl",
+        b'{"prompt": 1}\n{"colour": 2}\n{"prompt": "unterminated\n',
+        "none of its 3 line(s) can run",
+    ),
+    ("latin1.jsonl", b'{"prompt": "caf\xe9"}\n', "not UTF-8 text"),
+    (
+        "dup.jsonl",
+        b"".join(
+            json.dumps(
+                {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}
+            ).encode()
+            + b"\n"
+            for _ in range(2)
+        ),
+        "custom_id 'x' is also on line 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, data, message", NEVER_RUNNABLE, ids=[n for n, _, _ in NEVER_RUNNABLE])
+def test_a_file_with_no_runnable_line_is_refused_before_the_model_loads(tmp_path, name, data, message):
+    """Exit 2 (docs/exit-codes.md), on stderr, naming the file and the fix; torch is never imported and
+    no -o directory is left behind."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "run", str(path), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
+    assert "HEAVY []" in proc.stdout, proc.stdout
+    assert "STDOUT ''" in proc.stdout  # nothing on stdout: the error is on stderr
+    stderr = proc.stdout.split("STDERR ", 1)[1]
+    assert message in stderr and name in stderr, stderr
+    assert not out.exists()
+
+
+def test_a_file_with_one_runnable_line_runs_and_the_bad_lines_get_records(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": 1}\n{"prompt": "fine", "max_tokens": 2}\n')
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["run", str(path), "-o", str(out), *CPU])
+    assert result.exit_code == 0, result.output
+    assert [r["finish_reason"] == "error" for r in read_jsonl(out / "outputs.jsonl")].count(True) == 1
+
+
+def test_bm_run_dash_with_nothing_piped_is_a_usage_error(tmp_path):
+    result = runner.invoke(app, ["run", "-", "-o", str(tmp_path / "out")], input=b"")
+    assert result.exit_code == 2
+    assert "holds no request" in result.stderr and result.stdout == ""

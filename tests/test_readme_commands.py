@@ -1,0 +1,51 @@
+"""The README's commands run on what a user has: no ``../shared`` paths (a checkout of bm alone has none),
+the headline trace read by bm directly with flags bm takes, and the smollm2-135m preset described as what
+it is (a Q4_1 GGUF dequantized to fp32, not the original bf16 weights)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from typer.main import get_command
+
+from bm.cli.main import app
+from bm.config import config_reference
+from tests.conftest import REPO
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def bm_commands(text: str) -> list[list[str]]:
+    """Every ``bm ...`` command of the text's bash blocks, continuation lines joined, as words."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if line.startswith("bm "):
+                commands.append(shlex.split(line)[1:])
+    return commands
+
+
+def test_readme_commands_read_no_file_outside_a_checkout_of_bm():
+    assert "../shared" not in README
+
+
+def test_readme_headline_command_reads_the_public_azure_trace_with_bm_flags():
+    figures = README.split("\n## Figures\n", 1)[1]
+    assert "AzurePublicDataset" in figures and "AzureLLMInferenceTrace_conv.csv" in figures
+    (words,) = [c for c in bm_commands(figures) if c[0] == "compare"]
+    params = get_command(app).commands["compare"].make_context("compare", words[1:]).params
+    assert str(params["dataset"]) == "AzureLLMInferenceTrace_conv.csv"
+    assert params["dataset_kind"] == "azure" and params["num_requests"] == 128
+    assert params["input_scale"] == 0.25 and params["output_scale"] == 0.25
+
+
+def test_smollm2_preset_is_described_as_a_dequantized_q4_1_gguf_not_the_bf16_weights():
+    for text in (
+        README,
+        (REPO / "docs" / "models.md").read_text(encoding="utf-8"),
+        config_reference(["model"]),
+    ):
+        flat = " ".join(text.split())
+        assert "Q4_1" in flat and "not the original bf16 weights" in flat
