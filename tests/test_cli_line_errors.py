@@ -85,3 +85,21 @@ def test_show_puts_each_answer_under_its_own_header(tmp_path):
     console = Console(record=True, width=60, color_system=None)
     _show_answers(console, outputs)
     assert console.export_text().splitlines() == ["── a ──", "one", "two", "── b ──", "three"]
+
+
+def test_an_output_length_error_names_the_field_the_line_wrote(tmp_path):
+    """The engine calls the output length request_output_len; the record names what the line wrote
+    (max_tokens here), or --max-tokens for a line that took the command's default."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello", "max_tokens": 5000}\n{"prompt": "hello"}\n')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["run", str(prompts), "-o", str(out), "-q", "--max-tokens", "4000", "-s", "model.device=cpu",
+         "-s", "engine.max_seq_len=64"],
+    )  # fmt: skip
+    assert result.exit_code == 3, result.output
+    first, second = (json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines())
+    assert "max_tokens" in first["error"] and "request_output_len" not in first["error"]
+    assert "lower max_tokens to at most" in first["error"]
+    assert "--max-tokens" in second["error"] and "request_output_len" not in second["error"]

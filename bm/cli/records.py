@@ -15,6 +15,9 @@ from bm.workloads.request import Row
 from bm.workloads.tool_parsers import parse_tool_calls
 from bm.workloads.tools import tool_calls, tool_names
 
+# The engine's (the seed's) name for a request's output length, which its errors use.
+ENGINE_OUTPUT_LEN = "request_output_len"
+
 if TYPE_CHECKING:  # the records need no torch
     from bm.runtime import LoadedModel
 
@@ -72,12 +75,20 @@ def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> di
     }
 
 
+def in_line_terms(message: str, row: Row) -> str:
+    """An engine error in the names the line used: the engine calls the output length
+    ``request_output_len`` (the seed's name), the line wrote ``max_tokens`` (or another spelling), and a
+    line that gave none took ``--max-tokens``."""
+    key = row.output_len_key or "--max-tokens"
+    return message if key == ENGINE_OUTPUT_LEN else message.replace(ENGINE_OUTPUT_LEN, key)
+
+
 def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:
     """The record of one row: its request's final response, or the row's own error (``result`` None)."""
     if result is None or result.error:
         # the engine does not know lines: the CLI names the line its request came from
         record = _error_fields(row.index, row.user_id, row.num_prompt_tokens)
-        record["error"] = row.error if result is None else f"{row.where}: {result.error}"
+        record["error"] = row.error if result is None else f"{row.where}: {in_line_terms(result.error, row)}"
         if result is not None and result.output_ids:
             record.update(output_ids=result.output_ids, num_output_tokens=len(result.output_ids))
         return record

@@ -46,6 +46,7 @@ class Row:
     messages: list[dict[str, Any]] | None = None
     input_len: int = 0  # prompt length; traces and synthetic rows get ids generated to it
     output_len: int | None = None  # None: the command's default
+    output_len_key: str | None = None  # the field the line gave it under (max_tokens, ...), for errors
     output_text: str | None = None  # a completion whose token count is the output length (sharegpt, hf)
     arrival_time: float | None = None  # seconds from the first row (timed files and traces)
     hash_ids: list[int] | None = None  # blocks of a shared prefix: equal ids mean equal tokens (mooncake)
