@@ -12,7 +12,7 @@ OUT=${1:-bm-out/compare-gate}
 BM=${BM:-python -m bm.cli.main}
 PY=${PY:-python}
 HERE=$(cd "$(dirname "$0")" && pwd)
-WORKLOAD=(--dataset-kind synthetic --input-len 64 --output-len 32 --num-requests 32 --ignore-eos
+WORKLOAD=(--dataset-kind synthetic --input-len 128 --output-len 128 --num-requests 64 --ignore-eos
           --schemes inflight_fused --quiet)
 rm -rf "$OUT" && mkdir -p "$OUT"
 

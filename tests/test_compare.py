@@ -191,7 +191,7 @@ def test_baseline_gate_repeats_by_default_and_passes_unchanged_code_with_margins
         ("inflight_fused", "output_throughput"), ("v1", "p99_e2el_ms"), ("hf-generate", "output_throughput")
     }  # fmt: skip
     assert all(c["margin"] == 100.0 and not c["regressed"] for c in checks)
-    assert doc["baseline"]["noise_factor"] == 2.0 and doc["baseline"]["regressions"] == []
+    assert doc["baseline"]["noise_factor"] == 1.0 and doc["baseline"]["regressions"] == []
     assert doc["variants"]["inflight_fused"]["metrics"]["max_used_kv_blocks"] > 0
 
 
