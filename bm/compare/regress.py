@@ -29,7 +29,7 @@ import json
 import re
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,14 +154,7 @@ class Regression:
     detail: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "variant": self.variant,
-            "metric": self.metric,
-            "previous": self.previous,
-            "current": self.current,
-            "kind": self.kind,
-            "detail": self.detail,
-        }
+        return asdict(self)
 
     @property
     def message(self) -> str:
@@ -191,18 +184,7 @@ class TimingCheck:
         return -self.worse_by > self.margin
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "variant": self.variant,
-            "metric": self.metric,
-            "previous": self.previous,
-            "current": self.current,
-            "worse_by": self.worse_by,
-            "margin": self.margin,
-            "previous_spread": self.previous_spread,
-            "current_spread": self.current_spread,
-            "regressed": self.regressed,
-            "improved": self.improved,
-        }
+        return asdict(self) | {"regressed": self.regressed, "improved": self.improved}
 
 
 @dataclass

@@ -6,10 +6,11 @@ clients through it; each only supplies the loop its thread runs."""
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from typing import Any
 
 
-class EngineWorker:
+class EngineWorker(ABC):
     """A worker thread running :meth:`_run` with ``shutdown`` / ``cancel_all`` / ``is_alive`` / ``error``."""
 
     def _start_worker(self, name: str) -> None:
@@ -20,8 +21,9 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:  # pragma: no cover - each loop defines its own
-        raise NotImplementedError
+    @abstractmethod
+    def _run(self) -> None:
+        """The loop the worker thread runs: each engine loop supplies its own."""
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
