@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from bm.config.fields import ConfigError, choice, int_at_least, knob, optional_bool
+from bm.config.fields import ConfigError, choice, int_at_least, knob, on_off_auto, optional_bool
 
 
 class _Named(str, Enum):
@@ -156,6 +156,14 @@ class EngineConfig:
         "torch (run the model) or sim (bm.sim: the same scheduler, forwards priced by a roofline cost "
         "model of sim.hardware, simulated time; needs model.config).",
         choice({"torch": "torch", "sim": "sim"}),
+    )
+    overlap_scheduler: str = knob(
+        "auto",
+        "Schedule and launch iteration n+1 while iteration n computes, reading n's tokens after (a request "
+        "that ends is found one iteration late and its extra row is thrown away; outputs do not change): "
+        "auto (where the executor runs ahead of the host on a GPU), on (any executor; beams, drafts, "
+        "structured output and n-sample forks still run in order), off (the seed's order).",
+        on_off_auto,
     )
     speculative: dict | None = knob(  # noqa: RUF009
         None,

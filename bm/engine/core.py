@@ -32,6 +32,20 @@ from bm.engine.batching import attach_drafts, build_batch, resource_plan
 from bm.engine.executor import ExecutionBatch, ExecutionResult, Executor
 from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forward
 from bm.engine.hol import HeadOfLineWatch
+from bm.engine.overlap import (
+    Flight,
+    at_length,
+    computed_lengths,
+    is_idle,
+    launcher_for,
+    mark_pending,
+    overlappable,
+    pauses_pending,
+    resolve_overlap,
+    restore_pending,
+    sampling_requests,
+    strip_pending,
+)
 from bm.engine.peft_cache import PeftCache
 from bm.engine.progress import WorkCounts, apply_tokens, count_work
 from bm.engine.request import Request, RequestError, Response, error_response
@@ -104,7 +118,19 @@ class EngineCore:
         self._iteration = 0
         self._num_starts = 0
         self._start_time = clock()
-        self._can_fast_forward = supports_fast_forward(
+        self.warnings: list[str] = []  # said once each during the run (logged), for the results file
+        self.overlap, refused = resolve_overlap(
+            config.engine.overlap_scheduler,
+            executor,
+            v1=self.scheme == BatchingScheme.V1,
+            ngram=self.ngram is not None,
+        )
+        if refused is not None:
+            self.warnings.append(refused)
+            log.warning("bm: %s", refused)
+        self.launcher = launcher_for(executor, overlap=self.overlap)
+        self._in_flight: Flight | None = None  # overlap: the iteration launched and not yet collected
+        self._can_fast_forward = not self.overlap and supports_fast_forward(
             executor,
             self.scheme,
             self.scheduler,
@@ -118,7 +144,6 @@ class EngineCore:
         self._head_of_line = HeadOfLineWatch(
             engine.max_batch_size, engine.max_num_tokens, bool(engine.enable_chunked_context)
         )
-        self.warnings: list[str] = []  # said once each during the run (logged), for the results file
 
     # -- requests in ----------------------------------------------------------------------------------
 
@@ -177,28 +202,86 @@ class EngineCore:
     # -- one iteration --------------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Run one iteration over the active requests (nothing when none is active)."""
-        if not self._active:
+        """Run one iteration over the active requests (nothing when none is active).
+
+        Without overlap an iteration is launched and collected here. With overlap
+        (:mod:`bm.engine.overlap`) the next iteration is launched first and the one in flight collected
+        after, so the output carries the previous iteration's tokens and stats (none after the first)."""
+        if not self._active and self._in_flight is None:
             return StepOutput()
+        out = StepOutput()
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and not prev.overlappable:
+            self._collect(prev, out)
+            prev = None
         started, num_active = self.clock(), len(self._active)
+        ready, plan = self._schedule(overlapping=prev is not None)
+        if prev is not None and pauses_pending(plan):  # the recompute needs the pending token
+            self._collect(prev, out)
+            prev = None
+            ready, plan = self._schedule(overlapping=False)
+        flight = None
+        if prev is None or not is_idle(plan):
+            flight = self._launch(plan, ready, started, num_active)
+        if prev is not None:
+            self._collect(prev, out, following=flight)
+        elif flight is not None and (not self.overlap or not flight.batch.forwards):
+            self._collect(flight, out)
+            flight = None
+        self._in_flight = flight
+        return out
+
+    def _schedule(self, *, overlapping: bool) -> tuple[list[LlmRequest], SchedulerOutput]:
+        """The ready requests and the scheduler's plan for them; while an iteration is in flight, a
+        request whose pending token is its last is not scheduled again."""
         ready = self._ready()
-        plan = self.scheduler.schedule_request(ready)
+        if overlapping:
+            ready = [r for r in ready if not at_length(r)]
+        return ready, self.scheduler.schedule_request(ready)
+
+    def _launch(
+        self, plan: SchedulerOutput, ready: list[LlmRequest], started: float, num_active: int
+    ) -> Flight:
+        """Apply the plan to the cache and the requests, build the batch and launch it."""
         self._watch_head_of_line(ready, plan)
         prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
         self._pause(plan)
         reuse = self._start(plan, prepared.reused_tokens)
         batch = self._batch(plan, prepared)
-        result = self.executor.execute(batch)
-        counts = self._update(batch, result)
-        out = StepOutput(schedule=_record(plan), computed_tokens=counts.computed)
+        flight = Flight(plan, batch, reuse, started, num_active, len(ready))
+        if self.overlap:
+            flight.counts = count_work(batch, self.clock())
+            flight.computed = computed_lengths(batch)
+            flight.overlappable = overlappable(batch)
+        flight.handle = self.launcher.launch(batch)  # the runtime reads the output so far, unmarked
+        if self.overlap:
+            mark_pending(batch)
+        return flight
+
+    def _collect(self, flight: Flight, out: StepOutput, following: Flight | None = None) -> None:
+        """Read ``flight``'s tokens and apply them (``following``: the iteration launched after it, whose
+        placeholders are set aside meanwhile), respond, and write the iteration's stats to ``out``."""
+        result = self.launcher.collect(flight.handle)
+        result.sampled = [s for s in result.sampled if self._live(s[0].request)]
+        batch = flight.batch
+        if self.overlap:
+            strip_pending(sampling_requests(batch))
+            if following is not None:
+                strip_pending(sampling_requests(following.batch))
+        counts = self._update(flight, result)
+        out.schedule, out.computed_tokens = _record(flight.plan), counts.computed
         usage = CacheUsage.of(self.kv_cache_manager)
         self._respond(batch, result, out)
         if self.check_integrity:
             self.verify()
+        if following is not None:
+            restore_pending(following.batch, self._live)
         self._iteration += 1
-        out.stats = self._stats(plan, counts, result, usage, reuse, num_active, len(ready), started, out)
-        self._remember_decode(plan, result, out, num_active)
-        return out
+        out.stats = self._stats(flight, counts, result, usage, out)
+        self._remember_decode(flight.plan, result, out, flight.num_active)
+
+    def _live(self, req: LlmRequest) -> bool:
+        return self._active.get(req.request_id) is req
 
     def _ready(self) -> list[LlmRequest]:
         """The active requests the scheduler sees: not one whose LoRA adapter cannot be loaded yet (every
@@ -224,35 +307,31 @@ class EngineCore:
 
     def _stats(
         self,
-        plan: SchedulerOutput,
+        flight: Flight,
         counts: WorkCounts,
         result: ExecutionResult,
         usage: CacheUsage,
-        reuse: tuple[int, int],
-        num_active: int,
-        num_ready: int,
-        started: float,
         out: StepOutput,
     ) -> IterationStats:
         """The iteration's stats line (the seed's fields and bm's)."""
         now = self.clock()
         stats = iteration_stats(
-            plan,
+            flight.plan,
             counts,
             self.kv_cache_manager,
             iteration=self._iteration,
-            num_active=num_active,
+            num_active=flight.num_active,
             max_requests=self.max_num_active_requests,
             used_blocks=usage.used_blocks,
             num_finished=len(out.finished_ids),
             elapsed_s=now - self._start_time,
-            latency_ms=(now - started) * 1e3,
-            reuse=reuse,
+            latency_ms=(now - flight.started) * 1e3,
+            reuse=flight.reuse,
         )
         stats.num_forwards = result.num_forwards
         stats.used_layer_blocks = usage.layer_blocks
         stats.saved_layer_blocks = usage.saved_layer_blocks
-        stats.peft = self.peft_cache.snapshot(num_active - num_ready)
+        stats.peft = self.peft_cache.snapshot(flight.num_active - flight.num_ready)
         stats.draft_steps = len(result.drafts)
         stats.draft_tokens = sum(o.num_draft for o in result.drafts.values())
         stats.accepted_draft_tokens = sum(o.num_accepted for o in result.drafts.values())
@@ -338,12 +417,16 @@ class EngineCore:
                 missed += match.num_missed_blocks
         return reused, missed
 
-    def _update(self, batch: ExecutionBatch, result: ExecutionResult) -> WorkCounts:
-        """Apply what was computed (:mod:`bm.engine.progress`): progress, new tokens, finish reasons;
-        an n-sample request whose prompt is done forks its samples; then the cache's bookkeeping."""
+    def _update(self, flight: Flight, result: ExecutionResult) -> WorkCounts:
+        """Apply what was computed (:mod:`bm.engine.progress`): progress (counted at launch under
+        overlap), new tokens, finish reasons; an n-sample request whose prompt is done forks its
+        samples; then the cache's bookkeeping."""
         now = self.clock()
-        counts = count_work(batch, now)
+        batch = flight.batch
+        counts = flight.counts if flight.counts is not None else count_work(batch, now)
         update, forking = apply_tokens(batch, result, self._active, now)
+        if flight.counts is not None:  # the lengths this iteration computed, of requests still held
+            update.computed = [(r, n) for r, n in flight.computed if self._live(r)]
         for parent in forking:
             for sibling in self.families.fork(parent, update):
                 self._num_starts += 1
@@ -410,6 +493,7 @@ class EngineCore:
             if not member.is_finished:
                 member.finish_reason = reason
             self._held = [r for r in self._held if r is not member]
+            strip_pending([member])  # its row in flight, if any, is thrown away
             self._end(member, out, error)
         self._decode = None
         return out.responses[0] if out.responses else None
@@ -419,6 +503,9 @@ class EngineCore:
         ids = [rid for rid, r in self._active.items() if r.sample_parent is None and rid not in self.families]
         responses = [self.cancel(rid, reason, error) for rid in [*ids, *self.families.root_ids()]]
         self._held.clear()
+        if self._in_flight is not None:  # every row in it belongs to a request just ended
+            self.launcher.collect(self._in_flight.handle)
+            self._in_flight = None
         return [r for r in responses if r is not None]
 
     # -- stats and checks -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from bm.engine.executor import (
+    PENDING_TOKEN,
     BeamStep,
     CacheLayout,
     DraftOutcome,
@@ -45,16 +46,19 @@ class FakeExecutor:
         end_at: dict[int, int] | None = None,
         layer_windows: tuple[int | None, ...] = (),
         device_type: str = "cpu",
+        chain: bool = False,
     ) -> None:
         """``layer_windows``: a model's attention window per layer (None: full attention), to exercise the
         cache's per-window accounting without a model. ``device_type``: the device whose engine defaults
-        the core resolves (cpu or cuda)."""
+        the core resolves (cpu or cuda). ``chain``: a token also depends on the input token before it, as
+        a model's does, so a wrong input (a placeholder resolved to the wrong token) changes the output."""
         if vocab_size < 4:
             raise ValueError("the fake executor needs a vocabulary of at least 4 tokens")
         self._limits = ModelLimits(
             vocab_size, max_position_embeddings, layer_windows=layer_windows, device_type=device_type
         )
         self.end_at = dict(end_at or {})
+        self.chain = chain
         self.layout: CacheLayout | None = None
         self.num_executed_tokens = 0
         self.adapter_loads: list[tuple[int, int]] = []  # (slot, task id), in load order
@@ -112,20 +116,25 @@ class FakeExecutor:
         k = item.num_draft
         drafts = item.token_ids[len(item.token_ids) - k :]
         first = item.start_pos + len(item.token_ids) - k  # the position of the first token produced
-        targets = [self._token_at(item.request, first + i) for i in range(k + 1)]
+        inputs = item.token_ids[len(item.token_ids) - k - 1 :]  # the input before each produced token
+        targets = [self._token_at(item.request, first + i, 0, inputs[i]) for i in range(k + 1)]
         n = 0
         while n < k and drafts[n] == targets[n]:
             n += 1
         return DraftOutcome([*drafts[:n], targets[n]], k, n)
 
     def _token(self, item: WorkItem, beam: int = 0) -> int:
-        return self._token_at(item.request, item.start_pos + len(item.token_ids), beam)
+        return self._token_at(item.request, item.start_pos + len(item.token_ids), beam, item.token_ids[-1])
 
-    def _token_at(self, req: LlmRequest, position: int, beam: int = 0) -> int:
+    def _token_at(self, req: LlmRequest, position: int, beam: int = 0, previous: int = 0) -> int:
         num_output = position - req.num_prompt_tokens
         if self.end_at.get(req.request_id) == num_output + 1 and req.sampling.end_id >= 0:
             return req.sampling.end_id
-        return fake_token(req.request_id, position, beam, self._limits.vocab_size)
+        vocab = self._limits.vocab_size
+        token = fake_token(req.request_id, position, beam, vocab)
+        if self.chain:
+            token = 3 + (token + 7919 * previous) % (vocab - 3)
+        return token
 
     def _beam_step(self, items: list[WorkItem]) -> BeamStep:
         """Beams never reorder here: beam i continues beam i (the first step fans the prompt out)."""
@@ -139,6 +148,9 @@ class FakeExecutor:
 
     def _check_blocks(self, item: WorkItem) -> None:
         assert self.layout is not None, "bind() the executor before executing"
+        assert PENDING_TOKEN not in item.token_ids, (
+            f"request {item.request.request_id}: a placeholder reached the executor unresolved"
+        )
         bs = self.layout.tokens_per_block
         end = item.start_pos + len(item.token_ids)
         pools = self.layout.window_pools

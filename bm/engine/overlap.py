@@ -1,0 +1,203 @@
+"""Overlap scheduling: the core schedules and launches iteration n+1 before it reads iteration n's tokens.
+
+On a GPU the host's share of an iteration (scheduling, block tables, the step's metadata, the token
+copy back) otherwise runs while the device waits. With overlap the core launches iteration n+1 with a
+placeholder (:data:`~bm.engine.executor.PENDING_TOKEN`) where each generation row's input is the token
+iteration n is still sampling; the executor fills it from n's output on the device, and only then does the
+core collect n's tokens. What follows from that, as TensorRT-LLM's PyTorch overlap scheduler does it:
+
+* a request that iteration n ends (its end id, a stop word) is found one iteration late: it already has a
+  row in n+1, whose token is thrown away. Its length limit is known without the token, so a request that
+  reaches it is not scheduled again;
+* while n+1 is in flight, each request that sampled in n carries one placeholder at the end of its
+  ``output_ids`` (so the scheduler, the cache and the batch see its true length). Collecting n takes the
+  placeholders off, applies n's tokens exactly as a step without overlap does (same stop checks, same
+  responses), and puts back those of n+1 for the requests still running.
+
+Some steps cannot run ahead of their tokens, and the core collects them before scheduling the next one
+(:func:`overlappable`): beam search (beams reorder on the host), draft verification (drafts are built from
+the latest tokens), structured output and the controls that read the output so far (a grammar's mask,
+repetition/presence/frequency penalties, n-gram and multi-token bad words, a logits post-processor: each
+needs the token), an n-sample request finishing
+its prompt (its samples fork from the prompt's first token), and a plan that pauses a request whose token
+is pending (its recompute needs the token). The V1 scheme (static batches run in lockstep) and n-gram
+drafts never overlap. Outputs are the same with overlap on or off: only when tokens become known moves.
+
+Executors that compute synchronously (the fake one, the simulator, the torch executor on the CPU) overlap
+through :class:`SyncLauncher`, which resolves placeholders from the previous iteration's result on the
+host: the core's overlap logic is then exercised, and tested, without a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bm.engine.executor import PENDING_TOKEN, ExecutionBatch, ExecutionResult, WorkItem, WorkKind
+from bm.engine.progress import WorkCounts
+from bm.scheduling import LlmRequest, RequestState, SchedulerOutput
+
+OVERLAP_SETTINGS = ("auto", "on", "off")
+
+
+class Launcher(Protocol):
+    """How the core runs an iteration in two halves: ``launch`` starts it and returns a handle at once
+    (placeholders resolved from the previous launch's tokens); ``collect`` waits for its result."""
+
+    def launch(self, batch: ExecutionBatch) -> Any: ...
+
+    def collect(self, handle: Any) -> ExecutionResult: ...
+
+
+class SyncLauncher:
+    """Launch/collect over an executor that only has ``execute``: ``launch`` runs the iteration at once.
+    With ``resolve`` (overlap on), each placeholder first gets the token its request sampled in the
+    previous launch; without, it is the executor's ``execute`` and nothing more."""
+
+    def __init__(self, execute: Callable[[ExecutionBatch], ExecutionResult], *, resolve: bool) -> None:
+        self._execute = execute
+        self._resolve = resolve
+        self._last: dict[int, int] = {}  # request id -> the token the previous launch sampled for it
+
+    def launch(self, batch: ExecutionBatch) -> ExecutionResult:
+        if not self._resolve:
+            return self._execute(batch)
+        for item in items_of(batch):
+            # only a generation row's input can be pending: a step whose next one would need a pending
+            # token anywhere else (a paused request's recompute) is collected first
+            if item.kind is WorkKind.GENERATION and item.token_ids[0] == PENDING_TOKEN:
+                # A request whose previous row ended in a fault sampled nothing: its row here is thrown
+                # away when that fault ends it, so any token does.
+                item.token_ids[0] = self._last.get(item.request.request_id, 0)
+        result = self._execute(batch)
+        self._last = {
+            item.request.request_id: token
+            for item, token, _ in result.sampled
+            if item.kind is not WorkKind.EMPTY_SLOT
+        }
+        return result
+
+    def collect(self, handle: ExecutionResult) -> ExecutionResult:
+        return handle
+
+
+def launcher_for(executor: Any, *, overlap: bool) -> Launcher:
+    """The executor's own launch/collect when it overlaps and has them (it runs ahead on a device), else
+    a :class:`SyncLauncher` over its ``execute``."""
+    own = callable(getattr(executor, "launch", None)) and callable(getattr(executor, "collect", None))
+    if overlap and own:
+        return executor
+    return SyncLauncher(executor.execute, resolve=overlap)
+
+
+def resolve_overlap(setting: str, executor: Any, *, v1: bool, ngram: bool) -> tuple[bool, str | None]:
+    """Whether the core overlaps, and a line to say when ``on`` cannot be honoured.
+
+    ``auto`` overlaps where it pays: an executor that launches asynchronously on a GPU (one whose
+    ``launch`` returns before the device is done, flagged ``overlaps_host``). Elsewhere iterations are
+    synchronous, so overlapping would only add the discarded row of each ending request. ``on`` overlaps
+    under any executor (the fake and simulated ones included), except where no step could."""
+    if setting not in OVERLAP_SETTINGS:
+        raise ValueError(f"engine.overlap_scheduler: {setting!r}; allowed: {', '.join(OVERLAP_SETTINGS)}")
+    if setting == "off":
+        return False, None
+    blocker = "the V1 batching scheme" if v1 else "n-gram drafts (engine.speculative)" if ngram else None
+    if setting == "auto":
+        return blocker is None and bool(getattr(executor, "overlaps_host", False)), None
+    if blocker is not None:
+        return False, f"engine.overlap_scheduler: on has no effect with {blocker}; every step runs in order"
+    return True, None
+
+
+@dataclass
+class Flight:
+    """An iteration launched and not yet collected, with what its collection needs."""
+
+    plan: SchedulerOutput
+    batch: ExecutionBatch
+    reuse: tuple[int, int]
+    started: float
+    num_active: int
+    num_ready: int
+    handle: Any = None
+    # Under overlap, progress is counted at launch (the next plan needs it) and the lengths the cache
+    # registers are those of this iteration, not of the one launched after it.
+    counts: WorkCounts | None = None
+    computed: list[tuple[LlmRequest, int]] = field(default_factory=list)
+    overlappable: bool = True
+
+
+def items_of(batch: ExecutionBatch) -> Iterable[WorkItem]:
+    for forward in batch.forwards:
+        yield from forward
+
+
+def overlappable(batch: ExecutionBatch) -> bool:
+    """Whether the iteration after ``batch`` may be scheduled before ``batch``'s tokens are read."""
+    for item in items_of(batch):
+        req = item.request
+        if req.beam_width > 1 or item.num_draft or req.speculation is not None:
+            return False
+        if req.controls is not None and req.controls.reads_output:
+            return False
+        if item.sample and item.kind is WorkKind.CONTEXT and req.num_pending_samples:
+            return False
+    return True
+
+
+def computed_lengths(batch: ExecutionBatch) -> list[tuple[LlmRequest, int]]:
+    """Each request's computed length after ``batch`` (what the cache registers blocks up to)."""
+    return [
+        (item.request, item.request.num_computed_tokens)
+        for item in items_of(batch)
+        if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and item.request.beam_width == 1
+    ]
+
+
+def sampling_requests(batch: ExecutionBatch) -> list[LlmRequest]:
+    """The requests that sample one token in ``batch`` and take a placeholder for it."""
+    return [
+        item.request
+        for item in items_of(batch)
+        if item.sample
+        and item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION)
+        and item.request.beam_width == 1
+    ]
+
+
+def mark_pending(batch: ExecutionBatch) -> None:
+    """A placeholder for each token ``batch`` samples; a last prompt chunk makes its request a generation."""
+    for req in sampling_requests(batch):
+        req.output_ids.append(PENDING_TOKEN)
+        req.state = RequestState.GENERATION_IN_PROGRESS
+
+
+def strip_pending(requests: Iterable[LlmRequest]) -> None:
+    for req in requests:
+        while req.output_ids and req.output_ids[-1] == PENDING_TOKEN:
+            req.output_ids.pop()
+
+
+def restore_pending(batch: ExecutionBatch, live: Callable[[LlmRequest], bool]) -> None:
+    """Put back the placeholders of ``batch`` (in flight) for its requests still running."""
+    for req in sampling_requests(batch):
+        if live(req) and not req.is_finished:
+            req.output_ids.append(PENDING_TOKEN)
+
+
+def has_pending(req: LlmRequest) -> bool:
+    return bool(req.output_ids) and req.output_ids[-1] == PENDING_TOKEN
+
+
+def at_length(req: LlmRequest) -> bool:
+    """Its pending token is its last: nothing is left to schedule, whatever the token."""
+    return has_pending(req) and len(req.output_ids) >= req.max_new_tokens
+
+
+def pauses_pending(plan: SchedulerOutput) -> bool:
+    return any(has_pending(req) for req in plan.paused_requests)
+
+
+def is_idle(plan: SchedulerOutput) -> bool:
+    return not (plan.context_requests or plan.generation_requests or plan.paused_requests)
