@@ -158,7 +158,9 @@ def test_v1_never_overlaps():
 
 
 def test_n_samples_fork_from_the_same_first_token():
-    requests = [Request(10 + i, [4 + i, 8, 15, 16, 23, 42][: 3 + i], 5, num_return_sequences=3) for i in range(3)]
+    requests = [
+        Request(10 + i, [4 + i, 8, 15, 16, 23, 42][: 3 + i], 5, num_return_sequences=3) for i in range(3)
+    ]
     requests += mixed_requests(5)
     off, on, _ = both(requests)
     assert on["finals"] == off["finals"]
