@@ -13,9 +13,11 @@ from bm.compare.expr import (
     evaluate_assertion,
     parse_assertion,
 )
+from bm.compare.load import QUIET_SHARE, CpuTicks, background_share, is_quiet, read_ticks
 from bm.compare.regress import (
     EXACT_IF_OFFLINE,
     ToleranceError,
+    busy_machine_note,
     find_regressions,
     judge,
     kv_block_counters,
@@ -284,3 +286,71 @@ def test_a_baseline_beaten_beyond_its_margins_is_called_out_as_possibly_loaded()
         slow_baseline_note(judge(loaded_base, _timed("output_throughput", [105.0, 100.0]), 0.1).timing_checks)
         is None
     )
+
+
+# -- the load meter: timings are judged on the repeats that had the machine to themselves ----------------
+
+
+def _fake_proc(root, busy: tuple[int, ...], idle: int, own: tuple[int, int]):
+    """A /proc with the machine's tick counts (user nice system, then irq softirq steal) and this
+    process's utime/stime, its name holding a space and a parenthesis as real names may."""
+    user, nice, system, irq, softirq, steal = busy
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text(
+        f"cpu  {user} {nice} {system} {idle} 0 {irq} {softirq} {steal} 0 0\ncpu0 1 2 3\n"
+    )
+    rest = " ".join(["S", *["0"] * 10, str(own[0]), str(own[1]), *["0"] * 30])
+    (root / "self" / "stat").write_text(f"4242 (bm (worker) 1) {rest}\n")
+    return read_ticks(root)
+
+
+def test_the_load_meter_counts_the_ticks_other_processes_took(tmp_path):
+    before = _fake_proc(tmp_path, (1000, 0, 100, 0, 0, 0), idle=5000, own=(50, 10))
+    assert before == CpuTicks(busy=1100, total=6100, own=60)
+    # 200 ticks pass on the machine: this process took 120 of them, others 50 (10 of it stolen), 30 idle
+    after = _fake_proc(tmp_path, (1140, 0, 120, 0, 0, 10), idle=5030, own=(160, 20))
+    assert background_share(before, after) == pytest.approx(50 / 200)
+    assert background_share(before, before) is None  # no time passed
+    assert background_share(None, after) is None
+    assert read_ticks(tmp_path / "missing") is None  # not Linux: unknown, every repeat counts as quiet
+    assert is_quiet(None) and is_quiet(QUIET_SHARE) and not is_quiet(QUIET_SHARE + 0.01)
+
+
+def _timed_under(metric: str, values: list[float], shares: list[float | None]) -> dict:
+    doc = _run()
+    summary = summarize_timing(metric, values, shares)
+    doc["variants"]["inflight_fused"]["timings"] = {metric: summary.to_dict()}
+    return doc
+
+
+def test_a_repeat_slowed_by_other_processes_is_left_out_of_the_figures():
+    summary = summarize_timing("output_throughput", [100.0, 30.0, 96.0, 98.0], [0.0, 0.5, 0.01, 0.02])
+    assert (summary.best, summary.median, summary.quiet, summary.busiest) == (100.0, 98.0, 3, 0.5)
+    assert summary.repeats == 4 and summary.judgeable
+    loaded = summarize_timing("output_throughput", [40.0, 30.0], [0.5, 0.45])
+    assert (loaded.best, loaded.quiet, loaded.judgeable) == (40.0, 0, False)
+    assert summarize_timing("output_throughput", [40.0], None).judgeable  # an older bm measured no load
+
+
+def test_a_run_slowed_by_a_busy_machine_is_not_called_a_regression_and_says_why():
+    prev = _timed_under("output_throughput", [500.0, 495.0], [0.0, 0.01])
+    busy = judge(prev, _timed_under("output_throughput", [150.0, 160.0], [0.5, 0.48]), 0.1)
+    assert busy.regressions == []
+    [check] = [c for c in busy.timing_checks if c.metric == "output_throughput"]
+    assert not check.judged and check.busy_side == "this run" and check.busy_share == 0.5
+    assert not check.improved and busy.widest_margin() == pytest.approx(0.1)  # the others' margin
+    note = busy_machine_note(busy.timing_checks)
+    assert "1 timing(s) not judged" in note and "up to 50%" in note and "--max-repeat" in note
+    # more rounds may find a quiet spell
+    assert rounds_to_settle(busy, 0.1, 1.0, repeat=5, done=5, most=15) == 5
+    # a baseline saved on a busy machine cannot be judged against: re-save it, more rounds cannot help
+    stale = judge(_timed_under("output_throughput", [150.0], [0.6]), prev, 0.1)
+    assert stale.regressions == [] and "save the baseline again" in busy_machine_note(stale.timing_checks)
+    assert rounds_to_settle(stale, 0.1, 1.0, repeat=5, done=5, most=15) == 0
+
+
+def test_a_slowdown_is_caught_on_the_quiet_repeats_of_a_partly_busy_run():
+    prev = _timed_under("output_throughput", [500.0, 495.0, 200.0], [0.0, 0.01, 0.6])
+    slowed = _timed_under("output_throughput", [384.0, 380.0, 150.0, 120.0], [0.02, 0.0, 0.55, 0.7])
+    [r] = judge(prev, slowed, 0.1).regressions
+    assert r.metric == "output_throughput" and "23.2% worse" in r.message

@@ -121,12 +121,14 @@ def _known_metrics() -> set[str]:
     from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, run_metrics
 
     records = pd.DataFrame(columns=list(RECORD_COLUMNS))
+    from bm.compare.load import BACKGROUND_SHARE
     from bm.compare.regress import kv_block_counters
 
     return (
         set(run_metrics(records, 0.0, {"ttft": 1.0}))
         | set(engine_metrics(pd.DataFrame(), records))
         | set(kv_block_counters([]))
+        | {BACKGROUND_SHARE}  # the share of the CPU other processes took during the run
     )
 
 
@@ -203,7 +205,14 @@ def _run(
         more = rounds_to_settle(verdict, tol, noise, repeat, so_far.repeat, most)
         if more:
             suspect = sorted({f"{c.variant}.{c.metric}" for c in verdict.timing_checks if c.regressed})
-            why = f"{', '.join(suspect)} looked regressed" if suspect else "the noise hid small changes"
+            busy = any("this run" in (c.busy_side or "") for c in verdict.timing_checks)
+            why = (
+                f"{', '.join(suspect)} looked regressed"
+                if suspect
+                else "no repeat had the machine to itself"
+                if busy
+                else "the noise hid small changes"
+            )
             console.print(f"re-measuring: {why}; {more} more round(s)", highlight=False, soft_wrap=True)
         return more
 
@@ -256,13 +265,13 @@ def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
         console.print(f"[red]FAILED: {message}[/]", highlight=False, soft_wrap=True)
         bad = True
     if result.baseline_path is not None:
-        from bm.compare.regress import slow_baseline_note
+        from bm.compare.regress import busy_machine_note, slow_baseline_note
         from bm.compare.runner import gate_rule
 
         console.print(gate_rule(result), highlight=False, soft_wrap=True)
-        note = slow_baseline_note(result.timing_checks)
-        if note:
-            console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
+        for note in (busy_machine_note(result.timing_checks), slow_baseline_note(result.timing_checks)):
+            if note:
+                console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
         if result.regressions:
             for r in result.regressions:
                 console.print(f"[red]regression: {r.message}[/]", highlight=False, soft_wrap=True)

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.compare.load import QUIET_SHARE, is_quiet
 from bm.config import ConfigError
 
 # Always exact: they do not depend on timing.
@@ -112,6 +113,14 @@ class TimingSummary:
     high: float
     spread: float  # |median - best| / best: how far a typical repeat is from the best; 0 for one repeat
     repeats: int
+    # Of the repeats, those that ran alone (bm.compare.load): the figures above are theirs when there
+    # are any, else every repeat's, and the timing is then not judged.
+    quiet: int | None = None
+    busiest: float | None = None  # the largest share of the CPU other processes took during a repeat
+
+    @property
+    def judgeable(self) -> bool:
+        return self.quiet is None or self.quiet > 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -121,21 +130,37 @@ class TimingSummary:
             "max": self.high,
             "spread": self.spread,
             "repeats": self.repeats,
+            "quiet_repeats": self.quiet,
+            "busiest_background_share": self.busiest,
         }
 
 
-def summarize_timing(metric: str, values: Sequence[float | None]) -> TimingSummary | None:
+def summarize_timing(
+    metric: str, values: Sequence[float | None], shares: Sequence[float | None] | None = None
+) -> TimingSummary | None:
     """The best repeat, the median, the range and the relative spread (median against best) of
-    ``values``, one per repeat; None when any repeat has no figure (a metric the run does not measure)."""
+    ``values``, one per repeat; None when any repeat has no figure (a metric the run does not measure).
+
+    ``shares``: the CPU share other processes took during each repeat (None: unknown). The figures are
+    then those of the quiet repeats (:func:`bm.compare.load.is_quiet`), or of every repeat, marked not
+    judgeable, when none was quiet."""
     numbers = [v for v in values if _num(v)]
     if not numbers or len(numbers) != len(values):
         return None
+    quiet: int | None = None
+    busiest: float | None = None
+    if shares is not None:
+        known = [s for s in shares if s is not None]
+        busiest = max(known, default=None)
+        calm = [v for v, s in zip(numbers, shares, strict=True) if is_quiet(s)]
+        quiet = len(calm)
+        numbers = calm or numbers
     higher = metric in HIGHER_IS_BETTER
     ranked = sorted(numbers, reverse=higher)  # best first
     best = ranked[0]
     median = statistics.median(numbers)
     spread = abs(median - best) / abs(best) if best else 0.0
-    return TimingSummary(best, median, min(numbers), max(numbers), spread, len(numbers))
+    return TimingSummary(best, median, min(numbers), max(numbers), spread, len(values), quiet, busiest)
 
 
 def timing_margin(tolerance: float, noise_factor: float, spreads: Sequence[float]) -> float:
@@ -173,18 +198,25 @@ class TimingCheck:
     margin: float
     previous_spread: float
     current_spread: float
+    # Not judged: every repeat of one run shared the machine with other work (which side says why).
+    busy_side: str | None = None
+    busy_share: float | None = None
+
+    @property
+    def judged(self) -> bool:
+        return self.busy_side is None
 
     @property
     def regressed(self) -> bool:
-        return self.worse_by > self.margin
+        return self.judged and self.worse_by > self.margin
 
     @property
     def improved(self) -> bool:
         """Better than the baseline beyond the margin: a speed-up, or a baseline measured under load."""
-        return -self.worse_by > self.margin
+        return self.judged and -self.worse_by > self.margin
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"regressed": self.regressed, "improved": self.improved}
+        return asdict(self) | {"regressed": self.regressed, "improved": self.improved, "judged": self.judged}
 
 
 @dataclass
@@ -193,7 +225,27 @@ class BaselineVerdict:
     timing_checks: list[TimingCheck]
 
     def widest_margin(self) -> float | None:
-        return max((c.margin for c in self.timing_checks), default=None)
+        return max((c.margin for c in self.timing_checks if c.judged), default=None)
+
+
+def busy_machine_note(checks: Sequence[TimingCheck]) -> str | None:
+    """Timings a gate could not judge because no repeat of one run had the machine to itself: said,
+    so a pass is not read as timings that held (the counters were still compared exactly)."""
+    busy = [c for c in checks if not c.judged]
+    if not busy:
+        return None
+    sides = sorted({c.busy_side for c in busy if c.busy_side})
+    share = max((c.busy_share for c in busy if c.busy_share is not None), default=None)
+    took = f" (other processes took up to {share:.0%} of the CPU)" if share is not None else ""
+    fix = (
+        "save the baseline again on a quiet machine"
+        if sides == ["baseline"]
+        else "run the gate when nothing else runs, or raise --max-repeat to wait for a quiet spell"
+    )
+    return (
+        f"note: {len(busy)} timing(s) not judged: no repeat of the {' or the '.join(sides)} ran alone "
+        f"(others at most {QUIET_SHARE:.0%} of the CPU){took}; counters were compared; {fix}"
+    )
 
 
 def slow_baseline_note(checks: Sequence[TimingCheck]) -> str | None:
@@ -263,7 +315,12 @@ def judge(
             higher = metric in HIGHER_IS_BETTER
             worse_by = (p.best - c.best) / p.best if higher else (c.best - p.best) / p.best
             margin = timing_margin(tolerance, noise_factor, (p.spread, c.spread))
-            check = TimingCheck(name, metric, p.best, c.best, worse_by, margin, p.spread, c.spread)
+            busy = [(side, t) for side, t in (("baseline", p), ("this run", c)) if not t.judgeable]
+            check = TimingCheck(
+                name, metric, p.best, c.best, worse_by, margin, p.spread, c.spread,
+                busy_side=" and ".join(side for side, _ in busy) or None,
+                busy_share=max((t.busiest for _, t in busy if t.busiest is not None), default=None),
+            )  # fmt: skip
             checks.append(check)
             if check.regressed:
                 verb = "fell" if higher else "rose"
@@ -285,7 +342,10 @@ def rounds_to_settle(
     ``repeat`` rounds, up to ``most`` in all. Only this run's noise counts here: more rounds cannot
     quiet the baseline's. A regression reported is one that survived re-measuring; a pass under heavy
     noise is reported with its margin."""
-    unsettled = any(c.regressed or noise_factor * c.current_spread > tolerance for c in verdict.timing_checks)
+    unsettled = any(
+        c.regressed or noise_factor * c.current_spread > tolerance or "this run" in (c.busy_side or "")
+        for c in verdict.timing_checks
+    )
     return max(0, min(repeat, most - done)) if unsettled else 0
 
 
@@ -293,9 +353,11 @@ def _timing(variant: Mapping[str, Any], metric: str) -> TimingSummary | None:
     """A variant's timing summary from its ``timings`` section, else its median as a single repeat."""
     saved = variant.get("timings", {}).get(metric)
     if isinstance(saved, Mapping) and all(_num(saved.get(k)) for k in ("best", "median", "spread")):
+        quiet, busiest = saved.get("quiet_repeats"), saved.get("busiest_background_share")
         return TimingSummary(
             float(saved["best"]), float(saved["median"]), float(saved.get("min", saved["best"])),
             float(saved.get("max", saved["best"])), float(saved["spread"]), int(saved.get("repeats", 1)),
+            int(quiet) if _num(quiet) else None, float(busiest) if _num(busiest) else None,
         )  # fmt: skip
     value = variant.get("metrics", {}).get(metric)
     return summarize_timing(metric, [value]) if _num(value) else None

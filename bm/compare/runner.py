@@ -26,6 +26,7 @@ from bm.bench import BenchResult, run_bench, write_results
 from bm.bench.journal import BenchJournal
 from bm.bench.results import json_safe
 from bm.compare.expr import AssertionOutcome
+from bm.compare.load import BACKGROUND_SHARE, QUIET_SHARE, background_share, is_quiet, read_ticks
 from bm.compare.regress import (
     EXACT_IF_OFFLINE,
     TIMING_METRICS,
@@ -103,8 +104,9 @@ class VariantOutcome:
         """Each timing metric's best repeat, median, range and spread: what a later ``--baseline``
         judges this run by."""
         out = {}
+        shares = [r.get(BACKGROUND_SHARE) for r in self.repeats]
         for metric in TIMING_METRICS:
-            summary = summarize_timing(metric, [r.get(metric) for r in self.repeats])
+            summary = summarize_timing(metric, [r.get(metric) for r in self.repeats], shares)
             if summary is not None:
                 out[metric] = summary.to_dict()
         return out
@@ -239,6 +241,7 @@ def run_compare(
                 v = outcome.variant
                 if on_start:
                     on_start(v, round_index, {})
+                before = read_ticks()
                 if v.kind == "bm":
                     with journal(v) if journal is not None else nullcontext() as run_journal:
                         run = run_bench(configs[v.name], loaded, workload, arrivals, journal=run_journal)
@@ -246,6 +249,7 @@ def run_compare(
                     outcome.last = run
                 else:
                     metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size)
+                metrics[BACKGROUND_SHARE] = background_share(before, read_ticks())
                 outcome.repeats.append(metrics)
                 if on_done:
                     on_done(v, round_index, metrics)
@@ -374,7 +378,7 @@ def compare_markdown(result: CompareResult) -> str:
             ]
             lines += [
                 f"| `{c.variant}.{c.metric}` | {c.previous:.4g} | {c.current:.4g} | {c.worse_by:+.1%} | "
-                f"{c.margin:.1%}{' ❌' if c.regressed else ''} |"
+                f"{c.margin:.1%}{' ❌' if c.regressed else ''}{'' if c.judged else ' (not judged: busy)'} |"
                 for c in result.timing_checks
             ]
     return "\n".join(lines) + "\n"
@@ -383,14 +387,17 @@ def compare_markdown(result: CompareResult) -> str:
 def gate_rule(result: CompareResult) -> str:
     """One sentence saying how the baseline gate judged this run, with the margins it used."""
     tol, k = result.tolerance or 0.0, result.noise_factor or 0.0
-    margins = [c.margin for c in result.timing_checks]
+    margins = [c.margin for c in result.timing_checks if c.judged]
     span = (
         f"{min(margins):.0%}" if min(margins) == max(margins) else f"{min(margins):.0%}-{max(margins):.0%}"
     ) if margins else "none"  # fmt: skip
+    shares = [r.get(BACKGROUND_SHARE) for v in result.variants for r in v.repeats]
+    quiet = sum(is_quiet(s) for s in shares)
     return (
-        f"Counters must match exactly; each timing's best of {result.repeat} repeat(s) may be worse than "
-        f"the baseline's by at most max(tolerance {tol:.0%}, {k:g} x the larger measured spread): "
-        f"margins used {span}."
+        f"Counters must match exactly; each timing's best of {result.repeat} repeat(s) ({quiet} of "
+        f"{len(shares)} runs had the machine to themselves, others at most {QUIET_SHARE:.0%} of the CPU; "
+        f"only those are judged) may be worse than the baseline's by at most max(tolerance {tol:.0%}, "
+        f"{k:g} x the larger measured spread): margins used {span}."
     )
 
 
