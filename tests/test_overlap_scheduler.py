@@ -270,3 +270,38 @@ def test_structured_output_steps_run_in_order_with_the_same_tokens(tiny_model):
     requests = [Request(i, p, m) for i, (p, m) in enumerate(specs)]
     requests[0] = Request(0, specs[0][0], 12, guided_decoding=guided_spec("guided_regex", "[a-c]{2,8}"))
     assert model_outputs(tiny_model, requests, "on") == model_outputs(tiny_model, requests, "off")
+
+
+def test_pending_tokens_reach_the_static_decode_buffers_on_the_triton_path(tiny_model, monkeypatch):
+    """The torch executor's own launch: plain rows sample on the device and the next step's inputs take
+    those tokens there, in the static buffers a CUDA graph replays (run without capture on the CPU,
+    under Triton's interpreter), the same tokens as the seed's order."""
+    import dataclasses
+
+    pytest.importorskip("triton")
+    from bm.runtime.backends import ENV_SWITCH
+    from bm.runtime.executor import TorchExecutor
+    from bm.runtime.triton.graphs import DecodeGraphs
+
+    monkeypatch.setenv(ENV_SWITCH, "triton")
+    filled = []
+    replay = DecodeGraphs.run
+    monkeypatch.setattr(
+        DecodeGraphs,
+        "run",
+        lambda self, items, fill=None: filled.append(fill is not None) or replay(self, items, fill),
+    )
+    loaded = dataclasses.replace(tiny_model, cuda_graphs="on")
+    specs = random_prompts(seed=21, count=4, vocab=tiny_model.vocab_size, max_prompt=12, max_output=6)
+    requests = [Request(i, p, m) for i, (p, m) in enumerate(specs)]
+    outputs = {}
+    for overlap in ("off", "on"):
+        config = make_config(engine={"overlap_scheduler": overlap}, kv_cache={"tokens_per_block": 4})
+        executor = TorchExecutor(loaded)
+        core = EngineCore(config, executor, check_integrity=True)
+        assert core.overlap == (overlap == "on") and (core.launcher is executor) == core.overlap
+        run = run_all(core, [Request(**vars(r)) for r in requests])
+        assert core.executor.runner.backend.graphs is not None
+        outputs[overlap] = {rid: r.output_ids for rid, r in run["finals"].items()}
+    assert outputs["on"] == outputs["off"]
+    assert any(filled)  # decode steps took their inputs from the device

@@ -7,13 +7,14 @@ steps). Block tables, positions and what to sample come from the core; nothing h
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from bm.config import KvCacheConfig
 from bm.engine.executor import (
+    PENDING_TOKEN,
     BeamStep,
     CacheLayout,
     ExecutionBatch,
@@ -25,6 +26,7 @@ from bm.engine.executor import (
     WorkKind,
 )
 from bm.engine.model_inputs import LoraSpec
+from bm.runtime.backends import InputFill
 from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult
 from bm.runtime.grammar import GrammarRuntime
@@ -35,6 +37,7 @@ from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.speculative import verify_drafts
 from bm.runtime.threads import release_caller_team
+from bm.runtime.triton.batch import StagingBuffer
 from bm.scheduling import FinishReason, LlmRequest
 
 
@@ -59,6 +62,9 @@ class TorchExecutor:
         self.lora: LoraLayers | None = None  # built when the first adapter arrives
         self._adapter_slots: dict[int, int] = {}  # LoRA task id -> its slot
         self._prompt_tables: dict[int, torch.Tensor] = {}  # request id -> [num_virtual, hidden]
+        # the previous launch's tokens on the device and each request's row (overlap scheduling)
+        self._last: tuple[torch.Tensor, dict[int, int]] | None = None
+        self._fill_staging = StagingBuffer(model.device, torch.long)
 
     @property
     def limits(self) -> ModelLimits:
@@ -148,15 +154,64 @@ class TorchExecutor:
         self._adapter_slots = {t: s for t, s in self._adapter_slots.items() if s != slot}
         self._adapter_slots[adapter.task_id] = slot
 
+    @property
+    def overlaps_host(self) -> bool:
+        """On a GPU, :meth:`launch` returns once the step is queued: the core's overlap scheduler then
+        prepares the next step while this one runs (``engine.overlap_scheduler: auto``). On the CPU the
+        forward itself runs on the calling thread, so there is nothing to overlap."""
+        return self.model.device.type == "cuda"
+
     def execute(self, batch: ExecutionBatch) -> ExecutionResult:
-        assert self.runner is not None, "bind() the executor before executing"
-        self.runner.copy_blocks(batch.block_copies)
-        result = ExecutionResult(num_forwards=len(batch.forwards))
-        for group in batch.forwards:
-            self._forward(group, result)
+        return self.collect(self._launch(batch, keep_tokens=False))
+
+    def launch(self, batch: ExecutionBatch) -> Launched:
+        """Queue the step and return without waiting for its tokens (overlap scheduling): rows whose
+        input is pending take the token the previous launch sampled for their request, on the device;
+        plain rows sample on the device too, and :meth:`collect` copies their tokens to the host."""
+        return self._launch(batch, keep_tokens=True)
+
+    def collect(self, launched: Launched) -> ExecutionResult:
+        """The launched step's result, its device tokens copied to the host (the one wait on the GPU)."""
+        result = launched.result
+        for items, _, (host, copied) in launched.on_device:
+            if copied is not None:
+                copied.synchronize()
+            result.sampled.extend(
+                (item, token, None) for item, token in zip(items, host.tolist(), strict=True)
+            )
+        launched.on_device = []
         return result
 
-    def _forward(self, group: list[WorkItem], result: ExecutionResult) -> None:
+    def _launch(self, batch: ExecutionBatch, *, keep_tokens: bool) -> Launched:
+        assert self.runner is not None, "bind() the executor before executing"
+        self.runner.copy_blocks(batch.block_copies)
+        launched = Launched(ExecutionResult(num_forwards=len(batch.forwards)))
+        for group in batch.forwards:
+            self._forward(group, launched)
+        self._last = _sampled_tokens(launched, self.model.device) if keep_tokens else None
+        return launched
+
+    def _input_fill(self, group: list[WorkItem]) -> InputFill | None:
+        """The packed rows of ``group`` whose input token is pending, and those tokens from the previous
+        launch's (a request whose row there failed sampled nothing: token 0, its row is thrown away)."""
+        rows, sources = [], []
+        offset = 0
+        for item in group:
+            if item.kind is WorkKind.GENERATION and item.token_ids[0] == PENDING_TOKEN:
+                assert self._last is not None, "a pending token with no launch before it"
+                tokens, index = self._last
+                rows.append(offset)
+                sources.append(index.get(item.request.request_id, tokens.shape[0] - 1))
+            offset += len(item.token_ids)
+        if not rows:
+            return None
+        # through pinned memory without blocking: a plain torch.tensor(..., device) would wait for the
+        # step in flight, which is what overlapping is to avoid
+        both = self._fill_staging.send([*rows, *sources])
+        return InputFill(both[: len(rows)], tokens.index_select(0, both[len(rows) :]))
+
+    def _forward(self, group: list[WorkItem], launched: Launched) -> None:
+        result = launched.result
         if self._adapter_slots:
             # each adapter's tokens one row range of the packed batch (a stable sort: base items first,
             # then slot by slot, each in the core's order); logits rows follow this order throughout
@@ -165,10 +220,11 @@ class TorchExecutor:
             item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
         tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
         tables = {i: t for i, t in tables.items() if t is not None}
+        fill = self._input_fill(group)
         if self._adapter_slots:
             self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
         try:
-            logits = self.runner.forward(group, tables or None, static_ok=self.lora is None)
+            logits = self.runner.forward(group, tables or None, static_ok=self.lora is None, fill=fill)
         finally:
             if self.lora is not None:
                 self.lora.end()
@@ -183,6 +239,13 @@ class TorchExecutor:
             result.drafts[item.request.request_id] = outcome
         to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
+            return
+        if all(item.request.decoding is None for item in to_sample):  # nothing but the sampler
+            requests = [item.request for item in to_sample]
+            tokens = self.decoder.sampler.sample_on_device(
+                logits, [r.sampling for r in requests], [r.request_id for r in requests]
+            )
+            launched.on_device.append((to_sample, tokens, _copy_to_host(tokens)))
             return
         decoded: DecodeResult = self.decoder.decode(
             logits, [item.request for item in to_sample], [item.beam for item in to_sample]
@@ -254,6 +317,51 @@ class TorchExecutor:
     def release(self, request: LlmRequest) -> None:
         self.decoder.release(request.request_id)
         self._prompt_tables.pop(request.request_id, None)
+
+
+@dataclass
+class Launched:
+    """A step queued by :meth:`TorchExecutor.launch`: what is known on the host already, and per forward
+    the items sampled on the device with their tokens there (copied over by ``collect``)."""
+
+    result: ExecutionResult
+    # (items, their tokens on the device, the host copy under way and the event that ends it)
+    on_device: list[tuple[list[WorkItem], torch.Tensor, tuple[torch.Tensor, Any]]] = field(
+        default_factory=list
+    )
+
+
+def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying ``tokens`` to the host right behind the kernels that sample them, so waiting for
+    them later does not also wait for a step launched after (a copy queued then would run after it)."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+def _sampled_tokens(launched: Launched, device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
+    """Every token ``launched`` sampled, on the device (those decoded on the host copied over), with
+    each request's row; a last row holds 0 for requests that sampled nothing (a fault)."""
+    parts: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    size = 0
+    host = [
+        (item, token) for item, token, _ in launched.result.sampled if item.kind is not WorkKind.EMPTY_SLOT
+    ]
+    if host:
+        parts.append(torch.tensor([t for _, t in host], dtype=torch.long, device=device))
+        index.update((item.request.request_id, i) for i, (item, _) in enumerate(host))
+        size = len(host)
+    for items, tokens, _ in launched.on_device:
+        parts.append(tokens.to(torch.long))
+        index.update((item.request.request_id, size + i) for i, item in enumerate(items))
+        size += len(items)
+    parts.append(torch.zeros(1, dtype=torch.long, device=device))
+    return torch.cat(parts), index
 
 
 def _serves(held: CacheLayout | None, wanted: CacheLayout) -> bool:

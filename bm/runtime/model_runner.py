@@ -19,7 +19,14 @@ import torch
 from bm.engine.executor import WorkItem, WorkKind
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.runtime.attention import ATTENTION_NAME, forward_context, register
-from bm.runtime.backends import AttentionBackend, BackendSetup, ForwardInputs, WindowPlan, backend_class
+from bm.runtime.backends import (
+    AttentionBackend,
+    BackendSetup,
+    ForwardInputs,
+    InputFill,
+    WindowPlan,
+    backend_class,
+)
 from bm.runtime.host_memory import tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
 
@@ -123,6 +130,7 @@ class ModelRunner:
         items: Sequence[WorkItem],
         prompt_tables: Mapping[int, torch.Tensor] | None = None,
         static_ok: bool = True,
+        fill: InputFill | None = None,
     ) -> torch.Tensor:
         """Run every item in one packed forward; return float32 logits ``[num_kept, vocab]``: one row per
         sampled item, one per token for a ``keep_all`` item, or ``num_draft + 1`` for an item ending in
@@ -130,12 +138,16 @@ class ModelRunner:
 
         ``prompt_tables``: item index -> its prompt-tuning table; there a token id ``vocab + i`` embeds
         as the table's row ``i`` (the rest of the batch embeds as usual, in the same forward).
-        ``static_ok``: a decode-only step may replay a CUDA graph (False while LoRA adapters are in use)."""
+        ``static_ok``: a decode-only step may replay a CUDA graph (False while LoRA adapters are in use).
+        ``fill``: input tokens the previous launch left on the device (overlap scheduling), written over
+        their rows' placeholders before the model runs."""
         if static_ok and not prompt_tables:
-            logits = self.backend.try_static_decode(items)
+            logits = self.backend.try_static_decode(items, fill)
             if logits is not None:
                 return logits
         inputs = self.backend.prepare(items)
+        if fill is not None:
+            fill.apply(inputs.input_ids)
         embeds = self._embed(items, inputs.input_ids, prompt_tables) if prompt_tables else None
         return self._run_model(inputs, embeds).float()
 

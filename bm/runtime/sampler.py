@@ -26,6 +26,13 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[Sampling], request_ids: Sequence[int]
     ) -> list[int]:
         """``logits`` is ``[rows, vocab]`` float32; returns one token id per row."""
+        return self.sample_on_device(logits, params, request_ids).tolist()
+
+    def sample_on_device(
+        self, logits: torch.Tensor, params: Sequence[Sampling], request_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """:meth:`sample`'s tokens as a tensor on the logits' device, with no copy to the host (the
+        uniform numbers come from the requests' host generators, which never wait on the device)."""
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
@@ -36,7 +43,7 @@ class Sampler:
                 [request_ids[i] for i in sampled_rows],
             )
             tokens.index_copy_(0, rows, chosen)
-        return tokens.tolist()
+        return tokens
 
     def uniform(self, request_id: int, seed: int) -> float:
         """The request's next uniform number from its own generator."""

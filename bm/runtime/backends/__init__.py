@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import os
 
-from bm.runtime.backends.base import AttentionBackend, BackendSetup, ForwardInputs, PerLayer, WindowPlan
+from bm.runtime.backends.base import (
+    AttentionBackend,
+    BackendSetup,
+    ForwardInputs,
+    InputFill,
+    PerLayer,
+    WindowPlan,
+)
 from bm.runtime.backends.torch_backend import TorchBackend
 from bm.runtime.backends.triton_backend import TritonBackend
 from bm.runtime.model_loader import LoadedModel
@@ -43,6 +50,7 @@ __all__ = [
     "AttentionBackend",
     "BackendSetup",
     "ForwardInputs",
+    "InputFill",
     "PerLayer",
     "TorchBackend",
     "TritonBackend",

@@ -90,6 +90,19 @@ class ForwardInputs(Generic[M]):
 
 
 @dataclass(frozen=True)
+class InputFill:
+    """Input tokens still on the device (overlap scheduling): packed rows ``rows`` of the forward's
+    ``input_ids`` take ``values``, which the previous launch sampled and never copied to the host."""
+
+    rows: torch.Tensor  # [n] int64, on the device
+    values: torch.Tensor  # [n] int64, on the device
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens into ``input_ids`` (``[T]`` or ``[1, T]``), in stream order, no sync."""
+        input_ids.view(-1).index_copy_(0, self.rows, self.values)
+
+
+@dataclass(frozen=True)
 class BackendSetup:
     """What a backend is built from (once per runner)."""
 
@@ -139,9 +152,12 @@ class AttentionBackend(ABC, Generic[M]):
         self.store_kv(metadata, call.layer, call.key, call.value)
         return self.attend(metadata, call)
 
-    def try_static_decode(self, items: Sequence[WorkItem]) -> torch.Tensor | None:
+    def try_static_decode(
+        self, items: Sequence[WorkItem], fill: InputFill | None = None
+    ) -> torch.Tensor | None:
         """Float32 logits of a decode-only step run over static buffers (a replayed CUDA graph), or None
-        where this backend has none or they do not serve this step (the runner then runs it eagerly)."""
+        where this backend has none or they do not serve this step (the runner then runs it eagerly).
+        ``fill``: input tokens to take from the device once the buffers are written."""
         return None
 
     def static_decode_sizes(self, max_batch_size: int) -> tuple[int, ...]:

@@ -19,7 +19,14 @@ import torch
 
 from bm.engine.executor import WorkItem
 from bm.runtime.attention import LayerCall
-from bm.runtime.backends.base import AttentionBackend, BackendSetup, ForwardInputs, PerLayer, all_kept_rows
+from bm.runtime.backends.base import (
+    AttentionBackend,
+    BackendSetup,
+    ForwardInputs,
+    InputFill,
+    PerLayer,
+    all_kept_rows,
+)
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.triton import triton_available
 from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
@@ -96,10 +103,12 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
         )  # fmt: skip
         return out
 
-    def try_static_decode(self, items: Sequence[WorkItem]) -> torch.Tensor | None:
+    def try_static_decode(
+        self, items: Sequence[WorkItem], fill: InputFill | None = None
+    ) -> torch.Tensor | None:
         if self.graphs is None or not self.graphs.serves(items):
             return None
-        return self.graphs.run(items)
+        return self.graphs.run(items, fill)
 
     def static_decode_sizes(self, max_batch_size: int) -> tuple[int, ...]:
         if self.graphs is None:

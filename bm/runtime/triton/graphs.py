@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bm.engine.executor import WorkItem
 from bm.runtime.triton.batch import Inputs, PagedBatch, StagingBuffer, cdiv
+
+if TYPE_CHECKING:
+    from bm.runtime.backends.base import InputFill
 
 log = logging.getLogger("bm")
 
@@ -79,11 +82,14 @@ class DecodeGraphs:
             and max(s.start_pos for s in items) < self.width * self.tokens_per_block
         )
 
-    def run(self, items: Sequence[WorkItem]) -> torch.Tensor:
-        """Float32 logits ``[len(items), vocab]`` of one decode step."""
+    def run(self, items: Sequence[WorkItem], fill: InputFill | None = None) -> torch.Tensor:
+        """Float32 logits ``[len(items), vocab]`` of one decode step; ``fill``: input tokens still on
+        the device, written into the static ids after the host's (a placeholder's row is overwritten)."""
         size = len(items)
         bucket = bucket_for(size)
         self._fill(items, bucket)
+        if fill is not None:
+            fill.apply(self._longs[0])
         if not self.capture or self.failure is not None:
             logits = self._forward(bucket)
         else:
