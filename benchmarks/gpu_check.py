@@ -20,7 +20,8 @@ Every model has random weights built from a config (no file to carry). One JSON 
   runs share one executor per shape, as ``bm.LLM`` does; its start-up (KV cache, warm-up) is timed apart
   as ``startup_s``, then ``bm_first_run`` and ``bm`` (the steady state) are both timed after it;
 - ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
-  over the copy bandwidth measured in the same run;
+  over the copy bandwidth measured in the same run, with the split-KV count of its attention
+  (``decode_attention_splits``; 1: the single-pass kernel);
 - what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py): ``cli_run`` (bm bench
   with default flags on 1,024 Azure conversation rows), ``bench_harness_workload`` (this check's workload
   as a synthetic bm bench dataset, beside the harness's figure), the simulator's predictions of both on
@@ -365,11 +366,30 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
     kv = num * (ctx + steps // 2) * loaded.kv_bytes_per_token
     bandwidth = copy_bandwidth(loaded.device, args.small)
     ideal = (weights + kv) / bandwidth
-    log(f"roofline: step {step_s * 1e3:.2f} ms, ideal {ideal * 1e3:.2f} ms -> {ideal / step_s:.1%}")
+    splits = decode_splits(runner, num, ctx + steps)
+    log(f"roofline: step {step_s * 1e3:.2f} ms, ideal {ideal * 1e3:.2f} ms -> {ideal / step_s:.1%}"
+        + (f" (attention split {splits} ways)" if splits and splits > 1 else ""))  # fmt: skip
     return {"requests": num, "context": ctx, "step_ms": step_s * 1e3, "weight_bytes": weights, "kv_bytes": kv,
             "copy_bandwidth_gb_s": bandwidth / 1e9, "ideal_step_ms": ideal * 1e3,
             "fraction_of_roofline": ideal / step_s, "attention_backend": runner.attention_backend,
+            "decode_attention_splits": splits,
             **({"profile": kernels} if kernels is not None else {})}  # fmt: skip
+
+
+def decode_splits(runner: ModelRunner, num: int, context: int) -> int | None:
+    """The split-KV count of the Triton backend's decode step of ``num`` rows at ``context`` keys (1: the
+    single-pass kernel; None: another backend), as bm.runtime.triton.ops chooses it: for the static
+    table's capacity where the step replays a CUDA graph, else for the longest row. SmolLM2's shape at
+    256 x 512 splits on an H100; the 1B shape does not."""
+    if runner.attention_backend != "triton":
+        return None
+    from bm.runtime.triton.ops import choose_decode_split, device_sm_count
+
+    graphs = runner.backend.graphs
+    longest = graphs.width * graphs.tokens_per_block if graphs is not None else context
+    kv_heads, head_dim = next(iter(runner.loaded.kv_shapes.values()))
+    sm_count = device_sm_count(runner.loaded.device)
+    return choose_decode_split(num, kv_heads, head_dim, longest, sm_count).num_splits
 
 
 def decode_step(runner: ModelRunner, tables: list[list[int]], position: int) -> None:

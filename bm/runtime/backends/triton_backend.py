@@ -31,7 +31,7 @@ from bm.runtime.model_loader import LoadedModel
 from bm.runtime.triton import triton_available
 from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
 from bm.runtime.triton.graphs import BUCKETS, DecodeGraphs, bucket_for, graphs_enabled
-from bm.runtime.triton.ops import paged_attention, store_kv, supports_head_dim
+from bm.runtime.triton.ops import SplitScratch, device_sm_count, paged_attention, store_kv, supports_head_dim
 
 TritonMetadata = PerLayer[PagedBatch]
 
@@ -55,6 +55,10 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
         super().__init__(setup)
         self.builder = BatchBuilder(self.device, self.tokens_per_block)
         self._run_model = setup.run_model
+        # split-KV decode (bm.runtime.triton.ops): the SMs its choice fills, and one scratch buffer for
+        # its partials, shared by every layer and kept for the CUDA graphs captured over it
+        self.sm_count = device_sm_count(self.device)
+        self.split_scratch = SplitScratch(self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs_enabled(setup.loaded.cuda_graphs, self.device):
             self.graphs = DecodeGraphs(
@@ -94,12 +98,13 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
         store_kv(self.kv_caches[layer], key, value, metadata.for_layer(layer).slot_mapping)
 
     def attend(self, metadata: TritonMetadata, call: LayerCall) -> torch.Tensor:
-        """One paged attention launch for the whole batch; keys are read from the cache only."""
+        """One paged attention launch for the whole batch (two for a split-KV decode step); keys are read
+        from the cache only."""
         query, extras = call.query, call.extras
         out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
         paged_attention(
             out, query, self.kv_caches[call.layer], metadata.for_layer(call.layer), call.scaling,
-            extras.softcap, extras.alibi, extras.sinks,
+            extras.softcap, extras.alibi, extras.sinks, sm_count=self.sm_count, scratch=self.split_scratch,
         )  # fmt: skip
         return out
 

@@ -35,6 +35,9 @@ class PagedBatch:
     slot_mapping: torch.Tensor
     num_tokens: int
     max_query_len: int
+    # the longest sequence the kernels may meet: the batch's own longest, or a CUDA graph's static
+    # table's capacity (a graph replays what it captured: its split-KV choice must serve any context)
+    max_seq_len: int
     window: int | None = None  # a query at p attends keys in (p - window, p] ...
     sink_tokens: int = 0  # ... and the first sink_tokens positions
 
@@ -46,7 +49,8 @@ class PagedBatch:
         """The same batch for layers with another attention window (their tables are the same)."""
         return PagedBatch(
             self.cu_seqlens, self.seq_lens, self.block_table, self.slot_mapping,
-            self.num_tokens, self.max_query_len, window, sink_tokens if window is not None else 0,
+            self.num_tokens, self.max_query_len, self.max_seq_len, window,
+            sink_tokens if window is not None else 0,
         )  # fmt: skip
 
 
@@ -154,7 +158,7 @@ class BatchBuilder:
             table_at, slots_at = starts_at[2 + 2 * i], starts_at[3 + 2 * i]
             table_t = flat[table_at : table_at + num_seqs * width].view(num_seqs, width)
             slots_t = flat[slots_at : slots_at + num]
-            batches.append(PagedBatch(cu_t, lens_t, table_t, slots_t, num, max_q))
+            batches.append(PagedBatch(cu_t, lens_t, table_t, slots_t, num, max_q, max(lens)))
         return Inputs(
             longs[long_at[0] : long_at[0] + num].view(1, num),
             longs[long_at[1] : long_at[1] + num].view(1, num),

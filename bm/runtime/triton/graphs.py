@@ -4,7 +4,9 @@ A decode step of ``B`` requests runs as the smallest bucket ``>= B``: the static
 positions, ``cu_seqlens``, sequence lengths, the int32 block table, slot mapping) are overwritten in
 place, the rows past ``B`` padded (slot -1: nothing is stored; one key: finite garbage, never returned),
 and the graph captured for that bucket is replayed. The kernels read every per-sequence value from
-those buffers, and their grid depends only on the bucket, so one capture serves every later step.
+those buffers, and their grid depends only on the bucket, so one capture serves every later step. (A
+bucket's split-KV choice is made for the static table's capacity, fixed at capture; how many splits
+each sequence then uses, the kernel decides from the sequence's length: bm/runtime/triton/ops.py.)
 
 Without CUDA (``model.cuda_graphs: on`` under Triton's interpreter) the same static buffers are used and
 the model runs eagerly over them: that is what the CPU tests compare with the dynamic path.
@@ -130,7 +132,7 @@ class DecodeGraphs:
     def _inputs(self, bucket: int) -> Inputs:
         batches = [
             PagedBatch(self._cu[: bucket + 1], self._lens[:bucket], self._tables[i, :bucket],
-                       self._slots[i, :bucket], bucket, 1)
+                       self._slots[i, :bucket], bucket, 1, self.width * self.tokens_per_block)
             for i in range(len(self._pools))
         ]  # fmt: skip
         longs = self._longs[:, :bucket]

@@ -1,4 +1,5 @@
-"""The Triton kernels of the GPU path: a KV-store kernel and one paged attention kernel.
+"""The Triton kernels of the GPU path: a KV-store kernel and one paged attention kernel (with, for
+decode steps too small to fill the GPU, a split-KV pair beside it).
 
 Imported only through :func:`bm.runtime.triton.kernels` (which decides compiled vs interpreted first):
 ``triton.jit`` fixes that choice when this module is imported.
@@ -197,6 +198,202 @@ def paged_attention_kernel(
     acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no keys, nothing stored
     dst = out_ptr + token[:, None] * o_stride_t + head[:, None].to(tl.int64) * o_stride_h + offs_d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# Split-KV (flash-decoding) attention for decode-only batches, in two launches. The kernel above gives
+# a decode step one program per (sequence, KV head): with few sequences or few KV heads (SmolLM2's 3)
+# too few to keep every SM reading keys. Pass 1 cuts each sequence's key tiles into splits, one program
+# per (sequence, KV head, split), each writing its unnormalised accumulator and its running max and sum
+# to scratch; pass 2 merges a sequence's splits per query head with the log-sum-exp rescaling.
+#
+# How a sequence's tiles are split depends only on its own length, the split count and the tile size
+# (``max(cdiv(tiles, num_splits), MIN_TILES)`` tiles per split): a CUDA graph captured with
+# one split count serves every later context, the splits a short sequence cannot fill exit at once
+# (pass 2 recomputes how many had work and reads only those), and a sequence that fits one split gets
+# the single-pass kernel's very bits (the same tiles in the same order, merged with a weight of 1;
+# except with sink logits, which the single-pass kernel folds in first and pass 2 last).
+
+
+@triton.jit
+def _decode_tiles(seq_len, window, sink_tokens, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """The key tiles a decode row (at position ``seq_len - 1``) reads, as one virtual range
+    ``[0, n_tiles)``: tile ``i`` starts at ``i * BLOCK_N``, plus ``shift`` once ``i >= sink_tiles``.
+
+    Without a window every tile up to the row. With one, the tiles holding the sink tokens, then those
+    from the window's first tile on: the masked tiles between them are not walked at all (the single-pass
+    kernel walks them and adds exact zeros)."""
+    sink_tiles = seq_len * 0  # int32 zeros, typed as the windowed branch's values
+    shift = seq_len * 0
+    if USE_WINDOW:
+        lowest = tl.maximum(0, seq_len - window) // BLOCK_N * BLOCK_N
+        sink_tiles = (tl.minimum(sink_tokens, seq_len) + BLOCK_N - 1) // BLOCK_N
+        shift = tl.maximum(lowest - sink_tiles * BLOCK_N, 0)
+    n_tiles = (seq_len - shift + BLOCK_N - 1) // BLOCK_N
+    return n_tiles, sink_tiles, shift
+
+
+# The split count is a plain argument (not a constexpr): each decode bucket may choose another, and
+# none of them should compile a variant of its own.
+@triton.jit(do_not_specialize=["num_splits", "bt_stride"])
+def split_kv_decode_kernel(
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    alibi_ptr,
+    scale,
+    softcap,
+    window,
+    sink_tokens,
+    num_splits,
+    bt_stride,
+    q_stride_h,
+    q_stride_t,
+    c_stride_h,
+    c_stride_b,
+    c_stride_t,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Pass 1: one split of one decode row's keys for the ``GROUP`` query heads of one KV head.
+
+    Row ``seq`` of the batch is sequence ``seq``'s one query (a decode-only batch). Writes, per query
+    head, ``acc`` (sum of exp(score - max) * value), ``max`` and ``sum`` at
+    ``[(seq * heads + head) * num_splits + split]``; a split with no tiles writes nothing."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_tiles, sink_tiles, shift = _decode_tiles(seq_len, window, sink_tokens, BLOCK_N, USE_WINDOW)
+    per_split = tl.maximum((n_tiles + num_splits - 1) // num_splits, MIN_TILES)
+    first = split * per_split
+    if first >= n_tiles:
+        return
+    last = tl.minimum(first + per_split, n_tiles)
+    query_pos = seq_len - 1
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    head = kv_head * GROUP + offs_m
+    row_ok = offs_m < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + head[:, None].to(tl.int64) * q_stride_h + seq.to(tl.int64) * q_stride_t + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+
+    c_head = kv_head.to(tl.int64) * c_stride_h
+    for tile in range(first, last):
+        start = tile * BLOCK_N + tl.where(tile >= sink_tiles, shift, 0)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        blk = tl.load(
+            block_table_ptr + seq * bt_stride + offs_n // TOKENS_PER_BLOCK, mask=offs_n < seq_len, other=-1
+        )
+        n_ok = (offs_n < seq_len) & (blk >= 0)  # a block outside every window may be gone (-1)
+        slot = c_head + blk.to(tl.int64) * c_stride_b + (offs_n % TOKENS_PER_BLOCK) * c_stride_t
+        k = tl.load(
+            k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
+        )
+        s = _dot(q, k, DOT) * scale
+        if USE_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        if USE_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - query_pos).to(tl.float32)
+        allowed = n_ok[None, :] & (offs_n[None, :] <= query_pos)
+        if USE_WINDOW:
+            allowed &= (offs_n[None, :] > query_pos - window) | (offs_n[None, :] < sink_tokens)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+
+    part = ((seq * GROUP * tl.num_programs(1) + head) * num_splits + split).to(tl.int64)
+    tl.store(part_max_ptr + part, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    tl.store(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :]
+    )
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def split_kv_combine_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    window,
+    sink_tokens,
+    num_splits,
+    o_stride_t,
+    o_stride_h,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """Pass 2: one query head of one decode row, its splits merged: each split's partial is weighted by
+    ``exp(max_split - max_all)``, and the sum of weighted sums divides. gpt-oss's sink logit joins here,
+    once, as one more term of the denominator (and of the max)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_tiles, _sink_tiles, _shift = _decode_tiles(seq_len, window, sink_tokens, BLOCK_N, USE_WINDOW)
+    per_split = tl.maximum((n_tiles + num_splits - 1) // num_splits, MIN_TILES)
+    used = (n_tiles + per_split - 1) // per_split  # the splits pass 1 wrote
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_ok = offs_s < used
+    d_ok = offs_d < HEAD_DIM
+    part = ((seq * tl.num_programs(1) + head) * num_splits).to(tl.int64) + offs_s
+    m_s = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
+    acc_s = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_all = tl.max(m_s, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
+    w = tl.where(s_ok, tl.exp(m_s - m_all), 0.0)
+    total = tl.sum(w * l_s, 0)
+    if USE_SINKS:
+        total += tl.exp(sink - m_all)
+    acc = tl.sum(w[:, None] * acc_s, 0) / total
+    dst = out_ptr + seq.to(tl.int64) * o_stride_t + head.to(tl.int64) * o_stride_h + offs_d
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # The decoder layer's elementwise chains on the GPU (bm.runtime.triton.elementwise): each computes
