@@ -95,13 +95,13 @@ class LLM:
         tensor_parallel_size: int | None = None,
         **options: Any,
     ):
-        from bm.runtime import load_model
-
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidParameterError(f"LLM(seed=...): expected an integer >= 0, got {seed!r}")
         if tensor_parallel_size is not None:  # None: the ranks this process already runs in
             check_tensor_parallel(tensor_parallel_size)
         config_ = build_config(model, config, options)
+        from bm.runtime import load_model  # torch: only once every keyword is judged
+
         self.seed = seed
         self.loaded = load_model(config_.model)
         # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what

@@ -87,8 +87,13 @@ def _vllm_names(message: str) -> str:
 
 
 def check_tensor_parallel(size: Any) -> None:
-    """``tensor_parallel_size`` must be the ranks this process already runs in: ``bm.LLM`` joins a
-    layout, it does not start one (``bm run --tensor-parallel N`` and ``bm bench --tp N`` do)."""
+    """``tensor_parallel_size`` must be the ranks this process already runs in.
+
+    ``bm.LLM`` runs in the process that builds it and starts no ranks: bm's tensor parallelism is a
+    set of processes that ``bm run`` / ``bm bench`` start (or join under ``torchrun``), in which rank 0
+    drives the engine and every other rank serves its shard of each forward (bm.distributed.cli). A
+    script's ``LLM(tensor_parallel_size=2)`` would run every rank as a driver, so it is refused before
+    anything loads, naming the commands that do run a split model (docs/parallel.md)."""
     from bm.distributed.layout import current_layout
 
     have = current_layout().tensor_parallel
@@ -96,7 +101,10 @@ def check_tensor_parallel(size: Any) -> None:
         raise InvalidParameterError(f"LLM(tensor_parallel_size=...): expected an integer >= 1, got {size!r}")
     if size != have:
         raise InvalidParameterError(
-            f"LLM(tensor_parallel_size={size}): this process runs {have} tensor-parallel rank(s); run "
-            f"`bm run --tensor-parallel {size}` or `bm bench --tp {size}`, or start this script under "
-            f"torchrun after bm.distributed.layout.setup_parallel({size})"
+            f"LLM(tensor_parallel_size={size}): bm.LLM runs in this one process ({have} tensor-parallel "
+            f"rank(s)) and cannot start ranks; a model split over {size} ranks runs through the command "
+            f"line: `bm run PROMPTS.jsonl --model MODEL --tensor-parallel {size}` (bm starts the ranks; "
+            f"under torchrun: `torchrun --nproc-per-node {size} -m bm run PROMPTS.jsonl --model MODEL "
+            f"--tensor-parallel {size}`) or `bm bench DATASET --model MODEL --tp {size}`; see "
+            f"docs/parallel.md. Leave tensor_parallel_size unset (or {have}) here"
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import bm
-from bm.llm_config import ENGINE_ARGS, build_config
+from bm.llm_config import ENGINE_ARGS, OWN_ARGS, build_config
 from bm.llm_params import SAMPLING_FIELDS
 
 # vLLM SamplingParams name: (a value vLLM accepts, the bm engine request field, the value it gets there)
@@ -46,6 +46,9 @@ ENGINE = {
     "block_size": (16, "kv_cache.tokens_per_block", 16),
     "enforce_eager": (True, "model.cuda_graphs", "off"),
 }
+# vLLM LLM(...) keywords LLM reads itself: seed seeds sampling (test_llm_contract.py), and
+# tensor_parallel_size must be the ranks this one process runs in (1), since LLM starts none.
+OWN = {"seed": 3, "tensor_parallel_size": 1}
 
 
 def test_the_sampling_mapping_is_the_one_the_library_uses_and_each_name_lands_on_its_engine_field():
@@ -84,11 +87,37 @@ def test_a_bad_engine_argument_raises_naming_the_vllm_name_and_an_unknown_one_th
         bm.LLM("tiny-random", max_model_length=512)
     with pytest.raises(bm.InvalidParameterError, match="did you mean 'gpu_memory_utilization'"):
         bm.LLM("tiny-random", gpu_memory_utilisation=0.8)
-    with pytest.raises(bm.InvalidParameterError, match="bm run --tensor-parallel 2"):
-        bm.LLM("tiny-random", tensor_parallel_size=2)
     with pytest.raises(bm.InvalidParameterError, match="seed"):
         bm.LLM("tiny-random", seed=-3)
     assert issubclass(bm.InvalidParameterError, ValueError)
+
+
+def test_the_names_llm_reads_itself_are_listed_and_accepted():
+    assert set(OWN) == set(OWN_ARGS)
+    llm = bm.LLM("tiny-random", device="cpu", **OWN)
+    assert llm.seed == 3
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if a model starts loading: a refused keyword must stop LLM before that."""
+    import bm.runtime
+
+    monkeypatch.setattr(bm.runtime, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tensor_parallel_size_above_one_is_refused_before_the_model_loads_naming_bm_run(no_model_load, size):
+    """bm.LLM runs in one process and starts no ranks; a split model runs through bm run's ranks (its
+    own, or torchrun's), as docs/parallel.md says."""
+    with pytest.raises(bm.InvalidParameterError) as raised:
+        bm.LLM("tiny-random", tensor_parallel_size=size)
+    message = str(raised.value)
+    assert message.startswith(f"LLM(tensor_parallel_size={size}): bm.LLM runs in this one process")
+    assert f"bm run PROMPTS.jsonl --model MODEL --tensor-parallel {size}" in message
+    assert f"torchrun --nproc-per-node {size} -m bm run" in message and "docs/parallel.md" in message
+    with pytest.raises(bm.InvalidParameterError, match="expected an integer >= 1"):
+        bm.LLM("tiny-random", tensor_parallel_size=0)
 
 
 def test_a_run_vllm_accepts_is_accepted_as_written():
