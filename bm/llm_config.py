@@ -2,8 +2,9 @@
 
 Why a table: a vLLM user types ``LLM(model, max_model_len=512, gpu_memory_utilization=0.8)``; each such
 name lands on one key of :mod:`bm.config` (listed once, here, and pinned by a test), and the config
-loader checks the values as it checks ``bm run --set``. A keyword that is neither a vLLM name, a model
-key nor a config section is refused with the nearest name.
+loader checks the values as it checks ``bm run --set``. A vLLM name bm has no knob for is accepted when
+its value asks for what bm does anyway (``trust_remote_code=False``) and otherwise refused with the bm
+way (:data:`bm.config.vllm.VLLM_UNSUPPORTED`); any other unknown keyword is refused with the nearest name.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
-from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS
-from bm.llm_params import InvalidParameterError
-from bm.suggest import did_you_mean
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_UNSUPPORTED
+from bm.llm_params import InvalidParameterError, refuse_unknown
 
 # vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
 ENGINE_ARGS: dict[str, str | None] = {
@@ -55,12 +55,17 @@ def build_config(
             overrides[f"model.{name}"] = value
         elif name in sections and isinstance(value, Mapping):
             overrides.update({f"{name}.{key}": v for key, v in value.items()})
-        else:
+        else:  # a vLLM name bm lacks (accepted when it asks for what bm does), or a typo
             known = [*ENGINE_ARGS, "enforce_eager", *OWN_ARGS, *model_keys, *sections]
-            raise InvalidParameterError(
-                f"LLM({name}=...): unknown keyword{did_you_mean(name, known)}; LLM takes vLLM's engine "
-                f"arguments ({', '.join(ENGINE_ARGS)}, enforce_eager, seed, tensor_parallel_size), model "
-                "keys (device=, dtype=, ...) and config sections as mappings, e.g. engine={'max_batch_size': 64}"
+            refuse_unknown(
+                "LLM",
+                name,
+                value,
+                known,
+                VLLM_UNSUPPORTED,
+                note=f"; LLM takes vLLM's engine arguments ({', '.join(ENGINE_ARGS)}, enforce_eager, seed, "
+                "tensor_parallel_size), model keys (device=, dtype=, ...) and config sections as mappings, "
+                "e.g. engine={'max_batch_size': 64}",
             )
     try:
         if isinstance(config, BmConfig) and not overrides:

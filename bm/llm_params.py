@@ -10,12 +10,16 @@ same rule whichever door it came in by, and raised here as :class:`InvalidParame
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NamedTuple, TypeVar
 
 from bm.config import ConfigError
+from bm.config.vllm import NotInBm
 from bm.engine.fields import RequestError, check_int, request_field
+from bm.suggest import did_you_mean
 
 
 class InvalidParameterError(RequestError, ConfigError):
@@ -48,6 +52,82 @@ SAMPLING_FIELDS: dict[str, str] = {
     "guided_decoding": "guided_decoding",
     "response_format": "guided_decoding",
 }
+# vLLM's SamplingParams names bm has no counterpart for -> why, the bm way, and the values that ask for
+# what bm does anyway (accepted). An unknown name that is none of these gets the nearest one suggested.
+VLLM_SAMPLING_ONLY: dict[str, NotInBm] = {
+    "logits_processors": NotInBm(
+        "bm.LLM runs no Python callback per token",
+        "shape the logits with logit_bias, bad_words, min_tokens or structured_outputs",
+        inert=(None, []),
+    ),
+    "allowed_token_ids": NotInBm(
+        "bm.LLM has no list of allowed tokens",
+        "constrain the output with structured_outputs (choice=[...] or regex=...), or push tokens down "
+        "with logit_bias={id: -100}",
+        inert=(None,),
+    ),
+    "truncate_prompt_tokens": NotInBm(
+        "bm.LLM runs the whole prompt",
+        "pass the last N token ids yourself: llm.get_tokenizer().encode(text)[-N:]",
+        inert=(None,),
+    ),
+    "detokenize": NotInBm(
+        "bm.LLM always decodes the text", "read token_ids and leave text aside", inert=(True,)
+    ),
+    "use_beam_search": NotInBm(
+        "bm.LLM has no beam search",
+        "run the prompts with bm run, whose lines take beam_width (docs/request-fields.md)",
+        inert=(False,),
+    ),
+    "length_penalty": NotInBm(
+        "bm.LLM has no beam search, where a length penalty applies",
+        "run the prompts with bm run, whose lines take beam_width and len_penalty (docs/request-fields.md)",
+        inert=(1.0,),
+    ),
+    "extra_args": NotInBm("bm.LLM reads no extension arguments", "drop it", inert=(None,)),
+}
+
+_Init = TypeVar("_Init", bound=type)
+
+
+def refuse_unknown(
+    owner: str, name: str, value: Any, known: Iterable[str], vllm_only: Mapping[str, NotInBm], note: str = ""
+) -> None:
+    """Judge a keyword ``owner`` has no parameter for: a vLLM name bm lacks is accepted when its value
+    asks for what bm does anyway, and otherwise refused saying so and what to use instead; any other
+    name is refused with the nearest known one (a typo costs one glance). Raises
+    :class:`InvalidParameterError`, a ``ValueError``, where Python would raise ``TypeError``."""
+    if name in vllm_only:
+        entry = vllm_only[name]
+        if entry.accepts(value):
+            return
+        raise InvalidParameterError(
+            f"{owner}({name}={value!r}): a vLLM parameter bm does not take: {entry.why}; {entry.keyword}"
+        )
+    hint = did_you_mean(name, known)
+    raise InvalidParameterError(f"{owner}({name}=...): unknown parameter{hint}{note}")
+
+
+def refusing_unknown_keywords(vllm_only: Mapping[str, NotInBm]) -> Callable[[_Init], _Init]:
+    """A dataclass whose constructor judges unknown keywords with :func:`refuse_unknown` instead of
+    raising ``TypeError``: a vLLM user's mistyped or vLLM-only name gets the field and the fix."""
+
+    def wrap(cls: _Init) -> _Init:
+        init = cls.__init__
+        known = tuple(f.name for f in fields(cls))
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            for name in [k for k in kwargs if k not in known]:
+                refuse_unknown(cls.__name__, name, kwargs.pop(name), known, vllm_only)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return wrap
+
+
 # The engine field -> the name a message says (first vLLM name that sets it).
 _USER_NAME = {
     "num_return_sequences": "n",
@@ -70,6 +150,15 @@ def user_message(message: str) -> str:
     return _SPEC_NAME.sub(lambda m: _USER_NAME[m.group(1)], message)
 
 
+@refusing_unknown_keywords(
+    {
+        "backend": NotInBm(
+            "bm compiles structured output with llguidance (vLLM's 'guidance' backend) only",
+            "drop it",
+            inert=(None, "auto", "guidance"),
+        )
+    }
+)
 @dataclass
 class StructuredOutputsParams:
     """Structured output in vLLM's shape: give exactly one of ``json`` (a JSON schema, as a dict or JSON
@@ -90,12 +179,14 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name for the same parameters
 
 
+@refusing_unknown_keywords(VLLM_SAMPLING_ONLY)
 @dataclass
 class SamplingParams:
     """Per-request sampling controls under vLLM's names (the engine field each sets: SAMPLING_FIELDS).
 
     Every value is checked against the engine's field table when the object is built, so a bad one
-    raises :class:`InvalidParameterError` here, not an empty answer later. One default differs from
+    raises :class:`InvalidParameterError` here, not an empty answer later; so does a keyword it does
+    not take (a vLLM name bm lacks names the bm way, a typo the nearest name). One default differs from
     vLLM's: ``temperature`` is 0 (greedy), as in TensorRT-LLM and HF ``generate()``.
     """
 
