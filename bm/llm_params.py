@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from bm.config import ConfigError
 from bm.config.vllm import NotInBm
-from bm.engine.fields import RequestError, check_int, request_field
+from bm.engine.fields import RequestError, check_bool, check_int, request_field
 from bm.suggest import did_you_mean
 
 
@@ -51,7 +51,16 @@ SAMPLING_FIELDS: dict[str, str] = {
     "structured_outputs": "guided_decoding",
     "guided_decoding": "guided_decoding",
     "response_format": "guided_decoding",
+    "prompt_logprobs": "return_context_logits",  # the prompt's logits, made log probs by bm.LLM
 }
+# vLLM's SamplingParams names that set no engine field: they shape the text and outputs bm.LLM returns
+# (best_of is honoured when it equals n: bm returns every sample it draws).
+OUTPUT_FIELDS = (
+    "best_of",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 # vLLM's SamplingParams names bm has no counterpart for -> why, the bm way, and the values that ask for
 # what bm does anyway (accepted). An unknown name that is none of these gets the nearest one suggested.
 VLLM_SAMPLING_ONLY: dict[str, NotInBm] = {
@@ -213,6 +222,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     guided_decoding: StructuredOutputsParams | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # None: no prompt log probs; k: each prompt token's (after the first) and the k most likely ones'
+    # there, in RequestOutput.prompt_logprobs (0-20)
+    prompt_logprobs: int | None = None
+    best_of: int | None = None  # None or n: bm returns every sample it draws and ranks none
+    skip_special_tokens: bool = True  # False: special tokens written in the text (a checkpoint's tokenizer)
+    spaces_between_special_tokens: bool = True  # False is honoured only with skip_special_tokens=True
+    include_stop_str_in_output: bool = False  # True: the text keeps the stop string that ended it
 
     def __post_init__(self) -> None:
         self.request_fields(None)  # checks every value the engine's field table can judge alone
@@ -257,6 +273,10 @@ class SamplingParams:
             out["return_log_probs"] = True
             # the most likely token is always asked for, so the chosen one's rank is known when it is 1
             out["top_logprobs"] = max(self.logprobs, 1)
+        if self.prompt_logprobs is not None:
+            check_int("top_logprobs", self.prompt_logprobs, "prompt_logprobs")
+            out["return_context_logits"] = True
+        self._check_output_fields()
         out["guided_decoding"] = self._guided()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         words = [_encode_word(w, "stop", encode_word) for w in stops]
@@ -267,6 +287,28 @@ class SamplingParams:
             bad = [_encode_word(w, "bad_words", encode_word) for w in self.bad_words]
             out["bad_words_list"] = request_field("bad_words_list", "bad_words", bad)
         return {k: v for k, v in out.items() if v is not None}
+
+    def _check_output_fields(self) -> None:
+        """The names that shape what LLM returns: each value bm honours, and a refusal naming the bm way
+        for what it cannot."""
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            check_bool(getattr(self, name), name)
+        if not (self.skip_special_tokens or self.spaces_between_special_tokens):
+            raise RequestError(
+                "spaces_between_special_tokens: False is not honoured when special tokens are written "
+                "(skip_special_tokens=False): the tokenizer's decoder writes them as it does; drop it"
+            )
+        if self.best_of is None:
+            return
+        best_of = check_int("num_return_sequences", self.best_of, "best_of")
+        if best_of < self.n:
+            raise RequestError(f"best_of: must be at least n ({self.n}), got {best_of}")
+        if best_of > self.n:
+            raise RequestError(
+                f"best_of: {best_of} > n ({self.n}) is not supported: bm returns every sample it draws "
+                f"and ranks none; ask n={best_of} and keep the best by cumulative_logprob (logprobs=0 "
+                "returns it)"
+            )
 
     def _guided(self) -> Any:
         given = {
@@ -332,6 +374,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # SamplingParams(prompt_logprobs=k): None for the first prompt token (nothing predicts it), then one
+    # dict per prompt token: the token and the k most likely ones there, token id -> Logprob (vLLM's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -3,12 +3,14 @@ on the bm engine field or config key it names, and a run vLLM accepts is accepte
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import bm
 from bm.config.vllm import VLLM_UNSUPPORTED
 from bm.llm_config import ENGINE_ARGS, OWN_ARGS, build_config
-from bm.llm_params import SAMPLING_FIELDS, VLLM_SAMPLING_ONLY
+from bm.llm_params import OUTPUT_FIELDS, SAMPLING_FIELDS, VLLM_SAMPLING_ONLY
 
 # vLLM SamplingParams name: (a value vLLM accepts, the bm engine request field, the value it gets there)
 SAMPLING = {
@@ -32,6 +34,18 @@ SAMPLING = {
     "structured_outputs": ({"choice": ["yes", "no"]}, "guided_decoding", ("choice", '["yes", "no"]')),
     "guided_decoding": ({"regex": "[a-z]+"}, "guided_decoding", ("regex", "[a-z]+")),
     "response_format": ({"type": "json_object"}, "guided_decoding", ("json_object", "")),
+    # the prompt's logits, made log probs by LLM; refused beside enable_prefix_caching=True, whose cached
+    # positions are never computed (test_llm_contract.py)
+    "prompt_logprobs": (3, "return_context_logits", True),
+}
+
+# vLLM SamplingParams names that set no engine field: they shape what LLM returns (test_llm_contract.py
+# pins each): a value bm honours, and one it refuses with the message's start.
+OUTPUT = {
+    "best_of": (1, 2, "best_of: 2 > n (1) is not supported"),  # bm returns every sample it draws
+    "skip_special_tokens": (True, "no", "skip_special_tokens: expected true or false"),
+    "spaces_between_special_tokens": (False, 1, "spaces_between_special_tokens: expected true or false"),
+    "include_stop_str_in_output": (True, None, "include_stop_str_in_output: expected true or false"),
 }
 
 # vLLM SamplingParams names bm has no counterpart for: (a value that asks for what bm does anyway,
@@ -85,6 +99,12 @@ ENGINE_ONLY = {
 
 def test_the_sampling_mapping_is_the_one_the_library_uses_and_each_name_lands_on_its_engine_field():
     assert {name: field for name, (_v, field, _w) in SAMPLING.items()} == SAMPLING_FIELDS
+    # every parameter of SamplingParams is a vLLM name listed here: on an engine field or on the output
+    assert (
+        {f.name for f in dataclasses.fields(bm.SamplingParams)}
+        == set(SAMPLING) | set(OUTPUT)
+        == set(SAMPLING_FIELDS) | set(OUTPUT_FIELDS)
+    )
     from bm.runtime.tokenizer import ByteTokenizer
 
     for name, (value, field, want) in SAMPLING.items():
@@ -98,6 +118,14 @@ def test_the_sampling_mapping_is_the_one_the_library_uses_and_each_name_lands_on
         if name == "logprobs":
             assert fields["return_log_probs"] is True
         assert got == want, name
+
+
+def test_the_output_names_take_the_values_bm_honours_and_refuse_the_rest_naming_the_field():
+    for name, (honoured, refused, message) in OUTPUT.items():
+        assert getattr(bm.SamplingParams(**{name: honoured}), name) == honoured
+        with pytest.raises(bm.InvalidParameterError) as raised:
+            bm.SamplingParams(**{name: refused})
+        assert str(raised.value).startswith(f"SamplingParams.{message}"), raised.value
 
 
 def test_an_unknown_sampling_keyword_raises_a_value_error_naming_it_and_the_nearest_name():
@@ -237,6 +265,10 @@ def test_a_run_vllm_accepts_is_accepted_as_written():
         frequency_penalty=0.1,
         logprobs=2,
         logit_bias={11: 1.5},
+        best_of=2,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        include_stop_str_in_output=False,
         detokenize=True,
     )
     outs = llm.generate(["Hello, my name is", "The future of AI is"], params, use_tqdm=False)
