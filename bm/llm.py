@@ -100,7 +100,7 @@ class LLM:
         if tensor_parallel_size is not None:  # None: the ranks this process already runs in
             check_tensor_parallel(tensor_parallel_size)
         config_ = build_config(model, config, options)
-        from bm.runtime import load_model  # torch: only once every keyword is judged
+        from bm.runtime import load_model  # the runtime (transformers, kernels): once every keyword is judged
 
         self.seed = seed
         self.loaded = load_model(config_.model)
