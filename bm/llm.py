@@ -35,7 +35,7 @@ from bm.config import BmConfig, resolve_engine
 from bm.engine.fields import RequestError, token_id_list
 from bm.engine.offline import RequestQueue
 from bm.engine.request import Request, Response
-from bm.engine.stopping import text_before_stop
+from bm.engine.stopping import text_before_stop, text_through_stop
 from bm.llm_config import build_config, check_tensor_parallel
 from bm.llm_params import (
     CompletionOutput,
@@ -95,13 +95,13 @@ class LLM:
         tensor_parallel_size: int | None = None,
         **options: Any,
     ):
-        from bm.runtime import load_model
-
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidParameterError(f"LLM(seed=...): expected an integer >= 0, got {seed!r}")
         if tensor_parallel_size is not None:  # None: the ranks this process already runs in
             check_tensor_parallel(tensor_parallel_size)
         config_ = build_config(model, config, options)
+        from bm.runtime import load_model  # the runtime (transformers, kernels): once every keyword is judged
+
         self.seed = seed
         self.loaded = load_model(config_.model)
         # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what
@@ -227,6 +227,7 @@ class LLM:
         requests = []
         for i, ((_text, ids), p) in enumerate(zip(prompts, params, strict=True)):
             fields_ = p.request_fields(encode_word)
+            self._check_output_params(p)
             if "request_output_len" not in fields_:  # max_tokens=None: up to the model's length
                 fields_["request_output_len"] = max(self._limits.max_seq_len - len(ids), 1)
             if "random_seed" not in fields_ and self.seed is not None:
@@ -239,6 +240,21 @@ class LLM:
                 raise InvalidParameterError(f"prompt {i}: {user_message(str(exc))}") from None
             requests.append(request)
         return requests
+
+    def _check_output_params(self, params: SamplingParams) -> None:
+        """What only this model can judge of the parameters that shape the output LLM returns."""
+        if params.prompt_logprobs is not None and self.config.kv_cache.enable_block_reuse:
+            raise InvalidParameterError(
+                "SamplingParams.prompt_logprobs: the prompt positions taken from the prefix cache are "
+                "never computed, so their log probs cannot be returned; build the LLM with "
+                "enable_prefix_caching=False (bm's default)"
+            )
+        if not params.skip_special_tokens and getattr(self.tokenizer, "tokenizer", None) is None:
+            raise InvalidParameterError(
+                "SamplingParams.skip_special_tokens: False writes special tokens as the tokenizer spells "
+                "them, and this model's tokenizer (bm's byte tokenizer, or none) has no text for them; "
+                "use a checkpoint with a tokenizer, or read them from token_ids"
+            )
 
     def _run(
         self,
@@ -275,17 +291,47 @@ class LLM:
         self, request_id: int, prompt: str | None, ids: list[int], params: SamplingParams, result: Response
     ) -> RequestOutput:
         samples = result.samples or [result]
-        return RequestOutput(
-            request_id, prompt, ids, [self._completion(i, s, params) for i, s in enumerate(samples)]
-        )
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs(ids, result.context_logits, params.prompt_logprobs)
+        completions = [self._completion(i, s, params) for i, s in enumerate(samples)]
+        return RequestOutput(request_id, prompt, ids, completions, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, ids: list[int], logits: Any, k: int) -> list[dict[int, Logprob] | None]:
+        """vLLM's ``prompt_logprobs`` from the engine's context logits (the model's raw logits at every
+        prompt position, ``[prompt, vocab]``): position i's give token i+1 its log probability and its
+        rank among the whole vocabulary (1: the most likely), beside the ``k`` most likely tokens there.
+        The first token gets None: nothing before it predicts it."""
+        rows = 0 if logits is None else int(logits.shape[0])
+        if rows != len(ids):
+            raise RuntimeError(
+                f"prompt_logprobs: the engine returned the logits of {rows} prompt positions for a prompt "
+                f"of {len(ids)} tokens"
+            )
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: None
+        out: list[dict[int, Logprob] | None] = [None]
+        if len(ids) < 2:
+            return out
+        logprobs = logits[:-1].float().log_softmax(-1)
+        chosen = logprobs.gather(1, logprobs.new_tensor(ids[1:]).long().unsqueeze(1))
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        values = chosen.squeeze(1).tolist()
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        tops = list(zip(top_ids.tolist(), top_values.tolist(), strict=True)) if k else []
+        for i, token in enumerate(ids[1:]):
+            position = {token: Logprob(values[i], ranks[i], decode([token]))}
+            for rank, (tok, lp) in enumerate(zip(*tops[i], strict=True) if k else (), 1):
+                position.setdefault(tok, Logprob(lp, rank, decode([tok])))
+            out.append(position)
+        return out
 
     def _completion(self, index: int, sample: Any, params: SamplingParams) -> CompletionOutput:
         """One sample (a response, or one of its n samples) as vLLM's CompletionOutput."""
         tokens = list(sample.output_ids)
         reason = _FINISH.get(sample.finish_reason.label, sample.finish_reason.label)
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        text = self._decode(tokens, params)
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        cut = text_before_stop(text, stops)
+        cut = (text_through_stop if params.include_stop_str_in_output else text_before_stop)(text, stops)
         if cut is not None:
             text, reason = cut, "stop"
         chosen = sample.output_log_probs
@@ -297,6 +343,16 @@ class LLM:
             for token, lp, top in zip(tokens, chosen, tops, strict=False)
         ]
         return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)))
+
+    def _decode(self, tokens: list[int], params: SamplingParams) -> str:
+        """The text of ``tokens``: special tokens skipped (bm's tokenizers do), or written as the
+        checkpoint's tokenizer spells them with ``skip_special_tokens=False`` (checked when the
+        request was built: only a checkpoint's tokenizer can)."""
+        if self.tokenizer is None:
+            return ""
+        if params.skip_special_tokens:
+            return self.tokenizer.decode(tokens)
+        return self.get_tokenizer().decode(tokens, skip_special_tokens=False)
 
     def _position(
         self, token: int, logprob: float, top: list[tuple[int, float]], k: int

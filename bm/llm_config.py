@@ -2,8 +2,9 @@
 
 Why a table: a vLLM user types ``LLM(model, max_model_len=512, gpu_memory_utilization=0.8)``; each such
 name lands on one key of :mod:`bm.config` (listed once, here, and pinned by a test), and the config
-loader checks the values as it checks ``bm run --set``. A keyword that is neither a vLLM name, a model
-key nor a config section is refused with the nearest name.
+loader checks the values as it checks ``bm run --set``. A vLLM name bm has no knob for is accepted when
+its value asks for what bm does anyway (``trust_remote_code=False``) and otherwise refused with the bm
+way (:data:`bm.config.vllm.VLLM_UNSUPPORTED`); any other unknown keyword is refused with the nearest name.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
-from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS
-from bm.llm_params import InvalidParameterError
-from bm.suggest import did_you_mean
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_UNSUPPORTED
+from bm.llm_params import InvalidParameterError, refuse_unknown
 
 # vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
 ENGINE_ARGS: dict[str, str | None] = {
@@ -55,12 +55,17 @@ def build_config(
             overrides[f"model.{name}"] = value
         elif name in sections and isinstance(value, Mapping):
             overrides.update({f"{name}.{key}": v for key, v in value.items()})
-        else:
+        else:  # a vLLM name bm lacks (accepted when it asks for what bm does), or a typo
             known = [*ENGINE_ARGS, "enforce_eager", *OWN_ARGS, *model_keys, *sections]
-            raise InvalidParameterError(
-                f"LLM({name}=...): unknown keyword{did_you_mean(name, known)}; LLM takes vLLM's engine "
-                f"arguments ({', '.join(ENGINE_ARGS)}, enforce_eager, seed, tensor_parallel_size), model "
-                "keys (device=, dtype=, ...) and config sections as mappings, e.g. engine={'max_batch_size': 64}"
+            refuse_unknown(
+                "LLM",
+                name,
+                value,
+                known,
+                VLLM_UNSUPPORTED,
+                note=f"; LLM takes vLLM's engine arguments ({', '.join(ENGINE_ARGS)}, enforce_eager, seed, "
+                "tensor_parallel_size), model keys (device=, dtype=, ...) and config sections as mappings, "
+                "e.g. engine={'max_batch_size': 64}",
             )
     try:
         if isinstance(config, BmConfig) and not overrides:
@@ -87,8 +92,13 @@ def _vllm_names(message: str) -> str:
 
 
 def check_tensor_parallel(size: Any) -> None:
-    """``tensor_parallel_size`` must be the ranks this process already runs in: ``bm.LLM`` joins a
-    layout, it does not start one (``bm run --tensor-parallel N`` and ``bm bench --tp N`` do)."""
+    """``tensor_parallel_size`` must be the ranks this process already runs in.
+
+    ``bm.LLM`` runs in the process that builds it and starts no ranks: bm's tensor parallelism is a
+    set of processes that ``bm run`` / ``bm bench`` start (or join under ``torchrun``), in which rank 0
+    drives the engine and every other rank serves its shard of each forward (bm.distributed.cli). A
+    script's ``LLM(tensor_parallel_size=2)`` would run every rank as a driver, so it is refused before
+    anything loads, naming the commands that do run a split model (docs/parallel.md)."""
     from bm.distributed.layout import current_layout
 
     have = current_layout().tensor_parallel
@@ -96,7 +106,10 @@ def check_tensor_parallel(size: Any) -> None:
         raise InvalidParameterError(f"LLM(tensor_parallel_size=...): expected an integer >= 1, got {size!r}")
     if size != have:
         raise InvalidParameterError(
-            f"LLM(tensor_parallel_size={size}): this process runs {have} tensor-parallel rank(s); run "
-            f"`bm run --tensor-parallel {size}` or `bm bench --tp {size}`, or start this script under "
-            f"torchrun after bm.distributed.layout.setup_parallel({size})"
+            f"LLM(tensor_parallel_size={size}): bm.LLM runs in this one process ({have} tensor-parallel "
+            f"rank(s)) and cannot start ranks; a model split over {size} ranks runs through the command "
+            f"line: `bm run PROMPTS.jsonl --model MODEL --tensor-parallel {size}` (bm starts the ranks; "
+            f"under torchrun: `torchrun --nproc-per-node {size} -m bm run PROMPTS.jsonl --model MODEL "
+            f"--tensor-parallel {size}`) or `bm bench DATASET --model MODEL --tp {size}`; see "
+            f"docs/parallel.md. Leave tensor_parallel_size unset (or {have}) here"
         )

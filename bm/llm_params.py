@@ -10,12 +10,16 @@ same rule whichever door it came in by, and raised here as :class:`InvalidParame
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NamedTuple, TypeVar
 
 from bm.config import ConfigError
-from bm.engine.fields import RequestError, check_int, request_field
+from bm.config.vllm import NotInBm
+from bm.engine.fields import RequestError, check_bool, check_int, request_field
+from bm.suggest import did_you_mean
 
 
 class InvalidParameterError(RequestError, ConfigError):
@@ -47,7 +51,92 @@ SAMPLING_FIELDS: dict[str, str] = {
     "structured_outputs": "guided_decoding",
     "guided_decoding": "guided_decoding",
     "response_format": "guided_decoding",
+    "prompt_logprobs": "return_context_logits",  # the prompt's logits, made log probs by bm.LLM
 }
+# vLLM's SamplingParams names that set no engine field: they shape the text and outputs bm.LLM returns
+# (best_of is honoured when it equals n: bm returns every sample it draws).
+OUTPUT_FIELDS = (
+    "best_of",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
+# vLLM's SamplingParams names bm has no counterpart for -> why, the bm way, and the values that ask for
+# what bm does anyway (accepted). An unknown name that is none of these gets the nearest one suggested.
+VLLM_SAMPLING_ONLY: dict[str, NotInBm] = {
+    "logits_processors": NotInBm(
+        "bm.LLM runs no Python callback per token",
+        "shape the logits with logit_bias, bad_words, min_tokens or structured_outputs",
+        inert=(None, []),
+    ),
+    "allowed_token_ids": NotInBm(
+        "bm.LLM has no list of allowed tokens",
+        "constrain the output with structured_outputs (choice=[...] or regex=...), or push tokens down "
+        "with logit_bias={id: -100}",
+        inert=(None,),
+    ),
+    "truncate_prompt_tokens": NotInBm(
+        "bm.LLM runs the whole prompt",
+        "pass the last N token ids yourself: llm.get_tokenizer().encode(text)[-N:]",
+        inert=(None,),
+    ),
+    "detokenize": NotInBm(
+        "bm.LLM always decodes the text", "read token_ids and leave text aside", inert=(True,)
+    ),
+    "use_beam_search": NotInBm(
+        "bm.LLM has no beam search",
+        "run the prompts with bm run, whose lines take beam_width (docs/request-fields.md)",
+        inert=(False,),
+    ),
+    "length_penalty": NotInBm(
+        "bm.LLM has no beam search, where a length penalty applies",
+        "run the prompts with bm run, whose lines take beam_width and len_penalty (docs/request-fields.md)",
+        inert=(1.0,),
+    ),
+    "extra_args": NotInBm("bm.LLM reads no extension arguments", "drop it", inert=(None,)),
+}
+
+_Init = TypeVar("_Init", bound=type)
+
+
+def refuse_unknown(
+    owner: str, name: str, value: Any, known: Iterable[str], vllm_only: Mapping[str, NotInBm], note: str = ""
+) -> None:
+    """Judge a keyword ``owner`` has no parameter for: a vLLM name bm lacks is accepted when its value
+    asks for what bm does anyway, and otherwise refused saying so and what to use instead; any other
+    name is refused with the nearest known one (a typo costs one glance). Raises
+    :class:`InvalidParameterError`, a ``ValueError``, where Python would raise ``TypeError``."""
+    if name in vllm_only:
+        entry = vllm_only[name]
+        if entry.accepts(value):
+            return
+        raise InvalidParameterError(
+            f"{owner}({name}={value!r}): a vLLM parameter bm does not take: {entry.why}; {entry.keyword}"
+        )
+    hint = did_you_mean(name, known)
+    raise InvalidParameterError(f"{owner}({name}=...): unknown parameter{hint}{note}")
+
+
+def refusing_unknown_keywords(vllm_only: Mapping[str, NotInBm]) -> Callable[[_Init], _Init]:
+    """A dataclass whose constructor judges unknown keywords with :func:`refuse_unknown` instead of
+    raising ``TypeError``: a vLLM user's mistyped or vLLM-only name gets the field and the fix."""
+
+    def wrap(cls: _Init) -> _Init:
+        init = cls.__init__
+        known = tuple(f.name for f in fields(cls))
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            for name in [k for k in kwargs if k not in known]:
+                refuse_unknown(cls.__name__, name, kwargs.pop(name), known, vllm_only)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return wrap
+
+
 # The engine field -> the name a message says (first vLLM name that sets it).
 _USER_NAME = {
     "num_return_sequences": "n",
@@ -70,6 +159,15 @@ def user_message(message: str) -> str:
     return _SPEC_NAME.sub(lambda m: _USER_NAME[m.group(1)], message)
 
 
+@refusing_unknown_keywords(
+    {
+        "backend": NotInBm(
+            "bm compiles structured output with llguidance (vLLM's 'guidance' backend) only",
+            "drop it",
+            inert=(None, "auto", "guidance"),
+        )
+    }
+)
 @dataclass
 class StructuredOutputsParams:
     """Structured output in vLLM's shape: give exactly one of ``json`` (a JSON schema, as a dict or JSON
@@ -90,12 +188,14 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name for the same parameters
 
 
+@refusing_unknown_keywords(VLLM_SAMPLING_ONLY)
 @dataclass
 class SamplingParams:
     """Per-request sampling controls under vLLM's names (the engine field each sets: SAMPLING_FIELDS).
 
     Every value is checked against the engine's field table when the object is built, so a bad one
-    raises :class:`InvalidParameterError` here, not an empty answer later. One default differs from
+    raises :class:`InvalidParameterError` here, not an empty answer later; so does a keyword it does
+    not take (a vLLM name bm lacks names the bm way, a typo the nearest name). One default differs from
     vLLM's: ``temperature`` is 0 (greedy), as in TensorRT-LLM and HF ``generate()``.
     """
 
@@ -122,6 +222,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     guided_decoding: StructuredOutputsParams | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # None: no prompt log probs; k: each prompt token's (after the first) and the k most likely ones'
+    # there, in RequestOutput.prompt_logprobs (0-20)
+    prompt_logprobs: int | None = None
+    best_of: int | None = None  # None or n: bm returns every sample it draws and ranks none
+    skip_special_tokens: bool = True  # False: special tokens written in the text (a checkpoint's tokenizer)
+    spaces_between_special_tokens: bool = True  # False is honoured only with skip_special_tokens=True
+    include_stop_str_in_output: bool = False  # True: the text keeps the stop string that ended it
 
     def __post_init__(self) -> None:
         self.request_fields(None)  # checks every value the engine's field table can judge alone
@@ -166,6 +273,10 @@ class SamplingParams:
             out["return_log_probs"] = True
             # the most likely token is always asked for, so the chosen one's rank is known when it is 1
             out["top_logprobs"] = max(self.logprobs, 1)
+        if self.prompt_logprobs is not None:
+            check_int("top_logprobs", self.prompt_logprobs, "prompt_logprobs")
+            out["return_context_logits"] = True
+        self._check_output_fields()
         out["guided_decoding"] = self._guided()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         words = [_encode_word(w, "stop", encode_word) for w in stops]
@@ -176,6 +287,28 @@ class SamplingParams:
             bad = [_encode_word(w, "bad_words", encode_word) for w in self.bad_words]
             out["bad_words_list"] = request_field("bad_words_list", "bad_words", bad)
         return {k: v for k, v in out.items() if v is not None}
+
+    def _check_output_fields(self) -> None:
+        """The names that shape what LLM returns: each value bm honours, and a refusal naming the bm way
+        for what it cannot."""
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            check_bool(getattr(self, name), name)
+        if not (self.skip_special_tokens or self.spaces_between_special_tokens):
+            raise RequestError(
+                "spaces_between_special_tokens: False is not honoured when special tokens are written "
+                "(skip_special_tokens=False): the tokenizer's decoder writes them as it does; drop it"
+            )
+        if self.best_of is None:
+            return
+        best_of = check_int("num_return_sequences", self.best_of, "best_of")
+        if best_of < self.n:
+            raise RequestError(f"best_of: must be at least n ({self.n}), got {best_of}")
+        if best_of > self.n:
+            raise RequestError(
+                f"best_of: {best_of} > n ({self.n}) is not supported: bm returns every sample it draws "
+                f"and ranks none; ask n={best_of} and keep the best by cumulative_logprob (logprobs=0 "
+                "returns it)"
+            )
 
     def _guided(self) -> Any:
         given = {
@@ -241,6 +374,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # SamplingParams(prompt_logprobs=k): None for the first prompt token (nothing predicts it), then one
+    # dict per prompt token: the token and the k most likely ones there, token id -> Logprob (vLLM's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -163,3 +163,96 @@ def test_bm_run_dash_with_nothing_piped_is_a_usage_error(tmp_path):
     result = runner.invoke(app, ["run", "-", "-o", str(tmp_path / "out")], input=b"")
     assert result.exit_code == 2
     assert "holds no request" in result.stderr and result.stdout == ""
+
+
+# bm bench, compare and sweep read their dataset through the same copy of a pipe or a gzip file.
+BATCH = b"".join(
+    json.dumps(
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"hi {i}", "max_tokens": 3}}
+    ).encode()
+    + b"\n"
+    for i in range(2)
+)  # fmt: skip
+AZURE = b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,5,3\n2023-11-16 18:15:47.01,4,3\n"
+
+
+@pytest.mark.parametrize(
+    "kind, name, data",
+    [("bm", "data.jsonl", LINES), ("openai-batch", "batch.jsonl", BATCH), ("azure", "trace.csv", AZURE)],
+)
+def test_bench_reads_a_piped_or_gzipped_dataset_as_it_reads_the_named_file(tmp_path, kind, name, data):
+    """Issue 41: ``bm bench -`` said the file ``-`` did not exist and ``.jsonl.gz`` was not read. Piped
+    and gzipped, each kind is detected and replayed exactly as the named file is, and results.json names
+    the input as the user gave it (not bm's private copy)."""
+    named = tmp_path / name
+    named.write_bytes(data)
+    zipped = tmp_path / f"{name}.gz"
+    zipped.write_bytes(gzip.compress(data))
+    results = {}
+    for label, dataset, piped in (("named", named, None), ("dash", "-", data), ("gzip", zipped, None)):
+        out = tmp_path / label
+        result = runner.invoke(app, ["bench", str(dataset), "-o", str(out), *CPU], input=piped)
+        assert result.exit_code == 0, result.output
+        results[label] = json.loads((out / "results.json").read_text())
+    for got in results.values():
+        assert got["dataset"]["kind"] == kind and got["completed"] == 2
+        assert got["total_output_tokens"] == results["named"]["total_output_tokens"]
+    assert results["dash"]["dataset"]["path"] == "-"
+    assert results["gzip"]["dataset"]["path"] == str(zipped)
+
+
+def test_bench_reads_a_process_substitution(tmp_path):
+    read_end, write_end = os.pipe()
+
+    def feed():
+        with os.fdopen(write_end, "wb") as f:
+            f.write(LINES)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    out = tmp_path / "out"
+    try:
+        result = runner.invoke(app, ["bench", f"/dev/fd/{read_end}", "-o", str(out), *CPU])
+    finally:
+        writer.join()
+        os.close(read_end)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "results.json").read_text())["completed"] == 2
+
+
+def test_bench_refuses_a_piped_or_gzipped_table_for_hugging_face_datasets_naming_the_fix(tmp_path):
+    """The hf kind is read by Hugging Face ``datasets`` from a named file; a gzip file or a pipe of one is
+    refused before torch loads, saying to save it uncompressed."""
+    table = b'{"question": "hi", "answer": "there"}\n'
+    zipped = tmp_path / "table.jsonl.gz"
+    zipped.write_bytes(gzip.compress(table))
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for extra in ([], ["--dataset-kind", "hf", "--prompt-column", "question"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", PROBE, "bench", str(zipped), "-o", str(tmp_path / "out"), *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert "EXIT 2" in proc.stdout and "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
+        stderr = proc.stdout.split("STDERR ", 1)[1]
+        assert f"dataset {str(zipped)!r} is read as a Hugging Face table" in stderr, stderr
+        assert "save it uncompressed" in stderr and "bm-input-" not in stderr  # never the copy's name
+    piped = runner.invoke(app, ["bench", "-", "-o", str(tmp_path / "out2")], input=table)
+    assert piped.exit_code == 2 and "dataset '-' is read as a Hugging Face table" in piped.stderr
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "dataset '-' is empty"),
+        (b"  \n\n", "dataset '-' is empty"),
+        (b"TIMESTAMP,Foo\n1,2\n", "-: cannot tell the kind of this CSV from its columns"),
+    ],
+)
+def test_bench_on_a_pipe_that_cannot_be_read_names_the_input_and_the_fix(tmp_path, data, message):
+    result = runner.invoke(app, ["bench", "-", "-o", str(tmp_path / "out")], input=data)
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    assert message in error and "bm-input-" not in error and "loading model" not in result.output

@@ -36,6 +36,16 @@ INVALID = [
     ({"stop": [""]}, "stop: expected non-empty strings"),
     ({"ignore_eos": "yes"}, "ignore_eos: expected True or False"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "guided_decoding: expected one of"),
+    ({"best_of": 3}, r"best_of: 3 > n \(1\) is not supported: bm returns every sample.*ask n=3"),
+    ({"n": 2, "best_of": 1}, r"best_of: must be at least n \(2\), got 1"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs: must be at most 20, got 21"),
+    ({"prompt_logprobs": True}, r"prompt_logprobs: expected an integer in \[0, 20\]"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens: expected true or false"),
+    (
+        {"skip_special_tokens": False, "spaces_between_special_tokens": False},
+        "spaces_between_special_tokens: False is not honoured when special tokens are written",
+    ),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output: expected true or false"),
 ]
 
 
@@ -182,3 +192,86 @@ def test_max_tokens_none_runs_to_the_models_length():
     out = llm.generate([[5, 6, 7, 8]], bm.SamplingParams(max_tokens=None, ignore_eos=True))[0]
     assert len(out.token_ids) == 20 and out.finish_reason == "length"
     assert math.isclose(llm.config.engine.max_seq_len, 24)
+
+
+def test_prompt_logprobs_are_the_models_log_probs_of_each_prompt_token_in_vllms_shape(llm):
+    """vLLM's RequestOutput.prompt_logprobs: None for the first token, then each prompt token's log
+    probability under the model, its rank in the whole vocabulary, and the k most likely tokens there;
+    the same when the prompt is computed in chunks (each chunk's logits are kept)."""
+    from tests.conftest import reference_model
+
+    ids = [5, 17, 33, 9, 60, 61, 62, 7, 3, 100, 42, 8, 19, 27, 250, 4, 5, 17, 33, 11]
+    with torch.no_grad():
+        want = reference_model(llm.loaded)(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    chunked = bm.LLM(
+        "tiny-random", device="cpu", kv_cache=KV, enable_chunked_prefill=True, max_num_batched_tokens=8
+    )
+    for model in (llm, chunked):
+        out = model.generate([ids], bm.SamplingParams(max_tokens=2, prompt_logprobs=3))[0]
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for row, token, position in zip(want, ids[1:], out.prompt_logprobs[1:], strict=False):
+            assert position[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert position[token].rank == int((row > row[token]).sum()) + 1
+            assert position[token].decoded_token == llm.tokenizer.decode([token])
+            top = row.topk(3)
+            assert [position[t].rank for t in top.indices.tolist()] == [1, 2, 3]
+            assert [position[t].logprob for t in top.indices.tolist()] == pytest.approx(
+                top.values.tolist(), abs=1e-4
+            )
+            assert set(position) == {token, *top.indices.tolist()}
+    only_chosen = llm.generate([ids[:3]], bm.SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert [None if p is None else list(p) for p in only_chosen.prompt_logprobs] == [None, [17], [33]]
+    assert llm.generate([ids[:3]], bm.SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_beside_prefix_caching_is_refused_before_anything_runs(monkeypatch):
+    """Prompt positions taken from the prefix cache are never computed, so their log probs do not exist;
+    the request is refused naming the fix rather than answered with some positions missing."""
+    cached = bm.LLM("tiny-random", device="cpu", kv_cache=KV, enable_prefix_caching=True)
+    monkeypatch.setattr(cached, "session", lambda *a: pytest.fail("an engine ran for a refused request"))
+    with pytest.raises(bm.InvalidParameterError, match=r"prompt_logprobs: .*enable_prefix_caching=False"):
+        cached.generate([[5, 6]], bm.SamplingParams(prompt_logprobs=1))
+
+
+def test_skip_special_tokens_false_writes_them_as_a_checkpoints_tokenizer_spells_them(tmp_path, tiny_model):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import reference_model
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}, "[UNK]": 29}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    reference_model(tiny_model).save_pretrained(tmp_path)
+    fast.save_pretrained(tmp_path)
+    llm = bm.LLM(str(tmp_path), device="cpu", kv_cache=KV)
+    forced = {"max_tokens": 3, "ignore_eos": True, "logit_bias": {2: 100.0}}  # </s> each step
+    skipped = llm.generate(["abc"], bm.SamplingParams(**forced))[0]
+    written = llm.generate(["abc"], bm.SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert skipped.token_ids == written.token_ids == [2, 2, 2]
+    assert skipped.text == "" and written.text.split() == ["</s>"] * 3
+
+
+def test_skip_special_tokens_false_is_refused_for_a_tokenizer_with_no_text_for_them(llm, monkeypatch):
+    monkeypatch.setattr(llm, "session", lambda *a: pytest.fail("an engine ran for a refused request"))
+    with pytest.raises(bm.InvalidParameterError, match=r"skip_special_tokens: False .* has no text for them"):
+        llm.generate([[5, 6]], bm.SamplingParams(skip_special_tokens=False))
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(llm):
+    a = llm.tokenizer.encode("a")
+    forced = {"max_tokens": 6, "ignore_eos": True, "logit_bias": {a[0]: 100.0}, "stop": ["aa"]}
+    cut = llm.generate([[5, 6]], bm.SamplingParams(**forced))[0]
+    kept = llm.generate([[5, 6]], bm.SamplingParams(**forced, include_stop_str_in_output=True))[0]
+    assert cut.token_ids == kept.token_ids == a * 2  # the engine stopped on the stop string's tokens
+    assert (cut.text, kept.text) == ("", "aa") and cut.finish_reason == kept.finish_reason == "stop"
+
+
+def test_the_stop_string_found_is_the_first_to_start_and_of_two_starting_there_the_shorter():
+    from bm.engine.stopping import text_before_stop, text_through_stop
+
+    assert text_before_stop("say STOP now END", ["END", "STOP"]) == "say "
+    assert text_through_stop("say STOP now END", ["END", "STOP"]) == "say STOP"
+    assert text_through_stop("xaby", ["aby", "ab"]) == "xab"
+    assert text_before_stop("nothing", ["zz"]) is None and text_through_stop("nothing", ["zz"]) is None

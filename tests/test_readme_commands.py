@@ -49,3 +49,31 @@ def test_smollm2_preset_is_described_as_a_dequantized_q4_1_gguf_not_the_bf16_wei
     ):
         flat = " ".join(text.split())
         assert "Q4_1" in flat and "not the original bf16 weights" in flat
+
+
+DOCS = {path.name: path.read_text(encoding="utf-8") for path in sorted((REPO / "docs").glob("*.md"))}
+
+
+def test_docs_send_users_to_the_public_trace_not_to_the_teams_shared_folder():
+    """Issue 41: docs told users to read ``../shared/...``, which a checkout of bm does not have. Only the
+    benchmark page may name that folder, on lines that say it is the team's (its peers' installer)."""
+    for name, text in DOCS.items():
+        for line in text.splitlines():
+            if "../shared" in line:
+                assert name == "performance.md" and "team" in line, f"{name}: {line}"
+
+
+def test_docs_commands_on_the_public_trace_parse_and_say_where_to_get_it():
+    commands = {
+        name: [c for c in bm_commands(text) if "AzureLLMInferenceTrace_conv.csv" in c]
+        for name, text in DOCS.items()
+    }
+    assert {name for name, found in commands.items() if found} >= {"compare.md", "sim.md", "sweep.md"}
+    group = get_command(app)
+    for name, found in commands.items():
+        if found:
+            assert "github.com/Azure/AzurePublicDataset" in DOCS[name], name
+        for words in found:
+            params = group.commands[words[0]].make_context(words[0], words[1:]).params
+            assert str(params["dataset"]) == "AzureLLMInferenceTrace_conv.csv", (name, words)
+            assert params["dataset_kind"] in (None, "azure"), (name, words)  # None: detected from the CSV

@@ -162,7 +162,7 @@ def with_shared_options(command: Callable[..., None]) -> Callable[..., None]:
 
 @with_shared_options
 def bench(
-    dataset: Path | None = typer.Argument(None, help="Dataset file or directory (kind detected unless given)."),
+    dataset: Path | None = typer.Argument(None, help="Dataset file or directory (kind detected unless given); - reads standard input, .gz is decompressed."),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config (model, engine, kv_cache, bench)."),
     scheme: str | None = typer.Option(None, "--scheme", help="engine.batching_scheme.", rich_help_panel=MODEL),
     policy: str | None = typer.Option(None, "--policy", help="engine.scheduler_policy.", rich_help_panel=MODEL),
@@ -313,17 +313,47 @@ def name_rows(records: Any, workload: Workload) -> None:
 
 def _read_dataset(bench: Any) -> Workload:
     """Every row of the dataset: an OpenAI batch file through the batch reader ``bm run`` uses (it lives
-    with the CLI, which owns that format), any other kind through :func:`bm.workloads.read_workload`."""
-    from bm.workloads import detect_kind, read_workload
+    with the CLI, which owns that format), any other kind through :func:`bm.workloads.read_workload`.
 
-    path = Path(bench.dataset) if bench.dataset is not None else None
-    if path is not None and path.is_file() and bench.dataset_kind in ("auto", "openai-batch"):
-        kind = detect_kind(path, bench.prompt_column) if bench.dataset_kind == "auto" else bench.dataset_kind
-        if kind == "openai-batch":
+    A pipe (``-``, ``/dev/stdin``) or a gzip file is read through the one copy :func:`open_dataset` makes
+    (as ``bm run`` reads its prompts), so every kind that reads one file takes it; messages name the
+    input as the user gave it, never the copy."""
+    from dataclasses import replace
+
+    from bm.cli.source import PromptsFileError, open_dataset
+    from bm.workloads import DatasetError, detect_kind, read_workload
+
+    if bench.dataset is None or bench.dataset_kind == "synthetic":
+        return read_workload(bench)
+    try:
+        source = open_dataset(bench.dataset)
+    except PromptsFileError as exc:
+        raise DatasetError(str(exc)) from None
+    path, kind = source.path, bench.dataset_kind
+    try:
+        if kind == "auto" and path.is_file():
+            kind = detect_kind(path, bench.prompt_column)
+        if source.copied and kind == "hf":
+            raise DatasetError(
+                f"dataset {source.name!r} is read as a Hugging Face table (--dataset-kind hf), and "
+                "Hugging Face datasets reads a named file or directory, not a pipe or a gzip file; save "
+                "it uncompressed (e.g. zcat data.jsonl.gz > data.jsonl) and give that path"
+            )
+        if kind == "openai-batch" and path.is_file():
             from bm.cli.openai_batch import load_batch_workload
 
-            return load_batch_workload(path, bench.output_len)
-    return read_workload(bench)
+            workload = load_batch_workload(path, bench.output_len)
+        else:
+            workload = read_workload(replace(bench, dataset=str(path), dataset_kind=kind))
+    except DatasetError as exc:
+        if not source.copied:
+            raise
+        raise DatasetError(str(exc).replace(str(path), source.name)) from None
+    except UnicodeDecodeError as exc:  # the kind detection reads a CSV header as text
+        raise DatasetError(f"{source.name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if source.copied:
+        workload.source = source.name
+    return workload
 
 
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:

@@ -1,10 +1,12 @@
-"""The prompts file of ``bm run`` as bm reads it: a regular file, or a private copy of what was piped in.
+"""The input file of ``bm run`` (its prompts) and of ``bm bench`` / ``compare`` / ``sweep`` (their dataset) as
+bm reads it: a regular file, or a private copy of what was piped in.
 
 A pipe (``bm run -``, ``/dev/stdin``, ``<(...)``) can be read once only, while a run reads its input
 three times: the digest that ``run.json`` records (so ``--resume`` can refuse another file), the line
 count of the progress bar, and the run itself. Reading a pipe straight away gave the digest of the
 whole input and a run of nothing. So a pipe, and a gzip file, are copied once to a temporary file (on
-disk, so a large input costs no memory), and every later reader sees those same bytes.
+disk, so a large input costs no memory), and every later reader sees those same bytes. ``bm bench``'s
+readers take the same copy (:func:`open_dataset`): one reader of pipes and gzip for every command.
 
 Before the model loads the file is also checked to hold at least one line that can run: binary junk,
 a CSV trace, a broken gzip file or a file whose every line is refused is one usage error (exit 2)
@@ -23,13 +25,16 @@ import stat
 import sys
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
 GZIP_MAGIC = b"\x1f\x8b"
 STDIN_NAMES = ("-",)
 SNIFF_BYTES = 4096
+BOM = b"\xef\xbb\xbf"
+# The suffixes bm bench's kind detection reads a dataset's format from (bm.workloads.detect_kind).
+DATASET_SUFFIXES = (".jsonl", ".json", ".csv")
 
 
 class PromptsFileError(ValueError):
@@ -80,20 +85,74 @@ def open_prompts(given: Path | str) -> PromptsSource:
     return _checked(PromptsSource(name, path))
 
 
+def open_dataset(given: Path | str) -> PromptsSource:
+    """``bm bench``'s dataset (and ``bm compare``'s, ``bm sweep``'s) as its readers open it: by name.
+
+    A regular file or a directory is itself (the readers say what is wrong with a missing one). A pipe
+    (``-``, ``/dev/stdin``, ``<(...)``) or a gzip file is copied once to a temporary regular file: the
+    kind detection reads the file before its reader does, which a pipe allows once only, and every
+    reader then sees the same bytes. The copy's suffix tells the kind detection the format: a gzip
+    file's inner suffix (``trace.csv.gz``: ``.csv``), else the text's first byte (``{``: JSONL, ``[``:
+    a JSON list such as ShareGPT, anything else: a CSV table). Raises :class:`PromptsFileError` for
+    standard input that is a terminal, gzip that does not decompress, or nothing at all."""
+    name = str(given)
+    if name in STDIN_NAMES:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise PromptsFileError(
+                "dataset '-' reads standard input, but nothing is piped in; e.g. "
+                "zcat trace.jsonl.gz | bm bench - -o out"
+            )
+        return _suffixed(_copied(name, sys.stdin.buffer, "dataset", ".input"))
+    path = Path(given)
+    if not path.exists() or path.is_dir():
+        return PromptsSource(name, path)
+    if not stat.S_ISREG(path.stat().st_mode):
+        with path.open("rb") as stream:
+            return _suffixed(_copied(name, stream, "dataset", ".input"))
+    with path.open("rb") as f:
+        if f.read(2) != GZIP_MAGIC:
+            return PromptsSource(name, path)
+        f.seek(0)
+        unzipped = path.name[:-3] if path.name.lower().endswith(".gz") else path.name
+        inner = Path(unzipped).suffix.lower()  # trace.csv.gz -> .csv
+        if inner in DATASET_SUFFIXES:
+            return _copied(name, f, "dataset", inner)
+        return _suffixed(_copied(name, f, "dataset", ".input"))
+
+
+def _suffixed(source: PromptsSource) -> PromptsSource:
+    """A copy of unnamed text moved to a file whose suffix its first byte implies (see
+    :func:`open_dataset`); an empty copy is refused, since no kind can be told from nothing."""
+    with source.path.open("rb") as f:
+        head = f.read(SNIFF_BYTES).lstrip().removeprefix(BOM).lstrip()
+    if not head:
+        raise PromptsFileError(
+            f"dataset {source.name!r} is empty (nothing was piped in, or only blank lines); give a "
+            "dataset with at least one request"
+        )
+    suffix = {b"{": ".jsonl", b"[": ".json"}.get(head[:1], ".csv")
+    fd, temp = tempfile.mkstemp(prefix="bm-input-", suffix=suffix)  # reserves the name
+    os.close(fd)
+    atexit.register(_remove, temp)
+    os.replace(source.path, temp)
+    return replace(source, path=Path(temp))
+
+
 def _checked(source: PromptsSource) -> PromptsSource:
     _check_not_blank(source)
     check_runnable(source)
     return source
 
 
-def _copied(name: str, stream: BinaryIO) -> PromptsSource:
-    """Copy a stream (decompressing gzip, found by its magic bytes) to a temporary file removed at exit."""
-    fd, temp = tempfile.mkstemp(prefix="bm-prompts-", suffix=".jsonl")
+def _copied(name: str, stream: BinaryIO, what: str = "prompts file", suffix: str = ".jsonl") -> PromptsSource:
+    """Copy a stream (decompressing gzip, found by its magic bytes) to a temporary file removed at exit;
+    ``suffix`` is the copy's (a dataset's kind is detected from it)."""
+    fd, temp = tempfile.mkstemp(prefix="bm-input-", suffix=suffix)
     atexit.register(_remove, temp)
     with os.fdopen(fd, "wb") as out:
         head = stream.read(2)
         if head == GZIP_MAGIC:
-            _gunzip(name, head, stream, out)
+            _gunzip(name, head, stream, out, what)
         else:
             out.write(head)
             shutil.copyfileobj(stream, out, 1 << 20)
@@ -113,14 +172,14 @@ class _Prefixed:
         return self.stream.read(size)
 
 
-def _gunzip(name: str, head: bytes, stream: BinaryIO, out: BinaryIO) -> None:
+def _gunzip(name: str, head: bytes, stream: BinaryIO, out: BinaryIO, what: str) -> None:
     try:
         with gzip.GzipFile(fileobj=_Prefixed(head, stream), mode="rb") as unzipped:  # type: ignore[arg-type]
             shutil.copyfileobj(unzipped, out, 1 << 20)
     except (OSError, EOFError, zlib.error) as exc:
         raise PromptsFileError(
-            f"prompts file {name!r} starts as gzip but does not decompress ({exc}); the file is truncated "
-            "or corrupt: download it again, or give the uncompressed .jsonl"
+            f"{what} {name!r} starts as gzip but does not decompress ({exc}); the file is truncated "
+            "or corrupt: download it again, or give the uncompressed file"
         ) from None
 
 
@@ -131,7 +190,7 @@ def _remove(path: str) -> None:
 
 def _check_not_blank(source: PromptsSource) -> None:
     with source.path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
-        if not any(line.strip().lstrip(b"\xef\xbb\xbf") for line in f):
+        if not any(line.strip().lstrip(BOM) for line in f):
             raise PromptsFileError(
                 f"prompts file {source.name!r} holds no request (it is empty or blank); give one JSON "
                 'object per line, e.g. {"prompt": "Hello"}'

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import typer
 
-from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_SWITCHES
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_SWITCHES, VLLM_UNSUPPORTED
 
 # typer ships its own click; its usage error (exit 2, printed to stderr with the usage line) is the one
 # base of typer.BadParameter, which typer exports.
@@ -51,29 +51,9 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "-dp": VllmFlag(option="--data-parallel"),
 }
 
-# vLLM flags with no bm counterpart -> what to do instead.
-VLLM_HINTS: dict[str, str] = {
-    "--quantization": "bm runs the weights in model.dtype and has no quantization; choose the precision "
-    "with --dtype (model.dtype)",
-    "--kv-cache-dtype": "bm keeps the KV cache in the model's dtype; choose it with --dtype (model.dtype)",
-    "--trust-remote-code": "bm builds models from transformers' own classes and runs no code from a "
-    "checkpoint; drop the flag",
-    "--pipeline-parallel-size": "bm has no pipeline parallelism; use --tensor-parallel (ranks per "
-    "replica) or --data-parallel (replicas)",
-    "-pp": "bm has no pipeline parallelism; use --tensor-parallel (ranks per replica) or --data-parallel "
-    "(replicas)",
-    "--swap-space": "bm never swaps KV blocks to host memory; with --set engine.scheduler_policy="
-    "max_utilization a request short of blocks is paused and recomputed",
-    "--cpu-offload-gb": "bm keeps every weight on the device; size the KV cache with "
-    "--gpu-memory-utilization (kv_cache.free_memory_fraction) or --set kv_cache.max_tokens=N",
-    "--download-dir": "bm reads local checkpoints only (no hub downloads): give --model DIR",
-    "--revision": "bm reads local checkpoints only (no hub downloads): give --model DIR",
-    "--load-format": "bm reads safetensors checkpoints from a local directory: give --model DIR",
-    "--scheduling-policy": "bm's scheduler policy is engine.scheduler_policy (guaranteed_no_evict, "
-    "max_utilization, static_batch): --set engine.scheduler_policy=NAME",
-    "--speculative-config": "bm's speculative decoding is engine.speculative: --set "
-    "'engine.speculative={method: ngram, num_draft_tokens: 4}'",
-}
+# vLLM flags with no bm counterpart -> what to do instead (the table bm.LLM's keywords use too).
+VLLM_HINTS: dict[str, str] = {_flag(n): f"{u.why}; {u.flag}" for n, u in VLLM_UNSUPPORTED.items()}
+VLLM_HINTS["-pp"] = VLLM_HINTS["--pipeline-parallel-size"]
 
 
 def translate_vllm_flags(args: list[str], command: str, options: set[str]) -> list[str]:

@@ -8,8 +8,25 @@ from bm.scheduling import FinishReason, LlmRequest
 def text_before_stop(text: str, stops: list[str]) -> str | None:
     """The text before the first stop string in it, or None when none occurs: stop strings end the text
     before them, as in OpenAI's API. One rule for ``bm run``'s records and ``bm.LLM``'s outputs."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return text[:cut] if cut >= 0 else None
+    found = _first_stop(text, stops)
+    return text[: found[0]] if found is not None else None
+
+
+def text_through_stop(text: str, stops: list[str]) -> str | None:
+    """The text up to and including the first stop string in it (vLLM's ``include_stop_str_in_output``),
+    or None when none occurs; the same stop as :func:`text_before_stop` finds."""
+    found = _first_stop(text, stops)
+    return text[: found[0] + len(found[1])] if found is not None else None
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(where, which) of the stop string that starts first in ``text``; of two starting at the same
+    place the shorter, which was complete first."""
+    hits = [(i, len(s), s) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return None
+    where, _, stop = min(hits)
+    return where, stop
 
 
 def ends_with(prompt: list[int], output: list[int], word: tuple[int, ...]) -> bool:

@@ -2,9 +2,11 @@
 
 Order matters and is the same for every format: read all rows -> check trace order -> shuffle (seeded)
 -> take ``num_requests`` -> tokenize text / scale lengths / cap them -> generate token ids where the
-dataset has lengths only. Generating last, in replay order, from one seeded ``random.Random`` makes
-the Azure trace with ``--num-requests 128 --input-scale 0.25 --output-scale 0.25 --max-input-len 1024
---max-output-len 256`` reproduce the shared reference workload (``make_workload.py``) token for token.
+dataset has lengths only. Generating last, in replay order, from one seeded generator makes a run
+repeatable: the Azure trace with ``--num-requests 128 --input-scale 0.25 --output-scale 0.25
+--max-input-len 1024 --max-output-len 256`` gives the reference workload's lengths (28,239 prompt and
+6,235 output tokens, as the team's ``make_workload.py`` does; the random ids differ, numpy's generator
+being not Python's ``random``). docs/performance.md writes the benchmark scripts' workload this way.
 """
 
 from __future__ import annotations
