@@ -120,6 +120,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
         (Core, "step", _timed(timers, "step", Core.step)),
         (model_runner.ModelRunner, "forward", _timed(timers, "forward", model_runner.ModelRunner.forward)),
         (decoding.Decoder, "decode", _timed(timers, "sampling", decoding.Decoder.decode)),
+        (decoding.Decoder, "decode_on_device", _timed(timers, "sampling", decoding.Decoder.decode_on_device)),
         (torch_backend, "prefill", _timed(timers, "attention_prefill", torch_backend.prefill)),
         (torch_backend, "decode", _timed(timers, "attention_decode", torch_backend.decode)),  # torch's path
         (prepack._PackedForward, "__call__", _timed_linear(timers, prepack._PackedForward.__call__, lambda s: s._module)),

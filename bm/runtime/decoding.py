@@ -41,6 +41,16 @@ class Decoder:
         self.sampler.release(request_id)
 
     @torch.inference_mode()
+    def decode_on_device(self, logits: torch.Tensor, requests: Sequence[LlmRequest]) -> torch.Tensor | None:
+        """The tokens of rows that ask for nothing but the sampler, left on the logits' device (the
+        overlap scheduler reads them a step later); None when any row needs :meth:`decode`'s host work."""
+        if any(r.decoding is not None for r in requests):
+            return None
+        return self.sampler.sample_on_device(
+            logits, [r.sampling for r in requests], [r.request_id for r in requests]
+        )
+
+    @torch.inference_mode()
     def decode(
         self, logits: torch.Tensor, requests: Sequence[LlmRequest], beams: Sequence[int]
     ) -> DecodeResult:

@@ -240,11 +240,8 @@ class TorchExecutor:
         to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
             return
-        if all(item.request.decoding is None for item in to_sample):  # nothing but the sampler
-            requests = [item.request for item in to_sample]
-            tokens = self.decoder.sampler.sample_on_device(
-                logits, [r.sampling for r in requests], [r.request_id for r in requests]
-            )
+        tokens = self.decoder.decode_on_device(logits, [item.request for item in to_sample])
+        if tokens is not None:  # nothing but the sampler: the tokens stay on the device for now
             launched.on_device.append((to_sample, tokens, _copy_to_host(tokens)))
             return
         decoded: DecodeResult = self.decoder.decode(
