@@ -82,6 +82,20 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+# Flags that give a CPU bfloat16 arithmetic of its own: x86's AVX512_BF16 dot products and AMX tiles,
+# Arm's BF16 (ARMv8.6). Without them torch and oneDNN emulate bf16 through float32, several times slower.
+BF16_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def native_bf16(features: Iterable[str]) -> bool | None:
+    """Whether a CPU with ``features`` computes in bfloat16 natively; None when its features are unknown
+    (no ``/proc/cpuinfo``), where bm then takes the dtype asked for as it is."""
+    have = frozenset(features)
+    if not have:
+        return None
+    return bool(have & BF16_FEATURES)
+
+
 def supported_isas(features: Iterable[str], machine: str) -> tuple[str, ...]:
     """The variants a CPU with ``features`` can run, best first."""
     if not is_x86(machine):

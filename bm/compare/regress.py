@@ -234,7 +234,7 @@ def busy_machine_note(checks: Sequence[TimingCheck]) -> str | None:
     busy = [c for c in checks if not c.judged]
     if not busy:
         return None
-    sides = sorted({c.busy_side for c in busy if c.busy_side})
+    sides = sorted({side for c in busy for side in (c.busy_side or "").split(" and ") if side})
     share = max((c.busy_share for c in busy if c.busy_share is not None), default=None)
     took = f" (other processes took up to {share:.0%} of the CPU)" if share is not None else ""
     fix = (
@@ -242,8 +242,9 @@ def busy_machine_note(checks: Sequence[TimingCheck]) -> str | None:
         if sides == ["baseline"]
         else "run the gate when nothing else runs, or raise --max-repeat to wait for a quiet spell"
     )
+    who = " or ".join("the baseline" if side == "baseline" else side for side in sides)
     return (
-        f"note: {len(busy)} timing(s) not judged: no repeat of the {' or the '.join(sides)} ran alone "
+        f"note: {len(busy)} timing(s) not judged: no repeat of {who} ran alone "
         f"(others at most {QUIET_SHARE:.0%} of the CPU){took}; counters were compared; {fix}"
     )
 

@@ -272,6 +272,7 @@ def compare_document(result: CompareResult) -> dict[str, Any]:
             "metrics": json_safe(outcome.summary()),
             "ratios_to_reference": json_safe(ratios[v.name]),
             "output_throughput_per_repeat": json_safe(throughputs),
+            "background_share_per_repeat": [r.get(BACKGROUND_SHARE) for r in outcome.repeats],
             "timings": json_safe(outcome.timings()),
             "unstable_counters": outcome.unstable_counters(result.offline_arrivals),
         }

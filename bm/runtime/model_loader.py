@@ -8,6 +8,7 @@ on the model's own device, once each (:func:`random_model`, bm.runtime.random_we
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from bm.config import ModelConfig, resolve_dtype_name
+from bm.config.model import BF16_WITHOUT_CPU_SUPPORT
+from bm.cpu_isa import cpu_features, native_bf16
 from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
@@ -27,6 +30,8 @@ from bm.runtime.random_weights import random_model
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger("bm")
 
 
 class ModelLoadError(ValueError):
@@ -94,8 +99,14 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype of ``model.dtype`` on ``device``, as :func:`bm.config.resolve_dtype_name` names it
-    (the simulator resolves with it too). float32 asked for on CUDA runs its matmuls in TF32, as vLLM does."""
-    dtype = DTYPES[resolve_dtype_name(name, device.type)]
+    (the simulator resolves with it too), knowing this machine's CPU: bfloat16 on a CPU without bf16
+    instructions runs in float32, said in one line. float32 asked for on CUDA runs its matmuls in TF32,
+    as vLLM does."""
+    native = native_bf16(cpu_features()) if device.type == "cpu" else None
+    resolved = resolve_dtype_name(name, device.type, native)
+    if resolved != resolve_dtype_name(name, device.type):
+        log.warning("bm: %s", BF16_WITHOUT_CPU_SUPPORT)
+    dtype = DTYPES[resolved]
     if dtype == torch.float32 and device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 (global to the process, like the device)
     return dtype
