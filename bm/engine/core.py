@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from bm.config import BatchingScheme, BmConfig
 from bm.engine.batching import attach_drafts, build_batch, resource_plan
-from bm.engine.executor import ExecutionBatch, ExecutionResult, Executor
+from bm.engine.executor import ExecutionBatch, ExecutionResult, Executor, WorkKind
 from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forward
 from bm.engine.hol import HeadOfLineWatch
 from bm.engine.overlap import (
@@ -80,6 +80,8 @@ class StepOutput:
     schedule: ScheduleRecord = field(default_factory=ScheduleRecord)
     finished_ids: list[int] = field(default_factory=list)
     computed_tokens: int = 0
+    # the requests a token was applied to, one entry per token (a discarded row of an ended request is not)
+    produced_ids: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -150,6 +152,11 @@ class EngineCore:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    @property
+    def in_flight(self) -> bool:
+        """An iteration is launched and not yet collected (overlap): the next step has work to do."""
+        return self._in_flight is not None
 
     def has_request(self, request_id: int) -> bool:
         return request_id in self._active or request_id in self.families
@@ -263,6 +270,9 @@ class EngineCore:
         placeholders are set aside meanwhile), respond, and write the iteration's stats to ``out``."""
         result = self.launcher.collect(flight.handle)
         result.sampled = [s for s in result.sampled if self._live(s[0].request)]
+        out.produced_ids = [
+            i.request.request_id for i, _, _ in result.sampled if i.kind is not WorkKind.EMPTY_SLOT
+        ]
         batch = flight.batch
         if self.overlap:
             strip_pending(sampling_requests(batch))

@@ -78,7 +78,6 @@ class SimExecutor(FakeExecutor):
         self.last_cost: IterationCost | None = None
         self.total_duration_s = 0.0
         self.kv_capacity_tokens: int | None = None
-        self.last_sampled: list[int] = []  # request ids that got a token in the last execute()
         self._kv_blocks_override = kv_blocks_override
 
     def num_kv_blocks(self, kv_config: Any, max_useful_tokens: int) -> int:
@@ -116,7 +115,6 @@ class SimExecutor(FakeExecutor):
         result = ExecutionResult(num_forwards=len(batch.forwards))
         vocab = self._limits.vocab_size
         sampled = result.sampled
-        self.last_sampled = produced = []
         for forward in batch.forwards:
             for item in forward:
                 if not item.sample or item.kind is WorkKind.PADDING:
@@ -127,8 +125,6 @@ class SimExecutor(FakeExecutor):
                 if token == req.sampling.end_id:
                     token = token + 1 if token + 1 < vocab else 3
                 sampled.append((item, token, None))
-                if item.kind is not WorkKind.EMPTY_SLOT:
-                    produced.append(req.request_id)
         cost = self.cost_model.iteration(batch)
         self.last_cost = cost
         self.last_duration_s = cost.seconds
@@ -163,7 +159,6 @@ class SimExecutor(FakeExecutor):
             self.total_duration_s = total
             self.last_cost = None
         tokens = fake_tokens(requests, done, self._limits.vocab_size)
-        self.last_sampled = []
         return end_times, tokens
 
 

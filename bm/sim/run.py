@@ -216,11 +216,13 @@ class _VirtualReplay:
         self.stopped_early = False
         self.feed: JournalFeed | None = None
 
-    def _timestamp(self, _out: StepOutput) -> None:
+    def _timestamp(self, out: StepOutput) -> None:
+        """Each token the step applied, at the simulated time it became known (with overlap, the step
+        after the one that computed it: the host reads it then)."""
         now, timelines = self.clock.now, self.replayer.timelines
-        for rid in self.executor.last_sampled:
+        for rid in out.produced_ids:
             timelines[rid].token_s.append(now)
-        self.replayer.num_output_tokens += len(self.executor.last_sampled)
+        self.replayer.num_output_tokens += len(out.produced_ids)
 
     def _deliver(self, response: Response) -> None:
         if response.output_ids:  # already timestamped from the executor's samples
@@ -259,6 +261,8 @@ class _VirtualReplay:
                     progress(snapshot(replayer))
                 if out.computed_tokens:
                     continue
+            elif self.core.in_flight:  # overlap: the first step only launched
+                continue
             # idle, or nothing could run: only an arrival can change that
             sent = replayer.num_sent
             if sent >= len(arrival_of):
