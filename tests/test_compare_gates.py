@@ -13,7 +13,7 @@ from bm.compare.expr import (
     evaluate_assertion,
     parse_assertion,
 )
-from bm.compare.load import QUIET_SHARE, CpuTicks, background_share, is_quiet, read_ticks
+from bm.compare.load import QUIET_SHARE, is_quiet
 from bm.compare.regress import (
     EXACT_IF_OFFLINE,
     ToleranceError,
@@ -27,6 +27,7 @@ from bm.compare.regress import (
     slow_baseline_note,
     summarize_timing,
 )
+from bm.cpu_load import CpuTicks, background_share, read_ticks
 
 METRICS = {
     "v1": {"output_throughput": 100.0, "p99_ttft_ms": 50.0, "completed": 8, "missing": None},

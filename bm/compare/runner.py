@@ -26,7 +26,7 @@ from bm.bench import BenchResult, run_bench, write_results
 from bm.bench.journal import BenchJournal
 from bm.bench.results import json_safe
 from bm.compare.expr import AssertionOutcome
-from bm.compare.load import BACKGROUND_SHARE, QUIET_SHARE, background_share, is_quiet, read_ticks
+from bm.compare.load import BACKGROUND_SHARE, QUIET_SHARE, is_quiet
 from bm.compare.regress import (
     EXACT_IF_OFFLINE,
     TIMING_METRICS,
@@ -38,6 +38,7 @@ from bm.compare.regress import (
 )
 from bm.compare.variants import Variant, variant_config
 from bm.config import BmConfig, ConfigError
+from bm.cpu_load import background_share, read_ticks
 from bm.report.data import variant_dir
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info

@@ -111,6 +111,14 @@ class ModelConfig:
         "forwards whose Triton kernel variants would otherwise compile mid-run: auto (on CUDA), on, off.",
         on_off_auto,
     )
+    yield_cores: str = knob(
+        "auto",
+        "On the CPU, compute on fewer threads while other processes hold cores, and take them back when "
+        "they stop (a thread sharing a core stalls every parallel region: one busy process beside a "
+        "2-core run made it up to 10x slower): auto and on (CPU engines of 2+ threads), off (keep the "
+        "thread count fixed). Results are the same bits either way.",
+        on_off_auto,
+    )
     fused_elementwise: str = knob(
         "auto",
         "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "

@@ -36,7 +36,7 @@ from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.speculative import verify_drafts
-from bm.runtime.threads import release_caller_team
+from bm.runtime.threads import ThreadGovernor, governor_for, release_caller_team
 from bm.runtime.triton.batch import StagingBuffer
 from bm.scheduling import FinishReason, LlmRequest
 
@@ -65,6 +65,8 @@ class TorchExecutor:
         # the previous launch's tokens on the device and each request's row (overlap scheduling)
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None
         self._fill_staging = StagingBuffer(model.device, torch.long)
+        self._governor: ThreadGovernor | None = None  # made on the first step, on the computing thread
+        self._governed = False
 
     @property
     def limits(self) -> ModelLimits:
@@ -117,6 +119,9 @@ class TorchExecutor:
         if self.lora is not None:
             self.lora.close()
             self.lora = None
+        if self._governor is not None:  # the next engine starts from the threads it was given
+            self._governor.restore()
+            self._governor, self._governed = None, False
 
     def admit(self, request: LlmRequest) -> None:
         """The runtime's state for a request: its prompt table as a tensor, and decoding state when it
@@ -184,6 +189,11 @@ class TorchExecutor:
 
     def _launch(self, batch: ExecutionBatch, *, keep_tokens: bool) -> Launched:
         assert self.runner is not None, "bind() the executor before executing"
+        if not self._governed:
+            self._governor = governor_for(self.model.yield_cores, self.model.device.type)
+            self._governed = True
+        if self._governor is not None:
+            self._governor.tick()
         self.runner.copy_blocks(batch.block_copies)
         launched = Launched(ExecutionResult(num_forwards=len(batch.forwards)))
         for group in batch.forwards:

@@ -62,6 +62,8 @@ class LoadedModel:
     cuda_graphs: str = "auto"
     # model.warmup: auto, on, off (shape classes run when an engine is built; bm.runtime.warmup)
     warmup: str = "auto"
+    # model.yield_cores: auto, on, off (fewer CPU threads while other processes hold cores)
+    yield_cores: str = "auto"
     # seconds load_model took (start-up, reported apart from a run's measured time)
     load_seconds: float | None = None
 
@@ -155,6 +157,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     )
     loaded.cuda_graphs = cfg.cuda_graphs
     loaded.warmup = cfg.warmup
+    loaded.yield_cores = cfg.yield_cores
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 

@@ -18,9 +18,14 @@ new team.
 from __future__ import annotations
 
 import ctypes
+import math
+import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+from bm.cpu_load import CpuTicks, background_share, read_ticks
 from bm.runtime.native.build import loaded_openmp_runtime
 
 _OMP_PAUSE_SOFT = 1
@@ -56,3 +61,79 @@ def release_caller_team() -> bool:
     if lib is None or lib.omp_in_parallel():
         return False
     return bool(lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0)
+
+
+class ThreadGovernor:
+    """The CPU engine's thread count, given back while other processes hold cores.
+
+    An OpenMP parallel region ends when its slowest thread does. When another process takes a core, one
+    of bm's threads waits for its share of that core, and its teammate spins at the region's barrier
+    meanwhile: on 2 cores, one busy process beside ``bm bench`` cut the embedded model from about 22,000
+    to 200-1,300 output tok/s, where one thread alone kept 2,900-3,800 (GNU OpenMP's passive waiting kept
+    2,400-6,800 but halved the quiet machine's speed). So every ``window_s`` seconds the engine reads
+    how many cores' worth other processes used (bm.cpu_load) and computes on the cores left, at least one
+    and at most the threads it was given; they come back once the others stop. Results do not change:
+    bm's kernels and the forward give the same bits at any thread count (tests pin it).
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        cpus: int,
+        *,
+        window_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        read: Callable[[], CpuTicks | None] = read_ticks,
+        set_threads: Callable[[int], None] | None = None,
+    ) -> None:
+        self.threads = threads  # what the engine was given (torch's count when it started)
+        self.current = threads
+        self.cpus = cpus
+        self.window_s = window_s
+        self._clock = clock
+        self._read = read
+        self._set = set_threads or _set_torch_threads
+        self._since = clock()
+        self._last = read()
+        self.changes = 0  # how often the count moved (reported, and pinned by tests)
+
+    def tick(self) -> int:
+        """Call on the computing thread before each step; returns the thread count to compute with."""
+        now = self._clock()
+        if now - self._since < self.window_s:
+            return self.current
+        ticks = self._read()
+        share = background_share(self._last, ticks)
+        self._since, self._last = now, ticks
+        if share is None:
+            return self.current
+        others = share * self.cpus  # cores' worth
+        wanted = max(1, min(self.threads, math.floor(self.cpus - others + 0.5)))
+        if wanted != self.current:
+            self._set(wanted)
+            self.current = wanted
+            self.changes += 1
+        return self.current
+
+    def restore(self) -> None:
+        """Give the engine's thread count back (the engine is done)."""
+        if self.current != self.threads:
+            self._set(self.threads)
+            self.current = self.threads
+
+
+def _set_torch_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
+
+
+def governor_for(setting: str, device_type: str) -> ThreadGovernor | None:
+    """``model.yield_cores``: auto and on govern a CPU engine of more than one thread; off (or a GPU, or
+    a machine whose load cannot be read) leaves the count alone."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if setting == "off" or device_type != "cpu" or threads < 2 or read_ticks() is None:
+        return None
+    return ThreadGovernor(threads, os.cpu_count() or threads)
