@@ -64,6 +64,11 @@ KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "lora_delta": ("avx2", "scalar"),
 }
 
+# The variants whose attention kernels (paged_decode.c, prefill_attention.c) also read a bf16 KV cache:
+# their bm_*_bf16 entry points exist in these builds only (docs/cpu-kernels.md, "bfloat16 on the CPU").
+BF16_KV_ISAS = frozenset({"avx512"})
+_ATTENTION_KERNELS = ("paged_decode", "prefill_attention")
+
 
 def is_x86(machine: str) -> bool:
     return machine.lower() in X86_MACHINES
@@ -135,6 +140,13 @@ def choose_isa(kernel: str, features: Iterable[str], machine: str, requested: st
         if isa in allowed and isa in runnable:
             return isa
     return "scalar"
+
+
+def bf16_kv_cache(features: Iterable[str], machine: str, requested: str | None = None) -> bool:
+    """Whether a bf16 model's KV cache stays bf16 on a CPU with ``features``: where both attention
+    kernels load a build that reads bf16 keys and values (:data:`BF16_KV_ISAS`), else it is float32 (each
+    bf16 value held exactly) so that the float32 kernels read it. Raises as :func:`choose_isa` does."""
+    return all(choose_isa(k, features, machine, requested) in BF16_KV_ISAS for k in _ATTENTION_KERNELS)
 
 
 def machine_isas() -> tuple[str, ...]:

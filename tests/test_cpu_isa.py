@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bm import cpu_isa
-from bm.cpu_isa import KERNEL_ISAS, choose_isa, supported_isas
+from bm.cpu_isa import KERNEL_ISAS, bf16_kv_cache, choose_isa, supported_isas
 
 # Linux /proc/cpuinfo flag names
 SAPPHIRE_RAPIDS = frozenset(
@@ -26,6 +26,8 @@ SAPPHIRE_RAPIDS = frozenset(
         "amx_bf16",
     ]
 )
+# AVX-512 F/BW/VL/DQ without AVX512_BF16 or AMX (Skylake-SP)
+SKYLAKE_SP = SAPPHIRE_RAPIDS - {"avx512_bf16", "amx_bf16"}
 HASWELL = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c"])
 SANDY_BRIDGE = frozenset(["sse4_2", "avx"])
 # AVX-512 F without BW/VL (Knights Landing): not enough for the avx512 build
@@ -143,3 +145,35 @@ def test_the_cpu_isa_module_loads_without_torch():
     code = "import sys, bm.config; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_a_bf16_kv_cache_goes_with_the_avx512_attention_builds():
+    """A bf16 model's cache stays bf16 where both attention kernels load the AVX-512 build (the one with
+    the bf16 kernels: widening is a shift, so AVX-512 F/BW is all it needs, with or without AVX512_BF16);
+    float32 where the AVX2 or scalar builds run, forced or not, and off x86-64."""
+    assert bf16_kv_cache(SAPPHIRE_RAPIDS, "x86_64")
+    assert bf16_kv_cache(SKYLAKE_SP, "x86_64")
+    assert bf16_kv_cache(SAPPHIRE_RAPIDS, "x86_64", "avx512")
+    assert not bf16_kv_cache(SAPPHIRE_RAPIDS, "x86_64", "avx2")
+    assert not bf16_kv_cache(SAPPHIRE_RAPIDS, "x86_64", "scalar")
+    assert not bf16_kv_cache(KNIGHTS_LANDING, "x86_64")
+    assert not bf16_kv_cache(HASWELL, "x86_64")
+    assert not bf16_kv_cache(SANDY_BRIDGE, "x86_64")
+    assert not bf16_kv_cache(frozenset({"asimd", "bf16"}), "aarch64")
+
+
+def test_the_bf16_kv_cache_choice_follows_bm_cpu_isa_at_each_load(monkeypatch):
+    """The runtime's choice (bm.runtime.native.kv_cache_dtype) reads the same faked features and
+    BM_CPU_ISA: the bf16 cache path under AVX-512, the float32 fallback under a forced AVX2."""
+    torch = pytest.importorskip("torch")
+    from bm.runtime import native
+
+    monkeypatch.setattr(native, "cpu_features", lambda: HASWELL)
+    assert native.kv_cache_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
+    if "avx512" not in cpu_isa.machine_isas() or native.paged_decode_kernel() is None:
+        return  # the kernels this CPU builds cannot show the bf16 side
+    monkeypatch.setattr(native, "cpu_features", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    assert native.kv_cache_dtype(torch.device("cpu"), torch.bfloat16) == torch.bfloat16
+    monkeypatch.setenv(cpu_isa.ENV_ISA, "avx2")
+    assert native.kv_cache_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32

@@ -175,7 +175,7 @@ def test_greedy_output_equals_hf_generate_with_the_prefill_kernel(
         calls["after_prefix" if args[9] else "whole"] += 1
         return kernel(*args, **kwargs)
 
-    counting.vectorized = kernel.vectorized
+    counting.vectorized, counting.dtypes = kernel.vectorized, kernel.dtypes
     monkeypatch.setattr(torch_ops, "prefill_attention_kernel", lambda: counting)
     specs = random_prompts(seed=23, count=12, vocab=tiny_model.vocab_size, max_prompt=70, max_output=8)
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]

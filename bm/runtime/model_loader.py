@@ -74,7 +74,8 @@ class LoadedModel:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype (bm.runtime.native.kv_cache_dtype: float32 for a bf16 model on CPU)."""
+        """The KV cache's dtype (bm.runtime.native.kv_cache_dtype: for a bf16 model on the CPU, bf16
+        where the AVX-512 attention kernels read it, else float32)."""
         return kv_cache_dtype(self.device, self.dtype)
 
     @property

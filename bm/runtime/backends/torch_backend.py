@@ -57,7 +57,7 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         # only: on a GPU they are not even built (a compile per machine).
         kernel = paged_decode_kernel() if self.device.type == "cpu" else None
         caches = [c for c in self.kv_caches if c is not None]
-        supported = kernel is not None and all(PagedDecodeKernel.supports(c) for c in caches)
+        supported = kernel is not None and all(kernel.supports(c) for c in caches)
         self.native_decode: PagedDecodeKernel | None = kernel if supported else None
         # one layout per distinct window, the first attention layer's first
         self.layouts = {
@@ -105,8 +105,9 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         )
 
     def forward_layer(self, metadata: TorchMetadata, call: LayerCall) -> torch.Tensor:
-        """Store and attend in the cache's dtype: a bfloat16 model's cache on the CPU is float32
-        (LoadedModel.kv_dtype), so the call's tensors are converted once here, for both."""
+        """Store and attend in the cache's dtype: a bfloat16 model's cache on the CPU is bfloat16 where
+        the AVX-512 attention kernels read it, else float32 (LoadedModel.kv_dtype); where it differs
+        from the model's, the call's tensors are converted once here, for both."""
         dtype = self.kv_caches[call.layer].dtype
         if dtype != call.query.dtype:
             call.query, call.key, call.value = call.query.to(dtype), call.key.to(dtype), call.value.to(dtype)

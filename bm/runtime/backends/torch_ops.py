@@ -99,9 +99,13 @@ def _native_prefill(
     whose gather is the request's first blocks in order (no ``key_pos``, one key per position). Masks of
     an attention window stay with SDPA. Its vector builds (AVX2, AVX-512) are faster than SDPA; its
     scalar build runs too (``BM_CPU_ISA=scalar``, or a CPU without AVX2), slower than SDPA but, unlike
-    it, giving each row the same result however the prompt is chunked (batch invariance).
+    it, giving each row the same result however the prompt is chunked (batch invariance). A bf16 query
+    (a bf16 model's, over its bf16 cache) needs the AVX-512 build, the one with the bf16 kernel.
     """
     if not PrefillAttentionKernel.handles(q.device, q.dtype) or q.shape[-1] % 8:
+        return None
+    kernel = prefill_attention_kernel()
+    if kernel is None or q.dtype not in kernel.dtypes:
         return None
     if seg.block_ids is None:
         if seg.mask is not None:
@@ -110,11 +114,11 @@ def _native_prefill(
         seg.key_pos is not None
         or seg.mask is None
         or seg.mask.shape[-1] != seg.prefix_len + seg.end - seg.start
-        or cache.dtype != torch.float32
+        or cache.dtype != q.dtype
         or not cache.is_contiguous()
     ):
         return None
-    return prefill_attention_kernel()
+    return kernel
 
 
 def _prefill_scores(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: PrefillSegment) -> None:

@@ -14,9 +14,12 @@ argument checks the C code relies on, the call); :mod:`.args` holds the checks e
 
 from __future__ import annotations
 
+import os
+import platform
+
 import torch
 
-from bm.cpu_isa import KERNEL_ISAS, kernel_isa
+from bm.cpu_isa import ENV_ISA, KERNEL_ISAS, bf16_kv_cache, cpu_features, kernel_isa
 from bm.runtime.native.args import as_rows, kernel_inputs
 from bm.runtime.native.elementwise import ElementwiseKernels, elementwise_kernels
 from bm.runtime.native.loader import ENV_SWITCH, NativeKernel, native_kernels_enabled
@@ -50,14 +53,36 @@ __all__ = [
 
 
 def kv_cache_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for a model of ``dtype`` on ``device``: the model's, except a bfloat16 or
-    float16 model on the CPU, whose keys and values are kept in float32 (each value exactly, as a wider
-    float holds a narrower one) so that the float32 attention kernels here read them in place: the torch
-    path they would otherwise take gathers every block and runs SDPA per group, about three times slower
-    (docs/cpu-kernels.md, "bfloat16 on the CPU")."""
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return dtype
+    """The KV cache's dtype for a model of ``dtype`` on ``device``: the model's, except on the CPU
+    where bm's attention kernels must read it in place (the torch path they would otherwise take gathers
+    every block and runs SDPA per group, about three times slower; docs/cpu-kernels.md, "bfloat16 on the
+    CPU"):
+
+    - bfloat16 stays bfloat16 where both attention kernels load their AVX-512 build, which reads bf16
+      keys and values (:func:`bm.cpu_isa.bf16_kv_cache`): half the bytes a decode step reads;
+    - otherwise a bfloat16 or float16 model's keys and values are kept in float32 (each value exactly, as
+      a wider float holds a narrower one) for the float32 kernels."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return dtype
+    if dtype == torch.bfloat16 and _bf16_attention_kernels():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _bf16_attention_kernels() -> bool:
+    """Whether this process's decode and prefill attention kernels both read a bf16 cache (the builds
+    :func:`bm.cpu_isa.bf16_kv_cache` names, and they were built)."""
+    if not native_kernels_enabled() or not bf16_kv_cache(
+        cpu_features(), platform.machine(), os.environ.get(ENV_ISA)
+    ):
+        return False
+    decode, prefill = paged_decode_kernel(), prefill_attention_kernel()
+    return (
+        decode is not None
+        and prefill is not None
+        and torch.bfloat16 in decode.dtypes
+        and torch.bfloat16 in prefill.dtypes
+    )
 
 
 def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 F32 = torch.float32
+BF16 = torch.bfloat16
 I64 = torch.int64
 # ctypes argument types, as the kernels' C signatures declare them
 PTR = ctypes.c_void_p

@@ -26,6 +26,7 @@
 #endif
 
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_silu_mul16 */
+#include "bf16.h"
 
 /* Below this many elements one thread does the whole tensor: waking the other costs more. */
 #define PARALLEL_MIN 32768
@@ -201,48 +202,7 @@ void bm_rotary_f32(const float *x, int64_t ldt, int64_t ldh, const float *cos_, 
  * in between is the float32 code's; plain C that the compiler vectorises (the conversions are integer
  * shifts and adds). */
 
-static inline float bf16_to_f32(uint16_t h)
-{
-    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
-    return v.f;
-}
-
-/* Round to nearest, ties to even, as torch's float -> bfloat16 conversion does (NaN stays NaN). */
-static inline uint16_t f32_to_bf16(float f)
-{
-    union { float f; uint32_t u; } v = { .f = f };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-#if BM_HAVE_AVX512
-/* Sixteen lanes of the same conversions. */
-static inline __m512 bf16x16_load(const uint16_t *p)
-{
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* The bf16 bits of each lane, rounded as f32_to_bf16 rounds, in the low half of each 32-bit lane. */
-static inline __m512i bf16x16_bits(__m512 f)
-{
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
-static inline __m512 bf16x16_round(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(f), 16)); }
-
-static inline void bf16x16_store(uint16_t *p, __m512 f)
-{
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16x16_bits(f)));
-}
-#endif
+/* bf16_to_f32, f32_to_bf16, round_bf16 and their sixteen-lane forms: bf16.h. */
 
 /* One row of transformers' Llama RMSNorm in bf16: x to float32, x * (1 / sqrt(mean(x^2) + eps)) rounded
    to bf16, times the bf16 weight, rounded. Widening a bf16 value is a shift, so the row is widened

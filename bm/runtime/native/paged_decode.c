@@ -29,22 +29,34 @@
 #include <string.h>
 
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_exp16 */
+#include "bf16.h"
+
+/* Keys and values are float32 or bf16 (bf16 != 0: AVX-512 builds only, bm_paged_decode_bf16). Every
+   function below that reads them takes the flag as a compile-time constant (always_inline, or one copy
+   per dtype), so the float32 code is what it was, and the bf16 code is the same code with each key or
+   value widened to float32 in a register as it is loaded: the same operations in the same order on the
+   same float32 values. So a bf16 cache gives exactly the float32 kernel's results on its widened keys
+   and values (tests/test_native_kernels.py pins it), reading half the bytes. */
+#define KV_ESZ(bf16) ((bf16) ? 2 : 4) /* bytes per element */
+#define KV_AT(p, n, bf16) ((const void *)((const char *)(p) + (int64_t)(n) * KV_ESZ(bf16)))
+#define KV1(p, n, bf16) ((bf16) ? bf16_to_f32(((const uint16_t *)(p))[n]) : ((const float *)(p))[n])
 
 #if BM_HAVE_AVX2
+#define KV8(p, n, bf16) ((bf16) ? bf16x8_load((const uint16_t *)(p) + (n)) : _mm256_loadu_ps((const float *)(p) + (n)))
 
 /* Eight dot products q . k[r] (r = 0..7, rows d floats apart), returned as one vector. */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const float *k, int64_t d) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t d, const int bf16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 0 * d + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 1 * d + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * d + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * d + i), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * d + i), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * d + i), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * d + i), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * d + i), a7);
+        a0 = _mm256_fmadd_ps(qv, KV8(k, 0 * d + i, bf16), a0);
+        a1 = _mm256_fmadd_ps(qv, KV8(k, 1 * d + i, bf16), a1);
+        a2 = _mm256_fmadd_ps(qv, KV8(k, 2 * d + i, bf16), a2);
+        a3 = _mm256_fmadd_ps(qv, KV8(k, 3 * d + i, bf16), a3);
+        a4 = _mm256_fmadd_ps(qv, KV8(k, 4 * d + i, bf16), a4);
+        a5 = _mm256_fmadd_ps(qv, KV8(k, 5 * d + i, bf16), a5);
+        a6 = _mm256_fmadd_ps(qv, KV8(k, 6 * d + i, bf16), a6);
+        a7 = _mm256_fmadd_ps(qv, KV8(k, 7 * d + i, bf16), a7);
     }
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -55,6 +67,7 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
 /* The AVX-512 paths here also take AVX512DQ's 256-bit extracts. */
 #if BM_HAVE_AVX512 && defined(__AVX512DQ__)
 #define BM_DECODE_AVX512 1
+#define KV16(p, n, bf16) ((bf16) ? bf16x16_load((const uint16_t *)(p) + (n)) : _mm512_loadu_ps((const float *)(p) + (n)))
 /* For head sizes that are a multiple of 16: eight keys' sums of sixteen lanes each, folded to eight lanes,
    then the same reduction as dot8. */
 static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a) {
@@ -69,9 +82,9 @@ static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a)
    out + h * ostride. Each (head, key) sum takes the same FMAs over the head in the same order, then the
    same reduction, as one head at a time did (the AVX-512 dot8 of earlier versions); only each key vector
    is now loaded once for all H heads instead of once per head. */
-static inline __attribute__((always_inline)) void score8_heads(const float *q0, int64_t qsh, const float *k,
+static inline __attribute__((always_inline)) void score8_heads(const float *q0, int64_t qsh, const void *k,
                                                                int64_t d, const int H, float *out,
-                                                               int64_t ostride, float scale) {
+                                                               int64_t ostride, float scale, const int bf16) {
     __m512 a[3][8];
     for (int h = 0; h < H; h++)
         for (int r = 0; r < 8; r++) a[h][r] = _mm512_setzero_ps();
@@ -79,7 +92,7 @@ static inline __attribute__((always_inline)) void score8_heads(const float *q0, 
         __m512 qv[3];
         for (int h = 0; h < H; h++) qv[h] = _mm512_loadu_ps(q0 + h * qsh + i);
         for (int r = 0; r < 8; r++) {
-            const __m512 kv = _mm512_loadu_ps(k + r * d + i);
+            const __m512 kv = KV16(k, r * d + i, bf16);
             for (int h = 0; h < H; h++) a[h][r] = _mm512_fmadd_ps(qv[h], kv, a[h][r]);
         }
     }
@@ -87,24 +100,27 @@ static inline __attribute__((always_inline)) void score8_heads(const float *q0, 
         _mm256_storeu_ps(out + h * ostride, _mm256_mul_ps(reduce8_512(a[h]), _mm256_set1_ps(scale)));
 }
 
-/* score8_heads for every query head of a kv head, three at a time. */
-static void score8_all(const float *q0, int64_t qsh, const float *k, int64_t d, int64_t g, float *out,
-                       int64_t ostride, float scale) {
-    int64_t h = 0;
-    for (; h + 3 <= g; h += 3) score8_heads(q0 + h * qsh, qsh, k, d, 3, out + h * ostride, ostride, scale);
-    if (g - h == 2) score8_heads(q0 + h * qsh, qsh, k, d, 2, out + h * ostride, ostride, scale);
-    if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale);
-}
+/* score8_heads for every query head of a kv head, three at a time; one copy per dtype. */
+#define BM_SCORE8_ALL(name, bf16)                                                                          \
+    static void name(const float *q0, int64_t qsh, const void *k, int64_t d, int64_t g, float *out,       \
+                     int64_t ostride, float scale) {                                                       \
+        int64_t h = 0;                                                                                     \
+        for (; h + 3 <= g; h += 3) score8_heads(q0 + h * qsh, qsh, k, d, 3, out + h * ostride, ostride, scale, bf16); \
+        if (g - h == 2) score8_heads(q0 + h * qsh, qsh, k, d, 2, out + h * ostride, ostride, scale, bf16); \
+        if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale, bf16); \
+    }
+BM_SCORE8_ALL(score8_all, 0)
+BM_SCORE8_ALL(score8_all_bf16, 1)
 #else
 #define BM_DECODE_AVX512 0
 #endif
 
 typedef struct {
-    const float *q;
+    const void *q; /* float32, or bf16 where k, v and out are */
     int64_t q_stride_token, q_stride_head;
-    const float *k, *v; /* [kv_heads, num_blocks, block_size, head_dim], contiguous */
+    const void *k, *v; /* [kv_heads, num_blocks, block_size, head_dim], contiguous */
     const int64_t *token_index, *block_table, *lengths;
-    float *out; /* [tokens, heads, head_dim], contiguous */
+    void *out; /* [tokens, heads, head_dim], contiguous */
     int64_t rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len;
     float scale;
     float softcap;        /* > 0: scores become softcap * tanh(score / softcap) */
@@ -113,6 +129,7 @@ typedef struct {
     const float *sinks;   /* NULL, or per query head a logit in the softmax's denominator only */
     int64_t first, last; /* work items [first, last) of this thread */
     int status;
+    int bf16; /* q, k, v and out are bf16 (bm_paged_decode_bf16) */
 } job_t;
 
 /* Ask for `floats` floats from `p` on into the cache, one request per 64-byte line. */
@@ -126,6 +143,7 @@ static inline void prefetch_block(const float *p, int64_t floats) {
 #define BM_VT_MAXH 6 /* 6 heads x 4 vectors of accumulators, 4 of values, 1 weight: 29 of 32 registers */
 typedef __m512 vt_t;
 #define vt_load _mm512_loadu_ps
+#define vt_load_kv KV16
 #define vt_store _mm512_storeu_ps
 #define vt_fma _mm512_fmadd_ps
 #define vt_set1 _mm512_set1_ps
@@ -134,6 +152,7 @@ typedef __m512 vt_t;
 #define BM_VT_MAXH 2 /* 2 heads x 4 vectors, 4 of values, 1 weight: 13 of 16 registers */
 typedef __m256 vt_t;
 #define vt_load _mm256_loadu_ps
+#define vt_load_kv KV8
 #define vt_store _mm256_storeu_ps
 #define vt_fma _mm256_fmadd_ps
 #define vt_set1 _mm256_set1_ps
@@ -146,14 +165,14 @@ typedef __m256 vt_t;
    sum starts from 0 and takes one FMA per key), so the bits do not change; only the loads and stores of
    the accumulators between keys go. */
 static inline __attribute__((always_inline)) void v_tile(float *acc, const float *w, int64_t wstride,
-                                                         const float *vb, int64_t o0, int64_t n,
-                                                         int64_t d, const int H, const int C) {
+                                                         const void *vb, int64_t o0, int64_t n,
+                                                         int64_t d, const int H, const int C, const int bf16) {
     vt_t r[BM_VT_MAXH][4];
     for (int h = 0; h < H; h++)
         for (int c = 0; c < C; c++) r[h][c] = vt_load(acc + h * d + c * BM_VT_LANES);
     for (int64_t o = o0; o < n; o++) {
         vt_t v[4];
-        for (int c = 0; c < C; c++) v[c] = vt_load(vb + o * d + c * BM_VT_LANES);
+        for (int c = 0; c < C; c++) v[c] = vt_load_kv(vb, o * d + c * BM_VT_LANES, bf16);
         for (int h = 0; h < H; h++) {
             const vt_t wv = vt_set1(w[h * wstride + o]);
             for (int c = 0; c < C; c++) r[h][c] = vt_fma(wv, v[c], r[h][c]);
@@ -166,16 +185,18 @@ static inline __attribute__((always_inline)) void v_tile(float *acc, const float
 #define BM_VT_CASE_C(H)                                                   \
     case H:                                                               \
         switch (nc) {                                                     \
-        case 1: v_tile(acc, w, wstride, vb, o0, n, d, H, 1); break;       \
-        case 2: v_tile(acc, w, wstride, vb, o0, n, d, H, 2); break;       \
-        case 3: v_tile(acc, w, wstride, vb, o0, n, d, H, 3); break;       \
-        default: v_tile(acc, w, wstride, vb, o0, n, d, H, 4); break;      \
+        case 1: v_tile(acc, w, wstride, vb, o0, n, d, H, 1, bf16); break;       \
+        case 2: v_tile(acc, w, wstride, vb, o0, n, d, H, 2, bf16); break;       \
+        case 3: v_tile(acc, w, wstride, vb, o0, n, d, H, 3, bf16); break;       \
+        default: v_tile(acc, w, wstride, vb, o0, n, d, H, 4, bf16); break;      \
         }                                                                 \
         break;
 
-/* One tile of nh (<= BM_VT_MAXH) heads by nc (<= 4) vectors, sizes made compile-time constants. */
-static void v_tile_any(float *acc, const float *w, int64_t wstride, const float *vb, int64_t o0,
-                       int64_t n, int64_t d, int nh, int nc) {
+/* One tile of nh (<= BM_VT_MAXH) heads by nc (<= 4) vectors, sizes made compile-time constants; one
+   copy per dtype (v_tile_any, v_tile_any_bf16). */
+static inline __attribute__((always_inline)) void v_tile_kv(float *acc, const float *w, int64_t wstride,
+                                                            const void *vb, int64_t o0, int64_t n, int64_t d,
+                                                            int nh, int nc, const int bf16) {
     switch (nh) {
         BM_VT_CASE_C(1)
 #if BM_VT_MAXH >= 2
@@ -189,12 +210,24 @@ static void v_tile_any(float *acc, const float *w, int64_t wstride, const float 
 #endif
     }
 }
+
+static void v_tile_any(float *acc, const float *w, int64_t wstride, const void *vb, int64_t o0,
+                       int64_t n, int64_t d, int nh, int nc) {
+    v_tile_kv(acc, w, wstride, vb, o0, n, d, nh, nc, 0);
+}
+#if BM_DECODE_AVX512
+static void v_tile_any_bf16(float *acc, const float *w, int64_t wstride, const void *vb, int64_t o0,
+                            int64_t n, int64_t d, int nh, int nc) {
+    v_tile_kv(acc, w, wstride, vb, o0, n, d, nh, nc, 1);
+}
+#endif
 #endif
 
 /* acc[h * d + i] += scores[h * span + o] * v[o][i] for the keys o in [o0, n) of one value block vb
    (sb = the block's first key's scores), heads h < g. */
-static void accumulate_v(float *acc, const float *sb, int64_t span, const float *vb, int64_t o0, int64_t n,
-                         int64_t g, int64_t d) {
+static inline __attribute__((always_inline)) void accumulate_v(float *acc, const float *sb, int64_t span,
+                                                               const void *vb, int64_t o0, int64_t n, int64_t g,
+                                                               int64_t d, const int bf16) {
 #ifdef BM_VT_LANES
     if (d % BM_VT_LANES == 0) {
         const int64_t vecs = d / BM_VT_LANES;
@@ -202,18 +235,24 @@ static void accumulate_v(float *acc, const float *sb, int64_t span, const float 
             for (int64_t c0 = 0; c0 < vecs; c0 += 4) {
                 const int nh = (int)(g - h0 < BM_VT_MAXH ? g - h0 : BM_VT_MAXH);
                 const int nc = (int)(vecs - c0 < 4 ? vecs - c0 : 4);
-                v_tile_any(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span, vb + c0 * BM_VT_LANES, o0,
+#if BM_DECODE_AVX512
+                if (bf16)
+                    v_tile_any_bf16(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
+                                    KV_AT(vb, c0 * BM_VT_LANES, bf16), o0, n, d, nh, nc);
+                else
+#endif
+                v_tile_any(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span, KV_AT(vb, c0 * BM_VT_LANES, bf16), o0,
                            n, d, nh, nc);
             }
         return;
     }
 #endif
     for (int64_t o = o0; o < n; o++) {
-        const float *vp = vb + o * d;
+        const void *vp = KV_AT(vb, o * d, bf16);
         for (int64_t h = 0; h < g; h++) {
             const float w = sb[h * span + o];
             float *ah = acc + h * d;
-            for (int64_t i = 0; i < d; i++) ah[i] += w * vp[i];
+            for (int64_t i = 0; i < d; i++) ah[i] += w * KV1(vp, i, bf16);
         }
     }
 }
@@ -246,7 +285,10 @@ static inline float row_max(const float *x, int64_t n) {
     return m;
 }
 
-static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
+/* One (row, kv head): scores, softmax, values, out. `qw` is g * head_dim floats of scratch where a bf16
+   row's query heads are widened first (then read as the float32 ones are, head_dim apart). */
+static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int64_t item, float *scores,
+                                                            float *acc, float *qw, const int bf16) {
     const int64_t g = a->heads / a->kv_heads, d = a->head_dim, bs = a->block_size;
     const int64_t row = item / a->kv_heads, kvh = item % a->kv_heads;
     const int64_t len = a->lengths[row], tok = a->token_index[row];
@@ -255,36 +297,53 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
     const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0, span = len - first;
     const int64_t *table = a->block_table + row * a->max_blocks;
     const int64_t head_stride = a->num_blocks * bs * d;
-    const float *kh = a->k + kvh * head_stride, *vh = a->v + kvh * head_stride;
-    const float *q0 = a->q + tok * a->q_stride_token + kvh * g * a->q_stride_head;
+    const void *kh = KV_AT(a->k, kvh * head_stride, bf16), *vh = KV_AT(a->v, kvh * head_stride, bf16);
+    const float *q0;
+    int64_t qsh = a->q_stride_head;
+    if (bf16) {
+        const uint16_t *qb = (const uint16_t *)a->q + tok * a->q_stride_token + kvh * g * qsh;
+        for (int64_t h = 0; h < g; h++)
+            for (int64_t i = 0; i < d; i++) qw[h * d + i] = bf16_to_f32(qb[h * qsh + i]);
+        q0 = qw;
+        qsh = d;
+    } else {
+        q0 = (const float *)a->q + tok * a->q_stride_token + kvh * g * qsh;
+    }
+    /* floats' worth of a run of keys or values, for prefetch_block */
+#define KV_FLOATS(n) ((n) * KV_ESZ(bf16) / 4)
 
     for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
-        const float *kb = kh + table[b] * bs * d;
+        const void *kb = KV_AT(kh, table[b] * bs * d, bf16);
         const int64_t n = len - j0 < bs ? len - j0 : bs;
         /* The next block sits anywhere in the pool, where the hardware prefetcher cannot guess it: ask
            for it now, while this one is scored. After the last key block, the first value block. */
-        if (j0 + bs < len) prefetch_block(kh + table[b + 1] * bs * d, (len - j0 - bs < bs ? len - j0 - bs : bs) * d);
-        else prefetch_block(vh + table[first / bs] * bs * d, (bs < span ? bs : span) * d);
+        if (j0 + bs < len)
+            prefetch_block(KV_AT(kh, table[b + 1] * bs * d, bf16), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * d));
+        else prefetch_block(KV_AT(vh, table[first / bs] * bs * d, bf16), KV_FLOATS((bs < span ? bs : span) * d));
         float *sb = scores - first + j0; /* sb[h * span + o]: key j0 + o */
         int64_t o = first > j0 ? first - j0 : 0;
 #if BM_DECODE_AVX512
-        if (d % 16 == 0)
-            for (; o + 8 <= n; o += 8) score8_all(q0, a->q_stride_head, kb + o * d, d, g, sb + o, span, a->scale);
+        if (d % 16 == 0) {
+            if (bf16)
+                for (; o + 8 <= n; o += 8) score8_all_bf16(q0, qsh, KV_AT(kb, o * d, bf16), d, g, sb + o, span, a->scale);
+            else
+                for (; o + 8 <= n; o += 8) score8_all(q0, qsh, KV_AT(kb, o * d, bf16), d, g, sb + o, span, a->scale);
+        }
 #endif
 #if BM_HAVE_AVX2
         if (d % 8 == 0)
             for (; o + 8 <= n; o += 8)
                 for (int64_t h = 0; h < g; h++)
                     _mm256_storeu_ps(sb + h * span + o,
-                                     _mm256_mul_ps(dot8(q0 + h * a->q_stride_head, kb + o * d, d),
+                                     _mm256_mul_ps(dot8(q0 + h * qsh, KV_AT(kb, o * d, bf16), d, bf16),
                                                    _mm256_set1_ps(a->scale)));
 #endif
         for (; o < n; o++) {
-            const float *kp = kb + o * d;
+            const void *kp = KV_AT(kb, o * d, bf16);
             for (int64_t h = 0; h < g; h++) {
-                const float *qp = q0 + h * a->q_stride_head;
+                const float *qp = q0 + h * qsh;
                 float s = 0.f;
-                for (int64_t i = 0; i < d; i++) s += qp[i] * kp[i];
+                for (int64_t i = 0; i < d; i++) s += qp[i] * KV1(kp, i, bf16);
                 sb[h * span + o] = s * a->scale;
             }
         }
@@ -337,56 +396,76 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc) {
         for (int64_t i = 0; i < d; i++) acc[h * d + i] = 0.f;
     }
     for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
-        const float *vb = vh + table[b] * bs * d;
+        const void *vb = KV_AT(vh, table[b] * bs * d, bf16);
         const int64_t n = len - j0 < bs ? len - j0 : bs;
-        if (j0 + bs < len) prefetch_block(vh + table[b + 1] * bs * d, (len - j0 - bs < bs ? len - j0 - bs : bs) * d);
-        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d);
+        if (j0 + bs < len)
+            prefetch_block(KV_AT(vh, table[b + 1] * bs * d, bf16), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * d));
+        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d, bf16);
     }
-    float *o0 = a->out + (tok * a->heads + kvh * g) * d;
-    for (int64_t x = 0; x < g * d; x++) o0[x] = acc[x];
+#undef KV_FLOATS
+    if (bf16) { /* rounded to nearest even, as torch's .to(torch.bfloat16) of the float32 result */
+        uint16_t *o0 = (uint16_t *)a->out + (tok * a->heads + kvh * g) * d;
+        for (int64_t x = 0; x < g * d; x++) o0[x] = f32_to_bf16(acc[x]);
+    } else {
+        float *o0 = (float *)a->out + (tok * a->heads + kvh * g) * d;
+        for (int64_t x = 0; x < g * d; x++) o0[x] = acc[x];
+    }
+}
+
+static void attend(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
+    attend_kv(a, item, scores, acc, qw, 0);
+}
+
+#if BM_DECODE_AVX512
+static void attend_bf16(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
+    attend_kv(a, item, scores, acc, qw, 1);
+}
+#endif
+
+/* A work item in the job's dtype. */
+static void attend_item(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
+#if BM_DECODE_AVX512
+    if (a->bf16) {
+        attend_bf16(a, item, scores, acc, qw);
+        return;
+    }
+#endif
+    attend(a, item, scores, acc, qw);
 }
 
 #ifndef BM_OPENMP
 static void *run(void *arg) {
     job_t *a = (job_t *)arg;
     const int64_t g = a->heads / a->kv_heads;
-    float *scores = malloc(sizeof(float) * (size_t)(g * (a->max_len > 0 ? a->max_len : 1) + g * a->head_dim));
+    float *scores = malloc(sizeof(float) * (size_t)(g * (a->max_len > 0 ? a->max_len : 1) + 2 * g * a->head_dim));
     if (!scores) { a->status = 1; return NULL; }
     float *acc = scores + g * a->max_len;
-    for (int64_t it = a->first; it < a->last; it++) attend(a, it, scores, acc);
+    for (int64_t it = a->first; it < a->last; it++) attend_item(a, it, scores, acc, acc + g * a->head_dim);
     free(scores);
     return NULL;
 }
 #endif
 
-/* Returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller must
-   then discard `out`). A thread that cannot be started leaves its share to the calling thread. */
-int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
-                        const float *k, const float *v, const int64_t *token_index,
-                        const int64_t *block_table, const int64_t *lengths, float *out,
-                        int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
-                        float scale, float softcap, const float *alibi, int64_t window,
-                        const float *sinks, int64_t threads) {
-    const int64_t items = rows * kv_heads;
+/* The job over threads. Returns 0 on success, nonzero if a thread's scratch memory could not be
+   allocated (the caller must then discard `out`). A thread that cannot be started leaves its share to
+   the calling thread. */
+static int run_job(const job_t job, int64_t threads) {
+    const int64_t items = job.rows * job.kv_heads;
     if (threads > items) threads = items;
     if (threads < 1) threads = 1;
-    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
-                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                       scale, softcap, alibi, window, sinks, 0, items, 0};
 #ifdef BM_OPENMP
     /* torch's own OpenMP runtime (bm links this file against the copy torch loaded): its worker threads
        are still spinning from the last torch op, so they take these items at once instead of competing
        for the cores with threads of our own. Dynamic chunks even out rows of different lengths. */
-    const int64_t g = heads / kv_heads;
+    const int64_t g = job.heads / job.kv_heads, max_len = job.max_len, head_dim = job.head_dim;
     int status = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : status)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(g * (max_len > 0 ? max_len : 1) + g * head_dim));
+        float *scores = malloc(sizeof(float) * (size_t)(g * (max_len > 0 ? max_len : 1) + 2 * g * head_dim));
         if (!scores) status |= 1;
 #pragma omp for schedule(dynamic, 4)
         for (int64_t it = 0; it < items; it++)
-            if (scores) attend(&job, it, scores, scores + g * max_len);
+            if (scores) attend_item(&job, it, scores, scores + g * max_len, scores + g * max_len + g * head_dim);
         free(scores);
     }
     return status;
@@ -413,24 +492,60 @@ int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride
 #endif
 }
 
-/* Writes a forward's new keys and values into the cache: for token t and kv head h, the d floats at
+/* Returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller must
+   then discard `out`). */
+int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
+                        const float *k, const float *v, const int64_t *token_index,
+                        const int64_t *block_table, const int64_t *lengths, float *out,
+                        int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
+                        float scale, float softcap, const float *alibi, int64_t window,
+                        const float *sinks, int64_t threads) {
+    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
+                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
+                       scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, 0};
+    return run_job(job, threads);
+}
+
+#if BM_DECODE_AVX512
+/* The same over a bf16 cache, bf16 queries (strides in elements) and a bf16 `out`: keys, values and
+   queries widened to float32 in registers, everything after as the float32 kernel computes it, the
+   result rounded to bf16 (nearest even). Halves the bytes a decode step reads from the cache, which
+   bounds this kernel's speed. Only the AVX-512 builds have it (bm.runtime.native.kv_cache_dtype keeps a
+   float32 cache elsewhere; docs/cpu-kernels.md says why). */
+int bm_paged_decode_bf16(const uint16_t *q, int64_t q_stride_token, int64_t q_stride_head,
+                         const uint16_t *k, const uint16_t *v, const int64_t *token_index,
+                         const int64_t *block_table, const int64_t *lengths, uint16_t *out,
+                         int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                         int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
+                         float scale, float softcap, const float *alibi, int64_t window,
+                         const float *sinks, int64_t threads) {
+    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
+                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
+                       scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, 1};
+    return run_job(job, threads);
+}
+#endif
+
+/* Writes a forward's new keys and values into the cache: for token t and kv head h, the d elements at
    k + t * k_st + h * k_sh go to ck + (h * num_slots + slots[t]) * d, and the same for v into cv (each
-   cache half is [kv_heads, num_slots, d]). Unit stride along d. This is what two torch index_copy_ calls
-   did per layer; they moved about 2.4 GB/s on strided rows, a plain copy several times that. A copy
-   changes no bits. Returns 1 (having written nothing) if a slot lies outside [0, num_slots). */
-int bm_kv_write_f32(const float *k, int64_t k_st, int64_t k_sh, const float *v, int64_t v_st, int64_t v_sh,
-                    float *ck, float *cv, const int64_t *slots, int64_t tokens, int64_t kv_heads,
-                    int64_t num_slots, int64_t d, int64_t threads) {
+   cache half is [kv_heads, num_slots, d]; strides in elements of `esz` bytes). Unit stride along d.
+   This is what two torch index_copy_ calls did per layer; they moved about 2.4 GB/s on strided rows, a
+   plain copy several times that. A copy changes no bits. Returns 1 (having written nothing) if a slot
+   lies outside [0, num_slots). */
+static int kv_write(const char *k, int64_t k_st, int64_t k_sh, const char *v, int64_t v_st, int64_t v_sh,
+                    char *ck, char *cv, const int64_t *slots, int64_t tokens, int64_t kv_heads,
+                    int64_t num_slots, int64_t d, int64_t threads, int64_t esz) {
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return 1;
-    const size_t row = sizeof(float) * (size_t)d;
+    const size_t row = (size_t)(esz * d);
 #ifdef BM_OPENMP
-    if (threads > 1 && tokens * kv_heads * d >= 65536) { /* below that, waking a thread costs more */
+    if (threads > 1 && tokens * kv_heads * row >= 65536 * 4) { /* below that, waking a thread costs more */
 #pragma omp parallel for num_threads((int)threads) schedule(static)
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < kv_heads; h++) {
-                memcpy(ck + (h * num_slots + slots[t]) * d, k + t * k_st + h * k_sh, row);
-                memcpy(cv + (h * num_slots + slots[t]) * d, v + t * v_st + h * v_sh, row);
+                memcpy(ck + (h * num_slots + slots[t]) * d * esz, k + (t * k_st + h * k_sh) * esz, row);
+                memcpy(cv + (h * num_slots + slots[t]) * d * esz, v + (t * v_st + h * v_sh) * esz, row);
             }
         return 0;
     }
@@ -438,8 +553,23 @@ int bm_kv_write_f32(const float *k, int64_t k_st, int64_t k_sh, const float *v, 
     (void)threads;
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < kv_heads; h++) {
-            memcpy(ck + (h * num_slots + slots[t]) * d, k + t * k_st + h * k_sh, row);
-            memcpy(cv + (h * num_slots + slots[t]) * d, v + t * v_st + h * v_sh, row);
+            memcpy(ck + (h * num_slots + slots[t]) * d * esz, k + (t * k_st + h * k_sh) * esz, row);
+            memcpy(cv + (h * num_slots + slots[t]) * d * esz, v + (t * v_st + h * v_sh) * esz, row);
         }
     return 0;
+}
+
+int bm_kv_write_f32(const float *k, int64_t k_st, int64_t k_sh, const float *v, int64_t v_st, int64_t v_sh,
+                    float *ck, float *cv, const int64_t *slots, int64_t tokens, int64_t kv_heads,
+                    int64_t num_slots, int64_t d, int64_t threads) {
+    return kv_write((const char *)k, k_st, k_sh, (const char *)v, v_st, v_sh, (char *)ck, (char *)cv, slots,
+                    tokens, kv_heads, num_slots, d, threads, 4);
+}
+
+/* The same for a bf16 cache (keys and values copied as they are: the projections' bf16). */
+int bm_kv_write_bf16(const uint16_t *k, int64_t k_st, int64_t k_sh, const uint16_t *v, int64_t v_st,
+                     int64_t v_sh, uint16_t *ck, uint16_t *cv, const int64_t *slots, int64_t tokens,
+                     int64_t kv_heads, int64_t num_slots, int64_t d, int64_t threads) {
+    return kv_write((const char *)k, k_st, k_sh, (const char *)v, v_st, v_sh, (char *)ck, (char *)cv, slots,
+                    tokens, kv_heads, num_slots, d, threads, 2);
 }

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bm.runtime.attention import NO_EXTRAS, LayerExtras
-from bm.runtime.native.args import F32, FLOAT, I64, INT, PTR, bind, fits, pointer, require, unit_stride
+from bm.runtime.native.args import BF16, F32, FLOAT, I64, INT, PTR, bind, fits, pointer, require, unit_stride
 from bm.runtime.native.loader import NativeKernel, load_kernel
 
 _NAME = "paged decode kernel"
@@ -38,31 +38,43 @@ class DecodeRows:
             )
 
 
+_ATTEND = (PTR, INT, INT, PTR, PTR, PTR, PTR, PTR, PTR, *[INT] * 8, FLOAT, FLOAT, PTR, INT, PTR, INT)
+_WRITE = (PTR, INT, INT, PTR, INT, INT, PTR, PTR, PTR, *[INT] * 5)
+
+
 class PagedDecodeKernel(NativeKernel):
-    """Single-token queries attending their own KV blocks, read in place (no gather)."""
+    """Single-token queries attending their own KV blocks, read in place (no gather).
+
+    A float32 cache everywhere; a bf16 cache (bf16 queries and output) where the build has the bf16
+    kernel, the AVX-512 one (``dtypes``): it widens keys and values in registers and computes exactly what
+    the float32 kernel computes on the widened values, reading half the bytes."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = bind(
-            lib, "bm_paged_decode_f32", PTR, INT, INT, PTR, PTR, PTR, PTR, PTR, PTR, *[INT] * 8,
-            FLOAT, FLOAT, PTR, INT, PTR, INT,
-        )  # fmt: skip
-        self._write = bind(lib, "bm_kv_write_f32", PTR, INT, INT, PTR, INT, INT, PTR, PTR, PTR, *[INT] * 5)
+        self._fn = {F32: bind(lib, "bm_paged_decode_f32", *_ATTEND)}
+        self._write = {F32: bind(lib, "bm_kv_write_f32", *_WRITE)}
+        if hasattr(lib, "bm_paged_decode_bf16"):
+            self._fn[BF16] = bind(lib, "bm_paged_decode_bf16", *_ATTEND)
+            self._write[BF16] = bind(lib, "bm_kv_write_bf16", *_WRITE)
+        self.dtypes: tuple[torch.dtype, ...] = tuple(self._fn)
 
     @staticmethod
     def handles(device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cpu" and dtype == torch.float32
+        """Whether some build reads a cache of ``dtype`` on ``device`` (float32 all, bf16 AVX-512's)."""
+        return device.type == "cpu" and dtype in (F32, BF16)
 
-    @classmethod
-    def supports(cls, cache: torch.Tensor) -> bool:
-        return cls.handles(cache.device, cache.dtype) and cache.is_contiguous()
+    def supports(self, cache: torch.Tensor) -> bool:
+        """Whether this build reads ``cache`` in place."""
+        return cache.device.type == "cpu" and cache.dtype in self._fn and cache.is_contiguous()
 
     def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Copy keys ``k`` and values ``v`` [kv_heads, T, d] (any strides, unit along d) into ``cache``'s
         flat slots ``slots`` [T] int64, as ``index_copy_`` along the slot dimension does; False (nothing
         written) where the tensors do not fit the kernel, so the caller copies with torch instead."""
         _, kv_heads, num_blocks, block_size, d = cache.shape
+        write = self._write.get(cache.dtype)
         if not (
-            fits(F32, (k, v, cache), (cache,))
+            write is not None
+            and fits(cache.dtype, (k, v, cache), (cache,))
             and fits(I64, (slots,), (slots,))
             and k.shape == v.shape == (kv_heads, slots.shape[0], d)
             and k.stride(2) == 1
@@ -70,9 +82,9 @@ class PagedDecodeKernel(NativeKernel):
         ):
             return False
         base = cache.data_ptr()
-        status = self._write(
+        status = write(
             k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1), v.stride(0), base,
-            base + 4 * cache.stride(0), slots.data_ptr(), slots.shape[0], kv_heads, num_blocks * block_size, d,
+            base + cache.element_size() * cache.stride(0), slots.data_ptr(), slots.shape[0], kv_heads, num_blocks * block_size, d,
             torch.get_num_threads(),
         )  # fmt: skip
         if status:
@@ -92,12 +104,19 @@ class PagedDecodeKernel(NativeKernel):
         [2, kv_heads, num_blocks, block_size, d]; ``rows``: which rows of ``q``/``out`` attend which blocks.
         ``extras``: the layer's soft-capping (scores become ``softcap * tanh(score / softcap)``), ALiBi
         slopes ([heads] float32: ``slope * (key - query)`` is added to each score) and sink logits ([heads]
-        float32: one more logit per head in the softmax's denominator, gpt-oss)."""
+        float32: one more logit per head in the softmax's denominator, gpt-oss). ``q``, ``out`` and
+        ``cache`` are float32, or all bf16 where the build reads bf16 (``dtypes``)."""
         q = unit_stride(q)
         heads, _, head_dim = q.shape
         _, kv_heads, num_blocks, block_size, cache_dim = cache.shape
         alibi, sinks = extras.alibi, extras.sinks
-        require(_NAME, F32, (q, out, cache, alibi, sinks), (out, cache, alibi, sinks))
+        fn = self._fn.get(cache.dtype)
+        if fn is None:
+            raise ValueError(
+                f"{_NAME}: this build ({self.isa}) reads {', '.join(map(str, self.dtypes))} caches, not {cache.dtype}"
+            )
+        require(_NAME, cache.dtype, (q, out, cache), (out, cache))
+        require(_NAME, F32, (alibi, sinks), (alibi, sinks))
         if head_dim != cache_dim or heads % kv_heads or out.shape[1:] != (heads, head_dim):
             raise ValueError(
                 f"{_NAME}: q {tuple(q.shape)}, out {tuple(out.shape)} and cache "
@@ -106,7 +125,7 @@ class PagedDecodeKernel(NativeKernel):
         if (alibi is not None and alibi.shape != (heads,)) or (sinks is not None and sinks.shape != (heads,)):
             raise ValueError(f"{_NAME}: ALiBi slopes and sink logits must be {heads} values, one a head")
         num_rows, max_blocks = rows.block_table.shape
-        status = self._fn(
+        status = fn(
             q.data_ptr(), q.stride(1), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
             rows.token_index.data_ptr(), rows.block_table.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(),
             num_rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, rows.max_len,

@@ -22,13 +22,19 @@
    Without AVX2/FMA, or with a head size that is not a multiple of 8, the same loops run in plain C.
    AVX-512 builds (bm/cpu_isa.py) hold a panel row in one register and take two panels (S) or
    32 value columns (O) per register tile, and run the softmax in sixteen lanes. Each query row's result
-   depends only on its own keys: tiles cut the chunk, never the batch. */
+   depends only on its own keys: tiles cut the chunk, never the batch.
+
+   bf16 (bm_prefill_attention_bf16, AVX-512 builds): queries, keys and values bf16 (a bf16 model's
+   cache), widened to float32 where they are copied anyway (the queries into the tile, keys and values
+   into the packed panels), the output rounded to bf16. Everything between is the float32 code, so the
+   result is exactly the float32 kernel's on the widened inputs, rounded. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512 */
+#include "bf16.h"
 
 #define KP 16 /* keys per packed panel */
 #define KB 64 /* keys per block of the online softmax */
@@ -38,14 +44,14 @@
 int bm_prefill_attention_vectorized(void) { return BM_HAVE_AVX2; }
 
 typedef struct {
-    const float *q;
+    const void *q; /* float32, or bf16 where k, v, ck, cv and out are (bf16 != 0) */
     int64_t q_st, q_sh;
-    const float *k, *v;
+    const void *k, *v;
     int64_t kv_st, kv_sh;
-    const float *ck, *cv;
+    const void *ck, *cv;
     const int64_t *table;
     int64_t num_blocks, block_size;
-    float *out;
+    void *out;
     int64_t out_st;
     int64_t T, prefix, heads, kv_heads, d;
     float scale;
@@ -53,15 +59,18 @@ typedef struct {
     int64_t keys, panels;
     float *kp; /* [kv_heads][panels][d][KP], zero past the last key */
     float *vp; /* [kv_heads][keys][d] */
+    int bf16;
 } args_t;
 
-static const float *kv_row(const args_t *a, int64_t c, int64_t j, int value) {
+/* Key (value == 0) or value j of kv head c: a float32 or (a->bf16) a bf16 row of d. */
+static const void *kv_row(const args_t *a, int64_t c, int64_t j, int value) {
+    const int64_t esz = a->bf16 ? 2 : 4;
     if (a->table) {
         const int64_t bs = a->block_size;
-        const float *half = value ? a->cv : a->ck;
-        return half + ((c * a->num_blocks + a->table[j / bs]) * bs + j % bs) * a->d;
+        const char *half = value ? a->cv : a->ck;
+        return half + ((c * a->num_blocks + a->table[j / bs]) * bs + j % bs) * a->d * esz;
     }
-    return (value ? a->v : a->k) + j * a->kv_st + c * a->kv_sh;
+    return (const char *)(value ? a->v : a->k) + (j * a->kv_st + c * a->kv_sh) * esz;
 }
 
 static void pack(const args_t *a, int64_t c, int64_t p) {
@@ -69,7 +78,12 @@ static void pack(const args_t *a, int64_t c, int64_t p) {
     float *dst = a->kp + (c * a->panels + p) * d * KP;
     for (int64_t x = 0; x < KP; x++) {
         const int64_t j = p * KP + x;
-        if (j < a->keys) {
+        if (j < a->keys && a->bf16) { /* widened: exact */
+            const uint16_t *kr = kv_row(a, c, j, 0), *vr = kv_row(a, c, j, 1);
+            float *vd = a->vp + (c * a->keys + j) * d;
+            for (int64_t i = 0; i < d; i++) dst[i * KP + x] = bf16_to_f32(kr[i]);
+            for (int64_t i = 0; i < d; i++) vd[i] = bf16_to_f32(vr[i]);
+        } else if (j < a->keys) {
             const float *kr = kv_row(a, c, j, 0);
             for (int64_t i = 0; i < d; i++) dst[i * KP + x] = kr[i];
             memcpy(a->vp + (c * a->keys + j) * d, kv_row(a, c, j, 1), sizeof(float) * (size_t)d);
@@ -445,9 +459,15 @@ static void tile(const args_t *a, int64_t c, int64_t t0, float *buf) {
     const float scale2 = a->scale * 1.44269504088896341f; /* scores in base 2: exp(x) = 2^(x log2 e) */
     for (int64_t t = 0; t < nt; t++)
         for (int64_t h = 0; h < g; h++) {
-            const float *src = a->q + (t0 + t) * a->q_st + (c * g + h) * a->q_sh;
+            const int64_t at = (t0 + t) * a->q_st + (c * g + h) * a->q_sh;
             float *dst = qs + (t * g + h) * d;
-            for (int64_t i = 0; i < d; i++) dst[i] = src[i] * scale2;
+            if (a->bf16) {
+                const uint16_t *src = (const uint16_t *)a->q + at;
+                for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]) * scale2;
+            } else {
+                const float *src = (const float *)a->q + at;
+                for (int64_t i = 0; i < d; i++) dst[i] = src[i] * scale2;
+            }
         }
     memset(o, 0, sizeof(float) * (size_t)(rows * d));
     for (int64_t r = 0; r < rows; r++) {
@@ -468,23 +488,23 @@ static void tile(const args_t *a, int64_t c, int64_t t0, float *buf) {
         for (int64_t h = 0; h < g; h++) {
             const int64_t r = t * g + h;
             const float inv = 1.f / l[r];
-            float *dst = a->out + (t0 + t) * a->out_st + (c * g + h) * d;
-            for (int64_t i = 0; i < d; i++) dst[i] = o[r * d + i] * inv;
+            const int64_t at = (t0 + t) * a->out_st + (c * g + h) * d;
+            if (a->bf16) { /* rounded to nearest even, as torch's .to(torch.bfloat16) */
+                uint16_t *dst = (uint16_t *)a->out + at;
+                for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(o[r * d + i] * inv);
+            } else {
+                float *dst = (float *)a->out + at;
+                for (int64_t i = 0; i < d; i++) dst[i] = o[r * d + i] * inv;
+            }
         }
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated (out is then incomplete).
-   table == NULL: keys and values are the chunk's own (k, v), and prefix must be 0. vectorize == 0 runs
-   the plain C loops even where AVX2 is available (tests compare the two). */
-int bm_prefill_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *k, const float *v,
-                             int64_t kv_st, int64_t kv_sh, const float *ck, const float *cv,
-                             const int64_t *table, int64_t num_blocks, int64_t block_size, float *out,
-                             int64_t out_st, int64_t T, int64_t prefix, int64_t heads, int64_t kv_heads,
-                             int64_t d, float scale, int64_t threads, int64_t vectorize) {
-    args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
-                T, prefix, heads, kv_heads, d, scale, BM_HAVE_AVX2 && vectorize && d % 8 == 0, 0, 0, NULL, NULL};
+/* The chunk's attention over threads: pack every kv head's keys and values, then the query tiles.
+   Returns 0 on success, 1 when scratch memory could not be allocated (out is then incomplete). */
+static int run_chunk(args_t a, int64_t threads) {
+    const int64_t T = a.T, kv_heads = a.kv_heads, d = a.d;
     if (T <= 0) return 0;
-    a.keys = prefix + T;
+    a.keys = a.prefix + T;
     a.panels = (a.keys + KP - 1) / KP;
     const size_t packed = (size_t)(kv_heads * (a.panels * KP * d + a.keys * d));
     float *buf = malloc(sizeof(float) * packed);
@@ -516,3 +536,31 @@ int bm_prefill_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const f
     free(buf);
     return status;
 }
+
+/* Returns 0 on success, 1 when scratch memory could not be allocated (out is then incomplete).
+   table == NULL: keys and values are the chunk's own (k, v), and prefix must be 0. vectorize == 0 runs
+   the plain C loops even where AVX2 is available (tests compare the two). */
+int bm_prefill_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const float *k, const float *v,
+                             int64_t kv_st, int64_t kv_sh, const float *ck, const float *cv,
+                             const int64_t *table, int64_t num_blocks, int64_t block_size, float *out,
+                             int64_t out_st, int64_t T, int64_t prefix, int64_t heads, int64_t kv_heads,
+                             int64_t d, float scale, int64_t threads, int64_t vectorize) {
+    const args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
+                      T, prefix, heads, kv_heads, d, scale, BM_HAVE_AVX2 && vectorize && d % 8 == 0, 0, 0,
+                      NULL, NULL, 0};
+    return run_chunk(a, threads);
+}
+
+#if BM_HAVE_AVX512
+/* The same with q, k, v, the cache halves and out in bf16 (strides in elements): see the header. Only
+   the AVX-512 builds have it, as the bf16 decode kernel (bm.runtime.native.kv_cache_dtype). */
+int bm_prefill_attention_bf16(const uint16_t *q, int64_t q_st, int64_t q_sh, const uint16_t *k,
+                              const uint16_t *v, int64_t kv_st, int64_t kv_sh, const uint16_t *ck,
+                              const uint16_t *cv, const int64_t *table, int64_t num_blocks, int64_t block_size,
+                              uint16_t *out, int64_t out_st, int64_t T, int64_t prefix, int64_t heads,
+                              int64_t kv_heads, int64_t d, float scale, int64_t threads, int64_t vectorize) {
+    const args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
+                      T, prefix, heads, kv_heads, d, scale, vectorize && d % 8 == 0, 0, 0, NULL, NULL, 1};
+    return run_chunk(a, threads);
+}
+#endif

@@ -6,10 +6,11 @@ import ctypes
 
 import torch
 
-from bm.runtime.native.args import F32, FLOAT, I64, INT, PTR, bind, pointer, require, unit_stride
+from bm.runtime.native.args import BF16, F32, FLOAT, I64, INT, PTR, bind, pointer, require, unit_stride
 from bm.runtime.native.loader import NativeKernel, load_kernel
 
 _NAME = "prefill attention kernel"
+_ARGS = (PTR, INT, INT, PTR, PTR, INT, INT, PTR, PTR, PTR, INT, INT, PTR, *[INT] * 6, FLOAT, INT, INT)
 
 
 class PrefillAttentionKernel(NativeKernel):
@@ -20,18 +21,22 @@ class PrefillAttentionKernel(NativeKernel):
     At SmolLM2-135M's shape (head size 64, 9 query heads over 3 kv heads, two threads) 1.6-2.2x torch's
     CPU flash attention on whole prompts of 64-1024 tokens (up to 79% of the 2048^3 matmul peak, against
     SDPA's 50%), 1.4-1.5x after a cached prefix: ``benchmarks/prefill_attention.py``.
+
+    The AVX-512 build also takes bf16 queries, keys, values, cache and output (``dtypes``), widened as
+    they are packed: exactly the float32 kernel's result on the widened inputs, rounded to bf16.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = bind(
-            lib, "bm_prefill_attention_f32", PTR, INT, INT, PTR, PTR, INT, INT, PTR, PTR, PTR, INT, INT, PTR,
-            *[INT] * 6, FLOAT, INT, INT,
-        )  # fmt: skip
+        self._fn = {F32: bind(lib, "bm_prefill_attention_f32", *_ARGS)}
+        if hasattr(lib, "bm_prefill_attention_bf16"):
+            self._fn[BF16] = bind(lib, "bm_prefill_attention_bf16", *_ARGS)
+        self.dtypes: tuple[torch.dtype, ...] = tuple(self._fn)
         self.vectorized = bool(lib.bm_prefill_attention_vectorized())
 
     @staticmethod
     def handles(device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cpu" and dtype == torch.float32
+        """Whether some build attends ``dtype`` on ``device`` (float32 all, bf16 AVX-512's)."""
+        return device.type == "cpu" and dtype in (F32, BF16)
 
     def __call__(
         self,
@@ -54,11 +59,18 @@ class PrefillAttentionKernel(NativeKernel):
         whole prompt (``prefix_len`` 0) attending its own keys ``k``/``v[:, start:end]``; with it, its query
         tokens sit at positions ``prefix_len ..`` and every key, the chunk's own included, is read from
         ``cache`` (one layer's [2, kv_heads, num_blocks, block_size, d]) through ``block_table``, the
-        request's first blocks in order. ``vectorize=False`` runs the plain C loops (for tests)."""
+        request's first blocks in order. ``vectorize=False`` runs the plain C loops (for tests). Every
+        tensor is float32, or every one bf16 where the build takes it (``dtypes``)."""
         heads, _, head_dim = q.shape
         kv_heads = k.shape[0]
         length = end - start
-        require(_NAME, F32, (out, q, k, v), (out,))
+        dtype = q.dtype
+        fn = self._fn.get(dtype)
+        if fn is None:
+            raise ValueError(
+                f"{_NAME}: this build ({self.isa}) takes {', '.join(map(str, self.dtypes))}, not {dtype}"
+            )
+        require(_NAME, dtype, (out, q, k, v), (out,))
         if (
             heads % kv_heads
             or out.shape[1:] != (heads, head_dim)
@@ -76,8 +88,8 @@ class PrefillAttentionKernel(NativeKernel):
         blocks = block_size = 0
         if block_table is not None:
             if cache is None:
-                raise ValueError(f"{_NAME}: a block table needs the float32 contiguous cache")
-            require(_NAME, F32, (cache,), (cache,))
+                raise ValueError(f"{_NAME}: a block table needs the contiguous cache")
+            require(_NAME, dtype, (cache,), (cache,))
             require(_NAME, I64, (block_table,), (block_table,))
             if cache.shape[1] != kv_heads or cache.shape[4] != head_dim:
                 raise ValueError(f"{_NAME}: cache {tuple(cache.shape)} against k {tuple(k.shape)}")
@@ -89,11 +101,12 @@ class PrefillAttentionKernel(NativeKernel):
         elif prefix_len:
             raise ValueError(f"{_NAME}: a cached prefix is read through a block table")
         halves = (None, None) if block_table is None else (cache[0].data_ptr(), cache[1].data_ptr())
-        status = self._fn(
-            q.data_ptr() + start * q.stride(1) * 4, q.stride(1), q.stride(0),
-            k.data_ptr() + start * k.stride(1) * 4, v.data_ptr() + start * v.stride(1) * 4,
+        size = q.element_size()
+        status = fn(
+            q.data_ptr() + start * q.stride(1) * size, q.stride(1), q.stride(0),
+            k.data_ptr() + start * k.stride(1) * size, v.data_ptr() + start * v.stride(1) * size,
             k.stride(1), k.stride(0), *halves, pointer(block_table), blocks, block_size,
-            out.data_ptr() + start * out.stride(0) * 4, out.stride(0),
+            out.data_ptr() + start * out.stride(0) * size, out.stride(0),
             length, prefix_len, heads, kv_heads, head_dim, scaling, torch.get_num_threads(), int(vectorize),
         )  # fmt: skip
         if status:
