@@ -8,12 +8,16 @@ pauses, batch shapes and KV blocks) must match exactly: a difference is a behavi
 whatever its size.
 
 **Timings** are judged against the noise the two runs measured. A shared machine only ever slows a run
-down, so each run's figure is its *best* repeat (highest throughput, lowest latency: the repeat least
-touched by other load, as ``timeit`` reasons), and its *spread* is how far its median repeat is from the
+down, so this run's figure is its *best* repeat (highest throughput, lowest latency: the repeat least
+touched by other load, as ``timeit`` reasons), held against the baseline's *median* repeat: what a
+typical undisturbed repeat of the saved code did. Best against best failed unchanged code whenever this
+run had fewer quiet repeats than the baseline (the best of three is a worse figure than the best of ten
+from the same spread: 2 of 10 gated runs failed by 13-14% that way beside an on/off busy loop); a real
+slowdown slows every repeat, the best too. Each run's *spread* is how far its median repeat is from its
 best: how much one repeat moves on this machine now. (Not the second best's distance: with ten repeats
 the two fastest sit close together by construction, whatever the noise, and a gate built on that gap
 failed three of ten unchanged runs in a quiet sitting, on a 10 ms TTFT whose median repeat was twice its
-best.) A timing regressed only when the new best is worse than the saved best by more than
+best.) A timing regressed only when the new best is worse than the saved median by more than
 ``max(tolerance, noise_factor x the larger of the two spreads)``: a quiet
 machine is held to the tolerance, a noisy one to what its noise allows, and the margin used is reported
 with every check, so a gate too noisy to see a slowdown says so instead of crying wolf. Before it reports
@@ -314,11 +318,12 @@ def judge(
             if p is None or c is None or p.best <= 0:
                 continue
             higher = metric in HIGHER_IS_BETTER
-            worse_by = (p.best - c.best) / p.best if higher else (c.best - p.best) / p.best
+            ref = p.median  # the baseline's typical quiet repeat, which this run's best must reach
+            worse_by = (ref - c.best) / ref if higher else (c.best - ref) / ref
             margin = timing_margin(tolerance, noise_factor, (p.spread, c.spread))
             busy = [(side, t) for side, t in (("baseline", p), ("this run", c)) if not t.judgeable]
             check = TimingCheck(
-                name, metric, p.best, c.best, worse_by, margin, p.spread, c.spread,
+                name, metric, ref, c.best, worse_by, margin, p.spread, c.spread,
                 busy_side=" and ".join(side for side, _ in busy) or None,
                 busy_share=max((t.busiest for _, t in busy if t.busiest is not None), default=None),
             )  # fmt: skip
@@ -327,8 +332,8 @@ def judge(
                 verb = "fell" if higher else "rose"
                 found.append(
                     Regression(
-                        name, metric, p.best, c.best, "timing",
-                        f"{verb} {p.best:.4g} -> {c.best:.4g} (best of {p.repeats} -> best of {c.repeats}; "
+                        name, metric, ref, c.best, "timing",
+                        f"{verb} {ref:.4g} -> {c.best:.4g} (median of {p.repeats} -> best of {c.repeats}; "
                         f"{worse_by:.1%} worse, margin {_margin_text(margin, tolerance, noise_factor, p, c)})",
                     )
                 )  # fmt: skip

@@ -70,7 +70,7 @@ class ThreadGovernor:
     of bm's threads waits for its share of that core, and its teammate spins at the region's barrier
     meanwhile: on 2 cores, one busy process beside ``bm bench`` cut the embedded model from about 22,000
     to 200-1,300 output tok/s, where one thread alone kept 2,900-3,800 (GNU OpenMP's passive waiting kept
-    2,400-6,800 but halved the quiet machine's speed). So every ``window_s`` seconds the engine reads
+    2,400-6,800 but halved the quiet machine's speed). So every ``window_s`` seconds (a tenth: threads come back soon after the load goes) the engine reads
     how many cores' worth other processes used (bm.cpu_load) and computes on the cores left, at least one
     and at most the threads it was given; they come back once the others stop. Results do not change:
     bm's kernels and the forward give the same bits at any thread count (tests pin it).
@@ -81,7 +81,7 @@ class ThreadGovernor:
         threads: int,
         cpus: int,
         *,
-        window_s: float = 0.25,
+        window_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         read: Callable[[], CpuTicks | None] = read_ticks,
         set_threads: Callable[[int], None] | None = None,
