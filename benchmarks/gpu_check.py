@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -281,6 +282,11 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     log(f"{name}: bm start-up {figures['startup_s']:.1f} s")
     _, figures["bm_first_run"] = timed_bm(loaded, rows, config, executor)
     bm_result, figures["bm"] = timed_bm(loaded, rows, config, executor)
+    # the same steady run in the seed's order (engine.overlap_scheduler off): what overlap is worth
+    in_order = dataclasses.replace(config, engine=dataclasses.replace(config.engine, overlap_scheduler="off"))
+    off_result, figures["bm_overlap_off"] = timed_bm(loaded, rows, in_order, executor)
+    figures["overlap_speedup"] = bm_result.output_tok_s / off_result.output_tok_s
+    log(f"{name}: bm with overlap off {off_result.output_tok_s:.0f} output tok/s")
     del executor  # its KV cache, before the roofline's and the peers' memory
     release_memory(device)
     figures["fused_elementwise"] = dict(loaded.fused_elementwise)

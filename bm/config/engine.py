@@ -159,10 +159,8 @@ class EngineConfig:
     )
     overlap_scheduler: str = knob(
         "auto",
-        "Schedule and launch iteration n+1 while iteration n computes, reading n's tokens after (a request "
-        "that ends is found one iteration late and its extra row is thrown away; outputs do not change): "
-        "auto (where the executor runs ahead of the host on a GPU), on (any executor; beams, drafts, "
-        "structured output and n-sample forks still run in order), off (the seed's order).",
+        "Launch iteration n+1 before reading n's tokens, same outputs (docs/scheduling.md): auto (CUDA), "
+        "on, off.",
         on_off_auto,
     )
     speculative: dict | None = knob(  # noqa: RUF009

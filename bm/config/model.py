@@ -113,10 +113,7 @@ class ModelConfig:
     )
     yield_cores: str = knob(
         "auto",
-        "On the CPU, compute on fewer threads while other processes hold cores, and take them back when "
-        "they stop (a thread sharing a core stalls every parallel region: one busy process beside a "
-        "2-core run made it up to 10x slower): auto and on (CPU engines of 2+ threads), off (keep the "
-        "thread count fixed). Results are the same bits either way.",
+        "CPU: fewer threads while other processes hold cores, same bits (docs/performance.md): auto, on, off.",
         on_off_auto,
     )
     fused_elementwise: str = knob(
