@@ -55,7 +55,7 @@ def compare(
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
     tolerance: str = typer.Option("10%", "--tolerance", help="Timing change against --baseline always allowed; more is allowed when the runs measured more noise (--noise-factor).", rich_help_panel=GATES),
-    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [3 x --repeat]", show_default=False, rich_help_panel=GATES),
+    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [6 x --repeat]", show_default=False, rich_help_panel=GATES),
     noise_factor: float = typer.Option(1.0, "--noise-factor", help="A timing regressed only when worse than the baseline by more than max(--tolerance, this x the larger measured spread: a median repeat's distance from the best); 0: by --tolerance alone.", rich_help_panel=GATES),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines or progress bars.", rich_help_panel=RUN),
     **shared: Any,
@@ -85,7 +85,7 @@ def compare(
             repeat = BASELINE_REPEATS if baseline is not None else 1
         if repeat < 1:
             raise ConfigError(f"--repeat {repeat}: must be at least 1")
-        most = 3 * repeat if max_repeat is None else max_repeat
+        most = 6 * repeat if max_repeat is None else max_repeat
         if most < repeat:
             raise ConfigError(f"--max-repeat {most}: must be at least --repeat ({repeat})")
         if hf_batch_size < 1:
