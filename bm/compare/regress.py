@@ -7,19 +7,18 @@ request arrives at t=0, the engine's iterations, computed and padded token slots
 pauses, batch shapes and KV blocks) must match exactly: a difference is a behaviour change, not noise,
 whatever its size.
 
-**Timings** are judged against the noise the two runs measured. A shared machine only ever slows a run
-down, so this run's figure is its *best* repeat (highest throughput, lowest latency: the repeat least
-touched by other load, as ``timeit`` reasons), held against the baseline's *median* repeat: what a
-typical undisturbed repeat of the saved code did. Best against best failed unchanged code whenever this
-run had fewer quiet repeats than the baseline (the best of three is a worse figure than the best of ten
-from the same spread: 2 of 10 gated runs failed by 13-14% that way beside an on/off busy loop); a real
-slowdown slows every repeat, the best too. Each run's *spread* is how far its median repeat is from its
-best: how much one repeat moves on this machine now. (Not the second best's distance: with ten repeats
-the two fastest sit close together by construction, whatever the noise, and a gate built on that gap
-failed three of ten unchanged runs in a quiet sitting, on a 10 ms TTFT whose median repeat was twice its
-best.) A timing regressed only when the new best is worse than the saved median by more than
-``max(tolerance, noise_factor x the larger of the two spreads)``: a quiet
-machine is held to the tolerance, a noisy one to what its noise allows, and the margin used is reported
+**Timings** are judged against the noise the two runs measured, on the repeats that had the machine to
+themselves (bm.compare.load: other processes took at most 5% of the CPU). Other load only ever slows a
+run down; the quiet filter takes it out, and what is left moves both ways (on a 2-core VM, undisturbed
+repeats of one run spread from 14,000 to 23,000 tok/s, with stretches of 40 s or more 20-25% slow). So
+each run's figure is its *median* quiet repeat, held against the baseline's: a typical repeat against
+a typical repeat, whatever the number of repeats on each side. (Best against best failed unchanged code
+whenever this run had fewer quiet repeats than the baseline; this run's best against the baseline's
+median let a planted 30% slowdown through once 30 repeats gave it a lucky one.) A run's *spread* is how
+far its median repeat is from its best: how much one repeat moves on this machine now. A timing
+regressed only when the new median is worse than the saved median by more than
+``max(tolerance, noise_factor x the larger of the two spreads)``: a quiet machine is held to the
+tolerance, a noisy one to what its noise allows, and the margin used is reported
 with every check, so a gate too noisy to see a slowdown says so instead of crying wolf. Before it reports
 a timing regression, or when the noise left a margin wider than the tolerance, ``bm compare`` measures
 more rounds (up to ``--max-repeat``) and judges again (:func:`rounds_to_settle`): load comes and goes, a
@@ -125,6 +124,11 @@ class TimingSummary:
     @property
     def judgeable(self) -> bool:
         return self.quiet is None or self.quiet > 0
+
+    @property
+    def quiet_count(self) -> int:
+        """The repeats the figures come from (every repeat when none was quiet or load is unknown)."""
+        return self.quiet or self.repeats
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -318,12 +322,13 @@ def judge(
             if p is None or c is None or p.best <= 0:
                 continue
             higher = metric in HIGHER_IS_BETTER
-            ref = p.median  # the baseline's typical quiet repeat, which this run's best must reach
-            worse_by = (ref - c.best) / ref if higher else (c.best - ref) / ref
+            # typical quiet repeat against typical quiet repeat (module docstring)
+            ref, now = p.median, c.median
+            worse_by = (ref - now) / ref if higher else (now - ref) / ref
             margin = timing_margin(tolerance, noise_factor, (p.spread, c.spread))
             busy = [(side, t) for side, t in (("baseline", p), ("this run", c)) if not t.judgeable]
             check = TimingCheck(
-                name, metric, ref, c.best, worse_by, margin, p.spread, c.spread,
+                name, metric, ref, now, worse_by, margin, p.spread, c.spread,
                 busy_side=" and ".join(side for side, _ in busy) or None,
                 busy_share=max((t.busiest for _, t in busy if t.busiest is not None), default=None),
             )  # fmt: skip
@@ -332,8 +337,8 @@ def judge(
                 verb = "fell" if higher else "rose"
                 found.append(
                     Regression(
-                        name, metric, ref, c.best, "timing",
-                        f"{verb} {ref:.4g} -> {c.best:.4g} (median of {p.repeats} -> best of {c.repeats}; "
+                        name, metric, ref, now, "timing",
+                        f"{verb} {ref:.4g} -> {now:.4g} (median of {p.quiet_count} -> median of {c.quiet_count}; "
                         f"{worse_by:.1%} worse, margin {_margin_text(margin, tolerance, noise_factor, p, c)})",
                     )
                 )  # fmt: skip

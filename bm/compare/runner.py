@@ -375,7 +375,7 @@ def compare_markdown(result: CompareResult) -> str:
         if result.timing_checks:
             lines += [
                 "",
-                "| timing | baseline best | this run's best | worse by | margin |",
+                "| timing | baseline median | this run's median | worse by | margin |",
                 "|---|---:|---:|---:|---:|",
             ]
             lines += [
@@ -396,9 +396,9 @@ def gate_rule(result: CompareResult) -> str:
     shares = [r.get(BACKGROUND_SHARE) for v in result.variants for r in v.repeats]
     quiet = sum(is_quiet(s) for s in shares)
     return (
-        f"Counters must match exactly; each timing's best of {result.repeat} repeat(s) ({quiet} of "
+        f"Counters must match exactly; each timing's median over {result.repeat} repeat(s) ({quiet} of "
         f"{len(shares)} runs had the machine to themselves, others at most {QUIET_SHARE:.0%} of the CPU; "
-        f"only those are judged) may be worse than the baseline's by at most max(tolerance {tol:.0%}, "
+        f"only those count) may be worse than the baseline's median by at most max(tolerance {tol:.0%}, "
         f"{k:g} x the larger measured spread): margins used {span}."
     )
 
