@@ -37,13 +37,13 @@ for i in $(seq 1 10); do
     $BM compare "${WORKLOAD[@]}" --baseline "$OUT/base/compare.json" -o "$OUT/same-$i" > "$OUT/same-$i.log" 2>&1
     rc=$?
     [ "$rc" = 0 ] && green=$((green + 1))
-    echo "unchanged run $i: exit $rc; $(grep -o 'best of [0-9]* repeat(s).*margins used .*' "$OUT/same-$i.log" | sed 's/ may be.*margins used/, margins/')"
+    echo "unchanged run $i: exit $rc; $(grep -o 'median over [0-9]* repeat(s).*margins used .*' "$OUT/same-$i.log" | sed 's/ may be.*margins used/, margins/')"
     grep -E '^(regression|note):' "$OUT/same-$i.log"
 done
 
 $PY "$HERE/planted_slowdown.py" 0.3 compare "${WORKLOAD[@]}" --baseline "$OUT/base/compare.json" -o "$OUT/slowed" > "$OUT/slowed.log" 2>&1
 red=$?
-echo "planted 30% slowdown: exit $red; $(grep -o 'best of [0-9]* repeat(s).*margins used .*' "$OUT/slowed.log" | sed 's/ may be.*margins used/, margins/')"
+echo "planted 30% slowdown: exit $red; $(grep -o 'median over [0-9]* repeat(s).*margins used .*' "$OUT/slowed.log" | sed 's/ may be.*margins used/, margins/')"
 grep -E '^(regression|note):' "$OUT/slowed.log"
 
 [ -n "$LOAD_PID" ] && kill -- -"$LOAD_PID" 2>/dev/null && LOAD_PID=

@@ -183,6 +183,16 @@ def test_a_cancelled_request_returns_its_tokens_without_placeholders():
     assert core._in_flight is None and core.kv_cache_manager.pool.num_used_blocks == 0
 
 
+def test_cancelling_the_last_request_leaves_no_iteration_in_flight():
+    core = fake_core("on")
+    assert core.add_request(Request(0, [5, 6, 7, 8], 20)) is None
+    core.step()
+    core.step()
+    assert core.in_flight
+    assert core.cancel(0) is not None
+    assert not core.in_flight and not core.num_active
+
+
 def test_every_iteration_reports_its_stats_once_an_iteration_later():
     off = outcome(fake_core("off"), mixed_requests(6))["run"]["records"]
     on = outcome(fake_core("on"), mixed_requests(6))["run"]["records"]

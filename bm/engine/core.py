@@ -506,6 +506,7 @@ class EngineCore:
             strip_pending([member])  # its row in flight, if any, is thrown away
             self._end(member, out, error)
         self._decode = None
+        self._drop_orphan_flight()
         return out.responses[0] if out.responses else None
 
     def finish_all(self, reason: FinishReason, error: str = "") -> list[Response]:
@@ -513,10 +514,14 @@ class EngineCore:
         ids = [rid for rid, r in self._active.items() if r.sample_parent is None and rid not in self.families]
         responses = [self.cancel(rid, reason, error) for rid in [*ids, *self.families.root_ids()]]
         self._held.clear()
-        if self._in_flight is not None:  # every row in it belongs to a request just ended
+        return [r for r in responses if r is not None]
+
+    def _drop_orphan_flight(self) -> None:
+        """With nothing active left, an iteration in flight holds only rows of ended requests: collect
+        it and throw it away, rather than leave it for the next request's first step to report."""
+        if self._in_flight is not None and not self._active:
             self.launcher.collect(self._in_flight.handle)
             self._in_flight = None
-        return [r for r in responses if r is not None]
 
     # -- stats and checks -----------------------------------------------------------------------------
 
