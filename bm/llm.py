@@ -243,12 +243,6 @@ class LLM:
 
     def _check_output_params(self, params: SamplingParams) -> None:
         """What only this model can judge of the parameters that shape the output LLM returns."""
-        if params.prompt_logprobs is not None and self.config.kv_cache.enable_block_reuse:
-            raise InvalidParameterError(
-                "SamplingParams.prompt_logprobs: the prompt positions taken from the prefix cache are "
-                "never computed, so their log probs cannot be returned; build the LLM with "
-                "enable_prefix_caching=False (bm's default)"
-            )
         if not params.skip_special_tokens and getattr(self.tokenizer, "tokenizer", None) is None:
             raise InvalidParameterError(
                 "SamplingParams.skip_special_tokens: False writes special tokens as the tokenizer spells "

@@ -224,13 +224,17 @@ def test_prompt_logprobs_are_the_models_log_probs_of_each_prompt_token_in_vllms_
     assert llm.generate([ids[:3]], bm.SamplingParams(max_tokens=1))[0].prompt_logprobs is None
 
 
-def test_prompt_logprobs_beside_prefix_caching_is_refused_before_anything_runs(monkeypatch):
-    """Prompt positions taken from the prefix cache are never computed, so their log probs do not exist;
-    the request is refused naming the fix rather than answered with some positions missing."""
+def test_prompt_logprobs_beside_prefix_caching_are_every_prompt_positions(llm):
+    """A request asking for prompt log probs computes its whole prompt even when its prefix is cached
+    (a cached position has no logits), so prefix caching changes nothing in the answer."""
     cached = bm.LLM("tiny-random", device="cpu", kv_cache=KV, enable_prefix_caching=True)
-    monkeypatch.setattr(cached, "session", lambda *a: pytest.fail("an engine ran for a refused request"))
-    with pytest.raises(bm.InvalidParameterError, match=r"prompt_logprobs: .*enable_prefix_caching=False"):
-        cached.generate([[5, 6]], bm.SamplingParams(prompt_logprobs=1))
+    prompt = list(range(5, 45))
+    params = bm.SamplingParams(max_tokens=2, prompt_logprobs=1)
+    # the first computes the prompt's blocks and the second would take them from the cache
+    _, again = cached.generate([prompt, prompt], [bm.SamplingParams(max_tokens=2), params])
+    [plain] = llm.generate([prompt], params)
+    assert len(again.prompt_logprobs) == len(prompt)
+    assert again.prompt_logprobs == plain.prompt_logprobs
 
 
 def test_skip_special_tokens_false_writes_them_as_a_checkpoints_tokenizer_spells_them(tmp_path, tiny_model):

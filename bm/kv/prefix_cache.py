@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from bm.kv.block_hash import ROOT_HASH, BlockKey, chain_hash
 from bm.kv.block_pool import BlockPool, require
 from bm.kv.tables import NO_BLOCK, RequestBlocks
-from bm.kv.types import NO_MATCH, KVRequest, PrefixMatch, beam_width_of, block_extra_keys_of
+from bm.kv.types import (
+    NO_MATCH,
+    KVRequest,
+    PrefixMatch,
+    beam_width_of,
+    block_extra_keys_of,
+    takes_cached_prefix,
+)
 
 
 class PrefixCache:
@@ -34,9 +41,10 @@ class PrefixCache:
         At most ``num_tokens - 1`` tokens match, so a request whose whole context is cached still
         computes its last token (the one whose logits are sampled). ``released``: references that
         requests the same plan frees first hold on each block, which then count as cached, not held.
-        Beam requests match nothing: their beams fork the table (see the README).
+        Beam requests match nothing: their beams fork the table (see the README); nor does a request
+        that computes its whole prompt (:func:`~bm.kv.types.takes_cached_prefix`).
         """
-        if beam_width_of(request) > 1:
+        if not takes_cached_prefix(request):
             return NO_MATCH
         bs = self.tokens_per_block
         extra = block_extra_keys_of(request)

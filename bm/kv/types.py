@@ -14,8 +14,8 @@ class KVRequest(Protocol):
     """Every field the KV manager and its helpers read of a request (the scheduler's ``LlmRequest``
     satisfies it); nothing in ``bm.kv`` reads a request field this protocol does not name.
 
-    The first five members are required. The last four describe tables shared between beams or samples
-    and keys beside the tokens; they are optional, so that a bare sequence (a test's, a tool's) can drive
+    The first five members are required. The last five describe tables shared between beams or samples,
+    keys beside the tokens and requests that compute their whole prompt; they are optional, so that a bare sequence (a test's, a tool's) can drive
     the manager: a request type without one reads as its default, and only through the readers below
     (:func:`beam_width_of`, :func:`sharing_of`, :func:`block_extra_keys_of`), the one place the defaults
     are written.
@@ -63,6 +63,12 @@ class KVRequest(Protocol):
         table's digest, a LoRA task id): blocks are shared by reuse only when these are equal too."""
         ...
 
+    @property
+    def computes_prompt(self) -> bool:
+        """Optional, default False. Every prompt position must be computed (its context logits were
+        asked for), so it takes no cached prefix; its blocks are still registered for others."""
+        ...
+
 
 def beam_width_of(request: KVRequest) -> int:
     """``request.beam_width``, 1 for a request type without beams."""
@@ -78,6 +84,12 @@ def sharing_of(request: KVRequest) -> tuple[int, int, bool]:
         getattr(request, "num_pending_samples", 0),
         getattr(request, "shares_blocks", False),
     )
+
+
+def takes_cached_prefix(request: KVRequest) -> bool:
+    """Whether the request may take cached blocks: not a beam request (beams fork the table) nor one
+    whose every prompt position must be computed (context logits: a cached position has none)."""
+    return beam_width_of(request) == 1 and not getattr(request, "computes_prompt", False)
 
 
 def block_extra_keys_of(request: KVRequest) -> tuple:

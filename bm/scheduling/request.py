@@ -178,6 +178,12 @@ class LlmRequest:
         return self.model_inputs.block_extra_keys if self.model_inputs is not None else ()
 
     @property
+    def computes_prompt(self) -> bool:
+        """Its context logits were asked for: every prompt position is computed, none taken from the
+        prefix cache (a cached position has no logits), whatever ``kv_cache.enable_block_reuse``."""
+        return self.controls is not None and self.controls.return_context_logits
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 

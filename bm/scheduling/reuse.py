@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from bm.kv import KVCacheManager, chain_hash
 from bm.kv.block_hash import ROOT_HASH
+from bm.kv.types import takes_cached_prefix
 from bm.scheduling.request import LlmRequest
 
 
@@ -20,9 +21,10 @@ def first_new_block(kv: KVCacheManager, request: LlmRequest) -> tuple[int, int] 
     """``(index, chain hash)`` of the request's first full block not in the cache; None when all are.
 
     Every full block of the known tokens counts (the last token included), as in TRT-LLM, so a request
-    whose whole prompt is cached in full blocks contributes nothing new. Beam requests never reuse.
+    whose whole prompt is cached in full blocks contributes nothing new. Beam requests, and requests
+    that compute their whole prompt, never reuse.
     """
-    if not kv.enable_block_reuse or request.beam_width > 1:
+    if not kv.enable_block_reuse or not takes_cached_prefix(request):
         return None
     bs = kv.tokens_per_block
     extra = kv.block_extra_keys(request)
