@@ -88,6 +88,40 @@ def _dot(a, b, DOT: tl.constexpr):
 # variant per class of each (1, a multiple of 16, neither: up to nine prompt variants, about 0.5 s each,
 # met mid-run by the first steps of a new mix; gpu_check's first run on an H100 paid 1.8 s of them after
 # warm-up). Neither feeds vectorized addressing, so they are left unspecialized: one variant per tile.
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, bound, query_pos, slope, scale, softcap, window, sink_tokens, table_row_ptr,
+    k_cache_ptr, v_cache_ptr, c_head, c_stride_b, c_stride_t, offs_d, d_ok,
+    BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_WINDOW: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys ``start...`` (those below ``bound``) read through the sequence's block table and
+    folded into the online softmax of ``q``'s rows (running max ``m_i``, sum ``l_i``, output ``acc``),
+    the one tile step of both attention kernels. ``query_pos``: each row's position, as a column (one
+    per row) or a single value (a decode row's query heads)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    blk = tl.load(table_row_ptr + offs_n // TOKENS_PER_BLOCK, mask=offs_n < bound, other=-1)
+    n_ok = (offs_n < bound) & (blk >= 0)  # a block outside every window may be gone (-1)
+    slot = c_head + blk.to(tl.int64) * c_stride_b + (offs_n % TOKENS_PER_BLOCK) * c_stride_t
+    k = tl.load(k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    s = _dot(q, k, DOT) * scale
+    if USE_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    if USE_ALIBI:
+        s += slope[:, None] * (offs_n[None, :] - query_pos).to(tl.float32)
+    allowed = n_ok[None, :] & (offs_n[None, :] <= query_pos)
+    if USE_WINDOW:
+        allowed &= (offs_n[None, :] > query_pos - window) | (offs_n[None, :] < sink_tokens)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
 def paged_attention_kernel(
     out_ptr,
@@ -157,6 +191,7 @@ def paged_attention_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
 
@@ -167,33 +202,11 @@ def paged_attention_kernel(
         kv_start = tl.where(sink_tokens == 0, lowest, 0)
     c_head = kv_head.to(tl.int64) * c_stride_h
     for start in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        blk = tl.load(
-            block_table_ptr + seq * bt_stride + offs_n // TOKENS_PER_BLOCK, mask=offs_n < kv_end, other=-1
-        )
-        n_ok = (offs_n < kv_end) & (blk >= 0)  # a block outside every window may be gone (-1)
-        slot = c_head + blk.to(tl.int64) * c_stride_b + (offs_n % TOKENS_PER_BLOCK) * c_stride_t
-        k = tl.load(
-            k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
-        )
-        s = _dot(q, k, DOT) * scale
-        if USE_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        if USE_ALIBI:
-            s += slope[:, None] * (offs_n[None, :] - query_pos[:, None]).to(tl.float32)
-        allowed = n_ok[None, :] & (offs_n[None, :] <= query_pos[:, None])
-        if USE_WINDOW:
-            allowed &= (offs_n[None, :] > query_pos[:, None] - window) | (offs_n[None, :] < sink_tokens)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start, kv_end, query_pos[:, None], slope, scale, softcap, window,
+            sink_tokens, block_table_ptr + seq * bt_stride, k_cache_ptr, v_cache_ptr, c_head, c_stride_b,
+            c_stride_t, offs_d, d_ok, BLOCK_N, TOKENS_PER_BLOCK, USE_SOFTCAP, USE_ALIBI, USE_WINDOW, DOT,
+        )  # fmt: skip
 
     acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no keys, nothing stored
     dst = out_ptr + token[:, None] * o_stride_t + head[:, None].to(tl.int64) * o_stride_h + offs_d[None, :]
@@ -298,39 +311,18 @@ def split_kv_decode_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
 
     c_head = kv_head.to(tl.int64) * c_stride_h
     for tile in range(first, last):
         start = tile * BLOCK_N + tl.where(tile >= sink_tiles, shift, 0)
-        offs_n = start + tl.arange(0, BLOCK_N)
-        blk = tl.load(
-            block_table_ptr + seq * bt_stride + offs_n // TOKENS_PER_BLOCK, mask=offs_n < seq_len, other=-1
-        )
-        n_ok = (offs_n < seq_len) & (blk >= 0)  # a block outside every window may be gone (-1)
-        slot = c_head + blk.to(tl.int64) * c_stride_b + (offs_n % TOKENS_PER_BLOCK) * c_stride_t
-        k = tl.load(
-            k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
-        )
-        s = _dot(q, k, DOT) * scale
-        if USE_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        if USE_ALIBI:
-            s += slope[:, None] * (offs_n[None, :] - query_pos).to(tl.float32)
-        allowed = n_ok[None, :] & (offs_n[None, :] <= query_pos)
-        if USE_WINDOW:
-            allowed &= (offs_n[None, :] > query_pos - window) | (offs_n[None, :] < sink_tokens)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start, seq_len, query_pos, slope, scale, softcap, window, sink_tokens,
+            block_table_ptr + seq * bt_stride, k_cache_ptr, v_cache_ptr, c_head, c_stride_b, c_stride_t,
+            offs_d, d_ok, BLOCK_N, TOKENS_PER_BLOCK, USE_SOFTCAP, USE_ALIBI, USE_WINDOW, DOT,
+        )  # fmt: skip
 
     part = ((seq * GROUP * tl.num_programs(1) + head) * num_splits + split).to(tl.int64)
     tl.store(part_max_ptr + part, m_i, mask=row_ok)
