@@ -1,7 +1,7 @@
 """From a forward's logits to each request's next token(s): controls, sampling, log probs, beam steps.
 
 A batch where no request asked for anything beyond temperature / top-k / top-p goes straight to the
-sampler, exactly as before these features existed. Otherwise the controls of :mod:`bm.runtime.logits`
+sampler (:meth:`Decoder.decode_on_device`, its tokens left on the device). Otherwise the controls of :mod:`bm.runtime.logits`
 run over the batch, beam requests take a beam-search step on their rows (HF applies its processors to
 log-probabilities in beam search, so bm does too), and log probs are read off the processed
 distribution (``log_softmax(logits / temperature)`` before top-k/top-p; temperature 1 for greedy rows).
@@ -54,11 +54,10 @@ class Decoder:
     def decode(
         self, logits: torch.Tensor, requests: Sequence[LlmRequest], beams: Sequence[int]
     ) -> DecodeResult:
-        """``logits [rows, vocab]``; row ``i`` belongs to ``requests[i]`` (beam ``beams[i]``)."""
+        """``logits [rows, vocab]``; row ``i`` belongs to ``requests[i]`` (beam ``beams[i]``). A batch
+        where no row asks for more than the sampler goes to :meth:`decode_on_device` instead."""
         params = [r.sampling for r in requests]
         ids = [r.request_id for r in requests]
-        if all(r.decoding is None for r in requests):
-            return DecodeResult(self.sampler.sample(logits, params, ids))
 
         rows: list[LogitsRow | None] = []
         beam_rows: dict[int, list[int]] = {}
