@@ -21,7 +21,7 @@ from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import DecodeRows, kv_cache_dtype, paged_decode_kernel, prefill_attention_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import make_config, random_prompts
-from tests.native_variants import ISAS, each_isa
+from tests.native_variants import ISAS, each_isa, scattered_tables
 
 BF16_ISAS = [isa for isa in ISAS if isa in BF16_KV_ISAS]
 needs_bf16_build = pytest.mark.skipif(
@@ -39,16 +39,8 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
 
 def _paged(kv_heads, num_blocks, bs, d, lengths, g):
     """A cache of bf16 values and each row's blocks, scattered over it."""
-    assert num_blocks >= sum(-(-n // bs) for n in lengths)
     cache = _rounded(torch.randn(2, kv_heads, num_blocks, bs, d, generator=g) * 2)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, used = [], 0
-    for n in lengths:
-        k = -(-n // bs)
-        tables.append(perm[used : used + k])
-        used += k
-    width = max(len(t) for t in tables)
-    return cache, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return cache, scattered_tables(lengths, num_blocks, bs, g)
 
 
 @each_isa

@@ -54,8 +54,8 @@ def test_run_reads_prompts_piped_on_stdin(tmp_path):
     assert assert_ran_both_lines(piped)["prompts"] == "/dev/stdin"
 
 
-def test_run_reads_a_process_substitution(tmp_path):
-    """``bm run <(...)`` names a pipe under /dev/fd: read once, completely."""
+def invoke_on_a_pipe(command: str, out) -> object:
+    """``bm COMMAND <(...)``: the CLI reads a pipe under /dev/fd that a thread is writing the lines to."""
     read_end, write_end = os.pipe()
 
     def feed():
@@ -64,12 +64,17 @@ def test_run_reads_a_process_substitution(tmp_path):
 
     writer = threading.Thread(target=feed)
     writer.start()
-    out = tmp_path / "out"
     try:
-        result = runner.invoke(app, ["run", f"/dev/fd/{read_end}", "-o", str(out), *CPU])
+        return runner.invoke(app, [command, f"/dev/fd/{read_end}", "-o", str(out), *CPU])
     finally:
         writer.join()
         os.close(read_end)
+
+
+def test_run_reads_a_process_substitution(tmp_path):
+    """``bm run <(...)`` names a pipe under /dev/fd: read once, completely."""
+    out = tmp_path / "out"
+    result = invoke_on_a_pipe("run", out)
     assert result.exit_code == 0, result.output
     assert_ran_both_lines(out)
 
@@ -202,20 +207,8 @@ def test_bench_reads_a_piped_or_gzipped_dataset_as_it_reads_the_named_file(tmp_p
 
 
 def test_bench_reads_a_process_substitution(tmp_path):
-    read_end, write_end = os.pipe()
-
-    def feed():
-        with os.fdopen(write_end, "wb") as f:
-            f.write(LINES)
-
-    writer = threading.Thread(target=feed)
-    writer.start()
     out = tmp_path / "out"
-    try:
-        result = runner.invoke(app, ["bench", f"/dev/fd/{read_end}", "-o", str(out), *CPU])
-    finally:
-        writer.join()
-        os.close(read_end)
+    result = invoke_on_a_pipe("bench", out)
     assert result.exit_code == 0, result.output
     assert json.loads((out / "results.json").read_text())["completed"] == 2
 

@@ -11,7 +11,7 @@ from bm.runtime.attention import LayerExtras
 from bm.runtime.native import ENV_SWITCH, DecodeRows, paged_decode_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
-from tests.native_variants import ISAS, each_isa
+from tests.native_variants import ISAS, each_isa, scattered_tables
 
 kernel = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: bm runs the torch path")
@@ -78,14 +78,7 @@ def test_native_decode_matches_torch_attention(heads, kv_heads, head_dim, block_
     num_blocks = 64
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=g)
     lengths = [1, 2, block_size - 1, block_size, block_size + 1, 7 * block_size + 3, 9, 100]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, used = [], 0
-    for n in lengths:
-        k = -(-n // block_size)
-        tables.append(perm[used : used + k])
-        used += k
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    table = scattered_tables(lengths, num_blocks, block_size, g)
     tokens = 20
     # [heads, tokens, d] as a transposed view of [tokens, heads, d], the way transformers hands it over
     q = torch.randn(tokens, heads, head_dim, generator=g).transpose(0, 1)
@@ -123,14 +116,7 @@ def test_native_decode_softcap_alibi_window_and_sinks_match_direct_attention(
     num_blocks = 48
     cache = torch.randn(2, kv_heads, num_blocks, bs, head_dim, generator=g) * 3  # large scores: softcap bites
     lengths = [1, 3, 4, 5, 13, 40, 9, 27]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, used = [], 0
-    for n in lengths:
-        k = -(-n // bs)
-        tables.append(perm[used : used + k])
-        used += k
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    table = scattered_tables(lengths, num_blocks, bs, g)
     if window is not None:  # blocks wholly before the window are released: poison and unlink them
         for row, n in enumerate(lengths):
             for b in range(max(0, n - window) // bs):
