@@ -204,6 +204,22 @@ def test_every_iteration_reports_its_stats_once_an_iteration_later():
     assert generated == sum(s.stats.generation_tokens for s in off if s.stats is not None)
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_iteration_latencies_add_up_to_the_run_not_twice_it(overlap):
+    """Under overlap two iterations are in flight at once: each one's latency starts where the previous
+    one's collection ended, so the latencies tile the run as they do in order (a clock that ticks one
+    second a reading makes every stretch visible)."""
+    ticks = iter(range(10**6))
+    config = config_from_dict(
+        {"engine": {"overlap_scheduler": overlap}, "kv_cache": {"tokens_per_block": 4, "max_tokens": 512}}
+    )
+    core = EngineCore(config, FakeExecutor(VOCAB, chain=True), clock=lambda: float(next(ticks)))
+    stats = [s.stats for s in run_all(core, mixed_requests(6))["records"] if s.stats is not None]
+    assert all(s.latency_ms > 0 for s in stats)
+    total, run = sum(s.latency_ms for s in stats), stats[-1].elapsed_s * 1e3
+    assert run / 2 < total <= run
+
+
 def test_auto_overlaps_only_an_executor_that_runs_ahead_of_the_host():
     class RunsAhead(FakeExecutor):
         overlaps_host = True

@@ -132,6 +132,7 @@ class EngineCore:
             log.warning("bm: %s", refused)
         self.launcher = launcher_for(executor, overlap=self.overlap)
         self._in_flight: Flight | None = None  # overlap: the iteration launched and not yet collected
+        self._last_collect: float | None = None  # when the previous iteration's stats were taken
         self._can_fast_forward = not self.overlap and supports_fast_forward(
             executor,
             self.scheme,
@@ -325,6 +326,11 @@ class EngineCore:
     ) -> IterationStats:
         """The iteration's stats line (the seed's fields and bm's)."""
         now = self.clock()
+        # An iteration's latency runs from its launch, or from the previous iteration's collection if
+        # that came later: under overlap the two are in flight together, and counting from launch would
+        # count each stretch twice (latencies summing to twice the run). In order, launch comes later.
+        begin = flight.started if self._last_collect is None else max(flight.started, self._last_collect)
+        self._last_collect = now
         stats = iteration_stats(
             flight.plan,
             counts,
@@ -335,7 +341,7 @@ class EngineCore:
             used_blocks=usage.used_blocks,
             num_finished=len(out.finished_ids),
             elapsed_s=now - self._start_time,
-            latency_ms=(now - flight.started) * 1e3,
+            latency_ms=(now - begin) * 1e3,
             reuse=flight.reuse,
         )
         stats.num_forwards = result.num_forwards
