@@ -18,10 +18,14 @@ Every model has random weights built from a config (no file to carry). One JSON 
 - ``throughput``: output tok/s at ``--requests`` requests on a 1B-class Llama shape and SmolLM2-135M's
   shape, bm against HF ``generate()`` (left-padded batches) and transformers' continuous batching. bm's
   runs share one executor per shape, as ``bm.LLM`` does; its start-up (KV cache, warm-up) is timed apart
-  as ``startup_s``, then ``bm_first_run`` and ``bm`` (the steady state) are both timed after it;
+  as ``startup_s``, then ``bm_first_run`` and ``bm`` (the steady state: the median of three runs,
+  alternated with three in the seed's order, ``bm_overlap_off``; ``overlap_speedup`` their ratio) are
+  timed after it;
 - ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
   over the copy bandwidth measured in the same run, with the split-KV count of its attention
-  (``decode_attention_splits``; 1: the single-pass kernel);
+  (``decode_attention_splits``; 1: the single-pass kernel). ``step_ms`` times bare forwards, each
+  waiting for its tokens; ``engine_step_ms`` is the engine's median decode iteration on the same
+  shape, with overlap (``auto``) and in order (``off``);
 - what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py): ``cli_run`` (bm bench
   with default flags on 1,024 Azure conversation rows), ``bench_harness_workload`` (this check's workload
   as a synthetic bm bench dataset, beside the harness's figure), the simulator's predictions of both on
@@ -90,10 +94,14 @@ def build(shape: dict[str, Any], dtype: str, device: torch.device, cuda_graphs: 
     return loaded
 
 
+# engine.overlap_scheduler for every bm run here (--overlap): "off" isolates a fault of the overlap path
+OVERLAP = {"mode": "auto"}
+
+
 def bm_config(num_requests: int, max_len: int, max_num_tokens: int, reuse: bool = False):
     return config_from_dict({
         "engine": {"max_batch_size": num_requests, "max_num_tokens": max_num_tokens,
-                   "enable_chunked_context": True},
+                   "enable_chunked_context": True, "overlap_scheduler": OVERLAP["mode"]},
         "kv_cache": {"tokens_per_block": 16, "max_tokens": num_requests * max_len + 256,
                      "enable_block_reuse": reuse},
     })  # fmt: skip
@@ -177,6 +185,27 @@ def timed_bm(loaded: LoadedModel, rows, config, executor: TorchExecutor) -> tupl
     iterations: list[dict[str, Any]] = []
     _, result = run_bm(loaded, rows, config, iterations, executor)
     return result, result.to_dict() | {"iterations": iteration_summary(iterations, result.wall_s)}
+
+
+STEADY_REPEATS = 3
+
+
+def median_run(runs: list[tuple[PeerResult, dict[str, Any]]]) -> tuple[PeerResult, dict[str, Any]]:
+    """The run of median throughput, its figures with every run's output tok/s beside them."""
+    ordered = sorted(runs, key=lambda run: run[0].output_tok_s)
+    result, figures = ordered[len(ordered) // 2]
+    return result, figures | {"output_tok_s_runs": [run[0].output_tok_s for run in runs]}
+
+
+def engine_decode_step(loaded: LoadedModel, config, executor: TorchExecutor, args) -> float:
+    """The roofline's step as the engine runs it: ``--requests`` requests with ``--prompt-len``-token
+    prompts decoding together, the median latency of its decode-only iterations (under overlap, the
+    interval between collections: the step time the run achieves, host work hidden or not)."""
+    rows = [([5 + (i + j) % (loaded.vocab_size - 5) for j in range(args.prompt_len)], 3 if args.small else 24)
+            for i in range(args.requests)]  # fmt: skip
+    iterations: list[dict[str, Any]] = []
+    run_bm(loaded, rows, config, iterations, executor)
+    return iteration_summary(iterations, 0.0)["decode_ms_median"]
 
 
 def agreement(ours: dict[int, list[int]], ref: torch.nn.Module, rows) -> dict[str, Any]:
@@ -281,17 +310,29 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     executor, figures["startup_s"] = start_engine(loaded, config)
     log(f"{name}: bm start-up {figures['startup_s']:.1f} s")
     _, figures["bm_first_run"] = timed_bm(loaded, rows, config, executor)
-    bm_result, figures["bm"] = timed_bm(loaded, rows, config, executor)
-    # the same steady run in the seed's order (engine.overlap_scheduler off): what overlap is worth
+    # the steady run, alternated with the same run in the seed's order (engine.overlap_scheduler off:
+    # what overlap is worth); each run lasts about a second, so the median of STEADY_REPEATS is quoted
     in_order = dataclasses.replace(config, engine=dataclasses.replace(config.engine, overlap_scheduler="off"))
-    off_result, figures["bm_overlap_off"] = timed_bm(loaded, rows, in_order, executor)
+    on_runs, off_runs = [], []
+    for _ in range(1 if args.small else STEADY_REPEATS):
+        on_runs.append(timed_bm(loaded, rows, config, executor))
+        off_runs.append(timed_bm(loaded, rows, in_order, executor))
+    bm_result, figures["bm"] = median_run(on_runs)
+    off_result, figures["bm_overlap_off"] = median_run(off_runs)
     figures["overlap_speedup"] = bm_result.output_tok_s / off_result.output_tok_s
     log(f"{name}: bm with overlap off {off_result.output_tok_s:.0f} output tok/s")
+    steps = {"auto": engine_decode_step(loaded, config, executor, args),
+             "off": engine_decode_step(loaded, in_order, executor, args)}  # fmt: skip
     del executor  # its KV cache, before the roofline's and the peers' memory
     release_memory(device)
     figures["fused_elementwise"] = dict(loaded.fused_elementwise)
     log(f"{name}: bm {bm_result.output_tok_s:.0f} output tok/s")
     figures["roofline"] = check_roofline(loaded, args, args.profile)
+    ideal = figures["roofline"]["ideal_step_ms"]
+    figures["roofline"]["engine_step_ms"] = steps
+    figures["roofline"]["engine_fraction_of_roofline"] = {k: ideal / ms for k, ms in steps.items() if ms}
+    log(f"{name}: engine decode step {steps['auto']:.2f} ms (overlap {OVERLAP['mode']}), "
+        f"{steps['off']:.2f} ms in order")  # fmt: skip
     save()
     if args.ab_fusion and loaded.fused_elementwise:  # the same model with transformers' elementwise ops
         with unfused(loaded):  # an executor of its own: the fused one's CUDA graphs replay fused kernels
@@ -529,8 +570,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the Azure conversation trace (default: ../shared/traces or bm-out/traces)")  # fmt: skip
     p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
                    help="force bm's attention path (triton on CPU runs Triton's interpreter: slow)")  # fmt: skip
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="engine.overlap_scheduler for bm's runs (auto: on for CUDA)")  # fmt: skip
     args = p.parse_args(argv)
     os.environ[ENV_SWITCH] = args.attention
+    OVERLAP["mode"] = args.overlap
     if args.small:
         args.requests, args.prompt_len, args.output_len = 6, 24, 6
     device = torch.device(args.device)
