@@ -234,13 +234,16 @@ class TorchExecutor:
         if self._adapter_slots:
             self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
         try:
-            logits = self.runner.forward(group, tables or None, static_ok=self.lora is None, fill=fill)
+            # in the model's dtype: a step that only samples needs no float32 copy of its logits
+            logits = self.runner.forward(
+                group, tables or None, static_ok=self.lora is None, fill=fill, float_logits=False
+            )
         finally:
             if self.lora is not None:
                 self.lora.end()
         draft_rows: list[tuple[WorkItem, torch.Tensor]] = []
         if any(item.keep_all or item.num_draft for item in group):
-            logits = self._take_context_logits(group, logits, draft_rows)
+            logits = self._take_context_logits(group, logits.float(), draft_rows)
         for (item, rows), targets in zip(draft_rows, _draft_targets(draft_rows), strict=True):
             drafts = item.token_ids[len(item.token_ids) - item.num_draft :]
             outcome = verify_drafts(
@@ -255,7 +258,7 @@ class TorchExecutor:
             launched.on_device.append((to_sample, tokens, _copy_to_host(tokens)))
             return
         decoded: DecodeResult = self.decoder.decode(
-            logits, [item.request for item in to_sample], [item.beam for item in to_sample]
+            logits.float(), [item.request for item in to_sample], [item.beam for item in to_sample]
         )
         result.faults.update(decoded.faults)
         for request_id, outcome in decoded.beams.items():

@@ -33,12 +33,12 @@ class Sampler:
     ) -> torch.Tensor:
         """:meth:`sample`'s tokens as a tensor on the logits' device, with no copy to the host (the
         uniform numbers come from the requests' host generators, which never wait on the device)."""
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)  # exact in any dtype: a 16-bit row converts to float32 exactly
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             chosen = self._sample_rows(
-                logits.index_select(0, rows),
+                logits.index_select(0, rows).float(),
                 [params[i] for i in sampled_rows],
                 [request_ids[i] for i in sampled_rows],
             )

@@ -155,8 +155,9 @@ class AttentionBackend(ABC, Generic[M]):
     def try_static_decode(
         self, items: Sequence[WorkItem], fill: InputFill | None = None
     ) -> torch.Tensor | None:
-        """Float32 logits of a decode-only step run over static buffers (a replayed CUDA graph), or None
-        where this backend has none or they do not serve this step (the runner then runs it eagerly).
+        """Logits of a decode-only step run over static buffers (a replayed CUDA graph), in the model's
+        dtype and valid until the next static step (the runner copies them where asked), or None where
+        this backend has none or they do not serve this step (the runner then runs it eagerly).
         ``fill``: input tokens to take from the device once the buffers are written."""
         return None
 

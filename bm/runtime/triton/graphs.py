@@ -85,8 +85,10 @@ class DecodeGraphs:
         )
 
     def run(self, items: Sequence[WorkItem], fill: InputFill | None = None) -> torch.Tensor:
-        """Float32 logits ``[len(items), vocab]`` of one decode step; ``fill``: input tokens still on
-        the device, written into the static ids after the host's (a placeholder's row is overwritten)."""
+        """Logits ``[len(items), vocab]`` of one decode step in the model's dtype: a view of the static
+        output, valid until the next run (work queued on the stream before it reads it safely); ``fill``:
+        input tokens still on the device, written into the static ids after the host's (a placeholder's
+        row is overwritten)."""
         size = len(items)
         bucket = bucket_for(size)
         self._fill(items, bucket)
@@ -96,7 +98,7 @@ class DecodeGraphs:
             logits = self._forward(bucket)
         else:
             logits = self._replay(bucket)
-        return logits[:size].to(torch.float32, copy=True)
+        return logits[:size]
 
     def _fill(self, items: Sequence[WorkItem], bucket: int) -> None:
         """Write this step's inputs into the static buffers (one non-blocking copy per dtype)."""
