@@ -79,6 +79,15 @@ def test_split_kv_equals_the_single_pass_kernel_across_groups_and_head_sizes(
     torch.testing.assert_close(split.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_launch_options_for_a_tuning_sweep_leave_the_bits_alone(num_splits):
+    """``launch`` passes num_warps/num_stages to the kernel (a sweep on a GPU picks among them); the
+    arithmetic and its order are the kernel's, so the result is the same bits."""
+    cache, q, batch, _specs, _tables = _decode(LENGTHS, 6, 2, 64)
+    tuned = _attend(cache, q, batch, num_splits, launch={"num_warps": 2, "num_stages": 1})
+    assert torch.equal(tuned, _attend(cache, q, batch, num_splits))
+
+
 def test_splits_a_sequence_cannot_fill_exit_without_writing_and_are_never_read():
     """With 16 splits, none of these sequences (1 to 6 tiles, two tiles a split at least) fills more than
     three: the rest exit at once. The scratch starts as NaN, so a partial pass 2 read that pass 1 never

@@ -166,6 +166,7 @@ def paged_attention(
     num_splits: int | None = None,
     sm_count: int | None = None,
     scratch: SplitScratch | None = None,
+    launch: dict[str, int] | None = None,
 ) -> None:
     """Attention of every query ``q [heads, T, d]`` to its sequence's cached keys, into ``out [T, heads, d]``.
 
@@ -174,7 +175,9 @@ def paged_attention(
     single-pass kernel; more: decode-only batches only), else :func:`decode_split` chooses it for
     ``sm_count`` SMs (default: the device's, :func:`device_sm_count`). ``block_n``: keys per tile
     (default :func:`key_tile`). ``scratch``: the split partials' buffer to reuse (one is made for the
-    call without it; a backend keeps one, for its CUDA graphs).
+    call without it; a backend keeps one, for its CUDA graphs). ``launch``: Triton launch options for
+    the attention kernel (``num_warps``, ``num_stages``; pass 1's under split-KV), for a tuning sweep
+    (benchmarks/decode_attention_peers.py); None: Triton's defaults, as the engine runs.
     """
     kernels = load_kernels()
     num_heads, num_tokens, head_dim = q.shape
@@ -193,7 +196,7 @@ def paged_attention(
             raise ValueError("split-KV attention serves decode-only batches (one query per sequence)")
         _split_kv_decode(
             kernels, out, q, cache, batch, scale, softcap, alibi, sinks, num_splits, block_n,
-            scratch if scratch is not None else SplitScratch(q.device),
+            scratch if scratch is not None else SplitScratch(q.device), launch or {},
         )  # fmt: skip
         return
     group = num_heads // kv_heads
@@ -213,7 +216,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_PAD=max(16, next_pow2(head_dim)), TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_SINKS=sinks is not None,
-        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype),
+        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype), **(launch or {}),
     )  # fmt: skip
 
 
@@ -230,6 +233,7 @@ def _split_kv_decode(
     num_splits: int,
     block_n: int,
     scratch: SplitScratch,
+    launch: dict[str, int],
 ) -> None:
     """Pass 1 over ``(sequence, KV head, split)``, pass 2 over ``(sequence, query head)``: both grids are
     functions of the row count and the split count alone, as a CUDA graph needs."""
@@ -249,7 +253,7 @@ def _split_kv_decode(
         GROUP=group, BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, MIN_TILES=MIN_SPLIT_TILES,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_WINDOW=use_window,
-        DOT=_dot_mode(kernels, q.dtype),
+        DOT=_dot_mode(kernels, q.dtype), **launch,
     )  # fmt: skip
     kernels.split_kv_combine_kernel[(num_seqs, num_heads)](
         out, part_acc, part_max, part_sum, batch.seq_lens, sinks if sinks is not None else dummy,
