@@ -37,6 +37,7 @@ from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.speculative import verify_drafts
 from bm.runtime.threads import ThreadGovernor, governor_for, release_caller_team
+from bm.runtime.transfer import to_device
 from bm.runtime.triton.batch import StagingBuffer
 from bm.scheduling import FinishReason, LlmRequest
 
@@ -132,8 +133,9 @@ class TorchExecutor:
                 self.lora = LoraLayers(self.model.model, self.model.dtype, self.model.device)
             self.lora.check(inputs.lora)
         if inputs is not None and inputs.prompt_table is not None:
-            self._prompt_tables[request.request_id] = torch.tensor(
-                inputs.prompt_table.rows, dtype=self.model.dtype, device=self.model.device
+            # admitted between steps, while one may be in flight: no blocking copy
+            self._prompt_tables[request.request_id] = to_device(
+                inputs.prompt_table.rows, self.model.dtype, self.model.device
             )
         controls = request.controls
         if controls is None:
@@ -363,7 +365,7 @@ def _sampled_tokens(launched: Launched, device: torch.device) -> tuple[torch.Ten
         (item, token) for item, token, _ in launched.result.sampled if item.kind is not WorkKind.EMPTY_SLOT
     ]
     if host:
-        parts.append(torch.tensor([t for _, t in host], dtype=torch.long, device=device))
+        parts.append(to_device([t for _, t in host], torch.long, device))
         index.update((item.request.request_id, i) for i, (item, _) in enumerate(host))
         size = len(host)
     for items, tokens, _ in launched.on_device:

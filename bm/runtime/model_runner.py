@@ -29,6 +29,7 @@ from bm.runtime.backends import (
 )
 from bm.runtime.host_memory import tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
+from bm.runtime.transfer import to_device
 
 # Pools below this size are zero-filled; larger ones rely on the OS handing out zeroed pages, so memory is
 # committed only as blocks are used (a masked slot is then 0 or a finite old value, never NaN).
@@ -198,8 +199,8 @@ class ModelRunner:
         if not copies:
             return
         assert not self.window_pools, "beams share one table for every layer: no windowed pools"
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        src = to_device([c[0] for c in copies], torch.long, self.device)
+        dst = to_device([c[1] for c in copies], torch.long, self.device)
         for cache in self.kv_caches:
             if cache is not None:
                 cache.index_copy_(2, dst, cache.index_select(2, src))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bm.runtime.transfer import to_device
 from bm.scheduling.request import Sampling
 
 
@@ -36,7 +37,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # exact in any dtype: a 16-bit row converts to float32 exactly
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            rows = to_device(sampled_rows, torch.long, logits.device)
             chosen = self._sample_rows(
                 logits.index_select(0, rows).float(),
                 [params[i] for i in sampled_rows],
@@ -67,10 +68,10 @@ class Sampler:
     ) -> torch.Tensor:
         dev = logits.device
         vocab = logits.shape[1]
-        u = torch.tensor(
+        u = to_device(
             [self._uniform(rid, p.random_seed) for rid, p in zip(request_ids, params, strict=True)],
-            dtype=torch.float32,
-            device=dev,
+            torch.float32,
+            dev,
         )
         sorted_ids, probs = self._filtered(logits, params)
         cdf = probs.cumsum(dim=-1)
@@ -85,9 +86,9 @@ class Sampler:
         (not renormalized: sampling scales by the total)."""
         dev = logits.device
         vocab = logits.shape[1]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        temperature = to_device([p.temperature for p in params], torch.float32, dev)
+        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         sorted_logits, sorted_ids = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev)
         sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
@@ -97,6 +98,6 @@ class Sampler:
         probs.masked_fill_(before >= top_p[:, None], 0.0)
         # Min-p: drop a token less likely than min_p times the most likely one (always the first, kept).
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            min_p = to_device([p.min_p for p in params], torch.float32, dev)
             probs.masked_fill_(probs < min_p[:, None] * probs[:, :1], 0.0)
         return sorted_ids, probs
