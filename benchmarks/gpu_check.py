@@ -24,8 +24,9 @@ Every model has random weights built from a config (no file to carry). One JSON 
 - ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
   over the copy bandwidth measured in the same run, with the split-KV count of its attention
   (``decode_attention_splits``; 1: the single-pass kernel). ``step_ms`` times bare forwards, each
-  waiting for its tokens; ``engine_step_ms`` is the engine's median decode iteration on the same
-  shape, with overlap (``auto``) and in order (``off``);
+  waiting for its tokens; ``engine_step`` is the engine's median decode iteration on the same
+  shape, with overlap (``auto``) and in order (``off``), with the host's time launching a step and
+  waiting for its tokens;
 - what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py): ``cli_run`` (bm bench
   with default flags on 1,024 Azure conversation rows), ``bench_harness_workload`` (this check's workload
   as a synthetic bm bench dataset, beside the harness's figure), the simulator's predictions of both on
@@ -197,15 +198,46 @@ def median_run(runs: list[tuple[PeerResult, dict[str, Any]]]) -> tuple[PeerResul
     return result, figures | {"output_tok_s_runs": [run[0].output_tok_s for run in runs]}
 
 
-def engine_decode_step(loaded: LoadedModel, config, executor: TorchExecutor, args) -> float:
+def engine_decode_step(loaded: LoadedModel, config, executor: TorchExecutor, args) -> dict[str, float]:
     """The roofline's step as the engine runs it: ``--requests`` requests with ``--prompt-len``-token
-    prompts decoding together, the median latency of its decode-only iterations (under overlap, the
-    interval between collections: the step time the run achieves, host work hidden or not)."""
+    prompts decoding together. ``step_ms``: the median latency of its decode-only iterations (under
+    overlap, the interval between collections: the step time the run achieves, host work hidden or
+    not); ``launch_ms``: the host's time queueing a decode step (metadata, graph replay, sampling
+    kernels); ``wait_ms``: the host's time waiting for a step's tokens. Little waiting means the host
+    is what sets the pace."""
     rows = [([5 + (i + j) % (loaded.vocab_size - 5) for j in range(args.prompt_len)], 3 if args.small else 24)
             for i in range(args.requests)]  # fmt: skip
     iterations: list[dict[str, Any]] = []
-    run_bm(loaded, rows, config, iterations, executor)
-    return iteration_summary(iterations, 0.0)["decode_ms_median"]
+    launches: list[float] = []
+    waits: list[float] = []
+    launch, collect = executor._launch, executor.collect
+
+    def timed_launch(batch, **kwargs):
+        start = time.perf_counter()
+        out = launch(batch, **kwargs)
+        if all(len(item.token_ids) == 1 for group in batch.forwards for item in group):
+            launches.append(time.perf_counter() - start)
+            out.decode_only = True
+        return out
+
+    def timed_collect(launched):
+        start = time.perf_counter()
+        out = collect(launched)
+        if getattr(launched, "decode_only", False):
+            waits.append(time.perf_counter() - start)
+        return out
+
+    executor._launch, executor.collect = timed_launch, timed_collect
+    try:
+        run_bm(loaded, rows, config, iterations, executor)
+    finally:
+        del executor._launch, executor.collect
+
+    def median_ms(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2] * 1e3 if values else 0.0
+
+    return {"step_ms": iteration_summary(iterations, 0.0)["decode_ms_median"],
+            "launch_ms": median_ms(launches), "wait_ms": median_ms(waits)}  # fmt: skip
 
 
 def agreement(ours: dict[int, list[int]], ref: torch.nn.Module, rows) -> dict[str, Any]:
@@ -329,10 +361,13 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     log(f"{name}: bm {bm_result.output_tok_s:.0f} output tok/s")
     figures["roofline"] = check_roofline(loaded, args, args.profile)
     ideal = figures["roofline"]["ideal_step_ms"]
-    figures["roofline"]["engine_step_ms"] = steps
-    figures["roofline"]["engine_fraction_of_roofline"] = {k: ideal / ms for k, ms in steps.items() if ms}
-    log(f"{name}: engine decode step {steps['auto']:.2f} ms (overlap {OVERLAP['mode']}), "
-        f"{steps['off']:.2f} ms in order")  # fmt: skip
+    figures["roofline"]["engine_step"] = steps
+    figures["roofline"]["engine_fraction_of_roofline"] = {
+        k: ideal / step["step_ms"] for k, step in steps.items() if step["step_ms"]
+    }
+    for k, step in steps.items():
+        log(f"{name}: engine decode step (overlap {OVERLAP['mode'] if k == 'auto' else 'off'}) "
+            f"{step['step_ms']:.2f} ms: launch {step['launch_ms']:.2f} ms, wait {step['wait_ms']:.2f} ms")  # fmt: skip
     save()
     if args.ab_fusion and loaded.fused_elementwise:  # the same model with transformers' elementwise ops
         with unfused(loaded):  # an executor of its own: the fused one's CUDA graphs replay fused kernels
