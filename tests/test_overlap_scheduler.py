@@ -343,3 +343,35 @@ def test_the_simulator_runs_the_same_workload_with_overlap_on(tmp_path):
     assert on["completed"] == off["completed"] == 40
     assert on["total_output_tokens"] == off["total_output_tokens"]
     assert on["config"]["engine"]["overlap_scheduler"] == "on"
+
+
+def test_log_probs_and_stop_words_decode_on_the_device_with_the_host_paths_bits(tiny_model):
+    """Log probs, top log probs and stop words need no host work before a token is known, so such
+    steps sample on the device and overlap. ``min_length=1`` with no end id changes nothing but sends
+    every row through the host path (a control that rewrites logits): both must give the same tokens
+    and the same log-prob bits, greedy and sampled."""
+    from bm.runtime.decoding import on_device_only
+    from bm.runtime.logits import DecodingState
+    from bm.scheduling.controls import Controls
+
+    assert on_device_only(DecodingState(Controls(return_log_probs=True, top_log_probs=3, stop_words=((5,),))))
+    assert not on_device_only(DecodingState(Controls(return_log_probs=True, min_length=1)))
+    vocab = tiny_model.vocab_size
+    specs = random_prompts(seed=21, count=6, vocab=vocab, max_prompt=24, max_output=10)
+    plain = [
+        Request(i, p, m, return_log_probs=True, top_logprobs=2 + i % 2, end_id=-1, random_seed=i,
+                temperature=None if i % 2 else 0.8, stop_words_list=[[vocab - 1]] if i == 1 else None)
+        for i, (p, m) in enumerate(specs)
+    ]  # fmt: skip
+    host = [Request(**{**vars(r), "min_length": 1}) for r in plain]
+    for overlap in ("off", "on"):
+        config = make_config(engine={"overlap_scheduler": overlap})
+        device_run = generate([Request(**vars(r)) for r in plain], config, model=tiny_model)
+        host_run = generate([Request(**vars(r)) for r in host], config, model=tiny_model)
+        for rid, ours in device_run.items():
+            theirs = host_run[rid]
+            assert not ours.error and not theirs.error
+            assert ours.output_ids == theirs.output_ids
+            assert ours.output_log_probs == theirs.output_log_probs  # float equality: the same bits
+            assert ours.output_top_log_probs == theirs.output_top_log_probs
+            assert ours.output_top_log_probs and len(ours.output_top_log_probs[0]) == 2 + rid % 2

@@ -1,7 +1,9 @@
 """From a forward's logits to each request's next token(s): controls, sampling, log probs, beam steps.
 
-A batch where no request asked for anything beyond temperature / top-k / top-p goes straight to the
-sampler (:meth:`Decoder.decode_on_device`, its tokens left on the device). Otherwise the controls of :mod:`bm.runtime.logits`
+A batch where no request asks for host work (controls that rewrite logits, a grammar, beams, kept
+generation logits) goes straight to the sampler (:meth:`Decoder.decode_on_device`): its tokens, and the
+log probs some rows asked for, stay on the device until the executor collects the step. Stop words and
+context logits need no host work at this point. Otherwise the controls of :mod:`bm.runtime.logits`
 run over the batch, beam requests take a beam-search step on their rows (HF applies its processors to
 log-probabilities in beam search, so bm does too), and log probs are read off the processed
 distribution (``log_softmax(logits / temperature)`` before top-k/top-p; temperature 1 for greedy rows).
@@ -18,7 +20,8 @@ from bm.runtime.beam_search import StepOutcome
 from bm.runtime.grammar import GrammarRuntime, MaskApplier
 from bm.runtime.logits import DecodingState, LogitsRow, apply_controls
 from bm.runtime.sampler import Sampler
-from bm.scheduling.request import LlmRequest
+from bm.runtime.transfer import to_device
+from bm.scheduling.request import LlmRequest, Sampling
 
 
 @dataclass
@@ -31,6 +34,57 @@ class DecodeResult:
     top_log_probs: list[list[tuple[int, float]] | None] | None = None
 
 
+@dataclass
+class DeviceDecode:
+    """A batch decoded on the device: its tokens and the log probs its rows asked for, read on the host
+    only when the step is collected (one copy, behind the kernels), so an overlapped launch never waits
+    for them. ``wanted``: the rows with log probs, ``top_counts`` their top-log-prob counts."""
+
+    tokens: torch.Tensor  # [rows]
+    wanted: list[int] = field(default_factory=list)
+    log_probs: torch.Tensor | None = None  # [len(wanted)]
+    top_counts: list[int] = field(default_factory=list)
+    top_values: torch.Tensor | None = None  # [len(wanted), max(top_counts)]
+    top_ids: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads, in the order :meth:`read` takes it back."""
+        extra = [self.log_probs, self.top_values, self.top_ids]
+        return [self.tokens, *(t for t in extra if t is not None)]
+
+    def read(
+        self, host: list[torch.Tensor]
+    ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]] | None]]:
+        """Per row: its token, its log prob (None where not asked), its top log probs (None likewise),
+        from :meth:`tensors`' host copies."""
+        tokens = host[0].tolist()
+        log_probs: list[float | None] = [None] * len(tokens)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+        if self.log_probs is not None:
+            for i, value in zip(self.wanted, host[1].tolist(), strict=True):
+                log_probs[i] = value
+        if self.top_values is not None:
+            values, ids = host[2].tolist(), host[3].tolist()
+            for j, (i, k) in enumerate(zip(self.wanted, self.top_counts, strict=True)):
+                tops[i] = list(zip(ids[j][:k], values[j][:k], strict=True)) if k else None
+        return tokens, log_probs, tops
+
+
+def on_device_only(state: DecodingState | None) -> bool:
+    """Whether a row's decoding needs nothing the host must do before its token is known: no control
+    that rewrites logits, no grammar, no beams, no kept generation logits (log probs, top log probs,
+    stop words and context logits are fine)."""
+    if state is None:
+        return True
+    controls = state.controls
+    return (
+        state.beam is None
+        and state.grammar is None
+        and not controls.processes_logits
+        and not controls.return_generation_logits
+    )
+
+
 class Decoder:
     def __init__(self, grammar: GrammarRuntime | None = None) -> None:
         self.sampler = Sampler()
@@ -41,14 +95,29 @@ class Decoder:
         self.sampler.release(request_id)
 
     @torch.inference_mode()
-    def decode_on_device(self, logits: torch.Tensor, requests: Sequence[LlmRequest]) -> torch.Tensor | None:
-        """The tokens of rows that ask for nothing but the sampler, left on the logits' device (the
-        overlap scheduler reads them a step later); None when any row needs :meth:`decode`'s host work."""
-        if any(r.decoding is not None for r in requests):
+    def decode_on_device(self, logits: torch.Tensor, requests: Sequence[LlmRequest]) -> DeviceDecode | None:
+        """The batch's tokens and asked-for log probs, left on the logits' device (the overlap scheduler
+        reads them a step later); None when any row needs :meth:`decode`'s host work. ``logits`` may be
+        in the model's dtype: the argmax is exact, and log probs are taken in float32 from the same rows
+        in the same order as :meth:`decode` takes them, so the values are the same bits."""
+        if not all(on_device_only(r.decoding) for r in requests):
             return None
-        return self.sampler.sample_on_device(
-            logits, [r.sampling for r in requests], [r.request_id for r in requests]
-        )
+        params = [r.sampling for r in requests]
+        tokens = self.sampler.sample_on_device(logits, params, [r.request_id for r in requests])
+        wanted = [
+            i
+            for i, r in enumerate(requests)
+            if r.decoding is not None and r.decoding.controls.return_log_probs
+        ]
+        if not wanted:
+            return DeviceDecode(tokens)
+        lp, index = _log_softmax_rows(logits.float(), params, wanted)
+        chosen = tokens.index_select(0, index)
+        out = DeviceDecode(tokens, wanted, lp.gather(1, chosen[:, None])[:, 0])
+        out.top_counts = [requests[i].decoding.controls.top_log_probs for i in wanted]  # type: ignore[union-attr]
+        if any(out.top_counts):
+            out.top_values, out.top_ids = lp.topk(max(out.top_counts), dim=-1)
+        return out
 
     @torch.inference_mode()
     def decode(
@@ -94,13 +163,8 @@ class Decoder:
             if r is not None and r.state.controls.return_log_probs and r.state.beam is None
         ]
         if wanted:
-            index = torch.tensor(wanted, device=logits.device)
-            temperature = torch.tensor(
-                [params[i].temperature if not params[i].is_greedy else 1.0 for i in wanted],
-                device=logits.device,
-            )
-            chosen = torch.tensor([tokens[i] for i in wanted], device=logits.device)
-            lp = torch.log_softmax(logits.index_select(0, index) / temperature[:, None], dim=-1)
+            lp, _ = _log_softmax_rows(logits, params, wanted)
+            chosen = to_device([tokens[i] for i in wanted], torch.long, logits.device)
             values = lp.gather(1, chosen[:, None])[:, 0].tolist()
             result.log_probs = [None] * len(rows)
             for i, v in zip(wanted, values, strict=True):
@@ -133,6 +197,20 @@ class Decoder:
             for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
                 if not allows:  # a dead end the compile did not see: end this request, not the batch
                     faults[rows[i].request_id] = "structured output: no token can continue the output"
+
+
+def _log_softmax_rows(
+    logits: torch.Tensor, params: Sequence[Sampling], wanted: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits / temperature)`` of the ``wanted`` rows (temperature 1 for greedy rows),
+    and their index on the device. One computation for both decode paths, so their log probs are the
+    same bits."""
+    dev = logits.device
+    index = to_device(wanted, torch.long, dev)
+    temperature = to_device(
+        [params[i].temperature if not params[i].is_greedy else 1.0 for i in wanted], torch.float32, dev
+    )
+    return torch.log_softmax(logits.index_select(0, index) / temperature[:, None], dim=-1), index
 
 
 def _top_log_probs(lp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:

@@ -28,7 +28,7 @@ from bm.engine.executor import (
 from bm.engine.model_inputs import LoraSpec
 from bm.runtime.backends import InputFill
 from bm.runtime.beam_search import BeamSearch
-from bm.runtime.decoding import Decoder, DecodeResult
+from bm.runtime.decoding import Decoder, DecodeResult, DeviceDecode
 from bm.runtime.grammar import GrammarRuntime
 from bm.runtime.kv_sizing import num_kv_blocks
 from bm.runtime.logits import DecodingState
@@ -180,12 +180,14 @@ class TorchExecutor:
     def collect(self, launched: Launched) -> ExecutionResult:
         """The launched step's result, its device tokens copied to the host (the one wait on the GPU)."""
         result = launched.result
-        for items, _, (host, copied) in launched.on_device:
+        for items, decoded, (host, copied) in launched.on_device:
             if copied is not None:
                 copied.synchronize()
-            result.sampled.extend(
-                (item, token, None) for item, token in zip(items, host.tolist(), strict=True)
-            )
+            tokens, log_probs, tops = decoded.read(host)
+            for item, token, lp, top in zip(items, tokens, log_probs, tops, strict=True):
+                result.sampled.append((item, token, lp))
+                if top is not None:
+                    result.top_log_probs[item.request.request_id] = top
         launched.on_device = []
         return result
 
@@ -255,9 +257,9 @@ class TorchExecutor:
         to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
             return
-        tokens = self.decoder.decode_on_device(logits, [item.request for item in to_sample])
-        if tokens is not None:  # nothing but the sampler: the tokens stay on the device for now
-            launched.on_device.append((to_sample, tokens, _copy_to_host(tokens)))
+        on_device = self.decoder.decode_on_device(logits, [item.request for item in to_sample])
+        if on_device is not None:  # no host work: tokens (and log probs) stay on the device for now
+            launched.on_device.append((to_sample, on_device, _copy_to_host(on_device.tensors())))
             return
         decoded: DecodeResult = self.decoder.decode(
             logits.float(), [item.request for item in to_sample], [item.beam for item in to_sample]
@@ -337,19 +339,22 @@ class Launched:
     the items sampled on the device with their tokens there (copied over by ``collect``)."""
 
     result: ExecutionResult
-    # (items, their tokens on the device, the host copy under way and the event that ends it)
-    on_device: list[tuple[list[WorkItem], torch.Tensor, tuple[torch.Tensor, Any]]] = field(
+    # (items, their tokens and log probs on the device, the host copies under way and the event that
+    # ends them)
+    on_device: list[tuple[list[WorkItem], DeviceDecode, tuple[list[torch.Tensor], Any]]] = field(
         default_factory=list
     )
 
 
-def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Start copying ``tokens`` to the host right behind the kernels that sample them, so waiting for
-    them later does not also wait for a step launched after (a copy queued then would run after it)."""
-    if tokens.device.type != "cuda":
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """Start copying ``tensors`` (a step's tokens, its log probs) to the host right behind the kernels
+    that compute them, so waiting for them later does not also wait for a step launched after (a copy
+    queued then would run after it)."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors, strict=True):
+        h.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
     return host, copied
@@ -368,8 +373,8 @@ def _sampled_tokens(launched: Launched, device: torch.device) -> tuple[torch.Ten
         parts.append(to_device([t for _, t in host], torch.long, device))
         index.update((item.request.request_id, i) for i, (item, _) in enumerate(host))
         size = len(host)
-    for items, tokens, _ in launched.on_device:
-        parts.append(tokens.to(torch.long))
+    for items, decoded, _ in launched.on_device:
+        parts.append(decoded.tokens.to(torch.long))
         index.update((item.request.request_id, size + i) for i, item in enumerate(items))
         size += len(items)
     parts.append(torch.zeros(1, dtype=torch.long, device=device))
