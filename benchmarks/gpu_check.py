@@ -20,7 +20,7 @@ Every model has random weights built from a config (no file to carry). One JSON 
   runs share one executor per shape, as ``bm.LLM`` does; its start-up (KV cache, warm-up) is timed apart
   as ``startup_s``, then ``bm_first_run`` and ``bm`` (the steady state: the median of three runs,
   alternated with three in the seed's order, ``bm_overlap_off``; ``overlap_speedup`` their ratio) are
-  timed after it;
+  timed after it, and ``bm_log_probs``: the same run asking for each token's log prob and top-1;
 - ``roofline``: bm's decode step at ``--requests`` running requests against (weights + KV bytes read)
   over the copy bandwidth measured in the same run, with the split-KV count of its attention
   (``decode_attention_splits``; 1: the single-pass kernel). ``step_ms`` times bare forwards, each
@@ -135,10 +135,12 @@ def run_bm(
     config,
     iterations: list[dict[str, Any]] | None = None,
     executor: TorchExecutor | None = None,
+    **fields: Any,
 ) -> tuple[dict[int, list[int]], PeerResult]:
     """bm on ``rows``; with ``iterations``, each iteration's stats are appended to it. Without
-    ``executor`` the engine builds its own (KV cache, warm-up) inside the timed call."""
-    requests = [Request(i, list(p), n) for i, (p, n) in enumerate(rows)]
+    ``executor`` the engine builds its own (KV cache, warm-up) inside the timed call. ``fields``: more
+    Request fields for every request (log probs, say)."""
+    requests = [Request(i, list(p), n, **fields) for i, (p, n) in enumerate(rows)]
     collect = None if iterations is None else (lambda line: iterations.append(json.loads(line)))
     sync(loaded.device)
     start = time.perf_counter()
@@ -353,6 +355,11 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     off_result, figures["bm_overlap_off"] = median_run(off_runs)
     figures["overlap_speedup"] = bm_result.output_tok_s / off_result.output_tok_s
     log(f"{name}: bm with overlap off {off_result.output_tok_s:.0f} output tok/s")
+    # the same steady run asking for log probs (vLLM's logprobs=1): decoded on the device, it should
+    # cost little more than the plain run
+    _, with_log_probs = run_bm(loaded, rows, config, None, executor, return_log_probs=True, top_logprobs=1)
+    figures["bm_log_probs"] = with_log_probs.to_dict()
+    log(f"{name}: bm with log probs {with_log_probs.output_tok_s:.0f} output tok/s")
     steps = {"auto": engine_decode_step(loaded, config, executor, args),
              "off": engine_decode_step(loaded, in_order, executor, args)}  # fmt: skip
     del executor  # its KV cache, before the roofline's and the peers' memory
