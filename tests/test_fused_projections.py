@@ -230,11 +230,9 @@ def test_a_weight_replaced_after_stacking_is_noticed_and_one_changed_in_place_is
 def test_deepcopy_pickle_and_torch_save_of_a_stacked_model_stack_again_on_first_use():
     """A copy's projections get weights of their own (a deep copy clones each Parameter; a pickle writes
     each view with its whole storage); its first fused call stacks them again, back to one copy."""
+    model = tiny()
     if elementwise_kernels() is not None:
-        model = tiny()
-        fuse_elementwise(model)
-    else:
-        model = tiny()
+        fuse_elementwise(model)  # the stacked MLP is then a fused elementwise MLP, rebuilt as those are
     fuse_projections(model)
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(4))
     expected = logits(model, ids)
@@ -266,6 +264,22 @@ def test_modules_that_are_not_llama_code_are_left_alone():
     model = AutoModelForCausalLM.from_config(config).eval()
     assert fuse_projections(model) == {"qkv": 0, "gate_up": 1}
     assert "forward" not in vars(model.model.layers[0].self_attn)
+
+
+def test_projections_that_do_not_line_up_are_not_stacked():
+    """Stacking needs one input width, one dtype and biases on all or none; anything else keeps the
+    module's own forward and its weights untouched."""
+    model = tiny()
+    first, second = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    first.k_proj = torch.nn.Linear(48, 20, bias=False)  # another input width
+    second.v_proj = torch.nn.Linear(40, 20, bias=True)  # a bias where q and k have none
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.to(torch.float64)
+    left = [first.q_proj, first.k_proj, first.v_proj, second.q_proj, second.k_proj, mlp.gate_proj]
+    weights = [linear.weight.data_ptr() for linear in left]
+    assert fuse_projections(model) == {"qkv": 0, "gate_up": 1}  # the second layer's MLP only
+    assert "forward" not in vars(first) and "forward" not in vars(second) and "forward" not in vars(mlp)
+    assert [linear.weight.data_ptr() for linear in left] == weights
 
 
 def test_unfuse_gives_back_the_own_forwards_and_the_fused_elementwise_mlp():
