@@ -365,6 +365,7 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     del executor  # its KV cache, before the roofline's and the peers' memory
     release_memory(device)
     figures["fused_elementwise"] = dict(loaded.fused_elementwise)
+    figures["fused_projections"] = dict(loaded.fused_projections)
     log(f"{name}: bm {bm_result.output_tok_s:.0f} output tok/s")
     figures["roofline"] = check_roofline(loaded, args, args.profile)
     ideal = figures["roofline"]["ideal_step_ms"]
@@ -384,6 +385,15 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
             release_memory(device)
             figures["roofline_unfused"] = check_roofline(loaded, args, False)
         log(f"{name}: bm without fused elementwise kernels {plain.output_tok_s:.0f} output tok/s")
+        save()
+    if args.ab_projections and any(loaded.fused_projections.values()):  # q/k/v and gate/up apart again
+        with unstacked(loaded):
+            plain_executor, figures["startup_unstacked_s"] = start_engine(loaded, config)
+            plain, figures["bm_unstacked"] = timed_bm(loaded, rows, config, plain_executor)
+            del plain_executor
+            release_memory(device)
+            figures["roofline_unstacked"] = check_roofline(loaded, args, False)
+        log(f"{name}: bm with separate projection GEMMs {plain.output_tok_s:.0f} output tok/s")
         save()
     if args.no_hf:
         return
@@ -421,14 +431,33 @@ def copy_bandwidth(device: torch.device, small: bool) -> float:
 @contextlib.contextmanager
 def unfused(loaded: LoadedModel) -> Iterator[None]:
     """The model's elementwise chains back to transformers' own code for a ``with`` block (the modeling
-    module's rotary function too), fused again after."""
+    module's rotary function too), fused again after; stacked projections stay stacked."""
+    from bm.runtime.fused_projections import fuse_projections
     from bm.runtime.fusion import fuse_elementwise, unfuse_elementwise
 
+    stacked = any(loaded.fused_projections.values())
     unfuse_elementwise(loaded.model, rotary=True)
+    if stacked:  # the MLPs keep one gate/up GEMM, with transformers' SiLU and product
+        fuse_projections(loaded.model)
     try:
         yield
     finally:
         fuse_elementwise(loaded.model)
+        if stacked:
+            fuse_projections(loaded.model)  # the fused MLPs' one GEMM again (the weights stay stacked)
+
+
+@contextlib.contextmanager
+def unstacked(loaded: LoadedModel) -> Iterator[None]:
+    """The model's q/k/v and gate/up projections as separate GEMMs for a ``with`` block (over the same
+    stored weights, row views of the stacked ones), stacked again after."""
+    from bm.runtime.fused_projections import fuse_projections, unfuse_projections
+
+    unfuse_projections(loaded.model)
+    try:
+        yield
+    finally:
+        fuse_projections(loaded.model)
 
 
 @torch.inference_mode()
@@ -607,6 +636,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--ab-fusion",
         action="store_true",
         help="also run bm with transformers' own elementwise ops (fusion's A/B, same sitting)",
+    )
+    p.add_argument(
+        "--ab-projections",
+        action="store_true",
+        help="also run bm with q/k/v and gate/up as separate GEMMs (fused_projections' A/B, same sitting)",
     )
     p.add_argument("--trace", type=Path, default=None,
                    help="the Azure conversation trace (default: ../shared/traces or bm-out/traces)")  # fmt: skip

@@ -115,6 +115,21 @@ def test_store_kv_writes_each_token_at_its_slot_and_skips_padding_rows():
     torch.testing.assert_close(flat[:, :, skipped], before.view(2, 2, -1, 64)[:, :, skipped])
 
 
+def test_store_kv_takes_values_with_a_row_stride_of_their_own():
+    """Values split from a stacked q/k/v product step by the product's width, keys (out of the rotary
+    kernel) by their own: the KV write takes both as they are."""
+    kv_heads, tokens, d, q_width = 2, 5, 16, 4 * 16
+    product = torch.randn(tokens, q_width + 2 * kv_heads * d)
+    value = product[:, q_width + kv_heads * d :].view(tokens, kv_heads, d).transpose(0, 1)
+    key = torch.randn(tokens, kv_heads, d).transpose(0, 1)
+    cache = torch.zeros(2, kv_heads, 4, 4, d)  # 4 blocks of 4 tokens
+    slots = torch.tensor([3, 0, 9, 14, 5])
+    store_kv(cache, key, value, slots)
+    flat = cache.view(2, kv_heads, 16, d)
+    for token, slot in enumerate(slots.tolist()):
+        assert torch.equal(flat[0, :, slot], key[:, token]) and torch.equal(flat[1, :, slot], value[:, token])
+
+
 def test_windows_with_and_without_sink_tokens():
     specs = [(11, 1), (0, 9), (6, 5), (2, 1)]
     out, ref = _run(specs, 4, 2, 64, window=5)

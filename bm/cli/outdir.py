@@ -49,7 +49,7 @@ def iter_final_records(path: Path) -> Iterator[dict[str, Any]]:
 # equal HF's alone under every scheduler, batch size, cache size and kernel), plus the sections bm run
 # does not read. A resume may change them; every other key is in the digest.
 NOT_IN_DIGEST = (
-    "model.device", "model.prepack", "model.fused_elementwise",
+    "model.device", "model.prepack", "model.fused_elementwise", "model.fused_projections",
     "engine.batching_scheme", "engine.scheduler_policy", "engine.max_batch_size", "engine.max_num_tokens",
     "engine.max_num_active_requests", "engine.enable_chunked_context", "engine.context_chunking_policy",
     "engine.context_chunk_size", "engine.capacity_scheduler", "engine.micro_batch_scheduler",

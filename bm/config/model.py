@@ -1,5 +1,6 @@
 """The ``model`` section: which model (a preset, a checkpoint or a config with random weights), its dtype
-and device, and the start-up switches (prepack, CUDA graphs, warm-up, fused elementwise kernels); and what
+and device, and the start-up switches (prepack, CUDA graphs, warm-up, fused elementwise kernels, stacked
+projections); and what
 the ``--model`` flag means."""
 
 from __future__ import annotations
@@ -120,6 +121,13 @@ class ModelConfig:
         "auto",
         "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "
         "fp32 or bf16 CPU, Triton on CUDA): auto (CPU where bm's kernels build; CUDA with triton), on, off.",
+        on_off_auto,
+    )
+    fused_projections: str = knob(
+        "auto",
+        "Compute q/k/v in one GEMM and gate/up in one GEMM in Llama-family layers, over one stored copy of "
+        "the stacked weights: auto (CUDA models in float16 or bfloat16), on, off. Never float32: a GPU "
+        "in fp32 keeps transformers' GEMMs, bitwise HF (the oracle).",
         on_off_auto,
     )
 

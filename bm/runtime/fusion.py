@@ -50,8 +50,9 @@ from bm.runtime.triton import triton_available
 _ROTARY_NAME = "apply_rotary_pos_emb"
 
 
-def _body(fn: Callable) -> str | None:
-    """``fn``'s source without decorators or its first line's indentation; None where unavailable."""
+def source_body(fn: Callable) -> str | None:
+    """``fn``'s source without decorators or its first line's indentation; None where unavailable: what
+    decides whether a module runs transformers' Llama code (here and in bm.runtime.fused_projections)."""
     try:
         lines = inspect.getsource(inspect.unwrap(fn)).splitlines()
     except (OSError, TypeError):
@@ -67,17 +68,17 @@ def _reference_bodies() -> dict[str, str | None]:
     from transformers.models.llama import modeling_llama as llama
 
     return {
-        "rms_norm": _body(llama.LlamaRMSNorm.forward),
-        "mlp": _body(llama.LlamaMLP.forward),
-        "rotary": _body(llama.apply_rotary_pos_emb),
-        "decoder_layer": _body(llama.LlamaDecoderLayer.forward),
+        "rms_norm": source_body(llama.LlamaRMSNorm.forward),
+        "mlp": source_body(llama.LlamaMLP.forward),
+        "rotary": source_body(llama.apply_rotary_pos_emb),
+        "decoder_layer": source_body(llama.LlamaDecoderLayer.forward),
     }
 
 
 @cache
 def _matches(fn: Callable, kind: str) -> bool:
     reference = _reference_bodies()[kind]
-    return reference is not None and _body(fn) == reference
+    return reference is not None and source_body(fn) == reference
 
 
 def fusion_supported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -253,7 +254,7 @@ class _FusedMLP(_FusedForward):
         ):
             h = gate_packed[0].gated(x, gate_packed[1], up_packed[1], m.gate_proj.out_features)
         else:
-            gate, up = m.gate_proj(x), m.up_proj(x)
+            gate, up = self._gate_up(x)
             fits = self._kernels.accepts(gate, up)
             h = self._kernels.silu_mul(gate, up) if fits else m.act_fn(gate) * up
         down = fusable_gemm(m.down_proj) if residual is not None else None
@@ -263,6 +264,12 @@ class _FusedMLP(_FusedForward):
         kernel, packed = down
         bias = m.down_proj.bias
         return kernel(h, packed, None if bias is None else bias.detach(), m.down_proj.out_features, residual)
+
+    def _gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up projections of ``x``: the model's two linears here; one GEMM over their stacked
+        weight in bm.runtime.fused_projections' subclass (CUDA, 16-bit)."""
+        m = self._module
+        return m.gate_proj(x), m.up_proj(x)
 
 
 class _FusedDecoderLayer(_FusedForward):

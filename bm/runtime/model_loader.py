@@ -23,6 +23,7 @@ from bm.cpu_isa import cpu_features, native_bf16
 from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
+from bm.runtime.fused_projections import fuse_projections, should_fuse_projections
 from bm.runtime.fusion import fuse_elementwise, should_fuse
 from bm.runtime.native import kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
@@ -58,6 +59,8 @@ class LoadedModel:
     num_prepacked_linears: int = 0
     # Modules (RMSNorm, gated MLP) and modeling functions (rotary) running bm's fused elementwise kernels.
     fused_elementwise: dict[str, int] = field(default_factory=dict)
+    # Attention modules (qkv) and MLPs (gate_up) whose projections run as one GEMM (bm.runtime.fused_projections).
+    fused_projections: dict[str, int] = field(default_factory=dict)
     # model.cuda_graphs: auto, on, off (decode-only steps replaying CUDA graphs; bm.runtime.triton.graphs)
     cuda_graphs: str = "auto"
     # model.warmup: auto, on, off (shape classes run when an engine is built; bm.runtime.warmup)
@@ -154,7 +157,12 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
     loaded = describe_model(
-        model, tokenizer, name, prepack=cfg.prepack, fused_elementwise=cfg.fused_elementwise
+        model,
+        tokenizer,
+        name,
+        prepack=cfg.prepack,
+        fused_elementwise=cfg.fused_elementwise,
+        fused_projections=cfg.fused_projections,
     )
     loaded.cuda_graphs = cfg.cuda_graphs
     loaded.warmup = cfg.warmup
@@ -220,6 +228,7 @@ def describe_model(
     name: str,
     prepack: str = "auto",
     fused_elementwise: str = "auto",
+    fused_projections: str = "auto",
 ) -> LoadedModel:
     """What bm needs to know of a built model; probes its attention layers (and takes them over).
 
@@ -227,6 +236,8 @@ def describe_model(
     (bm.runtime.prepack). It happens here, at load, so the KV cache is sized from the memory left after.
     ``fused_elementwise`` (auto, on, off): run RMSNorm, rotary and SiLU-mul as single passes inside bm
     forwards, C on CPU and Triton on CUDA (bm.runtime.fusion).
+    ``fused_projections`` (auto, on, off): q/k/v and gate/up as one GEMM each inside bm forwards, on CUDA
+    in 16-bit dtypes (bm.runtime.fused_projections); after the elementwise fusion, whose MLPs it extends.
     """
     config: Any = model.config.get_text_config()
     param = next(model.parameters())
@@ -252,6 +263,9 @@ def describe_model(
     fused = {}
     if should_fuse(fused_elementwise, param.device, param.dtype):
         fused = fuse_elementwise(model)
+    stacked = {}
+    if should_fuse_projections(fused_projections, param.device, param.dtype):
+        stacked = fuse_projections(model)
     num_layers = max(kv_shapes) + 1
     if layer_types:
         windows = tuple(sliding if t == "sliding_attention" else None for t in layer_types[:num_layers])
@@ -273,6 +287,7 @@ def describe_model(
         layer_windows=windows,
         num_prepacked_linears=num_packed,
         fused_elementwise=fused,
+        fused_projections=stacked,
     )
 
 

@@ -28,8 +28,10 @@ def store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
-    kv_stride_h,
-    kv_stride_t,
+    k_stride_h,
+    k_stride_t,
+    v_stride_h,
+    v_stride_t,
     c_stride_h,
     c_stride_b,
     c_stride_t,
@@ -37,19 +39,21 @@ def store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
-    """Write one token's key and value (one KV head) at its slot; a negative slot is a padding row."""
-    token = tl.program_id(0)
+    """Write one token's key and value (one KV head) at its slot; a negative slot is a padding row. Keys
+    and values have strides of their own: values split from a stacked q/k/v product step by its width."""
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
-    src = head * kv_stride_h + token * kv_stride_t + offs_d
+    k_src = head * k_stride_h + token * k_stride_t + offs_d
+    v_src = head * v_stride_h + token * v_stride_t + offs_d
     dst = head * c_stride_h + (slot // TOKENS_PER_BLOCK) * c_stride_b
     dst += (slot % TOKENS_PER_BLOCK) * c_stride_t + offs_d
-    tl.store(k_cache_ptr + dst, tl.load(key_ptr + src, mask=d_ok), mask=d_ok)
-    tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=d_ok), mask=d_ok)
+    tl.store(k_cache_ptr + dst, tl.load(key_ptr + k_src, mask=d_ok), mask=d_ok)
+    tl.store(v_cache_ptr + dst, tl.load(value_ptr + v_src, mask=d_ok), mask=d_ok)
 
 
 @triton.jit

@@ -136,18 +136,17 @@ def _align16(n: int) -> int:
 
 
 def store_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[kv_heads, T, d]`` into ``cache`` at ``slot_mapping`` (one launch)."""
+    """Write ``key``/``value`` ``[kv_heads, T, d]`` into ``cache`` at ``slot_mapping`` (one launch). Each
+    keeps its own strides: values split from a stacked q/k/v product (bm.runtime.fused_projections) step by
+    its width, keys out of the rotary kernel by theirs; making both contiguous would copy them per layer."""
     kernels = load_kernels()
     kv_heads, num_tokens, head_dim = key.shape
     if num_tokens == 0:
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-    if value.stride() != key.stride():
-        value = value.contiguous()
-        key = key.contiguous()
     kernels.store_kv_kernel[(num_tokens, kv_heads)](
         key, value, cache[0], cache[1], slot_mapping,
-        key.stride(0), key.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cache.stride(1), cache.stride(2), cache.stride(3),
         TOKENS_PER_BLOCK=cache.shape[3], HEAD_DIM=head_dim, HEAD_PAD=next_pow2(head_dim),
     )  # fmt: skip
