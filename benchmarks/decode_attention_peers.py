@@ -199,21 +199,30 @@ class Variant:
     samples: dict[str, list[float]] = field(default_factory=dict)
 
 
-def bm_variants(layer: Layer, shape: Shape, device: torch.device, splits: list[int]) -> list[Variant]:
-    """bm's automatic choice, then each forced split count that differs from it."""
+def bm_variants(
+    layer: Layer,
+    shape: Shape,
+    device: torch.device,
+    splits: list[int],
+    launches: list[tuple[int, int]] = (),
+) -> list[Variant]:
+    """bm's automatic choice, then each forced split count that differs from it, then the automatic
+    choice under each (num_warps, num_stages) of ``launches`` (Triton's defaults are what the engine
+    runs; a sweep says whether another launch reads the keys faster)."""
     q = layer.q_tokens.transpose(0, 1)  # [heads, T, d], a strided view, as the attention layer hands it over
     scale = shape.head_dim**-0.5
     sm = device_sm_count(device)
     auto = decode_split(layer.batch, shape.kv_heads, shape.head_dim, sm)
 
-    def call(num_splits: int | None) -> Callable[[], torch.Tensor]:
+    def call(num_splits: int | None, launch: dict[str, int] | None = None) -> Callable[[], torch.Tensor]:
         scratch = SplitScratch(device)  # kept across calls, as the backend keeps one for its graphs
 
         def run() -> torch.Tensor:
             out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])
             paged_attention(
-                out, q, layer.cache, layer.batch, scale, num_splits=num_splits, sm_count=sm, scratch=scratch
-            )
+                out, q, layer.cache, layer.batch, scale, num_splits=num_splits, sm_count=sm, scratch=scratch,
+                launch=launch,
+            )  # fmt: skip
             return out
 
         return run
@@ -230,6 +239,15 @@ def bm_variants(layer: Layer, shape: Shape, device: torch.device, splits: list[i
             out.append(
                 Variant(name, call(n), {"num_splits": n, "kernel": kind, "choice": "forced"}, priority=2)
             )
+    for warps, stages in launches:
+        info = {
+            "num_splits": auto.num_splits,
+            "num_warps": warps,
+            "num_stages": stages,
+            "choice": "launch sweep",
+        }
+        out.append(Variant(f"bm_w{warps}_s{stages}", call(None, {"num_warps": warps, "num_stages": stages}),
+                           info, priority=1))  # fmt: skip
     return out
 
 
@@ -499,7 +517,7 @@ def run_shape(
         "layers": shape.layers, "requests": len(lens), "mean_context": statistics.mean(lens),
         "kv_bytes_per_call": layer.kv_bytes,
     }  # fmt: skip
-    variants = bm_variants(layer, shape, device, args.bm_splits)
+    variants = bm_variants(layer, shape, device, args.bm_splits, args.bm_launch)
     if xf_state.get("module") is None and "info" not in xf_state:
         xf_state["module"], xf_state["info"] = import_xformers(device, xf_state.pop("probe", None))
         log(f"xformers: {xf_state['info']}")
@@ -564,6 +582,15 @@ def parse_list(text: str) -> list[int]:
     return values
 
 
+def parse_launches(text: str) -> list[tuple[int, int]]:
+    """``"4:2,8:3"`` -> [(4, 2), (8, 3)]: (num_warps, num_stages) pairs."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        warps, _, stages = part.partition(":")
+        pairs.append((int(warps), int(stages or 1)))
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -581,6 +608,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeat", type=int, default=None, help="timed samples per kernel (default 20; CPU 2)")
     p.add_argument("--inner", type=int, default=None, help="calls per sample (default 20; CPU 1)")
     p.add_argument("--bm-splits", type=parse_list, default=[1, 2, 4], help="bm's forced split counts")
+    p.add_argument("--bm-launch", type=parse_launches, default=parse_launches("2:1,4:1,8:1,4:2,8:2,4:3,8:3,4:4"),
+                   help="(num_warps:num_stages,...) for bm's automatic choice: a launch sweep ('' for none)")  # fmt: skip
     p.add_argument(
         "--xformers-splits", type=parse_list, default=[1, 2, 8], help="xformers' forced split counts"
     )

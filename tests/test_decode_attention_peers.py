@@ -30,13 +30,26 @@ def test_without_xformers_the_script_reports_its_absence_and_still_times_bm(tmp_
     script = _script(monkeypatch)
     out = tmp_path / "peers.json"
     report = script.main(
-        ["--device", "cpu", "--small", "--bm-splits", "1", "--repeat", "1", "--out", str(out)]
+        [
+            "--device",
+            "cpu",
+            "--small",
+            "--bm-splits",
+            "1",
+            "--bm-launch",
+            "2:1",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+        ]
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert "error" in report["xformers"] and report["versions"]["xformers"] is None
     shape = report["shapes"]["tiny-gqa3"]
     kernels = shape["kernels"]
-    assert set(kernels) == {"bm", "bm_splits_1"}  # no xformers entry, and no crash
+    assert set(kernels) == {"bm", "bm_splits_1", "bm_w2_s1"}  # no xformers entry, and no crash
+    assert kernels["bm_w2_s1"]["num_warps"] == 2 and kernels["bm_w2_s1"]["max_abs_diff"] < 1e-3
     # bm's automatic choice splits this tiny batch (few programs for a nominal 132-SM device): the split-KV
     # pair and the forced single-pass kernel both ran, and both agree with the float32 reference
     assert kernels["bm"]["num_splits"] > 1 and kernels["bm_splits_1"]["num_splits"] == 1
