@@ -61,8 +61,8 @@ def logits(model: torch.nn.Module, ids: torch.Tensor, bm: bool = True) -> torch.
     with torch.no_grad():
         if not bm:
             return model(ids).logits
-        with in_bm_forward():
-            return model(ids).logits
+        with in_bm_forward():  # as bm's runner calls it: bm's attention keeps the KV, no HF cache
+            return model(ids, use_cache=False).logits
 
 
 def count_stack_calls(monkeypatch) -> list[int]:
@@ -95,6 +95,61 @@ def test_stacked_model_gives_the_unstacked_logits_inside_a_bm_forward(family, el
     assert all(isinstance(layer.mlp.forward, mlp_type) for layer in model.model.layers)
     if elementwise:
         assert torch.equal(got, expected)
+
+
+def _attention_with_the_cache_named(name: str) -> type:
+    """transformers' Llama attention with its cache parameter under ``name``: earlier 5.x releases (5.17,
+    on the GPU machines) call it ``past_key_values`` where recent ones call it ``cache``. Built from the
+    installed source, renamed, so the test follows whichever transformers is installed."""
+    import inspect
+    import textwrap
+
+    from transformers.models.llama import modeling_llama as llama
+
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(llama.LlamaAttention.forward)))
+    source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))  # no renaming
+    current = list(inspect.signature(llama.LlamaAttention.forward).parameters)[4]
+    source = source.replace(f"{current}:", f"{name}:").replace(f"{current}.update", f"{name}.update")
+    source = source.replace(f"if {current} is not None", f"if {name} is not None")
+    source = source.replace(", kwargs=kwargs)", ")")  # update()'s extra argument, recent releases only
+    namespace: dict = {}
+    exec(compile(source, "<renamed>", "exec"), vars(llama), namespace)
+    return type(f"Attention_{name}", (llama.LlamaAttention,), {"forward": namespace["forward"]})
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_stacked_attention_takes_the_cache_under_either_name_transformers_gives_it(name):
+    """A layer calls its attention with the cache as a keyword (``past_key_values=None`` in 5.17): the
+    stacked forward must neither pass it twice to the module's own forward (a TypeError, which ended the
+    H100 run's bf16 check) nor hand it to the attention interface; with no cache it stacks, with one it
+    runs the module's own forward."""
+    model = tiny("llama")
+    attention = model.model.layers[0].self_attn
+    attention.__class__ = _attention_with_the_cache_named(name)
+    hidden = torch.randn(1, 5, 40, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(5)[None]
+    rotary = model.model.rotary_emb(hidden, positions)
+    with torch.no_grad():
+        expected, _ = attention(hidden, rotary, None, **{name: None})
+        stacked = _StackedAttention(attention, fp._Variant(False, None))
+        assert stacked.install()
+        attention.forward = stacked
+        outside, _ = attention(hidden, rotary, None, **{name: None})  # outside a bm forward: its own
+        with in_bm_forward():
+            inside, _ = attention(hidden, rotary, None, **{name: None})
+            positional, _ = attention(hidden, rotary, None, None)
+
+        class Cache:
+            def update(self, key, value, layer, *args, **kwargs):
+                self.seen = layer
+                return key, value
+
+        cache = Cache()
+        with in_bm_forward():
+            attention(hidden, rotary, None, **{name: cache})
+    assert cache.seen == attention.layer_idx  # the own forward ran, with the cache
+    for got in (outside, inside, positional):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_tokens_through_the_engine_are_the_same_with_projections_stacked_and_not(monkeypatch):

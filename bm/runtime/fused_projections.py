@@ -34,7 +34,9 @@ The stacked path is used only while it computes what the separate projections wo
 that every projection is a plain ``nn.Linear`` called as itself (no LoRA forward, no PEFT wrapper, no
 forward hook: a tensor-parallel plan's all-reduce is one) and that its weight and bias are still the views
 installed (a weight replaced, or moved by ``.to()``, has another address). Otherwise the module's own
-forward runs. A weight changed in place changes the stacked tensor with it. Deep copies and pickles of a
+forward runs, as does a call with an HF cache (bm's forwards pass none: its attention keeps the KV; the
+cache is ``cache`` in recent transformers and ``past_key_values`` in earlier 5.x, and either is taken). A
+weight changed in place changes the stacked tensor with it. Deep copies and pickles of a
 fused model copy each projection's weight apart; their first fused call stacks them again (never while a
 CUDA graph is being captured).
 """
@@ -318,7 +320,11 @@ class _StackedAttention(_Stacked):
         super().__init__(module)
         self._variant = variant
         # the modeling module's globals, as the forward's source reads them (its rotary may be bm's)
-        self._globals = inspect.unwrap(type(module).forward).__globals__
+        own = inspect.unwrap(type(module).forward)
+        self._globals = own.__globals__
+        # the fourth parameter is the HF cache: ``cache`` in recent transformers, ``past_key_values``
+        # in earlier 5.x releases (5.17 on the GPU machines); the rest of the source is the same
+        self._cache_name = list(inspect.signature(own).parameters)[4]
 
     def _init_args(self) -> tuple:
         return (self._variant,)
@@ -328,12 +334,16 @@ class _StackedAttention(_Stacked):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        cache: Any = None,
+        *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
-        stack = None if "past_key_values" in kwargs else self._current(hidden_states)
+        # the cache under whichever name this transformers gives it, positional or not; a bm forward
+        # passes none (bm's attention keeps the KV), and a call with one runs the module's own forward
+        cache = args[0] if args else kwargs.get(self._cache_name)
+        stack = None if cache is not None or len(args) > 1 else self._current(hidden_states)
         if stack is None:
-            return self._own(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+            return self._own(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k != self._cache_name}
         m, g = self._module, self._globals
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
@@ -344,9 +354,6 @@ class _StackedAttention(_Stacked):
 
         cos, sin = position_embeddings
         query_states, key_states = g["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
-
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, m.layer_idx, kwargs=kwargs)
 
         attention_interface: Callable = g["ALL_ATTENTION_FUNCTIONS"].get_interface(
             m.config._attn_implementation, g["eager_attention_forward"]
