@@ -603,7 +603,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--min-context", type=int, default=None, help="the shortest (default: --context)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16, float16 on CPU")
     p.add_argument(
-        "--block-size", type=int, default=16, help="bm's tokens per KV block (the engine's default)"
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV block (the engine defaults to 32; gpu_check runs 16)",
     )
     p.add_argument("--repeat", type=int, default=None, help="timed samples per kernel (default 20; CPU 2)")
     p.add_argument("--inner", type=int, default=None, help="calls per sample (default 20; CPU 1)")

@@ -46,6 +46,14 @@ MIN_SPLIT_TILES = 2  # key tiles per split at least: a split's query load and pa
 NOMINAL_SM_COUNT = 132  # an H100 SXM's: what the choice assumes off CUDA (Triton's interpreter, tests)
 
 
+# Launch options of the decode kernels, from a sweep on an H100 (benchmarks/decode_attention_peers.py,
+# 256 sequences x 512 keys, bf16, 16-token blocks, CUDA-graph replays of one layer): against Triton's
+# defaults (4 warps, 3 stages), the single-pass kernel took 0.968x the time with 2 stages on the 1B
+# shape, and split-KV pass 1 0.91x with 2 warps and 1 stage on SmolLM2's. Prompts keep the defaults.
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": 2}
+SPLIT_LAUNCH = {"num_warps": 2, "num_stages": 1}
+
+
 @dataclass(frozen=True)
 class DecodeSplit:
     """How a decode-only batch's attention runs: ``num_splits`` programs per (sequence, KV head), each
@@ -176,7 +184,8 @@ def paged_attention(
     (default :func:`key_tile`). ``scratch``: the split partials' buffer to reuse (one is made for the
     call without it; a backend keeps one, for its CUDA graphs). ``launch``: Triton launch options for
     the attention kernel (``num_warps``, ``num_stages``; pass 1's under split-KV), for a tuning sweep
-    (benchmarks/decode_attention_peers.py); None: Triton's defaults, as the engine runs.
+    (benchmarks/decode_attention_peers.py); None: :data:`DECODE_LAUNCH` / :data:`SPLIT_LAUNCH` for a
+    decode-only batch, Triton's defaults otherwise.
     """
     kernels = load_kernels()
     num_heads, num_tokens, head_dim = q.shape
@@ -195,9 +204,12 @@ def paged_attention(
             raise ValueError("split-KV attention serves decode-only batches (one query per sequence)")
         _split_kv_decode(
             kernels, out, q, cache, batch, scale, softcap, alibi, sinks, num_splits, block_n,
-            scratch if scratch is not None else SplitScratch(q.device), launch or {},
+            scratch if scratch is not None else SplitScratch(q.device),
+            SPLIT_LAUNCH if launch is None else launch,
         )  # fmt: skip
         return
+    if launch is None:
+        launch = DECODE_LAUNCH if batch.max_query_len == 1 else {}
     group = num_heads // kv_heads
     # 16 query rows (a tensor-core tile) per program for decode; 64 when prompts are in the batch so a
     # long prompt's keys are read by fewer programs.
@@ -215,7 +227,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_PAD=max(16, next_pow2(head_dim)), TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_SINKS=sinks is not None,
-        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype), **(launch or {}),
+        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype), **launch,
     )  # fmt: skip
 
 
