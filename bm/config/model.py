@@ -125,9 +125,7 @@ class ModelConfig:
     )
     fused_projections: str = knob(
         "auto",
-        "Compute q/k/v in one GEMM and gate/up in one GEMM in Llama-family layers, over one stored copy of "
-        "the stacked weights: auto (CUDA models in float16 or bfloat16), on, off. Never float32: a GPU "
-        "in fp32 keeps transformers' GEMMs, bitwise HF (the oracle).",
+        "One GEMM for q/k/v, one for gate/up (Llama family): auto (CUDA in float16 or bfloat16), on, off.",
         on_off_auto,
     )
 
