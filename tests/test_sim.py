@@ -16,6 +16,7 @@ from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
 from bm.engine.request import Request
 from bm.scheduling.request import LlmRequest
 from bm.sim import CostModel, Hardware, ModelShape, SimExecutor, hardware_table, load_hardware
+from bm.sim.cost import IterationCost
 from bm.sim.run import cost_metrics
 
 from .conftest import REPO, make_config
@@ -82,6 +83,33 @@ def test_cost_model_counts_flops_and_bytes_of_a_tiny_config_by_hand():
         + cost.kv_write_bytes
     )
     assert seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "overlapped"),
+    [("auto", "cuda", True), ("auto", "cpu", False), ("off", "cuda", False), ("on", "cpu", True)],
+)
+def test_an_iteration_costs_host_plus_device_in_order_and_the_longer_of_the_two_overlapped(
+    setting, device, overlapped
+):
+    """engine.overlap_scheduler resolves for a row's device as the engine resolves it (auto: on for a
+    GPU); overlapped, the host's per-iteration time hides behind the forward, in order it adds. The
+    fast-forward's decode price follows the same rule (its rows must equal the step-by-step ones)."""
+    from bm.sim.run import sim_overlaps
+
+    shape = ModelShape.from_dict(TINY)
+    overlap = sim_overlaps(make_config(engine={"overlap_scheduler": setting}), device)
+    assert overlap is overlapped
+    forward = [item(request(0, 3), WorkKind.CONTEXT, 3, 0)]
+    for host in (1.0, 1e6):  # shorter than the forward, then longer
+        cm = CostModel(shape, unit_hardware(iteration_overhead_s=host), "float32", overlap=overlap)
+        device_s = cm.time_forward(cm.forward_cost(forward), IterationCost())
+        seconds = cm.iteration(ExecutionBatch([forward])).seconds
+        assert seconds == pytest.approx(max(device_s, host) if overlapped else device_s + host)
+        decode = CostModel(shape, unit_hardware(iteration_overhead_s=host), "float32", overlap=overlap)
+        step = [item(request(1, 6), WorkKind.GENERATION, 1, 6)]
+        assert decode.decode_seconds(1, 6) == pytest.approx(decode.iteration(ExecutionBatch([step])).seconds)
+    assert not sim_overlaps(make_config(engine={"batching_scheme": "v1"}), "cuda")  # V1 never overlaps
 
 
 def test_tensor_parallel_divides_the_work_and_adds_two_all_reduces_per_layer():

@@ -12,6 +12,12 @@ slower), groups add up, then tensor-parallel communication and fixed overheads a
 - communication: two all-reduces of the hidden states per layer under tensor parallelism (ring:
   ``2 (tp - 1) / tp`` of the bytes over one direction of the link), not overlapped.
 
+The row's ``iteration_overhead_s`` is the host's share of an iteration (scheduling, the step's
+metadata, launches). In order it adds to the forwards; under overlap scheduling (``overlap``: the
+engine's ``engine.overlap_scheduler`` as it resolves on the row's device, so ``auto`` on a GPU row) the
+host prepares the next iteration while the device runs this one, and an iteration costs whichever is
+longer.
+
 Work is divided evenly over the tensor-parallel ranks. The model knows nothing of time; the hardware
 row gives peak rates, derating efficiencies and overheads. On a local row (cpu-local, cuda-local) a
 forward's seconds come instead from the terms fitted on bm's own engine there (:mod:`bm.sim.forward_fit`),
@@ -63,16 +69,19 @@ class CostModel:
         dtype: str = "bfloat16",
         tensor_parallel: int = 1,
         decode_graphs: bool = True,
+        overlap: bool = False,
     ):
         """``decode_graphs``: the engine replays CUDA graphs for decode-only steps (``model.cuda_graphs``
         not off); it matters only on a row measured with graphs (cuda-local), whose decode steps larger
-        than its largest graph, or all of them without graphs, are then priced as eager forwards."""
+        than its largest graph, or all of them without graphs, are then priced as eager forwards.
+        ``overlap``: the host's per-iteration time hides behind the device's (see the module's doc)."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         self.model = model
         self.hardware = hardware
         self.dtype = dtype
         self.tp = tensor_parallel
+        self.overlap = overlap
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.peak_flops = hardware.peak_flops(dtype) * hardware.compute_efficiency
         self.bandwidth = hardware.memory_bw * hardware.memory_efficiency
@@ -160,18 +169,21 @@ class CostModel:
             total += self.time_forward(cost, out)
         if batch.forwards:
             out.overhead_s += self.hardware.iteration_overhead_s
-            total += self.hardware.iteration_overhead_s
+            total = self._with_host(total)
         out.seconds = total
         return out
+
+    def _with_host(self, device_s: float) -> float:
+        """An iteration's seconds from its forwards' and the host's: in turn, or overlapped."""
+        host_s = self.hardware.iteration_overhead_s
+        return max(device_s, host_s) if self.overlap else device_s + host_s
 
     def decode_seconds(self, num_requests: int, sum_positions: int) -> float:
         """:meth:`iteration`'s seconds for one forward of ``num_requests`` generation items (one token
         each, sampled) whose positions add up to ``sum_positions``: the same arithmetic, no items."""
         pairs = sum_positions + num_requests
         cost = self.cost_of(num_requests, num_requests, pairs, pairs, self._too_many_for_graphs(num_requests))
-        total = 0.0
-        total += self.time_forward(cost, IterationCost())
-        return total + self.hardware.iteration_overhead_s
+        return self._with_host(self.time_forward(cost, IterationCost()))
 
     def weight_bytes_per_rank(self) -> float:
         return self.model.num_params * self.dtype_bytes / self.tp

@@ -19,10 +19,12 @@ from bm.bench.journal import BenchJournal, JournalFeed
 from bm.bench.replayer import Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError, resolve_dtype_name
+from bm.config.engine import BatchingScheme
 from bm.engine.core import StepOutput
 from bm.engine.driver import Driver
 from bm.engine.factory import build_core
 from bm.engine.fast_forward import DecodeRun
+from bm.engine.overlap import resolve_overlap
 from bm.engine.request import Response
 from bm.engine.stats import IterationStats
 from bm.sim.cost import CostModel
@@ -50,6 +52,7 @@ class SimModel:
     eos_token_id: int | None = None
     device: str = "sim"
     decode_graphs: bool = True  # model.cuda_graphs is not off (a cuda-local row prices graph replays)
+    overlap: bool = False  # the engine would overlap the host's work with the device's on this row
 
     @property
     def vocab_size(self) -> int:
@@ -61,7 +64,9 @@ class SimModel:
         return self.hardware.device_type
 
     def cost_model(self) -> CostModel:
-        return CostModel(self.shape, self.hardware, self.dtype, self.tensor_parallel, self.decode_graphs)
+        return CostModel(
+            self.shape, self.hardware, self.dtype, self.tensor_parallel, self.decode_graphs, self.overlap
+        )
 
     def runtime(self) -> dict[str, Any]:
         """The ``runtime`` block of results.json: what ran, for a simulated run."""
@@ -98,7 +103,24 @@ def load_sim_model(config: BmConfig) -> SimModel:
         dtype,
         name=shape.name or str(source),
         decode_graphs=config.model.cuda_graphs != "off",
+        overlap=sim_overlaps(config, hardware.device_type),
     )
+
+
+def sim_overlaps(config: BmConfig, device_type: str) -> bool:
+    """Whether the real engine would overlap on the row's device: ``engine.overlap_scheduler`` resolved
+    as the core resolves it for an executor that runs ahead of the host on a GPU (the torch executor on
+    CUDA), so ``auto`` prices a GPU row overlapped and a CPU row in order, as the engine runs them."""
+    from types import SimpleNamespace
+
+    engine = config.engine
+    overlaps, _ = resolve_overlap(
+        engine.overlap_scheduler,
+        SimpleNamespace(overlaps_host=device_type == "cuda"),
+        v1=BatchingScheme(engine.batching_scheme) == BatchingScheme.V1,
+        ngram=bool(engine.speculative),
+    )
+    return overlaps
 
 
 def is_sim(model: Any) -> bool:
