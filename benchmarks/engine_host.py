@@ -134,6 +134,8 @@ def main() -> None:
         profiler = cProfile.Profile()
         run_once(args.profile, overlaps[0], profiler)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats(args.sort).print_stats(40)
+    if args.repeats <= 0:
+        return
 
     runs: dict[tuple[int, str], list[dict]] = {(n, o): [] for n in counts for o in overlaps}
     run_once(counts[0], overlaps[0])  # warm-up: imports, first-call caches

@@ -34,17 +34,15 @@ from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forwar
 from bm.engine.hol import HeadOfLineWatch
 from bm.engine.overlap import (
     Flight,
-    at_length,
-    computed_lengths,
     is_idle,
     launcher_for,
     mark_pending,
-    overlappable,
     pauses_pending,
     resolve_overlap,
     restore_pending,
-    sampling_requests,
+    short_of_length,
     strip_pending,
+    survey,
 )
 from bm.engine.peft_cache import PeftCache
 from bm.engine.progress import WorkCounts, apply_tokens, count_work
@@ -244,7 +242,7 @@ class EngineCore:
         request whose pending token is its last is not scheduled again."""
         ready = self._ready()
         if overlapping:
-            ready = [r for r in ready if not at_length(r)]
+            ready = short_of_length(ready)
         return ready, self.scheduler.schedule_request(ready)
 
     def _launch(
@@ -259,11 +257,10 @@ class EngineCore:
         flight = Flight(plan, batch, reuse, started, num_active, len(ready))
         if self.overlap:
             flight.counts = count_work(batch, self.clock())
-            flight.computed = computed_lengths(batch)
-            flight.overlappable = overlappable(batch)
+            survey(flight)
         flight.handle = self.launcher.launch(batch)  # the runtime reads the output so far, unmarked
         if self.overlap:
-            mark_pending(batch)
+            mark_pending(flight.sampling)
         return flight
 
     def _collect(self, flight: Flight, out: StepOutput, following: Flight | None = None) -> None:
@@ -276,9 +273,9 @@ class EngineCore:
         ]
         batch = flight.batch
         if self.overlap:
-            strip_pending(sampling_requests(batch))
+            strip_pending(flight.sampling)
             if following is not None:
-                strip_pending(sampling_requests(following.batch))
+                strip_pending(following.sampling)
         counts = self._update(flight, result)
         out.schedule, out.computed_tokens = _record(flight.plan), counts.computed
         usage = CacheUsage.of(self.kv_cache_manager)
@@ -286,7 +283,7 @@ class EngineCore:
         if self.check_integrity:
             self.verify()
         if following is not None:
-            restore_pending(following.batch, self._live)
+            restore_pending(following.sampling, self._active)
         self._iteration += 1
         out.stats = self._stats(flight, counts, result, usage, out)
         self._remember_decode(flight.plan, result, out, flight.num_active)
