@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bm.config import ContextChunkingPolicy
-from bm.scheduling.request import LlmRequest
+from bm.scheduling.request import GENERATION_STATES, LlmRequest
 
 FIRST_COME_FIRST_SERVED = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
 EQUAL_PROGRESS = ContextChunkingPolicy.EQUAL_PROGRESS
@@ -90,11 +90,12 @@ class IterationBudget:
         """
         if self.slots_left <= 0:
             return 0
-        if computed is None:
-            computed = request.num_computed_tokens
-        if request.is_generation_phase:  # every beam computes a token (TRT-LLM counts them all)
-            tokens = request.beam_width if self.tokens_left >= request.beam_width else 0
+        if request.state in GENERATION_STATES:  # every beam computes a token (TRT-LLM counts them all)
+            width = request.beam_width
+            tokens = width if self.tokens_left >= width else 0
         elif self.equal_progress:
+            if computed is None:
+                computed = request.num_computed_tokens
             cost = min_context_cost(request, self.chunking, computed)
             tokens = cost if 0 < cost <= self.tokens_left else 0
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from bm.scheduling.budget import ChunkingConfig, IterationBudget, unit_step
-from bm.scheduling.request import LlmRequest
+from bm.scheduling.request import CONTEXT_INIT, GENERATION_STATES, LlmRequest
 
 
 class MicroBatchScheduler:
@@ -45,12 +45,13 @@ class MicroBatchScheduler:
         generation: list[LlmRequest] = []
         contexts: list[LlmRequest] = []
         for request in fitting_requests:
-            if request.request_id in inflight_request_ids:
+            if inflight_request_ids and request.request_id in inflight_request_ids:
                 continue
-            if request.is_generation_phase:
+            state = request.state  # read once: the phase properties cost a call each, per request
+            if state in GENERATION_STATES:
                 if budget.take(request):
                     generation.append(request)
-            elif request.is_context_phase:
+            elif state == CONTEXT_INIT:
                 contexts.append(request)
         if budget.equal_progress:
             chunks = self._equal_progress(contexts, budget, computed)
