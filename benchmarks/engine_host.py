@@ -2,12 +2,13 @@
 """The engine core's host time per iteration, without a model: what overlap scheduling cannot hide.
 
     python benchmarks/engine_host.py [--requests 64,256,1024] [--overlap off,on] [--repeats 5]
-        [--profile N]
+        [--max-batch-size B] [--profile N]
 
 Each run admits N requests at once (prompts of 256-511 random tokens, 128 output tokens, end tokens never
 sampled) into an :class:`~bm.engine.EngineCore` over the fake executor (no torch), with
-``max_batch_size`` N, ``max_num_tokens`` 8192, chunked context, 16-token blocks, no block reuse and a
-cache that holds every request to completion, and steps it until every request has ended. Every step is
+``max_batch_size`` N (``--max-batch-size B``: B, the rest queued), ``max_num_tokens`` 8192, chunked
+context, 16-token blocks, no block reuse and a cache that holds ``max_batch_size`` requests to
+completion, and steps it until every request has ended. Every step is
 timed, and apart from it the fake executor's ``execute`` (which checks every position's block and hashes
 each token): the engine core's time is the difference, i.e. scheduling, KV block bookkeeping, batch
 building, applying tokens, stopping checks, responses and stats.
@@ -47,20 +48,23 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make_core(num_requests: int, overlap: str) -> tuple[EngineCore, list[tuple[float, bool]]]:
+def make_core(
+    num_requests: int, overlap: str, max_batch_size: int | None = None
+) -> tuple[EngineCore, list[tuple[float, bool]]]:
     """A core over a fake executor whose ``execute`` records its own seconds and whether the batch was a
-    pure decode (one entry per call), with every request admitted."""
+    pure decode (one entry per call), with every request admitted (``max_batch_size``: default all)."""
+    batch = max_batch_size or num_requests
     config = config_from_dict(
         {
             "engine": {
-                "max_batch_size": num_requests,
+                "max_batch_size": batch,
                 "max_num_tokens": MAX_NUM_TOKENS,
                 "enable_chunked_context": True,
                 "overlap_scheduler": overlap,
             },
             "kv_cache": {
                 "tokens_per_block": TOKENS_PER_BLOCK,
-                "max_tokens": num_requests * (PROMPT_TOKENS[1] + OUTPUT_TOKENS) + TOKENS_PER_BLOCK,
+                "max_tokens": batch * (PROMPT_TOKENS[1] + OUTPUT_TOKENS) + TOKENS_PER_BLOCK,
                 "enable_block_reuse": False,
             },
         }
@@ -88,9 +92,14 @@ def make_core(num_requests: int, overlap: str) -> tuple[EngineCore, list[tuple[f
     return core, spent
 
 
-def run_once(num_requests: int, overlap: str, profiler: cProfile.Profile | None = None) -> dict:
+def run_once(
+    num_requests: int,
+    overlap: str,
+    max_batch_size: int | None = None,
+    profiler: cProfile.Profile | None = None,
+) -> dict:
     """One run to completion: the core's and the executor's seconds, per step."""
-    core, spent = make_core(num_requests, overlap)
+    core, spent = make_core(num_requests, overlap, max_batch_size)
     clock = time.perf_counter
     core_s: list[float] = []
     exec_s: list[float] = []
@@ -124,6 +133,7 @@ def main() -> None:
     p.add_argument("--requests", default="64,256,1024", help="comma list of request counts")
     p.add_argument("--overlap", default="off,on", help="comma list of engine.overlap_scheduler values")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-batch-size", type=int, default=None, help="default: each run's request count")
     p.add_argument("--profile", type=int, default=None, metavar="N", help="cProfile one run at N requests")
     p.add_argument("--sort", default="tottime", help="the profile's order (tottime, cumulative)")
     args = p.parse_args()
@@ -132,17 +142,17 @@ def main() -> None:
 
     if args.profile is not None:
         profiler = cProfile.Profile()
-        run_once(args.profile, overlaps[0], profiler)
+        run_once(args.profile, overlaps[0], args.max_batch_size, profiler)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats(args.sort).print_stats(40)
     if args.repeats <= 0:
         return
 
     runs: dict[tuple[int, str], list[dict]] = {(n, o): [] for n in counts for o in overlaps}
-    run_once(counts[0], overlaps[0])  # warm-up: imports, first-call caches
+    run_once(counts[0], overlaps[0], args.max_batch_size)  # warm-up: imports, first-call caches
     for repeat in range(args.repeats):
         for n in counts:
             for overlap in overlaps:
-                run = run_once(n, overlap)
+                run = run_once(n, overlap, args.max_batch_size)
                 runs[n, overlap].append(run)
                 log(
                     f"repeat {repeat + 1}/{args.repeats} requests {n} overlap {overlap}: core "
@@ -170,7 +180,7 @@ def main() -> None:
         "output_tokens": OUTPUT_TOKENS,
         "max_num_tokens": MAX_NUM_TOKENS,
         "tokens_per_block": TOKENS_PER_BLOCK,
-        "max_batch_size": "requests",
+        "max_batch_size": args.max_batch_size or "requests",
         "executor": "fake",
     }
     print(json.dumps({"workload": workload, "repeats": args.repeats, "results": results}, indent=1))
