@@ -34,6 +34,7 @@ from bm.kv.types import (
     ResourceUpdate,
     block_extra_keys_of,
     cdiv,
+    sharing_of,
 )
 from bm.kv.window_groups import SlidingWindow, WindowedTables, WindowGroup
 
@@ -145,21 +146,26 @@ class KVCacheManager:
         with it, when ``requests`` are every holder, the blocks they hold are the pool's used blocks.
         """
         requests = list(requests)
+        tables, bs = self._requests, self.tokens_per_block
         plain = self._window is None
-        counts: list[int] = []
-        remaining = 0
+        held = remaining = 0
         for request in requests:
-            blocks = self._requests.get(request.request_id)
+            blocks = tables.get(request.request_id)
             if blocks is None:
                 own = 0
             elif plain and len(blocks.tables) == 1 and not blocks.padding:
                 own = len(blocks.tables[0])
             else:
                 own = len(blocks.distinct_blocks())
-            counts.append(own)
-            remaining += max(0, self.get_needed_resource_to_completion(request) - own)
+            held += own
+            if plain and sharing_of(request) == (1, 0, False):  # get_needed_resource_to_completion's full
+                needed = -(-request.num_tokens_at_completion // bs)
+            else:
+                needed = self.get_needed_resource_to_completion(request)
+            if needed > own:
+                remaining += needed - own
         if not self.enable_block_reuse:
-            return sum(counts) + remaining
+            return held + remaining
         holders = sum(1 for r in requests if r.request_id in self._requests)
         if holders == len(self._requests):
             return self.pool.num_used_blocks + remaining

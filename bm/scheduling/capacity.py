@@ -163,9 +163,11 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
+        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
+        if not new:  # what the started requests reserve only bounds who starts
+            return plan
         # Held blocks count once however many requests share them; cached blocks count as free.
         reserved = kv.get_reserved_resource(started)
-        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
         available = kv.get_max_resource_count() - reserved
         contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
