@@ -266,11 +266,9 @@ class EngineCore:
     def _collect(self, flight: Flight, out: StepOutput, following: Flight | None = None) -> None:
         """Read ``flight``'s tokens and apply them (``following``: the iteration launched after it, whose
         placeholders are set aside meanwhile), respond, and write the iteration's stats to ``out``."""
-        result = self.launcher.collect(flight.handle)
-        result.sampled = [s for s in result.sampled if self._live(s[0].request)]
-        out.produced_ids = [
-            i.request.request_id for i, _, _ in result.sampled if i.kind is not WorkKind.EMPTY_SLOT
-        ]
+        result, active, empty_slot = self.launcher.collect(flight.handle), self._active, WorkKind.EMPTY_SLOT
+        result.sampled = [s for s in result.sampled if active.get((r := s[0].request).request_id) is r]
+        out.produced_ids = [i.request.request_id for i, _, _ in result.sampled if i.kind is not empty_slot]
         batch = flight.batch
         if self.overlap:
             strip_pending(flight.sampling)
@@ -288,13 +286,10 @@ class EngineCore:
         out.stats = self._stats(flight, counts, result, usage, out)
         self._remember_decode(flight.plan, result, out, flight.num_active)
 
-    def _live(self, req: LlmRequest) -> bool:
-        return self._active.get(req.request_id) is req
-
     def _ready(self) -> list[LlmRequest]:
         """The active requests the scheduler sees: not one whose LoRA adapter cannot be loaded yet (every
         slot held), nor, with windowed pools, one beyond what the pools are sized for."""
-        ready = [r for r in self._active.values() if self.peft_cache.ready(r)]
+        ready = self.peft_cache.ready_requests(self._active.values())
         return self._within_window_pools(ready) if self.kv_cache_manager.window_tables else ready
 
     def _watch_head_of_line(self, ready: list[LlmRequest], plan: SchedulerOutput) -> None:
@@ -439,7 +434,8 @@ class EngineCore:
         counts = flight.counts if flight.counts is not None else count_work(batch, now)
         update, forking = apply_tokens(batch, result, self._active, now)
         if flight.counts is not None:  # the lengths this iteration computed, of requests still held
-            update.computed = [(r, n) for r, n in flight.computed if self._live(r)]
+            active = self._active
+            update.computed = [(r, n) for r, n in flight.computed if active.get(r.request_id) is r]
         for parent in forking:
             for sibling in self.families.fork(parent, update):
                 self._num_starts += 1
