@@ -7,6 +7,7 @@ stage never reserves blocks for (or pauses in favour of) work the micro-batch st
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bm.config import ContextChunkingPolicy
@@ -104,6 +105,21 @@ class IterationBudget:
             self.slots_left -= 1
             self.tokens_left -= tokens
         return tokens
+
+    def take_all(self, requests: Iterable[LlmRequest]) -> list[LlmRequest]:
+        """The requests that fit, each reserved in turn exactly as :meth:`take` reserves it; a
+        generation (every running request, every iteration) is counted here without a call."""
+        taken = []
+        for request in requests:
+            if request.state in GENERATION_STATES and self.slots_left > 0:
+                width = request.beam_width
+                if self.tokens_left >= width:
+                    self.slots_left -= 1
+                    self.tokens_left -= width
+                    taken.append(request)
+            elif self.take(request):
+                taken.append(request)
+        return taken
 
     def give_back(self, tokens: int) -> None:
         self.slots_left += 1

@@ -163,7 +163,7 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
-        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
+        plan = CapacityPlan(fitting=budget.take_all(started))
         if not new:  # what the started requests reserve only bounds who starts
             return plan
         # Held blocks count once however many requests share them; cached blocks count as free.
@@ -277,7 +277,7 @@ class StaticBatchScheduler(GuaranteedNoEvictScheduler):
             members = self._form_batch(active_requests)
         started, new = split_started(self, members)
         budget = self.new_budget()
-        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
+        plan = CapacityPlan(fitting=budget.take_all(started))
         for request in new:  # the batch was formed on full needs, so any cached prefix is a bonus
             if self.try_start(request, budget, sys.maxsize, False, plan) is None:
                 break

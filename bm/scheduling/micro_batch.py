@@ -42,17 +42,17 @@ class MicroBatchScheduler:
         """
         computed = computed or {}
         budget = IterationBudget(self.max_batch_size, self.max_num_tokens, self.chunking)
-        generation: list[LlmRequest] = []
+        running: list[LlmRequest] = []
         contexts: list[LlmRequest] = []
         for request in fitting_requests:
             if inflight_request_ids and request.request_id in inflight_request_ids:
                 continue
             state = request.state  # read once: the phase properties cost a call each, per request
             if state in GENERATION_STATES:
-                if budget.take(request):
-                    generation.append(request)
+                running.append(request)
             elif state == CONTEXT_INIT:
                 contexts.append(request)
+        generation = budget.take_all(running)  # in the same order: contexts take nothing before
         if budget.equal_progress:
             chunks = self._equal_progress(contexts, budget, computed)
         else:
