@@ -455,12 +455,15 @@ class EngineCore:
             if req is not None:
                 req.finish_reason = FinishReason.ERROR
                 self._end(req, out, error=message)
-        produced = produced_requests(batch)
-        for req in produced:
-            live = req.streaming and self._active.get(req.request_id) is req
-            if live and (not req.is_finished or self.scheduler.holds(req)):
+        ended = []  # one pass: streamed tokens go out first, then the final responses
+        for req in produced_requests(batch):
+            if self._active.get(req.request_id) is not req:
+                continue
+            finished = req.is_finished
+            if req.streaming and (not finished or self.scheduler.holds(req)):
                 out.responses.append(response_for(req, final=False))
-        ended = [r for r in produced if r.is_finished and self._active.get(r.request_id) is r]
+            if finished:
+                ended.append(req)
         for req in [*self._held, *ended]:
             if self.scheduler.holds(req) or self._active.get(req.request_id) is not req:
                 continue

@@ -164,9 +164,10 @@ def survey(flight: Flight) -> None:
 def mark_pending(sampling: Iterable[LlmRequest]) -> None:
     """A placeholder for each token a launched batch samples (``sampling``: :attr:`Flight.sampling`);
     a last prompt chunk makes its request a generation."""
+    generating = RequestState.GENERATION_IN_PROGRESS  # a local: read per request
     for req in sampling:
         req.output_ids.append(PENDING_TOKEN)
-        req.state = RequestState.GENERATION_IN_PROGRESS
+        req.state = generating
 
 
 def strip_pending(requests: Iterable[LlmRequest]) -> None:
