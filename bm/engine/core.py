@@ -432,9 +432,9 @@ class EngineCore:
         now = self.clock()
         batch = flight.batch
         counts = flight.counts if flight.counts is not None else count_work(batch, now)
-        update, forking = apply_tokens(batch, result, self._active, now)
-        if flight.counts is not None:  # the lengths this iteration computed, of requests still held
-            active = self._active
+        lengths, active = self.kv_cache_manager.reads_computed_lengths, self._active
+        update, forking = apply_tokens(batch, result, active, now, lengths and flight.counts is None)
+        if lengths and flight.counts is not None:  # the lengths this iteration computed, of the held
             update.computed = [(r, n) for r, n in flight.computed if active.get(r.request_id) is r]
         for parent in forking:
             for sibling in self.families.fork(parent, update):

@@ -62,10 +62,16 @@ def count_work(batch: ExecutionBatch, now: float) -> WorkCounts:
 
 
 def apply_tokens(
-    batch: ExecutionBatch, result: ExecutionResult, active: dict[int, LlmRequest], now: float
+    batch: ExecutionBatch,
+    result: ExecutionResult,
+    active: dict[int, LlmRequest],
+    now: float,
+    lengths: bool = True,
 ) -> tuple[ResourceUpdate, list[LlmRequest]]:
     """Sampled tokens, accepted drafts and beam steps onto their requests; returns the KV cache's update
-    and the n-sample requests whose prompt is now computed (their samples fork next)."""
+    and the n-sample requests whose prompt is now computed (their samples fork next). ``lengths``: the
+    update lists each request's computed length (False: the cache does not read them, or the caller
+    has them from launch)."""
     forking: list[LlmRequest] = []
     context, generation, empty_slot = WorkKind.CONTEXT, WorkKind.GENERATION, WorkKind.EMPTY_SLOT
     tops = result.top_log_probs
@@ -81,7 +87,7 @@ def apply_tokens(
         accept_drafts(req, outcome, now)
         update.trim.append((request_id, req.num_computed_tokens))
     computed = update.computed
-    for forward in batch.forwards:
+    for forward in batch.forwards if lengths else ():
         for item in forward:
             req = item.request
             if (item.kind is generation or item.kind is context) and req.beam_width == 1:
