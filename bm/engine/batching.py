@@ -25,8 +25,10 @@ def resource_plan(plan: SchedulerOutput) -> ResourcePlan:
             resources.starts.append((req, match))
             start = match.num_tokens
         resources.grow.append((rid, start + plan.context_chunk_sizes[rid]))
-    for req in plan.generation_requests:
-        resources.grow.append((req.request_id, req.num_tokens))
+    # each generation grows to its known tokens (num_tokens, read as lengths: once per request an iteration)
+    resources.grow.extend(
+        [(r.request_id, len(r.prompt_ids) + len(r.output_ids)) for r in plan.generation_requests]
+    )
     for slot in plan.empty_slots:
         resources.grow.append((slot.request.request_id, slot.position + 1))
     for work in plan.padding:
@@ -58,16 +60,20 @@ def build_batch(
         table = kv.padding_block_ids(work.request.request_id)
         tokens = [work.request.sampling.pad_id] * work.num_tokens
         items.append(WorkItem(work.request, WorkKind.PADDING, tokens, work.start, table, False))
+    generation, windowed = WorkKind.GENERATION, bool(kv.window_tables)
     for req in plan.generation_requests:
-        position = req.num_tokens - 1
+        # read as attributes (num_tokens - 1, last_token()): this runs once per request an iteration
+        output = req.output_ids
+        position = len(req.prompt_ids) + len(output) - 1
         if req.beam_tokens is not None:
             for beam, tokens in enumerate(req.beam_tokens):
                 table = kv.block_ids(req.request_id, beam)
-                items.append(WorkItem(req, WorkKind.GENERATION, [tokens[-1]], position, table, True, beam))
+                items.append(WorkItem(req, generation, [tokens[-1]], position, table, True, beam))
         else:
-            table = kv.block_ids(req.request_id)
-            item = WorkItem(req, WorkKind.GENERATION, [req.last_token()], position, table, True)
-            item.window_block_ids = kv.window_block_ids(req.request_id)
+            token = output[-1] if output else req.prompt_ids[-1]
+            item = WorkItem(req, generation, [token], position, kv.block_ids(req.request_id), True)
+            if windowed:
+                item.window_block_ids = kv.window_block_ids(req.request_id)
             items.append(item)
     for slot in plan.empty_slots:
         req = slot.request

@@ -34,17 +34,15 @@ from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forwar
 from bm.engine.hol import HeadOfLineWatch
 from bm.engine.overlap import (
     Flight,
-    at_length,
-    computed_lengths,
     is_idle,
     launcher_for,
     mark_pending,
-    overlappable,
     pauses_pending,
     resolve_overlap,
     restore_pending,
-    sampling_requests,
+    short_of_length,
     strip_pending,
+    survey,
 )
 from bm.engine.peft_cache import PeftCache
 from bm.engine.progress import WorkCounts, apply_tokens, count_work
@@ -244,7 +242,7 @@ class EngineCore:
         request whose pending token is its last is not scheduled again."""
         ready = self._ready()
         if overlapping:
-            ready = [r for r in ready if not at_length(r)]
+            ready = short_of_length(ready)
         return ready, self.scheduler.schedule_request(ready)
 
     def _launch(
@@ -259,26 +257,23 @@ class EngineCore:
         flight = Flight(plan, batch, reuse, started, num_active, len(ready))
         if self.overlap:
             flight.counts = count_work(batch, self.clock())
-            flight.computed = computed_lengths(batch)
-            flight.overlappable = overlappable(batch)
+            survey(flight)
         flight.handle = self.launcher.launch(batch)  # the runtime reads the output so far, unmarked
         if self.overlap:
-            mark_pending(batch)
+            mark_pending(flight.sampling)
         return flight
 
     def _collect(self, flight: Flight, out: StepOutput, following: Flight | None = None) -> None:
         """Read ``flight``'s tokens and apply them (``following``: the iteration launched after it, whose
         placeholders are set aside meanwhile), respond, and write the iteration's stats to ``out``."""
-        result = self.launcher.collect(flight.handle)
-        result.sampled = [s for s in result.sampled if self._live(s[0].request)]
-        out.produced_ids = [
-            i.request.request_id for i, _, _ in result.sampled if i.kind is not WorkKind.EMPTY_SLOT
-        ]
+        result, active, empty_slot = self.launcher.collect(flight.handle), self._active, WorkKind.EMPTY_SLOT
+        result.sampled = [s for s in result.sampled if active.get((r := s[0].request).request_id) is r]
+        out.produced_ids = [i.request.request_id for i, _, _ in result.sampled if i.kind is not empty_slot]
         batch = flight.batch
         if self.overlap:
-            strip_pending(sampling_requests(batch))
+            strip_pending(flight.sampling)
             if following is not None:
-                strip_pending(sampling_requests(following.batch))
+                strip_pending(following.sampling)
         counts = self._update(flight, result)
         out.schedule, out.computed_tokens = _record(flight.plan), counts.computed
         usage = CacheUsage.of(self.kv_cache_manager)
@@ -286,18 +281,15 @@ class EngineCore:
         if self.check_integrity:
             self.verify()
         if following is not None:
-            restore_pending(following.batch, self._live)
+            restore_pending(following.sampling, self._active)
         self._iteration += 1
         out.stats = self._stats(flight, counts, result, usage, out)
         self._remember_decode(flight.plan, result, out, flight.num_active)
 
-    def _live(self, req: LlmRequest) -> bool:
-        return self._active.get(req.request_id) is req
-
     def _ready(self) -> list[LlmRequest]:
         """The active requests the scheduler sees: not one whose LoRA adapter cannot be loaded yet (every
         slot held), nor, with windowed pools, one beyond what the pools are sized for."""
-        ready = [r for r in self._active.values() if self.peft_cache.ready(r)]
+        ready = self.peft_cache.ready_requests(self._active.values())
         return self._within_window_pools(ready) if self.kv_cache_manager.window_tables else ready
 
     def _watch_head_of_line(self, ready: list[LlmRequest], plan: SchedulerOutput) -> None:
@@ -440,9 +432,10 @@ class EngineCore:
         now = self.clock()
         batch = flight.batch
         counts = flight.counts if flight.counts is not None else count_work(batch, now)
-        update, forking = apply_tokens(batch, result, self._active, now)
-        if flight.counts is not None:  # the lengths this iteration computed, of requests still held
-            update.computed = [(r, n) for r, n in flight.computed if self._live(r)]
+        lengths, active = self.kv_cache_manager.reads_computed_lengths, self._active
+        update, forking = apply_tokens(batch, result, active, now, lengths and flight.counts is None)
+        if lengths and flight.counts is not None:  # the lengths this iteration computed, of the held
+            update.computed = [(r, n) for r, n in flight.computed if active.get(r.request_id) is r]
         for parent in forking:
             for sibling in self.families.fork(parent, update):
                 self._num_starts += 1
@@ -462,12 +455,15 @@ class EngineCore:
             if req is not None:
                 req.finish_reason = FinishReason.ERROR
                 self._end(req, out, error=message)
-        produced = produced_requests(batch)
-        for req in produced:
-            live = req.streaming and self._active.get(req.request_id) is req
-            if live and (not req.is_finished or self.scheduler.holds(req)):
+        ended = []  # one pass: streamed tokens go out first, then the final responses
+        for req in produced_requests(batch):
+            if self._active.get(req.request_id) is not req:
+                continue
+            finished = req.is_finished
+            if req.streaming and (not finished or self.scheduler.holds(req)):
                 out.responses.append(response_for(req, final=False))
-        ended = [r for r in produced if r.is_finished and self._active.get(r.request_id) is r]
+            if finished:
+                ended.append(req)
         for req in [*self._held, *ended]:
             if self.scheduler.holds(req) or self._active.get(req.request_id) is not req:
                 continue

@@ -15,7 +15,7 @@ core collect n's tokens. What follows from that, as TensorRT-LLM's PyTorch overl
   responses), and puts back those of n+1 for the requests still running.
 
 Some steps cannot run ahead of their tokens, and the core collects them before scheduling the next one
-(:func:`overlappable`): beam search (beams reorder on the host), draft verification (drafts are built from
+(:func:`survey`): beam search (beams reorder on the host), draft verification (drafts are built from
 the latest tokens), structured output and the controls that read the output so far (a grammar's mask,
 repetition/presence/frequency penalties, n-gram and multi-token bad words, a logits post-processor: each
 needs the token), an n-sample request finishing
@@ -30,11 +30,11 @@ host: the core's overlap logic is then exercised, and tested, without a device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bm.engine.executor import PENDING_TOKEN, ExecutionBatch, ExecutionResult, WorkItem, WorkKind
+from bm.engine.executor import PENDING_TOKEN, ExecutionBatch, ExecutionResult, WorkKind
 from bm.engine.progress import WorkCounts
 from bm.scheduling import LlmRequest, RequestState, SchedulerOutput
 
@@ -63,13 +63,15 @@ class SyncLauncher:
     def launch(self, batch: ExecutionBatch) -> ExecutionResult:
         if not self._resolve:
             return self._execute(batch)
-        for item in items_of(batch):
-            # only a generation row's input can be pending: a step whose next one would need a pending
-            # token anywhere else (a paused request's recompute) is collected first
-            if item.kind is WorkKind.GENERATION and item.token_ids[0] == PENDING_TOKEN:
-                # A request whose previous row ended in a fault sampled nothing: its row here is thrown
-                # away when that fault ends it, so any token does.
-                item.token_ids[0] = self._last.get(item.request.request_id, 0)
+        last, generation = self._last, WorkKind.GENERATION
+        for forward in batch.forwards:
+            for item in forward:
+                # only a generation row's input can be pending: a step whose next one would need a
+                # pending token anywhere else (a paused request's recompute) is collected first
+                if item.kind is generation and item.token_ids[0] == PENDING_TOKEN:
+                    # A request whose previous row ended in a fault sampled nothing: its row here is
+                    # thrown away when that fault ends it, so any token does.
+                    item.token_ids[0] = last.get(item.request.request_id, 0)
         result = self._execute(batch)
         self._last = {
             item.request.request_id: token
@@ -122,67 +124,64 @@ class Flight:
     num_ready: int
     handle: Any = None
     # Under overlap, progress is counted at launch (the next plan needs it) and the lengths the cache
-    # registers are those of this iteration, not of the one launched after it.
+    # registers are those of this iteration, not of the one launched after it; what follows is read
+    # once at launch (:func:`survey`), not on each of the four passes that need it.
     counts: WorkCounts | None = None
     computed: list[tuple[LlmRequest, int]] = field(default_factory=list)
+    # the requests that sample one token in it and take a placeholder for it
+    sampling: list[LlmRequest] = field(default_factory=list)
     overlappable: bool = True
 
 
-def items_of(batch: ExecutionBatch) -> Iterable[WorkItem]:
-    for forward in batch.forwards:
-        yield from forward
+def survey(flight: Flight) -> None:
+    """What the flight's collection needs of its batch, in one pass after its progress is counted:
+    each request's computed length (what the cache registers blocks up to), the requests that sample
+    (:attr:`Flight.sampling`), and whether the iteration after it may be scheduled before its tokens
+    are read (:attr:`Flight.overlappable`: not after beams, drafts, controls that read the output, or
+    the last prompt chunk of an n-sample request, whose samples fork from its first token)."""
+    computed: list[tuple[LlmRequest, int]] = []
+    sampling: list[LlmRequest] = []
+    overlappable = True
+    context, generation = WorkKind.CONTEXT, WorkKind.GENERATION
+    for forward in flight.batch.forwards:
+        for item in forward:
+            req, kind = item.request, item.kind
+            if overlappable and (
+                req.beam_width > 1
+                or item.num_draft
+                or req.speculation is not None
+                or (req.controls is not None and req.controls.reads_output)
+                or (item.sample and kind is context and req.num_pending_samples)
+            ):
+                overlappable = False
+            if (kind is context or kind is generation) and req.beam_width == 1:
+                computed.append((req, req.num_computed_tokens))
+                if item.sample:
+                    sampling.append(req)
+    flight.computed, flight.sampling, flight.overlappable = computed, sampling, overlappable
 
 
-def overlappable(batch: ExecutionBatch) -> bool:
-    """Whether the iteration after ``batch`` may be scheduled before ``batch``'s tokens are read."""
-    for item in items_of(batch):
-        req = item.request
-        if req.beam_width > 1 or item.num_draft or req.speculation is not None:
-            return False
-        if req.controls is not None and req.controls.reads_output:
-            return False
-        if item.sample and item.kind is WorkKind.CONTEXT and req.num_pending_samples:
-            return False
-    return True
-
-
-def computed_lengths(batch: ExecutionBatch) -> list[tuple[LlmRequest, int]]:
-    """Each request's computed length after ``batch`` (what the cache registers blocks up to)."""
-    return [
-        (item.request, item.request.num_computed_tokens)
-        for item in items_of(batch)
-        if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and item.request.beam_width == 1
-    ]
-
-
-def sampling_requests(batch: ExecutionBatch) -> list[LlmRequest]:
-    """The requests that sample one token in ``batch`` and take a placeholder for it."""
-    return [
-        item.request
-        for item in items_of(batch)
-        if item.sample
-        and item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION)
-        and item.request.beam_width == 1
-    ]
-
-
-def mark_pending(batch: ExecutionBatch) -> None:
-    """A placeholder for each token ``batch`` samples; a last prompt chunk makes its request a generation."""
-    for req in sampling_requests(batch):
+def mark_pending(sampling: Iterable[LlmRequest]) -> None:
+    """A placeholder for each token a launched batch samples (``sampling``: :attr:`Flight.sampling`);
+    a last prompt chunk makes its request a generation."""
+    generating = RequestState.GENERATION_IN_PROGRESS  # a local: read per request
+    for req in sampling:
         req.output_ids.append(PENDING_TOKEN)
-        req.state = RequestState.GENERATION_IN_PROGRESS
+        req.state = generating
 
 
 def strip_pending(requests: Iterable[LlmRequest]) -> None:
     for req in requests:
-        while req.output_ids and req.output_ids[-1] == PENDING_TOKEN:
-            req.output_ids.pop()
+        output = req.output_ids
+        while output and output[-1] == PENDING_TOKEN:
+            output.pop()
 
 
-def restore_pending(batch: ExecutionBatch, live: Callable[[LlmRequest], bool]) -> None:
-    """Put back the placeholders of ``batch`` (in flight) for its requests still running."""
-    for req in sampling_requests(batch):
-        if live(req) and not req.is_finished:
+def restore_pending(sampling: Iterable[LlmRequest], active: Mapping[int, LlmRequest]) -> None:
+    """Put back the placeholders of a batch in flight (``sampling``: its :attr:`Flight.sampling`) for
+    its requests still running (``active``: request id -> the active request)."""
+    for req in sampling:
+        if active.get(req.request_id) is req and not req.is_finished:
             req.output_ids.append(PENDING_TOKEN)
 
 
@@ -190,9 +189,14 @@ def has_pending(req: LlmRequest) -> bool:
     return bool(req.output_ids) and req.output_ids[-1] == PENDING_TOKEN
 
 
-def at_length(req: LlmRequest) -> bool:
-    """Its pending token is its last: nothing is left to schedule, whatever the token."""
-    return has_pending(req) and len(req.output_ids) >= req.max_new_tokens
+def short_of_length(requests: Iterable[LlmRequest]) -> list[LlmRequest]:
+    """The requests but those whose pending token is their last: nothing is left to schedule for
+    them, whatever the token."""
+    return [
+        r
+        for r in requests
+        if not ((output := r.output_ids) and output[-1] == PENDING_TOKEN and len(output) >= r.max_new_tokens)
+    ]
 
 
 def pauses_pending(plan: SchedulerOutput) -> bool:

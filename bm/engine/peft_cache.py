@@ -13,7 +13,7 @@ No tensors here: the executor owns the weights (``load_adapter(slot, spec)`` wri
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from bm.engine.model_inputs import LoraSpec
@@ -102,6 +102,10 @@ class PeftCache:
             return False
         self._lru.move_to_end(task)
         return True
+
+    def ready_requests(self, requests: Iterable[LlmRequest]) -> list[LlmRequest]:
+        """The requests that are :meth:`ready`, in order; one without an adapter is, without a call."""
+        return [r for r in requests if r.model_inputs is None or self.ready(r)]
 
     def _make_room(self, entry: _Entry) -> bool:
         while not self._fits(entry):

@@ -15,6 +15,11 @@ from bm.engine.speculative import SpecState
 from bm.engine.stopping import stop_reason
 from bm.kv import ResourceUpdate
 from bm.scheduling import FinishReason, LlmRequest, RequestState
+from bm.scheduling.request import NOT_FINISHED
+
+# read per token: module constants, not members read off their enum classes each time
+GENERATION_IN_PROGRESS = RequestState.GENERATION_IN_PROGRESS
+GENERATION_TO_COMPLETE = RequestState.GENERATION_TO_COMPLETE
 
 
 @dataclass
@@ -31,48 +36,62 @@ class WorkCounts:
 def count_work(batch: ExecutionBatch, now: float) -> WorkCounts:
     """Every item's progress: context tokens now in the cache (drafts after a last prompt chunk count
     once accepted), a generation's position, a request's first scheduled time; returns the counts."""
-    counts = WorkCounts()
+    computed = context = padding = generation = empty_slots = 0
+    # the kinds as locals: reading a member off its enum class costs more than the test, per item
+    context_kind, padding_kind, generation_kind = WorkKind.CONTEXT, WorkKind.PADDING, WorkKind.GENERATION
     for forward in batch.forwards:
         for item in forward:
+            kind = item.kind
+            if kind is generation_kind:
+                computed += len(item.token_ids)
+                item.request.num_computed_tokens += item.beam == 0  # every beam computes this position
+                generation += 1
+                continue
             req, n = item.request, len(item.token_ids)
-            counts.computed += n
-            if item.kind is WorkKind.CONTEXT:
+            computed += n
+            if kind is context_kind:
                 req.num_computed_tokens += n - item.num_draft
-                counts.context += n - item.num_draft
+                context += n - item.num_draft
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
-            elif item.kind is WorkKind.PADDING:
-                counts.padding += n
-            elif item.kind is WorkKind.GENERATION:
-                req.num_computed_tokens += item.beam == 0  # every beam computes the same position
-                counts.generation += 1
+            elif kind is padding_kind:
+                padding += n
             else:
-                counts.empty_slots += 1
-    return counts
+                empty_slots += 1
+    return WorkCounts(computed, context, padding, generation, empty_slots)
 
 
 def apply_tokens(
-    batch: ExecutionBatch, result: ExecutionResult, active: dict[int, LlmRequest], now: float
+    batch: ExecutionBatch,
+    result: ExecutionResult,
+    active: dict[int, LlmRequest],
+    now: float,
+    lengths: bool = True,
 ) -> tuple[ResourceUpdate, list[LlmRequest]]:
     """Sampled tokens, accepted drafts and beam steps onto their requests; returns the KV cache's update
-    and the n-sample requests whose prompt is now computed (their samples fork next)."""
+    and the n-sample requests whose prompt is now computed (their samples fork next). ``lengths``: the
+    update lists each request's computed length (False: the cache does not read them, or the caller
+    has them from launch)."""
     forking: list[LlmRequest] = []
+    context, generation, empty_slot = WorkKind.CONTEXT, WorkKind.GENERATION, WorkKind.EMPTY_SLOT
+    tops = result.top_log_probs
     for item, token, log_prob in result.sampled:
-        if item.kind is not WorkKind.EMPTY_SLOT:
+        if item.kind is not empty_slot:
             req = item.request
-            append_token(req, token, log_prob, now, result.top_log_probs.get(req.request_id))
-            if req.num_pending_samples and item.kind is WorkKind.CONTEXT:
+            append_token(req, token, log_prob, now, tops.get(req.request_id) if tops else None)
+            if req.num_pending_samples and item.kind is context:
                 forking.append(req)
     update = ResourceUpdate()
     for request_id, outcome in result.drafts.items():
         req = active[request_id]
         accept_drafts(req, outcome, now)
         update.trim.append((request_id, req.num_computed_tokens))
-    for forward in batch.forwards:
+    computed = update.computed
+    for forward in batch.forwards if lengths else ():
         for item in forward:
             req = item.request
-            if item.kind in (WorkKind.CONTEXT, WorkKind.GENERATION) and req.beam_width == 1:
-                update.computed.append((req, req.num_computed_tokens))
+            if (item.kind is generation or item.kind is context) and req.beam_width == 1:
+                computed.append((req, req.num_computed_tokens))
     for request_id, step in result.beams.items():
         req = active[request_id]
         req.beam_tokens = step.beam_tokens
@@ -115,14 +134,14 @@ def append_token(
     """One new token: its log probs when asked for, the first token's time, and whether it ends the
     request (end id, stop words, length)."""
     req.output_ids.append(token)
-    if req.output_log_probs is not None and log_prob is not None:
+    if log_prob is not None and req.output_log_probs is not None:
         req.output_log_probs.append(log_prob)
-    if req.output_top_log_probs is not None and top is not None:
+    if top is not None and req.output_top_log_probs is not None:
         req.output_top_log_probs.append(top)
-    req.state = RequestState.GENERATION_IN_PROGRESS
+    req.state = GENERATION_IN_PROGRESS
     if req.first_token_time is None:
         req.first_token_time = now
     reason = stop_reason(req, token)
-    if reason is not FinishReason.NOT_FINISHED:
+    if reason is not NOT_FINISHED:
         req.finish_reason = reason
-        req.state = RequestState.GENERATION_TO_COMPLETE
+        req.state = GENERATION_TO_COMPLETE

@@ -15,9 +15,10 @@ from bm.scheduling import LlmRequest
 def produced_requests(batch: ExecutionBatch) -> list[LlmRequest]:
     """The requests that sampled a token in ``batch``, each once, in the batch's order."""
     produced: dict[int, LlmRequest] = {}
+    empty_slot = WorkKind.EMPTY_SLOT  # a local: read per item
     for forward in batch.forwards:
         for item in forward:
-            if item.sample and item.kind is not WorkKind.EMPTY_SLOT:
+            if item.sample and item.kind is not empty_slot:
                 produced[item.request.request_id] = item.request
     return list(produced.values())
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from bm.scheduling import FinishReason, LlmRequest
+from bm.scheduling.request import NOT_FINISHED
+
+END_ID, STOP_WORDS, LENGTH = FinishReason.END_ID, FinishReason.STOP_WORDS, FinishReason.LENGTH
 
 
 def text_before_stop(text: str, stops: list[str]) -> str | None:
@@ -41,12 +44,17 @@ def ends_with(prompt: list[int], output: list[int], word: tuple[int, ...]) -> bo
 
 
 def stop_reason(req: LlmRequest, token: int) -> FinishReason:
+    """Asked after every token of every request: the common case (no stop words) makes no generator
+    and reads no member off the enum class."""
     if token == req.sampling.end_id:
-        return FinishReason.END_ID
+        return END_ID
     controls = req.controls
-    stop_words = controls.stop_words if controls is not None else ()
-    if any(ends_with(req.prompt_ids, req.output_ids, w) for w in stop_words):
-        return FinishReason.STOP_WORDS
+    if (
+        controls is not None
+        and controls.stop_words
+        and any(ends_with(req.prompt_ids, req.output_ids, w) for w in controls.stop_words)
+    ):
+        return STOP_WORDS
     if len(req.output_ids) >= req.max_new_tokens:
-        return FinishReason.LENGTH
-    return FinishReason.NOT_FINISHED
+        return LENGTH
+    return NOT_FINISHED

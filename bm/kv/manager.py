@@ -34,6 +34,7 @@ from bm.kv.types import (
     ResourceUpdate,
     block_extra_keys_of,
     cdiv,
+    sharing_of,
 )
 from bm.kv.window_groups import SlidingWindow, WindowedTables, WindowGroup
 
@@ -145,21 +146,23 @@ class KVCacheManager:
         with it, when ``requests`` are every holder, the blocks they hold are the pool's used blocks.
         """
         requests = list(requests)
-        plain = self._window is None
-        counts: list[int] = []
-        remaining = 0
+        tables, bs, plain = self._requests, self.tokens_per_block, self._window is None
+        num_held = remaining = 0
         for request in requests:
-            blocks = self._requests.get(request.request_id)
+            blocks = tables.get(request.request_id)
             if blocks is None:
                 own = 0
             elif plain and len(blocks.tables) == 1 and not blocks.padding:
                 own = len(blocks.tables[0])
             else:
                 own = len(blocks.distinct_blocks())
-            counts.append(own)
-            remaining += max(0, self.get_needed_resource_to_completion(request) - own)
+            num_held += own
+            if plain and sharing_of(request) == (1, 0, False):  # get_needed_resource_to_completion's full
+                remaining += max(0, -(-request.num_tokens_at_completion // bs) - own)
+            else:
+                remaining += max(0, self.get_needed_resource_to_completion(request) - own)
         if not self.enable_block_reuse:
-            return sum(counts) + remaining
+            return num_held + remaining
         holders = sum(1 for r in requests if r.request_id in self._requests)
         if holders == len(self._requests):
             return self.pool.num_used_blocks + remaining
@@ -224,6 +227,11 @@ class KVCacheManager:
             self.allocate_padding(request_id, num_tokens)
         return prepared
 
+    @property
+    def reads_computed_lengths(self) -> bool:
+        """Whether :meth:`update_resources` reads ``update.computed`` (block reuse, attention windows)."""
+        return self.prefix_cache is not None or self._window is not None or bool(self.window_tables)
+
     def update_resources(self, update: ResourceUpdate) -> None:
         """Apply what an iteration computed (TensorRT-LLM's ``update_resources``): roll tables back past
         rejected drafts, register newly full blocks and release those behind the window, then fork the
@@ -231,10 +239,8 @@ class KVCacheManager:
         step."""
         for request_id, num_tokens in update.trim:
             self.trim(request_id, num_tokens)
-        # most runs neither reuse nor window: then a computed token changes no table
-        reuse = self.prefix_cache is not None
-        window = self._window is not None or bool(self.window_tables)
-        if reuse or window:
+        reuse, window = self.prefix_cache is not None, self._window is not None or bool(self.window_tables)
+        if reuse or window:  # most runs neither reuse nor window: a computed token changes no table then
             for request, num_computed in update.computed:
                 if reuse:
                     self.cache_computed_blocks(request, num_computed)

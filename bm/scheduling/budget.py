@@ -7,10 +7,11 @@ stage never reserves blocks for (or pauses in favour of) work the micro-batch st
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bm.config import ContextChunkingPolicy
-from bm.scheduling.request import LlmRequest
+from bm.scheduling.request import GENERATION_STATES, LlmRequest
 
 FIRST_COME_FIRST_SERVED = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
 EQUAL_PROGRESS = ContextChunkingPolicy.EQUAL_PROGRESS
@@ -90,11 +91,12 @@ class IterationBudget:
         """
         if self.slots_left <= 0:
             return 0
-        if computed is None:
-            computed = request.num_computed_tokens
-        if request.is_generation_phase:  # every beam computes a token (TRT-LLM counts them all)
-            tokens = request.beam_width if self.tokens_left >= request.beam_width else 0
+        if request.state in GENERATION_STATES:  # every beam computes a token (TRT-LLM counts them all)
+            width = request.beam_width
+            tokens = width if self.tokens_left >= width else 0
         elif self.equal_progress:
+            if computed is None:
+                computed = request.num_computed_tokens
             cost = min_context_cost(request, self.chunking, computed)
             tokens = cost if 0 < cost <= self.tokens_left else 0
         else:
@@ -103,6 +105,21 @@ class IterationBudget:
             self.slots_left -= 1
             self.tokens_left -= tokens
         return tokens
+
+    def take_all(self, requests: Iterable[LlmRequest]) -> list[LlmRequest]:
+        """The requests that fit, each reserved in turn exactly as :meth:`take` reserves it; a
+        generation (every running request, every iteration) is counted here without a call."""
+        taken = []
+        for request in requests:
+            if request.state in GENERATION_STATES and self.slots_left > 0:
+                width = request.beam_width
+                if self.tokens_left >= width:
+                    self.slots_left -= 1
+                    self.tokens_left -= width
+                    taken.append(request)
+            elif self.take(request):
+                taken.append(request)
+        return taken
 
     def give_back(self, tokens: int) -> None:
         self.slots_left += 1

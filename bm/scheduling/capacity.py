@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from bm.kv import KVCacheManager, PrefixMatch
 from bm.scheduling.budget import ChunkingConfig, IterationBudget
-from bm.scheduling.request import LlmRequest, RequestState
+from bm.scheduling.request import CONTEXT_INIT, GENERATION_STATES, LlmRequest, RequestState
 from bm.scheduling.reuse import ContributedBlocks
 
 
@@ -124,14 +124,21 @@ class CapacityScheduler(ABC):  # noqa: B024 (schedule_request or plan, either on
 def split_started(
     scheduler: CapacityScheduler, active_requests: Sequence[LlmRequest]
 ) -> tuple[list[LlmRequest], list[LlmRequest]]:
-    """Schedulable requests that hold blocks (generation first) and those that do not yet, in order."""
+    """Schedulable requests that hold blocks (generation first) and those that do not yet, in order.
+
+    Called on every request every iteration, so states and counts are read as attributes: a context
+    holds blocks when some of its tokens are computed (:attr:`LlmRequest.holds_blocks`), and the state
+    range is :meth:`CapacityScheduler.is_schedulable`'s unless a policy overrides that."""
     generation, contexts, new = [], [], []
+    low, high = scheduler.no_schedule_until_state, scheduler.no_schedule_after_state
+    custom = type(scheduler).is_schedulable is not CapacityScheduler.is_schedulable
     for request in active_requests:
-        if not scheduler.is_schedulable(request):
+        state = request.state
+        if not (scheduler.is_schedulable(request) if custom else low <= state < high):
             continue
-        if request.is_generation_phase:
+        if state in GENERATION_STATES:
             generation.append(request)
-        elif request.holds_blocks:
+        elif request.num_computed_tokens > 0:
             contexts.append(request)
         else:
             new.append(request)
@@ -140,7 +147,7 @@ def split_started(
 
 def running_contexts(started: Sequence[LlmRequest]) -> list[LlmRequest]:
     """Contexts under way (chunked, not finished): they go on computing their prefix this iteration."""
-    return [r for r in started if r.is_context_phase]
+    return [r for r in started if r.state == CONTEXT_INIT]
 
 
 class GuaranteedNoEvictScheduler(CapacityScheduler):
@@ -156,9 +163,11 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         kv = self.kv_cache_manager
         budget = self.new_budget()
         started, new = split_started(self, active_requests)
+        plan = CapacityPlan(fitting=budget.take_all(started))
+        if not new:  # what the started requests reserve only bounds who starts
+            return plan
         # Held blocks count once however many requests share them; cached blocks count as free.
         reserved = kv.get_reserved_resource(started)
-        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
         available = kv.get_max_resource_count() - reserved
         contributed = ContributedBlocks(kv, running_contexts(started))
         for request in new:
@@ -268,7 +277,7 @@ class StaticBatchScheduler(GuaranteedNoEvictScheduler):
             members = self._form_batch(active_requests)
         started, new = split_started(self, members)
         budget = self.new_budget()
-        plan = CapacityPlan(fitting=[r for r in started if budget.take(r)])
+        plan = CapacityPlan(fitting=budget.take_all(started))
         for request in new:  # the batch was formed on full needs, so any cached prefix is a bonus
             if self.try_start(request, budget, sys.maxsize, False, plan) is None:
                 break

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from bm.scheduling.budget import ChunkingConfig, IterationBudget, unit_step
-from bm.scheduling.request import LlmRequest
+from bm.scheduling.request import CONTEXT_INIT, GENERATION_STATES, LlmRequest
 
 
 class MicroBatchScheduler:
@@ -42,16 +42,17 @@ class MicroBatchScheduler:
         """
         computed = computed or {}
         budget = IterationBudget(self.max_batch_size, self.max_num_tokens, self.chunking)
-        generation: list[LlmRequest] = []
+        running: list[LlmRequest] = []
         contexts: list[LlmRequest] = []
         for request in fitting_requests:
-            if request.request_id in inflight_request_ids:
+            if inflight_request_ids and request.request_id in inflight_request_ids:
                 continue
-            if request.is_generation_phase:
-                if budget.take(request):
-                    generation.append(request)
-            elif request.is_context_phase:
+            state = request.state  # read once: the phase properties cost a call each, per request
+            if state in GENERATION_STATES:
+                running.append(request)
+            elif state == CONTEXT_INIT:
                 contexts.append(request)
+        generation = budget.take_all(running)  # in the same order: contexts take nothing before
         if budget.equal_progress:
             chunks = self._equal_progress(contexts, budget, computed)
         else:

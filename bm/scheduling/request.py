@@ -21,6 +21,13 @@ class RequestState(IntEnum):
     GENERATION_COMPLETE = 4
 
 
+# The states of a request in its generation phase (:attr:`LlmRequest.is_generation_phase`), and the first
+# state, as module constants: the schedulers' per-request loops test ``request.state`` against them rather
+# than call the phase properties, and reading a member off its enum class costs more than the test itself.
+GENERATION_STATES = (RequestState.GENERATION_IN_PROGRESS, RequestState.GENERATION_TO_COMPLETE)
+CONTEXT_INIT = RequestState.CONTEXT_INIT
+
+
 class FinishReason(IntEnum):
     """Why a request ended; values follow TensorRT-LLM's executor, with ERROR added by bm."""
 
@@ -37,6 +44,8 @@ class FinishReason(IntEnum):
         """The short name written to outputs.jsonl (``end_id``, ``stop``, ``length``, ...)."""
         return _LABELS[self]
 
+
+NOT_FINISHED = FinishReason.NOT_FINISHED
 
 _LABELS = {
     FinishReason.NOT_FINISHED: "not_finished",
@@ -198,11 +207,11 @@ class LlmRequest:
 
     @property
     def is_context_phase(self) -> bool:
-        return self.state == RequestState.CONTEXT_INIT
+        return self.state == CONTEXT_INIT
 
     @property
     def is_generation_phase(self) -> bool:
-        return self.state in (RequestState.GENERATION_IN_PROGRESS, RequestState.GENERATION_TO_COMPLETE)
+        return self.state in GENERATION_STATES
 
     @property
     def num_context_tokens_remaining(self) -> int:
@@ -211,12 +220,12 @@ class LlmRequest:
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason != FinishReason.NOT_FINISHED
+        return self.finish_reason != NOT_FINISHED
 
     @property
     def holds_blocks(self) -> bool:
         """Started: some of its tokens are in the cache (a generation, or a chunked context under way)."""
-        return self.num_computed_tokens > 0 or self.is_generation_phase
+        return self.num_computed_tokens > 0 or self.state in GENERATION_STATES
 
     def pause(self) -> None:
         """Back to the queue: its cache is gone (the caller frees it); prompt + output will be recomputed."""
