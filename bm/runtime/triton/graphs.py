@@ -107,19 +107,24 @@ class DecodeGraphs:
         pad = bucket - size
         ids = [s.token_ids[0] for s in items]
         positions = [s.start_pos for s in items]
-        used = max(cdiv(p + 1, bs) for p in positions)
-        ints = [p + 1 for p in positions] + [1] * pad
+        used = max(positions) // bs + 1  # the widest row's blocks: cdiv(position + 1, bs)
+        ints = [p + 1 for p in positions]
+        ints += [1] * pad
+        zeros = [0] * used
+        # one list, extended in place (a 256-row step writes ~9,000 ints: the host's share of a decode
+        # step that overlap cannot hide once the host is what sets the pace)
         for pool in self._pools:
-            for s in items:
-                table = s.block_ids if pool is None else s.window_block_ids[pool]
-                row = list(table[: cdiv(s.start_pos + 1, bs)])
-                ints.extend(row + [0] * (used - len(row)))
-            ints.extend([0] * (pad * used))
-            slots = [
-                (s.block_ids if pool is None else s.window_block_ids[pool])[p // bs] * bs + p % bs
-                for s, p in zip(items, positions, strict=True)
-            ]
-            ints.extend(slots + [-1] * pad)
+            tables = (
+                [s.block_ids for s in items] if pool is None else [s.window_block_ids[pool] for s in items]
+            )
+            for table, p in zip(tables, positions, strict=True):
+                n = p // bs + 1
+                ints += table[:n]
+                if n < used:
+                    ints += zeros[n:]
+            ints += [0] * (pad * used)
+            ints += [table[p // bs] * bs + p % bs for table, p in zip(tables, positions, strict=True)]
+            ints += [-1] * pad
         longs = self._stage_longs.send([*ids, *[0] * pad, *positions, *[0] * pad])
         flat = self._stage_ints.send(ints)
         self._longs[:2, :bucket].copy_(longs.view(2, bucket))
