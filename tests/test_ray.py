@@ -107,15 +107,11 @@ def test_a_poison_line_ends_as_one_error_record_and_every_other_line_completes(
     assert [r["index"] for r in rows] == list(range(n))
     failed = [r for r in rows if r["finish_reason"] == "error"]
     assert [r["index"] for r in failed] == [poison]
-    assert failed[0]["error"].startswith(
-        f"line {poison + 1}: the replica failed on this line on its one try"
-    )
+    assert failed[0]["error"].startswith(f"line {poison + 1}: the replica failed on this line on its one try")
     assert all(r["error"] is None and r["output_ids"] for r in rows if r["index"] != poison)
     text = " ".join(result.output.split())
     # the poison block (and any block that shared a dying replica with it each time) is narrowed down
-    assert re.search(
-        r"block\(s\) failed on their one try; running their \d+ line\(s\) one at a time", text
-    )
+    assert re.search(r"block\(s\) failed on their one try; running their \d+ line\(s\) one at a time", text)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_failed"] == 1 and summary["parallel"]["ray"]["lines_failed"] == [poison]
 
