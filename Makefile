@@ -53,7 +53,7 @@ test: lint $(MODEL_STAMP)
 # Run `make test-latest` first and fix what it finds; then `make test` on the new lock before committing.
 lock: $(STAMP)
 	$(PIP_INSTALL) "$(UV_SPEC)"
-	$(VENV)/bin/uv pip compile pyproject.toml requirements/lock.in --extra dev --extra model --extra structured \
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/lock.in --extra dev --extra model --extra structured --extra ray \
 		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --find-links /opt/wheels \
 		--generate-hashes --emit-find-links --upgrade --custom-compile-command "make lock" -o $(LOCK)
 

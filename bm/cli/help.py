@@ -36,6 +36,11 @@ RUN_PANELS = {
     "data_parallel": "Processes",
     "tensor_parallel": "Processes",
     "rank_timeout": "Processes",
+    "ray": "Processes",
+    "replicas": "Processes",
+    "replica_threads": "Processes",
+    "block_lines": "Processes",
+    "ray_tries": "Processes",
 }
 NEGATIVE_NOTE = "An on/off flag also takes --no-FLAG (e.g. --no-ignore-eos) to undo a config file's true."
 

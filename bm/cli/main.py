@@ -62,6 +62,11 @@ CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys b
 DP_HELP = "Run N engine replicas as processes (torch.distributed, gloo); requests go to the least loaded."
 TP_HELP = "Shard the model over N ranks per replica (transformers tp_plan='auto'; needs --model)."
 RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
+RAY_HELP = "Replicas on Ray (docs/parallel.md)."
+REPLICAS_HELP = "--ray: replicas [GPUs, or CPUs / threads]."
+REPLICA_THREADS_HELP = "--ray: threads of a CPU replica [4]."
+BLOCK_LINES_HELP = "--ray: lines per block [64]."
+RAY_TRIES_HELP = "--ray: tries of a block [3]."
 # The config sections bm run reads; bench, sim and sweep keys are bm bench's and bm sweep's business.
 RUN_SECTIONS = ("model", "engine", "kv_cache", "peft_cache")
 BENCH_EPILOG = (
@@ -134,6 +139,11 @@ def run(
     data_parallel: int | None = typer.Option(None, "--data-parallel", help=DP_HELP),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", "--tp", help=TP_HELP),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help=RANK_TIMEOUT_HELP),
+    ray: bool = typer.Option(False, "--ray", help=RAY_HELP),
+    replicas: int | None = typer.Option(None, "--replicas", help=REPLICAS_HELP),
+    replica_threads: int | None = typer.Option(None, "--replica-threads", help=REPLICA_THREADS_HELP),
+    block_lines: int = typer.Option(64, "--block-lines", help=BLOCK_LINES_HELP, show_default=False),
+    ray_tries: int = typer.Option(3, "--ray-tries", help=RAY_TRIES_HELP, show_default=False),
 ) -> None:
     """Generate for every line of PROMPTS; one output record per line, written as requests finish."""
     with Interrupts() as interrupts:  # from the start: a Ctrl-C while torch loads shows no traceback
@@ -159,6 +169,11 @@ def _run(
     data_parallel: int | None,
     tensor_parallel: int,
     rank_timeout: float,
+    ray: bool,
+    replicas: int | None,
+    replica_threads: int | None,
+    block_lines: int,
+    ray_tries: int,
     interrupts: Any,
 ) -> None:
     from bm.distributed.cli import end_ranks, start_ranks
@@ -174,6 +189,12 @@ def _run(
         )  # a pipe or gzip is copied once; a file with no runnable line stops here
         cfg = build_config(config, set_, model, model_config)
         # Ranks other than 0 serve the run from here and exit: they touch no output file.
+        if ray:  # before any rank starts
+            from bm.ray.api import check_ray_run
+
+            check_ray_run(
+                data_parallel, tensor_parallel, source, replicas, replica_threads, block_lines, ray_tries
+            )
         multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
         template = _read_template(chat_template)
         _check_tool_call_parser(tool_call_parser)
@@ -181,7 +202,7 @@ def _run(
         _prepare_out_dir(out, resume, overwrite, source)
         run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
-            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser)
+            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser, ray)
         parsed, batch_lines = _read_requests(source.path)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
@@ -205,7 +226,12 @@ def _run(
             num_lines=None if quiet else _count_lines(source.path),
             run_seed=run_seed,
         )
-        summary = run_prompts(parsed, cfg, out, options, console, interrupts)
+        if ray:
+            from bm.ray.cli import run_with_ray
+
+            summary = run_with_ray(options, cfg, out, console, interrupts, replicas, replica_threads, block_lines, ray_tries)  # fmt: skip
+        else:
+            summary = run_prompts(parsed, cfg, out, options, console, interrupts)
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
         raise _fail(console, str(exc)) from None
     if show:
@@ -291,11 +317,13 @@ def _check_resume(
     template: str | None,
     run_seed: int | None = None,
     tool_call_parser: str | None = None,
+    ray: bool = False,
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
-    (docs/resume.md)."""
-    from bm.cli.outdir import check_run_identity, run_identity, run_options
+    (docs/resume.md), and so is a resume that changes whether the run goes on Ray."""
+    from bm.cli.outdir import check_resume_mode, check_run_identity, run_identity, run_options
 
+    check_resume_mode(out, ray)
     options = run_options(max_tokens, ignore_eos, template, tool_call_parser)
     check_run_identity(out, run_identity(source.path, cfg, options, run_seed, name=source.name))
 

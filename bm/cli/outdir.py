@@ -18,7 +18,16 @@ from bm.engine.seeds import random_run_seed
 from bm.workloads.jsonl import iter_lines
 
 FINAL_REASONS = ("end_id", "stop", "length")
-RUN_FILES = ("outputs.jsonl", "stats.jsonl", "summary.json", "run.json", "batch_output.jsonl", "logits")
+RUN_FILES = (
+    "outputs.jsonl",
+    "stats.jsonl",
+    "summary.json",
+    "run.json",
+    "batch_output.jsonl",
+    "logits",
+    "parts",
+)
+RAY_PARTS = "parts"  # bm run --ray: one file of records per finished block (bm.ray.blocks)
 BENCH_FILES = ("results.json", "requests.jsonl", "stats.jsonl", "plots")
 COMPARE_FILES = ("compare.json", "compare.md", "variants", "plots")
 
@@ -91,10 +100,32 @@ def run_identity(
     }
 
 
+def has_records(out: Path) -> bool:
+    """Whether ``out`` holds a run's records: ``outputs.jsonl``, or the block parts of a ``bm run --ray``
+    whose driver was killed before it assembled them."""
+    return (out / "outputs.jsonl").exists() or (out / RAY_PARTS).is_dir()
+
+
+def check_resume_mode(out: Path, ray: bool) -> None:
+    """``--resume`` goes on the way the run went: a ``--ray`` run keeps its records in block parts, which
+    a one-process resume does not read (and the other way round), so mixing them is refused."""
+    parts = (out / RAY_PARTS).is_dir()
+    if ray and not parts and (out / "outputs.jsonl").exists():
+        raise OutDirError(
+            f"--resume --ray: {str(out)!r} holds a run made without --ray; resume it without --ray, or use "
+            "a new -o directory or --overwrite"
+        )
+    if not ray and parts:
+        raise OutDirError(
+            f"--resume: {str(out)!r} holds a bm run --ray run (its records are in parts/); resume it with "
+            "--ray, or use a new -o directory or --overwrite"
+        )
+
+
 def run_seed_for(out: Path, given: int | None, resume: bool) -> int | None:
     """The run seed: ``--seed``; on ``--resume`` the seed run.json recorded (a different ``--seed`` is
     then refused by :func:`check_run_identity`); else a fresh random one, recorded for the next resume."""
-    if resume and (out / "outputs.jsonl").exists():
+    if resume and has_records(out):
         try:
             saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -145,7 +176,7 @@ def effective_settings(config: BmConfig) -> dict[str, Any]:
 def check_run_identity(out: Path, identity: dict[str, Any]) -> None:
     """Refuse ``--resume`` into a directory whose records came from another model, config, run
     options or bm version (they would be mixed into one ``outputs.jsonl``), naming what changed."""
-    if not (out / "outputs.jsonl").exists():
+    if not has_records(out):
         return
     try:
         saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
@@ -255,7 +286,7 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
                 shutil.rmtree(target)
             elif target.exists():
                 target.unlink()
-    if resume and prompts is not None and (out / "outputs.jsonl").exists():
+    if resume and prompts is not None and has_records(out):
         identity = out / "run.json"
         try:
             saved = json.loads(identity.read_text(encoding="utf-8"))["prompts_sha256"]

@@ -263,7 +263,7 @@ class _Run:
         self.outputs.write(record)
         if self.batch is not None:
             self.batch.write(self.batch_lines.pop(record["index"]), record)
-        _count_record(self.summary, record)
+        count_record(self.summary, record)
         self.num_written += 1
         self.show_progress(advance=1)
 
@@ -336,7 +336,7 @@ def _marked(stats: JsonlWriter, run_id: str) -> Callable[[str], None]:
     return write
 
 
-def _count_record(summary: RunSummary, record: dict[str, Any]) -> None:
+def count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     """Tokens count only for requests that ran: a refused 200 KB prompt adds nothing to tok/s."""
     reason = record["finish_reason"]
     never_started = reason == "cancelled" and not record.get("num_output_tokens")

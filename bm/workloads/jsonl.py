@@ -13,7 +13,7 @@ for the BOM, as nothing at all).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,23 +70,28 @@ def iter_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
 
     The file is read as bytes and decoded line by line, so one bad byte costs one line, not the file."""
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]  # a UTF-8 BOM, as Windows editors write it: not part of the data
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield (
-                    number,
-                    RowError(
-                        f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                        "save the file as UTF-8"
-                    ),
-                )
-                continue
-            if not text.strip():
-                continue
-            yield number, _load_object(text)
+        yield from _decoded(f, 1)
+
+
+def _decoded(raws: Iterable[bytes], first_number: int) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """:func:`iter_lines` over raw lines that start at the file's line ``first_number`` (1-based)."""
+    for number, raw in enumerate(raws, start=first_number):
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a UTF-8 BOM, as Windows editors write it: not part of the data
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield (
+                number,
+                RowError(
+                    f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                    "save the file as UTF-8"
+                ),
+            )
+            continue
+        if not text.strip():
+            continue
+        yield number, _load_object(text)
 
 
 def _load_object(text: str) -> dict[str, Any] | RowError:
@@ -175,23 +180,48 @@ def iter_request_file(path: Path) -> Iterator[Row]:
     of lines is never held in memory (only the ids seen so far, to refuse a duplicate)."""
     seen_ids: dict[str, int] = {}
     for number, data in iter_lines(path):
-        entry = Row.at_line(number)
-        try:
-            if isinstance(data, RowError):
-                raise data
-            parse_request(data, entry)
-            if entry.lora_dir is not None and not Path(entry.lora_dir).is_absolute():
-                entry.lora_dir = str(path.parent / entry.lora_dir)
-            if "id" in data:
-                key = json.dumps(entry.user_id)
-                if key in seen_ids:
-                    raise RowError(
-                        f"id: duplicate id {entry.user_id!r} (also on line {seen_ids[key]}); ids must be unique"
-                    )
-                seen_ids[key] = number
-        except RowError as exc:
-            entry.error = f"{entry.where}: {exc}"
-        yield entry
+        yield _request_row(number, data, path.parent, seen_ids)
+
+
+def iter_request_slice(data: bytes, first_number: int, base: Path) -> Iterator[Row]:
+    """The rows of a slice of a bm JSONL file (its raw lines, the first being the file's line
+    ``first_number``), checked as :func:`iter_request_file` checks them, with one exception: an ``id``
+    repeated on a line outside the slice is the whole file's reader's to find. ``bm run --ray`` runs a file
+    as such slices on many machines, and its driver, which reads the whole file, passes that verdict on.
+    ``base``: the file's directory (relative ``lora_dir`` paths are resolved against it)."""
+    for number, value in _decoded(split_lines(data), first_number):
+        yield _request_row(number, value, base, None)
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """Raw lines as a binary file's iteration gives them: split after each ``\\n`` only (a lone ``\\r`` is
+    part of its line, where ``bytes.splitlines`` would cut)."""
+    pieces = data.split(b"\n")
+    lines = [piece + b"\n" for piece in pieces[:-1]]
+    return [*lines, pieces[-1]] if pieces[-1] else lines
+
+
+def _request_row(
+    number: int, data: dict[str, Any] | RowError, base: Path, seen_ids: dict[str, int] | None
+) -> Row:
+    """The checked row of line ``number``; ``seen_ids`` (id -> line) finds duplicates, when given."""
+    entry = Row.at_line(number)
+    try:
+        if isinstance(data, RowError):
+            raise data
+        parse_request(data, entry)
+        if entry.lora_dir is not None and not Path(entry.lora_dir).is_absolute():
+            entry.lora_dir = str(base / entry.lora_dir)
+        if "id" in data and seen_ids is not None:
+            key = json.dumps(entry.user_id)
+            if key in seen_ids:
+                raise RowError(
+                    f"id: duplicate id {entry.user_id!r} (also on line {seen_ids[key]}); ids must be unique"
+                )
+            seen_ids[key] = number
+    except RowError as exc:
+        entry.error = f"{entry.where}: {exc}"
+    return entry
 
 
 def parse_request(data: dict[str, Any], entry: Row) -> None:

@@ -1,0 +1,183 @@
+"""``bm run --ray`` as a whole: the run directory (identity, resume, summary) around the driver, and the
+library's door to it, :func:`run_batch`.
+
+The run directory is a plain ``bm run``'s: ``run.json`` records what produced it (so ``--resume`` refuses
+another model, config, run options or seed), ``outputs.jsonl`` holds one record per input line in input
+order, ``stats.jsonl`` the replicas' iteration stats, ``summary.json`` the counts and the replicas'
+layout. Besides, ``parts/`` holds each finished block's records: what a resume after a killed driver
+keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+import bm
+from bm.cli.outdir import (
+    check_resume_mode,
+    check_run_identity,
+    model_named,
+    prepare_out_dir,
+    run_identity,
+    run_options,
+    run_seed_for,
+    write_run_identity,
+)
+from bm.cli.run import RunSummary, count_record
+from bm.cli.source import PromptsSource, open_prompts
+from bm.config import BmConfig
+from bm.ray.driver import DEFAULT_BLOCK_LINES, DEFAULT_TRIES, RayOptions, run_blocks
+from bm.ray.replica import LineOptions
+
+
+def run_batch(
+    prompts: str | Path,
+    out_dir: str | Path,
+    *,
+    model: str | None = None,
+    config: str | Path | BmConfig | None = None,
+    max_tokens: int = 64,
+    ignore_eos: bool = False,
+    seed: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    replicas: int | None = None,
+    replica_threads: int | None = None,
+    block_lines: int = DEFAULT_BLOCK_LINES,
+    tries: int = DEFAULT_TRIES,
+    address: str | None = None,
+    console: Console | None = None,
+    **engine_options: Any,
+) -> RunSummary:
+    """``bm run PROMPTS --ray -o OUT_DIR`` from Python: every line of ``prompts`` (bm's JSONL) answered by
+    engine replicas on the Ray cluster (``address``, ``RAY_ADDRESS``, one started here with ``ray start``,
+    or a local one started for the call), one record per line in ``OUT_DIR/outputs.jsonl``.
+
+    ``model``/``config``/``engine_options`` as for :class:`bm.LLM`; ``max_tokens``, ``ignore_eos``,
+    ``seed``, ``resume`` and ``overwrite`` as ``bm run``'s flags; ``replicas`` (default: the cluster's
+    GPUs, else its CPUs over ``replica_threads``), ``block_lines`` (lines per block: the unit of work, of
+    retry and of resume) and ``tries`` (runs of a block before its lines are tried one by one) as
+    ``bm run --ray``'s. Raises ``ValueError`` (an :class:`~bm.cli.outdir.OutDirError`, a
+    :class:`~bm.cli.source.PromptsFileError` or an :class:`~bm.llm_params.InvalidParameterError`) for
+    what cannot run, before any replica starts."""
+    from bm.llm_config import build_config
+
+    cfg = build_config(model, config, engine_options)
+    out = Path(out_dir)
+    source = open_prompts(prompts)
+    check_ray_run(None, 1, source, replicas, replica_threads, block_lines, tries)
+    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
+    run_seed = run_seed_for(out, seed, resume)
+    line = LineOptions(max_tokens, ignore_eos, run_seed)
+    identity = run_identity(
+        source.path, cfg, run_options(max_tokens, ignore_eos, None), run_seed, name=source.name
+    )
+    if resume:
+        check_resume_mode(out, ray=True)
+        check_run_identity(out, identity)
+    options = RayOptions(replicas, replica_threads, block_lines, tries, address)
+    return run_ray(source.path, source.name, cfg, out, line, options, identity, resume, console or Console())
+
+
+def run_ray(
+    prompts: Path,
+    prompts_name: str,
+    config: BmConfig,
+    out_dir: Path,
+    line: LineOptions,
+    options: RayOptions,
+    identity: dict[str, Any],
+    resume: bool,
+    console: Console,
+    interrupts: Any = None,
+) -> RunSummary:
+    """Run a checked prompts file on the replicas (``out_dir`` prepared, ``identity`` checked on a
+    resume) and write ``run.json``, ``outputs.jsonl`` and ``summary.json``; what ``bm run --ray`` and
+    :func:`run_batch` share. ``interrupts`` (bm.cli.interrupts): a first Ctrl-C stops after the block
+    that is finishing; the blocks not done get ``cancelled`` records and run on ``--resume``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written before any part: a driver killed after this leaves a directory that --resume can check.
+    write_run_identity(out_dir, identity, model_named(config))
+    summary = RunSummary()
+    loaded: list[str] = []
+
+    def on_loaded(name: str) -> None:
+        if not loaded:
+            loaded.append(name)
+            write_run_identity(out_dir, identity, name)
+
+    def count(record: dict[str, Any], kept: bool) -> None:
+        if kept:
+            summary.num_resumed += 1
+        else:
+            summary.num_requests += 1
+            count_record(summary, record)
+
+    def stop() -> bool:
+        if interrupts is not None and interrupts.signal_name is not None:
+            summary.interrupted = True
+        return summary.interrupted
+
+    started = time.perf_counter()
+    report, _stopped = run_blocks(
+        prompts,
+        config,
+        out_dir,
+        line,
+        options,
+        console,
+        resume=resume,
+        stop=stop,
+        on_loaded=on_loaded,
+        count=count,
+    )
+    summary.wall_time_s = time.perf_counter() - started
+    document = {
+        "bm_version": bm.__version__,
+        "prompts": prompts_name,
+        "model": loaded[0] if loaded else model_named(config),
+        "config": config.to_dict(),
+        "parallel": {"ray": asdict(report)},
+        **asdict(summary),
+        "output_tokens_per_s": summary.output_tokens_per_s,
+        "total_tokens_per_s": summary.total_tokens_per_s,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+    return summary
+
+
+def check_ray_run(
+    data_parallel: int | None, tensor_parallel: int, source: PromptsSource, *counts: int | None
+) -> None:
+    """Refuse, before anything starts, what ``--ray`` does not run (a ``ValueError`` phrased for the user);
+    ``counts``: --replicas, --replica-threads, --block-lines and --ray-tries as given."""
+    from bm.cli.openai_batch import is_batch_file
+
+    for flag, value in zip(
+        ("--replicas", "--replica-threads", "--block-lines", "--ray-tries"), counts, strict=False
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: give a whole number of at least 1")
+
+    if (data_parallel or 1) * tensor_parallel > 1:
+        raise ValueError(
+            "--ray runs independent replicas on Ray; --data-parallel and --tensor-parallel run ranks on "
+            "torch.distributed: give one or the other (docs/parallel.md says when to use which)"
+        )
+    if is_batch_file(source.path):
+        raise ValueError(
+            f"--ray reads bm's JSONL request lines; {source.name!r} is an OpenAI batch file, which runs "
+            "without --ray (bm run FILE)"
+        )
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--ray needs Ray: pip install 'bm[ray]' (or pip install 'ray[data]>=2.40')"
+        ) from None

@@ -1,0 +1,380 @@
+"""The driver of ``bm run --ray``: independent engine replicas over the blocks of a prompts file.
+
+Ray Data reads the file as blocks of fixed line ranges (:mod:`bm.ray.blocks`), and an actor pool of
+replicas (:class:`bm.ray.replica.Replica`, each its own ``bm.LLM``) takes them as it frees up: no
+lockstep, a slow replica only runs fewer blocks. The driver writes each finished block's records to its
+part file as it arrives and assembles ``outputs.jsonl`` in input order at the end.
+
+Faults are Ray's to retry: a replica whose process dies is restarted by Ray (``max_restarts=-1``), and
+the blocks it held are retried on it, up to ``tries`` times in all (``max_task_retries``). A block that
+fails every try is skipped by Ray Data (``max_errored_blocks``) instead of ending the run; the driver
+then runs that block's lines once more as blocks of one line, so the line that fails every try (a
+poison line) ends as one error record and every other line gets its own. That second pass runs once,
+over the failed blocks only, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bm.cli.records import cancelled_record, output_record
+from bm.config import BmConfig
+from bm.engine.request import error_response
+from bm.ray.blocks import (  # fmt: skip
+    Block,
+    PartStore,
+    assemble,
+    block_row,
+    block_rows,
+    file_verdicts,
+    line_blocks,
+    plan_blocks,
+    read_bytes,
+)
+from bm.ray.replica import FAULT_ENV, LineOptions, Replica
+
+DEFAULT_BLOCK_LINES = 64
+DEFAULT_TRIES = 3
+DEFAULT_CPU_THREADS = 4  # torch threads of a CPU replica when neither the count nor the threads are given
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the replicas are laid out and how hard a block is tried (``bm run --ray``'s flags)."""
+
+    replicas: int | None = None  # None: from the cluster's resources (GPUs, else CPUs / threads)
+    replica_threads: int | None = None  # torch threads of a CPU replica
+    block_lines: int = DEFAULT_BLOCK_LINES
+    tries: int = DEFAULT_TRIES  # runs of a block before it is narrowed down to its lines
+    address: str | None = (
+        None  # a running cluster (None: RAY_ADDRESS, one started here by `ray start`, or a new local one)
+    )
+
+
+@dataclass
+class RayReport:
+    """What ``summary.json``'s ``parallel.ray`` says of a run."""
+
+    replicas: int = 0
+    replica_threads: int | None = None
+    num_cpus_per_replica: float = 0.0
+    num_gpus_per_replica: float = 0.0
+    block_lines: int = 0
+    num_blocks: int = 0
+    num_blocks_kept: int = 0  # whole blocks a resume kept
+    num_blocks_run: int = 0
+    num_blocks_failed: int = 0  # failed every try, then run line by line
+    num_replica_restarts: int = 0  # replicas that Ray restarted after their process died
+    lines_failed: list[int] = field(default_factory=list)  # indexes that failed every try alone too
+    blocks_by_replica: dict[str, int] = field(default_factory=dict)
+
+
+def replica_layout(
+    resources: dict[str, float], replicas: int | None, threads: int | None, device: str
+) -> tuple[int, float, float, int | None]:
+    """``(replicas, num_cpus, num_gpus, torch threads)`` per replica from the cluster's resources: a GPU
+    each where the cluster has GPUs (and the model is not pinned to the CPU), else CPU replicas of
+    ``threads`` threads (:data:`DEFAULT_CPU_THREADS`, or the CPUs split over ``replicas``). A replica
+    never reserves more than its share of the CPUs, so every replica of the pool can start."""
+    cpus = max(int(resources.get("CPU", 1)), 1)
+    gpus = int(resources.get("GPU", 0))
+    if gpus >= 1 and device != "cpu":
+        count = replicas or gpus
+        return count, min(1.0, cpus / count), 1.0 if count <= gpus else gpus / count, threads
+    if threads is None:
+        threads = max(1, cpus // replicas) if replicas else min(DEFAULT_CPU_THREADS, cpus)
+    count = replicas or max(1, cpus // threads)
+    return count, min(float(threads), cpus / count), 0.0, threads
+
+
+def run_blocks(
+    prompts: Path,
+    config: BmConfig,
+    out_dir: Path,
+    line: LineOptions,
+    options: RayOptions,
+    console: Console,
+    *,
+    resume: bool = False,
+    stop: Callable[[], bool] = lambda: False,
+    on_loaded: Callable[[str], None] | None = None,
+    count: Callable[[dict[str, Any], bool], None] = lambda record, kept: None,
+) -> tuple[RayReport, bool]:
+    """Run every block of ``prompts`` without a part in ``out_dir/parts`` and assemble ``outputs.jsonl``.
+
+    ``stop()`` is asked after each block (an interrupt: the blocks not done get ``cancelled`` records in
+    ``outputs.jsonl`` and no part, so a resume runs them); ``count(record, kept)`` sees every record of
+    ``outputs.jsonl`` (``kept``: carried over from an earlier run); ``on_loaded`` gets the model's name as
+    a replica loaded it. Returns the report and whether the run was stopped."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=options.address, include_dashboard=False, log_to_driver=True)
+    store = PartStore(out_dir)
+    block_lines = options.block_lines
+    if resume and store.exists():
+        block_lines = store.block_lines() or block_lines
+        if block_lines != options.block_lines:
+            console.print(
+                f"--resume: the parts here were cut into blocks of {block_lines} lines; keeping that"
+            )
+    else:
+        store.start(block_lines)
+    blocks = plan_blocks(prompts, block_lines)
+    verdicts = file_verdicts(prompts)
+    report = RayReport(block_lines=block_lines, num_blocks=len(blocks))
+    kept: dict[int, dict[int, dict[str, Any]]] = {}  # block -> its final records, where some lines rerun
+    kept_indexes: set[int] = set()
+    pending: list[Block] = []
+    for block in blocks:
+        final = store.kept(block.block_id) if resume else None
+        if final is not None:
+            kept_indexes.update(final)
+            if len(final) == len(store.read(block.block_id)):
+                report.num_blocks_kept += 1
+                continue
+            kept[block.block_id] = final
+        pending.append(block)
+    layout = replica_layout(
+        ray.cluster_resources(), options.replicas, options.replica_threads, config.model.device
+    )
+    report.replicas, report.num_cpus_per_replica, report.num_gpus_per_replica, report.replica_threads = layout
+    report.num_blocks_run = len(pending)
+    console.print(
+        f"bm run --ray: {len(blocks)} block(s) of {block_lines} lines, {len(pending)} to run "
+        f"({report.num_blocks_kept} kept), on {report.replicas} replica(s)",
+        highlight=False,
+    )
+    stopped = False
+    try:
+        runner = _Runner(prompts, config, out_dir, line, options, report, store, console, on_loaded)
+        stopped = runner.run(pending, verdicts, kept, stop)
+        failed = [b for b in pending if not store.has(b.block_id)]
+        if failed and not stopped:
+            stopped = runner.isolate(failed, verdicts, kept, stop)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+    def missing(block: Block) -> list[dict[str, Any]]:
+        rows = block_rows(read_bytes(prompts, block), block, prompts.parent, verdicts)
+        final = kept.get(block.block_id, {})
+        return [final.get(row.index) or cancelled_record(row) for row in rows]
+
+    assemble(
+        store, blocks, out_dir / "outputs.jsonl", missing, lambda r: count(r, r["index"] in kept_indexes)
+    )
+    return report, stopped
+
+
+class _Runner:
+    """One Ray Data pass over some blocks: the dataset, the replicas, and what comes back."""
+
+    def __init__(
+        self,
+        prompts: Path,
+        config: BmConfig,
+        out_dir: Path,
+        line: LineOptions,
+        options: RayOptions,
+        report: RayReport,
+        store: PartStore,
+        console: Console,
+        on_loaded: Callable[[str], None] | None,
+    ) -> None:
+        self.prompts, self.config, self.out_dir, self.line = prompts, config, out_dir, line
+        self.options, self.report, self.store, self.console = options, report, store, console
+        self.on_loaded = on_loaded
+        self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+
+    def run(
+        self,
+        blocks: list[Block],
+        verdicts: dict[int, str],
+        kept: dict[int, dict[int, dict[str, Any]]],
+        stop: Callable[[], bool],
+        *,
+        write: Callable[[int, list[dict[str, Any]]], None] | None = None,
+    ) -> bool:
+        """Run ``blocks`` on the replicas; each block's records go to its part (merged with the records
+        ``kept`` of it), or to ``write`` when lines are tried alone. Returns whether ``stop()`` ended the
+        pass early."""
+        if not blocks:
+            return False
+        import ray.data
+
+        context = ray.data.DataContext.get_current()
+        before, context.max_errored_blocks = context.max_errored_blocks, -1  # failed blocks: isolated below
+        try:
+            dataset = self._dataset(blocks, verdicts, kept, alone=write is not None)
+            return self._consume(dataset, len(blocks), kept, stop, write or self.store.write)
+        finally:
+            context.max_errored_blocks = before
+
+    def _consume(
+        self,
+        dataset: Any,
+        total: int,
+        kept: dict[int, dict[int, dict[str, Any]]],
+        stop: Callable[[], bool],
+        write: Callable[[int, list[dict[str, Any]]], None],
+    ) -> bool:
+        """Write each block's records as its row comes back (in the order the replicas finish them)."""
+        done = 0
+        started = time.perf_counter()
+        with (self.out_dir / "stats.jsonl").open("a", encoding="utf-8") as stats:
+            for row in dataset.iter_rows():
+                block_id = int(row["block"])
+                records = [json.loads(text) for text in str(row["part"]).splitlines() if text]
+                write(block_id, [*kept.get(block_id, {}).values(), *records])
+                replica = str(row["replica"])
+                self.report.blocks_by_replica[replica] = self.report.blocks_by_replica.get(replica, 0) + 1
+                if self.on_loaded is not None and row["loaded"]:
+                    self.on_loaded(str(row["loaded"]))
+                if row["restarted"]:
+                    self.report.num_replica_restarts += 1
+                    self.console.print(
+                        f"bm run --ray: replica {replica} was restarted after its process died; Ray retried "
+                        f"its unfinished block(s) (block {block_id} finished on the new process)",
+                        highlight=False,
+                    )
+                for text in str(row["stats"]).splitlines():
+                    stats.write(_tagged(text, self.run_id, replica) + "\n")
+                done += 1
+                if done == total or done % max(1, total // 10) == 0:
+                    elapsed = time.perf_counter() - started
+                    self.console.print(
+                        f"bm run --ray: {done}/{total} blocks ({elapsed:.1f} s)", highlight=False
+                    )
+                if stop():
+                    return True
+        return False
+
+    def isolate(
+        self,
+        failed: list[Block],
+        verdicts: dict[int, str],
+        kept: dict[int, dict[int, dict[str, Any]]],
+        stop: Callable[[], bool],
+    ) -> bool:
+        """The blocks that failed every try, run again as blocks of one line each: every line that runs
+        gets its record, and a line that fails every try alone gets one error record. Runs once."""
+        self.report.num_blocks_failed = len(failed)
+        singles = [
+            s
+            for b in failed
+            for s in line_blocks(self.prompts, b)
+            if s.block_id not in kept.get(b.block_id, {})
+        ]
+        self.console.print(
+            f"bm run --ray: {len(failed)} block(s) failed on {_tries(self.options.tries, 'their')}; "
+            f"running their {len(singles)} line(s) one at a time to find the line(s) that fail",
+            highlight=False,
+        )
+        found: dict[int, dict[str, Any]] = {}
+        stopped = self.run(
+            singles,
+            verdicts,
+            {},
+            stop,
+            write=lambda i, records: found.update({r["index"]: r for r in records}),
+        )
+        if stopped:
+            return True
+        for block in failed:
+            records = dict(kept.get(block.block_id, {}))
+            for row in block_rows(read_bytes(self.prompts, block), block, self.prompts.parent, verdicts):
+                if row.index in records:
+                    continue
+                record = found.get(row.index)
+                if record is None:
+                    self.report.lines_failed.append(row.index)
+                    message = (
+                        f"the replica failed on this line on {_tries(self.options.tries, 'its')} (its "
+                        "process died, or the engine raised; the Ray log above says which), so it was left "
+                        "out of the run"
+                    )
+                    record = output_record(row, error_response(row.index, message), None)  # type: ignore[arg-type]
+                    self.console.print(
+                        f"bm run --ray: {row.where} failed on every try; it gets an error record",
+                        highlight=False,
+                    )
+                records[row.index] = record
+            self.store.write(block.block_id, list(records.values()))
+        return False
+
+    def _dataset(
+        self,
+        blocks: list[Block],
+        verdicts: dict[int, str],
+        kept: dict[int, dict[int, dict[str, Any]]],
+        alone: bool,
+    ) -> Any:
+        import ray.data
+
+        report = self.report
+        # The blocks as Ray Data rows (one Ray block each): small descriptors, read by the replica that
+        # takes them, so no read stage holds CPUs or starts processes of its own.
+        rows = [block_row(b, verdicts, kept.get(b.block_id, {})) for b in blocks]
+        dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
+        strategy = _strategy(report.replicas, alone)
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates remote args as keywords, yet names no other way to bound an actor's
+            # restarts and task retries; without them a poison line would be retried forever.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return dataset.map_batches(
+                Replica,
+                fn_constructor_kwargs={
+                    "config": self.config,
+                    "options": self.line,
+                    "prompts": str(self.prompts),
+                    "threads": report.replica_threads,
+                    "fault": os.environ.get(FAULT_ENV),
+                    "logits_dir": str(self.out_dir),
+                },
+                batch_size=None,
+                batch_format="numpy",
+                compute=strategy,
+                num_cpus=report.num_cpus_per_replica,
+                num_gpus=report.num_gpus_per_replica,
+                max_restarts=-1,
+                max_task_retries=max(self.options.tries - 1, 0),
+            )
+
+
+def _strategy(replicas: int, alone: bool) -> Any:
+    """A fixed pool of ``replicas`` actors. Each runs up to two blocks at once into one engine session
+    (where this Ray supports concurrent calls on an actor), so its batch stays full across blocks; when
+    lines are tried ``alone``, an actor holds one block at a time, so a line that kills its process
+    never costs another line a try."""
+    from ray.data import ActorPoolStrategy
+
+    from bm.ray.replica import BLOCKS_PER_REPLICA
+
+    if alone:
+        return ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1)
+    try:
+        return ActorPoolStrategy(
+            size=replicas, max_concurrent_calls_per_actor=BLOCKS_PER_REPLICA, enable_true_multi_threading=True
+        )
+    except TypeError:  # an older Ray: one block at a time per replica
+        return ActorPoolStrategy(size=replicas)
+
+
+def _tries(count: int, whose: str) -> str:
+    return f"{whose} one try" if count == 1 else f"each of {whose} {count} tries"
+
+
+def _tagged(row: str, run_id: str, replica: str) -> str:
+    """A stats line with its run and replica (each replica's "Iteration Counter" is its own)."""
+    return row[:-1] + f', "Run Id": "{run_id}", "Replica": "{replica}"}}' if row.endswith("}") else row

@@ -1,0 +1,153 @@
+"""``bm run --ray`` on a local Ray cluster (2 CPUs, started once for the module): two CPU replicas of the
+tiny model; a replica killed mid-run, a poison line, a driver killed and resumed. Every run must end
+with exactly one record per line, each equal to a one-process ``bm run`` with the same ``--seed``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import REPO
+
+ray = pytest.importorskip("ray")
+
+from bm.cli.main import app  # noqa: E402
+from bm.ray.replica import FAULT_ENV  # noqa: E402
+
+# Ray Data's own configuration warns of its deprecated fields when it is copied; not bm's to fix.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+runner = CliRunner()
+NUM_LINES = 2000
+BLOCK_LINES = 100
+COMMON = ["-q", "--seed", "7", "--set", "model.device=cpu", "--set", "kv_cache.max_tokens=4096"]
+RAY_FLAGS = ["--ray", "--replicas", "2", "--block-lines", str(BLOCK_LINES)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local cluster for the module: starting Ray costs seconds, a run on it much less."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="warning")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def write_prompts(path, n, poison_at=None):
+    """Mixed prompt lengths; every third line samples (so the per-line seeds matter), the rest greedy."""
+    with path.open("w") as f:
+        for i in range(n):
+            row = {
+                "prompt": ("POISON " if i == poison_at else "") + f"line {i} " * (1 + i % 4),
+                "max_tokens": 3,
+            }
+            if i % 3 == 1:
+                row["temperature"] = 0.9
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+
+
+def by_index(rows):
+    return {r["index"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The 2,000-line file and its records from a one-process ``bm run`` (no Ray)."""
+    folder = tmp_path_factory.mktemp("reference")
+    prompts = write_prompts(folder / "p.jsonl", NUM_LINES)
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(folder / "out"), *COMMON])
+    assert result.exit_code == 0, result.output
+    return prompts, by_index(records(folder / "out"))
+
+
+def test_two_replicas_one_killed_mid_run_give_one_record_per_line_equal_to_one_process(
+    cluster, reference, tmp_path, monkeypatch
+):
+    prompts, expected = reference
+    monkeypatch.setenv(FAULT_ENV, f"exit_after=300:{tmp_path / 'killed-once'}")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "killed-once").exists()  # a replica did exit mid-run
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(NUM_LINES))  # one per line, in input order
+    assert by_index(rows) == expected
+    text = " ".join(result.output.split())
+    assert "was restarted after its process died; Ray retried its unfinished block(s)" in text
+    ray_report = json.loads((out / "summary.json").read_text())["parallel"]["ray"]
+    assert ray_report["num_replica_restarts"] >= 1 and ray_report["num_blocks_failed"] == 0
+    assert (
+        ray_report["replicas"] == 2
+        and sum(ray_report["blocks_by_replica"].values()) == NUM_LINES // BLOCK_LINES
+    )
+
+
+def test_a_poison_line_ends_as_one_error_record_and_every_other_line_completes(
+    cluster, tmp_path, monkeypatch
+):
+    n, poison = 20, 7
+    prompts = write_prompts(tmp_path / "p.jsonl", n, poison_at=poison)
+    monkeypatch.setenv(FAULT_ENV, "poison=POISON")
+    out = tmp_path / "out"
+    args = ["run", str(prompts), "-o", str(out), *COMMON, "--ray", "--replicas", "2", "--block-lines", "5"]
+    result = runner.invoke(app, [*args, "--ray-tries", "1"])  # each restart reloads the model: keep them few
+    assert result.exit_code == 0, result.output  # some lines succeeded: the run is not failed
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(n))
+    failed = [r for r in rows if r["finish_reason"] == "error"]
+    assert [r["index"] for r in failed] == [poison]
+    assert failed[0]["error"].startswith(f"line {poison + 1}: the replica failed on this line on its one try")
+    assert all(r["error"] is None and r["output_ids"] for r in rows if r["index"] != poison)
+    text = " ".join(result.output.split())
+    # the poison block (and any block that shared a dying replica with it each time) is narrowed down
+    assert re.search(r"block\(s\) failed on their one try; running their \d+ line\(s\) one at a time", text)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_failed"] == 1 and summary["parallel"]["ray"]["lines_failed"] == [poison]
+
+
+def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_records(
+    cluster, reference, tmp_path
+):
+    prompts, expected = reference
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
+    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
+    driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parts = out / "parts"
+    deadline = time.monotonic() + 120
+    while len(list(parts.glob("block-*.jsonl"))) < 3:
+        assert driver.poll() is None, driver.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no parts appeared"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)  # no handler, no summary, no outputs.jsonl
+    driver.communicate()
+    done = {p.name for p in parts.glob("block-*.jsonl")}
+    assert 3 <= len(done) < NUM_LINES // BLOCK_LINES and not (out / "outputs.jsonl").exists()
+    before = {name: (parts / name).read_bytes() for name in done}
+
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
+    assert result.exit_code == 0, result.output
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(NUM_LINES))
+    assert by_index(rows) == expected
+    assert all((parts / name).read_bytes() == data for name, data in before.items())  # kept, not rerun
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parallel"]["ray"]["num_blocks_kept"] == len(done)
+    assert (
+        summary["num_resumed"] == len(done) * BLOCK_LINES
+        and summary["num_requests"] == NUM_LINES - summary["num_resumed"]
+    )
+    # a plain resume of a --ray directory is refused: its records are in parts/
+    plain = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, "--resume"])
+    assert plain.exit_code == 2 and "resume it with --ray" in " ".join(plain.output.split())

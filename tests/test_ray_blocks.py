@@ -1,0 +1,122 @@
+"""The plain-Python half of ``bm run --ray`` (no Ray needed): blocks are fixed line ranges that cover
+every line once, a block's rows are the whole file's rows, parts are written whole and assembled in
+input order, replicas are sized from the cluster's resources, and without ``--ray`` nothing imports Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bm.cli.outdir import OutDirError, check_resume_mode
+from bm.ray.blocks import PartStore, assemble, block_rows, file_verdicts, line_blocks, plan_blocks, read_bytes
+from bm.ray.driver import replica_layout
+from bm.workloads.jsonl import iter_request_file
+from tests.conftest import REPO
+
+LINES = [
+    '{"prompt": "a", "id": "x"}',
+    "",
+    "not json",
+    '{"input_ids": [1, 2], "max_tokens": 2}',
+    '{"prompt": "b", "id": "x"}',  # a duplicate of line 1's id: only the whole file's reader sees it
+    '{"prompt": "c\\r inside"}',
+    '{"messages": [{"role": "user", "content": "hi"}]}',
+]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(("\n".join(LINES)).encode())  # no newline after the last line
+    return path
+
+
+@pytest.mark.parametrize("block_lines", [1, 2, 3, 7, 50])
+def test_blocks_cover_every_line_once_and_their_rows_are_the_whole_files_rows(prompts, block_lines):
+    blocks = plan_blocks(prompts, block_lines)
+    assert [i for b in blocks for i in b.indexes] == list(range(len(LINES)))
+    assert all(b.block_id == n and b.first_number == n * block_lines + 1 for n, b in enumerate(blocks))
+    assert b"".join(read_bytes(prompts, b) for b in blocks) == prompts.read_bytes()
+    verdicts = file_verdicts(prompts)
+    rows = [r for b in blocks for r in block_rows(read_bytes(prompts, b), b, prompts.parent, verdicts)]
+    whole = list(iter_request_file(prompts))
+    assert [vars(r) for r in rows] == [vars(r) for r in whole]
+    assert "duplicate id" in rows[3].error and rows[1].error.startswith("line 3: malformed JSON")
+
+
+def test_a_block_narrowed_to_single_lines_skips_blank_lines(prompts):
+    (block,) = plan_blocks(prompts, 50)
+    singles = line_blocks(prompts, block)
+    assert [s.block_id for s in singles] == [0, 2, 3, 4, 5, 6]
+    assert [read_bytes(prompts, s).strip().decode() for s in singles] == [line for line in LINES if line]
+
+
+def test_parts_are_written_whole_kept_when_final_and_assembled_in_input_order(prompts, tmp_path):
+    out = tmp_path / "out"
+    store = PartStore(out)
+    store.start(3)
+    blocks = plan_blocks(prompts, 3)
+    store.write(1, [{"index": 4, "finish_reason": "length"}, {"index": 3, "finish_reason": "error"}])
+    store.write(0, [{"index": 0, "finish_reason": "length"}, {"index": 2, "finish_reason": "error"}])
+    assert store.block_lines() == 3 and [r["index"] for r in store.read(1)] == [3, 4]
+    assert set(store.kept(0)) == {0} and store.kept(2) is None  # an error record is run again on resume
+    assert not list(store.dir.glob(".*tmp"))
+    seen = []
+    missing = lambda block: [{"index": i, "finish_reason": "cancelled"} for i in block.indexes]  # noqa: E731
+    assert assemble(store, blocks, out / "outputs.jsonl", missing, seen.append) == 5
+    lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in lines] == [0, 2, 3, 4, 6] and lines == seen
+    store.start(5)  # a fresh run drops the old parts
+    assert store.block_lines() == 5 and not store.has(0)
+
+
+@pytest.mark.parametrize(
+    ("resources", "replicas", "threads", "device", "expected"),
+    [
+        ({"CPU": 2}, 2, None, "auto", (2, 1.0, 0.0, 1)),  # the CI test: two 1-thread replicas on 2 cores
+        ({"CPU": 16}, None, None, "auto", (4, 4.0, 0.0, 4)),  # CPUs over the default 4 threads
+        ({"CPU": 16}, None, 8, "cpu", (2, 8.0, 0.0, 8)),
+        ({"CPU": 2}, 4, 2, "auto", (4, 0.5, 0.0, 2)),  # more asked than fits: each reserves its share
+        ({"CPU": 32, "GPU": 4}, None, None, "auto", (4, 1.0, 1.0, None)),  # one replica per GPU
+        ({"CPU": 32, "GPU": 4}, None, None, "cpu", (8, 4.0, 0.0, 4)),  # the model pinned to the CPU
+    ],
+)
+def test_replicas_come_from_the_clusters_resources_or_the_flags(
+    resources, replicas, threads, device, expected
+):
+    assert replica_layout(resources, replicas, threads, device) == expected
+
+
+def test_a_resume_goes_on_the_way_the_run_went(tmp_path):
+    plain, ray_run = tmp_path / "plain", tmp_path / "ray"
+    plain.mkdir()
+    (plain / "outputs.jsonl").write_text("")
+    (ray_run / "parts").mkdir(parents=True)
+    with pytest.raises(OutDirError, match="resume it without --ray"):
+        check_resume_mode(plain, ray=True)
+    with pytest.raises(OutDirError, match="resume it with --ray"):
+        check_resume_mode(ray_run, ray=False)
+    check_resume_mode(plain, ray=False)
+    check_resume_mode(ray_run, ray=True)
+
+
+def test_bm_run_without_ray_imports_no_ray(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello", "max_tokens": 2}\n')
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from bm.cli.main import app\n"
+        f"result = CliRunner().invoke(app, ['run', {str(prompts)!r}, '-o', {str(tmp_path / 'out')!r}, '-q', "
+        "'--set', 'model.device=cpu'])\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
