@@ -14,13 +14,13 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
-from bm.workloads.jsonl import iter_lines, parse_request
+from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
 from bm.workloads.tool_parsers import parse_tool_calls
@@ -81,7 +81,20 @@ def iter_batch_file(path: Path) -> Iterator[BatchLine]:
     """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
     are asked for, so a file of millions of lines is never held whole. Duplicate custom ids are refused
     for the whole file, before it runs, by :func:`check_unique_custom_ids`."""
-    for number, data in iter_lines(path):
+    return _batch_lines(iter_lines(path))
+
+
+def iter_batch_slice(data: bytes, first_number: int) -> Iterator[BatchLine]:
+    """The :class:`BatchLine` of each non-blank line of a slice of a batch file (its raw bytes, the first
+    line being the file's line ``first_number``), parsed and checked as :func:`iter_batch_file` does:
+    ``bm run --ray``'s replicas read their blocks so. Duplicate custom ids span slices; they are refused
+    for the whole file before any replica starts (:func:`check_unique_custom_ids`)."""
+    return _batch_lines(iter_slice_lines(data, first_number))
+
+
+def _batch_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]]) -> Iterator[BatchLine]:
+    """One :class:`BatchLine` per (line number, object or error): what the file and slice readers share."""
+    for number, data in lines:
         entry = BatchLine(Row.at_line(number))
         try:
             if isinstance(data, RowError):
@@ -265,6 +278,12 @@ class BatchOutput:
 
     def close(self) -> None:
         self._file.close()
+
+
+def token_decoder(tokenizer: Any) -> Callable[[int], str] | None:
+    """How an output line's logprobs name a token (``decode_token`` of :class:`BatchOutput`): its text
+    by ``tokenizer`` (one with ``decode``); None without one (the id is written as text)."""
+    return (lambda token: tokenizer.decode([token])) if tokenizer is not None else None
 
 
 def _line_index(data: dict[str, Any]) -> int | None:

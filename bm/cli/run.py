@@ -114,7 +114,7 @@ def run_prompts(
     if interrupts is None:
         with Interrupts() as own:
             return run_prompts(parsed, config, out_dir, options, console, own)
-    console.print(f"[bold]bm {bm.__version__}[/]  loading model ({_model_label(config)}) ...")
+    console.print(f"[bold]bm {bm.__version__}[/]  loading model ({model_label(config)}) ...")
     llm = LLM(config=config)  # the library's front door loads the model and drives the engine
     from bm.bench.results import startup_document, startup_line
 
@@ -140,7 +140,7 @@ def run_prompts(
     with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, llm.loaded, out_dir)
         if options.batch_lines is not None:
-            run.open_batch(options.batch_lines, done if options.resume else None, _model_label(config))
+            run.open_batch(options.batch_lines, done if options.resume else None, model_label(config))
         started = time.perf_counter()
         session = llm.session(return_stats=_marked(stats, run_id))
 
@@ -244,11 +244,9 @@ class _Run:
     def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None, model: str) -> None:
         """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over;
         ``model``: as the user named it, echoed where a line's body names none)."""
-        from bm.cli.openai_batch import BatchOutput
+        from bm.cli.openai_batch import BatchOutput, token_decoder
 
-        tokenizer = self.loaded.tokenizer
-        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else None
-        self.batch = BatchOutput(self.out_dir, model, decode, keep)
+        self.batch = BatchOutput(self.out_dir, model, token_decoder(self.loaded.tokenizer), keep)
         self.batch_lines = batch_lines
 
     def forget(self, index: int) -> None:
@@ -346,7 +344,8 @@ def count_record(summary: RunSummary, record: dict[str, Any]) -> None:
     summary.count(reason)
 
 
-def _model_label(config: BmConfig) -> str:
+def model_label(config: BmConfig) -> str:
+    """The model as the user named it, for the log and for a batch output line whose body names none."""
     return config.model.preset or config.model.path or config.model.config or "embedded tiny-llama"
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "Row",
     "iter_lines",
     "iter_request_file",
+    "iter_slice_lines",
     "read_request_file",
     "resolve_word_list",
 ]
@@ -189,8 +190,15 @@ def iter_request_slice(data: bytes, first_number: int, base: Path) -> Iterator[R
     repeated on a line outside the slice is the whole file's reader's to find. ``bm run --ray`` runs a file
     as such slices on many machines, and its driver, which reads the whole file, passes that verdict on.
     ``base``: the file's directory (relative ``lora_dir`` paths are resolved against it)."""
-    for number, value in _decoded(split_lines(data), first_number):
+    for number, value in iter_slice_lines(data, first_number):
         yield _request_row(number, value, base, None)
+
+
+def iter_slice_lines(data: bytes, first_number: int) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """:func:`iter_lines` over a slice of a file (its raw bytes, the first line being the file's line
+    ``first_number``): the same decoding and the same line numbers, so a reader of slices (``bm run
+    --ray``'s replicas) and a reader of the whole file give each line the same row or error."""
+    return _decoded(split_lines(data), first_number)
 
 
 def split_lines(data: bytes) -> list[bytes]:
