@@ -120,16 +120,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     started = time.perf_counter()
-    if cfg.preset is not None:  # a named model becomes a checkpoint path (bm/runtime/presets.py)
-        from bm.runtime.presets import PresetError, resolve_preset
-
-        try:
-            cfg = resolve_preset(cfg)
-        except PresetError as exc:
-            raise ModelLoadError(str(exc)) from None
+    cfg = _resolved(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    tokenizer: TextCodec | None = None
     if cfg.path:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -142,7 +135,6 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             model = _shard_replica(model, tp_kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
-        tokenizer = _try_tokenizer(cfg.tokenizer or str(path))
         name = str(path)
     else:
         if cfg.config:
@@ -150,12 +142,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             name = str(cfg.config)
         else:
             hf_config = AutoConfig.for_model(**TINY_LLAMA_CONFIG)
-            tokenizer = ByteTokenizer()
             name = "embedded tiny-llama"
         model = random_model(hf_config, dtype, device, cfg.seed)
-        if cfg.tokenizer:
-            tokenizer = _try_tokenizer(cfg.tokenizer, required=True)
     model.to(device).eval()
+    tokenizer = load_tokenizer(cfg)  # after the model: a checkpoint that is not one is named first
     loaded = describe_model(
         model,
         tokenizer,
@@ -169,6 +159,31 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     loaded.yield_cores = cfg.yield_cores
     loaded.load_seconds = time.perf_counter() - started
     return loaded
+
+
+def load_tokenizer(cfg: ModelConfig) -> TextCodec | None:
+    """The tokenizer :func:`load_model` gives the model of ``cfg``, without loading the model: a process
+    that only decodes tokens (``bm run --ray``'s driver, writing ``batch_output.jsonl``'s logprobs) names
+    them as the replicas' model does. A checkpoint's own (or ``model.tokenizer``), none if it has none;
+    the embedded model's byte tokenizer; a random-weight ``model.config`` has only ``model.tokenizer``."""
+    cfg = _resolved(cfg)
+    if cfg.path:
+        return _try_tokenizer(cfg.tokenizer or str(cfg.path))
+    if cfg.tokenizer:
+        return _try_tokenizer(cfg.tokenizer, required=True)
+    return None if cfg.config else ByteTokenizer()
+
+
+def _resolved(cfg: ModelConfig) -> ModelConfig:
+    """A named model (``model.preset``) as its checkpoint path (bm/runtime/presets.py)."""
+    if cfg.preset is None:
+        return cfg
+    from bm.runtime.presets import PresetError, resolve_preset
+
+    try:
+        return resolve_preset(cfg)
+    except PresetError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
