@@ -151,3 +151,41 @@ def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_record
     # a plain resume of a --ray directory is refused: its records are in parts/
     plain = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, "--resume"])
     assert plain.exit_code == 2 and "resume it with --ray" in " ".join(plain.output.split())
+
+
+def batch_lines_of(out):
+    """``batch_output.jsonl`` by custom_id, less ``created`` (the time the output was written)."""
+    lines = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
+    assert len(lines) == len({x["custom_id"] for x in lines})  # no custom_id twice
+    for line in lines:
+        if line["response"] is not None:
+            line["response"]["body"].pop("created", None)
+    return {x["custom_id"]: x for x in lines}
+
+
+def test_an_openai_batch_file_gives_the_records_and_batch_output_of_one_process(cluster, tmp_path):
+    """Chat and completion lines (logprobs, top_logprobs, n=2, refused fields), in blocks of 3 on two
+    replicas: the same records and output lines as a one-process run with the same seed. (The resume of
+    batch_output.jsonl is assembly's alone: tests/test_ray_blocks.py.)"""
+    from tests.test_cli_chat_batch import BATCH_LINES, TEMPLATE
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in BATCH_LINES))
+    args = ["run", str(batch), *COMMON, "--chat-template", str(template)]
+    result = runner.invoke(app, [*args, "-o", str(tmp_path / "one")])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "ray"
+    result = runner.invoke(app, [*args, "-o", str(out), "--ray", "--replicas", "2", "--block-lines", "3"])
+    assert result.exit_code == 0, result.output
+    assert "OpenAI batch output:" in result.output
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(len(BATCH_LINES)))
+    assert by_index(rows) == by_index(records(tmp_path / "one"))
+    expected = batch_lines_of(tmp_path / "one")
+    assert batch_lines_of(out) == expected and len(expected) == len(BATCH_LINES)
+    # token strings decoded on the driver (its tokenizer alone), as the one process decodes them
+    top = expected["top"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert top and all(len(token["top_logprobs"]) == 3 for token in top)
+    assert json.loads((out / "summary.json").read_text())["parallel"]["ray"]["num_blocks"] == 3

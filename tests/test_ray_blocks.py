@@ -10,8 +10,18 @@ import sys
 
 import pytest
 
+from bm.cli.openai_batch import iter_batch_file
 from bm.cli.outdir import OutDirError, check_resume_mode
-from bm.ray.blocks import PartStore, assemble, block_rows, file_verdicts, line_blocks, plan_blocks, read_bytes
+from bm.ray.blocks import (  # fmt: skip
+    BatchOutputLines,
+    PartStore,
+    assemble,
+    block_rows,
+    file_verdicts,
+    line_blocks,
+    plan_blocks,
+    read_bytes,
+)
 from bm.ray.driver import replica_layout
 from bm.workloads.jsonl import iter_request_file
 from tests.conftest import REPO
@@ -45,6 +55,52 @@ def test_blocks_cover_every_line_once_and_their_rows_are_the_whole_files_rows(pr
     whole = list(iter_request_file(prompts))
     assert [vars(r) for r in rows] == [vars(r) for r in whole]
     assert "duplicate id" in rows[3].error and rows[1].error.startswith("line 3: malformed JSON")
+
+
+@pytest.fixture
+def batch_file(tmp_path):
+    """An OpenAI batch file with a blank line and a line that is not JSON among good and refused ones."""
+    from tests.test_cli_chat_batch import BATCH_LINES
+
+    lines = [json.dumps(line) for line in BATCH_LINES]
+    lines[2:2] = ["", "{not json"]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("block_lines", [1, 3, 50])
+def test_a_batch_files_blocks_are_read_as_the_one_process_run_reads_the_file(batch_file, block_lines):
+    blocks = plan_blocks(batch_file, block_lines)
+    assert file_verdicts(batch_file, batch=True) == {}  # duplicate custom ids are refused before the run
+    rows = [r for b in blocks for r in block_rows(read_bytes(batch_file, b), b, batch_file.parent, {}, True)]
+    whole = [line.parsed for line in iter_batch_file(batch_file)]
+    assert [vars(r) for r in rows] == [vars(r) for r in whole]
+    assert rows[0].messages and rows[0].error is None and rows[2].error.startswith("line 4: malformed JSON")
+
+
+def test_a_resumed_assembly_writes_batch_output_whole_one_line_per_input_line(batch_file, tmp_path):
+    """batch_output.jsonl is written from the records at each assembly, kept and new alike: a stale one
+    (a first run's, lines of a killed driver) is replaced, never appended to."""
+    out = tmp_path / "out"
+    (out / "parts").mkdir(parents=True)
+    (out / "batch_output.jsonl").write_text('{"id": "batch_req_bm_0", "custom_id": "chat-1"}\n{"id": "batch')
+    store = PartStore(out)
+    blocks = plan_blocks(batch_file, 4)
+    for block in blocks[:-1]:  # the last block did not finish: its lines are cancelled
+        rows = block_rows(read_bytes(batch_file, block), block, batch_file.parent, {}, True)
+        store.write(
+            block.block_id, [{"index": r.index, "finish_reason": "length", "text": "ok"} for r in rows]
+        )
+    missing = lambda block: [{"index": i, "finish_reason": "cancelled"} for i in block.indexes]  # noqa: E731
+    for _ in range(2):  # a run, then its resume
+        output = BatchOutputLines(batch_file, out, "tiny", None)
+        assemble(store, blocks, out / "outputs.jsonl", missing, output.write)
+        output.close()
+        lines = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
+        expected = [line.custom_id for line in iter_batch_file(batch_file)]
+        assert [x["custom_id"] for x in lines] == expected  # in input order, each once
+        assert lines[-1]["error"]["code"] == "cancelled" and lines[0]["response"]["status_code"] == 200
 
 
 def test_a_block_narrowed_to_single_lines_skips_blank_lines(prompts):

@@ -3,9 +3,9 @@ library's door to it, :func:`run_batch`.
 
 The run directory is a plain ``bm run``'s: ``run.json`` records what produced it (so ``--resume`` refuses
 another model, config, run options or seed), ``outputs.jsonl`` holds one record per input line in input
-order, ``stats.jsonl`` the replicas' iteration stats, ``summary.json`` the counts and the replicas'
-layout. Besides, ``parts/`` holds each finished block's records: what a resume after a killed driver
-keeps.
+order (and, for an OpenAI batch file, ``batch_output.jsonl`` one output line per input line),
+``stats.jsonl`` the replicas' iteration stats, ``summary.json`` the counts and the replicas' layout.
+Besides, ``parts/`` holds each finished block's records: what a resume after a killed driver keeps.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def run_batch(
     console: Console | None = None,
     **engine_options: Any,
 ) -> RunSummary:
-    """``bm run PROMPTS --ray -o OUT_DIR`` from Python: every line of ``prompts`` (bm's JSONL) answered by
-    engine replicas on the Ray cluster (``address``, ``RAY_ADDRESS``, one started here with ``ray start``,
-    or a local one started for the call), one record per line in ``OUT_DIR/outputs.jsonl``.
+    """``bm run PROMPTS --ray -o OUT_DIR`` from Python: every line of ``prompts`` (bm's JSONL, or an
+    OpenAI batch file) answered by engine replicas on the Ray cluster (``address``, ``RAY_ADDRESS``, one
+    started here with ``ray start``, or a local one started for the call), one record per line in
+    ``OUT_DIR/outputs.jsonl`` (and a batch file's output lines in ``OUT_DIR/batch_output.jsonl``).
 
     ``model``/``config``/``engine_options`` as for :class:`bm.LLM`; ``max_tokens``, ``ignore_eos``,
     ``seed``, ``resume`` and ``overwrite`` as ``bm run``'s flags; ``replicas`` (default: the cluster's
@@ -157,8 +158,6 @@ def check_ray_run(
 ) -> None:
     """Refuse, before anything starts, what ``--ray`` does not run (a ``ValueError`` phrased for the user);
     ``counts``: --replicas, --replica-threads, --block-lines and --ray-tries as given."""
-    from bm.cli.openai_batch import is_batch_file
-
     for flag, value in zip(
         ("--replicas", "--replica-threads", "--block-lines", "--ray-tries"), counts, strict=False
     ):
@@ -169,11 +168,6 @@ def check_ray_run(
         raise ValueError(
             "--ray runs independent replicas on Ray; --data-parallel and --tensor-parallel run ranks on "
             "torch.distributed: give one or the other (docs/parallel.md says when to use which)"
-        )
-    if is_batch_file(source.path):
-        raise ValueError(
-            f"--ray reads bm's JSONL request lines; {source.name!r} is an OpenAI batch file, which runs "
-            "without --ray (bm run FILE)"
         )
     try:
         import ray  # noqa: F401

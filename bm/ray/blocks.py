@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.cli.openai_batch import BatchOutput, iter_batch_file, iter_batch_slice
 from bm.cli.outdir import FINAL_REASONS
 from bm.workloads.jsonl import iter_request_file, iter_request_slice, split_lines
 from bm.workloads.request import Row
@@ -92,20 +93,31 @@ def read_bytes(path: Path, block: Block) -> bytes:
         return f.read(block.end - block.start)
 
 
-def block_rows(data: bytes, block: Block, base: Path, verdicts: dict[int, str]) -> Iterator[Row]:
-    """The checked rows of ``block`` (its bytes ``data``; ``base``: the file's directory). ``verdicts``
-    (index -> error) are the whole file's reader's, which alone sees an id repeated on another block's
-    line; they win over the slice's own."""
-    for row in iter_request_slice(data, block.first_number, base):
+def block_rows(
+    data: bytes, block: Block, base: Path, verdicts: dict[int, str], batch: bool = False
+) -> Iterator[Row]:
+    """The checked rows of ``block`` (its bytes ``data``; ``base``: the file's directory), read as bm
+    request lines or, for an OpenAI batch file (``batch``), as batch lines by the one-process reader's
+    parser (bm.cli.openai_batch). ``verdicts`` (index -> error) are the whole file's reader's, which
+    alone sees an id repeated on another block's line; they win over the slice's own."""
+    if batch:
+        rows: Iterable[Row] = (line.parsed for line in iter_batch_slice(data, block.first_number))
+    else:
+        rows = iter_request_slice(data, block.first_number, base)
+    for row in rows:
         if row.index in verdicts:
             row.error = verdicts[row.index]
         yield row
 
 
-def file_verdicts(path: Path) -> dict[int, str]:
+def file_verdicts(path: Path, batch: bool = False) -> dict[int, str]:
     """Index -> error of every line the reader refuses, from one streaming pass over the whole file with
     the validator every ``bm run`` uses (bm.workloads.jsonl): the lines that cannot run, and the
-    duplicate ids only a reader of the whole file can find."""
+    duplicate ids only a reader of the whole file can find. Empty for an OpenAI batch file (``batch``):
+    its one whole-file check, duplicate custom ids, refuses the file before the run starts
+    (bm.cli.source.check_runnable), and every other verdict is the line's own."""
+    if batch:
+        return {}
     return {row.index: row.error for row in iter_request_file(path) if row.error is not None}
 
 
@@ -182,6 +194,30 @@ def assemble(
                 written += 1
     os.replace(temp, out_path)
     return written
+
+
+class BatchOutputLines:
+    """``batch_output.jsonl`` of a run over an OpenAI batch file, written by the driver from the records
+    as ``outputs.jsonl`` is assembled (in input order), with the one-process run's writer
+    (:class:`~bm.cli.openai_batch.BatchOutput`): one output line per input line. Every assembly writes
+    it whole, from kept and new records alike, so after a ``--resume`` it holds each line once."""
+
+    def __init__(
+        self, prompts: Path, out_dir: Path, model_name: str, decode_token: Callable[[int], str] | None
+    ) -> None:
+        self.lines = iter_batch_file(prompts)  # in input order, as the records come
+        self.output = BatchOutput(out_dir, model_name, decode_token)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """The output line of ``record`` (the next record in input order)."""
+        for line in self.lines:
+            if line.parsed.index == record["index"]:
+                self.output.write(line, record)
+                return
+        raise RuntimeError(f"record {record['index']} answers no line of the batch file")
+
+    def close(self) -> None:
+        self.output.close()
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -26,10 +26,12 @@ from typing import Any
 
 from rich.console import Console
 
+from bm.cli.openai_batch import is_batch_file, token_decoder
 from bm.cli.records import cancelled_record, output_record
 from bm.config import BmConfig
 from bm.engine.request import error_response
 from bm.ray.blocks import (  # fmt: skip
+    BatchOutputLines,
     Block,
     PartStore,
     assemble,
@@ -109,7 +111,8 @@ def run_blocks(
     on_loaded: Callable[[str], None] | None = None,
     count: Callable[[dict[str, Any], bool], None] = lambda record, kept: None,
 ) -> tuple[RayReport, bool]:
-    """Run every block of ``prompts`` without a part in ``out_dir/parts`` and assemble ``outputs.jsonl``.
+    """Run every block of ``prompts`` without a part in ``out_dir/parts`` and assemble ``outputs.jsonl``
+    (and, for an OpenAI batch file, ``batch_output.jsonl``).
 
     ``stop()`` is asked after each block (an interrupt: the blocks not done get ``cancelled`` records in
     ``outputs.jsonl`` and no part, so a resume runs them); ``count(record, kept)`` sees every record of
@@ -131,7 +134,8 @@ def run_blocks(
     else:
         store.start(block_lines)
     blocks = plan_blocks(prompts, block_lines)
-    verdicts = file_verdicts(prompts)
+    batch = is_batch_file(prompts)
+    verdicts = file_verdicts(prompts, batch)
     report = RayReport(block_lines=block_lines, num_blocks=len(blocks))
     kept: dict[int, dict[int, dict[str, Any]]] = {}  # block -> its final records, where some lines rerun
     kept_indexes: set[int] = set()
@@ -157,7 +161,7 @@ def run_blocks(
     )
     stopped = False
     try:
-        runner = _Runner(prompts, config, out_dir, line, options, report, store, console, on_loaded)
+        runner = _Runner(prompts, batch, config, out_dir, line, options, report, store, console, on_loaded)
         stopped = runner.run(pending, verdicts, kept, stop)
         failed = [b for b in pending if not store.has(b.block_id)]
         if failed and not stopped:
@@ -167,14 +171,34 @@ def run_blocks(
             ray.shutdown()
 
     def missing(block: Block) -> list[dict[str, Any]]:
-        rows = block_rows(read_bytes(prompts, block), block, prompts.parent, verdicts)
+        rows = block_rows(read_bytes(prompts, block), block, prompts.parent, verdicts, batch)
         final = kept.get(block.block_id, {})
         return [final.get(row.index) or cancelled_record(row) for row in rows]
 
-    assemble(
-        store, blocks, out_dir / "outputs.jsonl", missing, lambda r: count(r, r["index"] in kept_indexes)
-    )
+    output = _batch_output(prompts, out_dir, config) if batch else None
+
+    def assembled(record: dict[str, Any]) -> None:
+        count(record, record["index"] in kept_indexes)
+        if output is not None:
+            output.write(record)
+
+    try:
+        assemble(store, blocks, out_dir / "outputs.jsonl", missing, assembled)
+    finally:
+        if output is not None:
+            output.close()
     return report, stopped
+
+
+def _batch_output(prompts: Path, out_dir: Path, config: BmConfig) -> BatchOutputLines:
+    """The writer of ``batch_output.jsonl``, naming the model and its tokens as a one-process run does
+    (``Session.open_batch``): the model as the user named it, token strings by the model's tokenizer,
+    loaded here alone (the driver holds no model)."""
+    from bm.cli.run import model_label
+    from bm.runtime.model_loader import load_tokenizer
+
+    decode = token_decoder(load_tokenizer(config.model))
+    return BatchOutputLines(prompts, out_dir, model_label(config), decode)
 
 
 class _Runner:
@@ -183,6 +207,7 @@ class _Runner:
     def __init__(
         self,
         prompts: Path,
+        batch: bool,
         config: BmConfig,
         out_dir: Path,
         line: LineOptions,
@@ -193,6 +218,7 @@ class _Runner:
         on_loaded: Callable[[str], None] | None,
     ) -> None:
         self.prompts, self.config, self.out_dir, self.line = prompts, config, out_dir, line
+        self.batch = batch  # an OpenAI batch file (bm.cli.openai_batch reads its lines)
         self.options, self.report, self.store, self.console = options, report, store, console
         self.on_loaded = on_loaded
         self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
@@ -293,7 +319,8 @@ class _Runner:
             return True
         for block in failed:
             records = dict(kept.get(block.block_id, {}))
-            for row in block_rows(read_bytes(self.prompts, block), block, self.prompts.parent, verdicts):
+            data = read_bytes(self.prompts, block)
+            for row in block_rows(data, block, self.prompts.parent, verdicts, self.batch):
                 if row.index in records:
                     continue
                 record = found.get(row.index)
@@ -341,6 +368,7 @@ class _Runner:
                     "threads": report.replica_threads,
                     "fault": os.environ.get(FAULT_ENV),
                     "logits_dir": str(self.out_dir),
+                    "batch": self.batch,
                 },
                 batch_size=None,
                 batch_format="numpy",

@@ -60,6 +60,7 @@ class Replica:
         threads: int | None = None,
         fault: str | None = None,
         logits_dir: str | None = None,
+        batch: bool = False,
     ) -> None:
         if threads:
             import torch
@@ -71,6 +72,7 @@ class Replica:
         loaded = self.llm.loaded
         self.options = options
         self.prompts = Path(prompts)  # read where the replica runs: the same path on every node
+        self.batch = batch  # an OpenAI batch file: its lines read by bm.cli.openai_batch's parser
         self.logits_dir = Path(logits_dir) if logits_dir else None
         self.codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
         self.end_id = None if options.ignore_eos else loaded.eos_token_id
@@ -136,7 +138,7 @@ class Replica:
         stats_from = len(self._stats)
         if self.fault.slow_s:
             time.sleep(self.fault.slow_s)
-        for row in block_rows(data, block, self.prompts.parent, verdicts):
+        for row in block_rows(data, block, self.prompts.parent, verdicts, self.batch):
             if row.index in skip:
                 continue
             self.fault.check_line(row)
