@@ -153,6 +153,44 @@ def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_record
     assert plain.exit_code == 2 and "resume it with --ray" in " ".join(plain.output.split())
 
 
+def test_ctrl_c_cancels_the_blocks_not_done_keeps_every_record_and_resumes_to_the_same_records(
+    cluster, reference, tmp_path
+):
+    """A first Ctrl-C stops after the blocks that are finishing: every line still has its record (the
+    blocks not done get ``cancelled`` ones), the run exits 130 naming ``--resume``, and the resume runs
+    only those blocks, ending with the records of an uninterrupted run."""
+    prompts, expected = reference
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
+    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
+    driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parts = out / "parts"
+    deadline = time.monotonic() + 120
+    while len(list(parts.glob("block-*.jsonl"))) < 2:
+        assert driver.poll() is None, driver.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no parts appeared"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGINT)
+    stdout, stderr = driver.communicate(timeout=180)
+    assert driver.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert f"-o {out} --resume" in " ".join(stdout.split())
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(NUM_LINES))  # one record per line, interrupted or not
+    cancelled = [r for r in rows if r["finish_reason"] == "cancelled"]
+    assert cancelled and len(cancelled) % BLOCK_LINES == 0  # whole blocks, never part of one
+    assert all(
+        by_index(rows)[i] == expected[i]
+        for i, r in by_index(rows).items()
+        if r["finish_reason"] != "cancelled"
+    )
+    assert json.loads((out / "summary.json").read_text())["interrupted"]
+
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert by_index(records(out)) == expected
+
+
 def batch_lines_of(out):
     """``batch_output.jsonl`` by custom_id, less ``created`` (the time the output was written)."""
     lines = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
