@@ -1,6 +1,10 @@
 """``bm run --ray`` on a local Ray cluster (2 CPUs, started once for the module): two CPU replicas of the
 tiny model; a replica killed mid-run, a poison line, a driver killed and resumed. Every run must end
-with exactly one record per line, each equal to a one-process ``bm run`` with the same ``--seed``."""
+with exactly one record per line, each equal to a one-process ``bm run`` with the same ``--seed``.
+
+Ray stays out of the test process: the cluster is started with ``ray start`` and every ``--ray`` run is
+a ``bm`` subprocess. A Ray driver inside pytest left the process holding gigabytes of address space
+after ``ray.shutdown()``, and a later test's ``fork()`` then failed with ENOMEM."""
 
 from __future__ import annotations
 
@@ -31,12 +35,40 @@ COMMON = ["-q", "--seed", "7", "--set", "model.device=cpu", "--set", "kv_cache.m
 RAY_FLAGS = ["--ray", "--replicas", "2", "--block-lines", str(BLOCK_LINES)]
 
 
+# A local test cluster without Ray's token authentication: its drivers are other processes, which
+# would otherwise need the token the starting process keeps to itself.
+NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
+# A process that starts a local cluster, prints its address and holds it until its stdin closes.
+HOLD_CLUSTER = (
+    "import ray, sys; ray.init(num_cpus=2, include_dashboard=False, logging_level='warning'); "
+    "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"
+)
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """One local cluster for the module: starting Ray costs seconds, a run on it much less."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, logging_level="warning")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    """One local cluster for the module, in processes of its own: starting Ray costs seconds, a run on
+    it much less."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, **NO_TOKEN},
+    )  # fmt: skip
+    try:
+        address = holder.stdout.readline().strip()
+        assert address, "the Ray cluster did not start"
+        yield address
+    finally:
+        holder.stdin.close()  # ray.init's cluster stops with the process that started it
+        holder.wait(timeout=120)
+
+
+def bm_run(cluster: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``bm run ARGS`` in a subprocess on the cluster (stdout and stderr together, as a terminal shows)."""
+    env = {**os.environ, **NO_TOKEN, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, "COLUMNS": "200", **env}
+    command = [sys.executable, "-m", "bm.cli.main", "run", *args]
+    return subprocess.run(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
 
 
 def write_prompts(path, n, poison_at=None):
@@ -72,18 +104,19 @@ def reference(tmp_path_factory):
 
 
 def test_two_replicas_one_killed_mid_run_give_one_record_per_line_equal_to_one_process(
-    cluster, reference, tmp_path, monkeypatch
+    cluster, reference, tmp_path
 ):
     prompts, expected = reference
-    monkeypatch.setenv(FAULT_ENV, f"exit_after=300:{tmp_path / 'killed-once'}")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS])
-    assert result.exit_code == 0, result.output
+    fault = {FAULT_ENV: f"exit_after=300:{tmp_path / 'killed-once'}"}
+    result = bm_run(cluster, [str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS], **fault)
+    assert result.returncode == 0, result.stdout[-3000:]
     assert (tmp_path / "killed-once").exists()  # a replica did exit mid-run
     rows = records(out)
     assert [r["index"] for r in rows] == list(range(NUM_LINES))  # one per line, in input order
     assert by_index(rows) == expected
-    text = " ".join(result.output.split())
+    text = " ".join(result.stdout.split())
+    assert "retries remaining, so the task will be retried" in text  # Ray's own retry line
     assert "was restarted after its process died; Ray retried its unfinished block(s)" in text
     ray_report = json.loads((out / "summary.json").read_text())["parallel"]["ray"]
     assert ray_report["num_replica_restarts"] >= 1 and ray_report["num_blocks_failed"] == 0
@@ -93,23 +126,21 @@ def test_two_replicas_one_killed_mid_run_give_one_record_per_line_equal_to_one_p
     )
 
 
-def test_a_poison_line_ends_as_one_error_record_and_every_other_line_completes(
-    cluster, tmp_path, monkeypatch
-):
+def test_a_poison_line_ends_as_one_error_record_and_every_other_line_completes(cluster, tmp_path):
     n, poison = 20, 7
     prompts = write_prompts(tmp_path / "p.jsonl", n, poison_at=poison)
-    monkeypatch.setenv(FAULT_ENV, "poison=POISON")
     out = tmp_path / "out"
-    args = ["run", str(prompts), "-o", str(out), *COMMON, "--ray", "--replicas", "2", "--block-lines", "5"]
-    result = runner.invoke(app, [*args, "--ray-tries", "1"])  # each restart reloads the model: keep them few
-    assert result.exit_code == 0, result.output  # some lines succeeded: the run is not failed
+    args = [str(prompts), "-o", str(out), *COMMON, "--ray", "--replicas", "2", "--block-lines", "5"]
+    # each restart reloads the model: keep the tries few
+    result = bm_run(cluster, [*args, "--ray-tries", "1"], **{FAULT_ENV: "poison=POISON"})
+    assert result.returncode == 0, result.stdout[-3000:]  # some lines succeeded: the run is not failed
     rows = records(out)
     assert [r["index"] for r in rows] == list(range(n))
     failed = [r for r in rows if r["finish_reason"] == "error"]
     assert [r["index"] for r in failed] == [poison]
     assert failed[0]["error"].startswith(f"line {poison + 1}: the replica failed on this line on its one try")
     assert all(r["error"] is None and r["output_ids"] for r in rows if r["index"] != poison)
-    text = " ".join(result.output.split())
+    text = " ".join(result.stdout.split())
     # the poison block (and any block that shared a dying replica with it each time) is narrowed down
     assert re.search(r"block\(s\) failed on their one try; running their \d+ line\(s\) one at a time", text)
     summary = json.loads((out / "summary.json").read_text())
@@ -121,7 +152,7 @@ def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_record
 ):
     prompts, expected = reference
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
+    env = {**os.environ, **NO_TOKEN, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
     command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
     driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     parts = out / "parts"
@@ -136,8 +167,8 @@ def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_record
     assert 3 <= len(done) < NUM_LINES // BLOCK_LINES and not (out / "outputs.jsonl").exists()
     before = {name: (parts / name).read_bytes() for name in done}
 
-    result = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
-    assert result.exit_code == 0, result.output
+    result = bm_run(cluster, [str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
+    assert result.returncode == 0, result.stdout[-3000:]
     rows = records(out)
     assert [r["index"] for r in rows] == list(range(NUM_LINES))
     assert by_index(rows) == expected
@@ -161,7 +192,7 @@ def test_ctrl_c_cancels_the_blocks_not_done_keeps_every_record_and_resumes_to_th
     only those blocks, ending with the records of an uninterrupted run."""
     prompts, expected = reference
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
+    env = {**os.environ, **NO_TOKEN, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
     command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
     driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     parts = out / "parts"
@@ -186,8 +217,8 @@ def test_ctrl_c_cancels_the_blocks_not_done_keeps_every_record_and_resumes_to_th
     )
     assert json.loads((out / "summary.json").read_text())["interrupted"]
 
-    result = runner.invoke(app, ["run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
-    assert result.exit_code == 0, result.output
+    result = bm_run(cluster, [str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
+    assert result.returncode == 0, result.stdout[-3000:]
     assert by_index(records(out)) == expected
 
 
@@ -215,9 +246,9 @@ def test_an_openai_batch_file_gives_the_records_and_batch_output_of_one_process(
     result = runner.invoke(app, [*args, "-o", str(tmp_path / "one")])
     assert result.exit_code == 0, result.output
     out = tmp_path / "ray"
-    result = runner.invoke(app, [*args, "-o", str(out), "--ray", "--replicas", "2", "--block-lines", "3"])
-    assert result.exit_code == 0, result.output
-    assert "OpenAI batch output:" in result.output
+    result = bm_run(cluster, [*args[1:], "-o", str(out), "--ray", "--replicas", "2", "--block-lines", "3"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "OpenAI batch output:" in result.stdout
     rows = records(out)
     assert [r["index"] for r in rows] == list(range(len(BATCH_LINES)))
     assert by_index(rows) == by_index(records(tmp_path / "one"))
