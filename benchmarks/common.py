@@ -89,3 +89,27 @@ def run_bm(loaded: LoadedModel, config: BmConfig, workload: Workload) -> tuple[P
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(device: Any, small: bool = False) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), best of five: the
+    ceiling a decode step's weight and KV reads are measured against (gpu_check's roofline,
+    decode_attention_peers' kernels)."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    n = (64 << 20) if small else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * n / best

@@ -74,6 +74,9 @@ if "--device=cpu" in sys.argv or ("--device", "cpu") in itertools.pairwise(sys.a
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also when imported
+
+from common import copy_bandwidth
 
 from bm.runtime.triton import load_kernels
 from bm.runtime.triton.batch import BatchBuilder, PagedBatch, cdiv
@@ -478,23 +481,10 @@ def warm(variant: Variant, layer: Layer, device: torch.device, inner: int, graph
         log(f"  {variant.name}: {variant.info['error']}")
 
 
-def copy_bandwidth(device: torch.device, small: bool) -> float | None:
-    """Bytes per second of a large device-to-device copy (read + write counted), best of five: the
-    ceiling the kernels' KV bandwidth is read against (as benchmarks/gpu_check.py measures it)."""
-    if device.type != "cuda":
-        return None
-    n = (64 << 20) if small else (1 << 30)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    return 2 * n / best
+def cuda_copy_bandwidth(device: torch.device, small: bool) -> float | None:
+    """The copy bandwidth the kernels' KV reads are measured against (benchmarks/common.py, as
+    gpu_check measures it); None off CUDA, where the interpreter's times mean nothing."""
+    return copy_bandwidth(device, small) if device.type == "cuda" else None
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -641,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     xf_state: dict[str, Any] = {"probe": start_probe(device)}  # overlaps the first shape's bm compiles
     import triton
 
-    args.copy_bytes_per_s = copy_bandwidth(device, args.small)
+    args.copy_bytes_per_s = cuda_copy_bandwidth(device, args.small)
     report: dict[str, Any] = {
         "benchmark": "decode_attention_peers",
         "device": torch.cuda.get_device_name(device) if not cpu else "cpu (Triton interpreter)",

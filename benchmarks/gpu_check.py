@@ -57,6 +57,7 @@ if "--device" in sys.argv and "cpu" in sys.argv:  # Triton kernels, if forced on
 
 import gpu_user_path as user
 import torch
+from common import copy_bandwidth
 from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
@@ -411,21 +412,6 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
         except Exception as exc:  # a peer failing is reported, not fatal
             figures[peer] = {"error": f"{type(exc).__name__}: {exc}"}
         save()
-
-
-def copy_bandwidth(device: torch.device, small: bool) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted), best of several."""
-    n = (64 << 20) if small else (1 << 30)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n / best
 
 
 @contextlib.contextmanager
