@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bm.runtime.attention import in_bm_forward
-from bm.runtime.fusion import _FusedMLP, source_body
+from bm.runtime.fusion import _FusedMLP, source_body, switched_on
 from bm.runtime.prepack import has_forward_hooks
 
 STACKED_DTYPES = (torch.float16, torch.bfloat16)
@@ -121,12 +121,7 @@ def projections_supported(device: torch.device, dtype: torch.dtype) -> str | Non
 
 def should_fuse_projections(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     """``on`` stacks wherever supported (raising where not), ``auto`` where supported, ``off`` never."""
-    if mode == "off":
-        return False
-    why_not = projections_supported(device, dtype)
-    if why_not and mode == "on":
-        raise ValueError(f"model.fused_projections is on, but {why_not}; set it to auto or off")
-    return why_not is None
+    return switched_on("model.fused_projections", mode, lambda: projections_supported(device, dtype))
 
 
 def fuse_projections(model: nn.Module) -> dict[str, int]:

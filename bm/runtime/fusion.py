@@ -113,12 +113,19 @@ def kernels_for(device: torch.device) -> ElementwiseKernels | Any | None:
 
 def should_fuse(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     """``on`` fuses wherever supported (raising where not), ``auto`` where supported, ``off`` never."""
+    return switched_on("model.fused_elementwise", mode, lambda: fusion_supported(device, dtype))
+
+
+def switched_on(key: str, mode: str, why_not: Callable[[], str | None]) -> bool:
+    """An ``auto | on | off`` speed knob against whether its path serves this model (``why_not()``: the
+    reason it cannot, or None): ``on`` wherever it can and an error naming ``key`` where it cannot,
+    ``auto`` where it can, ``off`` never."""
     if mode == "off":
         return False
-    why_not = fusion_supported(device, dtype)
-    if why_not and mode == "on":
-        raise ValueError(f"model.fused_elementwise is on, but {why_not}; set it to auto or off")
-    return why_not is None
+    reason = why_not()
+    if reason and mode == "on":
+        raise ValueError(f"{key} is on, but {reason}; set it to auto or off")
+    return reason is None
 
 
 def fuse_elementwise(model: nn.Module, kernels: ElementwiseKernels | Any | None = None) -> dict[str, int]:
