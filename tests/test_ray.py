@@ -62,13 +62,37 @@ def cluster():
         holder.wait(timeout=120)
 
 
+def driver_env(cluster: str, **env: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        **NO_TOKEN,
+        "PYTHONPATH": str(REPO),
+        "RAY_ADDRESS": cluster,
+        "COLUMNS": "200",
+        **env,
+    }
+
+
 def bm_run(cluster: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
     """``bm run ARGS`` in a subprocess on the cluster (stdout and stderr together, as a terminal shows)."""
-    env = {**os.environ, **NO_TOKEN, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, "COLUMNS": "200", **env}
     command = [sys.executable, "-m", "bm.cli.main", "run", *args]
     return subprocess.run(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
-    )
+        command, env=driver_env(cluster, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=600,
+    )  # fmt: skip
+
+
+def driver_with_parts(cluster: str, prompts, out, num_parts: int) -> subprocess.Popen:
+    """A slowed ``bm run --ray`` driver, returned once ``num_parts`` blocks are written (to be stopped)."""
+    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
+    env = driver_env(cluster, **{FAULT_ENV: "slow=0.3"})
+    driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list((out / "parts").glob("block-*.jsonl"))) < num_parts:
+        assert driver.poll() is None, driver.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no parts appeared"
+        time.sleep(0.05)
+    return driver
 
 
 def write_prompts(path, n, poison_at=None):
@@ -151,16 +175,8 @@ def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_record
     cluster, reference, tmp_path
 ):
     prompts, expected = reference
-    out = tmp_path / "out"
-    env = {**os.environ, **NO_TOKEN, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
-    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
-    driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    parts = out / "parts"
-    deadline = time.monotonic() + 120
-    while len(list(parts.glob("block-*.jsonl"))) < 3:
-        assert driver.poll() is None, driver.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "no parts appeared"
-        time.sleep(0.05)
+    out, parts = tmp_path / "out", tmp_path / "out" / "parts"
+    driver = driver_with_parts(cluster, prompts, out, 3)
     driver.send_signal(signal.SIGKILL)  # no handler, no summary, no outputs.jsonl
     driver.communicate()
     done = {p.name for p in parts.glob("block-*.jsonl")}
@@ -192,15 +208,7 @@ def test_ctrl_c_cancels_the_blocks_not_done_keeps_every_record_and_resumes_to_th
     only those blocks, ending with the records of an uninterrupted run."""
     prompts, expected = reference
     out = tmp_path / "out"
-    env = {**os.environ, **NO_TOKEN, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster, FAULT_ENV: "slow=0.3"}
-    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
-    driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    parts = out / "parts"
-    deadline = time.monotonic() + 120
-    while len(list(parts.glob("block-*.jsonl"))) < 2:
-        assert driver.poll() is None, driver.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no parts appeared"
-        time.sleep(0.05)
+    driver = driver_with_parts(cluster, prompts, out, 2)
     driver.send_signal(signal.SIGINT)
     stdout, stderr = driver.communicate(timeout=180)
     assert driver.returncode == 130, stderr[-3000:]
