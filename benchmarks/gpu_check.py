@@ -378,23 +378,21 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
         log(f"{name}: engine decode step (overlap {OVERLAP['mode'] if k == 'auto' else 'off'}) "
             f"{step['step_ms']:.2f} ms: launch {step['launch_ms']:.2f} ms, wait {step['wait_ms']:.2f} ms")  # fmt: skip
     save()
-    if args.ab_fusion and loaded.fused_elementwise:  # the same model with transformers' elementwise ops
-        with unfused(loaded):  # an executor of its own: the fused one's CUDA graphs replay fused kernels
-            plain_executor, figures["startup_unfused_s"] = start_engine(loaded, config)
-            plain, figures["bm_unfused"] = timed_bm(loaded, rows, config, plain_executor)
+    variants = [  # the same model without one of bm's rewrites: (flag, present, context, suffix, what)
+        (args.ab_fusion, bool(loaded.fused_elementwise), unfused, "unfused", "without fused elementwise kernels"),
+        (args.ab_projections, any(loaded.fused_projections.values()), unstacked, "unstacked",
+         "with separate projection GEMMs"),
+    ]  # fmt: skip
+    for asked, present, context, suffix, what in variants:
+        if not (asked and present):
+            continue
+        with context(loaded):  # an executor of its own: the other one's CUDA graphs replay its kernels
+            plain_executor, figures[f"startup_{suffix}_s"] = start_engine(loaded, config)
+            plain, figures[f"bm_{suffix}"] = timed_bm(loaded, rows, config, plain_executor)
             del plain_executor
             release_memory(device)
-            figures["roofline_unfused"] = check_roofline(loaded, args, False)
-        log(f"{name}: bm without fused elementwise kernels {plain.output_tok_s:.0f} output tok/s")
-        save()
-    if args.ab_projections and any(loaded.fused_projections.values()):  # q/k/v and gate/up apart again
-        with unstacked(loaded):
-            plain_executor, figures["startup_unstacked_s"] = start_engine(loaded, config)
-            plain, figures["bm_unstacked"] = timed_bm(loaded, rows, config, plain_executor)
-            del plain_executor
-            release_memory(device)
-            figures["roofline_unstacked"] = check_roofline(loaded, args, False)
-        log(f"{name}: bm with separate projection GEMMs {plain.output_tok_s:.0f} output tok/s")
+            figures[f"roofline_{suffix}"] = check_roofline(loaded, args, False)
+        log(f"{name}: bm {what} {plain.output_tok_s:.0f} output tok/s")
         save()
     if args.no_hf:
         return
