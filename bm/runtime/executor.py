@@ -7,6 +7,7 @@ steps). Block tables, positions and what to sample come from the core; nothing h
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -183,11 +184,7 @@ class TorchExecutor:
         for items, decoded, (host, copied) in launched.on_device:
             if copied is not None:
                 copied.synchronize()
-            tokens, log_probs, tops = decoded.read(host)
-            for item, token, lp, top in zip(items, tokens, log_probs, tops, strict=True):
-                result.sampled.append((item, token, lp))
-                if top is not None:
-                    result.top_log_probs[item.request.request_id] = top
+            _take_samples(result, zip(items, *decoded.read(host), strict=True))
         launched.on_device = []
         return result
 
@@ -270,12 +267,10 @@ class TorchExecutor:
             result.beams[request_id] = _beam_step(req, outcome.parents, outcome.done)
         log_probs = decoded.log_probs or [None] * len(to_sample)
         tops = decoded.top_log_probs or [None] * len(to_sample)
-        for item, token, lp, top in zip(to_sample, decoded.tokens, log_probs, tops, strict=True):
-            decoding = item.request.decoding
-            if decoding is None or decoding.beam is None:
-                result.sampled.append((item, token, lp))
-                if top is not None:
-                    result.top_log_probs[item.request.request_id] = top
+        rows = zip(to_sample, decoded.tokens, log_probs, tops, strict=True)
+        _take_samples(
+            result, (r for r in rows if r[0].request.decoding is None or r[0].request.decoding.beam is None)
+        )
 
     def _slot(self, request: LlmRequest) -> int:
         inputs = request.model_inputs
@@ -344,6 +339,14 @@ class Launched:
     on_device: list[tuple[list[WorkItem], DeviceDecode, tuple[list[torch.Tensor], Any]]] = field(
         default_factory=list
     )
+
+
+def _take_samples(result: ExecutionResult, rows: Iterable[tuple[WorkItem, int, float | None, Any]]) -> None:
+    """Each (item, token, log prob, top log probs) row into ``result``, from the device or the host path."""
+    for item, token, lp, top in rows:
+        result.sampled.append((item, token, lp))
+        if top is not None:
+            result.top_log_probs[item.request.request_id] = top
 
 
 def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
