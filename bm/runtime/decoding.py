@@ -111,7 +111,7 @@ class Decoder:
         ]
         if not wanted:
             return DeviceDecode(tokens)
-        lp, index = _log_softmax_rows(logits.float(), params, wanted)
+        lp, index = _log_softmax_rows(logits, params, wanted)
         chosen = tokens.index_select(0, index)
         out = DeviceDecode(tokens, wanted, lp.gather(1, chosen[:, None])[:, 0])
         out.top_counts = [requests[i].decoding.controls.top_log_probs for i in wanted]  # type: ignore[union-attr]
@@ -204,13 +204,13 @@ def _log_softmax_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(logits / temperature)`` of the ``wanted`` rows (temperature 1 for greedy rows),
     and their index on the device. One computation for both decode paths, so their log probs are the
-    same bits."""
+    same bits; only the wanted rows are widened to float32 (the device path's logits may be 16-bit)."""
     dev = logits.device
     index = to_device(wanted, torch.long, dev)
     temperature = to_device(
         [params[i].temperature if not params[i].is_greedy else 1.0 for i in wanted], torch.float32, dev
     )
-    return torch.log_softmax(logits.index_select(0, index) / temperature[:, None], dim=-1), index
+    return torch.log_softmax(logits.index_select(0, index).float() / temperature[:, None], dim=-1), index
 
 
 def _top_log_probs(lp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:
