@@ -15,6 +15,7 @@ over the failed blocks only, and says so in the log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -258,8 +259,11 @@ class _Runner:
         """Write each block's records as its row comes back (in the order the replicas finish them)."""
         done = 0
         started = time.perf_counter()
-        with (self.out_dir / "stats.jsonl").open("a", encoding="utf-8") as stats:
-            for row in dataset.iter_rows():
+        rows = iter(dataset.iter_rows())
+        with (self.out_dir / "stats.jsonl").open("a", encoding="utf-8") as stats, contextlib.closing(rows):
+            # closed on the way out, stop() included: an abandoned iterator left Ray Data's executor
+            # thread running into the interpreter's exit, which then ended the process with status 1
+            for row in rows:
                 block_id = int(row["block"])
                 records = [json.loads(text) for text in str(row["part"]).splitlines() if text]
                 write(block_id, [*kept.get(block_id, {}).values(), *records])
