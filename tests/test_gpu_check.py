@@ -32,6 +32,9 @@ def test_gpu_check_runs_on_cpu_small_and_writes_one_json_file(tmp_path, monkeypa
     assert small["bm"]["output_tokens"] == small["hf-generate"]["output_tokens"] > 0
     assert small["startup_s"] > 0 and small["bm_first_run"]["output_tokens"] == small["bm"]["output_tokens"]
     assert small["roofline"]["fraction_of_roofline"] > 0
+    # the same steps queued, tokens read once at the end (the host ahead of the device, as under overlap)
+    assert small["roofline"]["queued_step_ms"] > 0 and small["roofline"]["fraction_of_roofline_queued"] > 0
+    assert "small_at_least_50%_of_roofline" in report["goals"]
     assert report["goals"]["bm_equals_hf_fp32_on_every_request"]
     # what users run, through the CLI in subprocesses (benchmarks/gpu_user_path.py)
     cli = report["cli_run"]
@@ -57,3 +60,20 @@ def test_gpu_check_runs_only_the_sections_asked_and_names_only_their_goals(tmp_p
     assert "oracle_fp32" not in report and "throughput" not in report and "cli_run" not in report
     assert report["bf16"]["tokens"] > 0 and report["compare"]["finished"]
     assert report["goals"] == {"compare_variants_get_equal_caches": True}
+
+
+def test_issue_40s_goals_are_named_per_shape_and_the_steady_floor_per_kind_of_gpu():
+    """70% of the roofline for the 1B shape, 60% for SmolLM2's; the steady floor only on an H100 or H200."""
+    check = _gpu_check()
+    figures = {"roofline": {"fraction_of_roofline": 0.65}, "bm": {"output_tok_s": 23_000}}
+    report = {"environment": {"device": "NVIDIA H100 80GB HBM3"},
+              "throughput": {"llama-1b": figures, "smollm2-135m": figures}}  # fmt: skip
+    goals = check.goals(report)
+    assert goals["llama-1b_at_least_70%_of_roofline"] is False
+    assert goals["smollm2-135m_at_least_60%_of_roofline"] is True
+    assert goals["llama-1b_steady_at_least_22000_output_tok_s"] is True
+    assert not any(k.startswith("smollm2-135m_steady") for k in goals)
+    report["environment"]["device"] = "NVIDIA H200"
+    assert check.goals(report)["llama-1b_steady_at_least_26300_output_tok_s"] is False
+    report["environment"]["device"] = "NVIDIA A100-SXM4-80GB"
+    assert not any("steady" in k for k in check.goals(report))
