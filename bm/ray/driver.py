@@ -3,7 +3,8 @@
 Ray Data reads the file as blocks of fixed line ranges (:mod:`bm.ray.blocks`), and an actor pool of
 replicas (:class:`bm.ray.replica.Replica`, each its own ``bm.LLM``) takes them as it frees up: no
 lockstep, a slow replica only runs fewer blocks. The driver writes each finished block's records to its
-part file as it arrives and assembles ``outputs.jsonl`` in input order at the end.
+part file as it arrives and assembles ``outputs.jsonl`` in input order at the end (each file written in
+one step, :func:`bm.ray.blocks.replacing`).
 
 Faults are Ray's to retry: a replica whose process dies is restarted by Ray (``max_restarts=-1``), and
 the blocks it held are retried on it, up to ``tries`` times in all (``max_task_retries``). A block that
@@ -176,30 +177,22 @@ def run_blocks(
         final = kept.get(block.block_id, {})
         return [final.get(row.index) or cancelled_record(row) for row in rows]
 
-    output = _batch_output(prompts, out_dir, config) if batch else None
-
-    def assembled(record: dict[str, Any]) -> None:
-        count(record, record["index"] in kept_indexes)
-        if output is not None:
-            output.write(record)
-
-    try:
-        assemble(store, blocks, out_dir / "outputs.jsonl", missing, assembled)
-    finally:
-        if output is not None:
-            output.close()
+    output = _batch_output(prompts, config) if batch else None
+    assemble(
+        store, blocks, out_dir, missing, lambda r: count(r, r["index"] in kept_indexes), batch_output=output
+    )
     return report, stopped
 
 
-def _batch_output(prompts: Path, out_dir: Path, config: BmConfig) -> BatchOutputLines:
-    """The writer of ``batch_output.jsonl``, naming the model and its tokens as a one-process run does
-    (``Session.open_batch``): the model as the user named it, token strings by the model's tokenizer,
-    loaded here alone (the driver holds no model)."""
+def _batch_output(prompts: Path, config: BmConfig) -> Callable[[Path], BatchOutputLines]:
+    """The writer of ``batch_output.jsonl`` (opened by assembly on its temporary file), naming the
+    model and its tokens as a one-process run does (``Session.open_batch``): the model as the user
+    named it, token strings by the model's tokenizer, loaded here alone (the driver holds no model)."""
     from bm.cli.run import model_label
     from bm.runtime.model_loader import load_tokenizer
 
     decode = token_decoder(load_tokenizer(config.model))
-    return BatchOutputLines(prompts, out_dir, model_label(config), decode)
+    return lambda path: BatchOutputLines(prompts, path, model_label(config), decode)
 
 
 class _Runner:
