@@ -353,8 +353,17 @@ class _Runner:
         dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
         strategy = _strategy(report.replicas, alone)
         with warnings.catch_warnings():
-            # Ray 2.60 deprecates remote args as keywords, yet names no other way to bound an actor's
-            # restarts and task retries; without them a poison line would be retried forever.
+            # max_restarts and max_task_retries reach the actors through map_batches' **ray_remote_args,
+            # which Ray 2.60 deprecates (RayDeprecationWarning: "removed in Ray 2.64"). Ray 2.60 has no
+            # other way to set them for an actor pool: map_batches' named remote parameters are
+            # label_selector, fallback_strategy, max_calls, resources, accelerator_type and runtime_env;
+            # ray_remote_args_fn is deprecated too; and DataContext bounds only application errors
+            # (actor_task_retry_on_errors, max_map_retries) and deaths in the constructor
+            # (max_consecutive_actor_init_deaths). Without the keys Ray Data's actor pool defaults to
+            # max_restarts=-1 and max_task_retries=-1, which retry a poison line's block forever. So on
+            # a Ray that removes the keywords, map_batches raises TypeError here, before any replica
+            # starts, and every --ray run fails at once; tests/test_ray.py's poison-line and killed-
+            # replica tests are the ones to rerun on the fix (docs/parallel.md, "Ray versions").
             warnings.simplefilter("ignore", DeprecationWarning)
             return dataset.map_batches(
                 Replica,
