@@ -298,3 +298,17 @@ def test_run_batch_checks_its_chat_template_as_the_cli_does_naming_its_argument(
         with pytest.raises(ChatTemplateError, match=f"^chat_template '.*{name}': {error}"):
             run_batch(prompts, tmp_path / "out", device="cpu", chat_template=tmp_path / name)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "fix"),
+    [
+        (["--data-parallel", "2"], "give --replicas 2 instead of --data-parallel"),
+        (["--tensor-parallel", "2"], "drop --ray and run bm run PROMPTS --model CKPT --tensor-parallel 2"),
+    ],
+)
+def test_ray_refuses_torch_distributed_ranks_naming_what_to_run_instead(tmp_path, flags, fix):
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(tmp_path / "out"), *COMMON, "--ray", *flags])
+    assert result.exit_code == 2 and fix in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()  # refused before anything starts

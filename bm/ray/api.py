@@ -169,10 +169,19 @@ def check_ray_run(
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: give a whole number of at least 1")
 
-    if (data_parallel or 1) * tensor_parallel > 1:
+    if (data_parallel or 1) > 1:
         raise ValueError(
-            "--ray runs independent replicas on Ray; --data-parallel and --tensor-parallel run ranks on "
-            "torch.distributed: give one or the other (docs/parallel.md says when to use which)"
+            f"--ray with --data-parallel {data_parallel}: --ray already runs independent replicas; give "
+            f"--replicas {data_parallel} instead of --data-parallel (docs/parallel.md says when to use which)"
+        )
+    if tensor_parallel > 1:
+        # Not built (docs/parallel.md, "Tensor parallelism and --ray"): a replica is one process, and
+        # bm's launcher starts the other ranks by rerunning the bm command line, which an actor has not.
+        raise ValueError(
+            f"--ray with --tensor-parallel {tensor_parallel}: a replica on Ray is one process, so --ray "
+            "cannot split a model over ranks; drop --ray and run bm run PROMPTS --model CKPT "
+            f"--tensor-parallel {tensor_parallel} (add --data-parallel N for N such replicas on one "
+            "machine, or start it with torchrun across machines: docs/parallel.md)"
         )
     try:
         import ray  # noqa: F401
