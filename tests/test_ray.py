@@ -82,6 +82,15 @@ def bm_run(cluster: str, args: list[str], **env: str) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
+def run_batch_process(cluster: str, **kwargs: object) -> subprocess.CompletedProcess:
+    """``bm.ray.run_batch(**kwargs)`` in a subprocess on the cluster (a driver, like ``bm_run``'s)."""
+    script = "import json, sys, bm.ray; bm.ray.run_batch(**json.loads(sys.argv[1]))"
+    return subprocess.run(
+        [sys.executable, "-c", script, json.dumps(kwargs)], env=driver_env(cluster), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=600,
+    )  # fmt: skip
+
+
 def driver_with_parts(cluster: str, prompts, out, num_parts: int) -> subprocess.Popen:
     """A slowed ``bm run --ray`` driver, returned once ``num_parts`` blocks are written (to be stopped)."""
     command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
@@ -242,8 +251,9 @@ def batch_lines_of(out):
 
 def test_an_openai_batch_file_gives_the_records_and_batch_output_of_one_process(cluster, tmp_path):
     """Chat and completion lines (logprobs, top_logprobs, n=2, refused fields), in blocks of 3 on two
-    replicas: the same records and output lines as a one-process run with the same seed. (The resume of
-    batch_output.jsonl is assembly's alone: tests/test_ray_blocks.py.)"""
+    replicas: the same records and output lines as a one-process run with the same seed; and the same
+    again from ``bm.ray.run_batch(chat_template=...)``. (The resume of batch_output.jsonl is assembly's
+    alone: tests/test_ray_blocks.py.)"""
     from tests.test_cli_chat_batch import BATCH_LINES, TEMPLATE
 
     template = tmp_path / "chat.jinja"
@@ -266,3 +276,39 @@ def test_an_openai_batch_file_gives_the_records_and_batch_output_of_one_process(
     top = expected["top"]["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert top and all(len(token["top_logprobs"]) == 3 for token in top)
     assert json.loads((out / "summary.json").read_text())["parallel"]["ray"]["num_blocks"] == 3
+
+    library = tmp_path / "library"
+    options = {"device": "cpu", "kv_cache": {"max_tokens": 4096}, "seed": 7, "replicas": 1}
+    done = run_batch_process(
+        cluster, prompts=str(batch), out_dir=str(library), chat_template=str(template), **options
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert records(library) == rows and batch_lines_of(library) == expected
+
+
+def test_run_batch_checks_its_chat_template_as_the_cli_does_naming_its_argument(tmp_path):
+    """The one check of --chat-template, before any replica (or Ray) starts; the error names the
+    argument as the caller wrote it."""
+    from bm.chat_template import ChatTemplateError
+    from bm.ray import run_batch
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    (tmp_path / "bad.jinja").write_text("{% if %}")
+    for name, error in (("missing.jinja", "no such file"), ("bad.jinja", "not a valid Jinja template")):
+        with pytest.raises(ChatTemplateError, match=f"^chat_template '.*{name}': {error}"):
+            run_batch(prompts, tmp_path / "out", device="cpu", chat_template=tmp_path / name)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "fix"),
+    [
+        (["--data-parallel", "2"], "give --replicas 2 instead of --data-parallel"),
+        (["--tensor-parallel", "2"], "drop --ray and run bm run PROMPTS --model CKPT --tensor-parallel 2"),
+    ],
+)
+def test_ray_refuses_torch_distributed_ranks_naming_what_to_run_instead(tmp_path, flags, fix):
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(tmp_path / "out"), *COMMON, "--ray", *flags])
+    assert result.exit_code == 2 and fix in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()  # refused before anything starts

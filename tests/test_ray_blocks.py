@@ -94,13 +94,50 @@ def test_a_resumed_assembly_writes_batch_output_whole_one_line_per_input_line(ba
         )
     missing = lambda block: [{"index": i, "finish_reason": "cancelled"} for i in block.indexes]  # noqa: E731
     for _ in range(2):  # a run, then its resume
-        output = BatchOutputLines(batch_file, out, "tiny", None)
-        assemble(store, blocks, out / "outputs.jsonl", missing, output.write)
-        output.close()
+        assemble(store, blocks, out, missing, lambda r: None, batch_output=writer(batch_file))
         lines = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
         expected = [line.custom_id for line in iter_batch_file(batch_file)]
         assert [x["custom_id"] for x in lines] == expected  # in input order, each once
         assert lines[-1]["error"]["code"] == "cancelled" and lines[0]["response"]["status_code"] == 200
+
+
+def writer(batch_file):
+    return lambda path: BatchOutputLines(batch_file, path, "tiny", None)
+
+
+def test_a_driver_killed_while_assembling_leaves_the_previous_outputs_whole(batch_file, tmp_path):
+    """outputs.jsonl and batch_output.jsonl are written beside their names and renamed once whole: while
+    a resume assembles them (a kill now would stop it here) the previous run's files are untouched, and
+    an assembly that stops half-way leaves them so, with no temporary file behind."""
+    out = tmp_path / "out"
+    store = PartStore(out)
+    store.start(2)
+    blocks = plan_blocks(batch_file, 2)
+
+    def run_answering(text, count):
+        for b in blocks:
+            rows = block_rows(read_bytes(batch_file, b), b, batch_file.parent, {}, True)
+            store.write(
+                b.block_id, [{"index": r.index, "finish_reason": "length", "text": text} for r in rows]
+            )
+        assemble(store, blocks, out, None, count, batch_output=writer(batch_file))
+
+    run_answering("first", lambda record: None)
+    before = {name: (out / name).read_bytes() for name in ("outputs.jsonl", "batch_output.jsonl")}
+    seen = []
+
+    def killed_mid_way(record):
+        assert all((out / name).read_bytes() == data for name, data in before.items())
+        seen.append(record)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_answering("second", killed_mid_way)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in out.iterdir()) == ["batch_output.jsonl", "outputs.jsonl", "parts"]
+    run_answering("second", lambda record: None)
+    assert b'"second"' in (out / "batch_output.jsonl").read_bytes()
 
 
 def test_a_block_narrowed_to_single_lines_skips_blank_lines(prompts):
@@ -122,7 +159,7 @@ def test_parts_are_written_whole_kept_when_final_and_assembled_in_input_order(pr
     assert not list(store.dir.glob(".*tmp"))
     seen = []
     missing = lambda block: [{"index": i, "finish_reason": "cancelled"} for i in block.indexes]  # noqa: E731
-    assert assemble(store, blocks, out / "outputs.jsonl", missing, seen.append) == 5
+    assert assemble(store, blocks, out, missing, seen.append) == 5
     lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert [r["index"] for r in lines] == [0, 2, 3, 4, 6] and lines == seen
     store.start(5)  # a fresh run drops the old parts

@@ -255,8 +255,11 @@ class BatchOutput:
         model_name: str,
         decode_token: Callable[[int], str] | None = None,
         keep: set[int] | None = None,
+        path: Path | None = None,
     ) -> None:
-        self.path = out_dir / "batch_output.jsonl"
+        # ``path``: where the lines go instead (``bm run --ray`` writes a temporary file, renamed over
+        # ``batch_output.jsonl`` once whole)
+        self.path = path or out_dir / "batch_output.jsonl"
         self.model_name = model_name
         self.decode_token = decode_token
         self.created = int(time.time())

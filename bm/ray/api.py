@@ -44,6 +44,7 @@ def run_batch(
     config: str | Path | BmConfig | None = None,
     max_tokens: int = 64,
     ignore_eos: bool = False,
+    chat_template: str | Path | None = None,
     seed: int | None = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -61,23 +62,27 @@ def run_batch(
     ``OUT_DIR/outputs.jsonl`` (and a batch file's output lines in ``OUT_DIR/batch_output.jsonl``).
 
     ``model``/``config``/``engine_options`` as for :class:`bm.LLM`; ``max_tokens``, ``ignore_eos``,
-    ``seed``, ``resume`` and ``overwrite`` as ``bm run``'s flags; ``replicas`` (default: the cluster's
+    ``chat_template`` (a Jinja file, as ``--chat-template``: it renders ``messages`` lines instead of
+    the model's template, and is checked by the same code), ``seed``, ``resume`` and ``overwrite`` as
+    ``bm run``'s flags; ``replicas`` (default: the cluster's
     GPUs, else its CPUs over ``replica_threads``), ``block_lines`` (lines per block: the unit of work, of
     retry and of resume) and ``tries`` (runs of a block before its lines are tried one by one) as
     ``bm run --ray``'s. Raises ``ValueError`` (an :class:`~bm.cli.outdir.OutDirError`, a
-    :class:`~bm.cli.source.PromptsFileError` or an :class:`~bm.llm_params.InvalidParameterError`) for
-    what cannot run, before any replica starts."""
+    :class:`~bm.cli.source.PromptsFileError`, a :class:`~bm.chat_template.ChatTemplateError` or an
+    :class:`~bm.llm_params.InvalidParameterError`) for what cannot run, before any replica starts."""
+    from bm.cli.chat import read_chat_template
     from bm.llm_config import build_config
 
     cfg = build_config(model, config, engine_options)
     out = Path(out_dir)
     source = open_prompts(prompts)
     check_ray_run(None, 1, source, replicas, replica_threads, block_lines, tries)
+    template = None if chat_template is None else read_chat_template(Path(chat_template), "chat_template")
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
     run_seed = run_seed_for(out, seed, resume)
-    line = LineOptions(max_tokens, ignore_eos, run_seed)
+    line = LineOptions(max_tokens, ignore_eos, run_seed, template)
     identity = run_identity(
-        source.path, cfg, run_options(max_tokens, ignore_eos, None), run_seed, name=source.name
+        source.path, cfg, run_options(max_tokens, ignore_eos, template), run_seed, name=source.name
     )
     if resume:
         check_resume_mode(out, ray=True)
@@ -164,10 +169,19 @@ def check_ray_run(
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: give a whole number of at least 1")
 
-    if (data_parallel or 1) * tensor_parallel > 1:
+    if (data_parallel or 1) > 1:
         raise ValueError(
-            "--ray runs independent replicas on Ray; --data-parallel and --tensor-parallel run ranks on "
-            "torch.distributed: give one or the other (docs/parallel.md says when to use which)"
+            f"--ray with --data-parallel {data_parallel}: --ray already runs independent replicas; give "
+            f"--replicas {data_parallel} instead of --data-parallel (docs/parallel.md says when to use which)"
+        )
+    if tensor_parallel > 1:
+        # Not built (docs/parallel.md, "Tensor parallelism and --ray"): a replica is one process, and
+        # bm's launcher starts the other ranks by rerunning the bm command line, which an actor has not.
+        raise ValueError(
+            f"--ray with --tensor-parallel {tensor_parallel}: a replica on Ray is one process, so --ray "
+            "cannot split a model over ranks; drop --ray and run bm run PROMPTS --model CKPT "
+            f"--tensor-parallel {tensor_parallel} (add --data-parallel N for N such replicas on one "
+            "machine, or start it with torchrun across machines: docs/parallel.md)"
         )
     try:
         import ray  # noqa: F401

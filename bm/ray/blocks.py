@@ -5,14 +5,16 @@ included, so an index never moves). Fixed ranges make the work of a run a functi
 a resume after the driver was killed knows which blocks are done by the part files present, whatever
 order the replicas finished them in. Each block's records go to ``parts/block-<id>.jsonl``, written in
 one step (a temporary file renamed over it), so a part is either whole or absent: a replica that dies
-mid-block leaves nothing, and a block that Ray retries is written once. ``outputs.jsonl`` is assembled
-from the parts in input order at the end.
+mid-block leaves nothing, and a block that Ray retries is written once. ``outputs.jsonl`` (and an OpenAI batch
+file's ``batch_output.jsonl``) is assembled from the parts in input order at the end, each file in one
+step too: a driver killed while assembling leaves the previous file or none, never part of one.
 
 Plain Python (no Ray, no torch): the driver plans and assembles here; tests read it without a cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +29,8 @@ from bm.workloads.request import Row
 
 PARTS = "parts"
 LAYOUT = "layout.json"
+OUTPUTS = "outputs.jsonl"
+BATCH_OUTPUT = "batch_output.jsonl"
 
 
 @dataclass(frozen=True)
@@ -173,40 +177,46 @@ class PartStore:
 def assemble(
     store: PartStore,
     blocks: list[Block],
-    out_path: Path,
+    out_dir: Path,
     missing: Callable[[Block], list[dict[str, Any]]],
     count: Callable[[dict[str, Any]], None],
+    batch_output: Callable[[Path], BatchOutputLines] | None = None,
 ) -> int:
-    """Write ``outputs.jsonl`` from the parts, in input order, in one step; a block without a part (an
-    interrupted run) gets ``missing(block)``'s records. ``count`` sees every record; returns how many."""
-    temp = out_path.with_name(out_path.name + ".tmp")
+    """Write ``outputs.jsonl`` from the parts, in input order; a block without a part (an interrupted
+    run) gets ``missing(block)``'s records. ``batch_output`` (an OpenAI batch file's run) opens the
+    writer of ``batch_output.jsonl`` on the path it is given, and every record goes to it as well. Each
+    file is written in one step (:func:`replacing`). ``count`` sees every record; returns how many."""
     written = 0
-    with temp.open("w", encoding="utf-8") as f:
+    with contextlib.ExitStack() as files:  # closed, then renamed, in the reverse order of opening
+        outputs = files.enter_context(replacing(out_dir / OUTPUTS))
+        f = files.enter_context(outputs.open("w", encoding="utf-8"))
+        output = None
+        if batch_output is not None:
+            lines = files.enter_context(replacing(out_dir / BATCH_OUTPUT))
+            output = files.enter_context(contextlib.closing(batch_output(lines)))
         for block in blocks:
-            if store.has(block.block_id):
-                text = store.path(block.block_id).read_text(encoding="utf-8")
-                records = [json.loads(line) for line in text.splitlines() if line]
-            else:
-                records = missing(block)
+            records = store.read(block.block_id) if store.has(block.block_id) else missing(block)
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 count(record)
+                if output is not None:
+                    output.write(record)
                 written += 1
-    os.replace(temp, out_path)
     return written
 
 
 class BatchOutputLines:
     """``batch_output.jsonl`` of a run over an OpenAI batch file, written by the driver from the records
     as ``outputs.jsonl`` is assembled (in input order), with the one-process run's writer
-    (:class:`~bm.cli.openai_batch.BatchOutput`): one output line per input line. Every assembly writes
-    it whole, from kept and new records alike, so after a ``--resume`` it holds each line once."""
+    (:class:`~bm.cli.openai_batch.BatchOutput`) into ``path`` (assembly's temporary file): one output
+    line per input line. Every assembly writes it whole, from kept and new records alike, so after a
+    ``--resume`` it holds each line once."""
 
     def __init__(
-        self, prompts: Path, out_dir: Path, model_name: str, decode_token: Callable[[int], str] | None
+        self, prompts: Path, path: Path, model_name: str, decode_token: Callable[[int], str] | None
     ) -> None:
         self.lines = iter_batch_file(prompts)  # in input order, as the records come
-        self.output = BatchOutput(out_dir, model_name, decode_token)
+        self.output = BatchOutput(path.parent, model_name, decode_token, path=path)
 
     def write(self, record: dict[str, Any]) -> None:
         """The output line of ``record`` (the next record in input order)."""
@@ -220,7 +230,21 @@ class BatchOutputLines:
         self.output.close()
 
 
-def _write_atomic(path: Path, text: str) -> None:
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write, renamed over ``path`` once the ``with`` body is done;
+    removed instead when the body raises. A process killed meanwhile leaves the old file (or none), never
+    part of one. Every file a ``--ray`` driver writes whole goes through here: the parts, layout.json,
+    ``outputs.jsonl`` and ``batch_output.jsonl``."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.write_text(text, encoding="utf-8")
+    try:
+        yield temp
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
     os.replace(temp, path)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    with replacing(path) as temp:
+        temp.write_text(text, encoding="utf-8")

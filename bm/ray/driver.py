@@ -3,7 +3,8 @@
 Ray Data reads the file as blocks of fixed line ranges (:mod:`bm.ray.blocks`), and an actor pool of
 replicas (:class:`bm.ray.replica.Replica`, each its own ``bm.LLM``) takes them as it frees up: no
 lockstep, a slow replica only runs fewer blocks. The driver writes each finished block's records to its
-part file as it arrives and assembles ``outputs.jsonl`` in input order at the end.
+part file as it arrives and assembles ``outputs.jsonl`` in input order at the end (each file written in
+one step, :func:`bm.ray.blocks.replacing`).
 
 Faults are Ray's to retry: a replica whose process dies is restarted by Ray (``max_restarts=-1``), and
 the blocks it held are retried on it, up to ``tries`` times in all (``max_task_retries``). A block that
@@ -176,30 +177,22 @@ def run_blocks(
         final = kept.get(block.block_id, {})
         return [final.get(row.index) or cancelled_record(row) for row in rows]
 
-    output = _batch_output(prompts, out_dir, config) if batch else None
-
-    def assembled(record: dict[str, Any]) -> None:
-        count(record, record["index"] in kept_indexes)
-        if output is not None:
-            output.write(record)
-
-    try:
-        assemble(store, blocks, out_dir / "outputs.jsonl", missing, assembled)
-    finally:
-        if output is not None:
-            output.close()
+    output = _batch_output(prompts, config) if batch else None
+    assemble(
+        store, blocks, out_dir, missing, lambda r: count(r, r["index"] in kept_indexes), batch_output=output
+    )
     return report, stopped
 
 
-def _batch_output(prompts: Path, out_dir: Path, config: BmConfig) -> BatchOutputLines:
-    """The writer of ``batch_output.jsonl``, naming the model and its tokens as a one-process run does
-    (``Session.open_batch``): the model as the user named it, token strings by the model's tokenizer,
-    loaded here alone (the driver holds no model)."""
+def _batch_output(prompts: Path, config: BmConfig) -> Callable[[Path], BatchOutputLines]:
+    """The writer of ``batch_output.jsonl`` (opened by assembly on its temporary file), naming the
+    model and its tokens as a one-process run does (``Session.open_batch``): the model as the user
+    named it, token strings by the model's tokenizer, loaded here alone (the driver holds no model)."""
     from bm.cli.run import model_label
     from bm.runtime.model_loader import load_tokenizer
 
     decode = token_decoder(load_tokenizer(config.model))
-    return BatchOutputLines(prompts, out_dir, model_label(config), decode)
+    return lambda path: BatchOutputLines(prompts, path, model_label(config), decode)
 
 
 class _Runner:
@@ -360,8 +353,17 @@ class _Runner:
         dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
         strategy = _strategy(report.replicas, alone)
         with warnings.catch_warnings():
-            # Ray 2.60 deprecates remote args as keywords, yet names no other way to bound an actor's
-            # restarts and task retries; without them a poison line would be retried forever.
+            # max_restarts and max_task_retries reach the actors through map_batches' **ray_remote_args,
+            # which Ray 2.60 deprecates (RayDeprecationWarning: "removed in Ray 2.64"). Ray 2.60 has no
+            # other way to set them for an actor pool: map_batches' named remote parameters are
+            # label_selector, fallback_strategy, max_calls, resources, accelerator_type and runtime_env;
+            # ray_remote_args_fn is deprecated too; and DataContext bounds only application errors
+            # (actor_task_retry_on_errors, max_map_retries) and deaths in the constructor
+            # (max_consecutive_actor_init_deaths). Without the keys Ray Data's actor pool defaults to
+            # max_restarts=-1 and max_task_retries=-1, which retry a poison line's block forever. So on
+            # a Ray that removes the keywords, map_batches raises TypeError here, before any replica
+            # starts, and every --ray run fails at once; tests/test_ray.py's poison-line and killed-
+            # replica tests are the ones to rerun on the fix (docs/parallel.md, "Ray versions").
             warnings.simplefilter("ignore", DeprecationWarning)
             return dataset.map_batches(
                 Replica,
