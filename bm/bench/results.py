@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import pandas as pd
 
@@ -26,6 +24,7 @@ from bm.bench.replayer import Replayer
 from bm.config import BmConfig
 from bm.distributed import parallel_info
 from bm.engine.request import Request
+from bm.files import replacing_text
 from bm.workloads import ArrivalPlan, Workload
 
 
@@ -189,17 +188,17 @@ def write_results(
     instead of serializing each record again."""
     out_dir.mkdir(parents=True, exist_ok=True)
     document = results_document(result)
-    with _replacing(out_dir / "requests.jsonl") as f:
+    with replacing_text(out_dir / "requests.jsonl") as f:
         if request_lines is not None:
             f.writelines(request_lines)
         else:
             for record in result.records.to_dict("records"):
                 f.write(request_line(record))
     if not stats_written:
-        with _replacing(out_dir / "stats.jsonl") as f:
+        with replacing_text(out_dir / "stats.jsonl") as f:
             for stats in result.stats:
                 f.write(stats_line(stats))
-    with _replacing(out_dir / "results.json") as f:  # last: its presence says the run finished
+    with replacing_text(out_dir / "results.json") as f:  # last: its presence says the run finished
         f.write(json.dumps(document, indent=2) + "\n")
     return document
 
@@ -212,15 +211,6 @@ def request_line(record: dict[str, Any]) -> str:
 def stats_line(row: dict[str, Any]) -> str:
     """One line of ``stats.jsonl``, as the final file and a journal write it."""
     return json.dumps(row) + "\n"
-
-
-@contextmanager
-def _replacing(path: Path) -> Iterator[TextIO]:
-    """A file written beside ``path`` and renamed onto it once complete (not if writing failed)."""
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as f:
-        yield f
-    os.replace(temporary, path)
 
 
 def json_safe(value: Any) -> Any:

@@ -11,7 +11,6 @@ are accepted once their type is right. Plain Python (no torch): the file is chec
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
+from bm.files import replacing_text
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
@@ -264,12 +264,10 @@ class BatchOutput:
         self.decode_token = decode_token
         self.created = int(time.time())
         if keep is not None and self.path.exists():
-            fresh = self.path.with_suffix(".jsonl.tmp")
-            with fresh.open("w", encoding="utf-8") as f:
+            with replacing_text(self.path) as f:
                 for _number, data in iter_lines(self.path):
                     if isinstance(data, dict) and _line_index(data) in keep:
                         f.write(json.dumps(data, ensure_ascii=False) + "\n")
-            os.replace(fresh, self.path)
         self._file = self.path.open("a" if keep is not None else "w", encoding="utf-8")
 
     def write(self, line: BatchLine, record: dict[str, Any] | None) -> None:

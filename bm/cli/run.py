@@ -29,6 +29,7 @@ from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
 from bm.engine.request import error_response
+from bm.files import replacing
 from bm.llm import LLM, Session
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
@@ -314,13 +315,12 @@ def _carry_over(out_dir: Path, summary: RunSummary) -> set[int]:
     """``--resume``: keep the previous run's final records (rewritten in one step, so a kill here loses
     nothing) and return their indexes, which this run skips."""
     done: set[int] = set()
-    fresh = out_dir / "outputs.jsonl.tmp"
-    with JsonlWriter(fresh) as rewrite:
-        for record in iter_final_records(out_dir / "outputs.jsonl"):
+    outputs = out_dir / "outputs.jsonl"
+    with replacing(outputs) as fresh, JsonlWriter(fresh) as rewrite:
+        for record in iter_final_records(outputs):
             rewrite.write(record)
             done.add(record["index"])
             summary.num_resumed += 1
-    os.replace(fresh, out_dir / "outputs.jsonl")
     return done
 
 
