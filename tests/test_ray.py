@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -300,14 +301,118 @@ def test_run_batch_checks_its_chat_template_as_the_cli_does_naming_its_argument(
     assert not (tmp_path / "out").exists()
 
 
+TP_LINES = 24
+# One replica of two ranks (a torch thread each: the cluster's 2 CPUs), blocks of 8 lines.
+TP_FLAGS = [
+    "--ray",
+    "--replicas",
+    "1",
+    "--replica-threads",
+    "1",
+    "--tensor-parallel",
+    "2",
+    "--block-lines",
+    "8",
+]
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory, tiny_reference):
+    """The tiny model as a checkpoint (ranks load their shards from one), 24 token-id lines (every third
+    samples) and their records from a one-process ``bm run`` of that checkpoint."""
+    folder = tmp_path_factory.mktemp("tp")
+    checkpoint = folder / "ckpt"
+    tiny_reference.save_pretrained(checkpoint)
+    prompts = folder / "p.jsonl"
+    with prompts.open("w") as f:
+        for i in range(TP_LINES):
+            row = {"input_ids": [3 + (7 * i + j) % 200 for j in range(2 + i % 9)], "max_tokens": 6}
+            if i % 3 == 1:
+                row["temperature"] = 0.9
+            f.write(json.dumps(row) + "\n")
+    args = ["run", str(prompts), *COMMON, "--model", str(checkpoint)]
+    result = runner.invoke(app, [*args, "-o", str(folder / "one")])
+    assert result.exit_code == 0, result.output
+    return args[1:], str(checkpoint), by_index(records(folder / "one"))
+
+
+def ranks_of(checkpoint: str) -> list[int]:
+    """The pids of live ``bm.distributed.worker`` ranks serving ``checkpoint`` (their spec names it): this
+    test's ranks alone, whatever else runs on the machine."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                b"bm.distributed.worker" in (proc / "cmdline").read_bytes()
+                and checkpoint.encode() in (proc / "environ").read_bytes()
+            ):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def no_ranks_left(checkpoint: str, within_s: float = 20.0) -> bool:
+    """Every rank of the run exits with its replica (Ray ends the actors as the run ends)."""
+    deadline = time.monotonic() + within_s
+    while ranks_of(checkpoint):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_tensor_parallel_replica_gives_the_records_of_one_process(cluster, tp_reference, tmp_path):
+    args, checkpoint, expected = tp_reference
+    out = tmp_path / "out"
+    result = bm_run(cluster, [*args, "-o", str(out), *TP_FLAGS])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "on 1 replica(s) of 2 tensor-parallel ranks each" in " ".join(result.stdout.split())
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(TP_LINES)) and by_index(rows) == expected
+    ray_report = json.loads((out / "summary.json").read_text())["parallel"]["ray"]
+    assert (ray_report["replicas"], ray_report["tensor_parallel"], ray_report["num_cpus_per_replica"]) == (
+        1,
+        2,
+        2.0,
+    )
+    assert ray_report["num_replica_restarts"] == 0
+    stats = [json.loads(line) for line in (out / "stats.jsonl").read_text().splitlines()]
+    assert stats and all(s["TP Size"] == 2 for s in stats)  # the replica's engine drove two ranks
+    assert no_ranks_left(checkpoint)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_killed_rank_restarts_its_replica_and_its_blocks_are_retried_not_given_error_records(
+    cluster, tp_reference, tmp_path
+):
+    """Rank 1 killed mid-run: rank 0 (the actor) exits instead of answering its lines with errors, Ray
+    restarts it with new ranks and retries its blocks, and every line still gets the one-process record."""
+    args, checkpoint, expected = tp_reference
+    out = tmp_path / "out"
+    fault = {FAULT_ENV: f"kill_rank=8:{tmp_path / 'killed-once'}"}
+    result = bm_run(cluster, [*args, "-o", str(out), *TP_FLAGS], **fault)
+    assert result.returncode == 0, result.stdout[-3000:]
+    text = " ".join(result.stdout.split())
+    assert "kills its rank 1" in text and "exiting, so that the work it held is retried" in text
+    assert "was restarted after its process died; Ray retried its unfinished block(s)" in text
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(TP_LINES)) and by_index(rows) == expected
+    ray_report = json.loads((out / "summary.json").read_text())["parallel"]["ray"]
+    assert ray_report["num_replica_restarts"] >= 1 and ray_report["num_blocks_failed"] == 0
+    assert no_ranks_left(checkpoint)
+
+
 @pytest.mark.parametrize(
     ("flags", "fix"),
     [
         (["--data-parallel", "2"], "give --replicas 2 instead of --data-parallel"),
-        (["--tensor-parallel", "2"], "drop --ray and run bm run PROMPTS --model CKPT --tensor-parallel 2"),
+        (["--tensor-parallel", "2"], "--tensor-parallel needs model.path (a checkpoint directory)"),
+        (["--tensor-parallel", "2", "--rank-timeout", "0"], "--rank-timeout is 0.0; give a positive number"),
     ],
 )
-def test_ray_refuses_torch_distributed_ranks_naming_what_to_run_instead(tmp_path, flags, fix):
+def test_ray_refuses_what_its_replicas_cannot_run_naming_the_fix(tmp_path, flags, fix):
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     result = runner.invoke(app, ["run", str(prompts), "-o", str(tmp_path / "out"), *COMMON, "--ray", *flags])
     assert result.exit_code == 2 and fix in " ".join(result.output.split())
