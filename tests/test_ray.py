@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -299,6 +301,108 @@ def test_run_batch_checks_its_chat_template_as_the_cli_does_naming_its_argument(
         with pytest.raises(ChatTemplateError, match=f"^chat_template '.*{name}': {error}"):
             run_batch(prompts, tmp_path / "out", device="cpu", chat_template=tmp_path / name)
     assert not (tmp_path / "out").exists()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# A node stopped by SIGTERM first waits up to 30 s for Ray Serve to drain it; nothing here serves.
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def ray_start(log: Path, *flags: str, **env: str) -> subprocess.Popen:
+    """``ray start --block FLAGS``: one Ray node in a session of its own, stopped by SIGTERM to this one
+    process (Ray's own handler then ends the node's processes), never by ``ray stop``, which ends every
+    Ray process on the machine by name, other runs' clusters included. The dashboard agent's fixed
+    default port is replaced, so two nodes (and other runs) can share the machine."""
+    command = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--disable-usage-stats"]
+    command += [f"--dashboard-agent-listen-port={free_port()}", *flags]
+    with log.open("w") as out:
+        return subprocess.Popen(
+            command, env={**os.environ, **NO_TOKEN, **NO_DRAIN, **env}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def stop_node(node: subprocess.Popen) -> None:
+    if node.poll() is None:
+        node.terminate()
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)  # the node's own session: its processes alone
+            node.wait()
+
+
+WAIT_FOR_NODES = (
+    "import ray, sys, time; ray.init(address=sys.argv[1], logging_level='warning'); "
+    "deadline = time.monotonic() + 90\n"
+    "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.monotonic() < deadline: time.sleep(0.2)\n"
+    "print(sum(n['Alive'] for n in ray.nodes()))"
+)
+
+
+def test_the_several_machines_recipe_on_two_nodes_of_this_machine(tmp_path):
+    """docs/parallel.md's recipe (``ray start --head``, ``ray start --address`` on another node, then
+    ``bm run PROMPTS --ray`` on the head node, which finds the cluster ``ray start`` made there), with
+    both nodes on this machine: a CPU each, so each node holds one of the two replicas. Every line gets
+    the one-process record, and the replicas' names say both nodes ran blocks (each block is slowed, so
+    that the first replica up cannot finish the file before the other has loaded)."""
+    n = 48
+    prompts = write_prompts(tmp_path / "p.jsonl", n)
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(tmp_path / "one"), *COMMON])
+    assert result.exit_code == 0, result.output
+    expected = by_index(records(tmp_path / "one"))
+    # RAY_TMPDIR keeps this cluster's files, and the address file the driver finds it by, out of /tmp/ray,
+    # where another run's ray.init() would find it too (a short path: Ray's sockets live under it).
+    temp = Path(tempfile.mkdtemp(prefix="bmray", dir="/tmp"))
+    nodes: list[subprocess.Popen] = []
+    try:
+        port = free_port()
+        head_flags = [f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
+        nodes.append(ray_start(tmp_path / "head.log", "--head", *head_flags, RAY_TMPDIR=str(temp)))
+        address_file = temp / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + 90
+        while not address_file.exists():
+            assert nodes[0].poll() is None and time.monotonic() < deadline, (
+                tmp_path / "head.log"
+            ).read_text()
+            time.sleep(0.2)
+        address = address_file.read_text().strip()
+        second = [f"--address={address}", "--num-cpus=1", f"--temp-dir={temp / 'node2'}"]
+        nodes.append(ray_start(tmp_path / "node2.log", *second))
+        waited = subprocess.run(
+            [sys.executable, "-c", WAIT_FOR_NODES, address], env={**os.environ, **NO_TOKEN},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert waited.stdout.strip() == "2", (
+            waited.stdout + waited.stderr + (tmp_path / "node2.log").read_text()
+        )
+
+        out = tmp_path / "out"
+        env = {k: v for k, v in driver_env("", **{FAULT_ENV: "slow=1.5"}).items() if k != "RAY_ADDRESS"}
+        command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON]
+        command += ["--ray", "--replicas", "2", "--replica-threads", "1", "--block-lines", "4"]
+        done = subprocess.run(
+            command, env={**env, "RAY_TMPDIR": str(temp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        for node in reversed(nodes):
+            stop_node(node)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert f"Connecting to existing Ray cluster at address: {address}" in done.stdout  # the head's
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(n)) and by_index(rows) == expected
+    by_replica = json.loads((out / "summary.json").read_text())["parallel"]["ray"]["blocks_by_replica"]
+    assert sum(by_replica.values()) == n // 4
+    assert len({name.split(" on node ")[1] for name in by_replica}) == 2, by_replica
 
 
 TP_LINES = 24

@@ -91,7 +91,7 @@ class Replica:
         self.end_id = None if options.ignore_eos else loaded.eos_token_id
         self.fault = _Fault.parse(fault)
         self.restarted = _was_restarted()
-        self.name = f"pid {os.getpid()}"
+        self.name = _replica_name()
         if self.restarted:  # Ray's own log says the actor died; this says what happens to its work
             print(
                 f"bm run --ray: replica {self.name} restarted after its previous process died; "
@@ -260,6 +260,20 @@ class _Fault:
         if self.poison is not None and self.poison in (row.prompt or ""):
             print(f"bm run --ray: test fault: {row.where} is poison; pid {os.getpid()} exits", flush=True)
             os._exit(1)
+
+
+def _replica_name() -> str:
+    """``pid N on node ID`` (ID: the first 8 hex digits of Ray's node id, which Ray's tools show whole): the
+    name of this replica in the log, ``stats.jsonl`` and ``summary.json``, which says what ran where when
+    the replicas span machines. ``pid N`` outside an actor."""
+    name = f"pid {os.getpid()}"
+    try:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # outside an actor (a test calling the class directly)
+        return name
+    return f"{name} on node {node[:8]}" if node else name
 
 
 def _was_restarted() -> bool:
