@@ -300,3 +300,57 @@ def test_cuda_runs_use_nccl_for_tensors_and_gloo_for_bm_exchanges():
 
     assert process_group_backend(_device_type("cuda:1")) == "cpu:gloo,cuda:nccl"
     assert process_group_backend(_device_type("cpu")) == "gloo"
+
+
+# Rank 0 as a Ray replica is: it starts its ranks without a command line to rerun, then its process
+# dies (here before the ranks even meet, the case no socket reports: a rank would retry the rendezvous
+# for the whole startup timeout).
+ORPHANING_RANK_0 = """
+import os, threading, time
+from bm.config import config_from_dict
+from bm.distributed.layout import launched_ranks
+from bm.distributed.worker import start_replica_ranks
+
+config = config_from_dict({"model": {"device": "cpu"}})
+threading.Thread(target=start_replica_ranks, args=(config, 2, 300.0, 1), daemon=True).start()
+while not launched_ranks():
+    time.sleep(0.01)
+print(launched_ranks()[0], flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_started_without_a_command_line_exits_when_its_rank_0_dies(tmp_path):
+    """``python -m bm.distributed.worker`` (the ranks of a ``--ray`` replica) must not outlive its rank 0:
+    a killed actor's ranks would otherwise hold its memory and GPUs while Ray restarts it."""
+    with (tmp_path / "stderr").open("w") as stderr:  # a file: rank 1 inherits it, a pipe would wait for it
+        rank0 = subprocess.Popen(
+            [sys.executable, "-c", ORPHANING_RANK_0],
+            env=bm_env(),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        line = rank0.stdout.readline()
+        assert rank0.wait(timeout=60) == 0 and line.strip(), (tmp_path / "stderr").read_text()
+    rank1 = int(line)
+    deadline = time.monotonic() + 30
+    while _is_alive(rank1):
+        if time.monotonic() > deadline:
+            os.kill(rank1, signal.SIGKILL)
+            pytest.fail(f"rank 1 (pid {rank1}) outlived its rank 0 by 30 s")
+        time.sleep(0.1)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state_of(pid)
+
+
+def _state_of(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    return ""

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -300,14 +303,220 @@ def test_run_batch_checks_its_chat_template_as_the_cli_does_naming_its_argument(
     assert not (tmp_path / "out").exists()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# A node stopped by SIGTERM first waits up to 30 s for Ray Serve to drain it; nothing here serves.
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def ray_start(log: Path, *flags: str, **env: str) -> subprocess.Popen:
+    """``ray start --block FLAGS``: one Ray node in a session of its own, stopped by SIGTERM to this one
+    process (Ray's own handler then ends the node's processes), never by ``ray stop``, which ends every
+    Ray process on the machine by name, other runs' clusters included. The dashboard agent's fixed
+    default port is replaced, so two nodes (and other runs) can share the machine."""
+    command = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--disable-usage-stats"]
+    command += [f"--dashboard-agent-listen-port={free_port()}", *flags]
+    with log.open("w") as out:
+        return subprocess.Popen(
+            command, env={**os.environ, **NO_TOKEN, **NO_DRAIN, **env}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def stop_node(node: subprocess.Popen) -> None:
+    if node.poll() is None:
+        node.terminate()
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)  # the node's own session: its processes alone
+            node.wait()
+
+
+WAIT_FOR_NODES = (
+    "import ray, sys, time; ray.init(address=sys.argv[1], logging_level='warning'); "
+    "deadline = time.monotonic() + 90\n"
+    "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.monotonic() < deadline: time.sleep(0.2)\n"
+    "print(sum(n['Alive'] for n in ray.nodes()))"
+)
+
+
+def test_the_several_machines_recipe_on_two_nodes_of_this_machine(tmp_path):
+    """docs/parallel.md's recipe (``ray start --head``, ``ray start --address`` on another node, then
+    ``bm run PROMPTS --ray`` on the head node, which finds the cluster ``ray start`` made there), with
+    both nodes on this machine: a CPU each, so each node holds one of the two replicas. Every line gets
+    the one-process record, and the replicas' names say both nodes ran blocks (each block is slowed, so
+    that the first replica up cannot finish the file before the other has loaded)."""
+    n = 48
+    prompts = write_prompts(tmp_path / "p.jsonl", n)
+    result = runner.invoke(app, ["run", str(prompts), "-o", str(tmp_path / "one"), *COMMON])
+    assert result.exit_code == 0, result.output
+    expected = by_index(records(tmp_path / "one"))
+    # RAY_TMPDIR keeps this cluster's files, and the address file the driver finds it by, out of /tmp/ray,
+    # where another run's ray.init() would find it too (a short path: Ray's sockets live under it).
+    temp = Path(tempfile.mkdtemp(prefix="bmray", dir="/tmp"))
+    nodes: list[subprocess.Popen] = []
+    try:
+        port = free_port()
+        head_flags = [f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
+        nodes.append(ray_start(tmp_path / "head.log", "--head", *head_flags, RAY_TMPDIR=str(temp)))
+        address_file = temp / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + 90
+        while not address_file.exists():
+            assert nodes[0].poll() is None and time.monotonic() < deadline, (
+                tmp_path / "head.log"
+            ).read_text()
+            time.sleep(0.2)
+        address = address_file.read_text().strip()
+        second = [f"--address={address}", "--num-cpus=1", f"--temp-dir={temp / 'node2'}"]
+        nodes.append(ray_start(tmp_path / "node2.log", *second))
+        waited = subprocess.run(
+            [sys.executable, "-c", WAIT_FOR_NODES, address], env={**os.environ, **NO_TOKEN},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert waited.stdout.strip() == "2", (
+            waited.stdout + waited.stderr + (tmp_path / "node2.log").read_text()
+        )
+
+        out = tmp_path / "out"
+        env = {k: v for k, v in driver_env("", **{FAULT_ENV: "slow=1.5"}).items() if k != "RAY_ADDRESS"}
+        command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON]
+        command += ["--ray", "--replicas", "2", "--replica-threads", "1", "--block-lines", "4"]
+        done = subprocess.run(
+            command, env={**env, "RAY_TMPDIR": str(temp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        for node in reversed(nodes):
+            stop_node(node)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert f"Connecting to existing Ray cluster at address: {address}" in done.stdout  # the head's
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(n)) and by_index(rows) == expected
+    by_replica = json.loads((out / "summary.json").read_text())["parallel"]["ray"]["blocks_by_replica"]
+    assert sum(by_replica.values()) == n // 4
+    assert len({name.split(" on node ")[1] for name in by_replica}) == 2, by_replica
+
+
+TP_LINES = 24
+# One replica of two ranks (a torch thread each: the cluster's 2 CPUs), blocks of 8 lines.
+TP_FLAGS = [
+    "--ray",
+    "--replicas",
+    "1",
+    "--replica-threads",
+    "1",
+    "--tensor-parallel",
+    "2",
+    "--block-lines",
+    "8",
+]
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory, tiny_reference):
+    """The tiny model as a checkpoint (ranks load their shards from one), 24 token-id lines (every third
+    samples) and their records from a one-process ``bm run`` of that checkpoint."""
+    folder = tmp_path_factory.mktemp("tp")
+    checkpoint = folder / "ckpt"
+    tiny_reference.save_pretrained(checkpoint)
+    prompts = folder / "p.jsonl"
+    with prompts.open("w") as f:
+        for i in range(TP_LINES):
+            row = {"input_ids": [3 + (7 * i + j) % 200 for j in range(2 + i % 9)], "max_tokens": 6}
+            if i % 3 == 1:
+                row["temperature"] = 0.9
+            f.write(json.dumps(row) + "\n")
+    args = ["run", str(prompts), *COMMON, "--model", str(checkpoint)]
+    result = runner.invoke(app, [*args, "-o", str(folder / "one")])
+    assert result.exit_code == 0, result.output
+    return args[1:], str(checkpoint), by_index(records(folder / "one"))
+
+
+def ranks_of(checkpoint: str) -> list[int]:
+    """The pids of live ``bm.distributed.worker`` ranks serving ``checkpoint`` (their spec names it): this
+    test's ranks alone, whatever else runs on the machine."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                b"bm.distributed.worker" in (proc / "cmdline").read_bytes()
+                and checkpoint.encode() in (proc / "environ").read_bytes()
+            ):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def no_ranks_left(checkpoint: str, within_s: float = 20.0) -> bool:
+    """Every rank of the run exits with its replica (Ray ends the actors as the run ends)."""
+    deadline = time.monotonic() + within_s
+    while ranks_of(checkpoint):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_tensor_parallel_replica_gives_the_records_of_one_process(cluster, tp_reference, tmp_path):
+    args, checkpoint, expected = tp_reference
+    out = tmp_path / "out"
+    result = bm_run(cluster, [*args, "-o", str(out), *TP_FLAGS])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "on 1 replica(s) of 2 tensor-parallel ranks each" in " ".join(result.stdout.split())
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(TP_LINES)) and by_index(rows) == expected
+    ray_report = json.loads((out / "summary.json").read_text())["parallel"]["ray"]
+    assert (ray_report["replicas"], ray_report["tensor_parallel"], ray_report["num_cpus_per_replica"]) == (
+        1,
+        2,
+        2.0,
+    )
+    assert ray_report["num_replica_restarts"] == 0
+    stats = [json.loads(line) for line in (out / "stats.jsonl").read_text().splitlines()]
+    assert stats and all(s["TP Size"] == 2 for s in stats)  # the replica's engine drove two ranks
+    assert no_ranks_left(checkpoint)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_killed_rank_restarts_its_replica_and_its_blocks_are_retried_not_given_error_records(
+    cluster, tp_reference, tmp_path
+):
+    """Rank 1 killed mid-run: rank 0 (the actor) exits instead of answering its lines with errors, Ray
+    restarts it with new ranks and retries its blocks, and every line still gets the one-process record."""
+    args, checkpoint, expected = tp_reference
+    out = tmp_path / "out"
+    fault = {FAULT_ENV: f"kill_rank=8:{tmp_path / 'killed-once'}"}
+    result = bm_run(cluster, [*args, "-o", str(out), *TP_FLAGS], **fault)
+    assert result.returncode == 0, result.stdout[-3000:]
+    text = " ".join(result.stdout.split())
+    assert "kills its rank 1" in text and "exiting, so that the work it held is retried" in text
+    assert "was restarted after its process died; Ray retried its unfinished block(s)" in text
+    rows = records(out)
+    assert [r["index"] for r in rows] == list(range(TP_LINES)) and by_index(rows) == expected
+    ray_report = json.loads((out / "summary.json").read_text())["parallel"]["ray"]
+    assert ray_report["num_replica_restarts"] >= 1 and ray_report["num_blocks_failed"] == 0
+    assert no_ranks_left(checkpoint)
+
+
 @pytest.mark.parametrize(
     ("flags", "fix"),
     [
         (["--data-parallel", "2"], "give --replicas 2 instead of --data-parallel"),
-        (["--tensor-parallel", "2"], "drop --ray and run bm run PROMPTS --model CKPT --tensor-parallel 2"),
+        (["--tensor-parallel", "2"], "--tensor-parallel needs model.path (a checkpoint directory)"),
+        (["--tensor-parallel", "2", "--rank-timeout", "0"], "--rank-timeout is 0.0; give a positive number"),
     ],
 )
-def test_ray_refuses_torch_distributed_ranks_naming_what_to_run_instead(tmp_path, flags, fix):
+def test_ray_refuses_what_its_replicas_cannot_run_naming_the_fix(tmp_path, flags, fix):
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     result = runner.invoke(app, ["run", str(prompts), "-o", str(tmp_path / "out"), *COMMON, "--ray", *flags])
     assert result.exit_code == 2 and fix in " ".join(result.output.split())

@@ -12,6 +12,7 @@ import pytest
 
 from bm.cli.openai_batch import iter_batch_file
 from bm.cli.outdir import OutDirError, check_resume_mode
+from bm.distributed.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
     PartStore,
@@ -213,3 +214,42 @@ def test_bm_run_without_ray_imports_no_ray(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("resources", "replicas", "tp", "expected"),
+    [
+        ({"CPU": 2}, 1, 2, (1, 2.0, 0.0, 1)),  # the CI test: one replica of two ranks, a thread each
+        ({"CPU": 16}, None, 2, (2, 8.0, 0.0, 4)),  # each rank takes the default 4 threads
+        ({"CPU": 16}, 4, 2, (4, 4.0, 0.0, 2)),  # the CPUs split over 4 x 2 ranks
+        ({"CPU": 32, "GPU": 8}, None, 4, (2, 4.0, 4.0, None)),  # a GPU per rank, a CPU per rank
+        ({"CPU": 32, "GPU": 8}, 1, 4, (1, 4.0, 4.0, None)),
+    ],
+)
+def test_a_tensor_parallel_replica_reserves_a_gpu_or_its_threads_per_rank(resources, replicas, tp, expected):
+    threads = 1 if resources == {"CPU": 2} else None
+    assert replica_layout(resources, replicas, threads, "auto", tensor_parallel=tp) == expected
+
+
+@pytest.mark.parametrize(
+    ("gpus", "replicas", "message"),
+    [
+        (
+            8,
+            3,
+            "--replicas 3 x --tensor-parallel 4 needs 12 GPUs, and the Ray cluster has 8: give --replicas 2 or fewer",
+        ),
+        (
+            2,
+            None,
+            "--tensor-parallel 4: a replica takes 4 GPUs of one node, and the Ray cluster has 2; give --tensor-parallel 2 or fewer",
+        ),
+    ],
+)
+def test_tensor_parallel_replicas_that_do_not_fit_the_gpus_are_refused_naming_the_flag(
+    gpus, replicas, message
+):
+    """A rank takes a whole GPU (Ray lends no fraction of more than one), so the replicas must fit."""
+    with pytest.raises(ParallelError) as error:
+        replica_layout({"CPU": 32, "GPU": gpus}, replicas, None, "auto", tensor_parallel=4)
+    assert str(error.value).startswith(message)

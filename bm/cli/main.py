@@ -60,11 +60,13 @@ def _root(
 
 CONFIG_HELP = "YAML config with sections model, engine, kv_cache (see the keys below)."
 DP_HELP = "Run N engine replicas as processes (torch.distributed, gloo); requests go to the least loaded."
-TP_HELP = "Shard the model over N ranks per replica (transformers tp_plan='auto'; needs --model)."
+TP_HELP = (
+    "Shard the model over N ranks per replica, --ray's too (transformers tp_plan='auto'; needs --model)."
+)
 RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
 RAY_HELP = "Replicas on Ray (docs/parallel.md)."
-REPLICAS_HELP = "--ray: replicas [GPUs, or CPUs / threads]."
-REPLICA_THREADS_HELP = "--ray: threads of a CPU replica [4]."
+REPLICAS_HELP = "--ray: replicas [GPUs, or CPUs / threads; over --tensor-parallel]."
+REPLICA_THREADS_HELP = "--ray: threads of a CPU replica (of each rank) [4]."
 BLOCK_LINES_HELP = "--ray: lines per block [64]."
 RAY_TRIES_HELP = "--ray: tries of a block [3]."
 # The config sections bm run reads; bench, sim and sweep keys are bm bench's and bm sweep's business.
@@ -193,9 +195,11 @@ def _run(
             from bm.ray.api import check_ray_run
 
             check_ray_run(
-                data_parallel, tensor_parallel, source, replicas, replica_threads, block_lines, ray_tries
-            )
-        multi_rank = start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
+                cfg, data_parallel, tensor_parallel, rank_timeout, source,
+                replicas, replica_threads, block_lines, ray_tries,
+            )  # fmt: skip
+        # under --ray a replica starts its own ranks (bm.ray.replica); the driver is one process
+        multi_rank = not ray and start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
         template = _read_template(chat_template)
         _check_tool_call_parser(tool_call_parser)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
@@ -210,6 +214,7 @@ def _run(
     from rich.markup import escape
 
     from bm.cli.run import RunOptions, resume_command, run_prompts, summary_table
+    from bm.distributed.layout import ParallelError
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:
@@ -229,11 +234,12 @@ def _run(
         if ray:
             from bm.ray.cli import run_with_ray
 
-            summary = run_with_ray(options, cfg, out, console, interrupts, replicas, replica_threads, block_lines, ray_tries)  # fmt: skip
+            ray_flags = (replicas, replica_threads, block_lines, ray_tries, tensor_parallel, rank_timeout)
+            summary = run_with_ray(options, cfg, out, console, interrupts, *ray_flags)
         else:
             summary = run_prompts(parsed, cfg, out, options, console, interrupts)
-    except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError) as exc:
-        raise _fail(console, str(exc)) from None
+    except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError, ParallelError) as exc:
+        raise _fail(console, str(exc)) from None  # ParallelError: --ray's replicas exceed the cluster's GPUs
     if show:
         _show_answers(console, out / "outputs.jsonl")
     from bm.cli.tables import print_table

@@ -66,6 +66,22 @@ def finish() -> str | None:
     return fault
 
 
+def check_ranks(cfg: BmConfig, tensor_parallel: int) -> None:
+    """What a multi-rank run needs of the config (a :class:`ParallelError` naming the fix); ``bm run
+    --ray --tensor-parallel`` asks the same before any replica starts its ranks."""
+    if getattr(cfg.engine, "executor", "torch") == "sim":
+        raise ParallelError(
+            "engine.executor is sim: the simulator replays on a virtual clock in one process; "
+            "drop --data-parallel or set engine.executor=torch"
+        )
+    if tensor_parallel > 1 and not cfg.model.path:
+        raise ParallelError(
+            "--tensor-parallel needs model.path (a checkpoint directory): transformers shards "
+            "weights while loading them from a checkpoint, and a model built from a config has none "
+            "to shard; save one with save_pretrained() and pass --model DIR"
+        )
+
+
 def start_ranks(
     console: Console, cfg: BmConfig, tensor_parallel: int, data_parallel: int | None, rank_timeout: float
 ) -> bool:
@@ -74,17 +90,7 @@ def start_ranks(
     if (data_parallel or 1) * tensor_parallel == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     try:
-        if getattr(cfg.engine, "executor", "torch") == "sim":
-            raise ParallelError(
-                "engine.executor is sim: the simulator replays on a virtual clock in one process; "
-                "drop --data-parallel or set engine.executor=torch"
-            )
-        if tensor_parallel > 1 and not cfg.model.path:
-            raise ParallelError(
-                "--tensor-parallel needs model.path (a checkpoint directory): transformers shards "
-                "weights while loading them from a checkpoint, and a model built from a config has none "
-                "to shard; save one with save_pretrained() and pass --model DIR"
-            )
+        check_ranks(cfg, tensor_parallel)
         start(cfg, tensor_parallel, data_parallel, rank_timeout)
     except ParallelError as exc:
         Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)

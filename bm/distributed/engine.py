@@ -19,7 +19,9 @@ block tables every iteration for nothing; each round's gather carries a digest o
 schedule, and rank 0 stops the run if two shards of a replica ever disagree.
 
 A collective that fails (a rank died: its sockets close) or times out (a rank hangs: ``--rank-timeout``)
-ends the run on rank 0 with every unfinished request answered by an error response.
+ends the run on rank 0 with every unfinished request answered by an error response, or, in a process
+that asked for it (:func:`bm.distributed.layout.exit_on_rank_fault`: a ``bm run --ray`` replica, whose
+blocks Ray retries when its process dies), ends rank 0's process before any response is written.
 """
 
 from __future__ import annotations
@@ -378,12 +380,15 @@ class DistributedEngineLoop(EngineWorker):
             log.exception("send_response callback failed for request %s", response.request_id)
 
     def _fail_everything(self, exc: BaseException) -> None:
-        """A rank died or hung: answer every request in flight, and every one not yet fetched."""
-        message = (
+        """A rank died or hung: answer every request in flight, and every one not yet fetched (or, where
+        the process asked to exit on a fault, exit before any of them is answered)."""
+        why = (
             f"a rank of this {self.layout.world_size}-rank run failed (it died, or stayed silent past "
-            f"--rank-timeout {self.layout.rank_timeout_s:g}s) ({type(exc).__name__}: {_first_line(exc)}); "
-            "this request did not finish: rerun it"
+            f"--rank-timeout {self.layout.rank_timeout_s:g}s) ({type(exc).__name__}: {_first_line(exc)})"
         )
+        if _layout._state.exit_on_fault:  # the caller retries by restarting this process: no records
+            _layout.exit_for_fault(why)
+        message = f"{why}; this request did not finish: rerun it"
         _layout._state.fault = message
         log.error("%s", message)
         for rid in self.balancer.drop_all():

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -70,6 +71,7 @@ class _State:
     kv_heads_per_rank: list[int] = field(default_factory=list)  # rank 0's KV heads per layer (distinct)
     device_type: str = "cpu"  # where the model runs: "cuda" puts tensor collectives on NCCL
     barrier_group: Any = None  # gloo: monitored_barrier exists only there
+    exit_on_fault: bool = False  # a failed rank ends this process, not only the run (exit_on_rank_fault)
 
 
 _state = _State()
@@ -111,12 +113,14 @@ def setup_parallel(
     data_parallel: int | None = None,
     rank_timeout_s: float = 300.0,
     device: str = "cpu",
+    rank_command: RankCommand | None = None,
 ) -> ParallelLayout:
     """Join (or start) the ranks of this run and return this process's place among them.
 
     Under ``torchrun`` the world comes from its environment and ``data_parallel`` defaults to
     ``WORLD_SIZE / tensor_parallel``. Otherwise bm starts the other ranks itself as child processes
-    re-running this command line, and this process becomes rank 0. ``rank_timeout_s`` bounds every
+    re-running this command line (or running ``rank_command``, for a process that has no bm command
+    line to rerun: a Ray actor), and this process becomes rank 0. ``rank_timeout_s`` bounds every
     exchange between ranks: a rank that dies or hangs ends the run within it instead of hanging it.
     ``device`` (model.device): on CUDA each rank takes ``cuda:LOCAL_RANK`` and tensors travel by NCCL.
     """
@@ -138,7 +142,7 @@ def setup_parallel(
     else:
         layout = ParallelLayout(tensor_parallel, data_parallel or 1, 0, rank_timeout_s)
         if layout.is_distributed:
-            _launch_children(layout)
+            _launch_children(layout, rank_command)
     _state.layout = layout
     if layout.is_distributed:
         if _state.device_type == "cuda":
@@ -193,8 +197,18 @@ def _free_port() -> int:
 LAUNCHED_BY_BM = "BM_LAUNCHED_RANK"
 
 
-def _launch_children(layout: ParallelLayout) -> None:
-    """Ranks 1..N-1 re-run this very command line (``python -m bm ...``) with torchrun's variables."""
+@dataclass(frozen=True)
+class RankCommand:
+    """How to start ranks 1..N-1 where rerunning this process's command line would not start a rank (a
+    Ray actor's command line is Ray's worker): the command, and variables to add to its environment."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _launch_children(layout: ParallelLayout, command: RankCommand | None = None) -> None:
+    """Ranks 1..N-1 re-run this very command line (``python -m bm ...``), or run ``command``, with
+    torchrun's variables."""
     port = str(_free_port())
     common = {
         "MASTER_ADDR": "127.0.0.1",
@@ -203,16 +217,68 @@ def _launch_children(layout: ParallelLayout) -> None:
         "LOCAL_WORLD_SIZE": str(layout.world_size),
     }
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
-    argv = [sys.executable, "-m", "bm", *sys.argv[1:]]
+    argv = command.argv if command else [sys.executable, "-m", "bm", *sys.argv[1:]]
+    extra = command.env if command else {}
     for rank in range(1, layout.world_size):
-        env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), LAUNCHED_BY_BM: "1"}
+        env = {
+            **os.environ,
+            **extra,
+            **common,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            LAUNCHED_BY_BM: "1",
+        }
         # Rank 0 owns the terminal; the others' progress would only garble it (errors still show).
         _state.children.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL))
     atexit.register(_reap_children)
 
 
+def exit_on_rank_fault() -> None:
+    """From now on a rank that fails ends this whole process (status 1), not just the run.
+
+    For a rank 0 whose caller retries work by restarting its process (a Ray actor: Ray restarts it and
+    retries its blocks): the run's own answer to a fault, an error response for every unfinished
+    request, would be final records there. A rank bm started that exits (it died, or failed to start)
+    is seen at once by a thread watching them; a rank that fails in a collective, by the engine
+    (:meth:`bm.distributed.engine.DistributedEngineLoop._fail_everything` calls :func:`exit_for_fault`)."""
+    _state.exit_on_fault = True
+    threading.Thread(target=_watch_children, daemon=True, name="bm-rank-watch").start()
+
+
+def exit_for_fault(message: str) -> None:
+    """End this process at once, saying why; :func:`exit_on_rank_fault` processes only."""
+    print(
+        f"bm rank 0 (pid {os.getpid()}): exiting, so that the work it held is retried: {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+    for child in _state.children:  # ranks whose peer is gone have nothing left to serve
+        with contextlib.suppress(OSError):
+            child.kill()
+    os._exit(1)
+
+
+def _watch_children(poll_s: float = 0.2) -> None:
+    while _state.exit_on_fault:
+        for rank, child in enumerate(list(_state.children), start=1):
+            code = child.poll()
+            if code is not None and _state.exit_on_fault:
+                exit_for_fault(f"rank {rank} (pid {child.pid}) exited with status {code}")
+        time.sleep(poll_s)
+
+
+def launched_ranks() -> list[int]:
+    """The process ids of the ranks this process started (rank 1 first); empty for any other rank."""
+    return [child.pid for child in _state.children]
+
+
 def _reap_children(grace_s: float = 10.0) -> None:
-    """Wait briefly for the ranks bm started, then end any still running (a hung or orphaned rank)."""
+    """Wait briefly for the ranks bm started, then end any still running (a hung or orphaned rank).
+
+    A process that exits on a rank fault (a Ray replica) is never told to stop its run: its ranks wait
+    for its next round, so they are ended at once, and no longer watched (their end is not a fault)."""
+    if _state.exit_on_fault:
+        _state.exit_on_fault, grace_s = False, 0.0
     deadline = time.monotonic() + grace_s
     for child in _state.children:
         try:

@@ -32,7 +32,7 @@ from bm.cli.outdir import (
 from bm.cli.run import RunSummary, count_record
 from bm.cli.source import PromptsSource, open_prompts
 from bm.config import BmConfig
-from bm.ray.driver import DEFAULT_BLOCK_LINES, DEFAULT_TRIES, RayOptions, run_blocks
+from bm.ray.driver import DEFAULT_BLOCK_LINES, DEFAULT_RANK_TIMEOUT_S, DEFAULT_TRIES, RayOptions, run_blocks
 from bm.ray.replica import LineOptions
 
 
@@ -52,6 +52,8 @@ def run_batch(
     replica_threads: int | None = None,
     block_lines: int = DEFAULT_BLOCK_LINES,
     tries: int = DEFAULT_TRIES,
+    tensor_parallel_size: int = 1,
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT_S,
     address: str | None = None,
     console: Console | None = None,
     **engine_options: Any,
@@ -67,7 +69,9 @@ def run_batch(
     ``bm run``'s flags; ``replicas`` (default: the cluster's
     GPUs, else its CPUs over ``replica_threads``), ``block_lines`` (lines per block: the unit of work, of
     retry and of resume) and ``tries`` (runs of a block before its lines are tried one by one) as
-    ``bm run --ray``'s. Raises ``ValueError`` (an :class:`~bm.cli.outdir.OutDirError`, a
+    ``bm run --ray``'s; ``tensor_parallel_size`` (each replica's model split over that many ranks, as
+    ``--tensor-parallel``: a checkpoint directory as ``model``) and ``rank_timeout`` (seconds, as
+    ``--rank-timeout``). Raises ``ValueError`` (an :class:`~bm.cli.outdir.OutDirError`, a
     :class:`~bm.cli.source.PromptsFileError`, a :class:`~bm.chat_template.ChatTemplateError` or an
     :class:`~bm.llm_params.InvalidParameterError`) for what cannot run, before any replica starts."""
     from bm.cli.chat import read_chat_template
@@ -76,7 +80,9 @@ def run_batch(
     cfg = build_config(model, config, engine_options)
     out = Path(out_dir)
     source = open_prompts(prompts)
-    check_ray_run(None, 1, source, replicas, replica_threads, block_lines, tries)
+    check_ray_run(
+        cfg, None, tensor_parallel_size, rank_timeout, source, replicas, replica_threads, block_lines, tries
+    )
     template = None if chat_template is None else read_chat_template(Path(chat_template), "chat_template")
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
     run_seed = run_seed_for(out, seed, resume)
@@ -87,7 +93,9 @@ def run_batch(
     if resume:
         check_resume_mode(out, ray=True)
         check_run_identity(out, identity)
-    options = RayOptions(replicas, replica_threads, block_lines, tries, address)
+    options = RayOptions(
+        replicas, replica_threads, block_lines, tries, address, tensor_parallel_size, rank_timeout
+    )
     return run_ray(source.path, source.name, cfg, out, line, options, identity, resume, console or Console())
 
 
@@ -159,10 +167,20 @@ def run_ray(
 
 
 def check_ray_run(
-    data_parallel: int | None, tensor_parallel: int, source: PromptsSource, *counts: int | None
+    config: BmConfig,
+    data_parallel: int | None,
+    tensor_parallel: int,
+    rank_timeout_s: float,
+    source: PromptsSource,
+    *counts: int | None,
 ) -> None:
     """Refuse, before anything starts, what ``--ray`` does not run (a ``ValueError`` phrased for the user);
-    ``counts``: --replicas, --replica-threads, --block-lines and --ray-tries as given."""
+    ``counts``: --replicas, --replica-threads, --block-lines and --ray-tries as given. A tensor-parallel
+    replica's ranks start inside its actor, so their settings are checked here, as ``bm run`` checks
+    its own ranks' (the same checks)."""
+    from bm.distributed.cli import check_ranks
+    from bm.distributed.layout import validate
+
     for flag, value in zip(
         ("--replicas", "--replica-threads", "--block-lines", "--ray-tries"), counts, strict=False
     ):
@@ -174,15 +192,9 @@ def check_ray_run(
             f"--ray with --data-parallel {data_parallel}: --ray already runs independent replicas; give "
             f"--replicas {data_parallel} instead of --data-parallel (docs/parallel.md says when to use which)"
         )
+    validate(tensor_parallel, None, rank_timeout_s)
     if tensor_parallel > 1:
-        # Not built (docs/parallel.md, "Tensor parallelism and --ray"): a replica is one process, and
-        # bm's launcher starts the other ranks by rerunning the bm command line, which an actor has not.
-        raise ValueError(
-            f"--ray with --tensor-parallel {tensor_parallel}: a replica on Ray is one process, so --ray "
-            "cannot split a model over ranks; drop --ray and run bm run PROMPTS --model CKPT "
-            f"--tensor-parallel {tensor_parallel} (add --data-parallel N for N such replicas on one "
-            "machine, or start it with torchrun across machines: docs/parallel.md)"
-        )
+        check_ranks(config, tensor_parallel)
     try:
         import ray  # noqa: F401
     except ImportError:

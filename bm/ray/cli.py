@@ -26,6 +26,8 @@ def run_with_ray(
     replica_threads: int | None,
     block_lines: int,
     tries: int,
+    tensor_parallel: int = 1,
+    rank_timeout_s: float = 300.0,
 ) -> RunSummary:
     """``bm run``'s options (checked, the out directory prepared and a resume's identity checked) run on
     the replicas; the summary the command prints."""
@@ -46,7 +48,9 @@ def run_with_ray(
         options.chat_template,
         options.tool_call_parser,
     )
-    ray_options = RayOptions(replicas, replica_threads, block_lines, tries)
+    ray_options = RayOptions(
+        replicas, replica_threads, block_lines, tries, None, tensor_parallel, rank_timeout_s
+    )
     name = options.prompts_name or str(options.prompts)
     return run_ray(
         options.prompts, name, config, out, line, ray_options, identity, options.resume, console, interrupts

@@ -31,6 +31,7 @@ from rich.console import Console
 from bm.cli.openai_batch import is_batch_file, token_decoder
 from bm.cli.records import cancelled_record, output_record
 from bm.config import BmConfig
+from bm.distributed.layout import ParallelError
 from bm.engine.request import error_response
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
@@ -49,6 +50,7 @@ from bm.ray.replica import FAULT_ENV, LineOptions, Replica
 DEFAULT_BLOCK_LINES = 64
 DEFAULT_TRIES = 3
 DEFAULT_CPU_THREADS = 4  # torch threads of a CPU replica when neither the count nor the threads are given
+DEFAULT_RANK_TIMEOUT_S = 300.0  # bm run's --rank-timeout
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class RayOptions:
     address: str | None = (
         None  # a running cluster (None: RAY_ADDRESS, one started here by `ray start`, or a new local one)
     )
+    tensor_parallel: int = 1  # ranks per replica, all on the replica's node (bm.distributed.worker)
+    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # bounds each exchange between a replica's ranks
 
 
 @dataclass
@@ -69,6 +73,7 @@ class RayReport:
     """What ``summary.json``'s ``parallel.ray`` says of a run."""
 
     replicas: int = 0
+    tensor_parallel: int = 1  # ranks (processes) per replica
     replica_threads: int | None = None
     num_cpus_per_replica: float = 0.0
     num_gpus_per_replica: float = 0.0
@@ -83,21 +88,41 @@ class RayReport:
 
 
 def replica_layout(
-    resources: dict[str, float], replicas: int | None, threads: int | None, device: str
+    resources: dict[str, float],
+    replicas: int | None,
+    threads: int | None,
+    device: str,
+    tensor_parallel: int = 1,
 ) -> tuple[int, float, float, int | None]:
     """``(replicas, num_cpus, num_gpus, torch threads)`` per replica from the cluster's resources: a GPU
-    each where the cluster has GPUs (and the model is not pinned to the CPU), else CPU replicas of
-    ``threads`` threads (:data:`DEFAULT_CPU_THREADS`, or the CPUs split over ``replicas``). A replica
-    never reserves more than its share of the CPUs, so every replica of the pool can start."""
+    per rank where the cluster has GPUs (and the model is not pinned to the CPU), else CPU replicas of
+    ``threads`` threads per rank (:data:`DEFAULT_CPU_THREADS`, or the CPUs split over ``replicas`` x
+    ``tensor_parallel`` ranks). A replica never reserves more than its share of the CPUs, so every
+    replica of the pool can start; a tensor-parallel replica takes whole GPUs (one per rank), so the
+    replicas must fit the cluster's GPUs (a :class:`ParallelError` naming ``--replicas`` otherwise)."""
     cpus = max(int(resources.get("CPU", 1)), 1)
     gpus = int(resources.get("GPU", 0))
+    tp = tensor_parallel
     if gpus >= 1 and device != "cpu":
-        count = replicas or gpus
-        return count, min(1.0, cpus / count), 1.0 if count <= gpus else gpus / count, threads
+        if tp == 1:
+            count = replicas or gpus
+            return count, min(1.0, cpus / count), 1.0 if count <= gpus else gpus / count, threads
+        count = replicas or gpus // tp
+        if not count or count * tp > gpus:
+            raise ParallelError(
+                f"--replicas {count} x --tensor-parallel {tp} needs {max(count, 1) * tp} GPUs, and the Ray "
+                f"cluster has {gpus}: give --replicas {gpus // tp} or fewer"
+                if gpus >= tp
+                else f"--tensor-parallel {tp}: a replica takes {tp} GPUs of one node, and the Ray cluster has "
+                f"{gpus}; give --tensor-parallel {gpus} or fewer (or add GPUs to the cluster)"
+            )
+        return count, min(float(tp), cpus / count), float(tp), threads
     if threads is None:
-        threads = max(1, cpus // replicas) if replicas else min(DEFAULT_CPU_THREADS, cpus)
-    count = replicas or max(1, cpus // threads)
-    return count, min(float(threads), cpus / count), 0.0, threads
+        threads = (
+            max(1, cpus // (replicas * tp)) if replicas else min(DEFAULT_CPU_THREADS, max(1, cpus // tp))
+        )
+    count = replicas or max(1, cpus // (threads * tp))
+    return count, min(float(threads * tp), cpus / count), 0.0, threads
 
 
 def run_blocks(
@@ -152,13 +177,19 @@ def run_blocks(
             kept[block.block_id] = final
         pending.append(block)
     layout = replica_layout(
-        ray.cluster_resources(), options.replicas, options.replica_threads, config.model.device
+        ray.cluster_resources(),
+        options.replicas,
+        options.replica_threads,
+        config.model.device,
+        options.tensor_parallel,
     )
     report.replicas, report.num_cpus_per_replica, report.num_gpus_per_replica, report.replica_threads = layout
+    report.tensor_parallel = options.tensor_parallel
     report.num_blocks_run = len(pending)
     console.print(
         f"bm run --ray: {len(blocks)} block(s) of {block_lines} lines, {len(pending)} to run "
-        f"({report.num_blocks_kept} kept), on {report.replicas} replica(s)",
+        f"({report.num_blocks_kept} kept), on {report.replicas} replica(s)"
+        + (f" of {report.tensor_parallel} tensor-parallel ranks each" if report.tensor_parallel > 1 else ""),
         highlight=False,
     )
     stopped = False
@@ -375,6 +406,8 @@ class _Runner:
                     "fault": os.environ.get(FAULT_ENV),
                     "logits_dir": str(self.out_dir),
                     "batch": self.batch,
+                    "tensor_parallel": self.options.tensor_parallel,
+                    "rank_timeout_s": self.options.rank_timeout_s,
                 },
                 batch_size=None,
                 batch_format="numpy",

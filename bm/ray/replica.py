@@ -8,6 +8,12 @@ else in the batch. One engine session serves every block the actor runs; up to
 :data:`BLOCKS_PER_REPLICA` blocks run at once (Ray Data calls the actor from that many threads), so the
 engine's batch stays full across block boundaries instead of draining at the end of each block.
 
+With ``--tensor-parallel N`` the actor is rank 0 of a process group of its own, with ranks 1..N-1 as
+child processes (:func:`bm.distributed.worker.start_replica_ranks`); its ``bm.LLM`` then loads rank 0's
+shard and its session is the multi-rank engine, the same one ``bm run --tensor-parallel`` drives. A
+rank that dies ends the actor's process (never error records), so Ray restarts it and retries its blocks
+as for any dead replica; the ranks die with the actor.
+
 This module imports no Ray at import time; Ray Data instantiates :class:`Replica` in its worker.
 """
 
@@ -33,7 +39,8 @@ BLOCKS_PER_REPLICA = 2
 # A test hook, read by the driver and handed to each replica: "exit_after=N:MARKER" makes the first
 # replica whose process has finished N lines (on its first life) exit mid-block, once per MARKER file;
 # "poison=TEXT" makes a replica's process exit whenever it runs a line whose prompt holds TEXT;
-# "slow=SECONDS" makes every block take that much longer (a driver can then be killed mid-run).
+# "slow=SECONDS" makes every block take that much longer (a driver can then be killed mid-run);
+# "kill_rank=N:MARKER" is exit_after's tensor-parallel twin: the replica kills its rank 1 instead.
 FAULT_ENV = "BM_RAY_TEST_FAULT"
 
 
@@ -61,11 +68,17 @@ class Replica:
         fault: str | None = None,
         logits_dir: str | None = None,
         batch: bool = False,
+        tensor_parallel: int = 1,
+        rank_timeout_s: float = 300.0,
     ) -> None:
         if threads:
             import torch
 
             torch.set_num_threads(threads)
+        if tensor_parallel > 1:  # this process becomes rank 0 of its own group, before the model loads
+            from bm.distributed.worker import start_replica_ranks
+
+            start_replica_ranks(config, tensor_parallel, rank_timeout_s, threads)
         from bm.llm import LLM
 
         self.llm = LLM(config=config)
@@ -78,7 +91,7 @@ class Replica:
         self.end_id = None if options.ignore_eos else loaded.eos_token_id
         self.fault = _Fault.parse(fault)
         self.restarted = _was_restarted()
-        self.name = f"pid {os.getpid()}"
+        self.name = _replica_name()
         if self.restarted:  # Ray's own log says the actor died; this says what happens to its work
             print(
                 f"bm run --ray: replica {self.name} restarted after its previous process died; "
@@ -203,20 +216,23 @@ class _Fault:
     marker: str | None = None
     poison: str | None = None
     slow_s: float = 0.0
+    kill_rank: bool = False  # at exit_after lines, kill this replica's rank 1 rather than exit
 
     @classmethod
     def parse(cls, text: str | None) -> _Fault:
         if not text:
             return cls()
         key, _, value = text.partition("=")
-        if key == "exit_after":
+        if key in ("exit_after", "kill_rank"):
             count, _, marker = value.partition(":")
-            return cls(exit_after=int(count), marker=marker)
+            return cls(exit_after=int(count), marker=marker, kill_rank=key == "kill_rank")
         if key == "poison":
             return cls(poison=value)
         if key == "slow":
             return cls(slow_s=float(value))
-        raise ValueError(f"{FAULT_ENV}: expected exit_after=N:MARKER, poison=TEXT or slow=S, got {text!r}")
+        raise ValueError(
+            f"{FAULT_ENV}: expected exit_after=N:MARKER, kill_rank=N:MARKER, poison=TEXT or slow=S, got {text!r}"
+        )
 
     def check_count(self, done: int) -> None:
         if self.exit_after is None or done < self.exit_after or self.marker is None:
@@ -225,6 +241,18 @@ class _Fault:
             os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
+        if self.kill_rank:
+            import signal
+
+            from bm.distributed.layout import launched_ranks
+
+            rank1 = launched_ranks()[0]
+            print(
+                f"bm run --ray: test fault: replica pid {os.getpid()} kills its rank 1 (pid {rank1})",
+                flush=True,
+            )
+            os.kill(rank1, signal.SIGKILL)
+            return
         print(f"bm run --ray: test fault: replica pid {os.getpid()} exits after {done} lines", flush=True)
         os._exit(1)
 
@@ -232,6 +260,20 @@ class _Fault:
         if self.poison is not None and self.poison in (row.prompt or ""):
             print(f"bm run --ray: test fault: {row.where} is poison; pid {os.getpid()} exits", flush=True)
             os._exit(1)
+
+
+def _replica_name() -> str:
+    """``pid N on node ID`` (ID: the first 8 hex digits of Ray's node id, which Ray's tools show whole): the
+    name of this replica in the log, ``stats.jsonl`` and ``summary.json``, which says what ran where when
+    the replicas span machines. ``pid N`` outside an actor."""
+    name = f"pid {os.getpid()}"
+    try:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # outside an actor (a test calling the class directly)
+        return name
+    return f"{name} on node {node[:8]}" if node else name
 
 
 def _was_restarted() -> bool:
