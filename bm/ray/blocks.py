@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 from bm.cli.openai_batch import BatchOutput, iter_batch_file, iter_batch_slice
 from bm.cli.outdir import FINAL_REASONS
+from bm.files import replacing, replacing_text
 from bm.workloads.jsonl import iter_request_file, iter_request_slice, split_lines
 from bm.workloads.request import Row
 
@@ -185,7 +185,7 @@ def assemble(
     """Write ``outputs.jsonl`` from the parts, in input order; a block without a part (an interrupted
     run) gets ``missing(block)``'s records. ``batch_output`` (an OpenAI batch file's run) opens the
     writer of ``batch_output.jsonl`` on the path it is given, and every record goes to it as well. Each
-    file is written in one step (:func:`replacing`). ``count`` sees every record; returns how many."""
+    file is written in one step (:func:`bm.files.replacing`). ``count`` sees every record; returns how many."""
     written = 0
     with contextlib.ExitStack() as files:  # closed, then renamed, in the reverse order of opening
         outputs = files.enter_context(replacing(out_dir / OUTPUTS))
@@ -230,21 +230,6 @@ class BatchOutputLines:
         self.output.close()
 
 
-@contextlib.contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write, renamed over ``path`` once the ``with`` body is done;
-    removed instead when the body raises. A process killed meanwhile leaves the old file (or none), never
-    part of one. Every file a ``--ray`` driver writes whole goes through here: the parts, layout.json,
-    ``outputs.jsonl`` and ``batch_output.jsonl``."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield temp
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    os.replace(temp, path)
-
-
 def _write_atomic(path: Path, text: str) -> None:
-    with replacing(path) as temp:
-        temp.write_text(text, encoding="utf-8")
+    with replacing_text(path) as f:
+        f.write(text)

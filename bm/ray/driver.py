@@ -4,7 +4,7 @@ Ray Data reads the file as blocks of fixed line ranges (:mod:`bm.ray.blocks`), a
 replicas (:class:`bm.ray.replica.Replica`, each its own ``bm.LLM``) takes them as it frees up: no
 lockstep, a slow replica only runs fewer blocks. The driver writes each finished block's records to its
 part file as it arrives and assembles ``outputs.jsonl`` in input order at the end (each file written in
-one step, :func:`bm.ray.blocks.replacing`).
+one step, :func:`bm.files.replacing`).
 
 Faults are Ray's to retry: a replica whose process dies is restarted by Ray (``max_restarts=-1``), and
 the blocks it held are retried on it, up to ``tries`` times in all (``max_task_retries``). A block that
