@@ -38,7 +38,11 @@ REQUIRED_FEATURES: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": frozenset({"avx2", "fma"}),
     "scalar": frozenset(),
+    # a kernel-only variant (not a BM_CPU_ISA value): the avx512 build plus the bf16 dot product
+    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
 }
+# Kernel-only variants and the BM_CPU_ISA level each counts as: BM_CPU_ISA=avx2 caps them off too.
+REFINES = {"avx512_bf16": "avx512"}
 _BASE = ["-march=x86-64", "-mtune=native"]
 _AVX2 = ["-mavx2", "-mfma"]
 ISA_FLAGS: dict[str, list[str]] = {
@@ -55,6 +59,7 @@ ISA_FLAGS: dict[str, list[str]] = {
     "scalar": list(_BASE),
     "native": ["-march=native"],
 }
+ISA_FLAGS["avx512_bf16"] = [*ISA_FLAGS["avx512"], "-mavx512bf16"]
 # The variants each kernel has code for (its source's #if branches), best first.
 KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "small_gemm": ("avx512", "avx2", "scalar"),
@@ -62,6 +67,8 @@ KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("avx512", "avx2", "scalar"),
     "elementwise": ("avx512", "avx2", "scalar"),
     "lora_delta": ("avx2", "scalar"),
+    # bf16_gemm.c has code for the AVX512_BF16 build only; its scalar build reports itself unavailable
+    "bf16_gemm": ("avx512_bf16", "scalar"),
 }
 
 # The variants whose attention kernels (paged_decode.c, prefill_attention.c) also read a bf16 KV cache:
@@ -136,8 +143,9 @@ def choose_isa(kernel: str, features: Iterable[str], machine: str, requested: st
             f"{ENV_ISA}={cap}, but this CPU lacks {', '.join(missing)}; use one of {', '.join(runnable)}"
         )
     allowed = ISAS[ISAS.index(cap) :] if cap is not None else ISAS
+    have = frozenset(features)
     for isa in KERNEL_ISAS[kernel]:
-        if isa in allowed and isa in runnable:
+        if REFINES.get(isa, isa) in allowed and REQUIRED_FEATURES[isa] <= have:
             return isa
     return "scalar"
 
