@@ -157,6 +157,54 @@ def bf16_kv_cache(features: Iterable[str], machine: str, requested: str | None =
     return all(choose_isa(k, features, machine, requested) in BF16_KV_ISAS for k in _ATTENTION_KERNELS)
 
 
+# model.cpu_bf16_gemm (bm.config.model): how auto resolves on a CPU with AVX512_BF16 and no AMX, as
+# measured (docs/cpu-kernels.md, "Batch-invariant bf16"); AMX CPUs keep oneDNN, whose AMX tiles this
+# kernel's vdpbf16ps cannot match.
+AUTO_BF16_GEMM_WITHOUT_AMX = "invariant"
+AMX_BF16 = "amx_bf16"
+
+
+def cpu_bf16_gemm(
+    requested: str, features: Iterable[str], machine: str, isa_request: str | None = None
+) -> str:
+    """The GEMM bf16 CPU linears run on for ``model.cpu_bf16_gemm`` = ``requested`` (auto, onednn,
+    invariant): ``onednn`` or ``invariant`` (bm's ``bf16_gemm.c``, whose one build needs AVX512_BF16).
+
+    The one place the choice is made and refused, torch-free so that config validation refuses an
+    impossible ``invariant`` before a model loads (ValueError naming the key and the fix). ``auto`` keeps
+    oneDNN on AMX CPUs (its AMX tiles are faster than any vdpbf16ps loop) and where the kernel has no
+    build; elsewhere it takes :data:`AUTO_BF16_GEMM_WITHOUT_AMX`. ``isa_request`` is ``BM_CPU_ISA``'s
+    value: a cap below avx512 leaves the kernel no build."""
+    if requested == "onednn":
+        return "onednn"
+    have = frozenset(features)
+    runs = is_x86(machine) and choose_isa("bf16_gemm", have, machine, isa_request) == "avx512_bf16"
+    if requested == "invariant":
+        if not runs:
+            raise ValueError(_no_invariant_gemm(have, machine, isa_request))
+        return "invariant"
+    if AMX_BF16 in have or not runs:
+        return "onednn"
+    return AUTO_BF16_GEMM_WITHOUT_AMX
+
+
+def _no_invariant_gemm(have: frozenset[str], machine: str, isa_request: str | None) -> str:
+    """Why ``model.cpu_bf16_gemm: invariant`` cannot run here, and what to set instead."""
+    fix = (
+        "set model.cpu_bf16_gemm to auto or onednn (bf16 that is not batch-invariant), or model.dtype to "
+        "float32 (batch-invariant on every CPU)"
+    )
+    if not is_x86(machine):
+        return f"model.cpu_bf16_gemm: invariant needs an x86-64 CPU with AVX512_BF16; this one is {machine}: {fix}"
+    missing = sorted(REQUIRED_FEATURES["avx512_bf16"] - have)
+    if missing:
+        return f"model.cpu_bf16_gemm: invariant needs AVX512_BF16; this CPU lacks {', '.join(missing)}: {fix}"
+    return (
+        f"model.cpu_bf16_gemm: invariant needs the AVX-512 build, which {ENV_ISA}={isa_request} rules out: "
+        f"unset {ENV_ISA}, or {fix}"
+    )
+
+
 def machine_isas() -> tuple[str, ...]:
     """The variants this machine runs, best first."""
     return supported_isas(cpu_features(), platform.machine())
