@@ -38,7 +38,11 @@ REQUIRED_FEATURES: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": frozenset({"avx2", "fma"}),
     "scalar": frozenset(),
+    # a kernel-only variant (not a BM_CPU_ISA value): the avx512 build plus the bf16 dot product
+    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
 }
+# Kernel-only variants and the BM_CPU_ISA level each counts as: BM_CPU_ISA=avx2 caps them off too.
+REFINES = {"avx512_bf16": "avx512"}
 _BASE = ["-march=x86-64", "-mtune=native"]
 _AVX2 = ["-mavx2", "-mfma"]
 ISA_FLAGS: dict[str, list[str]] = {
@@ -55,6 +59,7 @@ ISA_FLAGS: dict[str, list[str]] = {
     "scalar": list(_BASE),
     "native": ["-march=native"],
 }
+ISA_FLAGS["avx512_bf16"] = [*ISA_FLAGS["avx512"], "-mavx512bf16"]
 # The variants each kernel has code for (its source's #if branches), best first.
 KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "small_gemm": ("avx512", "avx2", "scalar"),
@@ -62,6 +67,8 @@ KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("avx512", "avx2", "scalar"),
     "elementwise": ("avx512", "avx2", "scalar"),
     "lora_delta": ("avx2", "scalar"),
+    # bf16_gemm.c has code for the AVX512_BF16 build only; its scalar build reports itself unavailable
+    "bf16_gemm": ("avx512_bf16", "scalar"),
 }
 
 # The variants whose attention kernels (paged_decode.c, prefill_attention.c) also read a bf16 KV cache:
@@ -136,8 +143,9 @@ def choose_isa(kernel: str, features: Iterable[str], machine: str, requested: st
             f"{ENV_ISA}={cap}, but this CPU lacks {', '.join(missing)}; use one of {', '.join(runnable)}"
         )
     allowed = ISAS[ISAS.index(cap) :] if cap is not None else ISAS
+    have = frozenset(features)
     for isa in KERNEL_ISAS[kernel]:
-        if isa in allowed and isa in runnable:
+        if REFINES.get(isa, isa) in allowed and REQUIRED_FEATURES[isa] <= have:
             return isa
     return "scalar"
 
@@ -147,6 +155,54 @@ def bf16_kv_cache(features: Iterable[str], machine: str, requested: str | None =
     kernels load a build that reads bf16 keys and values (:data:`BF16_KV_ISAS`), else it is float32 (each
     bf16 value held exactly) so that the float32 kernels read it. Raises as :func:`choose_isa` does."""
     return all(choose_isa(k, features, machine, requested) in BF16_KV_ISAS for k in _ATTENTION_KERNELS)
+
+
+# model.cpu_bf16_gemm (bm.config.model): how auto resolves on a CPU with AVX512_BF16 and no AMX, as
+# measured (docs/cpu-kernels.md, "Batch-invariant bf16"); AMX CPUs keep oneDNN, whose AMX tiles this
+# kernel's vdpbf16ps cannot match.
+AUTO_BF16_GEMM_WITHOUT_AMX = "invariant"
+AMX_BF16 = "amx_bf16"
+
+
+def cpu_bf16_gemm(
+    requested: str, features: Iterable[str], machine: str, isa_request: str | None = None
+) -> str:
+    """The GEMM bf16 CPU linears run on for ``model.cpu_bf16_gemm`` = ``requested`` (auto, onednn,
+    invariant): ``onednn`` or ``invariant`` (bm's ``bf16_gemm.c``, whose one build needs AVX512_BF16).
+
+    The one place the choice is made and refused, torch-free so that config validation refuses an
+    impossible ``invariant`` before a model loads (ValueError naming the key and the fix). ``auto`` keeps
+    oneDNN on AMX CPUs (its AMX tiles are faster than any vdpbf16ps loop) and where the kernel has no
+    build; elsewhere it takes :data:`AUTO_BF16_GEMM_WITHOUT_AMX`. ``isa_request`` is ``BM_CPU_ISA``'s
+    value: a cap below avx512 leaves the kernel no build."""
+    if requested == "onednn":
+        return "onednn"
+    have = frozenset(features)
+    runs = is_x86(machine) and choose_isa("bf16_gemm", have, machine, isa_request) == "avx512_bf16"
+    if requested == "invariant":
+        if not runs:
+            raise ValueError(_no_invariant_gemm(have, machine, isa_request))
+        return "invariant"
+    if AMX_BF16 in have or not runs:
+        return "onednn"
+    return AUTO_BF16_GEMM_WITHOUT_AMX
+
+
+def _no_invariant_gemm(have: frozenset[str], machine: str, isa_request: str | None) -> str:
+    """Why ``model.cpu_bf16_gemm: invariant`` cannot run here, and what to set instead."""
+    fix = (
+        "set model.cpu_bf16_gemm to auto or onednn (bf16 that is not batch-invariant), or model.dtype to "
+        "float32 (batch-invariant on every CPU)"
+    )
+    if not is_x86(machine):
+        return f"model.cpu_bf16_gemm: invariant needs an x86-64 CPU with AVX512_BF16; this one is {machine}: {fix}"
+    missing = sorted(REQUIRED_FEATURES["avx512_bf16"] - have)
+    if missing:
+        return f"model.cpu_bf16_gemm: invariant needs AVX512_BF16; this CPU lacks {', '.join(missing)}: {fix}"
+    return (
+        f"model.cpu_bf16_gemm: invariant needs the AVX-512 build, which {ENV_ISA}={isa_request} rules out: "
+        f"unset {ENV_ISA}, or {fix}"
+    )
 
 
 def machine_isas() -> tuple[str, ...]:

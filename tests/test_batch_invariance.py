@@ -11,7 +11,8 @@ scenarios below are those where the batch changes most: a small ``max_num_tokens
 chunked, chunks meeting other requests' decodes), prompts sharing a prefix with block reuse on (the
 prefix's keys read from another request's blocks), and a KV cache so small that max_utilization pauses
 requests and later resumes them (their context recomputed in another batch: the prompt as prefill, the
-output as decode rows, as they first ran). docs/cpu-kernels.md says where it does not hold.
+output as decode rows, as they first ran). docs/cpu-kernels.md says where it does not hold. In bfloat16 it holds with ``model.cpu_bf16_gemm:
+invariant`` (bm's bf16 GEMM), and with oneDNN's GEMM only at the widths where oneDNN keeps rows apart.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bm.cpu_isa import BF16_KV_ISAS, ENV_ISA, kernel_isa
 from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import load_model
 from bm.runtime.model_loader import ModelConfig
-from bm.runtime.native import ENV_SWITCH, paged_decode_kernel
+from bm.runtime.native import ENV_SWITCH, bf16_gemm_kernel, paged_decode_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import make_config
 from tests.native_variants import ISAS
@@ -117,10 +118,13 @@ def test_log_probs_alone_and_in_a_batch_are_bitwise_equal(models, monkeypatch, i
 # ---- bfloat16 ----------------------------------------------------------------------------------------
 # In bf16 on the CPU the attention is bm's (the AVX-512 kernels read the bf16 cache and keep the float32
 # kernels' summation order: tests/test_bf16_kv_cache.py pins them as those kernels' bits), the elementwise
-# chains work row by row, but the linears run on oneDNN's packed bf16 GEMM (AMX or AVX512_BF16), whose
-# blocking is its own. So the bf16 test asks oneDNN first, at the model's own linear shapes: where a row's
-# bits there depend on how many rows share the call, the run cannot be invariant and the test says so
-# (xfail, with the shapes and counts measured); where oneDNN keeps them, the run must be bitwise invariant.
+# chains work row by row, and the linears run on the GEMM model.cpu_bf16_gemm picks:
+# - invariant: bm's bf16 panel GEMM (native/bf16_gemm.c, AVX512_BF16), one k-order per output whatever
+#   the batch: the run must be bitwise invariant, at every width;
+# - onednn: oneDNN's packed bf16 GEMM (AMX or AVX512_BF16), whose blocking is its own. So that test asks
+#   oneDNN first, at the model's own linear shapes: where a row's bits there depend on how many rows share
+#   the call, the run cannot be invariant and the test says so (xfail, with the shapes and counts
+#   measured); where oneDNN keeps them, the run must be bitwise invariant.
 
 BF16_ISAS = [isa for isa in ISAS if isa in BF16_KV_ISAS]
 # SmolLM2-135M's widths (576 hidden, 1,536 intermediate, 9 heads over 3 kv heads of 64) in two layers
@@ -157,39 +161,32 @@ def onednn_bf16_rows_that_change(
     return changed
 
 
+BF16_GEMMS = ["onednn", "invariant"]
+
+
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory):
+    """The tiny model and one of SmolLM2's width in bf16, their linears on each GEMM (model.cpu_bf16_gemm)."""
     import json
 
     path = tmp_path_factory.mktemp("smollm2-width") / "config.json"
     path.write_text(json.dumps(SMOLLM2_WIDTH))
+    loaded = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV_SWITCH, "1")
         mp.setenv(ENV_ISA, BF16_ISAS[0] if BF16_ISAS else "auto")
-        return {
-            "tiny": load_model(ModelConfig(device="cpu", dtype="bfloat16", seed=0)),
-            "smollm2_width": load_model(
-                ModelConfig(config=str(path), device="cpu", dtype="bfloat16", seed=0)
-            ),
-        }
+        for gemm in BF16_GEMMS:
+            if gemm == "invariant" and bf16_gemm_kernel() is None:
+                continue
+            for name, config in (("tiny", None), ("smollm2_width", str(path))):
+                model = ModelConfig(config=config, device="cpu", dtype="bfloat16", seed=0, cpu_bf16_gemm=gemm)
+                loaded[name, gemm] = load_model(model)
+                assert loaded[name, gemm].cpu_bf16_gemm == gemm
+    return loaded
 
 
-@pytest.mark.skipif(not BF16_ISAS, reason="no build here reads a bf16 KV cache (AVX-512)")
-@pytest.mark.parametrize(
-    ("model_name", "scenario"),
-    [
-        *[("tiny", s) for s in sorted(SCENARIOS)],
-        ("smollm2_width", "default"),
-        ("smollm2_width", "chunked_context"),
-    ],
-)
-def test_bf16_log_probs_alone_and_in_a_batch_are_bitwise_equal_where_onednn_keeps_rows_apart(
-    bf16_models, monkeypatch, model_name, scenario
-):
-    monkeypatch.setenv(ENV_SWITCH, "1")
-    monkeypatch.setenv(ENV_ISA, BF16_ISAS[0])
-    model = bf16_models[model_name]
-    assert model.kv_dtype == torch.bfloat16
+def bf16_runs_that_differ(model, scenario: str) -> list[int]:
+    """The requests of :func:`workload` whose log probs or logits differ alone and batched."""
     sections = SCENARIOS[scenario]
     specs = workload(model.vocab_size)
     together = run(model, specs, sections, range(len(specs)))
@@ -200,11 +197,46 @@ def test_bf16_log_probs_alone_and_in_a_batch_are_bitwise_equal_where_onednn_keep
             alone.generation_logits, together[i].generation_logits
         ):
             differ.append(i)
+    return differ
+
+
+BF16_CASES = [
+    *[("tiny", s) for s in sorted(SCENARIOS)],
+    ("smollm2_width", "default"),
+    ("smollm2_width", "chunked_context"),
+]
+
+
+@pytest.mark.skipif(not BF16_ISAS, reason="no build here reads a bf16 KV cache (AVX-512)")
+@pytest.mark.parametrize(("model_name", "scenario"), BF16_CASES)
+def test_bf16_log_probs_alone_and_in_a_batch_are_bitwise_equal_where_onednn_keeps_rows_apart(
+    bf16_models, monkeypatch, model_name, scenario
+):
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv(ENV_ISA, BF16_ISAS[0])
+    model = bf16_models[model_name, "onednn"]
+    assert model.kv_dtype == torch.bfloat16
+    differ = bf16_runs_that_differ(model, scenario)
     gemm = onednn_bf16_rows_that_change(model.model)
     if differ and gemm:
         pytest.xfail(
-            f"requests {differ} of {len(specs)} differ alone and batched; oneDNN's bf16 GEMM is not "
-            f"batch-invariant at this model's shapes (rows with other bits in an M-row call than alone, "
-            f"by M): {gemm}"
+            f"requests {differ} of {len(workload(model.vocab_size))} differ alone and batched; oneDNN's bf16 "
+            f"GEMM is not batch-invariant at this model's shapes (rows with other bits in an M-row call "
+            f"than alone, by M): {gemm}"
         )
     assert not differ, f"requests {differ} differ alone and batched, with oneDNN's bf16 GEMM invariant here"
+
+
+@pytest.mark.skipif(not BF16_ISAS, reason="no build here reads a bf16 KV cache (AVX-512)")
+@pytest.mark.skipif(bf16_gemm_kernel() is None, reason="bm's bf16 GEMM needs AVX512_BF16 and a C compiler")
+@pytest.mark.parametrize(("model_name", "scenario"), BF16_CASES)
+def test_bf16_log_probs_alone_and_in_a_batch_are_bitwise_equal_with_the_invariant_gemm(
+    bf16_models, monkeypatch, model_name, scenario
+):
+    """No xfail: with bm's bf16 GEMM every computation of a bf16 run is row by row in one order, at
+    SmolLM2's widths too, where oneDNN's GEMM changes rows' bits (the test above)."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv(ENV_ISA, BF16_ISAS[0])
+    model = bf16_models[model_name, "invariant"]
+    assert model.kv_dtype == torch.bfloat16
+    assert not bf16_runs_that_differ(model, scenario)

@@ -17,6 +17,7 @@ from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, load_model, work_item
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import ModelConfig
+from bm.runtime.native import bf16_gemm_kernel
 from bm.runtime.presets import is_available
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
@@ -25,9 +26,20 @@ from tests.conftest import hf_greedy, make_config, random_prompts, reference_mod
 LOGITS_ATOL = 0.25
 
 
-def _bf16_model():
-    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", seed=0))
+# model.cpu_bf16_gemm: oneDNN's GEMM and bm's batch-invariant one must both meet the oracle
+GEMMS = [
+    "onednn",
+    pytest.param(
+        "invariant",
+        marks=pytest.mark.skipif(bf16_gemm_kernel() is None, reason="bm's bf16 GEMM needs AVX512_BF16"),
+    ),
+]
+
+
+def _bf16_model(gemm: str = "auto"):
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", seed=0, cpu_bf16_gemm=gemm))
     assert loaded.dtype == torch.bfloat16
+    assert gemm == "auto" or loaded.cpu_bf16_gemm == gemm
     return loaded
 
 
@@ -63,12 +75,13 @@ def test_without_the_avx512_attention_kernels_a_bf16_model_keeps_exact_bf16_keys
     assert torch.equal(written, written.bfloat16().float())  # every value a bf16 value, stored exactly
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bf16_logits_within_tolerance_of_hf(record_property, monkeypatch, backend):
+def test_bf16_logits_within_tolerance_of_hf(record_property, monkeypatch, backend, gemm):
     if backend == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv(ENV_SWITCH, backend)
-    loaded = _bf16_model()
+    loaded = _bf16_model(gemm)
     ref = reference_model(loaded)
     runner = ModelRunner(loaded, 16, 8, 64)
     prompt = random_prompts(seed=7, count=1, vocab=loaded.vocab_size, max_prompt=30, max_output=1)[0][0]
@@ -82,7 +95,7 @@ def test_bf16_logits_within_tolerance_of_hf(record_property, monkeypatch, backen
         theirs = ref(torch.tensor([prompt])).logits[0].float()
     diff = (ours - theirs).abs().max().item()
     record_property("bf16_max_logit_diff", diff)
-    print(f"bf16 oracle ({backend} attention): max |logit difference| {diff:.4f}")
+    print(f"bf16 oracle ({backend} attention, {gemm} GEMM): max |logit difference| {diff:.4f}")
     assert diff < LOGITS_ATOL
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     record_property("bf16_position_argmax_agreement", agree)
@@ -111,12 +124,15 @@ def test_bf16_greedy_token_agreement_with_hf_generate_is_reported(record_propert
 
 
 @pytest.mark.skipif(not is_available("smollm2-135m"), reason="smollm2-135m not installed here")
-def test_smollm2_bf16_logits_are_closer_to_hf_bf16_than_bf16_is_to_float32(record_property):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_smollm2_bf16_logits_are_closer_to_hf_bf16_than_bf16_is_to_float32(record_property, gemm):
     """A real 30-layer model: bf16 rounding compounds over the layers, so a fixed logit tolerance says
     little. The oracle here is that bm's bf16 logits are within half the distance that separates HF's
     own bf16 forward from its float32 forward (the scale of bf16's rounding on this model), at every
     prompt position. Measured: 1.23 against 7.87 over 16 prompts (benchmarks/bf16_oracle.py)."""
-    loaded = load_model(ModelConfig(preset="smollm2-135m", device="cpu", dtype="bfloat16"))
+    loaded = load_model(
+        ModelConfig(preset="smollm2-135m", device="cpu", dtype="bfloat16", cpu_bf16_gemm=gemm)
+    )
     ref = reference_model(loaded)
     wide = copy.deepcopy(ref).float()
     ours_worst = rounding = 0.0
@@ -133,7 +149,7 @@ def test_smollm2_bf16_logits_are_closer_to_hf_bf16_than_bf16_is_to_float32(recor
         rounding = max(rounding, (theirs - exact).abs().max().item())
     record_property("smollm2_bf16_max_logit_diff", ours_worst)
     record_property("smollm2_hf_bf16_vs_fp32_max_logit_diff", rounding)
-    print(f"SmolLM2 bf16: bm vs HF bf16 {ours_worst:.3f}, HF bf16 vs HF fp32 {rounding:.3f}")
+    print(f"SmolLM2 bf16 ({gemm} GEMM): bm vs HF bf16 {ours_worst:.3f}, HF bf16 vs HF fp32 {rounding:.3f}")
     assert ours_worst < 0.5 * rounding
 
 

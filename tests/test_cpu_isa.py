@@ -41,12 +41,23 @@ def test_an_avx512_cpu_gets_every_build_best_first():
     assert supported_isas(KNIGHTS_LANDING, "x86_64") == ("avx2", "scalar")
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNEL_ISAS))
+@pytest.mark.parametrize("kernel", sorted(set(KERNEL_ISAS) - {"bf16_gemm"}))
 def test_each_kernel_gets_the_best_build_it_has_code_for(kernel):
     best = "avx512" if "avx512" in KERNEL_ISAS[kernel] else "avx2"
     assert choose_isa(kernel, SAPPHIRE_RAPIDS, "x86_64") == best
     assert choose_isa(kernel, HASWELL, "x86_64") == "avx2"
     assert choose_isa(kernel, SANDY_BRIDGE, "x86_64") == "scalar"
+
+
+def test_the_bf16_gemm_gets_its_avx512_bf16_build_only_where_the_cpu_has_avx512_bf16():
+    assert choose_isa("bf16_gemm", SAPPHIRE_RAPIDS, "x86_64") == "avx512_bf16"
+    assert choose_isa("bf16_gemm", SAPPHIRE_RAPIDS, "x86_64", "avx512") == "avx512_bf16"
+    assert choose_isa("bf16_gemm", SAPPHIRE_RAPIDS, "x86_64", "avx2") == "scalar"  # capped: no code
+    assert choose_isa("bf16_gemm", SKYLAKE_SP, "x86_64") == "scalar"
+    assert choose_isa("bf16_gemm", HASWELL, "x86_64") == "scalar"
+    assert "-mavx512bf16" in cpu_isa.isa_flags("avx512_bf16")
+    assert not any("bf16" in f for f in cpu_isa.isa_flags("avx512"))
+    assert "avx512_bf16" not in cpu_isa.ISAS  # a kernel's own variant, not a BM_CPU_ISA value
 
 
 def test_lora_has_no_avx512_code_so_it_runs_its_avx2_build_on_avx512_cpus():

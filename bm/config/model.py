@@ -16,6 +16,10 @@ DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "
           "float16": "float16", "fp16": "float16"}  # fmt: skip
 
 
+# model.cpu_bf16_gemm's values (bm.cpu_isa.cpu_bf16_gemm resolves auto).
+CPU_BF16_GEMMS = {"auto": "auto", "onednn": "onednn", "invariant": "invariant"}
+
+
 # Said once when model.dtype bfloat16 meets a CPU without bf16 instructions (measured: issue 42, an
 # AVX2-only AMD EPYC, SmolLM2-135M, Azure rows 500-563).
 BF16_WITHOUT_CPU_SUPPORT = (
@@ -122,6 +126,12 @@ class ModelConfig:
         "Run RMSNorm, rotary embedding and SiLU(gate)*up as single passes in Llama-family layers (C on "
         "fp32 or bf16 CPU, Triton on CUDA): auto (CPU where bm's kernels build; CUDA with triton), on, off.",
         on_off_auto,
+    )
+    cpu_bf16_gemm: str = knob(
+        "auto",
+        "bf16 CPU linears: onednn, invariant (bm's GEMM, batch-invariant; AVX512_BF16), auto (oneDNN on AMX, "
+        "else invariant where it runs).",
+        choice(CPU_BF16_GEMMS),
     )
     fused_projections: str = knob(
         "auto",

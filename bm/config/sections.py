@@ -8,6 +8,8 @@ a file or swept over a grid passes the same rules once, before any model loads.
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,6 +22,7 @@ from bm.config.fields import ConfigError
 from bm.config.kv import KvCacheConfig, PeftCacheConfig
 from bm.config.model import ModelConfig
 from bm.config.sim import SimConfig, SweepConfig
+from bm.cpu_isa import ENV_ISA, cpu_bf16_gemm, cpu_features
 from bm.cpu_isa import check_environment as check_cpu_isa
 from bm.suggest import did_you_mean
 
@@ -165,6 +168,24 @@ def validate(cfg: BmConfig) -> None:
     validate_bench(cfg.bench)
     try:  # BM_CPU_ISA, the C kernels' instruction set: bm.cpu_isa owns the rule, config only refuses early
         check_cpu_isa()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_cpu_bf16_gemm(cfg.model)
+
+
+def _check_cpu_bf16_gemm(model: ModelConfig) -> None:
+    """``model.cpu_bf16_gemm: invariant`` refused before anything loads where it cannot run: on a CPU
+    without its kernel's build (bm.cpu_isa.cpu_bf16_gemm says why), or with the weights left unpacked
+    (the kernel reads its own packed copy). A model placed on CUDA has no CPU GEMM to choose."""
+    if model.cpu_bf16_gemm != "invariant" or model.device.startswith("cuda"):
+        return
+    if model.prepack == "off":
+        raise ConfigError(
+            "model.cpu_bf16_gemm: invariant runs on weights packed for bm's kernel, which model.prepack "
+            "off leaves unpacked: set model.prepack to auto or on"
+        )
+    try:
+        cpu_bf16_gemm("invariant", cpu_features(), platform.machine(), os.environ.get(ENV_ISA))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +21,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from bm.config import ModelConfig, resolve_dtype_name
 from bm.config.model import BF16_WITHOUT_CPU_SUPPORT
-from bm.cpu_isa import cpu_features, native_bf16
+from bm.cpu_isa import ENV_ISA, cpu_bf16_gemm, cpu_features, native_bf16
 from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fused_projections import fuse_projections, should_fuse_projections
 from bm.runtime.fusion import fuse_elementwise, should_fuse
-from bm.runtime.native import kv_cache_dtype
+from bm.runtime.native import bf16_gemm_kernel, kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.random_weights import random_model
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
@@ -57,6 +59,8 @@ class LoadedModel:
     layer_windows: tuple[int | None, ...] = ()
     # Linear layers running with oneDNN-packed weights on small batches (bm.runtime.prepack).
     num_prepacked_linears: int = 0
+    # The GEMM of bf16 CPU linears (model.cpu_bf16_gemm resolved: onednn, invariant); None elsewhere.
+    cpu_bf16_gemm: str | None = None
     # Modules (RMSNorm, gated MLP) and modeling functions (rotary) running bm's fused elementwise kernels.
     fused_elementwise: dict[str, int] = field(default_factory=dict)
     # Attention modules (qkv) and MLPs (gate_up) whose projections run as one GEMM (bm.runtime.fused_projections).
@@ -151,6 +155,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         tokenizer,
         name,
         prepack=cfg.prepack,
+        cpu_bf16_gemm=cfg.cpu_bf16_gemm,
         fused_elementwise=cfg.fused_elementwise,
         fused_projections=cfg.fused_projections,
     )
@@ -172,6 +177,30 @@ def load_tokenizer(cfg: ModelConfig) -> TextCodec | None:
     if cfg.tokenizer:
         return _try_tokenizer(cfg.tokenizer, required=True)
     return None if cfg.config else ByteTokenizer()
+
+
+def resolve_cpu_bf16_gemm(requested: str, prepack: str = "auto") -> str:
+    """``model.cpu_bf16_gemm`` for a bf16 model on this machine's CPU: onednn or invariant, as
+    :func:`bm.cpu_isa.cpu_bf16_gemm` decides from the CPU's features and ``BM_CPU_ISA`` (config
+    validation refused an impossible invariant already; a model described without a config is refused
+    here). What only loading can tell: ``auto`` keeps oneDNN where the kernel did not build (no compiler,
+    ``BM_NATIVE_KERNELS=0``) or weights stay unpacked (``prepack`` off); ``invariant`` is refused there."""
+    try:
+        choice = cpu_bf16_gemm(requested, cpu_features(), platform.machine(), os.environ.get(ENV_ISA))
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if choice == "onednn":
+        return choice
+    why_not = None
+    if prepack == "off":
+        why_not = "model.prepack off leaves the weights unpacked: set model.prepack to auto or on"
+    elif bf16_gemm_kernel() is None:
+        why_not = "bm's bf16 GEMM could not be built here (BM_NATIVE_KERNELS=0, or no C compiler)"
+    if why_not is None:
+        return choice
+    if requested == "invariant":
+        raise ModelLoadError(f"model.cpu_bf16_gemm: invariant, but {why_not}")
+    return "onednn"
 
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:
@@ -244,11 +273,14 @@ def describe_model(
     prepack: str = "auto",
     fused_elementwise: str = "auto",
     fused_projections: str = "auto",
+    cpu_bf16_gemm: str = "auto",
 ) -> LoadedModel:
     """What bm needs to know of a built model; probes its attention layers (and takes them over).
 
     ``prepack`` (auto, on, off): give the linear layers oneDNN-packed weights for small batches
     (bm.runtime.prepack). It happens here, at load, so the KV cache is sized from the memory left after.
+    ``cpu_bf16_gemm`` (auto, onednn, invariant): the kernel a bf16 CPU model's linears are packed for
+    (:func:`resolve_cpu_bf16_gemm`); invariant packs them whatever ``prepack`` auto's memory check says.
     ``fused_elementwise`` (auto, on, off): run RMSNorm, rotary and SiLU-mul as single passes inside bm
     forwards, C on CPU and Triton on CUDA (bm.runtime.fusion).
     ``fused_projections`` (auto, on, off): q/k/v and gate/up as one GEMM each inside bm forwards, on CUDA
@@ -273,8 +305,11 @@ def describe_model(
     adapt_attention_modules(model)
     kv_shapes = probe_kv_shapes(model)
     num_packed = 0
-    if should_prepack(prepack, model, param.device, param.dtype):
-        num_packed = prepack_linears(model)
+    bf16_gemm = None
+    if param.device.type == "cpu" and param.dtype == torch.bfloat16:
+        bf16_gemm = resolve_cpu_bf16_gemm(cpu_bf16_gemm, prepack)
+    if bf16_gemm == "invariant" or should_prepack(prepack, model, param.device, param.dtype):
+        num_packed = prepack_linears(model, bf16_gemm or "onednn")
     fused = {}
     if should_fuse(fused_elementwise, param.device, param.dtype):
         fused = fuse_elementwise(model)
@@ -301,6 +336,7 @@ def describe_model(
         sliding_window_on_every_layer=all(t == "sliding_attention" for t in layer_types),
         layer_windows=windows,
         num_prepacked_linears=num_packed,
+        cpu_bf16_gemm=bf16_gemm,
         fused_elementwise=fused,
         fused_projections=stacked,
     )

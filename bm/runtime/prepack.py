@@ -14,7 +14,10 @@ Two packed paths, measured on a 2-core AVX2 EPYC with SmolLM2-135M's shapes (``b
 
 bfloat16 weights (``model.dtype: bfloat16`` on a CPU whose oneDNN runs bfloat16: AVX512_BF16 or AMX) are
 packed for oneDNN at every row count: ``F.linear`` reaches the same oneDNN kernel, with the same results
-(tests/test_prepack_bf16.py), but reorders the weight on every call first.
+(tests/test_prepack_bf16.py), but reorders the weight on every call first. Under
+``model.cpu_bf16_gemm: invariant`` (``auto`` on a CPU with AVX512_BF16 and no AMX: bm.cpu_isa.cpu_bf16_gemm)
+they are packed for bm's own bf16 panel GEMM instead (``native/bf16_gemm.c``), whose rows are batch
+invariant, which oneDNN's are not.
 
 The packed copy doubles the memory of the linear weights, so ``model.prepack`` ``auto`` packs only
 fp32 and bf16 CPU models whose linear weights take at most a quarter of the machine's memory. The packed path runs
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 
 from bm.runtime.attention import in_bm_forward
-from bm.runtime.native import SmallGemmKernel, small_gemm_kernel
+from bm.runtime.native import Bf16GemmKernel, SmallGemmKernel, bf16_gemm_kernel, small_gemm_kernel
 
 # Inputs with at most this many rows take the oneDNN path (see the module docstring for the measurement).
 MAX_PACKED_ROWS = 256
@@ -90,9 +93,10 @@ def should_prepack(mode: str, model: nn.Module, device: torch.device, dtype: tor
     return memory is None or _linear_weight_bytes(model) <= _MEMORY_SHARE * memory
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, bf16_gemm: str = "onednn") -> int:
     """Give every plain float32 or bfloat16 ``nn.Linear`` of ``model`` a packed weight; returns how many
-    were packed.
+    were packed. ``bf16_gemm`` (onednn or invariant, as :func:`bm.cpu_isa.cpu_bf16_gemm` resolved
+    ``model.cpu_bf16_gemm``) is the kernel bfloat16 weights are packed for.
 
     Subclasses that override ``forward`` keep it unpacked.
     Weights that are not plain tensors (sharded DTensors, quantized or meta tensors) are left as they are.
@@ -105,7 +109,7 @@ def prepack_linears(model: nn.Module) -> int:
         weight = module.weight
         if type(weight.data) is not torch.Tensor or weight.dtype not in _PACKED_DTYPES or weight.is_meta:
             continue
-        module.forward = _PackedForward(module)
+        module.forward = _PackedForward(module, bf16_gemm)
         packed += 1
     return packed
 
@@ -143,8 +147,8 @@ def has_forward_hooks(module: nn.Module) -> bool:
 class _PackedForward:
     """A Linear's forward: a packed GEMM inside a bm forward, the module's own otherwise."""
 
-    def __init__(self, module: nn.Linear) -> None:
-        self.__setstate__({"_module": module})
+    def __init__(self, module: nn.Linear, bf16_gemm: str = "onednn") -> None:
+        self.__setstate__({"_module": module, "_bf16_gemm": bf16_gemm})
         self._pack()
 
     # The packed tensor is opaque (no storage): copies and pickles of a model leave it out and pack again
@@ -153,28 +157,38 @@ class _PackedForward:
         import copy
 
         clone = _PackedForward.__new__(_PackedForward)
-        clone.__setstate__({"_module": copy.deepcopy(self._module, memo)})
+        clone.__setstate__({"_module": copy.deepcopy(self._module, memo), "_bf16_gemm": self._bf16_gemm})
         return clone
 
     def __getstate__(self) -> dict:
-        return {"_module": self._module}
+        return {"_module": self._module, "_bf16_gemm": self._bf16_gemm}
 
     def __setstate__(self, state: dict) -> None:
         module = state["_module"]
         self._module = module
+        self._bf16_gemm: str = state.get("_bf16_gemm", "onednn")
         self._own: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(type(module).forward, module)
-        self._kernel: SmallGemmKernel | None = None  # chosen when packing, by the weight's dtype
+        # chosen when packing, by the weight's dtype (and _bf16_gemm for bfloat16)
+        self._kernel: SmallGemmKernel | Bf16GemmKernel | None = None
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None  # the weight's (address, version) when packed
 
     def _pack(self) -> None:
         weight = self._module.weight
-        # bm's panel GEMM is float32; bfloat16 weights always take oneDNN (AMX or AVX512_BF16 where the
-        # CPU has them), packed once instead of reordered on every call as F.linear does
-        self._kernel = small_gemm_kernel() if weight.dtype == torch.float32 else None
+        # float32 takes bm's panel GEMM; bfloat16 takes bm's invariant bf16 GEMM where model.cpu_bf16_gemm
+        # resolved to it, else oneDNN (AMX or AVX512_BF16 where the CPU has them), packed once instead of
+        # reordered on every call as F.linear does
+        if weight.dtype == torch.float32:
+            self._kernel = small_gemm_kernel()
+        elif self._bf16_gemm == "invariant":
+            self._kernel = bf16_gemm_kernel()
+            if self._kernel is None:
+                raise RuntimeError("model.cpu_bf16_gemm is invariant, but bm's bf16 GEMM did not build here")
+        else:
+            self._kernel = None
         with torch.no_grad():
             if self._kernel is not None:
-                self._packed = SmallGemmKernel.pack(weight.detach())
+                self._packed = self._kernel.pack(weight.detach())
             else:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
         self._key = (weight.data_ptr(), weight._version)
@@ -192,7 +206,9 @@ class _PackedForward:
             return None
         self._repack_if_changed()
         kernel = self._kernel
-        return (kernel, self._packed) if kernel is not None and kernel.fuses_epilogues else None
+        if isinstance(kernel, SmallGemmKernel) and kernel.fuses_epilogues:
+            return kernel, self._packed
+        return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module

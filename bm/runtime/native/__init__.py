@@ -21,6 +21,7 @@ import torch
 
 from bm.cpu_isa import ENV_ISA, KERNEL_ISAS, bf16_kv_cache, cpu_features, kernel_isa
 from bm.runtime.native.args import as_rows, kernel_inputs
+from bm.runtime.native.bf16_gemm import Bf16GemmKernel, bf16_gemm_kernel
 from bm.runtime.native.elementwise import ElementwiseKernels, elementwise_kernels
 from bm.runtime.native.loader import ENV_SWITCH, NativeKernel, native_kernels_enabled
 from bm.runtime.native.lora_delta import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
@@ -31,6 +32,7 @@ from bm.runtime.native.small_gemm import PANEL, SmallGemmKernel, small_gemm_kern
 __all__ = [
     "ENV_SWITCH",
     "PANEL",
+    "Bf16GemmKernel",
     "DecodeRows",
     "ElementwiseKernels",
     "LoraDeltaKernel",
@@ -40,6 +42,7 @@ __all__ = [
     "PrefillAttentionKernel",
     "SmallGemmKernel",
     "as_rows",
+    "bf16_gemm_kernel",
     "elementwise_kernels",
     "kernel_inputs",
     "kv_cache_dtype",
