@@ -65,8 +65,8 @@ TP_HELP = (
 )
 RANK_TIMEOUT_HELP = "Seconds a rank may stay silent before the run ends with an error (dead or hung rank)."
 RAY_HELP = "Replicas on Ray (docs/parallel.md)."
-REPLICAS_HELP = "--ray: replicas [GPUs, or CPUs / threads; over --tensor-parallel]."
-REPLICA_THREADS_HELP = "--ray: threads of a CPU replica (of each rank) [4]."
+REPLICAS_HELP = "--ray: replicas [GPUs, or CPUs / threads]."
+REPLICA_THREADS_HELP = "--ray: threads per CPU replica rank [4]."
 BLOCK_LINES_HELP = "--ray: lines per block [64]."
 RAY_TRIES_HELP = "--ray: tries of a block [3]."
 # The config sections bm run reads; bench, sim and sweep keys are bm bench's and bm sweep's business.
