@@ -25,9 +25,6 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
-#ifdef BM_OPENMP
-#include <omp.h>
-#endif
 
 /* bm builds with -fassociative-math; each output's chain must keep its order (batch invariance). */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -173,18 +170,13 @@ int bm_bf16_gemm(const uint16_t *x, int64_t ldx, const uint16_t *wp, const uint1
     if (M <= BM_BF16_GEMM_ONE_BLOCK_ROWS) mb = M;
     const int64_t blocks = (M + mb - 1) / mb;
     mb = (M + blocks - 1) / blocks;
-    int64_t team = num_threads < items ? num_threads : items;
-    if (team < 1) team = 1;
+    const int64_t team = bm_team_size(num_threads, items);
 #ifdef BM_OPENMP
 #pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {
-#ifdef BM_OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;
+        int64_t lo, hi;
+        bm_thread_share(items, &lo, &hi);
         for (int64_t m0 = 0; m0 < M; m0 += mb) {
             const int64_t rows = M - m0 < mb ? M - m0 : mb;
             for (int64_t it = lo; it < hi; it++)

@@ -26,4 +26,31 @@
 #define BM_HAVE_AVX512 0
 #endif
 
+#include <stdint.h>
+#ifdef BM_OPENMP
+#include <omp.h>
+#endif
+
+/* The threads of a team for `items` work items: at most `num_threads`, no more than there are items,
+ * at least one. */
+static inline int64_t bm_team_size(int64_t num_threads, int64_t items)
+{
+    const int64_t team = num_threads < items ? num_threads : items;
+    return team < 1 ? 1 : team;
+}
+
+/* The calling thread's share [*lo, *hi) of `items` work items split into contiguous runs over its team
+ * (all of them outside a parallel region). A work item is whole columns of an output, so each output
+ * is computed by one thread in one order however many threads share the call. */
+static inline void bm_thread_share(int64_t items, int64_t *lo, int64_t *hi)
+{
+#ifdef BM_OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    *lo = items * t / nt;
+    *hi = items * (t + 1) / nt;
+}
+
 #endif

@@ -22,9 +22,6 @@
  */
 #include <stdint.h>
 #include <stddef.h>
-#ifdef BM_OPENMP
-#include <omp.h>
-#endif
 
 /* bm builds with -fassociative-math; the plain C path's sums must keep their order (batch invariance). */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -338,18 +335,13 @@ static void gemm512(const float *x, int64_t ldx, const float *wp, const float *b
        are the same; the next op reads them from memory instead of from a cache they did not fit. */
     const int stream = M * N * (int64_t)sizeof(float) > BM_GEMM_STREAM_BYTES && N % NR == 0 &&
                        ldy % NR == 0 && ((uintptr_t)y & 63) == 0;
-    int64_t team = num_threads < items ? num_threads : items;
-    if (team < 1) team = 1;
+    const int64_t team = bm_team_size(num_threads, items);
 #ifdef BM_OPENMP
 #pragma omp parallel num_threads(team) if (team > 1)
 #endif
     {
-#ifdef BM_OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;
+        int64_t lo, hi;
+        bm_thread_share(items, &lo, &hi);
         for (int64_t m0 = 0; m0 < M; m0 += mb) {
             const int64_t rows = M - m0 < mb ? M - m0 : mb;
             for (int64_t it = lo; it < hi; it++) {
