@@ -1,40 +1,54 @@
-"""The heap keeps large freed buffers, so repeated forwards stop page-faulting their memory back in."""
+"""The CPU KV pool is reserved without being charged against the machine's memory (bm.runtime.host_memory)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+import torch
 
-SCRIPT = """
-import resource, sys, torch
-from bm.runtime.host_memory import tune_host_allocator
-tuned = tune_host_allocator() if sys.argv[1] == "tuned" else False
-def forward():  # a layer's worth of live activations, then all freed, as in a real forward
-    live = [torch.ones(n << 20) for n in (2, 4, 1, 3)]  # 8, 16, 4 and 12 MiB, touched
-    del live
-for _ in range(3):
-    forward()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    forward()
-print(tuned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
+from bm.runtime import ModelRunner, load_model
+from bm.runtime.host_memory import reserved_zeros
+from bm.runtime.model_loader import ModelConfig
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_NORESERVE is Linux's")
 
 
-def faults(mode: str) -> tuple[bool, int]:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
-    tuned, count = out.stdout.split()
-    return tuned == "True", int(count)
+def mapping_flags(address: int) -> set[str]:
+    """The kernel's flags (``VmFlags`` in /proc/self/smaps) of the mapping holding ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
-def test_tuned_allocator_reuses_freed_activation_memory():
-    tuned, tuned_faults = faults("tuned")
-    if not tuned:
-        pytest.skip("the C library is not glibc")
-    # Ten rounds of 40 MiB of fresh activations are 102,400 pages. With glibc's defaults most rounds
-    # fault them all in again (81,600 faults here, though its adaptive threshold sometimes spares a
-    # run, so the default is not asserted); tuned, the heap keeps them.
-    assert tuned_faults < 2_000
+@linux_only
+def test_reserved_zeros_are_zeros_in_a_mapping_the_kernel_does_not_charge_before_it_is_written():
+    """``nr``: no swap reserved, so fork() does not count the pool against RAM (the sweep's workers,
+    a DataLoader, multiprocessing could not start beside two 14 GB pools on a 24 GB machine)."""
+    pool = reserved_zeros((2, 3, 64, 16, 8), torch.bfloat16)
+    assert pool.shape == (2, 3, 64, 16, 8) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert not pool.any()
+    assert "nr" in mapping_flags(pool.data_ptr())
+    pool[1, 2, 63] = 1.5  # writable to the last element
+    assert pool.sum().item() == 1.5 * 16 * 8
+
+
+def test_reserved_zeros_of_no_elements_is_an_empty_tensor():
+    assert reserved_zeros((0, 4), torch.float32).shape == (0, 4)
+
+
+@linux_only
+def test_a_cpu_runners_kv_pool_is_reserved_without_charge():
+    loaded = load_model(ModelConfig(device="cpu", seed=0))
+    runner = ModelRunner(loaded, 64, 16, 256)
+    caches = [c for c in runner.kv_caches if c is not None]
+    assert caches and all(not c.any() for c in caches)
+    assert all("nr" in mapping_flags(c.data_ptr()) for c in caches)

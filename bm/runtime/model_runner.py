@@ -27,13 +27,9 @@ from bm.runtime.backends import (
     WindowPlan,
     backend_class,
 )
-from bm.runtime.host_memory import tune_host_allocator
+from bm.runtime.host_memory import reserved_zeros, tune_host_allocator
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.transfer import to_device
-
-# Pools below this size are zero-filled; larger ones rely on the OS handing out zeroed pages, so memory is
-# committed only as blocks are used (a masked slot is then 0 or a finite old value, never NaN).
-_ZERO_FILL_LIMIT_BYTES = 256 << 20
 
 
 def work_item(
@@ -91,15 +87,15 @@ class ModelRunner:
             tune_host_allocator()
         # The runner takes the model over: from now on it runs with bm's paged attention.
         self.model.set_attn_implementation(ATTENTION_NAME)
-        total_bytes = loaded.kv_bytes_per_token * num_blocks * tokens_per_block  # an upper bound
-        zero = loaded.device.type != "cpu" or total_bytes <= _ZERO_FILL_LIMIT_BYTES
-        alloc = torch.zeros if zero else torch.empty
         with torch.inference_mode():
             self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 blocks = self.window_pools.get(layout.windows[layer], num_blocks)
                 shape = (2, heads, blocks, tokens_per_block, dim)
-                self.kv_caches[layer] = alloc(shape, dtype=loaded.kv_dtype, device=loaded.device)
+                if loaded.device.type == "cpu":  # pages mapped as a run first writes them (host_memory)
+                    self.kv_caches[layer] = reserved_zeros(shape, loaded.kv_dtype)
+                else:
+                    self.kv_caches[layer] = torch.zeros(shape, dtype=loaded.kv_dtype, device=loaded.device)
         self.plan = WindowPlan(
             {layer: layout.windows[layer] for layer in sorted(loaded.kv_shapes)},
             layout.sink_token_length,
