@@ -165,7 +165,11 @@ AMX_BF16 = "amx_bf16"
 
 
 def cpu_bf16_gemm(
-    requested: str, features: Iterable[str], machine: str, isa_request: str | None = None
+    requested: str,
+    features: Iterable[str],
+    machine: str,
+    isa_request: str | None = None,
+    prepack: str = "auto",
 ) -> str:
     """The GEMM bf16 CPU linears run on for ``model.cpu_bf16_gemm`` = ``requested`` (auto, onednn,
     invariant): ``onednn`` or ``invariant`` (bm's ``bf16_gemm.c``, whose one build needs AVX512_BF16).
@@ -174,8 +178,16 @@ def cpu_bf16_gemm(
     impossible ``invariant`` before a model loads (ValueError naming the key and the fix). ``auto`` keeps
     oneDNN on AMX CPUs (its AMX tiles are faster than any vdpbf16ps loop) and where the kernel has no
     build; elsewhere it takes :data:`AUTO_BF16_GEMM_WITHOUT_AMX`. ``isa_request`` is ``BM_CPU_ISA``'s
-    value: a cap below avx512 leaves the kernel no build."""
+    value: a cap below avx512 leaves the kernel no build. ``prepack`` (model.prepack): off leaves the
+    weights unpacked, and the kernel reads only its own packed copy."""
     if requested == "onednn":
+        return "onednn"
+    if prepack == "off":
+        if requested == "invariant":
+            raise ValueError(
+                "model.cpu_bf16_gemm: invariant runs on weights packed for bm's kernel, which model.prepack "
+                "off leaves unpacked: set model.prepack to auto or on"
+            )
         return "onednn"
     have = frozenset(features)
     runs = is_x86(machine) and choose_isa("bf16_gemm", have, machine, isa_request) == "avx512_bf16"

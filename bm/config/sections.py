@@ -179,13 +179,8 @@ def _check_cpu_bf16_gemm(model: ModelConfig) -> None:
     (the kernel reads its own packed copy). A model placed on CUDA has no CPU GEMM to choose."""
     if model.cpu_bf16_gemm != "invariant" or model.device.startswith("cuda"):
         return
-    if model.prepack == "off":
-        raise ConfigError(
-            "model.cpu_bf16_gemm: invariant runs on weights packed for bm's kernel, which model.prepack "
-            "off leaves unpacked: set model.prepack to auto or on"
-        )
     try:
-        cpu_bf16_gemm("invariant", cpu_features(), platform.machine(), os.environ.get(ENV_ISA))
+        cpu_bf16_gemm("invariant", cpu_features(), platform.machine(), os.environ.get(ENV_ISA), model.prepack)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

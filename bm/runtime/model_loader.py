@@ -183,23 +183,21 @@ def resolve_cpu_bf16_gemm(requested: str, prepack: str = "auto") -> str:
     """``model.cpu_bf16_gemm`` for a bf16 model on this machine's CPU: onednn or invariant, as
     :func:`bm.cpu_isa.cpu_bf16_gemm` decides from the CPU's features and ``BM_CPU_ISA`` (config
     validation refused an impossible invariant already; a model described without a config is refused
-    here). What only loading can tell: ``auto`` keeps oneDNN where the kernel did not build (no compiler,
-    ``BM_NATIVE_KERNELS=0``) or weights stay unpacked (``prepack`` off); ``invariant`` is refused there."""
+    here, ``prepack`` off included). What only loading can tell: ``auto`` keeps oneDNN where the kernel
+    did not build (no compiler, ``BM_NATIVE_KERNELS=0``); ``invariant`` is refused there."""
     try:
-        choice = cpu_bf16_gemm(requested, cpu_features(), platform.machine(), os.environ.get(ENV_ISA))
+        choice = cpu_bf16_gemm(
+            requested, cpu_features(), platform.machine(), os.environ.get(ENV_ISA), prepack
+        )
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    if choice == "onednn":
-        return choice
-    why_not = None
-    if prepack == "off":
-        why_not = "model.prepack off leaves the weights unpacked: set model.prepack to auto or on"
-    elif bf16_gemm_kernel() is None:
-        why_not = "bm's bf16 GEMM could not be built here (BM_NATIVE_KERNELS=0, or no C compiler)"
-    if why_not is None:
+    if choice == "onednn" or bf16_gemm_kernel() is not None:
         return choice
     if requested == "invariant":
-        raise ModelLoadError(f"model.cpu_bf16_gemm: invariant, but {why_not}")
+        raise ModelLoadError(
+            "model.cpu_bf16_gemm: invariant, but bm's bf16 GEMM could not be built here "
+            "(BM_NATIVE_KERNELS=0, or no C compiler)"
+        )
     return "onednn"
 
 
