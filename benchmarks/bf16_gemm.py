@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import kernel_sources_at
+from common import kernel_at
 from small_gemm import model_shapes
 
 from bm.cpu_isa import cpu_features
 from bm.runtime.native.bf16_gemm import BUILD, Bf16GemmKernel, bf16_gemm_kernel
-from bm.runtime.native.build import compile_kernel
 from bm.runtime.prepack import _PACK_HINT
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -53,10 +52,7 @@ def parse_args() -> argparse.Namespace:
 
 def baseline_kernel(ref: str, workdir: Path) -> Bf16GemmKernel:
     """The bf16 GEMM compiled from ``native/bf16_gemm.c`` at git revision ``ref``."""
-    lib = compile_kernel(kernel_sources_at(ref, workdir) / "bf16_gemm.c", BUILD)
-    if lib is None:
-        raise SystemExit(f"could not compile bf16_gemm.c at {ref}")
-    return Bf16GemmKernel(lib)
+    return kernel_at(ref, workdir, "bf16_gemm.c", BUILD, Bf16GemmKernel)
 
 
 def time_pair(

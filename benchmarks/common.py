@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,18 @@ def kernel_sources_at(ref: str, workdir: Path) -> Path:
         ).stdout
         (workdir / Path(path).name).write_text(text)
     return workdir
+
+
+def kernel_at(ref: str, workdir: Path, source_name: str, isa: str, wrap: Callable[[Any], Any]) -> Any:
+    """The C kernel ``source_name`` (e.g. ``small_gemm.c``) compiled for ``isa`` as git revision ``ref``
+    has it (:func:`kernel_sources_at`), wrapped by ``wrap`` (its Python class); exits where it does not
+    compile."""
+    from bm.runtime.native.build import compile_kernel
+
+    lib = compile_kernel(kernel_sources_at(ref, workdir) / source_name, isa)
+    if lib is None:
+        raise SystemExit(f"could not compile {source_name} at {ref}")
+    return wrap(lib)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,23 +33,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import kernel_sources_at
+from common import kernel_at
 from roofline import best_time, measure_gemm_peak
 from transformers import AutoConfig
 
 from bm.cpu_isa import kernel_isa
-from bm.runtime.native.build import compile_kernel
 from bm.runtime.native.small_gemm import SOURCE, SmallGemmKernel, small_gemm_kernel
 from bm.runtime.prepack import _PACK_HINT
 
 
 def baseline_kernel(ref: str, workdir: Path) -> SmallGemmKernel:
     """The panel GEMM compiled from ``native/small_gemm.c`` at git revision ``ref``, same variant."""
-    source = kernel_sources_at(ref, workdir) / SOURCE.name  # with the headers it includes, at ref
-    lib = compile_kernel(source, kernel_isa("small_gemm"))
-    if lib is None:
-        raise SystemExit(f"could not compile small_gemm.c at {ref}")
-    return SmallGemmKernel(lib)
+    return kernel_at(ref, workdir, SOURCE.name, kernel_isa("small_gemm"), SmallGemmKernel)
 
 
 def cold_time(
