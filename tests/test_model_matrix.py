@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bm.engine import BatchManager, InferenceRequest
-from bm.runtime import UnsupportedAttentionError
+from bm.runtime import ModelRunner, UnsupportedAttentionError, work_item
 from bm.runtime.model_loader import describe_model
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
@@ -63,3 +64,46 @@ def test_models_doc_table_is_the_one_the_matrix_renders():
     assert table == render_table(), (
         "docs/models.md's model matrix is stale: run `python -m tests.model_matrix --write`"
     )
+
+
+# Operators that hand a device value to the host: on CUDA each waits for every kernel queued before it.
+HOST_READS = ("aten.is_nonzero", "aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.item")
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every operator of :data:`HOST_READS` run under it (CPU tensors read nothing back, but
+    the same operators on CUDA tensors are syncs, so the CPU sees where a GPU run would wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(HOST_READS):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# Families bm adapts (bm.runtime.adapters) keep transformers' own mask code: their config cannot name bm's
+# attention, so each forward still builds a dense mask (and Falcon's, passed position ids, still checks them
+# for packed sequences on the host). Left as they are: old families, not what runs on a GPU.
+ADAPTED = ("bloom", "mpt", "falcon")
+THROUGH_ATTENTION_INTERFACE = [e for e in MATRIX if not e.refused and e.model_type not in ADAPTED]
+
+
+@pytest.mark.parametrize(
+    "entry", THROUGH_ATTENTION_INTERFACE, ids=[e.name for e in THROUGH_ATTENTION_INTERFACE]
+)
+def test_an_eager_forward_reads_no_device_value_on_the_host(entry: Entry):
+    """A prompt beside decode rows, as bm's runner runs it eagerly, with no operator that syncs.
+
+    transformers' mask preparation once ran its packed-sequence check here (``.all()`` on bm's
+    position ids), because bm registered a no-op mask function under its attention's name: on CUDA
+    every prompt step then waited for the step in flight, and overlap scheduling hid nothing there."""
+    loaded = describe_model(build(entry), None, entry.name)
+    runner = ModelRunner(loaded, num_blocks=16, tokens_per_block=4, max_seq_len=64)
+    items = [work_item([5] * 7, 0, [0, 1]), work_item([6], 9, [2, 3, 4]), work_item([7], 13, [5, 6, 7, 8])]
+    runner.forward(items)  # a first forward: whatever is set up once stays out of the count
+    with _HostReads() as reads:
+        runner.forward(items)
+    assert reads.seen == []

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "bm_paged"
 
@@ -187,13 +186,15 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     return shapes
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """transformers builds no dense mask for bm's packed batches: each sequence is masked inside the kernel."""
-    return None
-
-
 def register() -> str:
-    """Register bm's attention (and its no-op mask) under one name; safe to call more than once."""
+    """Register bm's attention under one name; safe to call more than once.
+
+    No mask function is registered with it, on purpose: transformers builds masks only for attention
+    names its mask interface knows, and returns None at once for others ("custom attention without
+    equivalent mask creation"). Registered (as a no-op, until this was found), the name let
+    transformers' mask preparation run its packed-sequence check on bm's position ids, whose
+    ``.all()`` read a device value on the host: on CUDA a blocking sync in every eager forward, which
+    held the host at each prompt step until the step before it had finished, so overlap scheduling
+    hid nothing there. Each sequence is masked inside bm's kernels."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
     return ATTENTION_NAME
