@@ -61,7 +61,7 @@ from common import copy_bandwidth
 from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
-from bm.config import config_from_dict
+from bm.config import KvCacheConfig, config_from_dict
 from bm.engine import Request, generate
 from bm.runtime import ModelRunner, work_item
 from bm.runtime.backends import ENV_SWITCH
@@ -100,11 +100,15 @@ def build(shape: dict[str, Any], dtype: str, device: torch.device, cuda_graphs: 
 OVERLAP = {"mode": "auto"}
 
 
-def bm_config(num_requests: int, max_len: int, max_num_tokens: int, reuse: bool = False):
+def bm_config(
+    num_requests: int, max_len: int, max_num_tokens: int, reuse: bool = False, tokens_per_block: int = 16
+):
+    """The oracle's small blocks (16 tokens: more block boundaries per prompt); the throughput section passes
+    ``--tokens-per-block`` (the engine's default unless given)."""
     return config_from_dict({
         "engine": {"max_batch_size": num_requests, "max_num_tokens": max_num_tokens,
                    "enable_chunked_context": True, "overlap_scheduler": OVERLAP["mode"]},
-        "kv_cache": {"tokens_per_block": 16, "max_tokens": num_requests * max_len + 256,
+        "kv_cache": {"tokens_per_block": tokens_per_block, "max_tokens": num_requests * max_len + 256,
                      "enable_block_reuse": reuse},
     })  # fmt: skip
 
@@ -337,7 +341,9 @@ def check_throughput(name: str, shape, device: torch.device, args, figures: dict
     rows = workload(
         3, args.requests, loaded.vocab_size, (args.prompt_len // 2, args.prompt_len), args.output_len
     )
-    config = bm_config(args.requests, args.prompt_len + args.output_len, 8192)
+    config = bm_config(
+        args.requests, args.prompt_len + args.output_len, 8192, tokens_per_block=args.tokens_per_block
+    )
     # Start-up (KV cache, warm-up: Triton compiles, CUDA graph captures) is timed apart, before the
     # clock, as bm bench and bm.LLM time it (startup_s); then two timed runs on the same executor:
     # bm_first_run (whatever the warm-up missed lands here) and bm, the steady state, as vLLM's and
@@ -448,7 +454,7 @@ def unstacked(loaded: LoadedModel) -> Iterator[None]:
 def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str, Any]:
     """Decode steps of ``--requests`` sequences with a ``--prompt-len`` context each, timed end to end
     (forward, argmax, the one copy of tokens to the host), against the bytes each step must read."""
-    bs, num, ctx = 16, args.requests, args.prompt_len
+    bs, num, ctx = args.tokens_per_block, args.requests, args.prompt_len
     per_seq = -(-(ctx + 16) // bs)
     runner = ModelRunner(loaded, num * per_seq, bs, ctx + 16 * bs)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num)]
@@ -666,6 +672,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the Azure conversation trace (default: ../shared/traces or bm-out/traces)")  # fmt: skip
     p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
                    help="force bm's attention path (triton on CPU runs Triton's interpreter: slow)")  # fmt: skip
+    p.add_argument("--tokens-per-block", type=int, default=KvCacheConfig().tokens_per_block,
+                   help="KV block size of the throughput and roofline runs (default: the engine's, "
+                   f"{KvCacheConfig().tokens_per_block}; the figures in docs/gpu.md up to 2026-11-27 used 16)")  # fmt: skip
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="engine.overlap_scheduler for bm's runs (auto: on for CUDA)")  # fmt: skip
     args = p.parse_args(argv)
