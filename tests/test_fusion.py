@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -259,3 +260,29 @@ def test_model_fused_elementwise_config_takes_auto_on_off_and_yaml_booleans():
         assert load_config(None, {"model.fused_elementwise": value}).model.fused_elementwise == expected
     with pytest.raises(ConfigError, match=r"model\.fused_elementwise: unknown value 'sometimes'"):
         load_config(None, {"model.fused_elementwise": "sometimes"})
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # 5.24 renames the old keyword, with a warning
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_fused_decoder_layer_runs_fused_when_its_caller_names_an_absent_cache_either_way(name, monkeypatch):
+    """transformers 5.24 calls a decoder layer with ``cache=None``; 5.17 (the GPU machines') with
+    ``past_key_values=None``. A cache given under that name sent the layer to its own forward, so on the
+    GPU the residual add and the norm after attention ran as two kernels, not one: the H100 profile of a
+    1B decode step counted two adds per layer. An absent cache under either name keeps the fused path."""
+    model = tiny_llama()
+    fuse_elementwise(model)
+    layer = model.model.layers[0]
+    fused = layer.forward
+    calls = []
+    add_norm = fused._kernels.add_rms_norm
+    monkeypatch.setattr(fused, "_kernels", SimpleNamespace(
+        accepts=fused._kernels.accepts, add_rms_norm=lambda *a: calls.append(1) or add_norm(*a)
+    ))  # fmt: skip
+    h = torch.randn(1, 5, 40)
+    positions = torch.arange(5)[None]
+    emb = model.model.rotary_emb(h, positions)
+    with torch.no_grad(), in_bm_forward():
+        got = layer(h, position_ids=positions, position_embeddings=emb, **{name: None})
+        want = fused._own(h, position_ids=positions, position_embeddings=emb)
+    assert calls == [1]
+    assert torch.equal(got, want)

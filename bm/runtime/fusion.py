@@ -300,7 +300,10 @@ class _FusedDecoderLayer(_FusedForward):
             attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache
         )
         inputs.update(position_embeddings=position_embeddings, **kwargs)
-        if "past_key_values" in kwargs or not (in_bm_forward() and self._kernels.accepts(hidden_states)):
+        # the HF cache is ``cache`` in recent transformers and ``past_key_values`` in earlier 5.x (5.17
+        # passes ``past_key_values=None`` in every call): only a cache given, under either name, is HF's
+        given = cache if cache is not None else kwargs.get("past_key_values")
+        if given is not None or not (in_bm_forward() and self._kernels.accepts(hidden_states)):
             return self._own(hidden_states, **inputs)
         residual = hidden_states
         hidden_states, _ = m.self_attn(hidden_states=m.input_layernorm(hidden_states), **inputs)
