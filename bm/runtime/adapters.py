@@ -43,9 +43,11 @@ def _paged(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 def _bloom_slopes(heads: int) -> torch.Tensor:
-    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-    return _get_alibi_slopes(heads, torch.device("cpu")).float()
+    # The bias at the second position of an unpadded row is each head's slope times one: the slopes, bit
+    # for bit, from the function every 5.x release has (the private helper 5.24 uses is missing in 5.17).
+    return build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)[:, 0, 1].contiguous()
 
 
 def _mpt_slopes(heads: int, alibi_bias_max: float) -> torch.Tensor:
