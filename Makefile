@@ -23,7 +23,7 @@ WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
 TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
 TIME_SCALE ?= 0.25
 
-.PHONY: run test lint lock test-latest bench bench-trace mutate clean
+.PHONY: run test lint lock test-latest test-gpu-stack bench bench-trace mutate clean
 
 # The lock pins the runtime, dev and model extras and the build backend, so bm itself installs with no
 # build isolation and nothing unpinned reaches the environment.
@@ -61,6 +61,11 @@ lock: $(STAMP)
 # the newest releases (lock and upper bounds ignored), printing which packages moved and what broke.
 test-latest:
 	python3 tools/test_latest.py
+
+# Not part of `make test` or CI: the GPU path's CPU tests under the transformers release the lent GPU
+# machines have (5.17), whose call conventions bm's module rewrites must also match. Run before a device run.
+test-gpu-stack: $(STAMP)
+	$(PY) tools/test_gpu_stack.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py $(WORKLOAD) --model-config configs/models/bench-llama-15m.json
