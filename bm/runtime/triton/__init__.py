@@ -20,8 +20,9 @@ class TritonUnavailableError(RuntimeError):
     pass
 
 
-def load_kernels() -> ModuleType:
-    """The kernels module: compiled for the GPU, or in Triton's interpreter (``TRITON_INTERPRET=1``).
+def load_kernels(module: str = "kernels") -> ModuleType:
+    """A kernels module of this package, ``kernels`` (attention) or ``elementwise_kernels``: compiled
+    for the GPU, or in Triton's interpreter (``TRITON_INTERPRET=1``).
 
     ``triton.jit`` (triton's own library functions included) picks compiling or interpreting when it
     decorates, which happens as torch imports triton: the interpreter has to be asked for in the
@@ -37,9 +38,7 @@ def load_kernels() -> ModuleType:
         )
     if triton.knobs.runtime.interpret:
         _patch_interpreter_scalars()
-    from bm.runtime.triton import kernels
-
-    return kernels
+    return importlib.import_module(f"bm.runtime.triton.{module}")
 
 
 def _patch_interpreter_scalars() -> None:

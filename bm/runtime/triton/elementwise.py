@@ -34,7 +34,7 @@ class TritonElementwise:
 
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
-        self._k = load_kernels()
+        self._k = load_kernels("elementwise_kernels")
         self._no_fma = _no_fma_option()
 
     def accepts(self, *tensors: torch.Tensor) -> bool:

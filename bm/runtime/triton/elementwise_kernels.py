@@ -1,0 +1,93 @@
+"""The decoder layer's elementwise chains as Triton kernels (RMSNorm with or without the residual add
+before it, SiLU(gate) * up, rotary embedding), for :class:`bm.runtime.triton.elementwise.TritonElementwise`.
+
+Each computes transformers' formula with its roundings, in the tensor's dtype, one program per row
+(token). Kept apart from the attention kernels (:mod:`bm.runtime.triton.kernels`): the two sets share
+nothing but the way they load (:func:`bm.runtime.triton.load_kernels`, compiled or interpreted).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    x_stride,
+    b_ptr,
+    b_stride,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    cols,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
+):
+    """``w * (x * rsqrt(mean(x**2) + eps)).to(dtype)`` per row; with ADD, ``x = (x + b).to(dtype)`` first
+    (stored to ``sum_ptr``): the residual add, rounded to the model's dtype as torch's add rounds it."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < cols
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0)
+    dtype = x.dtype
+    if ADD:
+        x = x.to(tl.float32) + tl.load(b_ptr + row * b_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        x = x.to(dtype)
+        tl.store(sum_ptr + row * cols + offs, x, mask=ok)
+    x = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, 0) / cols + eps)
+    y = (x * inv).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * cols + offs, (w * y).to(dtype), mask=ok)
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, cols, BLOCK: tl.constexpr):
+    """``silu(g).to(dtype) * u`` per row, rounded as torch's two ops round."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < cols
+    g = tl.load(g_ptr + row * g_stride + offs, mask=ok, other=0.0)
+    dtype = g.dtype
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dtype).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * cols + offs, (act * u).to(dtype), mask=ok)
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,
+    x_stride_t,
+    x_stride_h,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``x * cos + rotate_half(x) * sin`` for one token's heads, each product and the sum rounded to the
+    dtype as torch's three ops round them (launched without FMA contraction)."""
+    token = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    ok = (offs_h < heads)[:, None] & d_ok[None, :]
+    base = x_ptr + token * x_stride_t + offs_h[:, None] * x_stride_h
+    x = tl.load(base + offs_d[None, :], mask=ok, other=0.0)
+    dtype = x.dtype
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    rot = tl.load(base + partner[None, :], mask=ok, other=0.0).to(tl.float32) * sign[None, :]
+    c = tl.load(cos_ptr + token * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
+    b = (rot.to(dtype).to(tl.float32) * s[None, :]).to(dtype).to(tl.float32)
+    dst = out_ptr + token * heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(dst, (a + b).to(dtype), mask=ok)
