@@ -87,6 +87,35 @@ def test_rotary_kernel_matches_transformers_apply_rotary_pos_emb(kernels, dtype,
     assert_close_to_rounding(got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_pair_is_one_launch_with_the_bits_of_two(kernels, dtype, monkeypatch):
+    """Queries and keys in one launch (the GPU path's), bit for bit what one launch each gives, for
+    strided views as a stacked q/k/v product hands them over (6 query heads and 2 key heads of 80)."""
+    torch.manual_seed(4)
+    qkv = torch.randn(5, 10 * 80).to(dtype)  # 5 tokens: 6 query, 2 key and 2 value heads, side by side
+    q, k = qkv[:, : 6 * 80].view(5, 6, 80), qkv[:, 6 * 80 : 8 * 80].view(5, 2, 80)
+    cos, sin = torch.randn(5, 80).to(dtype), torch.randn(5, 80).to(dtype)
+    launches = []
+    pair = kernels._k.rotary_pair_kernel
+    monkeypatch.setattr(kernels._k, "rotary_pair_kernel", _Counted(pair, launches))
+    with torch.inference_mode():
+        got_q, got_k = kernels.rotary_pair(q, k, cos, sin)
+        want_q, want_k = kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
+    assert len(launches) == 1
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+class _Counted:
+    """A kernel whose launches (``kernel[grid](...)``) are recorded."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 def test_kernels_accept_only_their_device_one_dtype_and_no_autograd(kernels):
     x = torch.zeros(2, 4)
     assert not kernels.accepts(x)  # autograd on (pytest's default)

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 GPU_TRANSFORMERS = "transformers==5.17.0"
 GPU_HUB = "huggingface_hub==1.33.0"
 TESTS = [
+    "tests/test_decode_launches.py",
     "tests/test_fusion.py",
     "tests/test_fused_projections.py",
     "tests/test_triton_elementwise.py",

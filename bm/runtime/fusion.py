@@ -357,6 +357,9 @@ class _FusedRotary:
             return self._original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
         # [1, heads, tokens, d] -> the kernel's [tokens, heads, d] and back (a view, as torch's ops give)
         c, s = cos[0], sin[0]
-        q_out = self._kernels.rotary(q[0].transpose(0, 1), c, s).transpose(0, 1)[None]
-        k_out = self._kernels.rotary(k[0].transpose(0, 1), c, s).transpose(0, 1)[None]
-        return q_out, k_out
+        qt, kt = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        pair = getattr(self._kernels, "rotary_pair", None)  # the GPU's: both in one launch
+        q_out, k_out = pair(qt, kt, c, s) if pair is not None else (
+            self._kernels.rotary(qt, c, s), self._kernels.rotary(kt, c, s)
+        )  # fmt: skip
+        return q_out.transpose(0, 1)[None], k_out.transpose(0, 1)[None]

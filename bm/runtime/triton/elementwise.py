@@ -106,6 +106,35 @@ class TritonElementwise:
             )  # fmt: skip
         return out
 
+    def rotary_pair(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rotary` of ``q`` [tokens, q_heads, d] and ``k`` [tokens, k_heads, d] in one launch, the
+        same bits as two calls."""
+        tokens, q_heads, d = q.shape
+        if (
+            d % 2
+            or k.shape[0] != tokens
+            or k.shape[2] != d
+            or cos.shape != (tokens, d)
+            or sin.shape != (tokens, d)
+        ):
+            raise ValueError(
+                f"rotary kernel: q {tuple(q.shape)}, k {tuple(k.shape)} with cos {tuple(cos.shape)}"
+            )
+        q = q if q.stride(2) == 1 else q.contiguous()
+        k = k if k.stride(2) == 1 else k.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q_out = torch.empty(tokens, q_heads, d, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(tokens, k.shape[1], d, dtype=k.dtype, device=k.device)
+        if tokens:
+            self._k.rotary_pair_kernel[(tokens, 2)](
+                q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), cos, sin, q_out, k_out,
+                q_heads, k.shape[1], HEAD_DIM=d, HEAD_PAD=next_pow2(d), BLOCK_HQ=next_pow2(q_heads),
+                BLOCK_HK=next_pow2(k.shape[1]), **self._no_fma,
+            )  # fmt: skip
+        return q_out, k_out
+
 
 def _no_fma_option() -> dict[str, bool]:
     """Compiled kernels take compile options as launch arguments: no multiply-add contraction, so each

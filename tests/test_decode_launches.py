@@ -1,0 +1,105 @@
+"""How many kernels a decode step launches per decoder layer on the GPU path, counted on the CPU.
+
+A decode step of a small model is dozens of kernels of a few microseconds each per layer, so each launch
+costs about as much as it computes (an H100 profile of SmolLM2's 256-row step: 30 layers, elementwise
+kernels of 1.5-3 us). The count is a deterministic stand-in for that cost, and it catches a rewrite that
+silently stops applying: under the GPU machines' transformers (5.17) the fused decoder layer fell back to
+transformers' own code and a layer ran two residual adds where one was meant, which only a GPU profile
+showed. ``make test-gpu-stack`` runs this under that transformers too.
+
+What runs: a tiny Llama in bfloat16 with everything the GPU path installs (the Triton elementwise kernels,
+q/k/v and gate/up stacked, the Triton attention backend over its static decode buffers), in Triton's
+interpreter. Torch operators that would launch a kernel on CUDA are counted with a dispatch mode (views,
+allocations and no-op conversions launch nothing), Triton kernels by their launches; one layer's count is
+a three-layer forward's less a two-layer one's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+pytest.importorskip("triton")
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bm.runtime import ModelRunner, work_item
+from bm.runtime.backends import ENV_SWITCH
+from bm.runtime.fused_projections import fuse_projections
+from bm.runtime.fusion import fuse_elementwise
+from bm.runtime.model_loader import describe_model
+from bm.runtime.triton.elementwise import TritonElementwise
+
+# allocations and bookkeeping: no kernel on CUDA
+NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "detach", "detach_", "lift_fresh", "set_"}
+
+
+class _Launches(TorchDispatchMode):
+    """Counts torch operators that launch a kernel, by name (Triton's are added by the interpreter hook)."""
+
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        no_op = name in ("to", "_to_copy") and out is args[0]
+        if not (func.is_view or name in NO_KERNEL or no_op):
+            self.counts[f"aten.{name}"] += 1
+        return out
+
+
+def _decode_step_launches(layers: int, monkeypatch) -> Counter:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    fuse_elementwise(model, TritonElementwise("cpu"))
+    assert fuse_projections(model) == {"qkv": layers, "gate_up": layers}
+    loaded = describe_model(
+        model, None, "tiny", prepack="off", fused_elementwise="off", fused_projections="off"
+    )
+    loaded.cuda_graphs = "on"  # the static buffers a CUDA graph replays (run eagerly here)
+    runner = ModelRunner(loaded, num_blocks=64, tokens_per_block=16, max_seq_len=256)
+    items = [work_item([5], 20, [2 * i, 2 * i + 1]) for i in range(4)]
+    counts: Counter = Counter()
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        counts[self.fn.__name__] += 1
+        with _disable_current_modes():  # the interpreter's own torch calls are not the kernel's launches
+            return run(self, *args, **kwargs)
+
+    with torch.inference_mode():
+        runner.forward(items, float_logits=False)  # first use: whatever is set up once
+        monkeypatch.setattr(InterpretedFunction, "run", counted)
+        with _Launches(counts):
+            runner.forward(items, float_logits=False)
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    return counts
+
+
+def test_a_decode_step_launches_twelve_kernels_per_llama_layer_on_the_gpu_path(monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "triton")
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/__init__.py
+    two, three = _decode_step_launches(2, monkeypatch), _decode_step_launches(3, monkeypatch)
+    per_layer = {name: three[name] - two[name] for name in three if three[name] != two[name]}
+    assert per_layer == {
+        "aten.linear": 4,  # q/k/v stacked, o, gate/up stacked, down
+        "rms_norm_kernel": 2,  # the input norm; the add after attention with the norm after it
+        "rotary_pair_kernel": 1,  # queries and keys
+        "store_kv_kernel": 1,
+        "split_kv_decode_kernel": 1,  # 4 rows x 2 KV heads cannot fill an H100: split-KV, two passes
+        "split_kv_combine_kernel": 1,
+        "silu_mul_kernel": 1,
+        "aten.add": 1,  # the residual add after the MLP
+    }
