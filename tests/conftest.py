@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,26 @@ def threads():
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def triton_rotary_on_cpu():
+    """For a test that fuses a model with the Triton kernels on CPU (Triton's interpreter): the modeling
+    modules' shared rotary global takes the latest fused model's kernels per device type, so afterwards
+    it is handed bm's C kernels back (or transformers' own function, where they do not build), or every
+    later test's CPU model would run its rotary in the interpreter."""
+    yield
+    from bm.runtime.fusion import _FusedRotary
+    from bm.runtime.native import elementwise_kernels
+
+    kernels = elementwise_kernels()
+    for module in list(sys.modules.values()):
+        rotary = getattr(module, "apply_rotary_pos_emb", None)
+        if isinstance(rotary, _FusedRotary):
+            if kernels is not None:
+                rotary.use(kernels)
+            else:
+                module.apply_rotary_pos_emb = rotary.__wrapped__
 
 
 @pytest.fixture(scope="session")

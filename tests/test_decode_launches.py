@@ -88,7 +88,9 @@ def _decode_step_launches(layers: int, monkeypatch) -> Counter:
     return counts
 
 
-def test_a_decode_step_launches_twelve_kernels_per_llama_layer_on_the_gpu_path(monkeypatch):
+def test_a_decode_step_launches_twelve_kernels_per_llama_layer_on_the_gpu_path(
+    monkeypatch, triton_rotary_on_cpu
+):
     monkeypatch.setenv(ENV_SWITCH, "triton")
     assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/__init__.py
     two, three = _decode_step_launches(2, monkeypatch), _decode_step_launches(3, monkeypatch)

@@ -286,3 +286,26 @@ def test_fused_decoder_layer_runs_fused_when_its_caller_names_an_absent_cache_ei
         want = fused._own(h, position_ids=positions, position_embeddings=emb)
     assert calls == [1]
     assert torch.equal(got, want)
+
+
+def test_the_shared_rotary_global_keeps_the_latest_kernels_of_each_device_type(triton_rotary_on_cpu):
+    """transformers' rotary function is one global per modeling module, shared by every model of the
+    family in the process. It held the kernels of the first model fused: a CPU model fused before a CUDA
+    one left the CUDA one with transformers' rotary. Now each device type keeps its latest kernels."""
+    if elementwise_kernels() is None:
+        pytest.skip("bm's C kernels do not build here")
+
+    class CudaKernels:  # stands for TritonElementwise("cuda"), which needs no GPU to be handed over
+        device_type = "cuda"
+
+        def accepts(self, *tensors):
+            return False
+
+    fuse_elementwise(tiny_llama())
+    rotary = modeling_llama.apply_rotary_pos_emb
+    assert isinstance(rotary, _FusedRotary)
+    cpu = rotary._by_device["cpu"]
+    cuda = CudaKernels()
+    fuse_elementwise(tiny_llama(), cuda)
+    assert modeling_llama.apply_rotary_pos_emb is rotary  # one global, now serving both
+    assert rotary._by_device == {"cpu": cpu, "cuda": cuda}

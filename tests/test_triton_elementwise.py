@@ -143,7 +143,9 @@ def test_interpreter_rounds_bfloat16_casts_unlike_torch_which_is_why_bf16_checks
     assert (out.float() - x.to(torch.bfloat16).float()).abs().max() <= 2**-7 * x.abs().max()
 
 
-def test_greedy_output_equals_hf_generate_with_the_triton_elementwise_chains_fused(threads):
+def test_greedy_output_equals_hf_generate_with_the_triton_elementwise_chains_fused(
+    threads, triton_rotary_on_cpu
+):
     threads(1)
     # prepack off: no packed GEMMs, so the MLP runs gate, up, then the SiLU-mul kernel, as on a GPU
     loaded = load_model(ModelConfig(device="cpu", seed=0, fused_elementwise="off", prepack="off"))

@@ -161,6 +161,7 @@ def fuse_elementwise(model: nn.Module, kernels: ElementwiseKernels | Any | None 
         namespace = sys.modules.get(name)
         rotary = getattr(namespace, _ROTARY_NAME, None)
         if isinstance(rotary, _FusedRotary):
+            rotary.use(kernels)
             counts["rotary"] += 1
         elif rotary is not None and _matches(rotary, "rotary"):
             # The modeling module's global: its attention layers look it up by name on every call.
@@ -329,17 +330,29 @@ class _FusedDecoderLayer(_FusedForward):
 
 
 class _FusedRotary:
-    """Llama's ``apply_rotary_pos_emb`` with both tensors in one C pass each, inside a bm forward."""
+    """Llama's ``apply_rotary_pos_emb`` inside a bm forward: one C pass per tensor on the CPU, one Triton
+    launch for both on the GPU.
+
+    It replaces a modeling module's global, which every model of that family in the process shares, so it
+    keeps kernels per device type: the latest fused model's on each (:meth:`use`). Holding one set, a CPU
+    model fused first left a CUDA model of the same family in the process with transformers' rotary."""
 
     def __init__(self, original: Callable, kernels: ElementwiseKernels) -> None:
         self._original = original
-        self._kernels = kernels
+        self._by_device: dict[str, Any] = {}
+        self.use(kernels)
         self.__wrapped__ = original
         self.__doc__ = original.__doc__
 
+    def use(self, kernels: ElementwiseKernels | Any) -> None:
+        """Compute tensors on ``kernels``' device type with them from now on."""
+        self._by_device[getattr(kernels, "device_type", "cpu")] = kernels
+
     def __call__(self, q, k, cos, sin, unsqueeze_dim: int = 1, *args, **kwargs):
+        kernels = self._by_device.get(q.device.type)
         if (
-            args
+            kernels is None
+            or args
             or kwargs
             or unsqueeze_dim != 1
             or not in_bm_forward()
@@ -352,14 +365,14 @@ class _FusedRotary:
             or cos.shape[0] != 1
             or cos.shape[1:] != (q.shape[2], q.shape[3])
             or k.shape[2:] != q.shape[2:]
-            or not self._kernels.accepts(q, k, cos, sin)
+            or not kernels.accepts(q, k, cos, sin)
         ):
             return self._original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
         # [1, heads, tokens, d] -> the kernel's [tokens, heads, d] and back (a view, as torch's ops give)
         c, s = cos[0], sin[0]
         qt, kt = q[0].transpose(0, 1), k[0].transpose(0, 1)
-        pair = getattr(self._kernels, "rotary_pair", None)  # the GPU's: both in one launch
+        pair = getattr(kernels, "rotary_pair", None)  # the GPU's: both in one launch
         q_out, k_out = pair(qt, kt, c, s) if pair is not None else (
-            self._kernels.rotary(qt, c, s), self._kernels.rotary(kt, c, s)
+            kernels.rotary(qt, c, s), kernels.rotary(kt, c, s)
         )  # fmt: skip
         return q_out.transpose(0, 1)[None], k_out.transpose(0, 1)[None]
