@@ -1,17 +1,27 @@
 #!/usr/bin/env python3
-"""The engine core's host time per iteration, without a model: what overlap scheduling cannot hide.
+"""The engine's host time per iteration, without a model: what overlap scheduling cannot hide.
 
     python benchmarks/engine_host.py [--requests 64,256,1024] [--overlap off,on] [--repeats 5]
-        [--max-batch-size B] [--profile N]
+        [--max-batch-size B] [--executor fake|torch] [--profile N]
 
 Each run admits N requests at once (prompts of 256-511 random tokens, 128 output tokens, end tokens never
-sampled) into an :class:`~bm.engine.EngineCore` over the fake executor (no torch), with
-``max_batch_size`` N (``--max-batch-size B``: B, the rest queued), ``max_num_tokens`` 8192, chunked
-context, 16-token blocks, no block reuse and a cache that holds ``max_batch_size`` requests to
-completion, and steps it until every request has ended. Every step is
-timed, and apart from it the fake executor's ``execute`` (which checks every position's block and hashes
-each token): the engine core's time is the difference, i.e. scheduling, KV block bookkeeping, batch
-building, applying tokens, stopping checks, responses and stats.
+sampled) into an :class:`~bm.engine.EngineCore`, with ``max_batch_size`` N (``--max-batch-size B``: B,
+the rest queued), ``max_num_tokens`` 8192, chunked context, the engine's default blocks (32 tokens), no
+block reuse and a cache that holds ``max_batch_size`` requests to completion, and steps it until every
+request has ended.
+
+``--executor fake`` (the default): over the fake executor (no torch). Every step is timed, and apart
+from it the fake executor's ``execute`` (which checks every position's block and hashes each token):
+``core`` is the difference, i.e. scheduling, KV block bookkeeping, batch building, applying tokens,
+stopping checks, responses and stats.
+
+``--executor torch``: over the torch executor on the GPU's code path, on the CPU, with only the model
+call stubbed: a one-layer Llama (vocabulary 256) whose forward returns rows of a fixed logits tensor,
+behind the Triton attention backend with its static decode buffers (``model.cuda_graphs: on``), so the
+step's metadata, the static buffers' fill, the overlap path's input fill, sampling on the "device" and
+the token copy all run as on a GPU, minus the CUDA calls. ``core`` is then the host's whole step (the
+core and the executor's host side) and ``executor`` the stubbed model call: what a GPU's device step
+must outlast for overlap to hide the host (an H100's 256-row decode step of a 1B Llama: about 4-5 ms).
 
 Prints JSON: for each request count and overlap setting, the core's ms per iteration over the whole run
 and its median over the decode iterations (no context token in the batch), each as the median of the
@@ -27,13 +37,14 @@ import argparse
 import cProfile
 import gc
 import json
+import os
 import pstats
 import random
 import statistics
 import sys
 import time
 
-from bm.config import config_from_dict
+from bm.config import KvCacheConfig, config_from_dict
 from bm.engine import EngineCore, Request
 from bm.engine.executor import ExecutionBatch, ExecutionResult, WorkKind
 from bm.engine.fake_executor import FakeExecutor
@@ -41,18 +52,61 @@ from bm.engine.fake_executor import FakeExecutor
 PROMPT_TOKENS = (256, 512)  # drawn from [low, high)
 OUTPUT_TOKENS = 128
 MAX_NUM_TOKENS = 8192
-TOKENS_PER_BLOCK = 16
+TOKENS_PER_BLOCK = KvCacheConfig().tokens_per_block  # the engine's default (32)
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+STUB_VOCAB = 256
+_TORCH: list = []  # (the stubbed torch executor, its sink), built once per process
+
+
+def torch_executor(sink: list[list[tuple[float, bool]]]):
+    """The torch executor on the GPU's code path over a one-layer Llama whose model call is stubbed (see
+    the module docstring); each stubbed call appends its seconds and whether it was a decode step to
+    ``sink[0]`` (the current run's list: runs share the executor, as bm.LLM's generate calls do)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bm.runtime.backends import ENV_SWITCH
+    from bm.runtime.executor import TorchExecutor
+    from bm.runtime.model_loader import describe_model
+    from bm.runtime.model_runner import ModelRunner
+    from bm.runtime.triton.graphs import DecodeGraphs
+
+    os.environ[ENV_SWITCH] = "triton"  # the Triton backend's metadata and static buffers, as on CUDA
+    config = AutoConfig.for_model(
+        "llama", vocab_size=STUB_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    loaded = describe_model(
+        model, None, "stub", prepack="off", fused_elementwise="off", fused_projections="off"
+    )
+    loaded.cuda_graphs = "on"
+    logits = torch.randn(8192, STUB_VOCAB)
+    logits[:, :3] = float("-inf")  # no end token (the config's is 2): every request runs to its length
+
+    def stub(rows: int, decoding: bool) -> torch.Tensor:
+        t = time.perf_counter()
+        out = logits[:rows]
+        sink[0].append((time.perf_counter() - t, decoding))
+        return out
+
+    ModelRunner._run_model = lambda self, inputs, embeds=None: stub(inputs.logits_index.shape[0], False)
+    DecodeGraphs._forward = lambda self, bucket: stub(bucket, True)
+    return TorchExecutor(loaded)
+
+
 def make_core(
-    num_requests: int, overlap: str, max_batch_size: int | None = None
+    num_requests: int, overlap: str, max_batch_size: int | None = None, kind: str = "fake"
 ) -> tuple[EngineCore, list[tuple[float, bool]]]:
-    """A core over a fake executor whose ``execute`` records its own seconds and whether the batch was a
-    pure decode (one entry per call), with every request admitted (``max_batch_size``: default all)."""
+    """A core over the fake executor whose ``execute`` records its own seconds and whether the batch was a
+    pure decode (one entry per call), or over the stubbed torch executor (:func:`torch_executor`), with
+    every request admitted (``max_batch_size``: default all)."""
     batch = max_batch_size or num_requests
     config = config_from_dict(
         {
@@ -69,23 +123,30 @@ def make_core(
             },
         }
     )
-    executor = FakeExecutor(1000, device_type="cpu")
     spent: list[tuple[float, bool]] = []
-    execute = executor.execute
+    if kind == "torch":
+        if not _TORCH:
+            sink: list[list[tuple[float, bool]]] = [spent]
+            _TORCH.append((torch_executor(sink), sink))
+        executor, sink = _TORCH[0]
+        sink[0], vocab = spent, STUB_VOCAB
+    else:
+        executor, vocab = FakeExecutor(1000, device_type="cpu"), 1000
+        execute = executor.execute
 
-    def timed(batch: ExecutionBatch) -> ExecutionResult:
-        t = time.perf_counter()  # what this wrapper reads of the batch counts as the executor's
-        decoding = all(i.kind is WorkKind.GENERATION for forward in batch.forwards for i in forward)
-        try:
-            return execute(batch)
-        finally:
-            spent.append((time.perf_counter() - t, decoding))
+        def timed(batch: ExecutionBatch) -> ExecutionResult:
+            t = time.perf_counter()  # what this wrapper reads of the batch counts as the executor's
+            decoding = all(i.kind is WorkKind.GENERATION for forward in batch.forwards for i in forward)
+            try:
+                return execute(batch)
+            finally:
+                spent.append((time.perf_counter() - t, decoding))
 
-    executor.execute = timed  # the core's launcher reads it when the core is built
+        executor.execute = timed  # the core's launcher reads it when the core is built
     core = EngineCore(config, executor)
     rng = random.Random(3)
     for i in range(num_requests):
-        prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(*PROMPT_TOKENS))]
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(*PROMPT_TOKENS))]
         refused = core.add_request(Request(i, prompt, OUTPUT_TOKENS))
         if refused is not None:
             raise SystemExit(f"request {i} refused: {refused.error}")
@@ -97,9 +158,10 @@ def run_once(
     overlap: str,
     max_batch_size: int | None = None,
     profiler: cProfile.Profile | None = None,
+    kind: str = "fake",
 ) -> dict:
     """One run to completion: the core's and the executor's seconds, per step."""
-    core, spent = make_core(num_requests, overlap, max_batch_size)
+    core, spent = make_core(num_requests, overlap, max_batch_size, kind)
     clock = time.perf_counter
     core_s: list[float] = []
     exec_s: list[float] = []
@@ -134,6 +196,8 @@ def main() -> None:
     p.add_argument("--overlap", default="off,on", help="comma list of engine.overlap_scheduler values")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-batch-size", type=int, default=None, help="default: each run's request count")
+    p.add_argument("--executor", choices=["fake", "torch"], default="fake",
+                   help="fake (the core alone) or torch (the GPU code path's host side, model stubbed)")  # fmt: skip
     p.add_argument("--profile", type=int, default=None, metavar="N", help="cProfile one run at N requests")
     p.add_argument("--sort", default="tottime", help="the profile's order (tottime, cumulative)")
     args = p.parse_args()
@@ -142,17 +206,17 @@ def main() -> None:
 
     if args.profile is not None:
         profiler = cProfile.Profile()
-        run_once(args.profile, overlaps[0], args.max_batch_size, profiler)
+        run_once(args.profile, overlaps[0], args.max_batch_size, profiler, args.executor)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats(args.sort).print_stats(40)
     if args.repeats <= 0:
         return
 
     runs: dict[tuple[int, str], list[dict]] = {(n, o): [] for n in counts for o in overlaps}
-    run_once(counts[0], overlaps[0], args.max_batch_size)  # warm-up: imports, first-call caches
+    run_once(counts[0], overlaps[0], args.max_batch_size, kind=args.executor)  # warm-up: imports, caches
     for repeat in range(args.repeats):
         for n in counts:
             for overlap in overlaps:
-                run = run_once(n, overlap, args.max_batch_size)
+                run = run_once(n, overlap, args.max_batch_size, kind=args.executor)
                 runs[n, overlap].append(run)
                 log(
                     f"repeat {repeat + 1}/{args.repeats} requests {n} overlap {overlap}: core "
@@ -181,7 +245,8 @@ def main() -> None:
         "max_num_tokens": MAX_NUM_TOKENS,
         "tokens_per_block": TOKENS_PER_BLOCK,
         "max_batch_size": args.max_batch_size or "requests",
-        "executor": "fake",
+        "executor": args.executor,
+        "core_is": "the core" if args.executor == "fake" else "the host's whole step (core + torch executor)",
     }
     print(json.dumps({"workload": workload, "repeats": args.repeats, "results": results}, indent=1))
 
