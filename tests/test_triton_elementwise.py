@@ -10,11 +10,6 @@ round up to three intermediates, so the bfloat16 checks here allow a few bfloat1
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -28,6 +23,7 @@ from bm.runtime import load_model
 from bm.runtime.fusion import fuse_elementwise
 from bm.runtime.triton.elementwise import TritonElementwise
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.triton_compile import compile_for_h100
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -166,25 +162,9 @@ def test_greedy_output_equals_hf_generate_with_the_triton_elementwise_chains_fus
         assert results[i].output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
 
 
-# Compiled for an H100 in a process without TRITON_INTERPRET, as tests/test_triton_split_kv.py compiles the
-# split-KV pair: the interpreter forgives what the compiler refuses, and these kernels run compiled only on
-# a GPU, which CI has not.
-_COMPILE = """
-import importlib.util
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-spec = importlib.util.spec_from_file_location("elementwise_kernels", sys.argv[1])
-kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernels)
-
-def build(fn, args, consts):
-    sig = {**args, **dict.fromkeys(consts, "constexpr")}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], fn.__name__
-
+# Compiled for an H100 (tests/triton_compile.py): these kernels run compiled only on a GPU, which CI has
+# not, and the interpreter forgives what the compiler refuses.
+_BUILDS = """
 rotary = {"cos_ptr": "*bf16", "sin_ptr": "*bf16"}
 build(kernels.rotary_pair_kernel,
       {"q_ptr": "*bf16", "q_stride_t": "i32", "q_stride_h": "i32", "k_ptr": "*bf16", "k_stride_t": "i32",
@@ -200,20 +180,8 @@ for add in (False, True):
 build(kernels.silu_mul_kernel,
       {"g_ptr": "*bf16", "g_stride": "i32", "u_ptr": "*bf16", "u_stride": "i32", "out_ptr": "*bf16", "cols": "i32"},
       {"BLOCK": 1024})
-print("compiled")
 """
 
 
 def test_elementwise_kernels_compile_for_an_h100_without_one(tmp_path):
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    source = Path(__file__).resolve().parents[1] / "bm" / "runtime" / "triton" / "elementwise_kernels.py"
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(source)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "compiled"
+    compile_for_h100("elementwise_kernels.py", _BUILDS, tmp_path)

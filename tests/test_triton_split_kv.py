@@ -14,10 +14,6 @@ bitwise the single-pass kernel (a sequence that fits one split), the tests say s
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +34,7 @@ from bm.runtime.triton.ops import (
     store_kv,
 )
 from tests.test_triton_attention import _case, _reference
+from tests.triton_compile import compile_for_h100
 
 FP32_TOL = {"atol": 1e-6, "rtol": 1e-6}
 TILE = 16  # keys per tile: with 4-token blocks, short contexts still span several tiles and splits
@@ -255,25 +252,9 @@ def test_runner_decode_steps_that_split_match_the_torch_path_and_the_static_buff
     assert torch.equal(runs["on"], runs["off"])
 
 
-# Compiled (not interpreted) for an H100, in a process without TRITON_INTERPRET: Triton's front end, its
-# MLIR passes, LLVM and the ptxas that ships in the triton wheel need no GPU. The interpreter forgives
-# what the compiler refuses (a value's type changing across a branch, a scalar where a block is due).
-_COMPILE = """
-import importlib.util
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-spec = importlib.util.spec_from_file_location("kernels", sys.argv[1])  # the file alone: bm's imports are slow
-kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernels)
-
-def build(fn, args, consts):
-    sig = {**args, **dict.fromkeys(consts, "constexpr")}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], fn.__name__
-
+# The split-KV pair compiled for an H100 (tests/triton_compile.py): the interpreter forgives what the
+# compiler refuses.
+_BUILDS = """
 flags = {"USE_WINDOW": True, "HEAD_DIM": 80, "HEAD_PAD": 128, "BLOCK_N": 64, "MIN_TILES": 2}
 for dtype, dot in (("bf16", kernels.DOT_FAST), ("fp32", kernels.DOT_IEEE)):
     ints = ["window", "sink_tokens", "num_splits", "bt_stride", "q_stride_h", "q_stride_t", "c_stride_h",
@@ -289,26 +270,8 @@ for dtype, dot in (("bf16", kernels.DOT_FAST), ("fp32", kernels.DOT_IEEE)):
     ints = ["window", "sink_tokens", "num_splits", "o_stride_t", "o_stride_h"]
     build(kernels.split_kv_combine_kernel, {**ptrs, **dict.fromkeys(ints, "i32")},
           {"SPLITS_PAD": 4, "USE_SINKS": True, **flags})
-print("compiled")
 """
 
 
 def test_split_kv_kernels_compile_for_an_h100_without_one(tmp_path):
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    source = Path(__file__).resolve().parents[1] / "bm" / "runtime" / "triton" / "kernels.py"
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(source)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "compiled"
+    compile_for_h100("kernels.py", _BUILDS, tmp_path)
