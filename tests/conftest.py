@@ -46,7 +46,9 @@ def triton_rotary_on_cpu():
 
     kernels = elementwise_kernels()
     for module in list(sys.modules.values()):
-        rotary = getattr(module, "apply_rotary_pos_emb", None)
+        # the module's own globals only: a lazy module's getattr would import (transformers' would load
+        # every model it maps, some needing packages not installed)
+        rotary = getattr(module, "__dict__", {}).get("apply_rotary_pos_emb")
         if isinstance(rotary, _FusedRotary):
             if kernels is not None:
                 rotary.use(kernels)

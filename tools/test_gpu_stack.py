@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 GPU_TRANSFORMERS = "transformers==5.17.0"
 GPU_HUB = "huggingface_hub==1.33.0"
 TESTS = [
-    "tests/test_decode_launches.py",
+    "tests/test_layer_launches.py",
     "tests/test_fusion.py",
     "tests/test_fused_projections.py",
     "tests/test_triton_elementwise.py",
@@ -38,6 +38,10 @@ TESTS = [
     "tests/test_adapters.py",
     "tests/test_oracle.py",
     "tests/test_overlap_scheduler.py",
+    "tests/test_triton_attention.py",
+    "tests/test_triton_split_kv.py",
+    "tests/test_bf16_oracle.py",
+    "tests/test_launch_path_transfers.py",
 ]
 
 

@@ -1,4 +1,5 @@
-"""How many kernels a decode step launches per decoder layer on the GPU path, counted on the CPU.
+"""How many kernels a step launches per decoder layer on the GPU path (decode, and with a prompt), counted on
+the CPU.
 
 A decode step of a small model is dozens of kernels of a few microseconds each per layer, so each launch
 costs about as much as it computes (an H100 profile of SmolLM2's 256-row step: 30 layers, elementwise
@@ -54,7 +55,9 @@ class _Launches(TorchDispatchMode):
         return out
 
 
-def _decode_step_launches(layers: int, monkeypatch) -> Counter:
+def _step_launches(layers: int, monkeypatch, prompt: bool = False) -> Counter:
+    """The launches of one step over a ``layers``-layer model: four decode rows, and with ``prompt`` a
+    7-token prompt beside them (an eager step: no static buffers serve it)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     config = AutoConfig.for_model(
@@ -71,6 +74,8 @@ def _decode_step_launches(layers: int, monkeypatch) -> Counter:
     loaded.cuda_graphs = "on"  # the static buffers a CUDA graph replays (run eagerly here)
     runner = ModelRunner(loaded, num_blocks=64, tokens_per_block=16, max_seq_len=256)
     items = [work_item([5], 20, [2 * i, 2 * i + 1]) for i in range(4)]
+    if prompt:
+        items.append(work_item([6] * 7, 0, [8]))
     counts: Counter = Counter()
     run = InterpretedFunction.run
 
@@ -88,20 +93,34 @@ def _decode_step_launches(layers: int, monkeypatch) -> Counter:
     return counts
 
 
+def _per_layer(monkeypatch, prompt: bool = False) -> dict[str, int]:
+    monkeypatch.setenv(ENV_SWITCH, "triton")
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/__init__.py
+    two, three = _step_launches(2, monkeypatch, prompt), _step_launches(3, monkeypatch, prompt)
+    return {name: three[name] - two[name] for name in three if three[name] != two[name]}
+
+
+# what every Llama layer launches on the GPU path, whatever the step, besides its attention
+LAYER = {
+    "aten.linear": 4,  # q/k/v stacked, o, gate/up stacked, down
+    "rms_norm_kernel": 2,  # the input norm; the add after attention with the norm after it
+    "rotary_pair_kernel": 1,  # queries and keys
+    "store_kv_kernel": 1,
+    "silu_mul_kernel": 1,
+    "aten.add": 1,  # the residual add after the MLP
+}
+
+
 def test_a_decode_step_launches_twelve_kernels_per_llama_layer_on_the_gpu_path(
     monkeypatch, triton_rotary_on_cpu
 ):
-    monkeypatch.setenv(ENV_SWITCH, "triton")
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/__init__.py
-    two, three = _decode_step_launches(2, monkeypatch), _decode_step_launches(3, monkeypatch)
-    per_layer = {name: three[name] - two[name] for name in three if three[name] != two[name]}
-    assert per_layer == {
-        "aten.linear": 4,  # q/k/v stacked, o, gate/up stacked, down
-        "rms_norm_kernel": 2,  # the input norm; the add after attention with the norm after it
-        "rotary_pair_kernel": 1,  # queries and keys
-        "store_kv_kernel": 1,
-        "split_kv_decode_kernel": 1,  # 4 rows x 2 KV heads cannot fill an H100: split-KV, two passes
-        "split_kv_combine_kernel": 1,
-        "silu_mul_kernel": 1,
-        "aten.add": 1,  # the residual add after the MLP
-    }
+    # 4 rows x 2 KV heads cannot fill an H100: split-KV, two passes
+    assert _per_layer(monkeypatch) == {**LAYER, "split_kv_decode_kernel": 1, "split_kv_combine_kernel": 1}
+
+
+def test_a_step_with_a_prompt_launches_eleven_kernels_per_llama_layer_on_the_gpu_path(
+    monkeypatch, triton_rotary_on_cpu
+):
+    """The eager path runs transformers' forward with bm's rewrites in it: the same kernels, and one
+    attention launch for prompt and decode rows together."""
+    assert _per_layer(monkeypatch, prompt=True) == {**LAYER, "paged_attention_kernel": 1}
