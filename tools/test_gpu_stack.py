@@ -3,14 +3,15 @@
 Why: the lent GPU machines come with their own packages (transformers 5.17 there, the lock pins a later
 one), and bm's rewrites of transformers' modules (fused elementwise chains, stacked projections, the
 attention adapters) match its call conventions, which moved between those releases: 5.17 names the HF
-cache ``past_key_values`` where later releases say ``cache``. Three faults of that kind reached a GPU
-before any test saw them: the stacked attention's TypeError (which ended a device run), the fused decoder
-layer falling back to transformers' own code on every call, and the Bloom and Falcon adapters importing a
-helper 5.17 lacks. Device time is scarce; these run on the CPU in a few minutes.
+cache ``past_key_values`` where later releases say ``cache``. One fault of that kind ended a device run
+(the stacked attention's TypeError); two more were found only when these tests were run under 5.17 (the
+fused decoder layer falling back to transformers' own code on every call, which a GPU profile had shown
+without anyone seeing why; the Bloom and Falcon adapters importing a helper 5.17 lacks). Device time is
+scarce; these run on the CPU in a few minutes.
 
-How: that transformers release (and the huggingface_hub release it imports) is installed into a folder of
-its own (reused on the next run) and put first on ``PYTHONPATH`` for one pytest run over the tests of the code the GPU runs
-(everything else comes from the project's environment). Exits with pytest's code.
+How: that transformers release (and the huggingface_hub release it imports) is installed into a folder
+of its own (reused on the next run) and put first on ``PYTHONPATH`` for one pytest run over the tests of
+the code the GPU runs (everything else comes from the project's environment). Exits with pytest's code.
 
 Usage: ``python tools/test_gpu_stack.py [--transformers SPEC] [--target DIR] [-- PYTEST_ARGS...]``
 """
