@@ -92,16 +92,11 @@ class TritonElementwise:
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` for ``x`` [tokens, heads, d] and ``cos``/``sin`` [tokens, d];
         returns a contiguous [tokens, heads, d] in ``x``'s dtype."""
+        x, out = _rotary_operand(x, cos, sin)
         tokens, heads, d = x.shape
-        if d % 2 or cos.shape != (tokens, d) or sin.shape != (tokens, d):
-            raise ValueError(f"rotary kernel: x {tuple(x.shape)} with cos {tuple(cos.shape)}")
-        if x.stride(2) != 1:
-            x = x.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        out = torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
         if tokens:
             self._k.rotary_kernel[(tokens,)](
-                x, x.stride(0), x.stride(1), cos, sin, out, heads,
+                x, x.stride(0), x.stride(1), cos.contiguous(), sin.contiguous(), out, heads,
                 HEAD_DIM=d, HEAD_PAD=next_pow2(d), BLOCK_H=next_pow2(heads), **self._no_fma,
             )  # fmt: skip
         return out
@@ -111,29 +106,27 @@ class TritonElementwise:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`rotary` of ``q`` [tokens, q_heads, d] and ``k`` [tokens, k_heads, d] in one launch, the
         same bits as two calls."""
+        (q, q_out), (k, k_out) = _rotary_operand(q, cos, sin), _rotary_operand(k, cos, sin)
         tokens, q_heads, d = q.shape
-        if (
-            d % 2
-            or k.shape[0] != tokens
-            or k.shape[2] != d
-            or cos.shape != (tokens, d)
-            or sin.shape != (tokens, d)
-        ):
-            raise ValueError(
-                f"rotary kernel: q {tuple(q.shape)}, k {tuple(k.shape)} with cos {tuple(cos.shape)}"
-            )
-        q = q if q.stride(2) == 1 else q.contiguous()
-        k = k if k.stride(2) == 1 else k.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        q_out = torch.empty(tokens, q_heads, d, dtype=q.dtype, device=q.device)
-        k_out = torch.empty(tokens, k.shape[1], d, dtype=k.dtype, device=k.device)
         if tokens:
             self._k.rotary_pair_kernel[(tokens, 2)](
-                q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), cos, sin, q_out, k_out,
-                q_heads, k.shape[1], HEAD_DIM=d, HEAD_PAD=next_pow2(d), BLOCK_HQ=next_pow2(q_heads),
-                BLOCK_HK=next_pow2(k.shape[1]), **self._no_fma,
+                q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), cos.contiguous(), sin.contiguous(),
+                q_out, k_out, q_heads, k.shape[1], HEAD_DIM=d, HEAD_PAD=next_pow2(d),
+                BLOCK_HQ=next_pow2(q_heads), BLOCK_HK=next_pow2(k.shape[1]), **self._no_fma,
             )  # fmt: skip
         return q_out, k_out
+
+
+def _rotary_operand(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [tokens, heads, d] checked against ``cos``/``sin`` [tokens, d], with unit stride along ``d``
+    as the rotary kernels read it, and the output it gets."""
+    tokens, heads, d = x.shape
+    if d % 2 or cos.shape != (tokens, d) or sin.shape != (tokens, d):
+        raise ValueError(f"rotary kernel: x {tuple(x.shape)} with cos {tuple(cos.shape)}")
+    x = x if x.stride(2) == 1 else x.contiguous()
+    return x, torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
 
 
 def _no_fma_option() -> dict[str, bool]:
