@@ -68,6 +68,7 @@ class StagingBuffer:
         self.dtype = dtype
         self.pinned = device.type == "cuda"
         self._host = torch.empty(0, dtype=dtype)
+        self._numpy_dtype = self._host.numpy().dtype
         self._dev = self._host
         self._copied: torch.cuda.Event | None = None
 
@@ -76,7 +77,7 @@ class StagingBuffer:
         n = len(values)
         if self.device.type == "cpu":
             # through numpy, as below: 0.15 against 0.50 ms for torch.tensor on 9,000 ints
-            return torch.from_numpy(np.array(values, dtype=self._host.numpy().dtype))
+            return torch.from_numpy(np.array(values, dtype=self._numpy_dtype))
         if self._copied is not None:
             self._copied.synchronize()
         if n > self._host.numel():
