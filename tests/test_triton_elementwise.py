@@ -184,4 +184,6 @@ build(kernels.silu_mul_kernel,
 
 
 def test_elementwise_kernels_compile_for_an_h100_without_one(tmp_path):
-    compile_for_h100("elementwise_kernels.py", _BUILDS, tmp_path)
+    assert compile_for_h100("elementwise_kernels.py", _BUILDS, tmp_path) == [
+        "rotary_pair_kernel", "rotary_kernel", "rms_norm_kernel", "rms_norm_kernel", "silu_mul_kernel"
+    ]  # fmt: skip

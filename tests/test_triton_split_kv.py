@@ -274,4 +274,5 @@ for dtype, dot in (("bf16", kernels.DOT_FAST), ("fp32", kernels.DOT_IEEE)):
 
 
 def test_split_kv_kernels_compile_for_an_h100_without_one(tmp_path):
-    compile_for_h100("kernels.py", _BUILDS, tmp_path)
+    pair = ["split_kv_decode_kernel", "split_kv_combine_kernel"]
+    assert compile_for_h100("kernels.py", _BUILDS, tmp_path) == pair * 2  # bf16, then fp32
