@@ -22,7 +22,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 pytest.importorskip("triton")
 
@@ -34,25 +34,7 @@ from bm.runtime.fused_projections import fuse_projections
 from bm.runtime.fusion import fuse_elementwise
 from bm.runtime.model_loader import describe_model
 from bm.runtime.triton.elementwise import TritonElementwise
-
-# allocations and bookkeeping: no kernel on CUDA
-NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "detach", "detach_", "lift_fresh", "set_"}
-
-
-class _Launches(TorchDispatchMode):
-    """Counts torch operators that launch a kernel, by name (Triton's are added by the interpreter hook)."""
-
-    def __init__(self, counts: Counter) -> None:
-        super().__init__()
-        self.counts = counts
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        no_op = name in ("to", "_to_copy") and out is args[0]
-        if not (func.is_view or name in NO_KERNEL or no_op):
-            self.counts[f"aten.{name}"] += 1
-        return out
+from tests.op_counts import Operators
 
 
 def _step_launches(layers: int, monkeypatch, prompt: bool = False) -> Counter:
@@ -87,7 +69,7 @@ def _step_launches(layers: int, monkeypatch, prompt: bool = False) -> Counter:
     with torch.inference_mode():
         runner.forward(items, float_logits=False)  # first use: whatever is set up once
         monkeypatch.setattr(InterpretedFunction, "run", counted)
-        with _Launches(counts):
+        with Operators(counts):
             runner.forward(items, float_logits=False)
     monkeypatch.setattr(InterpretedFunction, "run", run)
     return counts

@@ -4,10 +4,10 @@ and the table in docs/models.md is the one the matrix renders."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bm.engine import BatchManager, InferenceRequest
@@ -17,6 +17,7 @@ from bm.runtime.model_loader import describe_model
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 from tests.model_matrix import MATRIX, MODELS_DOC, Entry, doc_table, render_table
+from tests.op_counts import HOST_READS, Operators
 
 
 def build(entry: Entry) -> torch.nn.Module:
@@ -67,24 +68,6 @@ def test_models_doc_table_is_the_one_the_matrix_renders():
     )
 
 
-# Operators that hand a device value to the host: on CUDA each waits for every kernel queued before it.
-HOST_READS = ("aten.is_nonzero", "aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.item")
-
-
-class _HostReads(TorchDispatchMode):
-    """Records every operator of :data:`HOST_READS` run under it (CPU tensors read nothing back, but
-    the same operators on CUDA tensors are syncs, so the CPU sees where a GPU run would wait)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith(HOST_READS):
-            self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 MATCHED = [e for e in MATRIX if not e.refused]
 
 
@@ -104,6 +87,7 @@ def test_an_eager_forward_reads_no_device_value_on_the_host(entry: Entry):
     runner = ModelRunner(loaded, num_blocks=16, tokens_per_block=4, max_seq_len=64)
     items = [work_item([5] * 7, 0, [0, 1]), work_item([6], 9, [2, 3, 4]), work_item([7], 13, [5, 6, 7, 8])]
     runner.forward(items)  # a first forward: whatever is set up once stays out of the count
-    with _HostReads() as reads:
+    operators: Counter = Counter()
+    with Operators(operators):
         runner.forward(items)
-    assert reads.seen == []
+    assert [name for name in operators if name in HOST_READS] == []
