@@ -106,6 +106,47 @@ def test_rotary_pair_is_one_launch_with_the_bits_of_two(kernels, dtype, monkeypa
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_kv_gives_the_queries_and_the_cache_the_bits_of_rotary_pair_then_store_kv(
+    kernels, dtype, monkeypatch
+):
+    """The GPU path's fused launch: queries rotated, keys rotated and stored with the values, for views of a
+    stacked q/k/v product (6 query heads, 2 KV heads of 80), slots in scattered blocks and a padding row
+    (slot -1) that stores nothing; the cache elsewhere untouched."""
+    from bm.runtime.triton.ops import store_kv
+
+    torch.manual_seed(5)
+    tokens, d = 5, 80
+    qkv = torch.randn(tokens, 10 * d).to(dtype)
+    q, k = qkv[:, : 6 * d].view(tokens, 6, d), qkv[:, 6 * d : 8 * d].view(tokens, 2, d)
+    v = qkv[:, 8 * d :].view(tokens, 2, d)
+    cos, sin = torch.randn(tokens, d).to(dtype), torch.randn(tokens, d).to(dtype)
+    slots = torch.tensor([13, 2, -1, 30, 7], dtype=torch.int32)  # blocks of 8 tokens
+    empty = torch.randn(2, 2, 4, 8, d).to(dtype)
+    launches = []
+    fused = kernels._k.rotary_store_kv_kernel
+    monkeypatch.setattr(kernels._k, "rotary_store_kv_kernel", _Counted(fused, launches))
+    with torch.inference_mode():
+        cache = empty.clone()
+        got_q = kernels.rotary_store_kv(q, k, v, cos, sin, cache, slots)
+        want_q, want_k = kernels.rotary_pair(q, k, cos, sin)
+        want = empty.clone()
+        store_kv(want, want_k.transpose(0, 1), v.transpose(0, 1), slots)
+    assert len(launches) == 1
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache, want)
+    assert not torch.equal(cache, empty)  # something was stored
+
+
+def test_rotary_store_kv_refuses_a_cache_of_another_dtype_or_shape(kernels):
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    cos = sin = torch.randn(3, 16)
+    slots = torch.arange(3, dtype=torch.int32)
+    for cache in (torch.zeros(2, 2, 2, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 3, 2, 4, 16)):
+        with pytest.raises(ValueError, match="rotary KV-store kernel"):
+            kernels.rotary_store_kv(q, k, k, cos, sin, cache, slots)
+
+
 class _Counted:
     """A kernel whose launches (``kernel[grid](...)``) are recorded."""
 
@@ -170,6 +211,12 @@ build(kernels.rotary_pair_kernel,
       {"q_ptr": "*bf16", "q_stride_t": "i32", "q_stride_h": "i32", "k_ptr": "*bf16", "k_stride_t": "i32",
        "k_stride_h": "i32", **rotary, "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "q_heads": "i32", "k_heads": "i32"},
       {"HEAD_DIM": 64, "HEAD_PAD": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8})
+build(kernels.rotary_store_kv_kernel,
+      {"q_ptr": "*bf16", "q_stride_t": "i32", "q_stride_h": "i32", "k_ptr": "*bf16", "k_stride_t": "i32",
+       "k_stride_h": "i32", "v_ptr": "*bf16", "v_stride_t": "i32", "v_stride_h": "i32", **rotary,
+       "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i32",
+       "c_stride_h": "i32", "c_stride_b": "i32", "c_stride_t": "i32", "q_heads": "i32", "k_heads": "i32"},
+      {"TOKENS_PER_BLOCK": 32, "HEAD_DIM": 64, "HEAD_PAD": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8})
 build(kernels.rotary_kernel,
       {"x_ptr": "*bf16", "x_stride_t": "i32", "x_stride_h": "i32", **rotary, "out_ptr": "*bf16", "heads": "i32"},
       {"HEAD_DIM": 80, "HEAD_PAD": 128, "BLOCK_H": 8})
@@ -185,5 +232,6 @@ build(kernels.silu_mul_kernel,
 
 def test_elementwise_kernels_compile_for_an_h100_without_one(tmp_path):
     assert compile_for_h100("elementwise_kernels.py", _BUILDS, tmp_path) == [
-        "rotary_pair_kernel", "rotary_kernel", "rms_norm_kernel", "rms_norm_kernel", "silu_mul_kernel"
+        "rotary_pair_kernel", "rotary_store_kv_kernel", "rotary_kernel", "rms_norm_kernel",
+        "rms_norm_kernel", "silu_mul_kernel",
     ]  # fmt: skip

@@ -116,17 +116,57 @@ class TritonElementwise:
             )  # fmt: skip
         return q_out, k_out
 
+    def rotary_store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`rotary` of the queries ``q`` [tokens, q_heads, d], returned, with the rotated keys ``k``
+        and the values ``v`` [tokens, kv_heads, d] written into ``cache`` (one layer's
+        ``[2, kv_heads, blocks, tokens_per_block, d]``, in ``q``'s dtype) at ``slot_mapping`` [tokens]
+        (int32; -1: not stored), in one launch. The queries and the cache get the bits :meth:`rotary_pair`
+        then the attention kernels' KV store give them."""
+        (q, q_out), (k, _) = _rotary_operand(q, cos, sin), _rotary_operand(k, cos, sin, output=False)
+        tokens, q_heads, d = q.shape
+        kv_heads = k.shape[1]
+        if (
+            v.shape != k.shape
+            or cache.dtype != q.dtype
+            or cache.shape[:2] != (2, kv_heads)
+            or cache.shape[4] != d
+            or slot_mapping.shape != (tokens,)
+        ):
+            raise ValueError(
+                f"rotary KV-store kernel: k {tuple(k.shape)}, v {tuple(v.shape)}, cache "
+                f"{tuple(cache.shape)} {cache.dtype} for {q.dtype}, slots {tuple(slot_mapping.shape)}"
+            )
+        v = v if v.stride(2) == 1 else v.contiguous()
+        if tokens:
+            self._k.rotary_store_kv_kernel[(tokens, 2)](
+                q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+                cos.contiguous(), sin.contiguous(), q_out, cache[0], cache[1], slot_mapping,
+                cache.stride(1), cache.stride(2), cache.stride(3), q_heads, kv_heads,
+                TOKENS_PER_BLOCK=cache.shape[3], HEAD_DIM=d, HEAD_PAD=next_pow2(d),
+                BLOCK_HQ=next_pow2(q_heads), BLOCK_HK=next_pow2(kv_heads), **self._no_fma,
+            )  # fmt: skip
+        return q_out
+
 
 def _rotary_operand(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, output: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` [tokens, heads, d] checked against ``cos``/``sin`` [tokens, d], with unit stride along ``d``
-    as the rotary kernels read it, and the output it gets."""
+    as the rotary kernels read it, and the output it gets (None with ``output=False``: written elsewhere)."""
     tokens, heads, d = x.shape
     if d % 2 or cos.shape != (tokens, d) or sin.shape != (tokens, d):
         raise ValueError(f"rotary kernel: x {tuple(x.shape)} with cos {tuple(cos.shape)}")
     x = x if x.stride(2) == 1 else x.contiguous()
-    return x, torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
+    return x, torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device) if output else None
 
 
 def _no_fma_option() -> dict[str, bool]:

@@ -3,7 +3,8 @@ before it, SiLU(gate) * up, rotary embedding), for :class:`bm.runtime.triton.ele
 
 Each computes transformers' formula with its roundings, in the tensor's dtype, one program per row
 (token). Kept apart from the attention kernels (:mod:`bm.runtime.triton.kernels`): the two sets share
-nothing but the way they load (:func:`bm.runtime.triton.load_kernels`, compiled or interpreted).
+nothing but the way they load (:func:`bm.runtime.triton.load_kernels`, compiled or interpreted) and the
+paged cache's layout, which :func:`rotary_store_kv_kernel` writes the rotated keys into.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ def silu_mul_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, cols, BLOCK: tl.c
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, x_stride_t, x_stride_h, cos_ptr, sin_ptr, out_ptr, heads, token,
+def _rotated(
+    x_ptr, x_stride_t, x_stride_h, cos_ptr, sin_ptr, heads, token,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """``x * cos + rotate_half(x) * sin`` for one token's heads, each product and the sum rounded to the
-    dtype as torch's three ops round them (launched without FMA contraction)."""
+    """``x * cos + rotate_half(x) * sin`` for one token's heads ``[BLOCK_H, HEAD_PAD]`` in the dtype, each
+    product and the sum rounded to the dtype as torch's three ops round them (launched without FMA
+    contraction), and the mask of the real heads and dimensions."""
     half: tl.constexpr = HEAD_DIM // 2
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -80,8 +82,21 @@ def _rotate_heads(
     s = tl.load(sin_ptr + token * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     a = (x.to(tl.float32) * c[None, :]).to(dtype).to(tl.float32)
     b = (rot.to(dtype).to(tl.float32) * s[None, :]).to(dtype).to(tl.float32)
-    dst = out_ptr + token * heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(dst, (a + b).to(dtype), mask=ok)
+    return (a + b).to(dtype), ok
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, x_stride_t, x_stride_h, cos_ptr, sin_ptr, out_ptr, heads, token,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """:func:`_rotated` of one token's heads, written to ``out`` ``[tokens, heads, HEAD_DIM]``."""
+    y, ok = _rotated(
+        x_ptr, x_stride_t, x_stride_h, cos_ptr, sin_ptr, heads, token, HEAD_DIM, HEAD_PAD, BLOCK_H
+    )
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_PAD)
+    tl.store(out_ptr + token * heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :], y, mask=ok)
 
 
 @triton.jit
@@ -142,3 +157,40 @@ def rotary_pair_kernel(
             HEAD_PAD,
             BLOCK_HK,
         )
+
+
+@triton.jit
+def rotary_store_kv_kernel(
+    q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h,
+    cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    c_stride_h, c_stride_b, c_stride_t, q_heads, k_heads,
+    TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):  # fmt: skip
+    """The queries' rotary embedding, and the keys' written with the values straight into the layer's
+    paged cache (``[kv_heads, blocks, TOKENS_PER_BLOCK, HEAD_DIM]`` each, bm's layout): programs
+    ``(token, 0)`` rotate the token's query heads into ``q_out``, ``(token, 1)`` rotate its key heads and
+    store them and its value heads at the token's slot (a negative slot is a padding row: nothing is
+    stored). The rotated keys are never written anywhere else: the Triton backend's attention reads keys
+    from the cache only. One launch where :func:`rotary_pair_kernel` and the attention kernels' KV store
+    took two, with the same bits in the queries and the cache."""
+    token = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rotate_heads(
+            q_ptr, q_stride_t, q_stride_h, cos_ptr, sin_ptr, q_out_ptr, q_heads, token, HEAD_DIM, HEAD_PAD, BLOCK_HQ
+        )  # fmt: skip
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            key, ok = _rotated(
+                k_ptr, k_stride_t, k_stride_h, cos_ptr, sin_ptr, k_heads, token, HEAD_DIM, HEAD_PAD, BLOCK_HK
+            )  # fmt: skip
+            offs_h = tl.arange(0, BLOCK_HK)
+            offs_d = tl.arange(0, HEAD_PAD)
+            value = tl.load(
+                v_ptr + token * v_stride_t + offs_h[:, None] * v_stride_h + offs_d[None, :], mask=ok
+            )
+            dst = (slot // TOKENS_PER_BLOCK) * c_stride_b + (slot % TOKENS_PER_BLOCK) * c_stride_t
+            dst += offs_h[:, None] * c_stride_h + offs_d[None, :]
+            tl.store(k_cache_ptr + dst, key, mask=ok)
+            tl.store(v_cache_ptr + dst, value, mask=ok)
