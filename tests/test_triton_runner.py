@@ -117,3 +117,77 @@ def test_static_buffer_decode_path_gives_the_dynamic_paths_outputs(tiny_model, t
     for got, want in zip(padded_on, padded_off, strict=True):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _stacked_bf16_llama(monkeypatch):
+    """A tiny bfloat16 Llama as the GPU path runs one: Triton elementwise kernels, q/k/v and gate/up
+    stacked, the Triton backend over its static decode buffers, the cache in the model's dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bm.runtime.fused_projections import fuse_projections
+    from bm.runtime.fusion import fuse_elementwise
+    from bm.runtime.triton.elementwise import TritonElementwise
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    fuse_elementwise(model, TritonElementwise("cpu"))
+    assert fuse_projections(model) == {"qkv": 2, "gate_up": 2}
+    loaded = describe_model(
+        model, None, "tiny", prepack="off", fused_elementwise="off", fused_projections="off"
+    )
+    loaded.cuda_graphs = "on"
+    monkeypatch.setattr(type(loaded), "kv_dtype", property(lambda self: self.dtype))
+    return loaded
+
+
+def test_the_fused_rotary_and_kv_store_gives_the_logits_and_cache_of_separate_launches(
+    monkeypatch, triton_path, triton_rotary_on_cpu
+):
+    """The stacked attention's one launch for the rotary and the KV store (TritonBackend.rotate_and_store)
+    against the rotary pair then the KV store, over an eager step of two prompts, two decode steps on
+    the static buffers and an eager step mixing a third prompt with decode rows: the same bits in every
+    logit and in the whole cache."""
+    from bm.runtime.backends.triton_backend import TritonBackend
+
+    tables = [[0, 1], [2, 3], [4]]
+    steps = [
+        [work_item(list(range(3, 12)), 0, tables[0]), work_item([7, 8, 9, 10, 11], 0, tables[1])],
+        [work_item([20], 9, tables[0]), work_item([21], 5, tables[1])],
+        [work_item([22], 10, tables[0]), work_item([23], 6, tables[1])],
+        [
+            work_item([24], 11, tables[0]),
+            work_item([30, 31, 32], 0, tables[2]),
+            work_item([25], 7, tables[1]),
+        ],
+    ]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        runner = ModelRunner(
+            _stacked_bf16_llama(monkeypatch), num_blocks=8, tokens_per_block=16, max_seq_len=64
+        )
+        with torch.inference_mode():
+            logits = [runner.forward(items) for items in steps]
+        return logits, [cache.clone() for cache in runner.kv_caches]
+
+    fused_calls: list[bool] = []
+    fused = TritonBackend.rotate_and_store
+
+    def counted(self, *args):
+        out = fused(self, *args)
+        fused_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(TritonBackend, "rotate_and_store", counted)
+    got_logits, got_caches = run()
+    assert fused_calls == [True] * 2 * len(steps)  # every layer of every step took the one launch
+    monkeypatch.setattr(TritonBackend, "rotate_and_store", lambda self, *args: None)
+    want_logits, want_caches = run()
+    for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
+        assert torch.equal(got, want), f"step {step}"
+    for got, want in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(got, want)
+    assert all(cache.abs().sum() > 0 for cache in got_caches)

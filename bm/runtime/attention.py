@@ -64,6 +64,9 @@ class LayerCall:
     value: torch.Tensor  # ... and values
     scaling: float
     extras: LayerExtras
+    # the keys (rotated) and values are in the layer's cache already, put there with the queries'
+    # rotary by :func:`rotate_and_store`: the backend stores nothing, and ``key`` is not the rotated keys
+    kv_stored: bool = False
 
 
 class LayerAttention(Protocol):
@@ -93,6 +96,28 @@ def forward_context(attention: LayerAttention, metadata: Any) -> Iterator[None]:
 def in_bm_forward() -> bool:
     """Whether a bm forward is in progress on this thread (adapted modules otherwise run their own code)."""
     return getattr(_current, "forward", None) is not None
+
+
+def rotate_and_store(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor | None:
+    """The layer's queries ``[T, heads, d]`` with Llama's rotary embedding (``cos``/``sin`` ``[T, d]``), and
+    its keys, rotated the same way, stored with its ``value`` ``[T, kv_heads, d]`` into the layer's cache,
+    where the current forward's attention does all of that in one launch (the Triton backend's
+    ``rotate_and_store``); None otherwise, and then nothing was done. After a result, the layer's
+    attention call must say so (``kv_stored=True`` among its keyword arguments), or the keys it passes
+    would be stored over the rotated ones."""
+    current: tuple[LayerAttention, Any] | None = getattr(_current, "forward", None)
+    layer = getattr(module, "layer_idx", None)
+    fused = None if current is None else getattr(current[0], "rotate_and_store", None)
+    if fused is None or layer is None:
+        return None
+    return fused(current[1], layer, query, key, value, cos, sin)
 
 
 def paged_attention_forward(
@@ -127,7 +152,10 @@ def paged_attention_forward(
         None if sinks is None else sinks.detach().float().contiguous(),
     )
     attention, metadata = current
-    call = LayerCall(getattr(module, "layer_idx", None), query[0], key[0], value[0], scaling, extras)
+    call = LayerCall(
+        getattr(module, "layer_idx", None), query[0], key[0], value[0], scaling, extras,
+        kv_stored=bool(kwargs.get("kv_stored")),
+    )  # fmt: skip
     return attention.forward_layer(metadata, call).to(query.dtype).unsqueeze(0), None
 
 

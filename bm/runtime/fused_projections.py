@@ -13,7 +13,10 @@ What is replaced, matched by source text as in :mod:`bm.runtime.fusion`:
   Qwen2 (sliding-window argument) or Qwen3 (q/k norms) copies: q, k and v come from one ``F.linear``
   (biases too, as Qwen2 has them), split into views; the rest is transformers' code, the rotary through
   the modeling module's ``apply_rotary_pos_emb`` global (so bm's fused rotary still applies) and the
-  attention through the registered interface;
+  attention through the registered interface. Where that global is bm's fused rotary and the forward's
+  attention backend stores keys and values in the same launch (the Triton backend:
+  bm.runtime.attention.rotate_and_store), the queries come rotated from that launch instead, and the
+  attention call is told the layer's keys and values are stored;
 * gated MLPs whose ``forward`` is Llama's: gate and up from one ``F.linear``, then SiLU(gate) * up (the
   fused elementwise kernel where :mod:`bm.runtime.fusion` installed one: it reads the two halves of the
   [tokens, 2 * intermediate] product in place, by row stride) and the down projection.
@@ -55,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bm.runtime.attention import in_bm_forward
-from bm.runtime.fusion import _FusedMLP, source_body, switched_on
+from bm.runtime.attention import ATTENTION_NAME, in_bm_forward, rotate_and_store
+from bm.runtime.fusion import _FusedMLP, _FusedRotary, source_body, switched_on
 from bm.runtime.prepack import has_forward_hooks
 
 STACKED_DTYPES = (torch.float16, torch.bfloat16)
@@ -348,7 +351,12 @@ class _StackedAttention(_Stacked):
         query_states, key_states, value_states = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
         cos, sin = position_embeddings
-        query_states, key_states = g["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+        rotated = self._rotate_and_store(q, k, v, cos, sin)
+        if rotated is not None:  # keys rotated and stored with the values: attention reads the cache
+            query_states = rotated.transpose(0, 1)[None]
+            kwargs["kv_stored"] = True
+        else:
+            query_states, key_states = g["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
 
         attention_interface: Callable = g["ALL_ATTENTION_FUNCTIONS"].get_interface(
             m.config._attn_implementation, g["eager_attention_forward"]
@@ -371,6 +379,26 @@ class _StackedAttention(_Stacked):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = m.o_proj(attn_output)
         return attn_output, attn_weights
+
+    def _rotate_and_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The rotated queries ``[T, heads, d]`` where the forward's attention rotates them and stores the
+        rotated keys with the values in one launch (bm.runtime.attention.rotate_and_store, the Triton
+        backend's), else None. Only for Llama's rotary, which bm's fused rotary stands in for in the
+        modeling module (:class:`bm.runtime.fusion._FusedRotary`: its source matched), over ``q``/``k``/``v``
+        ``[1, T, heads, d]`` and ``cos``/``sin`` ``[1, T, d]``, with bm's attention registered."""
+        m = self._module
+        tokens, d = q.shape[1], q.shape[3]
+        if (
+            not isinstance(self._globals.get("apply_rotary_pos_emb"), _FusedRotary)
+            or m.config._attn_implementation != ATTENTION_NAME
+            or q.shape[0] != 1
+            or cos.shape != (1, tokens, d)
+            or sin.shape != cos.shape
+        ):
+            return None
+        return rotate_and_store(m, q[0], k[0], v[0], cos[0], sin[0])
 
 
 class _StackedMLP(_Stacked):

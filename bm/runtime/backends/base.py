@@ -147,9 +147,10 @@ class AttentionBackend(ABC, Generic[M]):
         attend them directly instead of reading the cache)."""
 
     def forward_layer(self, metadata: M, call: LayerCall) -> torch.Tensor:
-        """One attention layer of the forward: store, then attend. A backend whose kernel does both in
-        one call overrides this."""
-        self.store_kv(metadata, call.layer, call.key, call.value)
+        """One attention layer of the forward: store (unless the layer stored already: ``kv_stored``),
+        then attend. A backend whose kernel does both in one call overrides this."""
+        if not call.kv_stored:
+            self.store_kv(metadata, call.layer, call.key, call.value)
         return self.attend(metadata, call)
 
     def try_static_decode(

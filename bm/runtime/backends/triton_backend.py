@@ -30,6 +30,7 @@ from bm.runtime.backends.base import (
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.triton import triton_available
 from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
+from bm.runtime.triton.elementwise import TritonElementwise
 from bm.runtime.triton.graphs import BUCKETS, DecodeGraphs, bucket_for, graphs_enabled
 from bm.runtime.triton.ops import SplitScratch, device_sm_count, paged_attention, store_kv, supports_head_dim
 
@@ -59,6 +60,9 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
         # its partials, shared by every layer and kept for the CUDA graphs captured over it
         self.sm_count = device_sm_count(self.device)
         self.split_scratch = SplitScratch(self.device)
+        # the layer's rotary and KV store as one launch, for the attention forwards that ask for it
+        # (made at the first: constructing it loads the kernels, which a stubbed model never launches)
+        self._rotary: TritonElementwise | None = None
         self.graphs: DecodeGraphs | None = None
         if graphs_enabled(setup.loaded.cuda_graphs, self.device):
             self.graphs = DecodeGraphs(
@@ -96,6 +100,28 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
 
     def store_kv(self, metadata: TritonMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         store_kv(self.kv_caches[layer], key, value, metadata.for_layer(layer).slot_mapping)
+
+    def rotate_and_store(
+        self,
+        metadata: TritonMetadata,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The layer's rotary and KV store in one launch (bm.runtime.attention.rotate_and_store): the
+        rotated queries ``[T, heads, d]``, or None where the kernel does not take these tensors (another
+        dtype than the cache's, autograd) and the layer rotates and stores as usual. This backend's
+        attention reads keys from the cache only, so the rotated keys need no other home."""
+        cache = self.kv_caches[layer]
+        if self._rotary is None:
+            self._rotary = TritonElementwise(self.device.type)
+        if cache.dtype != query.dtype or not self._rotary.accepts(query, key, value, cos, sin):
+            return None
+        slots = metadata.for_layer(layer).slot_mapping
+        return self._rotary.rotary_store_kv(query, key, value, cos, sin, cache, slots)
 
     def attend(self, metadata: TritonMetadata, call: LayerCall) -> torch.Tensor:
         """One paged attention launch for the whole batch (two for a split-KV decode step); keys are read
