@@ -197,3 +197,34 @@ def test_prompt_tuning_lines_through_bm_run_equal_hf_inputs_embeds(tiny_model, t
         assert records[i]["error"] is None, records[i]["error"]
         assert records[i]["output_ids"] == hf_prompt_tuned(tiny_reference, prompt, table, vocab, 6)
     assert records[len(prompts)]["output_ids"] == hf_prompt_tuned(tiny_reference, [5, 9], None, vocab, 6)
+
+
+def test_a_step_with_a_prompt_tuning_table_reads_no_device_value_on_the_host(tiny_model):
+    """Where the virtual ids sit is known from the step's token ids on the host; reading it off the
+    device (``nonzero``) would make the host wait for the step in flight on CUDA. The embeddings are the
+    table's rows there and the model's own elsewhere."""
+    from collections import Counter
+
+    from bm.runtime import ModelRunner, work_item
+    from tests.op_counts import HOST_READS, Operators
+
+    vocab = tiny_model.vocab_size
+    embedding = tiny_model.model.get_input_embeddings()
+    table = make_table(4, 3, embedding.embedding_dim)
+    runner = ModelRunner(tiny_model, num_blocks=16, tokens_per_block=8, max_seq_len=64)
+    items = [
+        work_item([5, vocab + 2, 7, vocab, vocab + 1, 9], 0, [0]),
+        work_item([6, 8, 10], 0, [1]),
+        work_item([vocab + 1, 11], 0, [2]),
+    ]
+    ids = torch.tensor([t for item in items for t in item.token_ids])[None]
+    with torch.inference_mode():
+        operators: Counter = Counter()
+        with Operators(operators):
+            embeds = runner._embed(items, ids, {0: table, 2: table})
+        assert [name for name in operators if name in HOST_READS] == []
+        want = embedding(ids.masked_fill(ids >= vocab, 0))[0]
+        for row, token in enumerate(ids[0].tolist()):
+            if token >= vocab:  # every virtual id is in an item with the table
+                want[row] = table[token - vocab]
+    assert torch.equal(embeds[0], want)

@@ -171,22 +171,24 @@ class ModelRunner:
     def _embed(
         self, items: Sequence[WorkItem], input_ids: torch.Tensor, tables: Mapping[int, torch.Tensor]
     ) -> torch.Tensor:
-        """Token embeddings ``[1, T, hidden]`` with virtual ids (>= vocab) replaced by table rows."""
+        """Token embeddings ``[1, T, hidden]`` with virtual ids (>= vocab) replaced by table rows.
+
+        Where the virtual ids sit is read off the items' token ids on the host (a pending token, -1, is
+        never one), not off ``input_ids`` on the device: finding them there (``nonzero``) made the host
+        wait for the step in flight on CUDA, every step with a prompt-tuning table."""
         embedding = self.model.get_input_embeddings()
         vocab = self.loaded.vocab_size  # the embedding may hold padding rows past it
         ids = input_ids[0]
         embeds = embedding(ids.masked_fill(ids >= vocab, 0))
         offset = 0
         for i, item in enumerate(items):
-            n = len(item.token_ids)
             table = tables.get(i)
             if table is not None:
-                piece = ids[offset : offset + n]
-                virtual = (piece >= vocab).nonzero()[:, 0]
-                if virtual.numel():
-                    rows = table.index_select(0, piece[virtual] - vocab)
-                    embeds[offset + virtual] = rows.to(embeds.dtype)
-            offset += n
+                virtual = [(offset + j, t - vocab) for j, t in enumerate(item.token_ids) if t >= vocab]
+                if virtual:
+                    where = to_device(virtual, torch.long, embeds.device)
+                    embeds[where[:, 0]] = table.index_select(0, where[:, 1]).to(embeds.dtype)
+            offset += len(item.token_ids)
         return embeds[None]
 
     @torch.inference_mode()
