@@ -4,8 +4,9 @@ Under overlap scheduling the next step is launched while the previous one runs; 
 ``torch.tensor(values, device=...)`` there waits for everything queued on the stream, the step in flight
 included, and the host and device take turns again. CI has no GPU to see that wait, so this pins the
 source: the modules a launch runs through build device tensors with :func:`bm.runtime.transfer.to_device`
-(pinned, non-blocking on CUDA). ``decoding.py`` is left out on purpose: its rows (log probs, beams,
-grammars) read their results on the host within the launch, so that step waits anyway.
+(pinned, non-blocking on CUDA). ``decoding.py`` is left out on purpose: the rows it decodes on the host
+(beams, grammars, kept generation logits) read their results there within the launch, so that step
+waits anyway; its device path goes through ``sampler.py`` and ``logits.py``, listed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ LAUNCH_PATH = [
     "executor.py",
     "model_runner.py",
     "sampler.py",
+    "logits.py",
     "backends/triton_backend.py",
     "triton/graphs.py",
     "triton/batch.py",

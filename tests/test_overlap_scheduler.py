@@ -8,7 +8,10 @@ model then checks the same on the torch executor, bit for bit on the CPU.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
 
 from bm.config import config_from_dict
 from bm.engine.core import EngineCore
@@ -19,6 +22,7 @@ from bm.engine.overlap import resolve_overlap
 from bm.engine.request import Request
 from bm.scheduling import FinishReason
 from tests.conftest import make_config, random_prompts
+from tests.op_counts import HostReads
 from tests.test_engine_core import mixed_requests, run_all
 
 VOCAB = 500
@@ -345,25 +349,46 @@ def test_the_simulator_runs_the_same_workload_with_overlap_on(tmp_path):
     assert on["config"]["engine"]["overlap_scheduler"] == "on"
 
 
-def test_log_probs_and_stop_words_decode_on_the_device_with_the_host_paths_bits(tiny_model):
-    """Log probs, top log probs and stop words need no host work before a token is known, so such
-    steps sample on the device and overlap. ``min_length=1`` with no end id changes nothing but sends
-    every row through the host path (a control that rewrites logits): both must give the same tokens
-    and the same log-prob bits, greedy and sampled."""
+def _bias(vocab: int) -> list[float]:
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(vocab, generator=g) * 2).tolist()
+
+
+# controls that rewrite logits from what the host knows at launch, each on its own and all together
+DEVICE_CONTROLS = {
+    "none": {},
+    "logit bias": {"embedding_bias": "bias"},
+    "single-token bad words": {"bad_words_list": [[5], [9]]},
+    "min length": {"end_id": 7, "min_length": 6},
+    "all three": {"embedding_bias": "bias", "bad_words_list": [[5]], "end_id": 7, "min_length": 6},
+}
+
+
+@pytest.mark.parametrize("controls", list(DEVICE_CONTROLS))
+def test_steps_that_need_no_host_read_decode_on_the_device_with_the_host_paths_bits(tiny_model, controls):
+    """Log probs, top log probs, stop words and the controls that rewrite logits from what the host knows
+    at launch (a logit bias, single-token bad words, a minimum length) need no device value on the host
+    before a token is known, so such steps decode on the device and overlap. Kept generation logits send
+    every row through the host path instead (they travel to the host in the launch) without changing a
+    token: both must give the same tokens and the same log-prob bits, greedy and sampled."""
     from bm.runtime.decoding import on_device_only
     from bm.runtime.logits import DecodingState
     from bm.scheduling.controls import Controls
 
     assert on_device_only(DecodingState(Controls(return_log_probs=True, top_log_probs=3, stop_words=((5,),))))
-    assert not on_device_only(DecodingState(Controls(return_log_probs=True, min_length=1)))
+    assert on_device_only(DecodingState(Controls(min_length=3, bad_words=((5,),), embedding_bias=[0.0])))
+    assert not on_device_only(DecodingState(Controls(return_log_probs=True, return_generation_logits=True)))
+    assert not on_device_only(DecodingState(Controls(bad_words=((5, 6),))))  # reads the output
     vocab = tiny_model.vocab_size
+    extra = {k: _bias(vocab) if v == "bias" else v for k, v in DEVICE_CONTROLS[controls].items()}
     specs = random_prompts(seed=21, count=6, vocab=vocab, max_prompt=24, max_output=10)
     plain = [
-        Request(i, p, m, return_log_probs=True, top_logprobs=2 + i % 2, end_id=-1, random_seed=i,
+        Request(i, p, 10, return_log_probs=True, top_logprobs=2 + i % 2, end_id=-1, random_seed=i,
                 temperature=None if i % 2 else 0.8, stop_words_list=[[vocab - 1]] if i == 1 else None)
-        for i, (p, m) in enumerate(specs)
+        for i, (p, _) in enumerate(specs)
     ]  # fmt: skip
-    host = [Request(**{**vars(r), "min_length": 1}) for r in plain]
+    plain = [Request(**{**vars(r), **extra}) for r in plain]
+    host = [Request(**{**vars(r), "return_generation_logits": True}) for r in plain]
     for overlap in ("off", "on"):
         config = make_config(engine={"overlap_scheduler": overlap})
         device_run = generate([Request(**vars(r)) for r in plain], config, model=tiny_model)
@@ -375,3 +400,54 @@ def test_log_probs_and_stop_words_decode_on_the_device_with_the_host_paths_bits(
             assert ours.output_log_probs == theirs.output_log_probs  # float equality: the same bits
             assert ours.output_top_log_probs == theirs.output_top_log_probs
             assert ours.output_top_log_probs and len(ours.output_top_log_probs[0]) == 2 + rid % 2
+
+
+def _launch_reads(tiny_model, monkeypatch, requests: list[Request]) -> Counter:
+    """Where the torch executor's launches read device values on the host (tests/op_counts.py), over
+    ``requests`` run with overlap on (the core then launches through the executor's own launch)."""
+    from bm.runtime.executor import TorchExecutor
+
+    sites: Counter = Counter()
+    launch = TorchExecutor.launch
+
+    def recorded(self, batch):
+        with HostReads(sites):
+            return launch(self, batch)
+
+    monkeypatch.setattr(TorchExecutor, "launch", recorded)
+    config = make_config(engine={"overlap_scheduler": "on", "max_num_tokens": 32})
+    results = generate(requests, config, model=tiny_model)
+    assert [r.error for r in results.values() if r.error] == []
+    return sites
+
+
+def test_an_overlapped_launch_reads_no_device_value_on_the_host(tiny_model, monkeypatch):
+    """Under overlap the next step is launched while the previous one runs; a device value read on the
+    host inside the launch (a token, a log prob, a mask) would make the host wait for the step it just
+    queued, and host and device would take turns again. Every feature whose steps overlap (greedy and
+    sampled rows, seeds, top-k/p, min-p, log probs, top log probs, stop words, end ids, n samples, a
+    logit bias, single-token bad words, a minimum length, prompt tuning, streaming, context logits)
+    launches without one. The only host read is the draw from each sampled request's CPU generator, a
+    host tensor on any device. Kept generation logits, which send their rows through the host decode
+    path, show the check at work."""
+    vocab = tiny_model.vocab_size
+    hidden = tiny_model.model.get_input_embeddings().embedding_dim
+    table = torch.randn(3, hidden, generator=torch.Generator().manual_seed(2)).tolist()
+    specs = random_prompts(seed=5, count=12, vocab=vocab, max_prompt=20, max_output=8)
+    fields = [
+        {}, {"temperature": 0.8, "random_seed": 1, "runtime_top_k": 5}, {"temperature": 1.1, "runtime_top_p": 0.9},
+        {"temperature": 0.7, "min_p": 0.1, "random_seed": 3}, {"return_log_probs": True, "top_logprobs": 2},
+        {"stop_words_list": [[vocab - 1]], "end_id": 7}, {"num_return_sequences": 2, "temperature": 0.9},
+        {"embedding_bias": _bias(vocab)}, {"bad_words_list": [[5]], "end_id": 7, "min_length": 3},
+        {"prompt_embedding_table": table, "prompt_vocab_size": 3}, {"streaming": True},
+        {"return_context_logits": True},
+    ]  # fmt: skip
+    requests = [
+        Request(i, p, 8, **extra) for i, ((p, _), extra) in enumerate(zip(specs, fields, strict=True))
+    ]
+    requests[9].input_ids = [vocab, vocab + 1, vocab + 2, *requests[9].input_ids]  # virtual tokens first
+    sites = _launch_reads(tiny_model, monkeypatch, requests)
+    assert set(sites) == {("bm/runtime/sampler.py", "_uniform")}  # the CPU generators' draws
+    kept = [Request(0, specs[0][0], 4, return_generation_logits=True)]
+    # the host decode path reads its tokens within the launch
+    assert ("bm/runtime/sampler.py", "sample") in _launch_reads(tiny_model, monkeypatch, kept)

@@ -1,9 +1,10 @@
 """From a forward's logits to each request's next token(s): controls, sampling, log probs, beam steps.
 
-A batch where no request asks for host work (controls that rewrite logits, a grammar, beams, kept
-generation logits) goes straight to the sampler (:meth:`Decoder.decode_on_device`): its tokens, and the
-log probs some rows asked for, stay on the device until the executor collects the step. Stop words and
-context logits need no host work at this point. Otherwise the controls of :mod:`bm.runtime.logits`
+A batch where no request asks for host work (controls that read the output so far, a grammar, beams,
+kept generation logits) is decoded on the device (:meth:`Decoder.decode_on_device`: the controls that
+need only what the host knows at launch, then the sampler): its tokens, and the log probs some rows
+asked for, stay on the device until the executor collects the step. Stop words and context logits need
+no host work at this point. Otherwise the controls of :mod:`bm.runtime.logits`
 run over the batch, beam requests take a beam-search step on their rows (HF applies its processors to
 log-probabilities in beam search, so bm does too), and log probs are read off the processed
 distribution (``log_softmax(logits / temperature)`` before top-k/top-p; temperature 1 for greedy rows).
@@ -71,16 +72,19 @@ class DeviceDecode:
 
 
 def on_device_only(state: DecodingState | None) -> bool:
-    """Whether a row's decoding needs nothing the host must do before its token is known: no control
-    that rewrites logits, no grammar, no beams, no kept generation logits (log probs, top log probs,
-    stop words and context logits are fine)."""
+    """Whether a row's decoding needs nothing the host must read before its token is known: no control
+    that reads the output so far (penalties, n-grams, multi-token bad words, a post-processor), no
+    grammar, no beams, no kept generation logits. Log probs, top log probs, stop words, context logits
+    and the controls that rewrite logits from what the host knows at launch (an embedding or logit
+    bias, single-token bad words, a minimum length: the output's length counts a pending token) are
+    fine: :func:`bm.runtime.logits.apply_controls` applies those on the device."""
     if state is None:
         return True
     controls = state.controls
     return (
         state.beam is None
         and state.grammar is None
-        and not controls.processes_logits
+        and not controls.reads_output
         and not controls.return_generation_logits
     )
 
@@ -103,6 +107,9 @@ class Decoder:
         if not all(on_device_only(r.decoding) for r in requests):
             return None
         params = [r.sampling for r in requests]
+        rows = [_controlled_row(r) for r in requests]
+        if any(rows):  # as decode() does: the controls on a float32 copy, everything after from it
+            logits = apply_controls(logits.float(), rows)
         tokens = self.sampler.sample_on_device(logits, params, [r.request_id for r in requests])
         wanted = [
             i
@@ -197,6 +204,16 @@ class Decoder:
             for (i, _), allows in zip(live, bitmask.ne(0).any(dim=1).tolist(), strict=True):
                 if not allows:  # a dead end the compile did not see: end this request, not the batch
                     faults[rows[i].request_id] = "structured output: no token can continue the output"
+
+
+def _controlled_row(request: LlmRequest) -> LogitsRow | None:
+    """The request's row for :func:`apply_controls` where a control rewrites its logits, else None."""
+    state = request.decoding
+    if state is None or not state.controls.processes_logits:
+        return None
+    return LogitsRow(
+        request.request_id, state, request.prompt_ids, request.output_ids, request.sampling.end_id
+    )
 
 
 def _log_softmax_rows(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bm.runtime.transfer import tensor_to_device, to_device
 from bm.scheduling.controls import Controls
 
 # (request_id, logits [rows, vocab], tokens so far per row) -> logits
@@ -67,8 +68,11 @@ def apply_controls(
     vocab = logits.shape[1]
     biased = [(i, r.state.bias) for i, r in active if r.state.bias is not None]
     if biased:
-        index = torch.tensor([i for i, _ in biased], device=dev)
-        logits.index_add_(0, index, torch.stack([b for _, b in biased]).to(dev, logits.dtype))
+        # every host value through pinned memory: a blocking copy here would make a launch on a GPU
+        # wait for the forward it is decoding (bm.runtime.transfer)
+        index = to_device([i for i, _ in biased], torch.long, dev)
+        bias = tensor_to_device(torch.stack([b for _, b in biased]), dev)
+        logits.index_add_(0, index, bias.to(logits.dtype))
     _penalties(logits, active, vocab)
     bans: list[tuple[int, int]] = []
     for i, r in active:
@@ -81,9 +85,8 @@ def apply_controls(
         if len(r.output) < opts.min_length and r.end_id >= 0:
             bans.append((i, r.end_id))
     if bans:
-        rows_t = torch.tensor([b[0] for b in bans], device=dev)
-        cols_t = torch.tensor([b[1] for b in bans], device=dev)
-        logits[rows_t, cols_t] = float("-inf")
+        where = to_device(bans, torch.long, dev)
+        logits[where[:, 0], where[:, 1]] = float("-inf")
     return logits
 
 
@@ -99,7 +102,7 @@ def _post_processors(
     for request_id, indices in by_request.items():
         rows = [r for i, r in active if i in indices]
         fn = rows[0].state.controls.logits_post_processor
-        index = torch.tensor(indices, device=logits.device)
+        index = to_device(indices, torch.long, logits.device)
         try:
             out = fn(request_id, logits.index_select(0, index), [r.prompt + r.output for r in rows])
             if not isinstance(out, torch.Tensor) or out.shape != (len(indices), logits.shape[1]):
@@ -122,9 +125,11 @@ def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab:
     dev = logits.device
     rep = [(i, r) for i, r in active if r.state.controls.repetition_penalty != 1.0]
     if rep:
-        index = torch.tensor([i for i, _ in rep], device=dev)
+        index = to_device([i for i, _ in rep], torch.long, dev)
         seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev) > 0
-        penalty = torch.tensor([r.state.controls.repetition_penalty for _, r in rep], device=dev)[:, None]
+        penalty = to_device([r.state.controls.repetition_penalty for _, r in rep], torch.float32, dev)[
+            :, None
+        ]
         sub = logits.index_select(0, index)
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         logits.index_copy_(0, index, torch.where(seen, penalised, sub))
@@ -132,10 +137,14 @@ def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab:
         (i, r) for i, r in active if r.state.controls.presence_penalty or r.state.controls.frequency_penalty
     ]
     if freq:
-        index = torch.tensor([i for i, _ in freq], device=dev)
+        index = to_device([i for i, _ in freq], torch.long, dev)
         counts = _token_counts([r.output for _, r in freq], vocab, dev)
-        presence = torch.tensor([r.state.controls.presence_penalty for _, r in freq], device=dev)[:, None]
-        frequency = torch.tensor([r.state.controls.frequency_penalty for _, r in freq], device=dev)[:, None]
+        presence = to_device([r.state.controls.presence_penalty for _, r in freq], torch.float32, dev)[
+            :, None
+        ]
+        frequency = to_device([r.state.controls.frequency_penalty for _, r in freq], torch.float32, dev)[
+            :, None
+        ]
         delta = (counts > 0).float() * presence + counts * frequency
         logits.index_add_(0, index, -delta.to(logits.dtype))
 
@@ -147,7 +156,7 @@ def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) 
         ids = torch.full((len(histories), longest), vocab, dtype=torch.long)  # pads land in a spare column
         for j, h in enumerate(histories):
             ids[j, : len(h)] = torch.tensor(h, dtype=torch.long)
-        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+        counts.scatter_add_(1, tensor_to_device(ids, device), torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
 

@@ -22,3 +22,11 @@ def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host ``tensor`` on ``device``, queued as :func:`to_device` queues a list (it is itself where
+    ``device`` is the CPU)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
