@@ -127,9 +127,7 @@ def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab:
     if rep:
         index = to_device([i for i, _ in rep], torch.long, dev)
         seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev) > 0
-        penalty = to_device([r.state.controls.repetition_penalty for _, r in rep], torch.float32, dev)[
-            :, None
-        ]
+        penalty = _column([r.state.controls.repetition_penalty for _, r in rep], dev)
         sub = logits.index_select(0, index)
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         logits.index_copy_(0, index, torch.where(seen, penalised, sub))
@@ -139,14 +137,15 @@ def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab:
     if freq:
         index = to_device([i for i, _ in freq], torch.long, dev)
         counts = _token_counts([r.output for _, r in freq], vocab, dev)
-        presence = to_device([r.state.controls.presence_penalty for _, r in freq], torch.float32, dev)[
-            :, None
-        ]
-        frequency = to_device([r.state.controls.frequency_penalty for _, r in freq], torch.float32, dev)[
-            :, None
-        ]
+        presence = _column([r.state.controls.presence_penalty for _, r in freq], dev)
+        frequency = _column([r.state.controls.frequency_penalty for _, r in freq], dev)
         delta = (counts > 0).float() * presence + counts * frequency
         logits.index_add_(0, index, -delta.to(logits.dtype))
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """``values`` as a float32 column ``[n, 1]`` on ``device``, one per row, to broadcast over the vocab."""
+    return to_device(values, torch.float32, device)[:, None]
 
 
 def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
