@@ -32,19 +32,18 @@ from bm.runtime import ModelRunner, work_item
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.fused_projections import fuse_projections
 from bm.runtime.fusion import fuse_elementwise
-from bm.runtime.model_loader import describe_model
+from bm.runtime.model_loader import LoadedModel, describe_model
 from bm.runtime.triton.elementwise import TritonElementwise
 from tests.op_counts import Operators
 
 
-def _step_launches(layers: int, monkeypatch, prompt: bool = False) -> Counter:
-    """The launches of one step over a ``layers``-layer model: four decode rows, and with ``prompt`` a
-    7-token prompt beside them (an eager step: no static buffers serve it)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
+def gpu_path_llama(layers: int, monkeypatch) -> LoadedModel:
+    """A tiny Llama in bfloat16 with everything the GPU path installs: the Triton elementwise kernels,
+    q/k/v and gate/up stacked, the Triton backend's static decode buffers, the cache in the model's
+    dtype (set ``ENV_SWITCH`` to ``triton`` for the backend)."""
     config = AutoConfig.for_model(
         "llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
@@ -56,6 +55,15 @@ def _step_launches(layers: int, monkeypatch, prompt: bool = False) -> Counter:
     loaded.cuda_graphs = "on"  # the static buffers a CUDA graph replays (run eagerly here)
     # the cache in the model's dtype, as on CUDA (a CPU without bm's AVX-512 kernels keeps it in float32)
     monkeypatch.setattr(type(loaded), "kv_dtype", property(lambda self: self.dtype))
+    return loaded
+
+
+def _step_launches(layers: int, monkeypatch, prompt: bool = False) -> Counter:
+    """The launches of one step over a ``layers``-layer model: four decode rows, and with ``prompt`` a
+    7-token prompt beside them (an eager step: no static buffers serve it)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    loaded = gpu_path_llama(layers, monkeypatch)
     runner = ModelRunner(loaded, num_blocks=64, tokens_per_block=16, max_seq_len=256)
     items = [work_item([5], 20, [2 * i, 2 * i + 1]) for i in range(4)]
     if prompt:

@@ -119,31 +119,6 @@ def test_static_buffer_decode_path_gives_the_dynamic_paths_outputs(tiny_model, t
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _stacked_bf16_llama(monkeypatch):
-    """A tiny bfloat16 Llama as the GPU path runs one: Triton elementwise kernels, q/k/v and gate/up
-    stacked, the Triton backend over its static decode buffers, the cache in the model's dtype."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bm.runtime.fused_projections import fuse_projections
-    from bm.runtime.fusion import fuse_elementwise
-    from bm.runtime.triton.elementwise import TritonElementwise
-
-    config = AutoConfig.for_model(
-        "llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
-    fuse_elementwise(model, TritonElementwise("cpu"))
-    assert fuse_projections(model) == {"qkv": 2, "gate_up": 2}
-    loaded = describe_model(
-        model, None, "tiny", prepack="off", fused_elementwise="off", fused_projections="off"
-    )
-    loaded.cuda_graphs = "on"
-    monkeypatch.setattr(type(loaded), "kv_dtype", property(lambda self: self.dtype))
-    return loaded
-
-
 def test_the_fused_rotary_and_kv_store_gives_the_logits_and_cache_of_separate_launches(
     monkeypatch, triton_path, triton_rotary_on_cpu
 ):
@@ -152,6 +127,7 @@ def test_the_fused_rotary_and_kv_store_gives_the_logits_and_cache_of_separate_la
     the static buffers and an eager step mixing a third prompt with decode rows: the same bits in every
     logit and in the whole cache."""
     from bm.runtime.backends.triton_backend import TritonBackend
+    from tests.test_layer_launches import gpu_path_llama
 
     tables = [[0, 1], [2, 3], [4]]
     steps = [
@@ -167,7 +143,7 @@ def test_the_fused_rotary_and_kv_store_gives_the_logits_and_cache_of_separate_la
 
     def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         runner = ModelRunner(
-            _stacked_bf16_llama(monkeypatch), num_blocks=8, tokens_per_block=16, max_seq_len=64
+            gpu_path_llama(2, monkeypatch), num_blocks=8, tokens_per_block=16, max_seq_len=64
         )
         with torch.inference_mode():
             logits = [runner.forward(items) for items in steps]
