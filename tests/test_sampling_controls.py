@@ -174,6 +174,27 @@ def test_the_seed_not_the_request_id_decides_the_draws():
     assert [d[0] for d in draws] != [d[2] for d in draws]
 
 
+def test_each_request_draws_the_numbers_its_generator_gives_one_at_a_time_across_refills():
+    """The sampler draws a request's uniform numbers ahead, DRAW_AHEAD at a time: every number it hands
+    out is the one ``torch.rand(())`` on that request's seeded generator gives in turn, across several
+    refills, requests interleaved, and a request released and admitted again starting over."""
+    from bm.runtime.sampler import DRAW_AHEAD
+
+    def one_at_a_time(seed: int, n: int) -> list[float]:
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.rand((), generator=gen).item() for _ in range(n)]
+
+    sampler = Sampler()
+    n = 2 * DRAW_AHEAD + 5
+    got = {7: [], 8: []}
+    for _ in range(n):
+        for rid, seed in ((7, 11), (8, 12)):
+            got[rid].append(sampler.uniform(rid, seed))
+    assert got == {7: one_at_a_time(11, n), 8: one_at_a_time(12, n)}
+    sampler.release(7)
+    assert [sampler.uniform(7, 11) for _ in range(3)] == one_at_a_time(11, 3)
+
+
 # -- logits controls (bm/runtime/logits.py) ------------------------------------------------------------
 
 

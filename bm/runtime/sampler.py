@@ -3,7 +3,10 @@ temperature / top-k / top-p / min-p pass over sorted logits.
 
 Each sampling request owns a ``torch.Generator`` seeded with its ``random_seed`` and draws exactly one
 uniform number per generated token, so its samples do not depend on what else shares the batch, on the
-batch's order, or on a pause and resume.
+batch's order, or on a pause and resume. The numbers are drawn from it 64 at a time and handed out one
+by one: ``torch.rand(64)`` gives the same numbers as 64 calls of ``torch.rand(())`` on a CPU generator
+(a test pins it), and one call per row per step cost about 2.4 us of host time each (0.6 ms a step at
+256 sampled rows, measured on a 2-core EPYC).
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import torch
 from bm.runtime.transfer import to_device
 from bm.scheduling.request import Sampling
 
+DRAW_AHEAD = 64  # uniform numbers drawn from a request's generator at once
+
 
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}
+        self._drawn: dict[int, list[float]] = {}  # request id -> its next numbers, the next one last
 
     def release(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
+        self._drawn.pop(request_id, None)
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[Sampling], request_ids: Sequence[int]
@@ -58,10 +65,13 @@ class Sampler:
         return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
 
     def _uniform(self, request_id: int, seed: int) -> float:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
-        return torch.rand((), generator=gen).item()
+        drawn = self._drawn.get(request_id)
+        if not drawn:
+            gen = self._generators.get(request_id)
+            if gen is None:
+                gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+            drawn = self._drawn[request_id] = torch.rand(DRAW_AHEAD, generator=gen).tolist()[::-1]
+        return drawn.pop()
 
     def _sample_rows(
         self, logits: torch.Tensor, params: Sequence[Sampling], request_ids: Sequence[int]
