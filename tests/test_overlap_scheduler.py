@@ -270,6 +270,7 @@ def test_the_tiny_model_gives_the_same_greedy_tokens_and_log_probs_with_overlap(
     requests[2] = Request(**{**vars(requests[2]), "num_return_sequences": 2})
     requests[3] = Request(**{**vars(requests[3]), "beam_width": 2, "return_log_probs": False})
     requests[4] = Request(**{**vars(requests[4]), "repetition_penalty": 1.3, "min_length": 3})
+    requests[5] = Request(**{**vars(requests[5]), "presence_penalty": 0.8, "frequency_penalty": 0.6})
     engine = {"max_beam_width": 2, "enable_chunked_context": True, "max_num_tokens": 16}
     off = model_outputs(tiny_model, requests, "off", **engine)
     on = model_outputs(tiny_model, requests, "on", **engine)
@@ -361,16 +362,20 @@ DEVICE_CONTROLS = {
     "single-token bad words": {"bad_words_list": [[5], [9]]},
     "min length": {"end_id": 7, "min_length": 6},
     "all three": {"embedding_bias": "bias", "bad_words_list": [[5]], "end_id": 7, "min_length": 6},
+    # penalties count the output, a token still pending on the device included (overlap)
+    "penalties": {"repetition_penalty": 1.4, "presence_penalty": 0.7, "frequency_penalty": 0.5},
 }
 
 
 @pytest.mark.parametrize("controls", list(DEVICE_CONTROLS))
 def test_steps_that_need_no_host_read_decode_on_the_device_with_the_host_paths_bits(tiny_model, controls):
-    """Log probs, top log probs, stop words and the controls that rewrite logits from what the host knows
-    at launch (a logit bias, single-token bad words, a minimum length) need no device value on the host
-    before a token is known, so such steps decode on the device and overlap. Kept generation logits send
-    every row through the host path instead (they travel to the host in the launch) without changing a
-    token: both must give the same tokens and the same log-prob bits, greedy and sampled."""
+    """Log probs, top log probs, stop words and the controls that rewrite logits without the output's
+    tokens on the host (a logit bias, single-token bad words, a minimum length, the penalties, which
+    count a token still pending on the device there) need no device value on the host before a token
+    is known, so such steps decode on the device and overlap. Kept generation logits send every row
+    through the host path instead (they travel to the host in the launch) without changing a token:
+    both must give the same tokens and the same log-prob bits, greedy and sampled, and so must overlap
+    on and off."""
     from bm.runtime.decoding import on_device_only
     from bm.runtime.logits import DecodingState
     from bm.scheduling.controls import Controls
@@ -389,6 +394,7 @@ def test_steps_that_need_no_host_read_decode_on_the_device_with_the_host_paths_b
     ]  # fmt: skip
     plain = [Request(**{**vars(r), **extra}) for r in plain]
     host = [Request(**{**vars(r), "return_generation_logits": True}) for r in plain]
+    outputs = {}
     for overlap in ("off", "on"):
         config = make_config(engine={"overlap_scheduler": overlap})
         device_run = generate([Request(**vars(r)) for r in plain], config, model=tiny_model)
@@ -400,6 +406,12 @@ def test_steps_that_need_no_host_read_decode_on_the_device_with_the_host_paths_b
             assert ours.output_log_probs == theirs.output_log_probs  # float equality: the same bits
             assert ours.output_top_log_probs == theirs.output_top_log_probs
             assert ours.output_top_log_probs and len(ours.output_top_log_probs[0]) == 2 + rid % 2
+        outputs[overlap] = {
+            rid: (r.output_ids, r.output_log_probs, r.output_top_log_probs) for rid, r in device_run.items()
+        }
+    # overlapped, each row's last token is still on the device when the next step is decoded (the
+    # penalties count it there): the log probs, which see every penalised token, are the same bits
+    assert outputs["on"] == outputs["off"]
 
 
 def _launch_reads(tiny_model, monkeypatch, requests: list[Request]) -> Counter:
@@ -426,14 +438,14 @@ def test_an_overlapped_launch_reads_no_device_value_on_the_host(tiny_model, monk
     host inside the launch (a token, a log prob, a mask) would make the host wait for the step it just
     queued, and host and device would take turns again. Every feature whose steps overlap (greedy and
     sampled rows, seeds, top-k/p, min-p, log probs, top log probs, stop words, end ids, n samples, a
-    logit bias, single-token bad words, a minimum length, prompt tuning, streaming, context logits)
-    launches without one. The only host read is the draw from each sampled request's CPU generator, a
+    logit bias, single-token bad words, a minimum length, repetition, presence and frequency penalties,
+    prompt tuning, streaming, context logits) launches without one. The only host read is the draw from each sampled request's CPU generator, a
     host tensor on any device. Kept generation logits, which send their rows through the host decode
     path, show the check at work."""
     vocab = tiny_model.vocab_size
     hidden = tiny_model.model.get_input_embeddings().embedding_dim
     table = torch.randn(3, hidden, generator=torch.Generator().manual_seed(2)).tolist()
-    specs = random_prompts(seed=5, count=12, vocab=vocab, max_prompt=20, max_output=8)
+    specs = random_prompts(seed=5, count=13, vocab=vocab, max_prompt=20, max_output=8)
     fields = [
         {}, {"temperature": 0.8, "random_seed": 1, "runtime_top_k": 5}, {"temperature": 1.1, "runtime_top_p": 0.9},
         {"temperature": 0.7, "min_p": 0.1, "random_seed": 3}, {"return_log_probs": True, "top_logprobs": 2},
@@ -441,6 +453,7 @@ def test_an_overlapped_launch_reads_no_device_value_on_the_host(tiny_model, monk
         {"embedding_bias": _bias(vocab)}, {"bad_words_list": [[5]], "end_id": 7, "min_length": 3},
         {"prompt_embedding_table": table, "prompt_vocab_size": 3}, {"streaming": True},
         {"return_context_logits": True},
+        {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4, "temperature": 0.9},
     ]  # fmt: skip
     requests = [
         Request(i, p, 8, **extra) for i, ((p, _), extra) in enumerate(zip(specs, fields, strict=True))

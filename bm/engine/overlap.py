@@ -16,11 +16,12 @@ core collect n's tokens. What follows from that, as TensorRT-LLM's PyTorch overl
 
 Some steps cannot run ahead of their tokens, and the core collects them before scheduling the next one
 (:func:`survey`): beam search (beams reorder on the host), draft verification (drafts are built from
-the latest tokens), structured output and the controls that read the output so far (a grammar's mask,
-repetition/presence/frequency penalties, n-gram and multi-token bad words, a logits post-processor: each
-needs the token), an n-sample request finishing
-its prompt (its samples fork from the prompt's first token), and a plan that pauses a request whose token
-is pending (its recompute needs the token). The V1 scheme (static batches run in lockstep) and n-gram
+the latest tokens), structured output and the controls that read the output's tokens on the host (a
+grammar's mask, n-gram and multi-token bad words, a logits post-processor: each needs the token), an
+n-sample request finishing its prompt (its samples fork from the prompt's first token), and a plan that
+pauses a request whose token is pending (its recompute needs the token). Repetition, presence and
+frequency penalties overlap: they need the output's token counts only, and the runtime adds the pending
+token's on the device. The V1 scheme (static batches run in lockstep) and n-gram
 drafts never overlap. Outputs are the same with overlap on or off: only when tokens become known moves.
 
 Executors that compute synchronously (the fake one, the simulator, the torch executor on the CPU) overlap

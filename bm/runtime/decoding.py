@@ -1,7 +1,7 @@
 """From a forward's logits to each request's next token(s): controls, sampling, log probs, beam steps.
 
-A batch where no request asks for host work (controls that read the output so far, a grammar, beams,
-kept generation logits) is decoded on the device (:meth:`Decoder.decode_on_device`: the controls that
+A batch where no request asks for host work (controls that need the output's tokens on the host, a
+grammar, beams, kept generation logits) is decoded on the device (:meth:`Decoder.decode_on_device`: the controls that
 need only what the host knows at launch, then the sampler): its tokens, and the log probs some rows
 asked for, stay on the device until the executor collects the step. Stop words and context logits need
 no host work at this point. Otherwise the controls of :mod:`bm.runtime.logits`
@@ -19,7 +19,7 @@ import torch
 
 from bm.runtime.beam_search import StepOutcome
 from bm.runtime.grammar import GrammarRuntime, MaskApplier
-from bm.runtime.logits import DecodingState, LogitsRow, apply_controls
+from bm.runtime.logits import DecodingState, LogitsRow, PendingTokens, apply_controls
 from bm.runtime.sampler import Sampler
 from bm.runtime.transfer import to_device
 from bm.scheduling.request import LlmRequest, Sampling
@@ -73,11 +73,11 @@ class DeviceDecode:
 
 def on_device_only(state: DecodingState | None) -> bool:
     """Whether a row's decoding needs nothing the host must read before its token is known: no control
-    that reads the output so far (penalties, n-grams, multi-token bad words, a post-processor), no
+    that needs the output's tokens on the host (n-grams, multi-token bad words, a post-processor), no
     grammar, no beams, no kept generation logits. Log probs, top log probs, stop words, context logits
-    and the controls that rewrite logits from what the host knows at launch (an embedding or logit
-    bias, single-token bad words, a minimum length: the output's length counts a pending token) are
-    fine: :func:`bm.runtime.logits.apply_controls` applies those on the device."""
+    and the other controls are fine, applied on the device by :func:`bm.runtime.logits.apply_controls`:
+    an embedding or logit bias, single-token bad words, a minimum length (the output's length counts a
+    pending token) and the penalties (which count a pending token on the device)."""
     if state is None:
         return True
     controls = state.controls
@@ -99,17 +99,20 @@ class Decoder:
         self.sampler.release(request_id)
 
     @torch.inference_mode()
-    def decode_on_device(self, logits: torch.Tensor, requests: Sequence[LlmRequest]) -> DeviceDecode | None:
+    def decode_on_device(
+        self, logits: torch.Tensor, requests: Sequence[LlmRequest], pending: PendingTokens | None = None
+    ) -> DeviceDecode | None:
         """The batch's tokens and asked-for log probs, left on the logits' device (the overlap scheduler
         reads them a step later); None when any row needs :meth:`decode`'s host work. ``logits`` may be
         in the model's dtype: the argmax is exact, and log probs are taken in float32 from the same rows
-        in the same order as :meth:`decode` takes them, so the values are the same bits."""
+        in the same order as :meth:`decode` takes them, so the values are the same bits. ``pending``: the
+        requests whose last output token is still on the device (the penalties count it there)."""
         if not all(on_device_only(r.decoding) for r in requests):
             return None
         params = [r.sampling for r in requests]
         rows = [_controlled_row(r) for r in requests]
         if any(rows):  # as decode() does: the controls on a float32 copy, everything after from it
-            logits = apply_controls(logits.float(), rows)
+            logits = apply_controls(logits.float(), rows, pending=pending)
         tokens = self.sampler.sample_on_device(logits, params, [r.request_id for r in requests])
         wanted = [
             i
@@ -128,7 +131,11 @@ class Decoder:
 
     @torch.inference_mode()
     def decode(
-        self, logits: torch.Tensor, requests: Sequence[LlmRequest], beams: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[LlmRequest],
+        beams: Sequence[int],
+        pending: PendingTokens | None = None,
     ) -> DecodeResult:
         """``logits [rows, vocab]``; row ``i`` belongs to ``requests[i]`` (beam ``beams[i]``). A batch
         where no row asks for more than the sampler goes to :meth:`decode_on_device` instead."""
@@ -154,7 +161,7 @@ class Decoder:
             index = torch.tensor([i for rs in beam_rows.values() for i in rs], device=logits.device)
             logits.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index), dim=-1))
         faults: dict[int, str] = {}
-        logits = apply_controls(logits, rows, faults)
+        logits = apply_controls(logits, rows, faults, pending)
         self._mask_grammars(logits, rows, faults)
         tokens = self.sampler.sample(logits, params, ids)
         result = DecodeResult(tokens, faults=faults)

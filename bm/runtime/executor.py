@@ -32,7 +32,7 @@ from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult, DeviceDecode
 from bm.runtime.grammar import GrammarRuntime
 from bm.runtime.kv_sizing import num_kv_blocks
-from bm.runtime.logits import DecodingState
+from bm.runtime.logits import DecodingState, PendingTokens
 from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
@@ -206,11 +206,13 @@ class TorchExecutor:
         """The packed rows of ``group`` whose input token is pending, and those tokens from the previous
         launch's (a request whose row there failed sampled nothing: token 0, its row is thrown away)."""
         rows, sources = [], []
+        by_request: dict[int, int] = {}
         offset = 0
         for item in group:
             if item.kind is WorkKind.GENERATION and item.token_ids[0] == PENDING_TOKEN:
                 assert self._last is not None, "a pending token with no launch before it"
                 tokens, index = self._last
+                by_request[item.request.request_id] = len(rows)
                 rows.append(offset)
                 sources.append(index.get(item.request.request_id, tokens.shape[0] - 1))
             offset += len(item.token_ids)
@@ -219,7 +221,7 @@ class TorchExecutor:
         # through pinned memory without blocking: a plain torch.tensor(..., device) would wait for the
         # step in flight, which is what overlapping is to avoid
         both = self._fill_staging.send([*rows, *sources])
-        return InputFill(both[: len(rows)], tokens.index_select(0, both[len(rows) :]))
+        return InputFill(both[: len(rows)], tokens.index_select(0, both[len(rows) :]), by_request)
 
     def _forward(self, group: list[WorkItem], launched: Launched) -> None:
         result = launched.result
@@ -254,13 +256,15 @@ class TorchExecutor:
         to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
             return
-        on_device = self.decoder.decode_on_device(logits, [item.request for item in to_sample])
+        # the requests whose last output token is still on the device: the penalties count it there
+        pending = None if fill is None else PendingTokens(fill.by_request, fill.values)
+        requests = [item.request for item in to_sample]
+        on_device = self.decoder.decode_on_device(logits, requests, pending)
         if on_device is not None:  # no host work: tokens (and log probs) stay on the device for now
             launched.on_device.append((to_sample, on_device, _copy_to_host(on_device.tensors())))
             return
-        decoded: DecodeResult = self.decoder.decode(
-            logits.float(), [item.request for item in to_sample], [item.beam for item in to_sample]
-        )
+        beams = [item.beam for item in to_sample]
+        decoded: DecodeResult = self.decoder.decode(logits.float(), requests, beams, pending)
         result.faults.update(decoded.faults)
         for request_id, outcome in decoded.beams.items():
             req = next(item.request for item in to_sample if item.request.request_id == request_id)

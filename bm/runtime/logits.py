@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bm.engine.executor import PENDING_TOKEN
 from bm.runtime.transfer import tensor_to_device, to_device
 from bm.scheduling.controls import Controls
 
@@ -40,6 +41,17 @@ class DecodingState:
     grammar: object | None = None  # bm.runtime.grammar.GrammarState: structured output's matcher
 
 
+@dataclass
+class PendingTokens:
+    """The last output token of some rows, still on the device: under overlap scheduling a request's
+    ``output`` ends in a placeholder (:data:`~bm.engine.executor.PENDING_TOKEN`) while the step that
+    sampled it is in flight. Request ``r``'s is ``values[position[r]]``. The penalties count it there,
+    on the device, so a request with penalties need not wait for its token on the host."""
+
+    position: dict[int, int]  # request id -> its token's index in values
+    values: torch.Tensor  # [n] int64, on the logits' device
+
+
 @dataclass(slots=True)
 class LogitsRow:
     """One row of logits to decode: its request's decoding state, the tokens so far, and the id for
@@ -53,12 +65,17 @@ class LogitsRow:
 
 
 def apply_controls(
-    logits: torch.Tensor, rows: Sequence[LogitsRow | None], faults: dict[int, str] | None = None
+    logits: torch.Tensor,
+    rows: Sequence[LogitsRow | None],
+    faults: dict[int, str] | None = None,
+    pending: PendingTokens | None = None,
 ) -> torch.Tensor:
     """Apply every row's controls to ``logits [len(rows), vocab]`` (in place where possible).
 
     ``None`` rows (requests without controls) are left untouched. ``faults``: where a user's
     post-processor that raises is recorded (request id -> message) instead of failing the whole batch.
+    ``pending``: the rows whose last output token is still on the device (only the penalties read the
+    output of such a row; the other controls that read it never run ahead of their tokens).
     """
     active = [(i, r) for i, r in enumerate(rows) if r is not None and r.state.controls.processes_logits]
     if not active:
@@ -73,7 +90,7 @@ def apply_controls(
         index = to_device([i for i, _ in biased], torch.long, dev)
         bias = tensor_to_device(torch.stack([b for _, b in biased]), dev)
         logits.index_add_(0, index, bias.to(logits.dtype))
-    _penalties(logits, active, vocab)
+    _penalties(logits, active, vocab, pending)
     bans: list[tuple[int, int]] = []
     for i, r in active:
         opts = r.state.controls
@@ -119,14 +136,16 @@ def _post_processors(
     return logits
 
 
-def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab: int) -> None:
+def _penalties(
+    logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab: int, pending: PendingTokens | None
+) -> None:
     """Repetition (over prompt + output, as HF), presence and frequency (over the output, as OpenAI and
     TensorRT-LLM): one scatter to count tokens, then column-broadcast arithmetic."""
     dev = logits.device
     rep = [(i, r) for i, r in active if r.state.controls.repetition_penalty != 1.0]
     if rep:
         index = to_device([i for i, _ in rep], torch.long, dev)
-        seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev) > 0
+        seen = _token_counts([r.prompt + r.output for _, r in rep], vocab, dev, _pending_of(rep, pending)) > 0
         penalty = _column([r.state.controls.repetition_penalty for _, r in rep], dev)
         sub = logits.index_select(0, index)
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
@@ -136,7 +155,7 @@ def _penalties(logits: torch.Tensor, active: list[tuple[int, LogitsRow]], vocab:
     ]
     if freq:
         index = to_device([i for i, _ in freq], torch.long, dev)
-        counts = _token_counts([r.output for _, r in freq], vocab, dev)
+        counts = _token_counts([r.output for _, r in freq], vocab, dev, _pending_of(freq, pending))
         presence = _column([r.state.controls.presence_penalty for _, r in freq], dev)
         frequency = _column([r.state.controls.frequency_penalty for _, r in freq], dev)
         delta = (counts > 0).float() * presence + counts * frequency
@@ -148,7 +167,36 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.float32, device)[:, None]
 
 
-def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def _pending_of(
+    rows: list[tuple[int, LogitsRow]], pending: PendingTokens | None
+) -> tuple[list[int], torch.Tensor] | None:
+    """Which of ``rows`` (by their place in the list) end in a pending token, and those tokens."""
+    if pending is None:
+        return None
+    at = pending.position
+    places = [(j, at[r.request_id]) for j, (_, r) in enumerate(rows) if r.request_id in at]
+    if not places:
+        return None
+    where = to_device([k for _, k in places], torch.long, pending.values.device)
+    return [j for j, _ in places], pending.values.index_select(0, where)
+
+
+def _token_counts(
+    histories: list[list[int]],
+    vocab: int,
+    device: torch.device,
+    pending: tuple[list[int], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``[len(histories), vocab]`` float32 counts of each history's tokens. A history ending in a
+    placeholder counts, instead, the token ``pending`` holds for it on the device (the same count)."""
+    rows, tokens = pending if pending is not None else ([], None)
+    stripped = []
+    for j, h in enumerate(histories):
+        ends_pending = bool(h) and h[-1] == PENDING_TOKEN
+        if ends_pending != (j in rows):
+            raise AssertionError(f"row {j}: a placeholder without its pending token, or the reverse")
+        stripped.append(h[:-1] if ends_pending else h)
+    histories = stripped
     longest = max((len(h) for h in histories), default=0)
     counts = torch.zeros(len(histories), vocab + 1, device=device)
     if longest:
@@ -156,6 +204,9 @@ def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) 
         for j, h in enumerate(histories):
             ids[j, : len(h)] = torch.tensor(h, dtype=torch.long)
         counts.scatter_add_(1, tensor_to_device(ids, device), torch.ones(ids.shape, device=device))
+    if tokens is not None:
+        index = (to_device(rows, torch.long, device), tokens)
+        counts.index_put_(index, torch.ones(len(rows), device=device), accumulate=True)
     return counts[:, :vocab]
 
 

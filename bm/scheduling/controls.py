@@ -50,15 +50,15 @@ class Controls:
 
     @property
     def reads_output(self) -> bool:
-        """Whether sampling the next token reads the tokens generated so far (penalties, n-gram and
+        """Whether sampling the next token needs the tokens generated so far on the host (n-gram and
         multi-token bad words, a post-processor, a grammar): the core's overlap scheduler then runs the
-        request's steps in order, since the last of those tokens may still be on the device."""
+        request's steps in order, since the last of those tokens may still be on the device.
+
+        The penalties need the output's token counts only, and the runtime counts a token still pending
+        on the device there (bm.runtime.logits), so a request with penalties overlaps."""
         return (
             self.guided is not None
             or self.logits_post_processor is not None
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
             or self.no_repeat_ngram_size > 0
             or any(len(word) > 1 for word in self.bad_words)
         )
