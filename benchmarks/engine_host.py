@@ -2,7 +2,7 @@
 """The engine's host time per iteration, without a model: what overlap scheduling cannot hide.
 
     python benchmarks/engine_host.py [--requests 64,256,1024] [--overlap off,on] [--repeats 5]
-        [--max-batch-size B] [--executor fake|torch] [--profile N]
+        [--max-batch-size B] [--executor fake|torch] [--sampling greedy|sampled] [--profile N]
 
 Each run admits N requests at once (prompts of 256-511 random tokens, 128 output tokens, end tokens never
 sampled) into an :class:`~bm.engine.EngineCore`, with ``max_batch_size`` N (``--max-batch-size B``: B,
@@ -22,6 +22,11 @@ step's metadata, the static buffers' fill, the overlap path's input fill, sampli
 the token copy all run as on a GPU, minus the CUDA calls. ``core`` is then the host's whole step (the
 core and the executor's host side) and ``executor`` the stubbed model call: what a GPU's device step
 must outlast for overlap to hide the host (an H100's 256-row decode step of a 1B Llama: about 4-5 ms).
+
+``--sampling sampled``: every request samples (temperature 0.8, top-p 0.95, its own seed) instead of
+taking the argmax. Over the torch executor the sampler then runs on the CPU as it would on a GPU (its
+filtering and sort are device work there, counted here as the host's: small at the stub's 256-token
+vocabulary), with each row's uniform number drawn from its request's CPU generator, host work anywhere.
 
 Prints JSON: for each request count and overlap setting, the core's ms per iteration over the whole run
 and its median over the decode iterations (no context token in the batch), each as the median of the
@@ -102,7 +107,11 @@ def torch_executor(sink: list[list[tuple[float, bool]]]):
 
 
 def make_core(
-    num_requests: int, overlap: str, max_batch_size: int | None = None, kind: str = "fake"
+    num_requests: int,
+    overlap: str,
+    max_batch_size: int | None = None,
+    kind: str = "fake",
+    sampling: str = "greedy",
 ) -> tuple[EngineCore, list[tuple[float, bool]]]:
     """A core over the fake executor whose ``execute`` records its own seconds and whether the batch was a
     pure decode (one entry per call), or over the stubbed torch executor (:func:`torch_executor`), with
@@ -147,7 +156,10 @@ def make_core(
     rng = random.Random(3)
     for i in range(num_requests):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(*PROMPT_TOKENS))]
-        refused = core.add_request(Request(i, prompt, OUTPUT_TOKENS))
+        sample = (
+            {"temperature": 0.8, "runtime_top_p": 0.95, "random_seed": i} if sampling == "sampled" else {}
+        )
+        refused = core.add_request(Request(i, prompt, OUTPUT_TOKENS, **sample))
         if refused is not None:
             raise SystemExit(f"request {i} refused: {refused.error}")
     return core, spent
@@ -159,9 +171,10 @@ def run_once(
     max_batch_size: int | None = None,
     profiler: cProfile.Profile | None = None,
     kind: str = "fake",
+    sampling: str = "greedy",
 ) -> dict:
     """One run to completion: the core's and the executor's seconds, per step."""
-    core, spent = make_core(num_requests, overlap, max_batch_size, kind)
+    core, spent = make_core(num_requests, overlap, max_batch_size, kind, sampling)
     clock = time.perf_counter
     core_s: list[float] = []
     exec_s: list[float] = []
@@ -198,6 +211,8 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=None, help="default: each run's request count")
     p.add_argument("--executor", choices=["fake", "torch"], default="fake",
                    help="fake (the core alone) or torch (the GPU code path's host side, model stubbed)")  # fmt: skip
+    p.add_argument("--sampling", choices=["greedy", "sampled"], default="greedy",
+                   help="every request greedy, or sampling (temperature, top-p, a seed each)")  # fmt: skip
     p.add_argument("--profile", type=int, default=None, metavar="N", help="cProfile one run at N requests")
     p.add_argument("--sort", default="tottime", help="the profile's order (tottime, cumulative)")
     args = p.parse_args()
@@ -206,17 +221,18 @@ def main() -> None:
 
     if args.profile is not None:
         profiler = cProfile.Profile()
-        run_once(args.profile, overlaps[0], args.max_batch_size, profiler, args.executor)
+        run_once(args.profile, overlaps[0], args.max_batch_size, profiler, args.executor, args.sampling)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats(args.sort).print_stats(40)
     if args.repeats <= 0:
         return
 
     runs: dict[tuple[int, str], list[dict]] = {(n, o): [] for n in counts for o in overlaps}
-    run_once(counts[0], overlaps[0], args.max_batch_size, kind=args.executor)  # warm-up: imports, caches
+    kinds = {"kind": args.executor, "sampling": args.sampling}
+    run_once(counts[0], overlaps[0], args.max_batch_size, **kinds)  # warm-up: imports, caches
     for repeat in range(args.repeats):
         for n in counts:
             for overlap in overlaps:
-                run = run_once(n, overlap, args.max_batch_size, kind=args.executor)
+                run = run_once(n, overlap, args.max_batch_size, **kinds)
                 runs[n, overlap].append(run)
                 log(
                     f"repeat {repeat + 1}/{args.repeats} requests {n} overlap {overlap}: core "
@@ -246,6 +262,7 @@ def main() -> None:
         "tokens_per_block": TOKENS_PER_BLOCK,
         "max_batch_size": args.max_batch_size or "requests",
         "executor": args.executor,
+        "sampling": args.sampling,
         "core_is": "the core" if args.executor == "fake" else "the host's whole step (core + torch executor)",
     }
     print(json.dumps({"workload": workload, "repeats": args.repeats, "results": results}, indent=1))

@@ -10,22 +10,24 @@ import sys
 from tests.conftest import REPO
 
 
-def _engine_host(executor: str) -> dict:
+def _engine_host(executor: str, sampling: str = "greedy") -> dict:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "engine_host.py"), "--requests", "8", "--overlap", "off,on",
-         "--repeats", "1", "--executor", executor],
+         "--repeats", "1", "--executor", executor, "--sampling", sampling],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     return json.loads(done.stdout)
 
 
 def test_the_stubbed_torch_executor_runs_the_fake_executors_iterations_on_the_gpu_code_path():
-    """The same workload and scheduler: as many iterations over either executor, with overlap off and
-    on (on: one more, the discarded step of the requests ending together); every figure positive."""
+    """The same workload and scheduler: as many iterations over either executor, greedy or sampling
+    (the stub never offers an end token), with overlap off and on (on: one more, the discarded step of
+    the requests ending together); every figure positive."""
     fake, torch_path = _engine_host("fake"), _engine_host("torch")
-    assert torch_path["workload"]["executor"] == "torch"
+    sampled = _engine_host("torch", "sampled")
+    assert torch_path["workload"]["executor"] == "torch" and sampled["workload"]["sampling"] == "sampled"
     iterations = {}
-    for report in (fake, torch_path):
+    for report in (fake, torch_path, sampled):
         for row in report["results"]:
             assert row["core_ms_per_iteration"]["median"] > 0 and row["decode_core_ms"]["median"] > 0
             iterations.setdefault(row["overlap"], set()).add(row["iterations"])
