@@ -143,7 +143,8 @@ class TorchExecutor:
             return
         options = DecodingState(controls)
         if controls.embedding_bias is not None:
-            options.bias = torch.tensor(controls.embedding_bias, dtype=torch.float32)
+            # on the device once, not copied there every step (a [vocab] float32 row each)
+            options.bias = to_device(controls.embedding_bias, torch.float32, self.model.device)
         if request.beam_width > 1:
             options.beam = BeamSearch(
                 request.beam_width,

@@ -33,7 +33,7 @@ class DecodingState:
     tensors built from them once, and what accumulates while it runs."""
 
     controls: Controls
-    bias: torch.Tensor | None = None  # controls.embedding_bias as a [vocab] float32 row
+    bias: torch.Tensor | None = None  # controls.embedding_bias as a [vocab] float32 row, on the device
     context_logits: list[torch.Tensor] = field(default_factory=list)
     num_context_logits: int = 0
     generation_logits: list[torch.Tensor] = field(default_factory=list)
@@ -86,10 +86,9 @@ def apply_controls(
     biased = [(i, r.state.bias) for i, r in active if r.state.bias is not None]
     if biased:
         # every host value through pinned memory: a blocking copy here would make a launch on a GPU
-        # wait for the forward it is decoding (bm.runtime.transfer)
+        # wait for the forward it is decoding (bm.runtime.transfer); the bias rows are there already
         index = to_device([i for i, _ in biased], torch.long, dev)
-        bias = tensor_to_device(torch.stack([b for _, b in biased]), dev)
-        logits.index_add_(0, index, bias.to(logits.dtype))
+        logits.index_add_(0, index, torch.stack([b for _, b in biased]).to(dev, logits.dtype))
     _penalties(logits, active, vocab, pending)
     bans: list[tuple[int, int]] = []
     for i, r in active:
