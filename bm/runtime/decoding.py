@@ -107,10 +107,12 @@ class Decoder:
         in the model's dtype: the argmax is exact, and log probs are taken in float32 from the same rows
         in the same order as :meth:`decode` takes them, so the values are the same bits. ``pending``: the
         requests whose last output token is still on the device (the penalties count it there)."""
-        if not all(on_device_only(r.decoding) for r in requests):
-            return None
+        rows = []  # one pass: whether every row decodes here, and the controls of those that have some
+        for r in requests:
+            if not on_device_only(r.decoding):
+                return None
+            rows.append(_controlled_row(r))
         params = [r.sampling for r in requests]
-        rows = [_controlled_row(r) for r in requests]
         if any(rows):  # as decode() does: the controls on a float32 copy, everything after from it
             logits = apply_controls(logits.float(), rows, pending=pending)
         tokens = self.sampler.sample_on_device(logits, params, [r.request_id for r in requests])
