@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import types
 
 import pytest
 
@@ -253,3 +255,45 @@ def test_tensor_parallel_replicas_that_do_not_fit_the_gpus_are_refused_naming_th
     with pytest.raises(ParallelError) as error:
         replica_layout({"CPU": 32, "GPU": gpus}, replicas, None, "auto", tensor_parallel=4)
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "name", ["StreamingExecutor-dataset_1", "ray-data-metadata-prefetch", "iter_threaded"]
+)
+def test_the_driver_disconnects_from_ray_only_after_ray_datas_dataset_threads_end(monkeypatch, name):
+    """Closing Ray Data's row iterator only asks its threads to stop; one still running after
+    ``ray.shutdown()`` made Ray end an interrupted run with status 1 instead of 130 (CI, 2 cores).
+    ``disconnect`` joins those threads first, and only those: the long-lived ones would never end."""
+    from bm.ray import session
+
+    release, other = threading.Event(), threading.Event()
+    executor = threading.Thread(target=release.wait, name=name, daemon=True)
+    # Ray Data's block prefetcher stays parked for the process's life once a run is over: never waited
+    unrelated = threading.Thread(target=other.wait, name="Prefetcher", daemon=True)
+    executor.start(), unrelated.start()
+    threading.Timer(0.3, release.set).start()  # its last step ends after the iterator was closed
+    seen: list[bool] = []
+    # Ray itself stays out of the test process (see tests/test_ray.py): only its shutdown is watched
+    monkeypatch.setitem(
+        sys.modules, "ray", types.SimpleNamespace(shutdown=lambda: seen.append(executor.is_alive()))
+    )
+    try:
+        session.disconnect()
+        assert seen == [False]  # shut down once, after the executor thread ended
+        assert unrelated.is_alive()  # not a Ray Data thread: never waited for
+    finally:
+        other.set()
+
+
+def test_a_ray_data_thread_that_never_ends_is_named_at_the_deadline_not_waited_for_forever():
+    from bm.ray.session import wait_for_ray_data_threads
+
+    stuck = threading.Event()
+    thread = threading.Thread(target=stuck.wait, name="ray-data-metadata-prefetch", daemon=True)
+    thread.start()
+    try:
+        assert wait_for_ray_data_threads(timeout_s=0.2) == ["ray-data-metadata-prefetch"]
+    finally:
+        stuck.set()
+    thread.join()
+    assert wait_for_ray_data_threads(timeout_s=0.2) == []

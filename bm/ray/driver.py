@@ -46,6 +46,7 @@ from bm.ray.blocks import (  # fmt: skip
     read_bytes,
 )
 from bm.ray.replica import FAULT_ENV, LineOptions, Replica
+from bm.ray.session import connect, disconnect
 
 DEFAULT_BLOCK_LINES = 64
 DEFAULT_TRIES = 3
@@ -147,9 +148,7 @@ def run_blocks(
     a replica loaded it. Returns the report and whether the run was stopped."""
     import ray
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address=options.address, include_dashboard=False, log_to_driver=True)
+    started_here = connect(options.address)
     store = PartStore(out_dir)
     block_lines = options.block_lines
     if resume and store.exists():
@@ -201,7 +200,7 @@ def run_blocks(
             stopped = runner.isolate(failed, verdicts, kept, stop)
     finally:
         if started_here:
-            ray.shutdown()
+            disconnect()  # once Ray Data's threads have ended (bm.ray.session)
 
     def missing(block: Block) -> list[dict[str, Any]]:
         rows = block_rows(read_bytes(prompts, block), block, prompts.parent, verdicts, batch)

@@ -1,0 +1,51 @@
+"""The driver's Ray connection: made where the caller has none, and ended only once Ray Data has let go.
+
+Ray Data runs a dataset on threads of the driver's: the scheduling loop (``StreamingExecutor-<dataset>``,
+with a ``ray-data-metadata-prefetch`` helper) and, behind the row iterator, a worker that fetches the
+blocks (``iter_threaded``). Closing the iterator, as an interrupted run does, only asks them to stop:
+Ray Data waits 2 s for the loop and not at all for the fetcher, whose ``ray.get`` may be waiting on a
+block still being made. A thread that touches the core worker once ``ray.shutdown()`` has
+run makes Ray end the whole process with status 1 ("The core worker has already been shutdown"): an
+interrupted ``bm run --ray`` then exited 1 instead of 130, its records written but its exit code wrong
+(seen on CI's 2 busy cores). So the connection is ended only after those threads have.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+# The names Ray Data gives the threads of one dataset's run (ray 2.60: execution/streaming_executor.py,
+# execution/metadata_fetcher.py, block_batching/util.py). Not its usage poller nor its block
+# ``Prefetcher``, which stay parked for the life of the process (seen after an interrupted run): waiting
+# for them would only ever end at the deadline, and parked they touch nothing.
+RAY_DATA_THREADS = ("StreamingExecutor-", "ray-data-metadata-prefetch", "iter_threaded")
+
+
+def connect(address: str | None) -> bool:
+    """Connect to Ray at ``address`` (``None``: ``RAY_ADDRESS`` or a local cluster) unless this process
+    already is; whether it connected here (and so should :func:`disconnect`)."""
+    import ray
+
+    if ray.is_initialized():
+        return False  # the caller's own connection, left as it is
+    ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def wait_for_ray_data_threads(timeout_s: float = 30.0) -> list[str]:
+    """Wait, up to ``timeout_s`` in all, for Ray Data's dataset threads to end; the names of any still
+    running at the deadline (disconnecting then is no worse than not waiting)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.name.startswith(RAY_DATA_THREADS):
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith(RAY_DATA_THREADS)]
+
+
+def disconnect() -> None:
+    """End a connection made by :func:`connect`, once no Ray Data thread can touch it any more."""
+    import ray
+
+    wait_for_ray_data_threads()
+    ray.shutdown()
