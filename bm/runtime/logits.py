@@ -189,10 +189,11 @@ def _token_counts(
     """``[len(histories), vocab]`` float32 counts of each history's tokens. A history ending in a
     placeholder counts, instead, the token ``pending`` holds for it on the device (the same count)."""
     rows, tokens = pending if pending is not None else ([], None)
+    has_pending = set(rows)  # a list's `in` would make this loop quadratic in the batch's rows
     stripped = []
     for j, h in enumerate(histories):
         ends_pending = bool(h) and h[-1] == PENDING_TOKEN
-        if ends_pending != (j in rows):
+        if ends_pending != (j in has_pending):
             raise AssertionError(f"row {j}: a placeholder without its pending token, or the reverse")
         stripped.append(h[:-1] if ends_pending else h)
     histories = stripped
