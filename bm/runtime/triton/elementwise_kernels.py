@@ -131,32 +131,12 @@ def rotary_pair_kernel(
     token = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rotate_heads(
-            q_ptr,
-            q_stride_t,
-            q_stride_h,
-            cos_ptr,
-            sin_ptr,
-            q_out_ptr,
-            q_heads,
-            token,
-            HEAD_DIM,
-            HEAD_PAD,
-            BLOCK_HQ,
-        )
+            q_ptr, q_stride_t, q_stride_h, cos_ptr, sin_ptr, q_out_ptr, q_heads, token, HEAD_DIM, HEAD_PAD, BLOCK_HQ
+        )  # fmt: skip
     else:
         _rotate_heads(
-            k_ptr,
-            k_stride_t,
-            k_stride_h,
-            cos_ptr,
-            sin_ptr,
-            k_out_ptr,
-            k_heads,
-            token,
-            HEAD_DIM,
-            HEAD_PAD,
-            BLOCK_HK,
-        )
+            k_ptr, k_stride_t, k_stride_h, cos_ptr, sin_ptr, k_out_ptr, k_heads, token, HEAD_DIM, HEAD_PAD, BLOCK_HK
+        )  # fmt: skip
 
 
 @triton.jit
