@@ -203,9 +203,10 @@ class TorchExecutor:
         self._last = _sampled_tokens(launched, self.model.device) if keep_tokens else None
         return launched
 
-    def _input_fill(self, group: list[WorkItem]) -> InputFill | None:
+    def _input_fill(self, group: list[WorkItem]) -> tuple[InputFill, PendingTokens] | None:
         """The packed rows of ``group`` whose input token is pending, and those tokens from the previous
-        launch's (a request whose row there failed sampled nothing: token 0, its row is thrown away)."""
+        launch's (a request whose row there failed sampled nothing: token 0, its row is thrown away):
+        for the forward's input, and by request for the decoder (the penalties count them there)."""
         rows, sources = [], []
         by_request: dict[int, int] = {}
         offset = 0
@@ -222,7 +223,8 @@ class TorchExecutor:
         # through pinned memory without blocking: a plain torch.tensor(..., device) would wait for the
         # step in flight, which is what overlapping is to avoid
         both = self._fill_staging.send([*rows, *sources])
-        return InputFill(both[: len(rows)], tokens.index_select(0, both[len(rows) :]), by_request)
+        values = tokens.index_select(0, both[len(rows) :])
+        return InputFill(both[: len(rows)], values), PendingTokens(by_request, values)
 
     def _forward(self, group: list[WorkItem], launched: Launched) -> None:
         result = launched.result
@@ -234,7 +236,7 @@ class TorchExecutor:
             item.keep_all = item.kind is WorkKind.CONTEXT and _wants_context_logits(item)
         tables = {i: self._prompt_tables.get(item.request.request_id) for i, item in enumerate(group)}
         tables = {i: t for i, t in tables.items() if t is not None}
-        fill = self._input_fill(group)
+        fill, pending = self._input_fill(group) or (None, None)
         if self._adapter_slots:
             self.lora.begin([(self._slot(item.request), len(item.token_ids)) for item in group])
         try:
@@ -257,8 +259,6 @@ class TorchExecutor:
         to_sample = [item for item in group if item.sample and not item.num_draft]
         if not to_sample:
             return
-        # the requests whose last output token is still on the device: the penalties count it there
-        pending = None if fill is None else PendingTokens(fill.by_request, fill.values)
         requests = [item.request for item in to_sample]
         on_device = self.decoder.decode_on_device(logits, requests, pending)
         if on_device is not None:  # no host work: tokens (and log probs) stay on the device for now

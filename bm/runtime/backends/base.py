@@ -96,8 +96,6 @@ class InputFill:
 
     rows: torch.Tensor  # [n] int64, on the device
     values: torch.Tensor  # [n] int64, on the device
-    # request id -> its token's index in values (the penalties count a pending token on the device)
-    by_request: dict[int, int] = field(default_factory=dict)
 
     def apply(self, input_ids: torch.Tensor) -> None:
         """Write the tokens into ``input_ids`` (``[T]`` or ``[1, T]``), in stream order, no sync."""
