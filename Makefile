@@ -22,6 +22,9 @@ RUN_FLAGS ?=
 WORKLOAD ?= ../shared/bench/azure-conv-128-x0.25.jsonl
 TRACE ?= ../shared/traces/azure_llm_2023_conv.csv
 TIME_SCALE ?= 0.25
+# `make test` runs the suite on this many pytest-xdist workers, whole modules each (a module's fixtures,
+# such as test_ray.py's one Ray cluster, are built once): 2, CI's cores. TEST_WORKERS=0 runs it in-process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint lock test-latest test-gpu-stack bench bench-trace mutate clean
 
@@ -47,7 +50,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint $(MODEL_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Regenerate the lock from pyproject.toml and requirements/lock.in, taking the newest releases that fit.
 # Run `make test-latest` first and fix what it finds; then `make test` on the new lock before committing.
