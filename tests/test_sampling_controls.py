@@ -265,7 +265,7 @@ def test_bad_words_ban_the_token_that_would_complete_a_word(prompt, output, bann
 
 
 def test_embedding_bias_is_added_to_the_logits():
-    bias = torch.tensor([0.5, -1.0, 0.0, 2.0])
+    bias = (0.5, -1.0, 0.0, 2.0)  # Controls.embedding_bias's type, as requests carry it
     assert controlled([1.0, 1.0, 1.0, 1.0], prompt=[0], output=[], embedding_bias=bias) == [
         1.5,
         0.0,
