@@ -3,7 +3,7 @@
 # ten gated runs of the unchanged code (each must exit 0) and one with a planted 30% slowdown (every
 # engine iteration 1.3x as long, benchmarks/planted_slowdown.py; it must exit 1).
 #
-#   benchmarks/compare_gate.sh [OUT_DIR]        # default bm-out/compare-gate; BM="python -m bm.cli.main"
+#   benchmarks/compare_gate.sh [OUT_DIR]        # default bm-out/compare-gate; BM="python -m bm"
 #   LOAD_CMD="..." benchmarks/compare_gate.sh   # the gated runs with that command running beside them
 #
 # The baseline is saved first, alone; LOAD_CMD (any shell command, e.g. a test suite or an on/off busy
@@ -15,7 +15,7 @@
 # unchanged runs passed and the slowed one failed.
 set -u
 OUT=${1:-bm-out/compare-gate}
-BM=${BM:-python -m bm.cli.main}
+BM=${BM:-python -m bm}
 PY=${PY:-python}
 HERE=$(cd "$(dirname "$0")" && pwd)
 WORKLOAD=(--dataset-kind synthetic --input-len 128 --output-len 128 --num-requests 256 --ignore-eos

@@ -54,7 +54,7 @@ def bm_bench(
 ) -> dict[str, Any]:
     """``bm bench ARGS -q -o OUT`` in a subprocess, killed at ``timeout_s``: its figures, or what a killed
     run left (the stats lines written so far)."""
-    cmd = [sys.executable, "-m", "bm.cli.main", "bench", *args, "-q", "-o", str(out), "--overwrite"]
+    cmd = [sys.executable, "-m", "bm", "bench", *args, "-q", "-o", str(out), "--overwrite"]
     started = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -165,7 +165,7 @@ def check_compare(shape_file: Path, small: bool, folder: Path) -> dict[str, Any]
     """Two variants of one ``bm compare`` in one process: each variant's KV cache blocks (equal)."""
     out = folder / "compare"
     n = "16" if small else "256"
-    cmd = [sys.executable, "-m", "bm.cli.main", "compare", "--dataset-kind", "synthetic", "--model-config",
+    cmd = [sys.executable, "-m", "bm", "compare", "--dataset-kind", "synthetic", "--model-config",
            str(shape_file), "-n", n, "--input-len", "48" if small else "384", "--output-len", "8" if small else "64",
            "--ignore-eos", "--schemes", "inflight,inflight_fused", "-q", "-o", str(out), "--overwrite",
            *_device_flags(small)]  # fmt: skip

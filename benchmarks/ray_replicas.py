@@ -5,7 +5,7 @@ sitting, every figure from this run.
     python benchmarks/ray_replicas.py [--lines 256] [--input-len 128] [--output-len 32] [--replicas 2]
         [--rounds 2] [--model-config configs/models/bench-llama-15m.json] [--block-lines 32]
 
-Both are run as a user runs them, as commands (``python -m bm.cli.main run ...``), on a synthetic file of
+Both are run as a user runs them, as commands (``python -m bm run ...``), on a synthetic file of
 ``--lines`` token-id prompts run to their full length (``--ignore-eos``). A local Ray cluster with the
 machine's CPUs is started once here and each ``--ray`` run joins it (``RAY_ADDRESS``), so starting Ray
 is not counted, but starting the replicas (each loads the model) is. Reported per run: the command's
@@ -44,7 +44,7 @@ def write_prompts(path: Path, lines: int, input_len: int, output_len: int, vocab
 
 
 def run_once(args: argparse.Namespace, prompts: Path, out: Path, ray: bool, env: dict[str, str]) -> dict:
-    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), "-q", "--ignore-eos"]
+    command = [sys.executable, "-m", "bm", "run", str(prompts), "-o", str(out), "-q", "--ignore-eos"]
     command += ["--seed", "1", "--model-config", args.model_config, "--set", "model.device=cpu"]
     if ray:
         command += ["--ray", "--replicas", str(args.replicas), "--block-lines", str(args.block_lines)]

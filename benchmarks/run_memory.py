@@ -61,7 +61,7 @@ def main() -> None:
             for i in range(n):
                 f.write(json.dumps(request_line(i, args.format)) + "\n")
         out = root / f"out-{n}"
-        command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), "--overwrite"]
+        command = [sys.executable, "-m", "bm", "run", str(prompts), "-o", str(out), "--overwrite"]
         command += ["-q", "--ignore-eos", "--set", "model.device=cpu", "--set", "kv_cache.max_tokens=65536"]
         rss, wall = peak_rss_mib(command, env)
         records = sum(1 for _ in (out / "outputs.jsonl").open())

@@ -7,13 +7,7 @@ Python, used by simulations) does not pull in torch and transformers.
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
-
-try:
-    __version__ = version("bm")
-except PackageNotFoundError:  # a source tree that is not installed
-    __version__ = "0.0.0+source"
 
 _EXPORTS = {
     "LLM": "bm.llm",
@@ -38,7 +32,21 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+def _version() -> str:
+    """The installed version. Read on first use: importlib.metadata costs about 0.2 s, and the ``bm``
+    command installs its signal handlers only once ``import bm`` is done (see bm.cli.entry)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bm")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "0.0.0+source"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()["__version__"] = found = _version()
+        return found
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'bm' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """``python -m bm`` (and ``torchrun -m bm``): the same command line as ``bm``."""
 
-from bm.cli.main import main
+from bm.cli.entry import main
 
 main()

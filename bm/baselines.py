@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
+
+_POLL_S = 0.1  # how often hf-cb's wait for results looks at ``stop``
+_STALL_S = 600.0  # no result for this long: transformers' manager has stopped
 
 
 @dataclass
@@ -60,13 +64,20 @@ def stock_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.inference_mode()
 def run_hf_generate(
-    model: torch.nn.Module, workload: Sequence[tuple[list[int], int]], batch_size: int = 16, pad_id: int = 0
+    model: torch.nn.Module,
+    workload: Sequence[tuple[list[int], int]],
+    batch_size: int = 16,
+    pad_id: int = 0,
+    stop: threading.Event | None = None,
 ) -> PeerResult:
-    """Left-padded batches in workload order; each batch generates until its longest request is done."""
+    """Left-padded batches in workload order; each batch generates until its longest request is done.
+    ``stop``: when set, no further batch starts (an interrupted comparison; the result is partial)."""
     ref = stock_copy(model)
     device = next(ref.parameters()).device
     start = time.perf_counter()
     for i in range(0, len(workload), batch_size):
+        if stop is not None and stop.is_set():
+            break
         batch = workload[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -88,9 +99,10 @@ def run_hf_generate(
 
 @torch.inference_mode()
 def run_hf_continuous_batching(
-    model: torch.nn.Module, workload: Sequence[tuple[list[int], int]]
+    model: torch.nn.Module, workload: Sequence[tuple[list[int], int]], stop: threading.Event | None = None
 ) -> PeerResult:
-    """transformers' continuous batching manager with every request queued at once."""
+    """transformers' continuous batching manager with every request queued at once. ``stop``: when
+    set, the wait for results ends (an interrupted comparison; the result is partial)."""
     ref = stock_copy(model)
     # it logs an ERROR line on every CPU run (no psutil) that says nothing about the results
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
@@ -105,10 +117,15 @@ def run_hf_continuous_batching(
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
         done: set[str] = set()
         generated = 0
-        while len(done) < len(workload):
-            result = manager.get_result(timeout=600)
+        waited = 0.0
+        while len(done) < len(workload) and not (stop is not None and stop.is_set()):
+            result = manager.get_result(timeout=_POLL_S)
             if result is None:
+                waited += _POLL_S
+                if waited < _STALL_S:
+                    continue
                 raise RuntimeError("transformers' continuous batching stopped before finishing the workload")
+            waited = 0.0
             if result.is_finished() and result.request_id not in done:
                 done.add(result.request_id)
                 generated += len(result.generated_tokens)

@@ -80,7 +80,7 @@ class Recorder:
 def test_a_killed_bm_bench_leaves_its_stats_lines_and_finished_records_so_far(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "bm.cli.main", "bench", "--model", "tiny-random", "-q", "-o", str(out),
+    args = [sys.executable, "-m", "bm", "bench", "--model", "tiny-random", "-q", "-o", str(out),
             "--dataset-kind", "synthetic", "-n", "2000", "--input-len", "64", "--output-len", "64",
             "--ignore-eos", "--set", "model.device=cpu"]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -33,7 +33,7 @@ def test_every_command_writes_its_errors_to_stderr(tmp_path, args, message):
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.log").open("w") as err:
         code = subprocess.run(
-            [sys.executable, "-m", "bm.cli.main", *args],
+            [sys.executable, "-m", "bm", *args],
             cwd=tmp_path,
             env=env,
             stdout=out,

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 runner = CliRunner()
 MAX_BATCH = 4
@@ -30,12 +31,12 @@ def write_prompts(path, n, max_tokens):
 
 def bm_run_process(prompts, out, *extra):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), "-q", "--ignore-eos"]
+    args = [sys.executable, "-m", "bm", "run", str(prompts), "-o", str(out), "-q", "--ignore-eos"]
     args += ["--set", "model.device=cpu", "--set", f"engine.max_batch_size={MAX_BATCH}", *extra]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_records(proc, outputs, count, timeout=120):
+def wait_for_records(proc, outputs, count, timeout=HANG_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if outputs.exists() and len(outputs.read_text().splitlines()) >= count:
@@ -59,7 +60,7 @@ def test_a_signal_mid_run_cancels_queued_requests_and_keeps_every_record(tmp_pat
     proc = bm_run_process(prompts, out)
     wait_for_records(proc, out / "outputs.jsonl", MAX_BATCH)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert f"-o {out} --resume" in " ".join(stdout.split())  # the way to finish the run is printed
@@ -80,19 +81,46 @@ def test_a_signal_mid_run_cancels_queued_requests_and_keeps_every_record(tmp_pat
     assert summary["num_prompt_tokens"] == sum(r["num_prompt_tokens"] for r in ran)
 
 
-def test_a_second_interrupt_exits_at_once(tmp_path):
-    prompts = write_prompts(tmp_path / "p.jsonl", 48, max_tokens=48)
+def test_a_signal_during_start_up_ends_the_run_there_without_a_traceback(tmp_path):
+    """The checks are done (``-o`` exists) and torch or the model is loading: the signal stops that where
+    it is. Either nothing had started (no records), or the model was loading and every line ends
+    ``cancelled`` with the resume command printed; never a traceback, never a load run to its end."""
+    n = 48
+    prompts = write_prompts(tmp_path / "p.jsonl", n, max_tokens=48)
     out = tmp_path / "out"
     proc = bm_run_process(prompts, out)
     while not out.exists():  # made by the checks that run before torch loads (which takes seconds)
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)  # two signals sent back to back may be delivered as one
+    stdout, stderr = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    if (out / "outputs.jsonl").exists():
+        records = read_jsonl(out / "outputs.jsonl")
+        assert sorted(r["index"] for r in records) == list(range(n))
+        assert {r["finish_reason"] for r in records} == {"cancelled"}
+        assert f"-o {out} --resume" in " ".join(stdout.split())
+    else:
+        assert "interrupted during start-up; nothing ran" in stderr
+
+
+def test_a_second_signal_exits_at_once_while_the_first_is_still_being_handled():
+    code = (
+        "import time\n"
+        "from bm.cli.interrupts import Interrupts\n"
+        "with Interrupts(bound_s=None) as i:\n"
+        "    i.running(lambda: print('stopping', flush=True))\n"
+        "    print('ready', flush=True)\n"
+        "    while True: time.sleep(0.05)  # a stop that takes long\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline().strip() == "stopping"  # the first was handled: the second is another
     proc.send_signal(signal.SIGINT)
-    _stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130
-    assert "interrupted again: exiting now" in stderr
+    _out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 130 and "interrupted again: exiting now" in err
 
 
 def test_sigkill_then_resume_gives_the_outputs_of_an_uninterrupted_run(tmp_path):
@@ -100,7 +128,7 @@ def test_sigkill_then_resume_gives_the_outputs_of_an_uninterrupted_run(tmp_path)
     prompts = write_prompts(tmp_path / "p.jsonl", n, max_tokens=24)
     reference = tmp_path / "reference"
     done = bm_run_process(prompts, reference)
-    assert done.wait(timeout=300) == 0, done.communicate()
+    assert done.wait(timeout=HANG_S) == 0, done.communicate()
     expected = {r["index"]: r["output_ids"] for r in read_jsonl(reference / "outputs.jsonl")}
 
     out = tmp_path / "out"
@@ -114,7 +142,7 @@ def test_sigkill_then_resume_gives_the_outputs_of_an_uninterrupted_run(tmp_path)
     assert before < n
 
     resumed = bm_run_process(prompts, out, "--resume")
-    _stdout, stderr = resumed.communicate(timeout=300)
+    _stdout, stderr = resumed.communicate(timeout=HANG_S)
     assert resumed.returncode == 0, stderr
     records = read_jsonl(out / "outputs.jsonl")
     assert sorted(r["index"] for r in records) == list(range(n))  # exactly one record per line
@@ -181,7 +209,7 @@ def test_the_printed_resume_command_resumes_the_run(tmp_path):
     proc = bm_run_process(prompts, out, "--max-tokens", "7", "--set", "engine.max_seq_len=512", "--seed", "5")
     wait_for_records(proc, out / "outputs.jsonl", MAX_BATCH)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130, stderr
     printed = " ".join(stdout.split()).split("run them with ", 1)[1]
     words = shlex.split(printed)
@@ -190,11 +218,11 @@ def test_the_printed_resume_command_resumes_the_run(tmp_path):
         assert option in words, printed
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     resumed = subprocess.run(
-        [sys.executable, "-m", "bm.cli.main", *words[1:]],
+        [sys.executable, "-m", "bm", *words[1:]],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     records = read_jsonl(out / "outputs.jsonl")

@@ -48,7 +48,7 @@ def test_run_reads_prompts_piped_on_stdin(tmp_path):
 
     piped = tmp_path / "devstdin"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = f"printf '%s' '{LINES.decode()}' | {sys.executable} -m bm.cli.main run /dev/stdin -o {piped} -q --set model.device=cpu"  # fmt: skip
+    command = f"printf '%s' '{LINES.decode()}' | {sys.executable} -m bm run /dev/stdin -o {piped} -q --set model.device=cpu"  # fmt: skip
     proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert assert_ran_both_lines(piped)["prompts"] == "/dev/stdin"

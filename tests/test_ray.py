@@ -23,6 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 ray = pytest.importorskip("ray")
 
@@ -78,7 +79,7 @@ def driver_env(cluster: str, **env: str) -> dict[str, str]:
 
 def bm_run(cluster: str, args: list[str], **env: str) -> subprocess.CompletedProcess:
     """``bm run ARGS`` in a subprocess on the cluster (stdout and stderr together, as a terminal shows)."""
-    command = [sys.executable, "-m", "bm.cli.main", "run", *args]
+    command = [sys.executable, "-m", "bm", "run", *args]
     return subprocess.run(
         command, env=driver_env(cluster, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=600,
@@ -96,13 +97,11 @@ def run_batch_process(cluster: str, **kwargs: object) -> subprocess.CompletedPro
 
 def driver_with_parts(cluster: str, prompts, out, num_parts: int) -> subprocess.Popen:
     """A slowed ``bm run --ray`` driver, returned once ``num_parts`` blocks are written (to be stopped)."""
-    command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
+    command = [sys.executable, "-m", "bm", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
     env = driver_env(cluster, **{FAULT_ENV: "slow=0.3"})
     driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(list((out / "parts").glob("block-*.jsonl"))) < num_parts:
+    while len(list((out / "parts").glob("block-*.jsonl"))) < num_parts:  # the driver's event, not a clock
         assert driver.poll() is None, driver.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no parts appeared"
         time.sleep(0.05)
     return driver
 
@@ -212,17 +211,19 @@ def test_resume_after_the_driver_is_killed_reruns_only_the_blocks_without_record
     assert plain.exit_code == 2 and "resume it with --ray" in " ".join(plain.output.split())
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_cancels_the_blocks_not_done_keeps_every_record_and_resumes_to_the_same_records(
-    cluster, reference, tmp_path
+    cluster, reference, tmp_path, sig
 ):
     """A first Ctrl-C stops after the blocks that are finishing: every line still has its record (the
     blocks not done get ``cancelled`` ones), the run exits 130 naming ``--resume``, and the resume runs
-    only those blocks, ending with the records of an uninterrupted run."""
+    only those blocks, ending with the records of an uninterrupted run. SIGTERM does the same: ray.init
+    took it over (exit 15, a native dump, no outputs.jsonl) before bm.ray.session kept bm's handler."""
     prompts, expected = reference
     out = tmp_path / "out"
     driver = driver_with_parts(cluster, prompts, out, 2)
-    driver.send_signal(signal.SIGINT)
-    stdout, stderr = driver.communicate(timeout=180)
+    driver.send_signal(getattr(signal, sig))
+    stdout, stderr = driver.communicate(timeout=HANG_S)
     assert driver.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     assert f"-o {out} --resume" in " ".join(stdout.split())
@@ -386,7 +387,7 @@ def test_the_several_machines_recipe_on_two_nodes_of_this_machine(tmp_path):
 
         out = tmp_path / "out"
         env = {k: v for k, v in driver_env("", **{FAULT_ENV: "slow=1.5"}).items() if k != "RAY_ADDRESS"}
-        command = [sys.executable, "-m", "bm.cli.main", "run", str(prompts), "-o", str(out), *COMMON]
+        command = [sys.executable, "-m", "bm", "run", str(prompts), "-o", str(out), *COMMON]
         command += ["--ray", "--replicas", "2", "--replica-threads", "1", "--block-lines", "4"]
         done = subprocess.run(
             command, env={**env, "RAY_TMPDIR": str(temp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

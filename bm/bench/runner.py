@@ -11,6 +11,7 @@ the engine, refused at load, or failed because the run was interrupted.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,7 @@ def run_bench(
     *,
     progress: Callable[[ReplayProgress], None] | None = None,
     journal: BenchJournal | None = None,
+    stop: threading.Event | None = None,
 ) -> BenchResult:
     """Replay ``workload`` through a fresh batch manager and measure it.
 
@@ -77,8 +79,9 @@ def run_bench(
     by default they come from ``config.bench`` (:func:`bm.workloads.arrival_times`). Pass the same list
     to several runs to compare them on identical arrivals. ``progress`` is called from the calling
     thread about ten times a second, and so is ``journal`` (see :mod:`bm.bench.journal`) with the
-    measured replay's new stats rows and finished requests' records. Ctrl-C ends the run early with
-    every record kept.
+    measured replay's new stats rows and finished requests' records. ``stop`` (set by the command's
+    first signal, bm.cli.interrupts), or Ctrl-C where nothing else handles it, ends the run early with
+    every record kept: what had not finished is cancelled.
     """
     config = sized_for(config, model, workload)
     if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.sim.run)
@@ -114,7 +117,7 @@ def run_bench(
             warm = Replayer([r for _, r in built[: bench.warmup]], [0.0] * min(bench.warmup, len(built)))
             router.replayer = warm
             warm.start()
-            interrupted = _drain(manager, warm, None, None)
+            interrupted = _drain(manager, warm, None, None, stop)
         if interrupted:
             replayer.fail_unfinished(
                 "the run was interrupted during warm-up; this request was never sent", CANCELLED
@@ -122,7 +125,7 @@ def run_bench(
         else:
             router.replayer, router.stats = replayer, stats_lines
             replayer.start()
-        interrupted |= _drain(manager, replayer, progress, feed)
+        interrupted |= _drain(manager, replayer, progress, feed, stop)
     finally:
         manager.shutdown(cancel=True)
 
@@ -157,11 +160,16 @@ def _drain(
     replayer: Replayer,
     progress: Callable[[ReplayProgress], None] | None,
     feed: JournalFeed | None,
+    stop: threading.Event | None = None,
 ) -> bool:
     """Wait until every request of ``replayer`` has its final record, reporting progress and feeding
-    the journal every poll; returns whether Ctrl-C cut it short."""
+    the journal every poll; returns whether ``stop`` or Ctrl-C cut it short."""
     interrupted = False
     while not replayer.done:
+        if stop is not None and stop.is_set() and not interrupted:
+            interrupted = True
+            replayer.fail_unfinished("the run was interrupted before this request finished", CANCELLED)
+            manager.cancel_all()
         try:
             if not replayer.wait(_POLL_S) and not manager.is_alive():
                 replayer.fail_unfinished(f"the batch manager stopped ({manager.error or 'no error given'})")

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
+from bm.cli.interrupts import Interrupts
 from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override, resolve_engine
 
 if TYPE_CHECKING:
@@ -201,7 +202,8 @@ def bench(
         cfg.bench.out_dir = str(out)
     except (ConfigError, OutDirError) as exc:
         raise _fail(Console(stderr=True), str(exc)) from None
-    code = run_command(cfg, console, show_progress=not (quiet or cfg.bench.json_output), plot=plot)
+    with Interrupts() as interrupts:
+        code = run_command(cfg, console, not (quiet or cfg.bench.json_output), plot, interrupts)
     end_ranks(console, multi_rank)
     if code:
         raise typer.Exit(code=code)
@@ -213,8 +215,18 @@ def _fail(console: Console, message: str) -> typer.Exit:
     return typer.Exit(code=USAGE)
 
 
-def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool = False) -> int:
+def run_command(
+    cfg: BmConfig,
+    console: Console,
+    show_progress: bool,
+    plot: bool = False,
+    interrupts: Interrupts | None = None,
+) -> int:
     """Load, replay, write ``results.json`` / ``requests.jsonl`` / ``stats.jsonl``, report. Returns the exit code.
+
+    ``interrupts``: the command's signal policy (bm.cli.interrupts). A signal while the model loads ends
+    the command there (nothing was measured); once the replay starts, the first signal cancels what has
+    not finished and the results of what did are written as usual, marked interrupted.
 
     ``stats.jsonl`` and ``requests.jsonl`` are written as the run goes (:class:`bm.cli.journal.FileJournal`),
     so a killed run leaves what it did; at the end ``requests.jsonl`` is replaced by the complete file
@@ -248,10 +260,17 @@ def run_command(cfg: BmConfig, console: Console, show_progress: bool, plot: bool
     plain = PlainProgress(console, "bm bench") if show_progress and not console.is_terminal else None
     total = sum(r.ok for r in workload.requests)
     task = progress.add_task("replaying", total=total, tps="0", rps="0", eta="?")
+    interrupts = interrupts if interrupts is not None else Interrupts(bound_s=None)
+    interrupts.running()  # a signal from here on cancels the replay, and the results are still written
     try:
         with progress, FileJournal(out, workload.requests) as journal:
             result = run_bench(
-                cfg, loaded, workload, progress=lambda p: tick(progress, task, p, plain), journal=journal
+                cfg,
+                loaded,
+                workload,
+                progress=lambda p: tick(progress, task, p, plain),
+                journal=journal,
+                stop=interrupts.stop,
             )
     except KVCacheSizeError as exc:
         print_error(str(exc))

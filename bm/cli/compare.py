@@ -27,6 +27,7 @@ from bm.cli.bench import (
 )
 from bm.cli.errors import print_error
 from bm.cli.help import silence_progress_bars
+from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupts
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.compare.regress import read_baseline_document
 from bm.config import BmConfig, ConfigError
@@ -105,7 +106,8 @@ def compare(
         print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
-    code = _run(cfg, variants, parsed, previous, baseline, (tol, noise, most), repeat, reference, hf_batch_size, out, plot, json_output, quiet, console)  # fmt: skip
+    with Interrupts() as interrupts:
+        code = _run(cfg, variants, parsed, previous, baseline, (tol, noise, most), repeat, reference, hf_batch_size, out, plot, json_output, quiet, console, interrupts)  # fmt: skip
     if code == 2:  # a usage error found while loading: nothing was written
         remove_created(out, created)
     if code:
@@ -159,6 +161,7 @@ def _run(
     json_output: bool,
     quiet: bool,
     console: Console,
+    interrupts: Interrupts,
 ) -> int:
     from bm.cli.journal import FileJournal
     from bm.compare.expr import AssertionEvalError, evaluate_assertion
@@ -216,14 +219,17 @@ def _run(
             console.print(f"re-measuring: {why}; {more} more round(s)", highlight=False, soft_wrap=True)
         return more
 
+    interrupts.running()  # from here the first signal ends the run in progress; finished rounds are kept
     try:
         result = run_compare(cfg, loaded, workload, arrivals, variants, repeat=repeat, reference=reference,
                              hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done,
                              journal=lambda v: FileJournal(variant_dir(out, v.name)),
-                             more_rounds=more_rounds)  # fmt: skip
+                             more_rounds=more_rounds, stop=interrupts.stop)  # fmt: skip
     except (KVCacheSizeError, ConfigError) as exc:
         print_error(str(exc))
         return 2
+    if result.interrupted:
+        return _interrupted(console, result, out, interrupts.signal_name)
     metrics = result.metrics()
     failed_eval = []
     for assertion in parsed:
@@ -251,6 +257,29 @@ def _run(
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
     return _gate(console, result, failed_eval)  # already stderr under --json
+
+
+def _interrupted(console: Console, result: Any, out: Path, signal_name: str | None) -> int:
+    """A signal ended the comparison: the rounds every variant finished are written (compare.json says
+    ``interrupted``), no gate is judged on them, and the exit code is 130, never a pass."""
+    from bm.compare.runner import write_compare
+
+    if result.repeat == 0:
+        print_error(
+            f"{signal_name}: interrupted before every variant finished a round; nothing to compare "
+            f"(each run's records so far are in {out / 'variants'})"
+        )
+        return INTERRUPTED_EXIT
+    write_compare(out, result)
+    from bm.cli.tables import print_table
+
+    for table in compare_tables(result, console.width):
+        print_table(console, table)
+    print_error(
+        f"{signal_name}: interrupted after {result.repeat} round(s); {out / 'compare.json'} holds them, "
+        "and no gate was judged"
+    )
+    return INTERRUPTED_EXIT
 
 
 def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:

@@ -429,9 +429,5 @@ def sim_calibrate(
     typer.echo(f"written: {local_row_path(name)} ({name})")
 
 
-def main() -> None:
+if __name__ == "__main__":  # `python -m bm` also installs the signal handlers before these imports
     app()
-
-
-if __name__ == "__main__":
-    main()

@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 import bm
-from bm.cli.interrupts import Interrupts
-from bm.cli.outdir import iter_final_records, run_identity, run_options, write_run_identity
+from bm.cli.interrupts import Interrupted, Interrupts
+from bm.cli.outdir import iter_final_records, model_named, run_identity, run_options, write_run_identity
 from bm.cli.progress import PlainProgress, eta_s, format_duration
 from bm.cli.prompts import codec_for, to_request
 from bm.cli.records import cancelled_record, output_record, write_logits
@@ -29,7 +29,7 @@ from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
 from bm.engine.request import error_response
-from bm.files import replacing
+from bm.files import replacing, replacing_text
 from bm.llm import LLM, Session
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
@@ -113,16 +113,23 @@ def run_prompts(
     ``outputs.jsonl`` are kept and only the other lines run. ``options.batch_lines`` (OpenAI batch input)
     also gets ``batch_output.jsonl`` in OpenAI's format, a line written with each record."""
     if interrupts is None:
-        with Interrupts() as own:
+        with Interrupts(bound_s=None) as own:
             return run_prompts(parsed, config, out_dir, options, console, own)
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({model_label(config)}) ...")
-    llm = LLM(config=config)  # the library's front door loads the model and drives the engine
+    try:
+        llm: LLM | None = LLM(config=config)  # the library's front door loads the model, drives the engine
+    except Interrupted as exc:  # nothing ran: every line gets its cancelled record, without the model
+        console.print(f"[yellow]{exc.signal_name} while the model loaded: cancelling every request[/]")
+        llm = None
+    interrupts.running()  # from here a signal cancels; it no longer cuts the run short where it is
     from bm.bench.results import startup_document, startup_line
 
-    console.print(startup_line(llm.startup), highlight=False)
+    if llm is not None:
+        console.print(startup_line(llm.startup), highlight=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary()
     done = _carry_over(out_dir, summary) if options.resume else set()
+    loaded_name = llm.loaded.name if llm is not None else model_named(config)
     if options.prompts is not None:
         identity = run_identity(
             options.prompts,
@@ -136,44 +143,76 @@ def run_prompts(
             options.run_seed,
             name=options.prompts_name,
         )
-        write_run_identity(out_dir, identity, llm.loaded.name)
+        write_run_identity(out_dir, identity, loaded_name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
-        run = _Run(summary, outputs, llm.loaded, out_dir)
+        run = _Run(summary, outputs, llm.loaded if llm is not None else None, out_dir)
         if options.batch_lines is not None:
             run.open_batch(options.batch_lines, done if options.resume else None, model_label(config))
         started = time.perf_counter()
-        session = llm.session(return_stats=_marked(stats, run_id))
-
-        def first_interrupt() -> None:
-            session.cancel()
-            summary.interrupted = True
-            summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
-
-        interrupts.on_first.append(first_interrupt)
-        if interrupts.signal_name is not None:  # the signal came while the model loaded
-            first_interrupt()
-        _feed(parsed, llm, session, run, done, options, console, interrupts, started)
+        if llm is None:
+            _cancel_every_line(parsed, run, done)
+        else:
+            _generate(parsed, llm, run, done, options, console, interrupts, started, stats, run_id)
         summary.wall_time_s = time.perf_counter() - started
-        session.close()
-        for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
-            run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
         run.close_batch()
     document = {
         "bm_version": bm.__version__,
         "run_id": run_id,
         "prompts": options.prompts_name or (str(options.prompts) if options.prompts is not None else None),
-        "model": llm.loaded.name,
-        "config": llm.config.to_dict(),  # resolved for the device: what ran
-        "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype),
+        "model": loaded_name,
+        "config": (llm.config if llm is not None else config).to_dict(),  # resolved for the device: what ran
+        "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype) if llm is not None else None,
         "parallel": parallel_info(),
-        "startup": startup_document(llm.startup),
+        "startup": startup_document(llm.startup) if llm is not None else None,
         **asdict(summary),
         "output_tokens_per_s": summary.output_tokens_per_s,
         "total_tokens_per_s": summary.total_tokens_per_s,
     }
-    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+    with replacing_text(out_dir / "summary.json") as f:
+        f.write(json.dumps(document, indent=2) + "\n")
     return summary
+
+
+def _generate(
+    parsed: Iterable[Row],
+    llm: LLM,
+    run: _Run,
+    done: set[int],
+    options: RunOptions,
+    console: Console,
+    interrupts: Interrupts,
+    started: float,
+    stats: JsonlWriter,
+    run_id: str,
+) -> None:
+    """The run proper: one engine session fed from the lines, a record written as each request ends."""
+    summary = run.summary
+    session = llm.session(return_stats=_marked(stats, run_id))
+
+    def first_interrupt() -> None:
+        session.cancel()
+        summary.interrupted = True
+        summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
+
+    interrupts.running(first_interrupt)
+    _feed(parsed, llm, session, run, done, options, console, interrupts, started)
+    session.close()
+    for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
+        run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
+
+
+def _cancel_every_line(parsed: Iterable[Row], run: _Run, done: set[int]) -> None:
+    """An interrupt during the model load: every line not already done ends ``cancelled`` (a resume
+    runs them), read from the file as a run would, with no model."""
+    run.summary.interrupted = True
+    run.summary.records_before_interrupt = 0
+    for entry in parsed:
+        if entry.index in done:
+            run.forget(entry.index)
+            continue
+        run.summary.num_requests += 1
+        run.write(cancelled_record(entry))
 
 
 def _feed(
@@ -213,8 +252,14 @@ def _feed(
             if request is None:
                 run.write(output_record(entry, None, loaded))
                 continue
-            while len(run.in_flight) >= limit and run.wait_one(session, console, interrupts):
-                pass
+            while len(run.in_flight) >= limit and not interrupts.interrupted:
+                if not run.wait_one(session, console, interrupts):
+                    break
+            if interrupts.signal_name is not None:  # it came while this line waited for room: never sent
+                run.cancel_unstarted(session, console, interrupts.signal_name)
+                run.write(cancelled_record(entry))
+                continue
+            # A signal from here on finds the request queued: cancel_unstarted takes it back (each poll)
             run.in_flight[entry.index] = entry
             session.submit(request)
         while run.in_flight and run.wait_one(session, console, interrupts):
@@ -226,7 +271,9 @@ def _feed(
 class _Run:
     """The records side of a run: what is in flight (by index), writing a record, counting it."""
 
-    def __init__(self, summary: RunSummary, outputs: JsonlWriter, loaded: LoadedModel, out_dir: Path) -> None:
+    def __init__(
+        self, summary: RunSummary, outputs: JsonlWriter, loaded: LoadedModel | None, out_dir: Path
+    ) -> None:
         self.summary = summary
         self.outputs = outputs
         self.loaded = loaded
@@ -247,7 +294,8 @@ class _Run:
         ``model``: as the user named it, echoed where a line's body names none)."""
         from bm.cli.openai_batch import BatchOutput, token_decoder
 
-        self.batch = BatchOutput(self.out_dir, model, token_decoder(self.loaded.tokenizer), keep)
+        tokenizer = getattr(self.loaded, "tokenizer", None)  # no model: a load cut short by a signal
+        self.batch = BatchOutput(self.out_dir, model, token_decoder(tokenizer), keep)
         self.batch_lines = batch_lines
 
     def forget(self, index: int) -> None:
@@ -281,10 +329,13 @@ class _Run:
             self.plain.update(self.num_written, self.total, tokens, elapsed, eta)
 
     def wait_one(self, session: Session, console: Console, interrupts: Interrupts) -> bool:
-        """Write the next finished request's record; False when none will come (the worker died)."""
+        """Write the next finished request's record (or, after an interrupt, take back the requests the
+        engine never started); False when none will come (the worker died)."""
         while True:
             if interrupts.signal_name is not None:
                 self.cancel_unstarted(session, console, interrupts.signal_name)
+                if not self.in_flight:  # every request was taken back: none is left to finish
+                    return True
             result = session.next_final()
             if result is None:
                 if not session.alive:
@@ -300,13 +351,16 @@ class _Run:
             return True
 
     def cancel_unstarted(self, session: Session, console: Console, signal_name: str) -> None:
-        """Once, after an interrupt: the requests not yet handed to the engine end as ``cancelled``."""
-        if self.drained:
-            return
-        self.drained = True
-        console.print(
-            f"[yellow]{signal_name}: cancelling the remaining requests (again to exit at once) ...[/]"
-        )
+        """After an interrupt, at every poll: the requests not handed to the engine end as ``cancelled``.
+
+        Not once only: a request the reader submits just after the signal (it had been built, or the
+        signal landed between the reader's check and its submit) is queued where the stopped engine
+        never takes it, and a run that took the queue once then waited for it for ever."""
+        if not self.drained:
+            self.drained = True
+            console.print(
+                f"[yellow]{signal_name}: cancelling the remaining requests (again to exit at once) ...[/]"
+            )
         for request in session.take_pending():
             self.write(cancelled_record(self.in_flight.pop(request.request_id)))
 

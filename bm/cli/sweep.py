@@ -29,6 +29,7 @@ from bm.cli.bench import (
     with_shared_options,
 )
 from bm.cli.errors import print_error
+from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupted, Interrupts
 from bm.cli.outdir import OutDirError, prepare_out_dir
 from bm.config import BmConfig, ConfigError, resolve_engine
 
@@ -91,7 +92,10 @@ def sweep(
         print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
-    code = _run(setup, out, plot, json_output, quiet, console)
+    # A sweep saves each point as it finishes, so a signal abandons the point in progress (--resume runs
+    # it again) instead of waiting for it: Interrupts stays in its start-up behaviour throughout.
+    with Interrupts():
+        code = _run(setup, out, plot, json_output, quiet, console)
     if code:
         raise typer.Exit(code=code)
 
@@ -262,11 +266,11 @@ def _run(
 
     try:
         outcomes = run_sweep(plan, model, workload, store, on_point)
-    except KeyboardInterrupt:
+    except (Interrupted, KeyboardInterrupt):
         console.print(
             f"[yellow]interrupted: {len(store.points)} points saved; rerun with --resume -o {out}[/]"
         )
-        return 130
+        return INTERRUPTED_EXIT
     wall = time.perf_counter() - started
     document = write_outputs(out, plan, outcomes, {"wall_time_s": wall, "model": model.name})
     if plot:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -135,6 +136,7 @@ class CompareResult:
     tolerance: float | None = None
     noise_factor: float | None = None
     timing_checks: list[TimingCheck] = field(default_factory=list)
+    interrupted: bool = False  # a signal ended it: ``repeat`` rounds finished, none judged
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """``{variant: summary}``: what --assert expressions and --baseline checks read."""
@@ -154,13 +156,13 @@ class CompareResult:
 
 
 def _baseline_metrics(
-    name: str, loaded: LoadedModel, workload: Workload, hf_batch_size: int
+    name: str, loaded: LoadedModel, workload: Workload, hf_batch_size: int, stop: threading.Event | None
 ) -> dict[str, Any]:
     runnable = [(r.input_ids, r.output_len) for r in workload.requests if r.ok and r.input_ids is not None]
     if name == "hf-generate":
-        peer = run_hf_generate(loaded.model, runnable, batch_size=hf_batch_size)
+        peer = run_hf_generate(loaded.model, runnable, batch_size=hf_batch_size, stop=stop)
     else:
-        peer = run_hf_continuous_batching(loaded.model, runnable)
+        peer = run_hf_continuous_batching(loaded.model, runnable, stop=stop)
     wall = peer.wall_s
     metrics: dict[str, Any] = {
         "duration": wall,
@@ -197,8 +199,13 @@ def run_compare(
     on_done: RunCallback | None = None,
     journal: JournalFactory | None = None,
     more_rounds: Callable[[CompareResult], int] | None = None,
+    stop: threading.Event | None = None,
 ) -> CompareResult:
     """Run ``repeat`` interleaved rounds of every variant and collect their metrics.
+
+    ``stop`` (the command's first signal): the run in progress is cut short, no other starts, and the
+    round it was in is dropped, so every variant keeps the same finished rounds (none, when the first
+    was cut short); the result says ``interrupted``.
 
     ``more_rounds``: asked after the rounds run so far, how many more to run (0: done); the baseline gate
     uses it to re-measure before it calls a timing a regression, or when the machine was too noisy to
@@ -239,21 +246,30 @@ def run_compare(
         for _ in range(rounds):
             round_index = result.repeat
             for outcome in outcomes:
+                if stop is not None and stop.is_set():
+                    break
                 v = outcome.variant
                 if on_start:
                     on_start(v, round_index, {})
                 before = read_ticks()
                 if v.kind == "bm":
                     with journal(v) if journal is not None else nullcontext() as run_journal:
-                        run = run_bench(configs[v.name], loaded, workload, arrivals, journal=run_journal)
+                        run = run_bench(
+                            configs[v.name], loaded, workload, arrivals, journal=run_journal, stop=stop
+                        )
                     metrics = dict(run.metrics) | kv_block_counters(run.stats)
                     outcome.last = run
                 else:
-                    metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size)
+                    metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size, stop)
                 metrics[BACKGROUND_SHARE] = background_share(before, read_ticks())
                 outcome.repeats.append(metrics)
                 if on_done:
                     on_done(v, round_index, metrics)
+            if stop is not None and stop.is_set():
+                for outcome in outcomes:  # the round cut short: its figures are partial
+                    del outcome.repeats[result.repeat :]
+                result.interrupted = True
+                return result
             result.repeat += 1
         rounds = more_rounds(result) if more_rounds is not None else 0
     return result
@@ -282,6 +298,7 @@ def compare_document(result: CompareResult) -> dict[str, Any]:
         "model": result.model_name,
         "dataset": result.workload,
         "repeat": result.repeat,
+        "interrupted": result.interrupted,
         "reference": result.reference,
         "offline_arrivals": result.offline_arrivals,
         "config": result.config.to_dict(),

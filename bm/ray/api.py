@@ -138,6 +138,9 @@ def run_ray(
             summary.interrupted = True
         return summary.interrupted
 
+    if interrupts is not None:  # start-up is over: a signal now stops after the blocks in progress
+        interrupts.running()
+
     started = time.perf_counter()
     report, _stopped = run_blocks(
         prompts,

@@ -12,8 +12,10 @@ interrupted ``bm run --ray`` then exited 1 instead of 130, its records written b
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+from typing import Any
 
 # The names Ray Data gives the threads of one dataset's run (ray 2.60: execution/streaming_executor.py,
 # execution/metadata_fetcher.py, block_batching/util.py). Not its usage poller nor its block
@@ -29,8 +31,24 @@ def connect(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False  # the caller's own connection, left as it is
+    kept = _signal_handlers()
     ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    # ray.init takes SIGTERM (its handler exits 15 at once: no records assembled, no resume command);
+    # the process's own policy (bm.cli.interrupts) stays in charge
+    for sig, handler in kept.items():
+        signal.signal(sig, handler)
     return True
+
+
+def _signal_handlers() -> dict[int, Any]:
+    """SIGINT's and SIGTERM's Python handlers, when this thread may set them again (the main one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {
+        sig: handler
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if (handler := signal.getsignal(sig)) is not None
+    }
 
 
 def wait_for_ray_data_threads(timeout_s: float = 30.0) -> list[str]:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -256,7 +257,9 @@ def _run_parallel(
     """Each configuration's next point is submitted as soon as its last one is judged; forked workers
     inherit the loaded model and workload instead of loading them again."""
     pending: dict[Future, str] = {}
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_signals
+    )
     try:
         ready = names
         while ready or pending:
@@ -271,8 +274,20 @@ def _run_parallel(
                     name = pending.pop(future)
                     judge(name, future.result(), False)
                     ready.append(name)
-    finally:  # on Ctrl-C, points not started are dropped (--resume runs them), not run to the end
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:  # an interrupt: the points in progress are dropped (--resume runs them again)
+        workers_left = list(getattr(pool, "_processes", {}).values())  # the executor keeps no public list
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in workers_left:
+            process.kill()
+        raise
+    pool.shutdown(wait=True)
+
+
+def _worker_signals() -> None:
+    """A forked worker ignores SIGINT and SIGTERM: Ctrl-C on a terminal reaches the whole process group,
+    and a worker that raised on it broke the pool; the parent decides, and kills the workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _search(plan: SweepPlan, config: BmConfig) -> LoadSearch:
