@@ -9,10 +9,13 @@ nesting or a BOM each end as one line's error (or, for the BOM, as nothing at al
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import sys
+import unicodedata
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bm.engine.fields import FIELD_ALIASES, INT_FIELDS
 from bm.workloads.request import RowError
 
 MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse
@@ -42,7 +45,7 @@ def _decoded(raws: Iterable[bytes], first_number: int) -> Iterator[tuple[int, di
                 ),
             )
             continue
-        if not text.strip():
+        if not text.strip():  # whitespace of any kind, U+00A0 included: a blank line, not a request
             continue
         yield number, _load_object(text)
 
@@ -56,23 +59,92 @@ def _load_object(text: str) -> dict[str, Any] | RowError:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()):
-            return RowError(
-                f"malformed JSON (the line ends at column {len(text.rstrip()) + 1} before the object is "
-                "closed: was it cut short?)"
-            )
-        return RowError(f"malformed JSON ({exc.msg} at column {exc.pos + 1})")
-    except (RecursionError, ValueError) as exc:  # belt and braces: json's own limits
+        return _syntax_error(text, exc)
+    except ValueError:  # an integer longer than Python reads (sys.get_int_max_str_digits)
+        return _long_integer_error(text)
+    except RecursionError as exc:  # belt and braces: json's own limits
         return RowError(f"unreadable JSON ({type(exc).__name__})")
     if not isinstance(data, dict):
         return RowError(f"expected a JSON object, got {type(data).__name__}")
-    surrogate = _find_surrogate(data, "")
+    surrogate = _find_path(data, "", _has_surrogate)
     if surrogate is not None:
         return RowError(
             f"{surrogate or 'a key'}: contains a lone UTF-16 surrogate (e.g. \\ud800), which is not "
             "text; remove it or write the character it was meant to be"
         )
     return data
+
+
+def _syntax_error(text: str, exc: json.JSONDecodeError) -> RowError:
+    """json's complaint in the user's terms: where the line went wrong, what it found there, the fix."""
+    end = len(text.rstrip())
+    if exc.pos >= end:
+        return RowError(
+            f"malformed JSON (the line ends at column {end + 1} before the object is closed: was it cut short?)"
+        )
+    column, char = exc.pos + 1, text[exc.pos]
+    if exc.msg == "Extra data":
+        gap = text[: exc.pos]
+        if "\r" in gap[len(gap.rstrip(" \t\r")) :]:
+            return RowError(
+                f"lines run together at column {column}: the file ends its lines with a lone CR (classic "
+                "Mac line endings), which JSONL does not read as a line end; convert them to LF, e.g. "
+                "tr '\\r' '\\n' < in.jsonl > out.jsonl"
+            )
+        return RowError(
+            f"malformed JSON (a second value starts at column {column} after the object closed; give one "
+            "JSON object per line)"
+        )
+    if exc.msg.startswith("Invalid control character"):  # json's message ends in "at"
+        return RowError(
+            f"malformed JSON (a raw control character U+{ord(char):04X} at column {column} inside a string; "
+            f"write it escaped, as \\u{ord(char):04x}, or remove it)"
+        )
+    if char.isspace():  # not JSON's four: U+00A0, U+2003, U+3000 ...
+        name = unicodedata.name(char, "whitespace").lower()
+        return RowError(
+            f"malformed JSON (a {name} (U+{ord(char):04X}) at column {column}, which JSON does not read as "
+            "whitespace; replace it with a plain space)"
+        )
+    return RowError(f"malformed JSON ({exc.msg} at column {column})")
+
+
+class _LongInteger:
+    """Stands for an integer too long to read, so its place in the line can be named."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _long_integer_error(text: str) -> RowError:
+    """The field holding an integer longer than Python converts (4300 digits by default), and its fix."""
+    limit = sys.get_int_max_str_digits()
+    too_long: list[_LongInteger] = []  # in the line's order, which is the order _find_path walks
+
+    def parse_int(literal: str) -> int | _LongInteger:
+        digits = len(literal.lstrip("-"))
+        if not limit or digits <= limit:
+            return int(literal)
+        too_long.append(_LongInteger(digits))
+        return too_long[-1]
+
+    try:
+        data = json.loads(text, parse_int=parse_int)
+    except (ValueError, RecursionError) as exc:
+        return RowError(f"unreadable JSON ({type(exc).__name__})")
+    if not too_long:
+        return RowError("unreadable JSON (ValueError)")
+    path = _find_path(data, "", lambda value: isinstance(value, _LongInteger)) or "the line"
+    key = path.rsplit(".", 1)[-1]
+    field = FIELD_ALIASES.get(key, key)
+    if field in INT_FIELDS:
+        low, high = INT_FIELDS[field]
+        fix = f"{key} takes an integer in [{low}, {high}]"
+    else:
+        fix = "no field takes an integer this long: write the value it was meant to be"
+    return RowError(
+        f"{path}: a {too_long[0].digits}-digit integer, longer than the {limit} digits Python reads; {fix}"
+    )
 
 
 def _max_depth(text: str) -> int:
@@ -100,24 +172,31 @@ def _max_depth(text: str) -> int:
     return deepest
 
 
-def _find_surrogate(value: Any, path: str) -> str | None:
-    """The dotted path of the first string holding a lone surrogate (it cannot be encoded or written)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+def _has_surrogate(value: Any) -> bool:
+    """A string holding a lone surrogate (it cannot be encoded or written)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _find_path(value: Any, path: str, bad: Callable[[Any], bool]) -> str | None:
+    """The dotted path of the first value (or key: the path of its object) for which ``bad`` holds."""
+    if bad(value):
+        return path
     if isinstance(value, dict):
         for key, item in value.items():
-            if _find_surrogate(key, path) is not None:
+            if bad(key):
                 return path or "a key"
-            found = _find_surrogate(item, f"{path}.{key}" if path else str(key))
+            found = _find_path(item, f"{path}.{key}" if path else str(key), bad)
             if found is not None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = _find_surrogate(item, f"{path}[{i}]")
+            found = _find_path(item, f"{path}[{i}]", bad)
             if found is not None:
                 return found
     return None
