@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from bm.cli.source import PromptsFileError, open_prompts
 from bm.workloads.jsonl import read_request_file
 
 GOOD = b'{"prompt": "hello", "max_tokens": 2}\n'
@@ -59,3 +60,27 @@ def test_classic_mac_line_endings_are_named_with_the_command_that_converts_them(
     """A lone CR is not a line end in JSONL: the file is one line, which said "Extra data at column 44"."""
     error = one_error(tmp_path, b'{"prompt": "hello there", "max_tokens": 2}\r{"prompt": "second"}\r')
     assert "CR" in error and "tr '\\r' '\\n'" in error, error
+
+
+NUL_LINE = b'{"prompt": "a\x00b", "max_tokens": 2}\n'
+
+
+@pytest.mark.parametrize("before", [0, 1, 200], ids=["first line", "second line", "past 4 KB"])
+def test_a_nul_byte_is_its_lines_error_wherever_it_is_in_the_file(tmp_path, before):
+    """A NUL in the first 4 KB refused the whole file; past it, only its line: now always its line."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(GOOD * before + NUL_LINE + GOOD * 3)
+    rows = read_request_file(path)
+    bad = [row for row in rows if row.error is not None]
+    assert len(rows) == before + 4 and [row.index for row in bad] == [before]
+    assert bad[0].error.startswith(
+        f"line {before + 1}: a NUL byte (0x00) at column 14, which is not text; remove it"
+    )
+    assert open_prompts(path).path == path  # the other lines run: no whole-file refusal
+
+
+def test_a_file_of_nul_lines_only_is_still_refused_as_binary(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(NUL_LINE * 3)
+    with pytest.raises(PromptsFileError, match="is binary data"):
+        open_prompts(path)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import zlib
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
 
@@ -199,23 +200,33 @@ def _check_not_blank(source: PromptsSource) -> None:
 
 def check_runnable(source: PromptsSource) -> None:
     """Refuse, before the model loads, a file where no line can run: binary data, a CSV table, or lines
-    that are all refused by the reader. A file with one good line runs (each bad line gets its record).
+    that are all refused by the reader. A file with one good line runs (each bad line gets its record):
+    a line holding a NUL byte is one refused line wherever it is, and binary data is a file of them.
 
-    The reader is the one the run uses (bm lines or OpenAI batch lines); it stops at the first good line,
-    so a good file costs one line here."""
-    from bm.cli.openai_batch import check_unique_custom_ids, is_batch_file, iter_batch_file
-    from bm.workloads.jsonl import iter_request_file
+    The reader is the one the run uses (bm lines or OpenAI batch lines, told apart by the first JSON
+    object, as :func:`bm.cli.openai_batch.is_batch_file` does); it stops at the first good line, so a
+    good file costs one line here, and a file of junk one pass of its lines."""
+    from bm.cli.openai_batch import batch_lines, check_unique_custom_ids, is_batch_object
+    from bm.workloads.json_lines import iter_lines
+    from bm.workloads.jsonl import iter_request_lines
 
-    with source.path.open("rb") as f:
-        head = f.read(SNIFF_BYTES)
-    if b"\x00" in head:
-        raise PromptsFileError(
-            f"prompts file {source.name!r} is binary data (it holds NUL bytes), not JSONL text; give one "
-            'JSON object per line, e.g. {"prompt": "Hello"}'
-        )
-    batch = is_batch_file(source.path)
-    rows = (line.parsed for line in iter_batch_file(source.path)) if batch else iter_request_file(source.path)
-    count, first_error = 0, None
+    lines = iter_lines(source.path)
+    # Lines before the first object are refused by either reader: counted, and only the first one is
+    # parsed, for its message (a binary file is millions of such lines).
+    first_bad, first_object, count = None, None, 0
+    for line in lines:
+        if isinstance(line[1], dict):
+            first_object = line
+            break
+        if first_bad is None:
+            first_bad = line
+        else:
+            count += 1
+    batch = first_object is not None and is_batch_object(first_object[1])
+    replayed = chain([x for x in (first_bad, first_object) if x is not None], lines)
+    base = source.path.parent
+    rows = (line.parsed for line in batch_lines(replayed)) if batch else iter_request_lines(replayed, base)
+    first_error = None
     for row in rows:
         if row.error is None:
             if batch:
@@ -223,6 +234,13 @@ def check_runnable(source: PromptsSource) -> None:
             return
         count += 1
         first_error = first_error or row.error
+    with source.path.open("rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\x00" in head:  # only the words: a NUL refuses its line wherever it is, and the file when all are
+        raise PromptsFileError(
+            f"prompts file {source.name!r} is binary data (it holds NUL bytes), not JSONL text; give one "
+            'JSON object per line, e.g. {"prompt": "Hello"}'
+        )
     first_line = head.lstrip(b"\xef\xbb\xbf").split(b"\n", 1)[0].strip()
     if not first_line.startswith((b"{", b"[")) and b"," in first_line:
         raise PromptsFileError(

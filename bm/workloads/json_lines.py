@@ -34,6 +34,16 @@ def _decoded(raws: Iterable[bytes], first_number: int) -> Iterator[tuple[int, di
     for number, raw in enumerate(raws, start=first_number):
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]  # a UTF-8 BOM, as Windows editors write it: not part of the data
+        nul = raw.find(b"\x00")
+        if nul >= 0:  # wherever it is in the file: its line's error (a file of nothing else is refused whole)
+            yield (
+                number,
+                RowError(
+                    f"a NUL byte (0x00) at column {nul + 1}, which is not text; remove it (inside a string, "
+                    "write it as \\u0000)"
+                ),
+            )
+            continue
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

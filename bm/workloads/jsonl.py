@@ -12,7 +12,7 @@ truthiness (``beam_width: 1.9`` and ``temperature: true`` are errors). The lines
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +73,15 @@ def read_request_file(path: Path) -> list[Row]:
 def iter_request_file(path: Path) -> Iterator[Row]:
     """The lines of :func:`read_request_file` one at a time, read as they are asked for: a file of millions
     of lines is never held in memory (only the ids seen so far, to refuse a duplicate)."""
+    return iter_request_lines(iter_lines(path), path.parent)
+
+
+def iter_request_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]], base: Path) -> Iterator[Row]:
+    """The rows of a file's lines as :func:`iter_lines` gives them (line number, object or error);
+    ``base``: the file's directory (relative ``lora_dir`` paths are resolved against it)."""
     seen_ids: dict[str, int] = {}
-    for number, data in iter_lines(path):
-        yield _request_row(number, data, path.parent, seen_ids)
+    for number, data in lines:
+        yield _request_row(number, data, base, seen_ids)
 
 
 def iter_request_slice(data: bytes, first_number: int, base: Path) -> Iterator[Row]:
