@@ -4,10 +4,14 @@ a 50 MB prompt and text prompts on a model without a tokenizer each said somethi
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from bm.cli.source import PromptsFileError, open_prompts
 from bm.workloads.jsonl import read_request_file
+from tests.conftest import REPO
 
 GOOD = b'{"prompt": "hello", "max_tokens": 2}\n'
 
@@ -84,3 +88,34 @@ def test_a_file_of_nul_lines_only_is_still_refused_as_binary(tmp_path):
     path.write_bytes(NUL_LINE * 3)
     with pytest.raises(PromptsFileError, match="is binary data"):
         open_prompts(path)
+
+
+PROBE = """
+import sys
+from typer.testing import CliRunner
+from bm.cli.main import app
+result = CliRunner().invoke(app, sys.argv[1:])
+print("EXIT", result.exit_code)
+print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+print("STDERR", " ".join(result.stderr.split()))
+"""
+
+
+def probe(tmp_path, *args):
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "run", *map(str, args), "-o", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
+    assert "HEAVY []" in proc.stdout, proc.stdout  # refused before torch loads, so before the model
+    assert not (tmp_path / "out").exists()
+    return proc.stdout.split("STDERR ", 1)[1]
+
+
+def test_a_file_of_non_breaking_spaces_is_refused_as_holding_no_request(tmp_path):
+    """It said "none of its 0 line(s) can run; the first: None"."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("\u00a0\u00a0\u00a0\n\u00a0\n", encoding="utf-8")
+    stderr = probe(tmp_path, path)
+    assert "holds no request" in stderr and "None" not in stderr, stderr

@@ -140,7 +140,6 @@ def _suffixed(source: PromptsSource) -> PromptsSource:
 
 
 def _checked(source: PromptsSource) -> PromptsSource:
-    _check_not_blank(source)
     check_runnable(source)
     return source
 
@@ -189,18 +188,9 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _check_not_blank(source: PromptsSource) -> None:
-    with source.path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
-        if not any(line.strip().lstrip(BOM) for line in f):
-            raise PromptsFileError(
-                f"prompts file {source.name!r} holds no request (it is empty or blank); give one JSON "
-                'object per line, e.g. {"prompt": "Hello"}'
-            )
-
-
 def check_runnable(source: PromptsSource) -> None:
-    """Refuse, before the model loads, a file where no line can run: binary data, a CSV table, or lines
-    that are all refused by the reader. A file with one good line runs (each bad line gets its record):
+    """Refuse, before the model loads, a file where no line can run: one with no request (empty or blank),
+    binary data, a CSV table, or lines that are all refused by the reader. A file with one good line runs (each bad line gets its record):
     a line holding a NUL byte is one refused line wherever it is, and binary data is a file of them.
 
     The reader is the one the run uses (bm lines or OpenAI batch lines, told apart by the first JSON
@@ -234,6 +224,11 @@ def check_runnable(source: PromptsSource) -> None:
             return
         count += 1
         first_error = first_error or row.error
+    if count == 0:  # blank by the reader's rule, the one the run skips lines by (U+00A0 is whitespace too)
+        raise PromptsFileError(
+            f"prompts file {source.name!r} holds no request (it is empty, or its lines hold only "
+            'whitespace); give one JSON object per line, e.g. {"prompt": "Hello"}'
+        )
     with source.path.open("rb") as f:
         head = f.read(SNIFF_BYTES)
     if b"\x00" in head:  # only the words: a NUL refuses its line wherever it is, and the file when all are
