@@ -119,3 +119,26 @@ def test_a_file_of_non_breaking_spaces_is_refused_as_holding_no_request(tmp_path
     path.write_text("\u00a0\u00a0\u00a0\n\u00a0\n", encoding="utf-8")
     stderr = probe(tmp_path, path)
     assert "holds no request" in stderr and "None" not in stderr, stderr
+
+
+def test_text_prompts_on_a_model_without_a_tokenizer_are_refused_before_it_loads(tmp_path):
+    """A random-weight --model-config has no tokenizer: its text lines were found after the load (exit 3)."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(GOOD + b'{"messages": [{"role": "user", "content": "hi"}]}\n')
+    stderr = probe(tmp_path, path, "--model-config", "configs/models/bench-llama-15m.json")
+    assert "none of its 2 line(s) can run" in stderr, stderr
+    assert "line 1: prompt: this model has no tokenizer" in stderr and "input_ids" in stderr
+    assert "model.tokenizer" in stderr  # the other fix: give the model a tokenizer
+
+
+def test_a_model_without_a_tokenizer_still_runs_a_file_with_one_token_id_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(GOOD + b'{"input_ids": [5, 6], "max_tokens": 2}\n')
+    assert open_prompts(path, has_tokenizer=False).path == path
+
+
+def test_stop_strings_on_a_model_without_a_tokenizer_name_the_token_id_form(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"input_ids": [5, 6], "stop": "x"}\n')
+    with pytest.raises(PromptsFileError, match=r"line 1: stop: .*no tokenizer.*stop_words_list"):
+        open_prompts(path, has_tokenizer=False)

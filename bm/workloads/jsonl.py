@@ -278,7 +278,7 @@ def resolve_word_list(
     for word in value:
         if isinstance(word, str):
             if encode_word is None:
-                raise RowError(f"{name}: this model has no tokenizer; give words as token-id lists")
+                raise _words_without_tokenizer(name)
             ids = encode_word(word)
             if not ids:
                 raise RowError(f"{name}: the word {word!r} encodes to no tokens")
@@ -286,3 +286,35 @@ def resolve_word_list(
         else:
             words.append(list(word))
     return words
+
+
+NAME_A_TOKENIZER = "or name a tokenizer with --set model.tokenizer=DIR"
+
+
+def check_without_tokenizer(row: Row) -> None:
+    """Raise the :class:`RowError` a row gets from a model without a tokenizer, for what it gives as text
+    (a prompt, a chat, words or stop strings); a row of token ids alone passes. One verdict for the run
+    (:func:`bm.cli.prompts.to_request`) and for the check before a model known to have none loads
+    (:func:`bm.cli.source.check_runnable`)."""
+    if row.prompt is not None:
+        raise RowError(
+            f"prompt: this model has no tokenizer; give 'input_ids' (token ids) instead, {NAME_A_TOKENIZER}"
+        )
+    if row.messages is not None:
+        raise RowError(
+            f"messages: this model has no tokenizer to render a chat with; give 'input_ids' (token ids) "
+            f"instead, {NAME_A_TOKENIZER}"
+        )
+    for name in WORD_LISTS:
+        words = row.fields.get(name)
+        if words is not None and not is_offsets_form(words) and any(isinstance(w, str) for w in words):
+            raise _words_without_tokenizer(name)
+    if row.stop:
+        raise RowError(
+            "stop: this model has no tokenizer to match stop strings with; give stop_words_list as token-id "
+            f"lists instead, {NAME_A_TOKENIZER}"
+        )
+
+
+def _words_without_tokenizer(name: str) -> RowError:
+    return RowError(f"{name}: this model has no tokenizer; give words as token-id lists, {NAME_A_TOKENIZER}")
