@@ -4,11 +4,13 @@ a 50 MB prompt and text prompts on a model without a tokenizer each said somethi
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+from bm.cli.prompts import Codec, to_request
 from bm.cli.source import PromptsFileError, open_prompts
 from bm.workloads.jsonl import read_request_file
 from tests.conftest import REPO
@@ -142,3 +144,55 @@ def test_stop_strings_on_a_model_without_a_tokenizer_name_the_token_id_form(tmp_
     path.write_bytes(b'{"input_ids": [5, 6], "stop": "x"}\n')
     with pytest.raises(PromptsFileError, match=r"line 1: stop: .*no tokenizer.*stop_words_list"):
         open_prompts(path, has_tokenizer=False)
+
+
+class CountingEncoder:
+    """A byte-level encoder that remembers the longest text it was handed."""
+
+    def __init__(self, chars_per_token: int = 1) -> None:
+        self.longest = 0
+        self.chars_per_token = chars_per_token
+
+    def __call__(self, text: str) -> list[int]:
+        self.longest = max(self.longest, len(text))
+        return [7] * max(1, len(text) // self.chars_per_token)
+
+
+def row_of(tmp_path, line: dict):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (row,) = read_request_file(path)
+    return row
+
+
+def test_a_prompt_far_over_the_maximum_is_refused_before_it_is_tokenized_naming_prompt(tmp_path):
+    """A 50 MB line was tokenized whole (1.5 GB, 41 s) and its error named input_ids."""
+    row = row_of(tmp_path, {"prompt": "hello world " * 500_000})  # 6 MB
+    encode = CountingEncoder()
+    assert to_request(row, Codec(encode=encode, max_prompt_tokens=2048), 4, None) is None
+    assert row.error.startswith("line 1: prompt: the prompt has at least "), row.error
+    assert "longer than the model's maximum of 2048" in row.error and "input_ids" not in row.error
+    assert encode.longest <= 8 * 2048  # a bounded prefix, not the 6 MB text
+
+
+def test_a_long_prompt_of_few_tokens_is_tokenized_whole_and_runs(tmp_path):
+    """Only a certain refusal is early: a text can have far fewer tokens than characters."""
+    text = " " * 100_000
+    row = row_of(tmp_path, {"prompt": text})
+    encode = CountingEncoder(chars_per_token=100)  # 1,000 tokens: within the maximum
+    request = to_request(row, Codec(encode=encode, max_prompt_tokens=2048), 4, None)
+    assert request is not None and len(request.input_ids) == 1000 and encode.longest == len(text)
+
+
+def test_the_engines_length_error_names_the_field_the_line_used(tmp_path):
+    from bm.cli.records import in_line_terms
+
+    message = "input_ids: the prompt has 9000 tokens, longer than the model's maximum of 2048"
+    text = row_of(tmp_path, {"prompt": "x"})
+    chat = row_of(tmp_path, {"messages": [{"role": "user", "content": "x"}]})
+    ids = row_of(tmp_path, {"input_ids": [1]})
+    assert in_line_terms(message, text).startswith("prompt: the prompt has 9000")
+    assert in_line_terms(message, chat).startswith("messages: the prompt has 9000")
+    assert in_line_terms(message, ids) == message
+    drafts = "draft_input_ids: not supported with beam_width > 1"
+    assert in_line_terms(drafts, text) == drafts  # only the prompt's own field is renamed
