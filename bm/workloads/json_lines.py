@@ -102,8 +102,7 @@ def _syntax_error(text: str, exc: json.JSONDecodeError) -> RowError:
                 "tr '\\r' '\\n' < in.jsonl > out.jsonl"
             )
         return RowError(
-            f"malformed JSON (a second value starts at column {column} after the object closed; give one "
-            "JSON object per line)"
+            f"malformed JSON (more follows the first value, at column {column}; give one JSON object per line)"
         )
     if exc.msg.startswith("Invalid control character"):  # json's message ends in "at"
         return RowError(
