@@ -186,10 +186,9 @@ def _run(
         silence_progress_bars()
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
-        source = open_prompts(
-            prompts
-        )  # a pipe or gzip is copied once; a file with no runnable line stops here
         cfg = build_config(config, set_, model, model_config)
+        # a pipe or gzip is copied once; a file with no line that can run on this model stops here
+        source = open_prompts(prompts, has_tokenizer=not cfg.model.has_no_tokenizer)
         # Ranks other than 0 serve the run from here and exit: they touch no output file.
         if ray:  # before any rank starts
             from bm.ray.api import check_ray_run

@@ -73,15 +73,20 @@ def is_batch_file(path: Path) -> bool:
     lines before it that are not objects do not decide (they become error records either way)."""
     for _number, data in iter_lines(path):
         if isinstance(data, dict):
-            return "custom_id" in data and "body" in data
+            return is_batch_object(data)
     return False
+
+
+def is_batch_object(data: dict[str, Any]) -> bool:
+    """Whether a file's first JSON object makes it an OpenAI batch file (``custom_id`` and ``body``)."""
+    return "custom_id" in data and "body" in data
 
 
 def iter_batch_file(path: Path) -> Iterator[BatchLine]:
     """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
     are asked for, so a file of millions of lines is never held whole. Duplicate custom ids are refused
     for the whole file, before it runs, by :func:`check_unique_custom_ids`."""
-    return _batch_lines(iter_lines(path))
+    return batch_lines(iter_lines(path))
 
 
 def iter_batch_slice(data: bytes, first_number: int) -> Iterator[BatchLine]:
@@ -89,10 +94,10 @@ def iter_batch_slice(data: bytes, first_number: int) -> Iterator[BatchLine]:
     line being the file's line ``first_number``), parsed and checked as :func:`iter_batch_file` does:
     ``bm run --ray``'s replicas read their blocks so. Duplicate custom ids span slices; they are refused
     for the whole file before any replica starts (:func:`check_unique_custom_ids`)."""
-    return _batch_lines(iter_slice_lines(data, first_number))
+    return batch_lines(iter_slice_lines(data, first_number))
 
 
-def _batch_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]]) -> Iterator[BatchLine]:
+def batch_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]]) -> Iterator[BatchLine]:
     """One :class:`BatchLine` per (line number, object or error): what the file and slice readers share."""
     for number, data in lines:
         entry = BatchLine(Row.at_line(number))

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.cli.records import in_line_terms
 from bm.engine.request import Request
 from bm.engine.seeds import line_seed
+from bm.engine.validate import check_prompt_length
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
-from bm.workloads.jsonl import WORD_LISTS, read_request_file, resolve_word_list
+from bm.workloads.jsonl import WORD_LISTS, check_without_tokenizer, read_request_file, resolve_word_list
 from bm.workloads.request import Row, RowError
 from bm.workloads.tool_parsers import detect_parser, line_parser
 
@@ -33,6 +35,9 @@ class Codec:
     # The parser for replies to lines with tools and tool_choice auto: the run's --tool-call-parser, else
     # the one the chat template's call syntax gives away, else None (such a line gets an error).
     tool_parser: str | None = None
+    # The most tokens a prompt of this model can have (its max_position_embeddings; engine.max_seq_len may
+    # lower it, which the engine checks): a text far longer is refused from a prefix, not tokenized whole.
+    max_prompt_tokens: int | None = None
 
 
 def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: str | None = None) -> Codec:
@@ -40,7 +45,7 @@ def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: s
     ``tool_call_parser`` (a checked name) the parser detected from it."""
     tokenizer = loaded.tokenizer
     if tokenizer is None:
-        return Codec(tool_parser=tool_call_parser)
+        return Codec(tool_parser=tool_call_parser, max_prompt_tokens=loaded.max_position_embeddings)
     render = chat_renderer(tokenizer, chat_template)
 
     def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -56,6 +61,7 @@ def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: s
         render_chat if render is not None else None,
         chat_template=template,
         tool_parser=tool_call_parser or detect_parser(template),
+        max_prompt_tokens=loaded.max_position_embeddings,
     )
 
 
@@ -76,6 +82,8 @@ def to_request(
     if row.error is not None:
         return None
     try:
+        if codec.encode is None:  # what the line gives as text cannot run: refused naming the fix
+            check_without_tokenizer(row)
         prompt_ids = _prompt_ids(row, codec)
         fields: dict[str, Any] = dict(row.fields)
         for name in WORD_LISTS:
@@ -93,7 +101,7 @@ def to_request(
         if row.tool_auto:
             row.tool_parser = line_parser(codec.chat_template, codec.tool_parser)
     except RowError as exc:
-        row.error = f"{row.where}: {exc}"
+        row.error = f"{row.where}: {in_line_terms(str(exc), row)}"
         return None
     # A file's records are written when each request finishes: streaming changes nothing there, and
     # with it off every response the engine sends is the request's one final response.
@@ -152,9 +160,34 @@ def _prompt_ids(entry: Row, codec: Codec) -> list[int]:
         if not ids:
             raise RowError("messages: the chat renders to no tokens")
         return ids
-    if codec.encode is None:
-        raise RowError("prompt: this model has no tokenizer; give 'input_ids' instead")
-    ids = codec.encode(entry.prompt or "")
+    # a tokenizer: to_request refused a text prompt without one
+    ids = _encode_prompt(codec.encode, entry.prompt or "", codec.max_prompt_tokens)
     if not ids:
         raise RowError("prompt: the prompt encodes to no tokens")
     return ids
+
+
+# A prefix of a long text is tokenized first, this many characters per token the model takes: ordinary text
+# is 3 to 5, so the prefix alone is over the maximum and the rest is never tokenized.
+PREFIX_CHARS_PER_TOKEN = 8
+# How many more tokens a prefix cut mid-text may count than the same stretch of the whole text: the cut
+# (made at a space where one is near) changes the tokens at it, never more than a few.
+CUT_SLACK = 64
+
+
+def _encode_prompt(encode: Callable[[str], list[int]], text: str, limit: int | None) -> list[int]:
+    """The tokens of ``text``; a text too long for ``limit`` tokens is refused from a prefix, whose count
+    less CUT_SLACK the whole text's can not be under. A text can have far fewer tokens than characters
+    (runs of spaces, repeated words), so a prefix under the limit proves nothing: it doubles until it is
+    over, or is the whole text. A 50 MB line was tokenized whole to be refused: 71 s and 5.4 GB with
+    SmolLM2's tokenizer, now 0.05 s."""
+    if limit is not None:
+        size = PREFIX_CHARS_PER_TOKEN * limit
+        while size < len(text):
+            cut = max(text.rfind(" ", size // 2, size), text.rfind("\n", size // 2, size))
+            prefix = text[: cut if cut > 0 else size]
+            check_prompt_length(
+                len(encode(prefix)) - CUT_SLACK, limit, "its max_position_embeddings", at_least=True
+            )
+            size *= 2
+    return encode(text)

@@ -17,6 +17,7 @@ from bm.workloads.tools import tool_calls, tool_names
 
 # The engine's (the seed's) name for a request's output length, which its errors use.
 ENGINE_OUTPUT_LEN = "request_output_len"
+ENGINE_PROMPT = "input_ids"  # and for a prompt
 
 if TYPE_CHECKING:  # the records need no torch
     from bm.runtime import LoadedModel
@@ -78,9 +79,14 @@ def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> di
 def in_line_terms(message: str, row: Row) -> str:
     """An engine error in the names the line used: the engine calls the output length
     ``request_output_len`` (the seed's name), the line wrote ``max_tokens`` (or another spelling), and a
-    line that gave none took ``--max-tokens``."""
+    line that gave none took ``--max-tokens``; it calls the prompt ``input_ids``, the line may have
+    written ``prompt`` (text) or ``messages`` (a chat)."""
     key = row.output_len_key or "--max-tokens"
-    return message if key == ENGINE_OUTPUT_LEN else message.replace(ENGINE_OUTPUT_LEN, key)
+    if key != ENGINE_OUTPUT_LEN:
+        message = message.replace(ENGINE_OUTPUT_LEN, key)
+    if message.startswith(f"{ENGINE_PROMPT}:") and row.prompt_key != ENGINE_PROMPT:
+        message = row.prompt_key + message[len(ENGINE_PROMPT) :]
+    return message
 
 
 def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import zlib
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,10 +52,12 @@ class PromptsSource:
     copied: bool = False  # path is bm's private copy (a pipe, or decompressed gzip)
 
 
-def open_prompts(given: Path | str) -> PromptsSource:
+def open_prompts(given: Path | str, has_tokenizer: bool = True) -> PromptsSource:
     """The readable JSONL behind ``given``, checked to hold a line that can run; raises
     :class:`PromptsFileError` for an input that cannot run (missing, a directory, a terminal, broken
-    gzip, empty, binary, a CSV table, every line refused) before anything loads.
+    gzip, empty, binary, a CSV table, every line refused) before anything loads. ``has_tokenizer``
+    False: the model is known to have none (:attr:`bm.config.ModelConfig.has_no_tokenizer`), so a line
+    that gives text cannot run either.
 
     Ranks other than 0 of a multi-rank run re-run the same command line but never read the prompts:
     they must not consume a pipe that rank 0 reads."""
@@ -67,7 +70,7 @@ def open_prompts(given: Path | str) -> PromptsSource:
                 "prompts '-' reads standard input, but nothing is piped in; e.g. "
                 "cat prompts.jsonl | bm run - -o out"
             )
-        return _checked(_copied(name, sys.stdin.buffer))
+        return _checked(_copied(name, sys.stdin.buffer), has_tokenizer)
     path = Path(given)
     if path.is_dir():
         raise PromptsFileError(f"prompts file {name!r} is a directory; give a JSONL file")
@@ -77,12 +80,12 @@ def open_prompts(given: Path | str) -> PromptsSource:
         raise PromptsFileError(f"prompts file {name!r} is not readable (permissions)")
     if not stat.S_ISREG(path.stat().st_mode):  # a pipe, /dev/stdin, <(...): readable once only
         with path.open("rb") as stream:
-            return _checked(_copied(name, stream))
+            return _checked(_copied(name, stream), has_tokenizer)
     with path.open("rb") as f:
         if f.read(2) == GZIP_MAGIC:
             f.seek(0)
-            return _checked(_copied(name, f))
-    return _checked(PromptsSource(name, path))
+            return _checked(_copied(name, f), has_tokenizer)
+    return _checked(PromptsSource(name, path), has_tokenizer)
 
 
 def open_dataset(given: Path | str) -> PromptsSource:
@@ -138,9 +141,8 @@ def _suffixed(source: PromptsSource) -> PromptsSource:
     return replace(source, path=Path(temp))
 
 
-def _checked(source: PromptsSource) -> PromptsSource:
-    _check_not_blank(source)
-    check_runnable(source)
+def _checked(source: PromptsSource, has_tokenizer: bool) -> PromptsSource:
+    check_runnable(source, has_tokenizer)
     return source
 
 
@@ -188,41 +190,60 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _check_not_blank(source: PromptsSource) -> None:
-    with source.path.open("rb") as f:  # stops at the first line that holds anything: cheap on any size
-        if not any(line.strip().lstrip(BOM) for line in f):
-            raise PromptsFileError(
-                f"prompts file {source.name!r} holds no request (it is empty or blank); give one JSON "
-                'object per line, e.g. {"prompt": "Hello"}'
-            )
+def check_runnable(source: PromptsSource, has_tokenizer: bool = True) -> None:
+    """Refuse, before the model loads, a file where no line can run: one with no request (empty or blank),
+    binary data, a CSV table, or lines that are all refused by the reader. A file with one good line runs (each bad line gets its record):
+    a line holding a NUL byte is one refused line wherever it is, and binary data is a file of them.
 
+    The reader is the one the run uses (bm lines or OpenAI batch lines, told apart by the first JSON
+    object, as :func:`bm.cli.openai_batch.is_batch_file` does); it stops at the first good line, so a
+    good file costs one line here, and a file of junk one pass of its lines."""
+    from bm.cli.openai_batch import batch_lines, check_unique_custom_ids, is_batch_object
+    from bm.workloads.json_lines import iter_lines
+    from bm.workloads.jsonl import check_without_tokenizer, iter_request_lines
+    from bm.workloads.request import RowError
 
-def check_runnable(source: PromptsSource) -> None:
-    """Refuse, before the model loads, a file where no line can run: binary data, a CSV table, or lines
-    that are all refused by the reader. A file with one good line runs (each bad line gets its record).
-
-    The reader is the one the run uses (bm lines or OpenAI batch lines); it stops at the first good line,
-    so a good file costs one line here."""
-    from bm.cli.openai_batch import check_unique_custom_ids, is_batch_file, iter_batch_file
-    from bm.workloads.jsonl import iter_request_file
-
-    with source.path.open("rb") as f:
-        head = f.read(SNIFF_BYTES)
-    if b"\x00" in head:
-        raise PromptsFileError(
-            f"prompts file {source.name!r} is binary data (it holds NUL bytes), not JSONL text; give one "
-            'JSON object per line, e.g. {"prompt": "Hello"}'
-        )
-    batch = is_batch_file(source.path)
-    rows = (line.parsed for line in iter_batch_file(source.path)) if batch else iter_request_file(source.path)
-    count, first_error = 0, None
+    lines = iter_lines(source.path)
+    # Lines before the first object are refused by either reader: counted, and only the first one is
+    # parsed, for its message (a binary file is millions of such lines).
+    first_bad, first_object, count = None, None, 0
+    for line in lines:
+        if isinstance(line[1], dict):
+            first_object = line
+            break
+        if first_bad is None:
+            first_bad = line
+        else:
+            count += 1
+    batch = first_object is not None and is_batch_object(first_object[1])
+    replayed = chain([x for x in (first_bad, first_object) if x is not None], lines)
+    base = source.path.parent
+    rows = (line.parsed for line in batch_lines(replayed)) if batch else iter_request_lines(replayed, base)
+    first_error = None
     for row in rows:
+        if row.error is None and not has_tokenizer:
+            try:
+                check_without_tokenizer(row)
+            except RowError as exc:
+                row.error = f"{row.where}: {exc}"
         if row.error is None:
             if batch:
                 check_unique_custom_ids(source.path, source.name)
             return
         count += 1
         first_error = first_error or row.error
+    if count == 0:  # blank by the reader's rule, the one the run skips lines by (U+00A0 is whitespace too)
+        raise PromptsFileError(
+            f"prompts file {source.name!r} holds no request (it is empty, or its lines hold only "
+            'whitespace); give one JSON object per line, e.g. {"prompt": "Hello"}'
+        )
+    with source.path.open("rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\x00" in head:  # only the words: a NUL refuses its line wherever it is, and the file when all are
+        raise PromptsFileError(
+            f"prompts file {source.name!r} is binary data (it holds NUL bytes), not JSONL text; give one "
+            'JSON object per line, e.g. {"prompt": "Hello"}'
+        )
     first_line = head.lstrip(b"\xef\xbb\xbf").split(b"\n", 1)[0].strip()
     if not first_line.startswith((b"{", b"[")) and b"," in first_line:
         raise PromptsFileError(

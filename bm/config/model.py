@@ -139,6 +139,14 @@ class ModelConfig:
         on_off_auto,
     )
 
+    @property
+    def has_no_tokenizer(self) -> bool:
+        """Random weights from ``model.config`` with no ``model.tokenizer``: the one model known to have no
+        tokenizer before it loads (:func:`bm.runtime.model_loader.load_tokenizer` gives it none, by this
+        rule), so ``bm run`` refuses a file whose every line needs one before the load. Whether a
+        checkpoint directory holds a tokenizer is only known by loading it."""
+        return bool(self.config) and not (self.path or self.preset or self.tokenizer)
+
 
 def model_override(model: str) -> tuple[str, str]:
     """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory.

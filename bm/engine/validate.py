@@ -164,12 +164,22 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     )
 
 
-def _check_lengths(prompt: Sequence[int], max_new: int, limits: RequestLimits) -> None:
-    if len(prompt) > limits.max_seq_len:
+def check_prompt_length(
+    num_tokens: int, max_seq_len: int, setting: str = "engine.max_seq_len", *, at_least: bool = False
+) -> None:
+    """The one verdict on a prompt's length: more tokens than ``max_seq_len`` (which ``setting`` names)
+    is refused. ``at_least``: ``num_tokens`` is a lower bound, counted on a prefix of a text too long to
+    tokenize whole (:mod:`bm.cli.prompts`)."""
+    if num_tokens > max_seq_len:
+        count = f"at least {num_tokens}" if at_least else str(num_tokens)
         raise RequestError(
-            f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's maximum of "
-            f"{limits.max_seq_len} (engine.max_seq_len)"
+            f"input_ids: the prompt has {count} tokens, longer than the model's maximum of {max_seq_len} "
+            f"({setting})"
         )
+
+
+def _check_lengths(prompt: Sequence[int], max_new: int, limits: RequestLimits) -> None:
+    check_prompt_length(len(prompt), limits.max_seq_len)
     if len(prompt) + max_new > limits.max_seq_len:
         raise RequestError(
             f"request_output_len: prompt ({len(prompt)}) + output ({max_new}) tokens exceed the maximum "

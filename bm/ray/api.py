@@ -79,7 +79,7 @@ def run_batch(
 
     cfg = build_config(model, config, engine_options)
     out = Path(out_dir)
-    source = open_prompts(prompts)
+    source = open_prompts(prompts, has_tokenizer=not cfg.model.has_no_tokenizer)
     check_ray_run(
         cfg, None, tensor_parallel_size, rank_timeout, source, replicas, replica_threads, block_lines, tries
     )

@@ -24,7 +24,8 @@ from typing import Any
 from bm.cli.openai_batch import BatchOutput, iter_batch_file, iter_batch_slice
 from bm.cli.outdir import FINAL_REASONS
 from bm.files import replacing, replacing_text
-from bm.workloads.jsonl import iter_request_file, iter_request_slice, split_lines
+from bm.workloads.json_lines import split_lines
+from bm.workloads.jsonl import iter_request_file, iter_request_slice
 from bm.workloads.request import Row
 
 PARTS = "parts"

@@ -176,7 +176,7 @@ def load_tokenizer(cfg: ModelConfig) -> TextCodec | None:
         return _try_tokenizer(cfg.tokenizer or str(cfg.path))
     if cfg.tokenizer:
         return _try_tokenizer(cfg.tokenizer, required=True)
-    return None if cfg.config else ByteTokenizer()
+    return None if cfg.has_no_tokenizer else ByteTokenizer()
 
 
 def resolve_cpu_bf16_gemm(requested: str, prepack: str = "auto") -> str:

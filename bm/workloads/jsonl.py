@@ -5,9 +5,8 @@ A line is ``{"id"?, "prompt" | "input_ids" | "messages", "request_output_len"? (
 
 Plain Python only (no torch), so a whole file is checked before the model loads. Types are strict: a
 value of the wrong type is refused with the field and the fix, never truncated or read for its
-truthiness (``beam_width: 1.9`` and ``temperature: true`` are errors). Reading never raises on what a
-file holds: bad bytes, a lone surrogate, 100k-deep nesting or a BOM each end as one line's error (or,
-for the BOM, as nothing at all).
+truthiness (``beam_width: 1.9`` and ``temperature: true`` are errors). The lines themselves are read by
+:mod:`bm.workloads.json_lines`, where bad bytes or bad JSON end as one line's error.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from bm.engine.fields import (
     strict_int,
 )
 from bm.suggest import did_you_mean
+from bm.workloads.json_lines import iter_lines, iter_slice_lines
 from bm.workloads.request import Row, RowError
 from bm.workloads.tools import is_auto, read_tools, tool_choice_spec
 
@@ -63,112 +63,6 @@ KNOWN_KEYS = frozenset(
         *TOOL_KEYS,
     }
 )
-MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse
-
-
-def iter_lines(path: Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """(line number, object) per non-blank line; a line that is not a JSON object yields its error.
-
-    The file is read as bytes and decoded line by line, so one bad byte costs one line, not the file."""
-    with path.open("rb") as f:
-        yield from _decoded(f, 1)
-
-
-def _decoded(raws: Iterable[bytes], first_number: int) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """:func:`iter_lines` over raw lines that start at the file's line ``first_number`` (1-based)."""
-    for number, raw in enumerate(raws, start=first_number):
-        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]  # a UTF-8 BOM, as Windows editors write it: not part of the data
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield (
-                number,
-                RowError(
-                    f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                    "save the file as UTF-8"
-                ),
-            )
-            continue
-        if not text.strip():
-            continue
-        yield number, _load_object(text)
-
-
-def _load_object(text: str) -> dict[str, Any] | RowError:
-    text = text.rstrip("\r\n")  # the line ending is not JSON: an error there was reported at column 1
-    # scanned only when there are enough brackets to matter: a plain 200 KB prompt costs two counts
-    depth = _max_depth(text) if text.count("[") + text.count("{") > MAX_DEPTH else 0
-    if depth > MAX_DEPTH:
-        return RowError(f"JSON nested {depth} levels deep; bm's request format needs at most a few")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()):
-            return RowError(
-                f"malformed JSON (the line ends at column {len(text.rstrip()) + 1} before the object is "
-                "closed: was it cut short?)"
-            )
-        return RowError(f"malformed JSON ({exc.msg} at column {exc.pos + 1})")
-    except (RecursionError, ValueError) as exc:  # belt and braces: json's own limits
-        return RowError(f"unreadable JSON ({type(exc).__name__})")
-    if not isinstance(data, dict):
-        return RowError(f"expected a JSON object, got {type(data).__name__}")
-    surrogate = _find_surrogate(data, "")
-    if surrogate is not None:
-        return RowError(
-            f"{surrogate or 'a key'}: contains a lone UTF-16 surrogate (e.g. \\ud800), which is not "
-            "text; remove it or write the character it was meant to be"
-        )
-    return data
-
-
-def _max_depth(text: str) -> int:
-    """Bracket depth outside strings, found without recursion (json.loads would recurse)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > MAX_DEPTH:
-                    return deepest
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
-def _find_surrogate(value: Any, path: str) -> str | None:
-    """The dotted path of the first string holding a lone surrogate (it cannot be encoded or written)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if _find_surrogate(key, path) is not None:
-                return path or "a key"
-            found = _find_surrogate(item, f"{path}.{key}" if path else str(key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _find_surrogate(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
 
 
 def read_request_file(path: Path) -> list[Row]:
@@ -179,9 +73,15 @@ def read_request_file(path: Path) -> list[Row]:
 def iter_request_file(path: Path) -> Iterator[Row]:
     """The lines of :func:`read_request_file` one at a time, read as they are asked for: a file of millions
     of lines is never held in memory (only the ids seen so far, to refuse a duplicate)."""
+    return iter_request_lines(iter_lines(path), path.parent)
+
+
+def iter_request_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]], base: Path) -> Iterator[Row]:
+    """The rows of a file's lines as :func:`iter_lines` gives them (line number, object or error);
+    ``base``: the file's directory (relative ``lora_dir`` paths are resolved against it)."""
     seen_ids: dict[str, int] = {}
-    for number, data in iter_lines(path):
-        yield _request_row(number, data, path.parent, seen_ids)
+    for number, data in lines:
+        yield _request_row(number, data, base, seen_ids)
 
 
 def iter_request_slice(data: bytes, first_number: int, base: Path) -> Iterator[Row]:
@@ -192,21 +92,6 @@ def iter_request_slice(data: bytes, first_number: int, base: Path) -> Iterator[R
     ``base``: the file's directory (relative ``lora_dir`` paths are resolved against it)."""
     for number, value in iter_slice_lines(data, first_number):
         yield _request_row(number, value, base, None)
-
-
-def iter_slice_lines(data: bytes, first_number: int) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """:func:`iter_lines` over a slice of a file (its raw bytes, the first line being the file's line
-    ``first_number``): the same decoding and the same line numbers, so a reader of slices (``bm run
-    --ray``'s replicas) and a reader of the whole file give each line the same row or error."""
-    return _decoded(split_lines(data), first_number)
-
-
-def split_lines(data: bytes) -> list[bytes]:
-    """Raw lines as a binary file's iteration gives them: split after each ``\\n`` only (a lone ``\\r`` is
-    part of its line, where ``bytes.splitlines`` would cut)."""
-    pieces = data.split(b"\n")
-    lines = [piece + b"\n" for piece in pieces[:-1]]
-    return [*lines, pieces[-1]] if pieces[-1] else lines
 
 
 def _request_row(
@@ -393,7 +278,7 @@ def resolve_word_list(
     for word in value:
         if isinstance(word, str):
             if encode_word is None:
-                raise RowError(f"{name}: this model has no tokenizer; give words as token-id lists")
+                raise _words_without_tokenizer(name)
             ids = encode_word(word)
             if not ids:
                 raise RowError(f"{name}: the word {word!r} encodes to no tokens")
@@ -401,3 +286,35 @@ def resolve_word_list(
         else:
             words.append(list(word))
     return words
+
+
+NAME_A_TOKENIZER = "or name a tokenizer with --set model.tokenizer=DIR"
+
+
+def check_without_tokenizer(row: Row) -> None:
+    """Raise the :class:`RowError` a row gets from a model without a tokenizer, for what it gives as text
+    (a prompt, a chat, words or stop strings); a row of token ids alone passes. One verdict for the run
+    (:func:`bm.cli.prompts.to_request`) and for the check before a model known to have none loads
+    (:func:`bm.cli.source.check_runnable`)."""
+    if row.prompt is not None:
+        raise RowError(
+            f"prompt: this model has no tokenizer; give 'input_ids' (token ids) instead, {NAME_A_TOKENIZER}"
+        )
+    if row.messages is not None:
+        raise RowError(
+            f"messages: this model has no tokenizer to render a chat with; give 'input_ids' (token ids) "
+            f"instead, {NAME_A_TOKENIZER}"
+        )
+    for name in WORD_LISTS:
+        words = row.fields.get(name)
+        if words is not None and not is_offsets_form(words) and any(isinstance(w, str) for w in words):
+            raise _words_without_tokenizer(name)
+    if row.stop:
+        raise RowError(
+            "stop: this model has no tokenizer to match stop strings with; give stop_words_list as token-id "
+            f"lists instead, {NAME_A_TOKENIZER}"
+        )
+
+
+def _words_without_tokenizer(name: str) -> RowError:
+    return RowError(f"{name}: this model has no tokenizer; give words as token-id lists, {NAME_A_TOKENIZER}")

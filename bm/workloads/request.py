@@ -71,6 +71,13 @@ class Row:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def prompt_key(self) -> str:
+        """The field the row gave its prompt in: ``prompt`` (text), ``messages`` (a chat) or ``input_ids``."""
+        if self.prompt is not None:
+            return "prompt"
+        return "messages" if self.messages is not None else "input_ids"
+
 
 @dataclass
 class Workload:
