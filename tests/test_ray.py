@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray")
 
 from bm.cli.main import app  # noqa: E402
 from bm.ray.replica import FAULT_ENV  # noqa: E402
+from bm.reaper import TOKEN_ENV  # noqa: E402
 
 # Ray Data's own configuration warns of its deprecated fields when it is copied; not bm's to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -241,6 +242,69 @@ def test_ctrl_c_cancels_the_blocks_not_done_keeps_every_record_and_resumes_to_th
     result = bm_run(cluster, [str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS, "--resume"])
     assert result.returncode == 0, result.stdout[-3000:]
     assert by_index(records(out)) == expected
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """The live descendants of ``root``: pid -> start time (in clock ticks, so a reused pid is not one)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if text:
+            fields = text[text.rindex(")") + 2 :].split()
+            stats[int(entry)] = (int(fields[1]), int(fields[19]))
+    tree, todo = {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, start) in stats.items():
+            if ppid == parent and pid not in tree:
+                tree[pid] = start
+                todo.append(pid)
+    return tree
+
+
+def still_alive(tree: dict[int, int]) -> list[int]:
+    alive = []
+    for pid, start in tree.items():
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if int(text[text.rindex(")") + 2 :].split()[19]) == start:
+            alive.append(pid)
+    return alive
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_a_sigkilled_driver_that_started_its_own_cluster_leaves_no_ray_process_behind(tmp_path):
+    """Issue 53: with the cluster started by the driver (no RAY_ADDRESS), a SIGKILLed driver left Ray's
+    DashboardAgent and RuntimeEnvAgent alive under PID 1 (about a minute here, each blocked reporting
+    the raylet's death to the dead GCS; for ever where that call hangs). Every process of the cluster
+    carries bm.reaper's mark, so its watcher ends whatever outlives the driver."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 400)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "bm", "run", str(prompts), "-o", str(out), *COMMON, *RAY_FLAGS]
+    env = {k: v for k, v in os.environ.items() if k not in NO_TOKEN}  # Ray's defaults: the user's case
+    env |= {"PYTHONPATH": str(REPO), FAULT_ENV: "slow=0.3"}
+    driver = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not list((out / "parts").glob("block-*.jsonl")):  # the cluster and its replicas are up
+        assert driver.poll() is None, driver.communicate()[1][-3000:]
+        time.sleep(0.05)
+    tree = process_tree(driver.pid)
+    commands = {pid: Path(f"/proc/{pid}/cmdline").read_text() for pid in still_alive(tree)}
+    assert any("raylet" in c for c in commands.values()) and any("Agent" in c for c in commands.values())
+    mark = TOKEN_ENV.encode()
+    unmarked = [c for pid, c in commands.items() if mark not in Path(f"/proc/{pid}/environ").read_bytes()]
+    assert len(unmarked) == 1 and "bm.reaper" in unmarked[0]  # everything but the watcher itself
+    driver.kill()
+    driver.wait()
+    waited = 0.0
+    while still_alive(tree) and waited < HANG_S:
+        time.sleep(0.2)
+        waited += 0.2
+    assert still_alive(tree) == [], [Path(f"/proc/{p}/cmdline").read_text() for p in still_alive(tree)]
 
 
 def batch_lines_of(out):

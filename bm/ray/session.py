@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any
 
+from bm.reaper import watch
+
 # The names Ray Data gives the threads of one dataset's run (ray 2.60: execution/streaming_executor.py,
 # execution/metadata_fetcher.py, block_batching/util.py). Not its usage poller nor its block
 # ``Prefetcher``, which stay parked for the life of the process (seen after an interrupted run): waiting
@@ -32,6 +34,9 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False  # the caller's own connection, left as it is
     kept = _signal_handlers()
+    # A cluster started here runs in processes started from this driver; if the driver is SIGKILLed, two
+    # of Ray's node agents outlive it for ever. bm.reaper ends them (watching starts before they do).
+    watch()
     ray.init(address=address, include_dashboard=False, log_to_driver=True)
     # ray.init takes SIGTERM (its handler exits 15 at once: no records assembled, no resume command);
     # the process's own policy (bm.cli.interrupts) stays in charge
