@@ -246,7 +246,7 @@ def run_compare(
                 if v.kind == "bm":
                     with journal(v) if journal is not None else nullcontext() as run_journal:
                         run = run_bench(configs[v.name], loaded, workload, arrivals, journal=run_journal)
-                    metrics = dict(run.metrics) | kv_block_counters(run.stats)
+                    metrics = dict(run.metrics) | kv_block_counters(run.iterations)
                     outcome.last = run
                 else:
                     metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size)
