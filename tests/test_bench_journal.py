@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 import bm.cli.progress
 from bm.bench import ReplayProgress, run_bench, write_results
 from bm.bench.metrics import RECORD_COLUMNS
-from bm.bench.results import request_line, stats_line
 from bm.cli.bench_report import bench_progress, replay_eta, tick
 from bm.cli.journal import FileJournal
 from bm.cli.main import app
@@ -31,6 +30,7 @@ from bm.config import load_config
 from bm.sim.run import load_sim_model
 from bm.workloads import Row, arrival_times, load_workload
 from tests.conftest import make_config
+from tests.recorder import Recorder
 
 runner = CliRunner()
 # The seed's per-iteration field names (DESIGN.md, "Stats and metrics").
@@ -58,20 +58,6 @@ def complete_lines(path: Path) -> list[str]:
     """The newline-terminated lines of ``path`` (a kill may have cut only a last, unterminated one)."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     return text.split("\n")[:-1]
-
-
-class Recorder:
-    """A journal that keeps what it is given, in the order given."""
-
-    def __init__(self) -> None:
-        self.stats: list[dict] = []
-        self.records: list[dict] = []
-
-    def add_stats(self, rows):
-        self.stats.extend(rows)
-
-    def add_requests(self, records):
-        self.records.extend(records)
 
 
 # -- a killed run -------------------------------------------------------------------------------------
@@ -130,19 +116,19 @@ def sim_setup(tmp_path: Path, **sets):
     return config, model, load_workload(config.bench, vocab_size=model.vocab_size, encode=None)
 
 
-def test_the_stream_of_a_simulated_run_holds_exactly_its_stats_rows_and_records(tmp_path):
+def test_the_stream_of_a_simulated_run_holds_exactly_its_stats_rows_and_one_record_per_request(tmp_path):
     config, model, workload = sim_setup(tmp_path)
     recorder = Recorder()
     result = run_bench(config, model, workload, journal=recorder)
-    assert recorder.stats == result.stats  # every row once, in iteration order
-    streamed = sorted(recorder.records, key=lambda r: r["index"])
-    final = result.records.to_dict("records")
-    assert [request_line(r) for r in streamed] == [request_line(r) for r in final]
+    assert len(recorder.stats) == result.iterations.num_iterations == result.metrics["num_iterations"]
+    counters = [r["Iteration Counter"] for r in recorder.stats]
+    assert counters == sorted(set(counters))  # every row once, in iteration order
+    assert [r["index"] for r in recorder.in_order()] == list(range(60))
 
 
-def test_a_finished_bm_bench_replaces_the_streamed_files_with_the_files_it_always_wrote(tmp_path):
-    """The journal changes nothing in a finished run's files: byte for byte what write_results writes
-    from the run's result (a simulated run is a function of its inputs, so the two runs are equal)."""
+def test_a_finished_bm_bench_writes_the_files_a_library_run_with_a_file_journal_writes(tmp_path):
+    """The CLI's files are the library's: byte for byte what a FileJournal and write_results leave (a
+    simulated run is a function of its inputs, so the two runs are equal), records in workload order."""
     model_config = tmp_path / "tiny.json"
     model_config.write_text(json.dumps(TINY))
     out = tmp_path / "cli"
@@ -151,11 +137,21 @@ def test_a_finished_bm_bench_replaces_the_streamed_files_with_the_files_it_alway
             "--range-ratio", "0.5", "--rate", "50", "--set", "engine.max_batch_size=8", "-q", "-o", str(out)]  # fmt: skip
     assert runner.invoke(app, args).exit_code == 0
     config, model, workload = sim_setup(tmp_path)
-    write_results(tmp_path / "library", run_bench(config, model, workload))
+    library = tmp_path / "library"
+    with FileJournal(library, workload.requests) as journal:
+        result = run_bench(config, model, workload, journal=journal)
+    write_results(library, result)
     for name in ("requests.jsonl", "stats.jsonl"):
-        assert (out / name).read_bytes() == (tmp_path / "library" / name).read_bytes(), name
+        assert (out / name).read_bytes() == (library / name).read_bytes(), name
     assert sorted(p.name for p in out.iterdir()) == ["requests.jsonl", "results.json", "stats.jsonl"]
     assert [r["index"] for r in map(json.loads, complete_lines(out / "requests.jsonl"))] == list(range(60))
+
+
+def test_write_results_without_the_streamed_files_names_the_journal_to_pass(tmp_path):
+    config, model, workload = sim_setup(tmp_path)
+    result = run_bench(config, model, workload)  # no journal: the records went nowhere
+    with pytest.raises(FileNotFoundError, match="journal=FileJournal"):
+        write_results(tmp_path / "out", result)
 
 
 def test_a_real_run_streams_each_measured_request_once_warm_up_and_refused_rows_included_as_final(
@@ -171,9 +167,8 @@ def test_a_real_run_streams_each_measured_request_once_warm_up_and_refused_rows_
     result = run_bench(config, tiny_model, workload, arrival_times(workload, config.bench), journal=recorder)
     assert recorder.records[0]["index"] == 3 and not recorder.records[0]["ok"]
     assert sorted(r["index"] for r in recorder.records) == list(range(7))  # no warm-up request
-    streamed = sorted(recorder.records, key=lambda r: r["index"])
-    assert [request_line(r) for r in streamed] == [request_line(r) for r in result.records.to_dict("records")]
-    assert [stats_line(r) for r in recorder.stats] == [stats_line(r) for r in result.stats]
+    assert result.metrics["completed"] == sum(r["ok"] for r in recorder.records) == 6
+    assert len(recorder.stats) == result.metrics["num_iterations"] > 0
     assert [r["Iteration Counter"] for r in recorder.stats] == sorted(
         r["Iteration Counter"] for r in recorder.stats
     )
@@ -196,9 +191,20 @@ def test_the_file_journal_names_an_engine_error_by_its_line_as_the_final_records
     with FileJournal(tmp_path, rows) as journal:
         journal.add_requests([record, record | {"index": 0, "error": "line 1: prompt: empty"}])
         journal.add_stats([{"Iteration Counter": 1}])
-    written = [json.loads(line) for line in complete_lines(tmp_path / "requests.jsonl")]
-    assert [r["error"] for r in written] == ["line 2: the batch manager stopped", "line 1: prompt: empty"]
+        streamed = [json.loads(line) for line in complete_lines(tmp_path / "requests.jsonl")]
+    assert [r["error"] for r in streamed] == ["line 2: the batch manager stopped", "line 1: prompt: empty"]
+    written = [json.loads(line) for line in complete_lines(tmp_path / "requests.jsonl")]  # finished
+    assert [r["error"] for r in written] == ["line 1: prompt: empty", "line 2: the batch manager stopped"]
     assert complete_lines(tmp_path / "stats.jsonl") == ['{"Iteration Counter": 1}']
+
+
+def test_a_file_journal_left_by_an_exception_keeps_its_records_in_finishing_order(tmp_path):
+    record = dict.fromkeys(RECORD_COLUMNS)
+    with pytest.raises(KeyboardInterrupt), FileJournal(tmp_path) as journal:
+        journal.add_requests([record | {"index": 1}, record | {"index": 0}])
+        raise KeyboardInterrupt
+    assert [json.loads(line)["index"] for line in complete_lines(tmp_path / "requests.jsonl")] == [1, 0]
+    assert not (tmp_path / "stats.jsonl").exists()  # as streamed: no iteration came
 
 
 def test_a_journal_that_is_given_nothing_creates_no_file(tmp_path):
@@ -228,7 +234,7 @@ def test_compare_hands_each_run_of_a_bm_variant_a_fresh_journal(tmp_path):
     assert [name for name, _ in given] == ["v1", "inflight_fused"] * 2
     for outcome in result.variants:  # the last repeat's journal holds what the variant's files hold
         recorder = [r for name, r in given if name == outcome.variant.name][-1]
-        assert recorder.stats == outcome.last.stats
+        assert len(recorder.stats) == outcome.last.metrics["num_iterations"]
         assert sorted(r["index"] for r in recorder.records) == list(range(12))
 
 

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bm.bench import run_bench, write_results
+from bm.cli.journal import FileJournal
 from bm.cli.main import app
 from bm.workloads import arrival_times, load_workload
 from tests.conftest import make_config
@@ -140,14 +141,17 @@ def test_run_bench_compares_schemes_on_one_workload_in_one_process(tmp_path, tin
     config = make_config(bench=bench_section)
     workload = load_workload(config.bench, vocab_size=tiny_model.vocab_size, encode=None)
     times = arrival_times(workload, config.bench)
-    results = {}
+    results, records = {}, {}
     for scheme in ("v1", "inflight_fused"):
         variant = make_config(engine={"batching_scheme": scheme}, bench=bench_section)
-        results[scheme] = run_bench(variant, tiny_model, workload, times)
+        with FileJournal(tmp_path / scheme) as journal:
+            results[scheme] = run_bench(variant, tiny_model, workload, times, journal=journal)
+        records[scheme] = read_jsonl(tmp_path / scheme / "requests.jsonl")
     v1, fused = results["v1"], results["inflight_fused"]
-    assert list(v1.records["output_tokens"]) == list(fused.records["output_tokens"])
-    assert list(v1.records["output_tokens"]) == [r.output_len for r in workload.requests]
-    assert list(v1.records["arrival_s"]) == pytest.approx(times)
+    tokens = [r["output_tokens"] for r in records["v1"]]
+    assert tokens == [r["output_tokens"] for r in records["inflight_fused"]]
+    assert tokens == [r.output_len for r in workload.requests]
+    assert [r["arrival_s"] for r in records["v1"]] == pytest.approx(times)
     assert v1.metrics.keys() == fused.metrics.keys()
     assert fused.metrics["total_empty_generation_slots"] == 0
     assert fused.metrics["total_computed_tokens"] == sum(

@@ -6,6 +6,7 @@ import builtins
 
 import pytest
 
+from bm.bench.tally import StatsTally
 from bm.compare.expr import (
     AssertionEvalError,
     AssertionSyntaxError,
@@ -300,9 +301,11 @@ def test_every_deterministic_counter_is_compared_exactly_and_named(metric):
 
 
 def test_kv_block_counters_read_the_peak_and_the_sum_of_used_blocks():
-    rows = [{"Used KV cache blocks": n} for n in (3, 9, 4)]
-    assert kv_block_counters(rows) == {"max_used_kv_blocks": 9, "total_used_kv_block_iterations": 16}
-    assert kv_block_counters([]) == {"max_used_kv_blocks": 0, "total_used_kv_block_iterations": 0}
+    tally = StatsTally()
+    for n in (3, 9, 4):
+        tally.add({"Used KV cache blocks": n})
+    assert kv_block_counters(tally) == {"max_used_kv_blocks": 9, "total_used_kv_block_iterations": 16}
+    assert kv_block_counters(StatsTally()) == {"max_used_kv_blocks": 0, "total_used_kv_block_iterations": 0}
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])

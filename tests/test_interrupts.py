@@ -255,3 +255,24 @@ def test_sigterm_during_a_parallel_sweep_keeps_the_finished_points_and_leaves_no
     assert "Traceback" not in stderr and "points saved; rerun with --resume" in " ".join(stdout.split())
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a sweep worker outlived the interrupted sweep"
+
+
+def test_an_interrupted_simulated_bench_cancels_what_had_not_finished_and_says_so(monkeypatch):
+    """The simulator runs on the main thread on a virtual clock: the first signal's event ends the
+    replay at its next check (bm bench --executor sim ran to the end, or to the watchdog, before)."""
+    import bm.sim.run as sim_run
+    from bm.config import load_config
+    from bm.sim.run import load_sim_model, run_sim
+    from bm.workloads import load_workload
+    from tests.test_sweep import base_overrides
+
+    config = load_config(None, base_overrides(**{"bench.num_requests": 200}))
+    model = load_sim_model(config)
+    workload = load_workload(config.bench, vocab_size=model.vocab_size, encode=None)
+    stop = threading.Event()
+    monkeypatch.setattr(sim_run, "_PROGRESS_EVERY", 1)  # the signal lands after the first iteration
+    result = run_sim(config, model, workload, progress=lambda _p: stop.set(), interrupt=stop)
+    assert result.interrupted
+    metrics = result.metrics
+    assert 0 < metrics["cancelled"] and metrics["completed"] + metrics["cancelled"] == 200
+    assert metrics["failed"] == 0

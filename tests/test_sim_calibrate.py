@@ -32,6 +32,7 @@ from bm.sim.forward_fit import (
 )
 from bm.sim.hardware import calibrate, default_device, ensure_forward_fit, local_row_name, local_row_path
 from bm.sim.work import work_totals
+from tests.recorder import Recorder
 
 TINY = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 64,
@@ -228,10 +229,12 @@ def test_a_simulated_run_on_a_local_row_is_timed_by_the_fit_not_the_roofline(cac
     })  # fmt: skip
     model = load_sim_model(config)
     assert model.cost_model().fit == dict.fromkeys(TERMS, 0.0) | terms
-    result = run_sim(config, model, load_workload(config.bench, vocab_size=model.vocab_size, encode=None))
+    recorder = Recorder()
+    workload = load_workload(config.bench, vocab_size=model.vocab_size, encode=None)
+    result = run_sim(config, model, workload, journal=recorder)
     assert result.metrics["completed"] == 12
     kinds = set()
-    for stats in result.stats:
+    for stats in recorder.stats:
         eager = stats["Context Requests"] > 0 or (row == "cuda-local" and stats["Generation Requests"] > 4)
         kinds.add(eager)
         forward, host = 0.5 + 0.25 * eager, 0.125

@@ -61,7 +61,7 @@ def replay(config, model, workload, slo: Slo, rate: float) -> bool:
     from bm.sim.run import run_sim
 
     result = run_sim(load_config_for(config, "rate", rate), model, workload)
-    return slo.feasible(slo.values(result.records), int(result.metrics["failed"]))
+    return slo.feasible(slo.values(result.requests), int(result.metrics["failed"]))
 
 
 # -- the search ------------------------------------------------------------------------------------------

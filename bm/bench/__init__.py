@@ -5,11 +5,13 @@ on the same workload and arrival times::
 
     workload = load_workload(config.bench, vocab_size=model.vocab_size, encode=...)
     times = arrival_times(workload, config.bench)
-    result = run_bench(config, model, workload, times)  # BenchResult: records, stats, metrics
-    write_results(out_dir, result)
+    with FileJournal(out_dir) as journal:  # bm.cli.journal: requests.jsonl, stats.jsonl
+        result = run_bench(config, model, workload, times, journal=journal)  # metrics and tallies
+    write_results(out_dir, result)  # results.json
 
-``run_bench(..., journal=...)`` also hands a :class:`BenchJournal` the stats rows and records as they
-come (the CLI streams them to the files, so a killed run leaves its trace).
+``run_bench(..., journal=...)`` hands a :class:`BenchJournal` the stats rows and records as they come
+(the CLI streams them to the files, so a killed run leaves its trace); the run keeps only their tallies
+(:mod:`bm.bench.tally`), so its memory does not grow with its length.
 """
 
 from bm.bench.journal import BenchJournal

@@ -1,4 +1,5 @@
-"""What a run hands out while it runs, so that a run killed part way leaves a trace of what it did.
+"""What a run hands out while it runs: its per-iteration stats rows and its requests' records, streamed
+so that a run killed part way leaves a trace, and so that a run's memory does not grow with its length.
 
 A benchmark of thousands of requests on a GPU runs for minutes; killed (SIGKILL, a CI timeout, an
 out-of-memory kill) it used to leave nothing, because ``stats.jsonl`` and ``requests.jsonl`` were only
@@ -8,9 +9,11 @@ thread (the loop that waits on the replay, about ten times a second), never from
 worker thread, so a slow disk can never stall an iteration. The journal decides what to do with them
 (the CLI appends them to the files: :class:`bm.cli.journal.FileJournal`); the library touches no file.
 
-A streamed record is built by the same :func:`~bm.bench.metrics.request_record` as the run's final
-records, from the same timeline, so it equals the final one; the stream is in finishing order, the
-final files in workload order.
+The run itself keeps none of them: :class:`RunFeed` tallies each one (:mod:`bm.bench.tally`, a few
+bytes per request and per iteration, from which the metrics are computed exactly) before it hands it on
+and lets it go. The journal is the only place a run's records and stats rows go; a run without one
+keeps its metrics and tallies only. The stream is in finishing order; ``FileJournal`` puts
+``requests.jsonl`` in workload order when the run ends.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from bm.bench.metrics import request_record
-from bm.bench.replayer import Replayer
+from bm.bench.replayer import Replayer, Timeline
+from bm.bench.tally import RequestTally, StatsTally
 from bm.engine.request import Request
 from bm.workloads import Workload
 
@@ -38,47 +42,74 @@ class BenchJournal(Protocol):
         rows refused at load come first, at the start of the measured replay."""
 
 
-class JournalFeed:
-    """Hands a :class:`BenchJournal` what it has not been given yet, each time :meth:`pump` is called.
+class RunFeed:
+    """Takes a measured replay's output as it comes, each item once, on the caller's thread: tallies it
+    (:mod:`bm.bench.tally`, what the run's metrics are computed from) and hands it to the journal, if
+    any, then lets it go, so the run's memory does not grow with its length.
 
-    ``stats`` returns the run's stats rows so far (a list that only grows); finished requests are taken
-    from the replayer's ``finished`` queue, which nothing else reads while a feed is attached."""
+    ``take_stats`` returns the stats rows that came since it was last called; finished requests are
+    taken from the replayer's ``finished`` queue, which nothing else reads. ``watch``, if given, sees
+    each finished request's timeline before its token times are let go (``bm sweep``'s early stop)."""
 
     def __init__(
         self,
-        journal: BenchJournal,
         workload: Workload,
         built: Sequence[tuple[int, Request]],
         replayer: Replayer,
-        stats: Callable[[], Sequence[dict[str, Any]]],
+        take_stats: Callable[[], Sequence[dict[str, Any]]],
+        journal: BenchJournal | None = None,
+        watch: Callable[[Timeline], None] | None = None,
     ) -> None:
         self.journal = journal
         self._rows = workload.requests
         self._index_of = {request.request_id: index for index, request in built}
         self._replayer = replayer
-        self._stats = stats
-        self._num_stats = 0
+        self._take_stats = take_stats
+        self.watch = watch
+        self.requests = RequestTally(len(self._rows))
+        self.stats = StatsTally()
         runnable = set(self._index_of.values())
-        # every record given, by workload index: the run's results reuse them rather than build each twice
-        self.records: dict[int, dict[str, Any]] = {
-            i: request_record(i, row, None) for i, row in enumerate(self._rows) if i not in runnable
-        }
-        self._refused = list(self.records.values())
+        self._refused = [
+            request_record(i, row, None) for i, row in enumerate(self._rows) if i not in runnable
+        ]
 
     def pump(self) -> None:
-        """Give the journal the stats rows and finished requests that arrived since the last call."""
-        rows = list(self._stats()[self._num_stats :])
-        self._num_stats += len(rows)
+        """Tally, then give the journal, the stats rows and finished requests that came since the last
+        call."""
+        rows = self._take_stats()
+        for row in rows:
+            self.stats.add(row)
         records, self._refused = self._refused, []
         while True:
             try:
                 timeline = self._replayer.finished.get_nowait()
             except queue.Empty:
                 break
+            if self.watch is not None:
+                self.watch(timeline)
             index = self._index_of[timeline.request_id]
-            self.records[index] = request_record(index, self._rows[index], timeline)
-            records.append(self.records[index])
-        if rows:
-            self.journal.add_stats(rows)
-        if records:
-            self.journal.add_requests(records)
+            records.append(request_record(index, self._rows[index], timeline))
+            timeline.token_s = []  # its record holds what the metrics need of them
+        for record in records:
+            self.requests.add(record)
+        if self.journal is not None:
+            if rows:
+                self.journal.add_stats(rows)
+            if records:
+                self.journal.add_requests(records)
+
+    def finish(self) -> None:
+        """The last :meth:`pump`, then a record for any request that has none yet (never, when every
+        request ended through the replayer): every request ends with exactly one."""
+        self.pump()
+        timelines = self._replayer.timelines
+        request_ids = {index: rid for rid, index in self._index_of.items()}
+        missing = [
+            request_record(i, row, timelines[request_ids[i]] if i in request_ids else None)
+            for i, row in enumerate(self._rows)
+            if not self.requests.given(i)
+        ]
+        for record in missing:
+            self.requests.add(record)
+        if missing and self.journal is not None:
+            self.journal.add_requests(missing)

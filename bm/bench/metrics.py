@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from bm.bench.replayer import Timeline
@@ -110,7 +111,9 @@ def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str,
 
 def latency_stats(values: pd.Series, name: str) -> dict[str, float | None]:
     """mean/median/std/pNN of ``values`` (ms) under vLLM's key names, e.g. ``p99_ttft_ms``."""
-    values = pd.to_numeric(values, errors="coerce").dropna()
+    if values.dtype != np.float64:  # numbers already (a long pooled ITL column): not copied again
+        values = pd.to_numeric(values, errors="coerce")
+    values = values.dropna()
     empty = values.empty
 
     def value(x: float) -> float | None:
@@ -133,15 +136,31 @@ def run_metrics(
     done = records[records["ok"].astype(bool)] if len(records) else records
     # cut off by an interrupt (never sent, or stopped mid-way): neither completed nor failed
     cancelled = int((records["finish_reason"] == CANCELLED).sum()) if "finish_reason" in records else 0
+    itl = done["itl_ms"].explode() if len(done) else pd.Series(dtype=float)
+    return request_metrics(done, itl, len(records), cancelled, duration_s, slo_ms)
+
+
+def request_metrics(
+    done: pd.DataFrame,
+    itl: pd.Series,
+    num_requests: int,
+    num_cancelled: int,
+    duration_s: float,
+    slo_ms: Mapping[str, float | None] | None = None,
+) -> dict[str, Any]:
+    """:func:`run_metrics` from its parts: ``done``, the completed requests in workload order (columns
+    ``input_tokens``, ``output_tokens`` and ``NAME_ms`` for every latency but ITL), and ``itl``, their
+    token gaps pooled in the same order. A streamed run (:mod:`bm.bench.tally`) keeps only these, and
+    gets the very statistics of the same values."""
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     input_tokens = int(done["input_tokens"].sum()) if len(done) else 0
     output_tokens = int(done["output_tokens"].sum()) if len(done) else 0
     metrics: dict[str, Any] = {
         "duration": duration_s,
-        "num_requests": len(records),
+        "num_requests": num_requests,
         "completed": len(done),
-        "failed": len(records) - len(done) - cancelled,
-        "cancelled": cancelled,
+        "failed": num_requests - len(done) - num_cancelled,
+        "cancelled": num_cancelled,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": per_s(len(done)),
@@ -149,11 +168,9 @@ def run_metrics(
         "output_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),
     }
+    empty = pd.Series(dtype=float)
     for name in LATENCIES:
-        if name == "itl":
-            column = done["itl_ms"].explode() if len(done) else pd.Series(dtype=float)
-        else:
-            column = done[f"{name}_ms"] if len(done) else pd.Series(dtype=float)
+        column = itl if name == "itl" else done[f"{name}_ms"] if len(done) else empty
         metrics.update(latency_stats(column, name))
     return metrics
 
@@ -182,6 +199,7 @@ ENGINE_KEYS = (
     "mean_iteration_latency_ms",
     "max_paused_per_iteration",
 )
+ENGINE_TOTALS = ("total_computed_tokens", "total_padded_context_tokens", "total_empty_generation_slots")
 
 
 # Every per-iteration stats field engine_metrics reads, spelled as bm.engine.stats writes them.
@@ -228,17 +246,8 @@ def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]
         "total_pauses": int(paused.sum()),
     }
     if not len(stats):
-        totals = dict.fromkeys(
-            ("total_computed_tokens", "total_padded_context_tokens", "total_empty_generation_slots"), 0
-        )
-        return out | totals | decoding_metrics(stats) | dict.fromkeys(ENGINE_KEYS)
-    missing = [c for c in STATS_COLUMNS if c not in stats.columns]
-    if missing:
-        raise MissingStatsColumnError(
-            f"the per-iteration stats have no field {', '.join(map(repr, missing))} "
-            f"(fields present: {', '.join(map(repr, stats.columns))}); they must come from the same bm "
-            "version as these metrics: re-run the benchmark to regenerate stats.jsonl"
-        )
+        return out | no_iteration_metrics()
+    check_stats_columns(stats.columns)
     max_blocks = stats["Max KV cache blocks"]
     utilization = stats["Used KV cache blocks"] / max_blocks.where(max_blocks > 0)
     tokens = stats["Total Context Tokens"] + stats["Total Generation Tokens"]
@@ -257,13 +266,34 @@ def engine_metrics(stats: pd.DataFrame, records: pd.DataFrame) -> dict[str, Any]
     }
 
 
+def no_iteration_metrics() -> dict[str, Any]:
+    """The engine figures of a run that ran no iteration: zero totals, no means."""
+    return dict.fromkeys(ENGINE_TOTALS, 0) | decoding_figures(0, 0, 0) | dict.fromkeys(ENGINE_KEYS)
+
+
+def check_stats_columns(present: Iterable[str]) -> None:
+    """Raise :class:`MissingStatsColumnError` naming every field of :data:`STATS_COLUMNS` not in
+    ``present`` (the fields of a run's stats rows)."""
+    present = list(present)
+    missing = [c for c in STATS_COLUMNS if c not in present]
+    if missing:
+        raise MissingStatsColumnError(
+            f"the per-iteration stats have no field {', '.join(map(repr, missing))} "
+            f"(fields present: {', '.join(map(repr, present))}); they must come from the same bm "
+            "version as these metrics: re-run the benchmark to regenerate stats.jsonl"
+        )
+
+
 def decoding_metrics(stats: pd.DataFrame) -> dict[str, Any]:
-    """Draft tokens (speculative decoding), as trtllm-bench's decoding stats: the acceptance length is
-    the tokens a verifying step produced on average (accepted drafts plus the model's own), 1 without
-    drafts."""
-    steps = _total(stats, "Draft Steps")
-    drafted = _total(stats, "Draft Tokens")
-    accepted = _total(stats, "Accepted Draft Tokens")
+    """Draft tokens (speculative decoding), as trtllm-bench's decoding stats (:func:`decoding_figures`)."""
+    return decoding_figures(
+        _total(stats, "Draft Steps"), _total(stats, "Draft Tokens"), _total(stats, "Accepted Draft Tokens")
+    )
+
+
+def decoding_figures(steps: int, drafted: int, accepted: int) -> dict[str, Any]:
+    """The acceptance length is the tokens a verifying step produced on average (accepted drafts plus
+    the model's own), 1 without drafts."""
     return {
         "total_draft_tokens": drafted,
         "total_accepted_draft_tokens": accepted,

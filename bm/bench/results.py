@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,12 @@ from typing import Any
 import pandas as pd
 
 import bm
-from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, request_record, run_metrics
+from bm.bench.journal import RunFeed
+from bm.bench.metrics import RECORD_COLUMNS
 from bm.bench.replayer import Replayer
+from bm.bench.tally import RequestTally, StatsTally
 from bm.config import BmConfig
 from bm.distributed import parallel_info
-from bm.engine.request import Request
 from bm.files import replacing_text
 from bm.workloads import ArrivalPlan, Workload
 
@@ -41,10 +41,13 @@ class ReplayProgress:
 
 @dataclass
 class BenchResult:
-    """Everything one run measured, plus what it ran (for the results document)."""
+    """Everything one run measured, plus what it ran (for the results document).
 
-    records: pd.DataFrame  # one row per request of the workload, in workload order
-    stats: list[dict[str, Any]]  # per-iteration stats of the measured replay
+    A run keeps no record or stats row: they went to the run's journal as they came (the files
+    ``requests.jsonl`` and ``stats.jsonl`` under ``bm bench``); what stays is their tallies."""
+
+    requests: RequestTally  # per request, in workload order: what the latency statistics and SLOs need
+    iterations: StatsTally  # the per-iteration stats of the measured replay, summed
     metrics: dict[str, Any]  # run_metrics + engine_metrics, vllm bench serve's key names
     duration_s: float
     interrupted: bool = False
@@ -56,41 +59,35 @@ class BenchResult:
     # before the clock: engine_build_s (cache and warm-up), warmup (its report), load_model_s (the CLI's)
     startup: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # what the engine said during the run (once each)
+    not_run: int = 0  # requests a stop rule ended unsent or unfinished (bm sweep's early stop)
 
 
 def bench_result(
     config: BmConfig,
     model_name: str,
     workload: Workload,
-    built: Sequence[tuple[int, Request]],
     replayer: Replayer,
-    stats: list[dict[str, Any]],
+    feed: RunFeed,
     *,
     runtime: dict[str, Any],
     interrupted: bool = False,
-    records: Mapping[int, dict[str, Any]] | None = None,
 ) -> BenchResult:
-    """The one place a run's result is built, real or simulated: a record per workload row (in workload
-    order, from the replayer's timelines), the run's duration (the last request done), then the request
-    and engine metrics under the run's SLOs. The simulator adds its cost and clock figures on top.
-    ``records``: those a journal feed already built, by workload index (a finished request's record
-    does not change), so each is built once."""
+    """The one place a run's result is built, real or simulated, once ``feed`` has every request's
+    record (:meth:`RunFeed.finish`): the run's duration (the last request done), then the request and
+    engine metrics under the run's SLOs, from the feed's tallies. The simulator adds its cost and clock
+    figures on top."""
     bench = config.bench
-    timelines = {index: replayer.timelines[r.request_id] for index, r in built}
-    given = records or {}
-    frame = records_frame(
-        [
-            given[i] if i in given else request_record(i, req, timelines.get(i))
-            for i, req in enumerate(workload.requests)
-        ]
-    )
-    done = [t.done_s for t in timelines.values() if t.done_s is not None and t.send_s is not None]
+    done = [t.done_s for t in replayer.timelines.values() if t.done_s is not None and t.send_s is not None]
     duration = max(done, default=0.0)
     slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
-    metrics = run_metrics(frame, duration, slo) | engine_metrics(pd.DataFrame.from_records(stats), frame)
+    requests = feed.requests
+    requests.close()
+    metrics = requests.metrics(duration, slo) | feed.stats.metrics(
+        requests.num_paused_requests, requests.total_pauses
+    )
     return BenchResult(
-        records=frame,
-        stats=stats,
+        requests=requests,
+        iterations=feed.stats,
         metrics=metrics,
         duration_s=duration,
         interrupted=interrupted,
@@ -170,35 +167,22 @@ def startup_line(startup: dict[str, Any]) -> str:
     return f"start-up {doc['total_s']:.1f} s ({', '.join(parts)}), before the clock"
 
 
-def write_results(
-    out_dir: Path,
-    result: BenchResult,
-    *,
-    stats_written: bool = False,
-    request_lines: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """Write the three files into ``out_dir`` (created if needed); returns the results document.
+def write_results(out_dir: Path, result: BenchResult) -> dict[str, Any]:
+    """Write ``results.json`` into ``out_dir`` beside the run's ``requests.jsonl`` and ``stats.jsonl``;
+    returns the results document.
 
-    Each file is written whole under a temporary name, then renamed over the one a journal streamed
-    while the run went (:mod:`bm.bench.journal`), so a kill at any moment leaves either the streamed
-    file or the complete one, never half of either. ``stats_written``: ``stats.jsonl`` already holds
-    every row of ``result.stats`` in order, as :func:`stats_line` writes them (a journal streamed them),
-    so it is left as it is rather than written twice (a long simulated run's is hundreds of MB).
-    ``request_lines``: every record's line as a journal wrote it, in workload order, written as they are
-    instead of serializing each record again."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    The run keeps no record: those two files are the ones its journal streamed into ``out_dir`` and put
+    in order when the run ended (:class:`bm.cli.journal.FileJournal`, passed to ``run_bench`` as
+    ``journal=``). ``results.json`` is written whole under a temporary name and renamed, last: its
+    presence says the run finished."""
+    missing = [name for name in ("requests.jsonl", "stats.jsonl") if not (out_dir / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{out_dir / missing[0]}: no such file; a run keeps no record, its journal writes them: "
+            f"pass journal=FileJournal({str(out_dir)!r}) (bm.cli.journal) to run_bench"
+        )
     document = results_document(result)
-    with replacing_text(out_dir / "requests.jsonl") as f:
-        if request_lines is not None:
-            f.writelines(request_lines)
-        else:
-            for record in result.records.to_dict("records"):
-                f.write(request_line(record))
-    if not stats_written:
-        with replacing_text(out_dir / "stats.jsonl") as f:
-            for stats in result.stats:
-                f.write(stats_line(stats))
-    with replacing_text(out_dir / "results.json") as f:  # last: its presence says the run finished
+    with replacing_text(out_dir / "results.json") as f:
         f.write(json.dumps(document, indent=2) + "\n")
     return document
 

@@ -1,11 +1,12 @@
-"""One benchmark run: warm up, replay the workload against the arrival clock, collect every request.
+"""One benchmark run: warm up, replay the workload against the arrival clock, measure every request.
 
 :func:`run_bench` is the whole library entry point and never touches the terminal or a file, so
 ``bm compare`` can call it once per variant (scheme, policy) on the identical workload and arrival
 times in one process, with one loaded model. It owns one :class:`BatchManager` per run and points its
 callbacks at the current phase's :class:`Replayer` (warm-up, then the measured replay), so warm-up
 requests never leak into the results. Every request ends with exactly one record: completed, failed by
-the engine, refused at load, or failed because the run was interrupted.
+the engine, refused at load, or failed because the run was interrupted. Records and stats rows go to
+the caller's journal as they come; the run keeps only their tallies (:mod:`bm.bench.tally`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from bm.bench.journal import BenchJournal, JournalFeed
+from bm.bench.journal import BenchJournal, RunFeed
 from bm.bench.replayer import FIELD_ALIASES, Replayer, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, records_frame, snapshot
 from bm.bench.sizing import size_cache, workload_cache
@@ -48,7 +50,7 @@ class _Router:
 
     def __init__(self) -> None:
         self.replayer: Replayer | None = None
-        self.stats: list[str] | None = None
+        self.stats: deque[str] | None = None  # the measured replay's stats lines not yet taken
 
     def get_requests(self, max_new: int) -> list[Request]:
         replayer = self.replayer
@@ -60,7 +62,19 @@ class _Router:
 
     def return_stats(self, line: str) -> None:
         if self.stats is not None:
-            self.stats.append(line)
+            self.stats.append(line)  # the batch manager's thread; taken on the caller's (deque: thread-safe)
+
+
+def _taker(lines: deque[str]) -> Callable[[], list[dict[str, Any]]]:
+    """The stats rows parsed from the lines that came since the last call, the lines let go."""
+
+    def take() -> list[dict[str, Any]]:
+        rows = []
+        while lines:
+            rows.append(json.loads(lines.popleft()))
+        return rows
+
+    return take
 
 
 def run_bench(
@@ -79,15 +93,17 @@ def run_bench(
     by default they come from ``config.bench`` (:func:`bm.workloads.arrival_times`). Pass the same list
     to several runs to compare them on identical arrivals. ``progress`` is called from the calling
     thread about ten times a second, and so is ``journal`` (see :mod:`bm.bench.journal`) with the
-    measured replay's new stats rows and finished requests' records. ``stop`` (set by the command's
-    first signal, bm.cli.interrupts), or Ctrl-C where nothing else handles it, ends the run early with
-    every record kept: what had not finished is cancelled.
+    measured replay's new stats rows and finished requests' records, the only place they go: the run
+    keeps their tallies (``result.requests``, ``result.iterations``), so its memory does not grow with
+    its length. ``stop`` (set by the command's first signal, bm.cli.interrupts), or Ctrl-C where
+    nothing else handles it, ends the run early with every record given: what had not finished is
+    cancelled.
     """
     config = sized_for(config, model, workload)
     if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.sim.run)
         from bm.sim.run import run_sim
 
-        return run_sim(config, model, workload, arrivals, progress=progress, journal=journal)
+        return run_sim(config, model, workload, arrivals, progress=progress, journal=journal, interrupt=stop)
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
     if len(times) != len(workload.requests):
@@ -97,14 +113,8 @@ def run_bench(
         [r for _, r in built], [times[i] for i, _ in built], max_concurrency=bench.max_concurrency
     )
     router = _Router()
-    stats_lines: list[str] = []  # appended on the batch manager's thread, parsed on this one
-    stats: list[dict[str, Any]] = []
-
-    def parsed_stats() -> list[dict[str, Any]]:
-        stats.extend(json.loads(line) for line in stats_lines[len(stats) :])
-        return stats
-
-    feed = None if journal is None else JournalFeed(journal, workload, built, replayer, parsed_stats)
+    stats_lines: deque[str] = deque()  # appended on the batch manager's thread, parsed on this one
+    feed = RunFeed(workload, built, replayer, _taker(stats_lines), journal)
     interrupted = False
     built_at = time.perf_counter()
     manager = engine_loop(
@@ -129,19 +139,15 @@ def run_bench(
     finally:
         manager.shutdown(cancel=True)
 
-    parsed_stats()
-    if feed is not None:  # what came after the last poll: the stream ends equal to the results
-        feed.pump()
+    feed.finish()  # what came after the last poll: the stream ends equal to the results
     result = bench_result(
         core.config,
         model.name,
         workload,
-        built,
         replayer,
-        stats,
+        feed,
         runtime=_runtime_info(model.device, model.dtype),
         interrupted=interrupted,
-        records=feed.records if feed is not None else None,
     )
     result.startup, result.warnings = startup, list(core.warnings)
     return result
@@ -159,7 +165,7 @@ def _drain(
     manager: EngineLoop,
     replayer: Replayer,
     progress: Callable[[ReplayProgress], None] | None,
-    feed: JournalFeed | None,
+    feed: RunFeed | None,
     stop: threading.Event | None = None,
 ) -> bool:
     """Wait until every request of ``replayer`` has its final record, reporting progress and feeding

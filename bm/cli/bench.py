@@ -229,8 +229,8 @@ def run_command(
     not finished and the results of what did are written as usual, marked interrupted.
 
     ``stats.jsonl`` and ``requests.jsonl`` are written as the run goes (:class:`bm.cli.journal.FileJournal`),
-    so a killed run leaves what it did; at the end ``requests.jsonl`` is replaced by the complete file
-    in workload order (``stats.jsonl`` is complete as streamed). Plots are
+    so a killed run leaves what it did and the run keeps none of it in memory; at the end
+    ``requests.jsonl`` is put in workload order (``stats.jsonl`` is complete as streamed). Plots are
     drawn from the written files (the path ``bm report`` takes), so a plot never shows anything the
     saved results do not hold."""
     bench = cfg.bench
@@ -277,14 +277,8 @@ def run_command(
         return USAGE
     if plain is not None:
         plain.finish()
-    name_rows(result.records, workload)
     result.startup["load_model_s"] = getattr(loaded, "load_seconds", None)
-    results = write_results(
-        out,
-        result,
-        stats_written=journal.holds_stats(result.stats),
-        request_lines=journal.request_lines(len(workload.requests)),
-    )
+    results = write_results(out, result)
     if bench.json_output:
         print(json.dumps(results, indent=2))
     else:
@@ -312,22 +306,6 @@ def run_command(
     if code == NO_SUCCESS:
         print_error(f"no request succeeded (exit code {code}); see the errors in requests.jsonl")
     return code
-
-
-def name_rows(records: Any, workload: Workload) -> None:
-    """Prefix errors found by the engine with the row they came from ("line 12: ...", as the journal
-    names them while the run goes): the engine only knows request ids, the CLI knows which line of the
-    dataset each one was."""
-    from bm.cli.journal import named_error
-
-    if "error" not in records or "index" not in records:
-        return
-    for position, (index, error) in enumerate(zip(records["index"], records["error"], strict=False)):
-        if not isinstance(error, str) or not error or not 0 <= int(index) < len(workload.requests):
-            continue
-        records.iat[position, records.columns.get_loc("error")] = named_error(
-            error, workload.requests[int(index)]
-        )
 
 
 def _read_dataset(bench: Any) -> Workload:

@@ -123,13 +123,14 @@ def _known_metrics() -> set[str]:
     from bm.bench.metrics import RECORD_COLUMNS, engine_metrics, run_metrics
 
     records = pd.DataFrame(columns=list(RECORD_COLUMNS))
+    from bm.bench.tally import StatsTally
     from bm.compare.load import BACKGROUND_SHARE
     from bm.compare.regress import kv_block_counters
 
     return (
         set(run_metrics(records, 0.0, {"ttft": 1.0}))
         | set(engine_metrics(pd.DataFrame(), records))
-        | set(kv_block_counters([]))
+        | set(kv_block_counters(StatsTally()))
         | {BACKGROUND_SHARE}  # the share of the CPU other processes took during the run
     )
 

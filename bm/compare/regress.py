@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.bench.tally import StatsTally
 from bm.compare.load import QUIET_SHARE, is_quiet
 from bm.config import ConfigError
 
@@ -75,12 +76,11 @@ BASELINE_REPEATS = 5
 NOISE_FACTOR = 1.0
 
 
-def kv_block_counters(stats: Sequence[dict[str, Any]]) -> dict[str, int]:
+def kv_block_counters(iterations: StatsTally) -> dict[str, int]:
     """The KV blocks a run held, from its per-iteration stats: the peak, and the sum over iterations
     (block-iterations). Both are exact under offline arrivals, so ``--baseline`` catches a change in
     how many blocks the same workload needs."""
-    used = [int(row.get("Used KV cache blocks", 0)) for row in stats]
-    return {"max_used_kv_blocks": max(used, default=0), "total_used_kv_block_iterations": sum(used)}
+    return iterations.kv_block_counters()
 
 
 class ToleranceError(ValueError):

@@ -81,7 +81,7 @@ RATIO_METRICS = (
 class VariantOutcome:
     variant: Variant
     repeats: list[dict[str, Any]] = field(default_factory=list)  # metrics of each repeat
-    last: BenchResult | None = None  # the last repeat, kept for files and plots
+    last: BenchResult | None = None  # the last repeat, for its results.json beside its journal's files
 
     def summary(self) -> dict[str, Any]:
         """Median over repeats of every numeric metric; other values from the last repeat."""
@@ -257,7 +257,7 @@ def run_compare(
                         run = run_bench(
                             configs[v.name], loaded, workload, arrivals, journal=run_journal, stop=stop
                         )
-                    metrics = dict(run.metrics) | kv_block_counters(run.stats)
+                    metrics = dict(run.metrics) | kv_block_counters(run.iterations)
                     outcome.last = run
                 else:
                     metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size, stop)
@@ -429,7 +429,9 @@ def _fmt_pair(a: AssertionOutcome) -> str:
 
 
 def write_compare(out_dir: Path, result: CompareResult) -> dict[str, Any]:
-    """compare.json, compare.md, and each bm variant's last-repeat files under ``variants/NAME/``."""
+    """compare.json, compare.md, and each bm variant's last-repeat ``results.json`` under
+    ``variants/NAME/``, beside the ``requests.jsonl`` and ``stats.jsonl`` its journal wrote there (the
+    ``journal`` of :func:`run_compare`: the run keeps no record)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     document = compare_document(result)
     (out_dir / "compare.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

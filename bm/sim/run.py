@@ -10,13 +10,14 @@ very code a real run uses, in simulated seconds; the wall time is reported besid
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from bm.bench.journal import BenchJournal, JournalFeed
-from bm.bench.replayer import Replayer, build_requests
+from bm.bench.journal import BenchJournal, RunFeed
+from bm.bench.replayer import Replayer, Timeline, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError, resolve_dtype_name
 from bm.config.engine import BatchingScheme
@@ -27,6 +28,7 @@ from bm.engine.fast_forward import DecodeRun
 from bm.engine.overlap import resolve_overlap
 from bm.engine.request import Response
 from bm.engine.stats import IterationStats
+from bm.scheduling import FinishReason
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
 from bm.sim.hardware import LOCAL_ROWS, Hardware, ensure_forward_fit, load_hardware
@@ -36,6 +38,17 @@ from bm.workloads import Workload, arrival_times
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
 _STOP_EVERY = 50  # driver rounds between questions to a stop callback (and looks at the wall clock)
 _JOURNAL_S = 0.1  # wall seconds between journal feeds, as a real run polls
+_MAX_ROWS = 8192  # stats rows waiting for the feed before it takes them, whatever the wall clock says
+
+
+class StopRule(Protocol):
+    """Ends a simulated replay early (``bm sweep``'s :class:`~bm.sweep.search.EarlyStop`)."""
+
+    def observe(self, timeline: Timeline) -> None:
+        """A finished request's timeline, once each, before the rule is next asked."""
+
+    def __call__(self, replayer: Replayer) -> bool:
+        """Whether to end the replay now."""
 
 
 @dataclass
@@ -151,16 +164,20 @@ def run_sim(
     *,
     progress: Callable[[ReplayProgress], None] | None = None,
     fast_forward: bool = True,
-    stop: Callable[[Replayer], bool] | None = None,
+    stop: StopRule | None = None,
     journal: BenchJournal | None = None,
+    interrupt: threading.Event | None = None,
 ) -> BenchResult:
     """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
 
     ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
-    result is the same either way (a test pins it), only the wall time differs. ``stop``: asked every
-    few iterations; True ends the replay there, every unfinished request failed as stopped early
-    (``bm sweep`` stops a point once its SLO is certainly missed). ``journal``: given the stats rows and
-    finished requests' records about ten times a wall second, as :func:`bm.bench.run_bench` does."""
+    result is the same either way (a test pins it), only the wall time differs. ``stop``: shown every
+    finished request and asked every few iterations; True ends the replay there, every unfinished
+    request failed as stopped early (``bm sweep`` stops a point once its SLO is certainly missed).
+    ``journal``: given the stats rows and finished requests' records about ten times a wall second, as
+    :func:`bm.bench.run_bench` does; the run keeps only their tallies. ``interrupt`` (the command's
+    first signal): the replay ends at the next check, what had not finished cancelled, and the result
+    says ``interrupted``, as a real run's does."""
     wall_start = time.perf_counter()
     bench = config.bench
     times = list(arrivals) if arrivals is not None else arrival_times(workload, bench)
@@ -178,19 +195,22 @@ def run_sim(
     built_at = time.perf_counter()
     replay = _VirtualReplay(config, model, replayer, clock)
     startup = {"engine_build_s": time.perf_counter() - built_at, "warmup": None}
-    if journal is not None:
-        replay.feed = JournalFeed(journal, workload, built, replayer, lambda: replay.stats)
+    watch = stop.observe if stop is not None else None
+    replay.feed = RunFeed(workload, built, replayer, replay.take_stats, journal, watch)
+    replay.interrupt = interrupt
     replay.run(fast_forward, progress, stop)
+    replay.feed.watch = None  # the rule is asked no more: what a stop itself ended is not its to see
+    replay.feed.finish()
     result = bench_result(
         replay.core.config,
         model.name,
         workload,
-        built,
         replayer,
-        replay.stats,
+        replay.feed,
         runtime=model.runtime(),
-        records=replay.feed.records if replay.feed is not None else None,
+        interrupted=replay.interrupted,
     )
+    result.not_run = replay.not_run
     result.startup, result.warnings = startup, list(replay.core.warnings)
     metrics = result.metrics
     metrics |= cost_metrics(
@@ -214,6 +234,7 @@ def run_sim(
 
 # The error of the requests a replay stopped early never finished (bm sweep counts them as not run).
 STOPPED_EARLY = "stopped early: the point already missed its SLO"
+_INTERRUPTED = "the run was interrupted before this request finished"
 
 
 class _VirtualReplay:
@@ -232,11 +253,18 @@ class _VirtualReplay:
             stats=lambda stats: self.stats.append(stats_row(stats)),
             on_step=self._timestamp,
         )
-        self.stats: list[dict[str, Any]] = []
+        self.stats: list[dict[str, Any]] = []  # rows since the feed last took them
         self.iterations = 0
         self.skipped = 0  # iterations advanced by fast-forward
         self.stopped_early = False
-        self.feed: JournalFeed | None = None
+        self.interrupt: threading.Event | None = None  # the command's first signal (bm.cli.interrupts)
+        self.interrupted = False
+        self.not_run = 0  # requests the stop rule ended
+        self.feed: RunFeed | None = None
+
+    def take_stats(self) -> list[dict[str, Any]]:
+        rows, self.stats = self.stats, []
+        return rows
 
     def _timestamp(self, out: StepOutput) -> None:
         """Each token the step applied, at the simulated time it became known (with overlap, the step
@@ -255,7 +283,7 @@ class _VirtualReplay:
         self,
         fast_forward: bool,
         progress: Callable[[ReplayProgress], None] | None,
-        stop: Callable[[Replayer], bool] | None = None,
+        stop: StopRule | None = None,
     ) -> None:
         replayer, driver = self.replayer, self.driver
         replayer.start()
@@ -266,13 +294,21 @@ class _VirtualReplay:
         while not replayer.done:
             rounds += 1
             if rounds % _STOP_EVERY == 0:
-                if stop is not None and stop(replayer):
-                    replayer.fail_unfinished(STOPPED_EARLY)
-                    self.stopped_early = True
+                if self.interrupt is not None and self.interrupt.is_set():
+                    replayer.fail_unfinished(_INTERRUPTED, FinishReason.CANCELLED.label)
+                    self.interrupted = True
                     break
-                if self.feed is not None and time.perf_counter() >= next_feed:
-                    self.feed.pump()
+                if stop is not None:  # shown every finished request first, at the same rounds every run
+                    self._pump()
+                    if stop(replayer):
+                        self.not_run = replayer.fail_unfinished(STOPPED_EARLY)
+                        self.stopped_early = True
+                        break
+                elif time.perf_counter() >= next_feed:
+                    self._pump()
                     next_feed = time.perf_counter() + _JOURNAL_S
+            if len(self.stats) >= _MAX_ROWS:
+                self._pump()
             out = driver.round()
             if out.stats is not None:  # a step ran
                 self.iterations += 1
@@ -294,10 +330,12 @@ class _VirtualReplay:
                 )
                 break
             self.clock.advance_to(arrival_of[sent])
-        if self.feed is not None:
-            self.feed.pump()
         if progress is not None:
             progress(snapshot(replayer))
+
+    def _pump(self) -> None:
+        if self.feed is not None:
+            self.feed.pump()
 
     def _fast_forward(self) -> None:
         """A steady decode stretch at once, up to the next iteration an arrival would join."""

@@ -109,27 +109,25 @@ def run_point(grid: GridConfig, kind: str, load: float, slo: Slo, repeats: int, 
         model = _sim_model(config, load_sim_model)
         stop = EarlyStop(slo, len(workload.requests)) if early_stop else None
         result = run_sim(config, model, workload, stop=stop)
-        values = slo.values(result.records)
+        values = slo.values(result.requests)
         failed = int(result.metrics.get("failed") or 0)
         metrics = _plain(result.metrics) | {"num_devices": model.tensor_parallel}  # per-device figures
         if stop is not None and metrics.get("stopped_early"):
-            metrics |= _not_run(result.records, failed, stop)
+            metrics |= _not_run(result.not_run, failed, stop)
         return Point(grid.name, load, slo.feasible(values, failed), values, metrics)
     runs = [run_bench(config, model, workload) for _ in range(repeats)]
-    per_run = [slo.values(r.records) for r in runs]
+    per_run = [slo.values(r.requests) for r in runs]
     values = {name: _median([v[name] for v in per_run]) for name in slo.limits}
     failed = max(int(r.metrics.get("failed") or 0) for r in runs)
     metrics = _plain(runs[len(runs) // 2].metrics)
     return Point(grid.name, load, slo.feasible(values, failed), values, metrics, repeats)
 
 
-def _not_run(records: Any, failed: int, stop: EarlyStop) -> dict[str, Any]:
-    """A point stopped early: the requests it never finished are not run, not failed (``failed`` keeps
-    the requests that really failed), and ``stopped_on`` names why it stopped: the SLO metrics certain
-    to be missed, or ``failed``. The point stays infeasible: it stopped because it missed."""
-    from bm.sim.run import STOPPED_EARLY
-
-    not_run = int((records["error"] == STOPPED_EARLY).sum()) if "error" in records else 0
+def _not_run(not_run: int, failed: int, stop: EarlyStop) -> dict[str, Any]:
+    """A point stopped early: the ``not_run`` requests it never finished are not run, not failed
+    (``failed`` keeps the requests that really failed), and ``stopped_on`` names why it stopped: the SLO
+    metrics certain to be missed, or ``failed``. The point stays infeasible: it stopped because it
+    missed."""
     return {"failed": failed - not_run, "not_run": not_run, "stopped_on": ",".join(stop.reasons())}
 
 

@@ -18,13 +18,11 @@ search is unchanged and only wall time is saved. Its metrics are then those of a
 from __future__ import annotations
 
 import math
-import queue
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import pandas as pd
-
+from bm.bench.tally import RequestTally
 from bm.config import ConfigError
 
 SLO_NAMES = ("ttft", "tpot", "itl", "e2el")
@@ -58,13 +56,11 @@ class Slo:
     def describe(self) -> str:
         return ", ".join(f"p{self.percentile:g} {k} <= {v:g} ms" for k, v in self.limits.items())
 
-    def values(self, records: pd.DataFrame) -> dict[str, float | None]:
+    def values(self, requests: RequestTally) -> dict[str, float | None]:
         """Each limited metric at the percentile, over the completed requests (None: no value)."""
-        done = records[records["ok"].astype(bool)] if len(records) else records
         out: dict[str, float | None] = {}
         for name in self.limits:
-            column = done[f"{name}_ms"].explode() if name == "itl" else done[f"{name}_ms"]
-            column = pd.to_numeric(column, errors="coerce").dropna()
+            column = requests.completed(name).dropna()
             out[name] = None if column.empty else float(column.quantile(self.percentile / 100))
         return out
 
@@ -109,13 +105,11 @@ class EarlyStop:
         self.misses: dict[str, set[int]] = {name: set() for name in self.limits}
         self.failed = 0
 
+    def observe(self, timeline: Any) -> None:
+        """A finished request (the replay shows each one once, before it next asks)."""
+        self._count(timeline)
+
     def __call__(self, replayer: Any) -> bool:
-        while True:
-            try:
-                timeline = replayer.finished.get_nowait()
-            except queue.Empty:
-                break
-            self._count(timeline)
         self._count_waiting(replayer)
         return self.failed > 0 or any(len(ids) > self.allowed for ids in self.misses.values())
 
