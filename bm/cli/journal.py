@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from bm.bench.results import request_line, stats_line
+from bm.files import append_whole
 from bm.workloads.request import Row
 
 
@@ -41,6 +42,7 @@ class FileJournal:
         self.out_dir = out_dir
         self._rows = rows
         self._files: dict[str, BinaryIO] = {}
+        self._ends: dict[str, int] = {}  # where each file's whole lines end
         self.num_stats = 0  # rows written to stats.jsonl
         self._request_lines: dict[int, str] = {}  # index -> the line written, for the final file
 
@@ -71,17 +73,14 @@ class FileJournal:
 
     def _append(self, name: str, text: str) -> None:
         """The batch in one unbuffered write: nothing waits in a buffer for a flush, and a kill lands
-        between writes, leaving whole lines (bar a write the kernel itself cuts short)."""
+        between writes, leaving whole lines (bar a write the kernel itself cuts short). A full disk that
+        takes part of the batch has it taken back (:func:`bm.files.append_whole`)."""
         f = self._files.get(name)
         if f is None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             f = self._files[name] = (self.out_dir / name).open("wb", buffering=0)
-        data = memoryview(text.encode("utf-8"))
-        while data:  # a regular file takes it whole; a full disk takes part, then raises
-            written = f.write(data)
-            if not written:
-                raise OSError(f"{self.out_dir / name}: the write was refused")
-            data = data[written:]
+            self._ends[name] = 0
+        self._ends[name] = append_whole(f, text.encode("utf-8"), self._ends[name], self.out_dir / name)
 
     def close(self) -> None:
         for f in self._files.values():
