@@ -327,11 +327,12 @@ def _check_resume(
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
     (docs/resume.md), and so is a resume that changes whether the run goes on Ray."""
-    from bm.cli.outdir import check_resume_mode, check_run_identity, run_identity, run_options
+    from bm.cli.outdir import check_resume_mode, check_run_identity, run_identity, run_options, saved_identity
 
     check_resume_mode(out, ray)
     options = run_options(max_tokens, ignore_eos, template, tool_call_parser)
-    check_run_identity(out, run_identity(source.path, cfg, options, run_seed, name=source.name))
+    identity = run_identity(source.path, cfg, options, run_seed, name=source.name, known=saved_identity(out))
+    check_run_identity(out, identity)
 
 
 def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import bm
+from bm.cli.model_files import model_files, model_files_change
 from bm.config import BmConfig
 from bm.engine.seeds import random_run_seed
 from bm.workloads.jsonl import iter_lines
@@ -70,6 +71,7 @@ NOT_IN_DIGEST = (
 IDENTITY_LABELS = {  # run.json key -> how the refusal names it, in the order they are checked
     "bm_version": "bm's version",
     "model": "the model",
+    "model_files": "the model",  # its files' contents (bm.cli.model_files), compared by digest
     "config": "the config",
     "options": "the run options",
     "seed": "the run seed",
@@ -77,21 +79,30 @@ IDENTITY_LABELS = {  # run.json key -> how the refusal names it, in the order th
 
 
 def run_identity(
-    prompts: Path, config: BmConfig, options: dict[str, Any], seed: int | None = None, name: str | None = None
+    prompts: Path,
+    config: BmConfig,
+    options: dict[str, Any],
+    seed: int | None = None,
+    name: str | None = None,
+    known: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a run directory's records depend on, known before the model loads (so a refused
-    ``--resume`` costs nothing): the prompts file, bm's version, the model as named, the config keys
-    that change outputs (and their digest), the run's own options (``--max-tokens`` ...) and the run
-    seed that unseeded lines derive theirs from (null: a run from before run seeds, where every unseeded
-    line sampled with seed 0). ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`.
-    ``name`` is the input as the user gave it, when ``prompts`` is bm's copy of a pipe or gzip file
-    (the digest is of the bytes the run read)."""
+    ``--resume`` costs nothing): the prompts file, bm's version, the model as named and by the contents
+    of its files (:func:`bm.cli.model_files.model_files`), the config keys that change outputs (and their
+    digest), the run's own options (``--max-tokens`` ...) and the run seed that unseeded lines derive
+    theirs from (null: a run from before run seeds, where every unseeded line sampled with seed 0).
+    ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`. ``name`` is the input as
+    the user gave it, when ``prompts`` is bm's copy of a pipe or gzip file (the digest is of the bytes
+    the run read). ``known``: the run.json being resumed (:func:`saved_identity`), whose file digests
+    are reused for files that have not changed since."""
     settings = effective_settings(config)
+    recorded = known.get("model_files") if isinstance(known, dict) else None
     return {
         "prompts": name if name is not None else str(prompts),
         "prompts_sha256": file_digest(prompts),
         "bm_version": bm.__version__,
         "model": model_named(config),
+        "model_files": model_files(config, prompts, recorded),
         "config_sha256": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(),
         "config": settings,
         "config_not_in_digest": list(NOT_IN_DIGEST),
@@ -126,11 +137,8 @@ def run_seed_for(out: Path, given: int | None, resume: bool) -> int | None:
     """The run seed: ``--seed``; on ``--resume`` the seed run.json recorded (a different ``--seed`` is
     then refused by :func:`check_run_identity`); else a fresh random one, recorded for the next resume."""
     if resume and has_records(out):
-        try:
-            saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            saved = None
-        if isinstance(saved, dict) and "seed" in saved:
+        saved = saved_identity(out)
+        if saved is not None and "seed" in saved:
             return saved["seed"] if given is None else given
     return given if given is not None else random_run_seed()
 
@@ -173,23 +181,45 @@ def effective_settings(config: BmConfig) -> dict[str, Any]:
     return settings
 
 
-def check_run_identity(out: Path, identity: dict[str, Any]) -> None:
-    """Refuse ``--resume`` into a directory whose records came from another model, config, run
-    options or bm version (they would be mixed into one ``outputs.jsonl``), naming what changed."""
-    if not has_records(out):
-        return
+def saved_identity(out: Path) -> dict[str, Any] | None:
+    """The identity ``out/run.json`` records (:func:`run_identity`), None when it is missing or unreadable."""
     try:
         saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        saved = None
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def check_run_identity(out: Path, identity: dict[str, Any]) -> None:
+    """Refuse ``--resume`` into a directory whose records came from another model (by name or by the
+    contents of its files), config, run options or bm version (they would be mixed into one
+    ``outputs.jsonl``), naming what changed.
+
+    A run.json written before bm digested the model's files records its path only; it is refused, as
+    any run.json that lacks a key is: whether the files behind that path changed since cannot be told,
+    and telling is the check's whole point (bm's version, also checked, changes with every release, so
+    only a run and its resume by two builds of one version meet this)."""
+    if not has_records(out):
+        return
+    saved = saved_identity(out)
     fix = "resume with the same settings, or use a new -o directory or --overwrite"
-    if not isinstance(saved, dict) or any(key not in saved for key in IDENTITY_LABELS):
+    if saved is None or any(key not in saved for key in IDENTITY_LABELS if key != "model_files"):
         raise OutDirError(
             f"--resume: {str(out)!r} does not record the model and config its records came from "
             f"(written by an older bm, or run.json is missing); {fix}"
         )
     for key, label in IDENTITY_LABELS.items():
-        if saved[key] != identity[key]:
+        if key == "model_files":
+            if key not in saved:
+                raise OutDirError(
+                    f"--resume: {str(out)!r} records the model by its path only (run.json written by a bm "
+                    "that did not digest the model's files), so whether its records came from the files "
+                    f"there now cannot be told; use a new -o directory or --overwrite"
+                )
+            change = model_files_change(saved[key] or {}, identity[key])
+            if change is not None:
+                raise OutDirError(f"--resume: {label} changed: {change}; {fix}")
+        elif saved[key] != identity[key]:
             raise OutDirError(f"--resume: {label} changed: {_difference(saved[key], identity[key])}; {fix}")
 
 

@@ -27,6 +27,7 @@ from bm.cli.outdir import (
     run_identity,
     run_options,
     run_seed_for,
+    saved_identity,
     write_run_identity,
 )
 from bm.cli.run import RunSummary, count_record
@@ -87,9 +88,9 @@ def run_batch(
     prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
     run_seed = run_seed_for(out, seed, resume)
     line = LineOptions(max_tokens, ignore_eos, run_seed, template)
-    identity = run_identity(
-        source.path, cfg, run_options(max_tokens, ignore_eos, template), run_seed, name=source.name
-    )
+    known = saved_identity(out) if resume else None  # its file digests hold while the files are unchanged
+    flags = run_options(max_tokens, ignore_eos, template)
+    identity = run_identity(source.path, cfg, flags, run_seed, name=source.name, known=known)
     if resume:
         check_resume_mode(out, ray=True)
         check_run_identity(out, identity)
