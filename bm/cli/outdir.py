@@ -292,15 +292,42 @@ def remove_created(out: Path, created: Path | None) -> None:
             return
 
 
-def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None) -> Path | None:  # fmt: skip
-    """Check ``-o`` before anything runs: a directory (made here) that is writable, and never a previous
-    run's results silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes
-    only bm's own ``files`` (so old variant folders cannot outlive the run that replaced them).
+def check_baseline_kept(out: Path, baseline: Path, files: tuple[str, ...]) -> None:
+    """Refuse an ``-o`` that would write over, or with ``--overwrite`` remove, the file ``--baseline``
+    names: a failing gate wrote the regressed result over ``base/compare.json`` given as both, and the
+    same command then passed. Compared by the file itself (device and inode), whatever the spelling
+    (``./``, ``..``, a symlink on either side); a baseline inside a folder ``-o`` replaces is refused too."""
+    try:
+        kept = baseline.resolve(strict=True)
+    except OSError:
+        return  # no such file: reading the baseline says so
+    for name in files:
+        target = out / name
+        if not (target.exists() or target.is_symlink()):
+            continue
+        same = target.is_file() and os.path.samefile(target, kept)
+        inside = target.is_dir() and kept.is_relative_to(target.resolve())
+        if same or inside:
+            what = f"the {name} that -o {str(out)!r} writes" if same else f"inside {name}/ of -o {str(out)!r}"
+            raise OutDirError(
+                f"--baseline {str(baseline)!r} is {what}: the result would replace the baseline it is "
+                f"judged against (a failing gate included); give -o another directory, e.g. "
+                f"-o {str(out.parent / (out.name + '-new'))!r}"
+            )
+
+
+def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None, baseline: Path | None = None) -> Path | None:  # fmt: skip
+    """Check ``-o`` before anything runs: a directory (made here) that is writable, holding no file that
+    ``--baseline`` names (``baseline``, :func:`check_baseline_kept`), and never a previous run's results
+    silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes only bm's own
+    ``files`` (so old variant folders cannot outlive the run that replaced them).
 
     Returns what :func:`check_writable_dir` created, for :func:`remove_created`. ``prompts_name``: the
     input as the user named it, when ``prompts`` is bm's copy of it."""
     if resume and overwrite:
         raise OutDirError("--resume and --overwrite are exclusive: keep the finished records or replace them")
+    if baseline is not None:
+        check_baseline_kept(out, baseline, files)
     created = check_writable_dir(out, "-o")
     present = sorted(p.name for p in out.iterdir())
     if present and not (resume or overwrite):
