@@ -24,6 +24,7 @@ from bm.bench.results import request_line, stats_line
 from bm.cli.bench_report import bench_progress, replay_eta, tick
 from bm.cli.journal import FileJournal
 from bm.cli.main import app
+from bm.cli.outlock import LOCK_NAME
 from bm.cli.progress import PlainProgress, eta_s, format_duration, progress_line
 from bm.compare.runner import run_compare
 from bm.compare.variants import plan_variants
@@ -154,7 +155,8 @@ def test_a_finished_bm_bench_replaces_the_streamed_files_with_the_files_it_alway
     write_results(tmp_path / "library", run_bench(config, model, workload))
     for name in ("requests.jsonl", "stats.jsonl"):
         assert (out / name).read_bytes() == (tmp_path / "library" / name).read_bytes(), name
-    assert sorted(p.name for p in out.iterdir()) == ["requests.jsonl", "results.json", "stats.jsonl"]
+    results = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)  # the lock: who writes there
+    assert results == ["requests.jsonl", "results.json", "stats.jsonl"]
     assert [r["index"] for r in map(json.loads, complete_lines(out / "requests.jsonl"))] == list(range(60))
 
 

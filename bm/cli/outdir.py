@@ -1,6 +1,8 @@
-"""The output directory of ``bm run``, ``bm bench`` and ``bm compare``: checked before anything runs,
-never silently replaced, readable back for ``--resume``, and removed again when a usage error stops the
-command before it wrote anything. Plain Python (no torch), so ``-o`` problems are reported at once."""
+"""The output directory of ``bm run``, ``bm bench``, ``bm compare`` and ``bm sweep``: checked before
+anything runs, locked for one writer (:mod:`bm.cli.outlock`), never silently replaced (a ``--baseline``
+in it included), readable back for ``--resume`` (which refuses another model, by name or by its files'
+contents: :mod:`bm.cli.model_files`), and removed again when a usage error stops the command before it
+wrote anything. Plain Python (no torch), so ``-o`` problems are reported at once."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import bm
+from bm.cli import outlock
 from bm.cli.model_files import model_files, model_files_change
 from bm.config import BmConfig
 from bm.engine.seeds import random_run_seed
+from bm.files import write_whole
 from bm.workloads.jsonl import iter_lines
 
 FINAL_REASONS = ("end_id", "stop", "length")
@@ -233,8 +237,9 @@ def _difference(before: Any, now: Any) -> str:
 
 
 def write_run_identity(out_dir: Path, identity: dict[str, Any], loaded: str) -> None:
-    """Record what ``--resume`` checks (see :func:`run_identity`), with the model as it loaded."""
-    (out_dir / "run.json").write_text(json.dumps({**identity, "loaded": loaded}, indent=2) + "\n")
+    """Record what ``--resume`` checks (see :func:`run_identity`), with the model as it loaded; written
+    whole (a kill or a full disk mid-write leaves the previous run.json, never an empty one)."""
+    write_whole(out_dir / "run.json", json.dumps({**identity, "loaded": loaded}, indent=2) + "\n")
 
 
 def file_digest(path: Path) -> str:
@@ -250,7 +255,9 @@ class OutDirError(ValueError):
 
 
 def check_writable_dir(out: Path, flag: str) -> Path | None:
-    """``out`` is (now) a directory this process can write into; else :class:`OutDirError`.
+    """``out`` is (now) a directory this process may write into; else :class:`OutDirError`. (Whether a
+    write there succeeds is found by writing its lock file, :func:`prepare_out_dir`: a 0-byte probe
+    passed on a full file system.)
 
     Returns the topmost directory created here (``out`` or a missing parent), or None when ``out``
     existed, so a command that stops on a usage error can take back what it made
@@ -269,20 +276,16 @@ def check_writable_dir(out: Path, flag: str) -> Path | None:
         raise OutDirError(f"{flag} {str(out)!r}: cannot create the directory ({exc.strerror})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise OutDirError(f"{flag} {str(out)!r}: the directory is not writable; choose another")
-    probe = out / ".bm-write-check"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise OutDirError(f"{flag} {str(out)!r}: cannot write there ({exc.strerror})") from None
     return created
 
 
 def remove_created(out: Path, created: Path | None) -> None:
     """Remove ``out`` and its parents up to ``created`` while they are empty: a usage error must not
-    leave an empty ``-o`` directory behind (a later run would then need ``--overwrite`` for nothing)."""
+    leave an empty ``-o`` directory behind (a later run would then need ``--overwrite`` for nothing).
+    The lock this process took there goes with it."""
     if created is None:
         return
+    outlock.release(out, remove=True)
     for directory in (out, *out.parents):
         try:
             directory.rmdir()
@@ -317,7 +320,8 @@ def check_baseline_kept(out: Path, baseline: Path, files: tuple[str, ...]) -> No
 
 
 def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None, baseline: Path | None = None) -> Path | None:  # fmt: skip
-    """Check ``-o`` before anything runs: a directory (made here) that is writable, holding no file that
+    """Check ``-o`` before anything runs: a directory (made here) that is writable, that no other
+    process writes into (this process locks it first, :mod:`bm.cli.outlock`), holding no file that
     ``--baseline`` names (``baseline``, :func:`check_baseline_kept`), and never a previous run's results
     silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes only bm's own
     ``files`` (so old variant folders cannot outlive the run that replaced them).
@@ -329,8 +333,10 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
     if baseline is not None:
         check_baseline_kept(out, baseline, files)
     created = check_writable_dir(out, "-o")
-    present = sorted(p.name for p in out.iterdir())
+    lock_created = _lock(out, created)
+    present = sorted(p.name for p in out.iterdir() if p.name != outlock.LOCK_NAME)
     if present and not (resume or overwrite):
+        outlock.release(out, remove=lock_created)
         hint = "--resume to finish it or " if files == RUN_FILES else ""
         raise OutDirError(
             f"-o {str(out)!r} is not empty ({', '.join(present[:4])}{' ...' if len(present) > 4 else ''}); "
@@ -359,3 +365,14 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
                 "or use --overwrite"
             )
     return created
+
+
+def _lock(out: Path, created: Path | None) -> bool:
+    """Take ``out`` for this process (before anything is written there); whether its lock file is new."""
+    try:
+        return outlock.acquire(out)
+    except outlock.DirectoryLocked as exc:
+        raise OutDirError(str(exc)) from None
+    except OSError as exc:  # the first write there failed: a full file system, a read-only mount
+        remove_created(out, created)
+        raise OutDirError(f"-o {str(out)!r}: cannot write there ({exc.strerror})") from None

@@ -30,6 +30,7 @@ from bm.cli.outdir import (
     saved_identity,
     write_run_identity,
 )
+from bm.cli.outlock import release
 from bm.cli.run import RunSummary, count_record
 from bm.cli.source import PromptsSource, open_prompts
 from bm.config import BmConfig
@@ -97,7 +98,11 @@ def run_batch(
     options = RayOptions(
         replicas, replica_threads, block_lines, tries, address, tensor_parallel_size, rank_timeout
     )
-    return run_ray(source.path, source.name, cfg, out, line, options, identity, resume, console or Console())
+    console = console or Console()
+    try:
+        return run_ray(source.path, source.name, cfg, out, line, options, identity, resume, console)
+    finally:  # a library caller's process lives on: the directory is free again once the run returns
+        release(out)
 
 
 def run_ray(
