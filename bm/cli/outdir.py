@@ -1,8 +1,9 @@
 """The output directory of ``bm run``, ``bm bench``, ``bm compare`` and ``bm sweep``: checked before
-anything runs, locked for one writer (:mod:`bm.cli.outlock`), never silently replaced (a ``--baseline``
-in it included), readable back for ``--resume`` (which refuses another model, by name or by its files'
-contents: :mod:`bm.cli.model_files`), and removed again when a usage error stops the command before it
-wrote anything. Plain Python (no torch), so ``-o`` problems are reported at once."""
+anything runs, locked for one writer (:mod:`bm.cli.outlock`), checked for room (:mod:`bm.cli.diskspace`),
+never silently replaced (a ``--baseline`` in it included), readable back for ``--resume`` (which
+refuses another model, by name or by its files' contents: :mod:`bm.cli.model_files`), and removed again
+when a usage error stops the command before it wrote anything. Plain Python (no torch), so ``-o``
+problems are reported at once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import bm
 from bm.cli import outlock
+from bm.cli.diskspace import NoRoomError, check_free_space
 from bm.cli.model_files import model_files, model_files_change
 from bm.config import BmConfig
 from bm.engine.seeds import random_run_seed
@@ -319,9 +321,10 @@ def check_baseline_kept(out: Path, baseline: Path, files: tuple[str, ...]) -> No
             )
 
 
-def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None, baseline: Path | None = None) -> Path | None:  # fmt: skip
+def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None, baseline: Path | None = None, needed: tuple[int, str] = (0, "")) -> Path | None:  # fmt: skip
     """Check ``-o`` before anything runs: a directory (made here) that is writable, that no other
-    process writes into (this process locks it first, :mod:`bm.cli.outlock`), holding no file that
+    process writes into (this process locks it first, :mod:`bm.cli.outlock`), on a file system with room
+    for ``needed`` (bytes, and how they were reckoned: :mod:`bm.cli.diskspace`), holding no file that
     ``--baseline`` names (``baseline``, :func:`check_baseline_kept`), and never a previous run's results
     silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes only bm's own
     ``files`` (so old variant folders cannot outlive the run that replaced them).
@@ -332,6 +335,7 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
         raise OutDirError("--resume and --overwrite are exclusive: keep the finished records or replace them")
     if baseline is not None:
         check_baseline_kept(out, baseline, files)
+    needed_bytes, how = needed
     created = check_writable_dir(out, "-o")
     lock_created = _lock(out, created)
     present = sorted(p.name for p in out.iterdir() if p.name != outlock.LOCK_NAME)
@@ -342,6 +346,12 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path |
             f"-o {str(out)!r} is not empty ({', '.join(present[:4])}{' ...' if len(present) > 4 else ''}); "
             f"give {hint}--overwrite to replace it, or another directory"
         )
+    try:
+        check_free_space(out, needed_bytes, how, replaced=files if overwrite else ())
+    except NoRoomError as exc:
+        outlock.release(out, remove=lock_created)
+        remove_created(out, created)
+        raise OutDirError(str(exc)) from None
     if overwrite:
         for name in files:
             target = out / name

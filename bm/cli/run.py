@@ -7,6 +7,7 @@ interrupted run keeps everything already done, and Ctrl-C cancels the rest (each
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -29,7 +30,7 @@ from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
 from bm.engine.request import error_response
-from bm.files import replacing
+from bm.files import replacing, write_whole
 from bm.llm import LLM, Session
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
@@ -153,7 +154,11 @@ def run_prompts(
         interrupts.on_first.append(first_interrupt)
         if interrupts.signal_name is not None:  # the signal came while the model loaded
             first_interrupt()
-        _feed(parsed, llm, session, run, done, options, console, interrupts, started)
+        try:
+            _feed(parsed, llm, session, run, done, options, console, interrupts, started)
+        except OSError:  # a record could not be written (a full disk): stop the engine, then report it
+            session.close()
+            raise
         summary.wall_time_s = time.perf_counter() - started
         session.close()
         for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
@@ -172,7 +177,7 @@ def run_prompts(
         "output_tokens_per_s": summary.output_tokens_per_s,
         "total_tokens_per_s": summary.total_tokens_per_s,
     }
-    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+    write_whole(out_dir / "summary.json", json.dumps(document, indent=2) + "\n")
     return summary
 
 
@@ -329,7 +334,8 @@ def _marked(stats: JsonlWriter, run_id: str) -> Callable[[str], None]:
     "Iteration Counter" starts again at 1 in every run."""
 
     def write(row: str) -> None:
-        stats.write(row[:-1] + f', "Run Id": "{run_id}"}}' if row.endswith("}") else row)
+        with contextlib.suppress(OSError):  # on the engine's thread; the next record's write raises it
+            stats.write(row[:-1] + f', "Run Id": "{run_id}"}}' if row.endswith("}") else row)
 
     return write
 
