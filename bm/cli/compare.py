@@ -101,7 +101,9 @@ def compare(
             check_refs(assertion, placeholder)
         # last, so that no other usage error leaves a directory behind; the baseline is already read
         out = out_dir or Path("bm-out") / time.strftime("compare-%Y%m%d-%H%M%S")
-        created = prepare_out_dir(out, resume=False, overwrite=overwrite, files=COMPARE_FILES)
+        created = prepare_out_dir(
+            out, resume=False, overwrite=overwrite, files=COMPARE_FILES, baseline=baseline
+        )
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
         print_error(str(exc))
         raise typer.Exit(code=2) from None

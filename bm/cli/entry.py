@@ -23,3 +23,13 @@ def main() -> None:
         except Interrupted as exc:
             print(f"{exc.signal_name}: interrupted during start-up; nothing ran", file=sys.stderr)
             sys.exit(INTERRUPTED_EXIT)
+        except OSError as exc:  # a full disk under any command: one line, never a traceback
+            from bm.files import is_disk_full
+
+            if not is_disk_full(exc):
+                raise
+            from bm.cli.errors import disk_full_message, print_error
+            from bm.cli.exit_codes import FAILED
+
+            print_error(disk_full_message(exc, None))
+            sys.exit(FAILED)

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from bm.bench.results import request_line, stats_line
-from bm.files import replacing
+from bm.files import append_whole, replacing
 from bm.workloads.request import Row
 
 
@@ -49,6 +49,7 @@ class FileJournal:
         self.out_dir = out_dir
         self._rows = rows
         self._files: dict[str, BinaryIO] = {}
+        self._ends: dict[str, int] = {}  # where each file's whole lines end
         self.num_stats = 0  # rows written to stats.jsonl
         self._index = array("q")  # per line of requests.jsonl, in the order written
         self._start = array("q")
@@ -89,17 +90,14 @@ class FileJournal:
 
     def _append(self, name: str, data: bytes) -> None:
         """The batch in one unbuffered write: nothing waits in a buffer for a flush, and a kill lands
-        between writes, leaving whole lines (bar a write the kernel itself cuts short)."""
+        between writes, leaving whole lines (bar a write the kernel itself cuts short). A full disk that
+        takes part of the batch has it taken back (:func:`bm.files.append_whole`)."""
         f = self._files.get(name)
         if f is None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             f = self._files[name] = (self.out_dir / name).open("wb", buffering=0)
-        view = memoryview(data)
-        while view:  # a regular file takes it whole; a full disk takes part, then raises
-            written = f.write(view)
-            if not written:
-                raise OSError(f"{self.out_dir / name}: the write was refused")
-            view = view[written:]
+            self._ends[name] = 0
+        self._ends[name] = append_whole(f, data, self._ends[name], self.out_dir / name)
 
     def close(self) -> None:
         for f in self._files.values():

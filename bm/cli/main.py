@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from bm.cli.errors import print_error
-from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
+from bm.cli.exit_codes import FAILED, NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
 from bm.cli.source import PromptsSource, open_prompts
@@ -202,7 +202,7 @@ def _run(
         template = _read_template(chat_template)
         _check_tool_call_parser(tool_call_parser)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
-        _prepare_out_dir(out, resume, overwrite, source)
+        _prepare_out_dir(out, resume, overwrite, source, max_tokens)
         run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
             _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser, ray)
@@ -239,6 +239,13 @@ def _run(
             summary = run_prompts(parsed, cfg, out, options, console, interrupts)
     except (ModelLoadError, KVCacheSizeError, UnsupportedAttentionError, ConfigError, ParallelError) as exc:
         raise _fail(console, str(exc)) from None  # ParallelError: --ray's replicas exceed the cluster's GPUs
+    except OSError as exc:  # a full disk: the records written are whole, and --resume runs the rest
+        from bm.cli.errors import disk_full_message, fail
+        from bm.files import is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        raise fail(disk_full_message(exc, resume_command(source.name, out, run, given)), FAILED) from None
     if show:
         _show_answers(console, out / "outputs.jsonl")
     from bm.cli.tables import print_table
@@ -301,10 +308,17 @@ def _check_tool_call_parser(name: str | None) -> None:
     check_parser(name)
 
 
-def _prepare_out_dir(out: Path, resume: bool, overwrite: bool, source: PromptsSource) -> None:
+def _prepare_out_dir(
+    out: Path, resume: bool, overwrite: bool, source: PromptsSource, max_tokens: int
+) -> None:
+    """-o checked and locked, with room for the run's records (bm.cli.diskspace), before the model loads."""
+    from bm.cli.diskspace import run_output_bytes
     from bm.cli.outdir import prepare_out_dir
 
-    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
+    needed = run_output_bytes(source.path, max_tokens, out, resume)
+    prepare_out_dir(
+        out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name, needed=needed
+    )
 
 
 def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
@@ -326,11 +340,12 @@ def _check_resume(
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
     (docs/resume.md), and so is a resume that changes whether the run goes on Ray."""
-    from bm.cli.outdir import check_resume_mode, check_run_identity, run_identity, run_options
+    from bm.cli.outdir import check_resume_mode, check_run_identity, run_identity, run_options, saved_identity
 
     check_resume_mode(out, ray)
     options = run_options(max_tokens, ignore_eos, template, tool_call_parser)
-    check_run_identity(out, run_identity(source.path, cfg, options, run_seed, name=source.name))
+    identity = run_identity(source.path, cfg, options, run_seed, name=source.name, known=saved_identity(out))
+    check_run_identity(out, identity)
 
 
 def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:

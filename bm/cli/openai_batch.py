@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.cli.writers import JsonlWriter
 from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
 from bm.files import replacing_text
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
@@ -273,14 +274,13 @@ class BatchOutput:
                 for _number, data in iter_lines(self.path):
                     if isinstance(data, dict) and _line_index(data) in keep:
                         f.write(json.dumps(data, ensure_ascii=False) + "\n")
-        self._file = self.path.open("a" if keep is not None else "w", encoding="utf-8")
+        self._file = JsonlWriter(self.path, append=keep is not None)
 
     def write(self, line: BatchLine, record: dict[str, Any] | None) -> None:
         out = batch_output_line(
             line.parsed.index, line, record, self.model_name, self.created, self.decode_token
         )
-        self._file.write(json.dumps(out, ensure_ascii=False) + "\n")
-        self._file.flush()
+        self._file.write(out)
 
     def close(self) -> None:
         self._file.close()

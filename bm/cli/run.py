@@ -7,6 +7,7 @@ interrupted run keeps everything already done, and Ctrl-C cancels the rest (each
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -29,7 +30,7 @@ from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
 from bm.engine.request import error_response
-from bm.files import replacing, replacing_text
+from bm.files import replacing, write_whole
 from bm.llm import LLM, Session
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
@@ -115,6 +116,20 @@ def run_prompts(
     if interrupts is None:
         with Interrupts(bound_s=None) as own:
             return run_prompts(parsed, config, out_dir, options, console, own)
+    identity = None  # what the records depend on, the model files' digests taken before the load reads them
+    if options.prompts is not None:
+        identity = run_identity(
+            options.prompts,
+            config,
+            run_options(
+                options.default_output_len,
+                options.ignore_eos,
+                options.chat_template,
+                options.tool_call_parser,
+            ),
+            options.run_seed,
+            name=options.prompts_name,
+        )
     console.print(f"[bold]bm {bm.__version__}[/]  loading model ({model_label(config)}) ...")
     try:
         llm: LLM | None = LLM(config=config)  # the library's front door loads the model, drives the engine
@@ -130,19 +145,7 @@ def run_prompts(
     summary = RunSummary()
     done = _carry_over(out_dir, summary) if options.resume else set()
     loaded_name = llm.loaded.name if llm is not None else model_named(config)
-    if options.prompts is not None:
-        identity = run_identity(
-            options.prompts,
-            config,
-            run_options(
-                options.default_output_len,
-                options.ignore_eos,
-                options.chat_template,
-                options.tool_call_parser,
-            ),
-            options.run_seed,
-            name=options.prompts_name,
-        )
+    if identity is not None:
         write_run_identity(out_dir, identity, loaded_name)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
@@ -169,8 +172,7 @@ def run_prompts(
         "output_tokens_per_s": summary.output_tokens_per_s,
         "total_tokens_per_s": summary.total_tokens_per_s,
     }
-    with replacing_text(out_dir / "summary.json") as f:
-        f.write(json.dumps(document, indent=2) + "\n")
+    write_whole(out_dir / "summary.json", json.dumps(document, indent=2) + "\n")
     return summary
 
 
@@ -196,7 +198,11 @@ def _generate(
         summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
 
     interrupts.running(first_interrupt)
-    _feed(parsed, llm, session, run, done, options, console, interrupts, started)
+    try:
+        _feed(parsed, llm, session, run, done, options, console, interrupts, started)
+    except OSError:  # a record could not be written (a full disk): stop the engine, then report it
+        session.close()
+        raise
     session.close()
     for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
         run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
@@ -383,7 +389,8 @@ def _marked(stats: JsonlWriter, run_id: str) -> Callable[[str], None]:
     "Iteration Counter" starts again at 1 in every run."""
 
     def write(row: str) -> None:
-        stats.write(row[:-1] + f', "Run Id": "{run_id}"}}' if row.endswith("}") else row)
+        with contextlib.suppress(OSError):  # on the engine's thread; the next record's write raises it
+            stats.write(row[:-1] + f', "Run Id": "{run_id}"}}' if row.endswith("}") else row)
 
     return write
 

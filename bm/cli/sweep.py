@@ -86,7 +86,9 @@ def sweep(
     try:
         setup = _plan(config, flags, shared)
         out = out_dir or Path("bm-out") / time.strftime("sweep-%Y%m%d-%H%M%S")
-        prepare_out_dir(out, resume=resume, overwrite=overwrite, files=SWEEP_FILES, command="bm sweep")
+        prepare_out_dir(
+            out, resume=resume, overwrite=overwrite, files=SWEEP_FILES, command="bm sweep", baseline=baseline
+        )
         _check_identity(out, setup.identity, resume)
     except (ConfigError, OutDirError, AssertionSyntaxError, AssertionEvalError, ToleranceError) as exc:
         print_error(str(exc))

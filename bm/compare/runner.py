@@ -40,6 +40,7 @@ from bm.compare.regress import (
 from bm.compare.variants import Variant, variant_config
 from bm.config import BmConfig, ConfigError
 from bm.cpu_load import background_share, read_ticks
+from bm.files import write_whole
 from bm.report.data import variant_dir
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
@@ -434,8 +435,8 @@ def write_compare(out_dir: Path, result: CompareResult) -> dict[str, Any]:
     ``journal`` of :func:`run_compare`: the run keeps no record)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     document = compare_document(result)
-    (out_dir / "compare.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "compare.md").write_text(compare_markdown(result), encoding="utf-8")
+    write_whole(out_dir / "compare.json", json.dumps(document, indent=2) + "\n")
+    write_whole(out_dir / "compare.md", compare_markdown(result))
     for outcome in result.variants:
         if outcome.last is not None:
             write_results(variant_dir(out_dir, outcome.variant.name), outcome.last)

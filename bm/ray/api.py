@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 
 import bm
+from bm.cli.diskspace import run_output_bytes
 from bm.cli.outdir import (
     check_resume_mode,
     check_run_identity,
@@ -27,11 +28,14 @@ from bm.cli.outdir import (
     run_identity,
     run_options,
     run_seed_for,
+    saved_identity,
     write_run_identity,
 )
+from bm.cli.outlock import release
 from bm.cli.run import RunSummary, count_record
 from bm.cli.source import PromptsSource, open_prompts
 from bm.config import BmConfig
+from bm.files import write_whole
 from bm.ray.driver import DEFAULT_BLOCK_LINES, DEFAULT_RANK_TIMEOUT_S, DEFAULT_TRIES, RayOptions, run_blocks
 from bm.ray.replica import LineOptions
 
@@ -84,19 +88,26 @@ def run_batch(
         cfg, None, tensor_parallel_size, rank_timeout, source, replicas, replica_threads, block_lines, tries
     )
     template = None if chat_template is None else read_chat_template(Path(chat_template), "chat_template")
-    prepare_out_dir(out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name)
+    needed = run_output_bytes(source.path, max_tokens, out, resume)
+    prepare_out_dir(
+        out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name, needed=needed
+    )
     run_seed = run_seed_for(out, seed, resume)
     line = LineOptions(max_tokens, ignore_eos, run_seed, template)
-    identity = run_identity(
-        source.path, cfg, run_options(max_tokens, ignore_eos, template), run_seed, name=source.name
-    )
+    known = saved_identity(out) if resume else None  # its file digests hold while the files are unchanged
+    flags = run_options(max_tokens, ignore_eos, template)
+    identity = run_identity(source.path, cfg, flags, run_seed, name=source.name, known=known)
     if resume:
         check_resume_mode(out, ray=True)
         check_run_identity(out, identity)
     options = RayOptions(
         replicas, replica_threads, block_lines, tries, address, tensor_parallel_size, rank_timeout
     )
-    return run_ray(source.path, source.name, cfg, out, line, options, identity, resume, console or Console())
+    console = console or Console()
+    try:
+        return run_ray(source.path, source.name, cfg, out, line, options, identity, resume, console)
+    finally:  # a library caller's process lives on: the directory is free again once the run returns
+        release(out)
 
 
 def run_ray(
@@ -165,7 +176,7 @@ def run_ray(
         "output_tokens_per_s": summary.output_tokens_per_s,
         "total_tokens_per_s": summary.total_tokens_per_s,
     }
-    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+    write_whole(out_dir / "summary.json", json.dumps(document, indent=2) + "\n")
     return summary
 
 

