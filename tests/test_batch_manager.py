@@ -13,6 +13,7 @@ from bm.scheduling import FinishReason
 from tests.clients import ScriptedClient
 from tests.conftest import hf_greedy, make_config
 from tests.engine_wait import generate_or_fail, wait_until
+from tests.hang import HANG_S
 
 SEED_STATS_FIELDS = {
     "Timestamp",
@@ -263,7 +264,7 @@ def test_an_object_that_is_not_a_request_fails_alone_and_its_neighbours_complete
         client.push(
             {"request_id": 7, "input_ids": [5, 6]}, object(), InferenceRequest.from_values(8, prompt(6), 4)
         )
-        client.wait_finals(2, timeout=20)
+        client.wait_finals(2, timeout=HANG_S)
     ((_, error),) = client.finals_for(7)
     assert "request 7" in error or "dict" in error, error
     ((tensors, error8),) = client.finals_for(8)
@@ -287,7 +288,7 @@ def test_a_raising_logits_post_processor_ends_only_its_own_request(tiny_model, t
     client = ScriptedClient()
     with start(tiny_model, client):
         client.push(bad, good)
-        client.wait_finals(2, timeout=20)
+        client.wait_finals(2, timeout=HANG_S)
     ((tensors1, error1),) = client.finals_for(1)
     assert "logits_post_processor failed" in error1 and "user bug" in error1
     assert tensors1["finish_reason"].tolist() == [int(FinishReason.ERROR)]

@@ -31,6 +31,7 @@ from bm.config import load_config
 from bm.sim.run import load_sim_model
 from bm.workloads import Row, arrival_times, load_workload
 from tests.conftest import make_config
+from tests.hang import HANG_S
 from tests.recorder import Recorder
 
 runner = CliRunner()
@@ -72,7 +73,7 @@ def test_a_killed_bm_bench_leaves_its_stats_lines_and_finished_records_so_far(tm
             "--ignore-eos", "--set", "model.device=cpu"]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + HANG_S  # a hang's bound: the wait is for the lines bm bench writes
         while not (complete_lines(out / "stats.jsonl") and complete_lines(out / "requests.jsonl")):
             if proc.poll() is not None:
                 pytest.fail(f"bm bench ended before it wrote anything: {proc.communicate()}")

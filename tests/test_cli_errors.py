@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,7 @@ def test_every_command_writes_its_errors_to_stderr(tmp_path, args, message):
             env=env,
             stdout=out,
             stderr=err,
-            timeout=120,
+            timeout=HANG_S,
         ).returncode
     stderr = " ".join((tmp_path / "err.log").read_text().split())
     assert code == 2

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 runner = CliRunner()
 ROOT = get_command(app)
@@ -82,7 +83,7 @@ def test_quiet_run_prints_no_loading_weights_bar(tiny_reference, tmp_path):
 
     def run(*extra: str) -> str:
         args = [sys.executable, "-m", "bm", "run", str(prompts), "--model", str(checkpoint), "--set", "kv_cache.max_tokens=256"]  # fmt: skip
-        done = subprocess.run([*args, *extra], capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run([*args, *extra], capture_output=True, text=True, env=env, timeout=HANG_S)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout + done.stderr
 

@@ -15,6 +15,7 @@ from bm.cli.main import app
 from bm.engine.request import Request
 from bm.workloads.jsonl import REQUEST_FIELDS, read_request_file
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 runner = CliRunner()
 
@@ -208,7 +209,11 @@ def test_usage_config_and_file_errors_are_found_before_torch_loads(tmp_path, mak
     args = [str(a) for a in make_args(tmp_path)]
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-c", VALIDATION_PROBE, *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", VALIDATION_PROBE, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_S,
     )
     assert "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
     assert "HEAVY []" in proc.stdout, proc.stdout

@@ -14,6 +14,7 @@ from bm.cli.prompts import Codec, to_request
 from bm.cli.source import PromptsFileError, open_prompts
 from bm.workloads.jsonl import read_request_file
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 GOOD = b'{"prompt": "hello", "max_tokens": 2}\n'
 
@@ -107,7 +108,7 @@ def probe(tmp_path, *args):
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, "run", *map(str, args), "-o", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=120, cwd=REPO,
+        capture_output=True, text=True, env=env, timeout=HANG_S, cwd=REPO,
     )  # fmt: skip
     assert "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
     assert "HEAVY []" in proc.stdout, proc.stdout  # refused before torch loads, so before the model

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 runner = CliRunner()
 LINES = b'{"id": "a", "prompt": "hello there", "max_tokens": 3}\n{"id": "b", "prompt": "good bye", "max_tokens": 3}\n'
@@ -49,7 +50,7 @@ def test_run_reads_prompts_piped_on_stdin(tmp_path):
     piped = tmp_path / "devstdin"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = f"printf '%s' '{LINES.decode()}' | {sys.executable} -m bm run /dev/stdin -o {piped} -q --set model.device=cpu"  # fmt: skip
-    proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert assert_ran_both_lines(piped)["prompts"] == "/dev/stdin"
 
@@ -145,7 +146,7 @@ def test_a_file_with_no_runnable_line_is_refused_before_the_model_loads(tmp_path
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert "EXIT 2" in proc.stdout, proc.stdout + proc.stderr
     assert "HEAVY []" in proc.stdout, proc.stdout
@@ -226,7 +227,7 @@ def test_bench_refuses_a_piped_or_gzipped_table_for_hugging_face_datasets_naming
             capture_output=True,
             text=True,
             env=env,
-            timeout=120,
+            timeout=HANG_S,
         )
         assert "EXIT 2" in proc.stdout and "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
         stderr = proc.stdout.split("STDERR ", 1)[1]

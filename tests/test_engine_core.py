@@ -13,6 +13,7 @@ from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor, fake_token
 from bm.engine.request import Request
 from bm.scheduling import FinishReason
+from tests.hang import HANG_S
 
 VOCAB = 500
 
@@ -83,7 +84,7 @@ def test_core_kv_and_scheduling_import_without_torch():
         print("torch" in sys.modules)
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 

@@ -8,13 +8,14 @@ import subprocess
 import sys
 
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 
 def _engine_host(executor: str, sampling: str = "greedy") -> dict:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "engine_host.py"), "--requests", "8", "--overlap", "off,on",
          "--repeats", "1", "--executor", executor, "--sampling", sampling],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S, check=True,
     )  # fmt: skip
     return json.loads(done.stdout)
 

@@ -8,6 +8,7 @@ import pytest
 
 import bm
 from tests.conftest import hf_greedy, reference_model
+from tests.hang import HANG_S
 
 KV = {"max_tokens": 4096, "tokens_per_block": 8}
 
@@ -121,7 +122,7 @@ def test_a_session_streams_requests_in_and_final_responses_out_and_returns_unsta
         finals = {}
         while len(finals) < 3:
             # a deadline for a busy 2-core CI machine, not a time asserted
-            response = session.next_final(timeout=60.0)
+            response = session.next_final(timeout=HANG_S)
             assert response is not None, "a submitted request never finished"
             finals[response.request_id] = response
         assert all(len(r.output_ids) == 4 and r.final for r in finals.values())

@@ -21,6 +21,7 @@ from bm.cli.main import app
 from bm.cli.outdir import BENCH_FILES, COMPARE_FILES, RUN_FILES, OutDirError, prepare_out_dir
 from bm.cli.sweep import SWEEP_FILES
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 runner = CliRunner()
 HOLD = (
@@ -127,13 +128,13 @@ def test_two_concurrent_runs_into_one_directory_one_is_refused_naming_the_other(
         time.sleep(0.01)
     first.send_signal(signal.SIGSTOP)  # held where it is, however fast this machine runs it
     try:
-        second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     finally:
         first.send_signal(signal.SIGCONT)
     assert second.returncode == 2, second.stderr
     message = " ".join(second.stderr.split())
     assert f"is being written by another process (pid {first.pid}, `bm run {prompts} -o {out} -q" in message
-    _stdout, stderr = first.communicate(timeout=300)
+    _stdout, stderr = first.communicate(timeout=HANG_S)
     assert first.returncode == 0, stderr
     records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert sorted(r["index"] for r in records) == list(range(64))

@@ -64,7 +64,7 @@ def cluster():
         yield address
     finally:
         holder.stdin.close()  # ray.init's cluster stops with the process that started it
-        holder.wait(timeout=120)
+        holder.wait(timeout=HANG_S)
 
 
 def driver_env(cluster: str, **env: str) -> dict[str, str]:
@@ -83,7 +83,7 @@ def bm_run(cluster: str, args: list[str], **env: str) -> subprocess.CompletedPro
     command = [sys.executable, "-m", "bm", "run", *args]
     return subprocess.run(
         command, env=driver_env(cluster, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=600,
+        timeout=HANG_S,
     )  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def run_batch_process(cluster: str, **kwargs: object) -> subprocess.CompletedPro
     script = "import json, sys, bm.ray; bm.ray.run_batch(**json.loads(sys.argv[1]))"
     return subprocess.run(
         [sys.executable, "-c", script, json.dumps(kwargs)], env=driver_env(cluster), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=600,
+        stderr=subprocess.STDOUT, text=True, timeout=HANG_S,
     )  # fmt: skip
 
 
@@ -398,7 +398,7 @@ def stop_node(node: subprocess.Popen) -> None:
     if node.poll() is None:
         node.terminate()
         try:
-            node.wait(timeout=60)
+            node.wait(timeout=HANG_S)
         except subprocess.TimeoutExpired:
             os.killpg(node.pid, signal.SIGKILL)  # the node's own session: its processes alone
             node.wait()
@@ -406,7 +406,7 @@ def stop_node(node: subprocess.Popen) -> None:
 
 WAIT_FOR_NODES = (
     "import ray, sys, time; ray.init(address=sys.argv[1], logging_level='warning'); "
-    "deadline = time.monotonic() + 90\n"
+    "deadline = time.monotonic() + 1200\n"
     "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.monotonic() < deadline: time.sleep(0.2)\n"
     "print(sum(n['Alive'] for n in ray.nodes()))"
 )
@@ -432,7 +432,7 @@ def test_the_several_machines_recipe_on_two_nodes_of_this_machine(tmp_path):
         head_flags = [f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
         nodes.append(ray_start(tmp_path / "head.log", "--head", *head_flags, RAY_TMPDIR=str(temp)))
         address_file = temp / "ray" / "ray_current_cluster"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + HANG_S
         while not address_file.exists():
             assert nodes[0].poll() is None and time.monotonic() < deadline, (
                 tmp_path / "head.log"
@@ -443,7 +443,7 @@ def test_the_several_machines_recipe_on_two_nodes_of_this_machine(tmp_path):
         nodes.append(ray_start(tmp_path / "node2.log", *second))
         waited = subprocess.run(
             [sys.executable, "-c", WAIT_FOR_NODES, address], env={**os.environ, **NO_TOKEN},
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=HANG_S,
         )  # fmt: skip
         assert waited.stdout.strip() == "2", (
             waited.stdout + waited.stderr + (tmp_path / "node2.log").read_text()
@@ -455,7 +455,7 @@ def test_the_several_machines_recipe_on_two_nodes_of_this_machine(tmp_path):
         command += ["--ray", "--replicas", "2", "--replica-threads", "1", "--block-lines", "4"]
         done = subprocess.run(
             command, env={**env, "RAY_TMPDIR": str(temp)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, timeout=300,
+            text=True, timeout=HANG_S,
         )  # fmt: skip
     finally:
         for node in reversed(nodes):

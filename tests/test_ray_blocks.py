@@ -28,6 +28,7 @@ from bm.ray.blocks import (  # fmt: skip
 from bm.ray.driver import replica_layout
 from bm.workloads.jsonl import iter_request_file
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 LINES = [
     '{"prompt": "a", "id": "x"}',
@@ -212,7 +213,7 @@ def test_bm_run_without_ray_imports_no_ray(tmp_path):
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=HANG_S, check=False
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -15,6 +15,7 @@ from bm.engine.request import Request, RequestLimits
 from bm.engine.seeds import line_seed
 from bm.engine.validate import validate_request
 from bm.workloads.request import Row, Workload
+from tests.hang import HANG_S
 from tests.test_cli_interrupt import (
     MAX_BATCH,
     bm_run_process,
@@ -77,7 +78,7 @@ def test_resume_after_sigkill_gives_the_outputs_of_an_uninterrupted_run_with_tha
     prompts = sampled_prompts(tmp_path / "p.jsonl", n, max_tokens=24)
     reference = tmp_path / "reference"
     done = bm_run_process(prompts, reference, "--seed", "77")
-    assert done.wait(timeout=300) == 0, done.communicate()
+    assert done.wait(timeout=HANG_S) == 0, done.communicate()
     expected = {r["index"]: r["output_ids"] for r in read_jsonl(reference / "outputs.jsonl")}
     assert len({tuple(ids) for ids in expected.values()}) == n
 
@@ -88,7 +89,7 @@ def test_resume_after_sigkill_gives_the_outputs_of_an_uninterrupted_run_with_tha
     proc.wait()
     assert len(read_jsonl_lenient(out / "outputs.jsonl")) < n
     resumed = bm_run_process(prompts, out, "--resume")  # no --seed: run.json's is reused
-    _stdout, stderr = resumed.communicate(timeout=300)
+    _stdout, stderr = resumed.communicate(timeout=HANG_S)
     assert resumed.returncode == 0, stderr
     records = read_jsonl(out / "outputs.jsonl")
     assert sorted(r["index"] for r in records) == list(range(n))

@@ -15,6 +15,7 @@ from bm.cli.main import app
 from bm.engine.fields import request_field
 from bm.engine.request import RequestError
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 
 @pytest.fixture
@@ -53,6 +54,6 @@ def test_bm_runs_plain_requests_without_importing_the_grammar_library():
         "print('llguidance' in sys.modules)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=300
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=HANG_S
     )
     assert done.stdout.strip().splitlines()[-1] == "False"

@@ -14,6 +14,7 @@ from bm.config import ConfigError, model_override
 from bm.suggest import closest, did_you_mean
 from bm.workloads.jsonl import read_request_file
 from tests.conftest import REPO
+from tests.hang import HANG_S
 
 runner = CliRunner()
 
@@ -61,7 +62,7 @@ def test_bm_run_refuses_a_model_typo_before_torch_is_imported(tmp_path):
         "print(r.output)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120, check=True
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=HANG_S, check=True
     )
     code, torch_loaded = done.stdout.split("\n", 1)[0].split()
     assert (code, torch_loaded) == ("2", "False"), done.stdout + done.stderr

@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from tests.hang import HANG_S
+
 pytest.importorskip("triton")
 
 from bm.engine import BatchManager, InferenceRequest
@@ -38,7 +40,7 @@ def test_greedy_output_equals_hf_generate_on_the_triton_path_with_chunking_and_r
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
     client = StaggeredClient(requests, per_iteration=3)
     with BatchManager(config, client.get_requests, client.send_response, model=tiny_model):
-        client.wait_or_fail(timeout=120.0)  # Triton's interpreter is slow, more so on a busy machine
+        client.wait_or_fail(timeout=HANG_S)  # Triton's interpreter is slow, more so on a busy machine
     for i, (prompt, max_new) in enumerate(specs):
         result = client.results[i]
         assert result.ok, result.error

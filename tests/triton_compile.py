@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang import HANG_S
+
 KERNELS = Path(__file__).resolve().parents[1] / "bm" / "runtime" / "triton"
 
 # loads the kernel file alone (bm's imports are slow) as ``kernels``, and defines ``build``
@@ -50,7 +52,7 @@ def compile_for_h100(kernel_file: str, builds: str, cache_dir: Path) -> list[str
     script = _PREAMBLE + builds
     done = subprocess.run(
         [sys.executable, "-c", script, str(KERNELS / kernel_file)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
+        env=env, capture_output=True, text=True, timeout=HANG_S, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()
