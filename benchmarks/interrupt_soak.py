@@ -88,6 +88,7 @@ def trial(kind: str, prompts: Path, work: Path, sig: int, delay: float, referenc
     exit_s = time.monotonic() - sent
     result = {
         "signal": signal.Signals(sig).name,
+        "load_average": os.getloadavg()[0],
         "delay_s": round(delay, 2),
         "code": proc.returncode,
         "exit_s": round(exit_s, 3),
@@ -119,12 +120,14 @@ def summarize(trials: list[dict]) -> dict:
     def q(p: float) -> float | None:
         return round(times[min(len(times) - 1, int(p * len(times)))], 3) if times else None
 
+    loads = [t["load_average"] for t in trials]
     codes: dict[str, int] = {}
     for t in trials:
         codes[str(t["code"])] = codes.get(str(t["code"]), 0) + 1
     return {
         "trials": len(trials),
-        "exit_codes": codes,
+        "exit_codes": codes,  # a negative code: the signal itself ended it, before Python had started
+        "load_average": {"min": min(loads, default=None), "max": max(loads, default=None)},
         "exit_s": {
             "min": q(0),
             "median": round(statistics.median(times), 3) if times else None,
