@@ -105,24 +105,6 @@ def test_a_signal_during_start_up_ends_the_run_there_without_a_traceback(tmp_pat
         assert "interrupted during start-up; nothing ran" in stderr
 
 
-def test_a_second_signal_exits_at_once_while_the_first_is_still_being_handled():
-    code = (
-        "import time\n"
-        "from bm.cli.interrupts import Interrupts\n"
-        "with Interrupts(bound_s=None) as i:\n"
-        "    i.running(lambda: print('stopping', flush=True))\n"
-        "    print('ready', flush=True)\n"
-        "    while True: time.sleep(0.05)  # a stop that takes long\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)  # fmt: skip
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.stdout.readline().strip() == "stopping"  # the first was handled: the second is another
-    proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == 130 and "interrupted again: exiting now" in err
-
-
 def test_sigkill_then_resume_gives_the_outputs_of_an_uninterrupted_run(tmp_path):
     n = 16
     prompts = write_prompts(tmp_path / "p.jsonl", n, max_tokens=24)

@@ -55,20 +55,36 @@ def test_reinstall_takes_the_handlers_back_from_a_library():
     assert signal.getsignal(signal.SIGTERM) != interrupts._handle  # put back on the way out
 
 
-def test_the_watchdog_ends_a_process_that_does_not_stop_within_the_bound():
+def policy_process(bound_s: float | None) -> subprocess.Popen:
+    """A process running forever under the policy (a stop that never comes), once it says it is ready;
+    its first signal's callback prints "stopping"."""
     code = (
-        "import signal, time\n"
+        "import time\n"
         "from bm.cli.interrupts import Interrupts\n"
-        "with Interrupts(bound_s=0.5) as i:\n"
-        "    i.running()\n"
+        f"with Interrupts(bound_s={bound_s}) as i:\n"
+        "    i.running(lambda: print('stopping', flush=True))\n"
         "    print('ready', flush=True)\n"
-        "    while True: time.sleep(0.05)  # a stop that never comes\n"
+        "    while True: time.sleep(0.05)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)  # fmt: skip
     assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_the_watchdog_ends_a_process_that_does_not_stop_within_the_bound():
+    proc = policy_process(0.5)
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130 and "still stopping 0.5 s after the interrupt" in err
+
+
+def test_a_second_signal_exits_at_once_while_the_first_is_still_being_handled():
+    proc = policy_process(None)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline().strip() == "stopping"  # the first was handled: the second is another
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 130 and "interrupted again: exiting now" in err
 
 
 def write_ids(path: Path, n: int, max_tokens: int) -> Path:
