@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,3 +105,12 @@ def trim_torn_tail(path: Path) -> int:
             return size
         f.truncate(end)
         return end
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of ``path``'s bytes, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 import bm.cli.diskspace as diskspace
 import bm.cli.main as main_module
 import bm.cli.writers as writers_module
+from bm.cli.identity import write_run_identity
 from bm.cli.main import app
-from bm.cli.outdir import write_run_identity
 from tests.test_whole_lines import DEV_FULL, Disk, whole_lines
 
 runner = CliRunner()

@@ -12,8 +12,9 @@ import types
 
 import pytest
 
+from bm.cli.identity import check_resume_mode
 from bm.cli.openai_batch import iter_batch_file
-from bm.cli.outdir import OutDirError, check_resume_mode
+from bm.cli.outdir import OutDirError
 from bm.distributed.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,

@@ -322,7 +322,7 @@ def _prepare_out_dir(
 
 
 def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
-    from bm.cli.outdir import run_seed_for
+    from bm.cli.identity import run_seed_for
 
     return run_seed_for(out, given, resume)
 
@@ -340,7 +340,13 @@ def _check_resume(
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
     (docs/resume.md), and so is a resume that changes whether the run goes on Ray."""
-    from bm.cli.outdir import check_resume_mode, check_run_identity, run_identity, run_options, saved_identity
+    from bm.cli.identity import (
+        check_resume_mode,
+        check_run_identity,
+        run_identity,
+        run_options,
+        saved_identity,
+    )
 
     check_resume_mode(out, ray)
     options = run_options(max_tokens, ignore_eos, template, tool_call_parser)

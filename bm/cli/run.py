@@ -21,8 +21,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 import bm
+from bm.cli.identity import model_named, run_identity, run_options, write_run_identity
 from bm.cli.interrupts import Interrupted, Interrupts
-from bm.cli.outdir import iter_final_records, model_named, run_identity, run_options, write_run_identity
+from bm.cli.outdir import iter_final_records
 from bm.cli.progress import PlainProgress, eta_s, format_duration
 from bm.cli.prompts import codec_for, to_request
 from bm.cli.records import cancelled_record, output_record, write_logits

@@ -20,17 +20,17 @@ from rich.console import Console
 
 import bm
 from bm.cli.diskspace import run_output_bytes
-from bm.cli.outdir import (
+from bm.cli.identity import (
     check_resume_mode,
     check_run_identity,
     model_named,
-    prepare_out_dir,
     run_identity,
     run_options,
     run_seed_for,
     saved_identity,
     write_run_identity,
 )
+from bm.cli.outdir import prepare_out_dir
 from bm.cli.outlock import release
 from bm.cli.run import RunSummary, count_record
 from bm.cli.source import PromptsSource, open_prompts

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from bm.cli.outdir import run_identity, run_options
+from bm.cli.identity import run_identity, run_options
 from bm.cli.run import RunOptions, RunSummary
 from bm.config import BmConfig
 from bm.ray.api import run_ray
