@@ -33,14 +33,14 @@ MODEL = REPO / "configs" / "models" / "bench-llama-15m.json"
 BOUND_S = 60.0
 
 
-def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
+def write_prompts(path: Path, n: int, max_input: int, max_output: int, seed: int = 0) -> Path:
     """``n`` lines of token ids (the 15M model has no tokenizer); every third samples (temperature 0.8,
     seeded by the run seed), the rest greedy."""
     rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(n):
-            line = {"id": f"s{i}", "input_ids": [rng.randint(3, 8000) for _ in range(rng.randint(4, 40))]}
-            line["max_tokens"] = rng.randint(2, 16)
+            ids = [rng.randint(3, 8000) for _ in range(rng.randint(4, max_input))]
+            line = {"id": f"s{i}", "input_ids": ids, "max_tokens": rng.randint(2, max_output)}
             if i % 3 == 0:
                 line["temperature"] = 0.8
             f.write(json.dumps(line) + "\n")
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("kind", choices=["run", "bench", "ray"])
     parser.add_argument("--trials", type=int, default=10, help="per signal (SIGINT and SIGTERM)")
     parser.add_argument("--lines", type=int, default=2000)
+    parser.add_argument("--max-input", type=int, default=40, help="prompt tokens, at most")
+    parser.add_argument("--max-output", type=int, default=16, help="max_tokens, at most")
     parser.add_argument("--busy", type=int, default=0, help="busy loops beside the runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials-out", type=Path, default=None, help="also write every trial here")
@@ -157,7 +159,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="bm-soak-") as tmp:
             work = Path(tmp)
-            prompts = write_prompts(work / "prompts.jsonl", args.lines)
+            prompts = write_prompts(work / "prompts.jsonl", args.lines, args.max_input, args.max_output)
             ref_out = work / "reference"
             code, wall, text = run_to_end(command(args.kind, prompts, ref_out))
             if code != 0:
@@ -179,6 +181,8 @@ def main() -> None:
     document = {
         "kind": args.kind,
         "lines": args.lines if args.kind != "bench" else None,
+        "prompt_tokens": [4, args.max_input],
+        "max_tokens": [2, args.max_output],
         "busy_loops": args.busy,
         "bound_s": BOUND_S,
         "reference_wall_s": round(wall, 2),
