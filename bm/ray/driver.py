@@ -262,6 +262,8 @@ class _Runner:
         pass early."""
         if not blocks:
             return False
+        if stop():  # a signal during the cluster's start: no replica is started for nothing
+            return True
         import ray.data
 
         context = ray.data.DataContext.get_current()
