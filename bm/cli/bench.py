@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
@@ -139,7 +140,7 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "concurrency": (int | None, typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE)),
     "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN)),
     "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
-    "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN)),
+    "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--respect-eos", " /--no-ignore-eos", help="Run every request to its output length (default, as vllm bench throughput); --respect-eos stops at the end token.", rich_help_panel=RUN)),
     "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
     "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row: a datasheet's (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or one measured here with bm's own forward (cpu-local, cuda-local; bm sim calibrate).", rich_help_panel=SIM)),
     "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="Devices the model is split over (default 1): simulated under engine.executor=sim; in bm bench on torch, real ranks (tp_plan='auto', needs --model).", rich_help_panel=SIM)),
@@ -239,7 +240,7 @@ def run_command(
         return USAGE
     from bm.bench import run_bench, write_results
     from bm.bench.results import startup_line
-    from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.cli.bench_report import bench_progress, print_results, shortfall_line, tick
     from bm.cli.journal import FileJournal
     from bm.cli.progress import PlainProgress
 
@@ -294,6 +295,9 @@ def run_command(
 
         paths = write_plots(load_plot_data(out), out / "plots")
         console.print(f"plots: {len(paths)} PNGs in {out / 'plots'}", soft_wrap=True)
+    short = shortfall_line(results)
+    if short is not None:
+        console.print(f"[yellow]{escape(short)}[/]", highlight=False)
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
     if result.interrupted:  # the table alone looked like a finished run

@@ -117,6 +117,32 @@ def latency_table(results: dict[str, Any]) -> Table:
     return table
 
 
+REASON_NAMES = {"end_id": "the end token", "stop": "a stop word", "length": "the length cap"}
+
+
+def shortfall_line(results: dict[str, Any]) -> str | None:
+    """``output fell 94 tokens short of the 384 asked: 6 of 8 completed requests ended early (the end
+    token: 6); --respect-eos was given`` when a run produced fewer tokens than its rows asked, else None.
+    Throughput over lengths the model chose is not the benchmark the dataset describes, so it is said."""
+    short = results.get("output_tokens_short")
+    if not short:
+        return None
+    reasons = ", ".join(
+        f"{REASON_NAMES.get(reason, reason)}: {count:,}"
+        for reason, count in (results.get("short_finish_reasons") or {}).items()
+    )
+    why = (
+        "--respect-eos stops a request at the model's end token; drop it to run every request to its length"
+        if not results["config"]["bench"]["ignore_eos"]
+        else "their rows' own end_id, stop words or a length cap ended them"
+    )
+    return (
+        f"output fell {short:,} tokens short of the {results['requested_output_tokens']:,} asked: "
+        f"{results['num_requests_short']:,} of {results['completed']:,} completed requests ended before "
+        f"their length ({reasons}); {why}"
+    )
+
+
 def _budgets(engine: dict[str, Any]) -> str:
     """``128 requests, 2,048 tokens, chunked``: what the engine's defaults resolved to on this device."""
     chunked = "chunked" if engine.get("enable_chunked_context") else "whole contexts"

@@ -109,7 +109,12 @@ class BenchConfig:
     slo_e2el_ms: float | None = knob(
         None, "Goodput SLO on end-to-end latency (ms).", number_in(0, None, optional=True)
     )
-    ignore_eos: bool = knob(False, "Run every request to its output length (no end token).", boolean)
+    ignore_eos: bool = knob(
+        True,
+        "Run every request to its dataset's output length, past the model's end token, as vllm bench "
+        "throughput and trtllm-bench do; false (--respect-eos) stops a request at the end token.",
+        boolean,
+    )
     out_dir: str | None = knob(None, "Results directory (default bm-out/bench-TIME).", optional_str)
     json_output: bool = knob(False, "Print only the results JSON on the terminal.", boolean)
 
