@@ -94,3 +94,71 @@ def test_the_simulator_refuses_respect_eos_naming_the_fix():
     )
     with pytest.raises(ConfigError, match="drop --respect-eos"):
         load_config(None, overrides)
+
+
+def word_tokenizer(directory, num_ids: int):
+    """A checkpoint-style tokenizer directory whose vocabulary spans ``num_ids`` ids (one per word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, num_ids - 1)}}
+    vocab["[UNK]"] = num_ids - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    fast.save_pretrained(directory)
+    return directory
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused_before_the_run_naming_both_sizes(tmp_path):
+    tokenizer = word_tokenizer(tmp_path / "tok", 300)  # the embedded model's vocabulary is 259
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"w{5 + i} w290", "max_tokens": 2}) + "\n" for i in range(4))
+    )
+    out = tmp_path / "out"
+    result = bench(prompts, "--model", "tiny-random", "--set", f"model.tokenizer={tokenizer}", "-o", out)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert "has 300 token ids, but the model (embedded tiny-llama) has a vocabulary of 259" in said
+    assert "--set model.tokenizer=DIR" in said
+    assert not (out / "results.json").exists()
+
+
+def test_bm_run_refuses_the_same_tokenizer_before_any_line_runs(tmp_path):
+    tokenizer = word_tokenizer(tmp_path / "tok", 300)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w290"}) + "\n")
+    out = tmp_path / "out"
+    args = [
+        "run",
+        str(prompts),
+        "--model",
+        "tiny-random",
+        "--set",
+        f"model.tokenizer={tokenizer}",
+        "-o",
+        str(out),
+    ]
+    result = runner.invoke(app, [*args, "-q", "--set", "model.device=cpu"])
+    assert result.exit_code == 2, result.output
+    assert "has 300 token ids, but the model" in " ".join(result.stderr.split())
+    assert not (out / "outputs.jsonl").exists()
+
+
+def test_a_tokenizer_that_fits_the_vocabulary_loads(tmp_path):
+    from bm.config import ModelConfig
+    from bm.model_fit import check_tokenizer_fits, tokenizer_size
+
+    tokenizer = word_tokenizer(tmp_path / "tok", 200)
+    cfg = ModelConfig(tokenizer=str(tokenizer))
+    from transformers import AutoTokenizer
+
+    from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer
+
+    wrapped = HFTokenizer(AutoTokenizer.from_pretrained(tokenizer))
+    assert tokenizer_size(wrapped) == 200 and tokenizer_size(ByteTokenizer()) == 259
+    check_tokenizer_fits(wrapped, 259, cfg, "m")  # fewer ids than the vocabulary: a padded vocabulary
+    check_tokenizer_fits(None, 8, cfg, "m")  # no tokenizer: token ids only
+    with pytest.raises(ConfigError, match=r"has 200 token ids, but the model \(m\) has a vocabulary of 199"):
+        check_tokenizer_fits(wrapped, 199, cfg, "m")

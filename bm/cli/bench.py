@@ -376,7 +376,8 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
     if sim:  # no weights, no torch: the model's shape and a hardware row (bm.sim.run)
         load_errors: tuple[type[Exception], ...] = ()
     else:
-        from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
+        from bm.model_fit import load_fitting_model
+        from bm.runtime import ModelLoadError, UnsupportedAttentionError
 
         load_errors = (ModelLoadError, UnsupportedAttentionError)
     try:
@@ -388,7 +389,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
 
             loaded = load_sim_model(cfg)
         else:
-            loaded = load_model(cfg.model)
+            loaded = load_fitting_model(cfg.model)  # a tokenizer that does not fit is refused here
         tokenizer = loaded.tokenizer
         workload = load_workload(
             cfg.bench,
