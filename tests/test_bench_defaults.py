@@ -162,3 +162,72 @@ def test_a_tokenizer_that_fits_the_vocabulary_loads(tmp_path):
     check_tokenizer_fits(None, 8, cfg, "m")  # no tokenizer: token ids only
     with pytest.raises(ConfigError, match=r"has 200 token ids, but the model \(m\) has a vocabulary of 199"):
         check_tokenizer_fits(wrapped, 199, cfg, "m")
+
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+CHAT = [
+    {"id": "a", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3},
+    {"id": "b", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+    {"id": "c", "messages": [{"role": "user", "content": "stop here"}], "stop": ["zz"], "max_tokens": 2},
+]
+
+
+@pytest.fixture
+def chat(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
+    return path, template
+
+
+def test_bench_replays_chat_messages_lines_through_the_chat_template_as_bm_run_renders_them(tmp_path, chat):
+    path, template = chat
+    out = tmp_path / "bench"
+    result = bench(path, "--model", "tiny-random", "--chat-template", template, "--output-len", 4, "-o", out)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert (results["completed"], results["failed"]) == (3, 0)
+    records = {r["id"]: r for r in map(json.loads, (out / "requests.jsonl").read_text().splitlines())}
+    assert [records[k]["output_tokens"] for k in "abc"] == [3, 4, 2]  # a chat row keeps its max_tokens
+    ran = runner.invoke(
+        app,
+        ["run", str(path), "--model", "tiny-random", "--chat-template", str(template), "-o", str(tmp_path / "run"),
+         "-q", "--set", "model.device=cpu"],
+    )  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert {r["id"]: r["num_prompt_tokens"] for r in lines} == {k: records[k]["input_tokens"] for k in "abc"}
+
+
+def test_bench_replays_openai_chat_batch_lines(tmp_path, chat):
+    _, template = chat
+    path = tmp_path / "batch.jsonl"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}
+    path.write_text(
+        json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+    )
+    out = tmp_path / "out"
+    result = bench(path, "--model", "tiny-random", "--chat-template", template, "-o", out)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["dataset"]["kind"] == "openai-batch"
+    assert results["completed"] == 1 and results["total_output_tokens"] == 3
+
+
+def test_chat_rows_without_a_chat_template_are_refused_naming_the_flag(tmp_path, chat):
+    path, _ = chat
+    out = tmp_path / "out"
+    result = bench(path, "--model", "tiny-random", "-o", out)  # the byte tokenizer has no template
+    assert result.exit_code == 2, result.output  # no row can run: refused, not replayed as empty tables
+    said = " ".join(result.stderr.split())
+    assert "none of its 3 rows can run; the first: line 1: messages: this model has no chat template" in said
+    assert "--chat-template FILE" in said and not (out / "results.json").exists()
+
+
+def test_a_chat_template_that_is_not_a_file_is_refused_before_the_model_loads(tmp_path, chat):
+    path, _ = chat
+    result = bench(path, "--model", "tiny-random", "--chat-template", tmp_path / "none.jinja")
+    assert result.exit_code == 2
+    assert "--chat-template" in result.stderr and "no such file" in result.stderr
+    assert "loading model" not in result.output

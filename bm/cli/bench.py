@@ -62,6 +62,7 @@ FLAG_KEYS = {
             "time_scale",
             "warmup",
             "ignore_eos",
+            "chat_template",
             "out_dir",
         )
     },
@@ -141,6 +142,7 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN)),
     "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
     "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--respect-eos", " /--no-ignore-eos", help="Run every request to its output length (default, as vllm bench throughput); --respect-eos stops at the end token.", rich_help_panel=RUN)),
+    "chat_template": (Path | None, typer.Option(None, "--chat-template", help="Jinja chat template for rows of 'messages' (default the checkpoint's), as in bm run.", rich_help_panel=DATA)),
     "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
     "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row: a datasheet's (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or one measured here with bm's own forward (cpu-local, cuda-local; bm sim calibrate).", rich_help_panel=SIM)),
     "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="Devices the model is split over (default 1): simulated under engine.executor=sim; in bm bench on torch, real ranks (tp_plan='auto', needs --model).", rich_help_panel=SIM)),
@@ -360,15 +362,12 @@ def _read_dataset(bench: Any) -> Workload:
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
+    from bm.cli.chat import ChatTemplateError
     from bm.workloads import DatasetError, load_workload
 
     try:
         rows = _read_dataset(cfg.bench)  # the dataset first: a bad file is reported before the model loads
-        bad = [r for r in rows.requests if not r.ok]
-        if len(bad) == len(rows.requests):
-            raise DatasetError(
-                f"{rows.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
-            )
+        _check_some_row_runs(rows)
     except (DatasetError, ConfigError) as exc:
         print_error(str(exc))
         return None
@@ -381,6 +380,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
 
         load_errors = (ModelLoadError, UnsupportedAttentionError)
     try:
+        template = _chat_template(cfg.bench.chat_template)  # checked before the model loads
         console.print(
             f"loading model ({cfg.model.preset or cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ..."
         )
@@ -391,18 +391,45 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
         else:
             loaded = load_fitting_model(cfg.model)  # a tokenizer that does not fit is refused here
         tokenizer = loaded.tokenizer
+        render_chat = None
+        if tokenizer is not None:  # chat rows render as bm run renders them (its codec)
+            from bm.cli.prompts import codec_for
+
+            render_chat = codec_for(loaded, template).render_chat
         workload = load_workload(
             cfg.bench,
             vocab_size=loaded.vocab_size,
             encode=tokenizer.encode if tokenizer is not None else None,
             encode_word=tokenizer.encode_word if tokenizer is not None else None,
             workload=rows,
+            render_chat=render_chat,
         )
-    except (*load_errors, DatasetError, ConfigError) as exc:
+        _check_some_row_runs(workload)  # e.g. chats for a model with no chat template
+    except (*load_errors, DatasetError, ConfigError, ChatTemplateError) as exc:
         print_error(str(exc))
         return None
     _report_dataset(console, workload)
     return loaded, workload
+
+
+def _check_some_row_runs(workload: Workload) -> None:
+    """A dataset none of whose rows can run is refused (exit 2) rather than replayed as empty tables."""
+    from bm.workloads import DatasetError
+
+    bad = [r for r in workload.requests if not r.ok]
+    if bad and len(bad) == len(workload.requests):
+        raise DatasetError(
+            f"{workload.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
+        )
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template`` (bench.chat_template), read and checked as bm run checks its own."""
+    if path is None:
+        return None
+    from bm.cli.chat import read_chat_template
+
+    return read_chat_template(Path(path))
 
 
 def engine_config(

@@ -115,6 +115,11 @@ class BenchConfig:
         "throughput and trtllm-bench do; false (--respect-eos) stops a request at the end token.",
         boolean,
     )
+    chat_template: str | None = knob(
+        None,
+        "A Jinja chat template file for chat rows ('messages'); default the checkpoint's own, as bm run.",
+        optional_str,
+    )
     out_dir: str | None = knob(None, "Results directory (default bm-out/bench-TIME).", optional_str)
     json_output: bool = knob(False, "Print only the results JSON on the terminal.", boolean)
 
