@@ -109,8 +109,11 @@ def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str,
     return record
 
 
-def latency_stats(values: pd.Series, name: str) -> dict[str, float | None]:
-    """mean/median/std/pNN of ``values`` (ms) under vLLM's key names, e.g. ``p99_ttft_ms``."""
+def latency_stats(
+    values: pd.Series, name: str, percentiles: Iterable[float] = PERCENTILES
+) -> dict[str, float | None]:
+    """mean/median/std/pNN of ``values`` (ms) under vLLM's key names, e.g. ``p99_ttft_ms`` (``p99.9`` for a
+    fractional percentile, as vLLM names it)."""
     if values.dtype != np.float64:  # numbers already (a long pooled ITL column): not copied again
         values = pd.to_numeric(values, errors="coerce")
     values = values.dropna()
@@ -124,8 +127,8 @@ def latency_stats(values: pd.Series, name: str) -> dict[str, float | None]:
         f"median_{name}_ms": value(values.median()) if not empty else None,
         f"std_{name}_ms": value(values.std(ddof=0)) if not empty else None,
     }
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = value(values.quantile(p / 100)) if not empty else None
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = value(values.quantile(p / 100)) if not empty else None
     return out
 
 
@@ -147,6 +150,7 @@ def request_metrics(
     num_cancelled: int,
     duration_s: float,
     slo_ms: Mapping[str, float | None] | None = None,
+    percentiles: Iterable[float] = PERCENTILES,
 ) -> dict[str, Any]:
     """:func:`run_metrics` from its parts: ``done``, the completed requests in workload order (columns
     ``input_tokens``, ``output_tokens`` and ``NAME_ms`` for every latency but ITL), and ``itl``, their
@@ -171,7 +175,7 @@ def request_metrics(
     empty = pd.Series(dtype=float)
     for name in LATENCIES:
         column = itl if name == "itl" else done[f"{name}_ms"] if len(done) else empty
-        metrics.update(latency_stats(column, name))
+        metrics.update(latency_stats(column, name, percentiles))
     return metrics
 
 

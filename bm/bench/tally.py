@@ -30,6 +30,7 @@ import pandas as pd
 
 from bm.bench.metrics import (
     CANCELLED,
+    PERCENTILES,
     check_stats_columns,
     decoding_figures,
     no_iteration_metrics,
@@ -148,8 +149,13 @@ class RequestTally:
             self._pooled = self._gaps()
             self._itl = array("d")
 
-    def metrics(self, duration_s: float, slo_ms: Mapping[str, float | None] | None = None) -> dict[str, Any]:
-        """:func:`~bm.bench.metrics.run_metrics` of the records given."""
+    def metrics(
+        self,
+        duration_s: float,
+        slo_ms: Mapping[str, float | None] | None = None,
+        percentiles: Iterable[float] = PERCENTILES,
+    ) -> dict[str, Any]:
+        """:func:`~bm.bench.metrics.run_metrics` of the records given, with ``percentiles`` of each latency."""
         done = self._done()
         frame = pd.DataFrame(
             {
@@ -159,7 +165,13 @@ class RequestTally:
             }
         )
         return request_metrics(
-            frame, self.completed("itl"), self.num_requests, self.num_cancelled, duration_s, slo_ms
+            frame,
+            self.completed("itl"),
+            self.num_requests,
+            self.num_cancelled,
+            duration_s,
+            slo_ms,
+            percentiles,
         )
 
     def nbytes(self) -> int:

@@ -63,6 +63,8 @@ FLAG_KEYS = {
             "warmup",
             "ignore_eos",
             "chat_template",
+            "percentile_metrics",
+            "metric_percentiles",
             "out_dir",
         )
     },
@@ -97,6 +99,13 @@ def parse_slo(texts: list[str]) -> dict[str, float]:
 
 
 def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], slo: list[str]) -> BmConfig:
+    path = flags.get("dataset_path")  # vLLM's --dataset-path, trtllm-bench's --dataset: DATASET by name
+    if path is not None:
+        if flags.get("dataset") is not None and Path(flags["dataset"]) != Path(path):
+            raise ConfigError(
+                f"two datasets: DATASET {str(flags['dataset'])!r} and --dataset-path {str(path)!r}; give one"
+            )
+        flags = {**flags, "dataset": path}
     overrides: dict[str, Any] = dict(parse_override(o) for o in sets)
     for name, key in FLAG_KEYS.items():
         value = flags.get(name)
@@ -119,14 +128,14 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "model_config": (str | None, typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL)),
     "dataset_kind": (str | None, typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA)),
     "prompt_column": (str | None, typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA)),
-    "output_column": (str | None, typer.Option(None, "--output-column", help="hf: output length or completion column.", rich_help_panel=DATA)),
+    "output_column": (str | None, typer.Option(None, "--output-column", help="hf: output length (or text) column.", rich_help_panel=DATA)),
     "split": (str | None, typer.Option(None, "--split", help="hf: split (default train).", rich_help_panel=DATA)),
-    "input_len": (int | None, typer.Option(None, "--input-len", help="synthetic: mean prompt length (default 1024).", rich_help_panel=DATA)),
+    "input_len": (int | None, typer.Option(None, "--input-len", help="synthetic: mean prompt length [1024].", rich_help_panel=DATA)),
     "output_len": (int | None, typer.Option(None, "--output-len", help="synthetic: mean output length; also for rows that give none (default 128).", rich_help_panel=DATA)),
     "range_ratio": (float | None, typer.Option(None, "--range-ratio", help="synthetic: lengths uniform in len*(1±r) (default 0).", rich_help_panel=DATA)),
-    "prefix_len": (int | None, typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens (default 0).", rich_help_panel=DATA)),
-    "num_prefix_groups": (int | None, typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes (default 1).", rich_help_panel=DATA)),
-    "hash_block_size": (int | None, typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id (default 512).", rich_help_panel=DATA)),
+    "prefix_len": (int | None, typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens [0].", rich_help_panel=DATA)),
+    "num_prefix_groups": (int | None, typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes [1].", rich_help_panel=DATA)),
+    "hash_block_size": (int | None, typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id [512].", rich_help_panel=DATA)),
     "input_scale": (float | None, typer.Option(None, "--input-scale", help="Multiply prompt lengths (default 1).", rich_help_panel=DATA)),
     "output_scale": (float | None, typer.Option(None, "--output-scale", help="Multiply output lengths (default 1).", rich_help_panel=DATA)),
     "max_input_len": (int | None, typer.Option(None, "--max-input-len", help="Cap prompt lengths.", rich_help_panel=DATA)),
@@ -139,10 +148,13 @@ SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
     "trace_timestamps": (bool | None, typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE)),
     "time_scale": (float | None, typer.Option(None, "--time-scale", help="Multiply trace gaps (0.5: twice as fast) (default 1).", rich_help_panel=ARRIVE)),
     "concurrency": (int | None, typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE)),
-    "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN)),
+    "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, unmeasured.", rich_help_panel=RUN)),
     "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
-    "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--respect-eos", " /--no-ignore-eos", help="Run every request to its output length (default, as vllm bench throughput); --respect-eos stops at the end token.", rich_help_panel=RUN)),
-    "chat_template": (Path | None, typer.Option(None, "--chat-template", help="Jinja chat template for rows of 'messages' (default the checkpoint's), as in bm run.", rich_help_panel=DATA)),
+    "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--respect-eos", " /--no-ignore-eos", help="Run each request to its full length (default); --respect-eos stops at EOS.", rich_help_panel=RUN)),
+    "chat_template": (Path | None, typer.Option(None, "--chat-template", help="Jinja template for 'messages' rows.", rich_help_panel=DATA)),
+    "percentile_metrics": (str | None, typer.Option(None, "--percentile-metrics", help="Latency rows shown, e.g. ttft,tpot,itl.", rich_help_panel=RUN)),
+    "metric_percentiles": (str | None, typer.Option(None, "--metric-percentiles", help="Percentiles shown, e.g. 25,50,99.", rich_help_panel=RUN)),
+    "dataset_path": (Path | None, typer.Option(None, "--dataset-path", "--dataset", hidden=True, help="DATASET, named as vllm bench and trtllm-bench name it.")),
     "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
     "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row: a datasheet's (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or one measured here with bm's own forward (cpu-local, cuda-local; bm sim calibrate).", rich_help_panel=SIM)),
     "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="Devices the model is split over (default 1): simulated under engine.executor=sim; in bm bench on torch, real ranks (tp_plan='auto', needs --model).", rich_help_panel=SIM)),
@@ -173,7 +185,7 @@ def bench(
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Results directory (default bm-out/bench-TIME).", rich_help_panel=RUN),
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
-    plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
+    plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots.", rich_help_panel=RUN),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help="Run N engine replicas as processes (torch.distributed); requests go to the least loaded.", rich_help_panel=MODEL),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help="Seconds a rank may stay silent before the run ends with an error.", rich_help_panel=MODEL),
