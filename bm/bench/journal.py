@@ -91,7 +91,7 @@ class RunFeed:
             records.append(request_record(index, self._rows[index], timeline))
             timeline.token_s = []  # its record holds what the metrics need of them
         for record in records:
-            self.requests.add(record, self._rows[record["index"]].output_len)
+            self.requests.add(record)
         if self.journal is not None:
             if rows:
                 self.journal.add_stats(rows)
@@ -110,6 +110,6 @@ class RunFeed:
             if not self.requests.given(i)
         ]
         for record in missing:
-            self.requests.add(record, self._rows[record["index"]].output_len)
+            self.requests.add(record)
         if missing and self.journal is not None:
             self.journal.add_requests(missing)

@@ -49,6 +49,7 @@ RECORD_COLUMNS = (
     "error",
     "input_tokens",
     "output_tokens",
+    "requested_output_tokens",
     "arrival_s",
     "send_s",
     "queue_time_ms",
@@ -71,6 +72,7 @@ def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str,
         "error": req.error,
         "input_tokens": req.input_len if req.input_ids is None else len(req.input_ids),
         "output_tokens": 0,
+        "requested_output_tokens": req.output_len,  # the length its row asked for
         "arrival_s": None,
         "send_s": None,
         "queue_time_ms": None,
@@ -140,7 +142,47 @@ def run_metrics(
     # cut off by an interrupt (never sent, or stopped mid-way): neither completed nor failed
     cancelled = int((records["finish_reason"] == CANCELLED).sum()) if "finish_reason" in records else 0
     itl = done["itl_ms"].explode() if len(done) else pd.Series(dtype=float)
-    return request_metrics(done, itl, len(records), cancelled, duration_s, slo_ms)
+    metrics = request_metrics(done, itl, len(records), cancelled, duration_s, slo_ms)
+    asked = done["requested_output_tokens"] if "requested_output_tokens" in done else [None] * len(done)
+    reasons = done["finish_reason"] if "finish_reason" in done else [None] * len(done)
+    return metrics | shortfall_figures(zip(asked, done["output_tokens"], reasons, strict=True))
+
+
+class Shortfall:
+    """The completed requests' output lengths against what their rows asked, summed as records come (a
+    few integers, whatever the run's length): a request that ended at the model's end token
+    (``--respect-eos``) or a stop word falls short, and the run says by how much rather than reporting
+    throughput over lengths nobody chose. A request whose row gives no length asks for nothing."""
+
+    def __init__(self) -> None:
+        self.asked = self.short = self.num_short = 0
+        self.reasons: dict[str, int] = {}
+
+    def add(self, asked: Any, produced: int, reason: str) -> None:
+        if asked is None or asked != asked:  # None, or NaN in a frame
+            return
+        asked, produced = int(asked), int(produced)
+        self.asked += asked
+        if produced < asked:
+            self.short += asked - produced
+            self.num_short += 1
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "requested_output_tokens": self.asked,
+            "output_tokens_short": self.short,
+            "num_requests_short": self.num_short,
+            "short_finish_reasons": dict(sorted(self.reasons.items())),
+        }
+
+
+def shortfall_figures(requests: Iterable[tuple[Any, int, str]]) -> dict[str, Any]:
+    """:class:`Shortfall` of (asked, produced, finish reason) per completed request."""
+    sums = Shortfall()
+    for asked, produced, reason in requests:
+        sums.add(asked, produced, reason)
+    return sums.figures()
 
 
 def request_metrics(

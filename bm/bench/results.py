@@ -83,11 +83,9 @@ def bench_result(
     slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
     requests = feed.requests
     requests.close()
-    metrics = (
-        requests.metrics(duration, slo, report_percentiles(bench.metric_percentiles))
-        | requests.shortfall()
-        | feed.stats.metrics(requests.num_paused_requests, requests.total_pauses)
-    )
+    metrics = requests.metrics(
+        duration, slo, report_percentiles(bench.metric_percentiles)
+    ) | feed.stats.metrics(requests.num_paused_requests, requests.total_pauses)
     return BenchResult(
         requests=requests,
         iterations=feed.stats,

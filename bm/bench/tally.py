@@ -31,6 +31,7 @@ import pandas as pd
 from bm.bench.metrics import (
     CANCELLED,
     PERCENTILES,
+    Shortfall,
     check_stats_columns,
     decoding_figures,
     no_iteration_metrics,
@@ -67,18 +68,13 @@ class RequestTally:
         self._itl_at = array("q", bytes(8 * n))  # where each request's gaps start in _itl, and how many
         self._itl_len = array("q", bytes(8 * n))
         self._pooled: np.ndarray | None = None  # the gaps in workload order, once the run is over
-        # Output lengths asked against produced, over the completed requests (sums: no memory per request)
-        self.requested_output_tokens = 0
-        self.output_tokens_short = 0
-        self.num_requests_short = 0
-        self.short_finish_reasons: dict[str, int] = {}
+        self._shortfall = Shortfall()  # the completed requests' output lengths against those asked: sums
 
     def given(self, index: int) -> bool:
         return bool(self._given[index])
 
-    def add(self, record: Mapping[str, Any], asked: int | None = None) -> None:
-        """Take one request's record (a ``requests.jsonl`` row, :func:`~bm.bench.metrics.request_record`);
-        ``asked``: the output length its row asked for, so a run can say how far short it fell."""
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Take one request's record (a ``requests.jsonl`` row, :func:`~bm.bench.metrics.request_record`)."""
         i = record["index"]
         if self._pooled is not None:
             raise ValueError(f"request {i}: a record after the run was over")
@@ -103,26 +99,9 @@ class RequestTally:
         self._itl_at[i] = len(self._itl)
         self._itl_len[i] = len(gaps)
         self._itl.extend(gaps)
-        if asked:
-            self._count_short(asked, record["output_tokens"], record["finish_reason"])
-
-    def _count_short(self, asked: int, produced: int, reason: str) -> None:
-        self.requested_output_tokens += asked
-        if produced < asked:
-            self.output_tokens_short += asked - produced
-            self.num_requests_short += 1
-            self.short_finish_reasons[reason] = self.short_finish_reasons.get(reason, 0) + 1
-
-    def shortfall(self) -> dict[str, Any]:
-        """The completed requests' output lengths against what their rows asked: a request that ended at
-        the model's end token (``--respect-eos``) or a stop word falls short, and the run says by how
-        much rather than reporting throughput over lengths nobody chose."""
-        return {
-            "requested_output_tokens": self.requested_output_tokens,
-            "output_tokens_short": self.output_tokens_short,
-            "num_requests_short": self.num_requests_short,
-            "short_finish_reasons": dict(sorted(self.short_finish_reasons.items())),
-        }
+        self._shortfall.add(
+            record.get("requested_output_tokens"), record["output_tokens"], record["finish_reason"]
+        )
 
     def _done(self) -> np.ndarray:
         return np.frombuffer(self._ok, dtype=np.bool_) if self.num_requests else np.zeros(0, dtype=bool)
@@ -164,7 +143,7 @@ class RequestTally:
                 **{f"{name}_ms": self.completed(name).to_numpy() for name in _LATENCIES},
             }
         )
-        return request_metrics(
+        metrics = request_metrics(
             frame,
             self.completed("itl"),
             self.num_requests,
@@ -173,6 +152,7 @@ class RequestTally:
             slo_ms,
             percentiles,
         )
+        return metrics | self._shortfall.figures()
 
     def nbytes(self) -> int:
         """The bytes its arrays hold (a memory check's figure)."""
