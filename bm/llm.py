@@ -100,10 +100,10 @@ class LLM:
         if tensor_parallel_size is not None:  # None: the ranks this process already runs in
             check_tensor_parallel(tensor_parallel_size)
         config_ = build_config(model, config, options)
-        from bm.runtime import load_model  # the runtime (transformers, kernels): once every keyword is judged
+        from bm.model_fit import load_fitting_model  # the runtime: once every keyword is judged
 
         self.seed = seed
-        self.loaded = load_model(config_.model)
+        self.loaded = load_fitting_model(config_.model)
         # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what
         # this object reports is what its engines run
         self.config = resolve_engine(config_, self.loaded.device_type)

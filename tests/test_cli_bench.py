@@ -250,7 +250,9 @@ def test_bench_recognizes_an_openai_batch_file(tmp_path):
     assert sorted(r["id"] for r in read_jsonl(out / "requests.jsonl")) == ["c0", "c1", "c2"]
 
 
-def test_bench_on_a_chat_batch_file_names_bm_run_before_loading(tmp_path):
+def test_bench_on_a_chat_batch_file_for_a_model_without_a_chat_template_names_the_flag(tmp_path):
+    """Chat lines replay through the chat template (tests/test_bench_defaults.py); the embedded model's
+    byte tokenizer has none, so the file is refused naming --chat-template, never read as a table."""
     path = tmp_path / "chat.jsonl"
     path.write_text(
         batch_line("a", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
@@ -258,4 +260,4 @@ def test_bench_on_a_chat_batch_file_names_bm_run_before_loading(tmp_path):
     result = bench(path, "-o", tmp_path / "out")
     assert result.exit_code == 2
     error = " ".join(result.stderr.split())
-    assert "line 1: messages" in error and "bm run" in error and "prompt-column" not in error
+    assert "line 1: messages" in error and "--chat-template" in error and "prompt-column" not in error

@@ -114,7 +114,10 @@ def test_detection_keeps_bm_lines_and_a_column_named_by_prompt_column(tmp_path):
     assert detect_kind(write_lines(tmp_path / "e.jsonl", rows), "question") == "hf"
 
 
-def test_a_chat_file_under_bench_is_refused_before_the_model_loads(tmp_path):
+def test_a_chat_file_under_bench_for_a_model_without_a_chat_template_exits_2_naming_the_flag(tmp_path):
+    """bm bench replays chats through the chat template (tests/test_bench_defaults.py); the embedded
+    model has none, which is known once it has loaded: no row can run, so nothing is replayed."""
     result = invoke("bench", SAMPLES / "chat.jsonl", "-o", tmp_path / "out")
     assert result.exit_code == USAGE
-    assert "none of its 12 rows can run" in result.output and "loading model" not in result.output
+    assert "none of its 12 rows can run" in result.output and "--chat-template FILE" in result.output
+    assert not (tmp_path / "out" / "results.json").exists()

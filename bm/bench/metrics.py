@@ -49,6 +49,7 @@ RECORD_COLUMNS = (
     "error",
     "input_tokens",
     "output_tokens",
+    "requested_output_tokens",
     "arrival_s",
     "send_s",
     "queue_time_ms",
@@ -71,6 +72,7 @@ def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str,
         "error": req.error,
         "input_tokens": req.input_len if req.input_ids is None else len(req.input_ids),
         "output_tokens": 0,
+        "requested_output_tokens": req.output_len,  # the length its row asked for
         "arrival_s": None,
         "send_s": None,
         "queue_time_ms": None,
@@ -109,8 +111,11 @@ def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str,
     return record
 
 
-def latency_stats(values: pd.Series, name: str) -> dict[str, float | None]:
-    """mean/median/std/pNN of ``values`` (ms) under vLLM's key names, e.g. ``p99_ttft_ms``."""
+def latency_stats(
+    values: pd.Series, name: str, percentiles: Iterable[float] = PERCENTILES
+) -> dict[str, float | None]:
+    """mean/median/std/pNN of ``values`` (ms) under vLLM's key names, e.g. ``p99_ttft_ms`` (``p99.9`` for a
+    fractional percentile, as vLLM names it)."""
     if values.dtype != np.float64:  # numbers already (a long pooled ITL column): not copied again
         values = pd.to_numeric(values, errors="coerce")
     values = values.dropna()
@@ -124,8 +129,8 @@ def latency_stats(values: pd.Series, name: str) -> dict[str, float | None]:
         f"median_{name}_ms": value(values.median()) if not empty else None,
         f"std_{name}_ms": value(values.std(ddof=0)) if not empty else None,
     }
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = value(values.quantile(p / 100)) if not empty else None
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = value(values.quantile(p / 100)) if not empty else None
     return out
 
 
@@ -137,7 +142,47 @@ def run_metrics(
     # cut off by an interrupt (never sent, or stopped mid-way): neither completed nor failed
     cancelled = int((records["finish_reason"] == CANCELLED).sum()) if "finish_reason" in records else 0
     itl = done["itl_ms"].explode() if len(done) else pd.Series(dtype=float)
-    return request_metrics(done, itl, len(records), cancelled, duration_s, slo_ms)
+    metrics = request_metrics(done, itl, len(records), cancelled, duration_s, slo_ms)
+    asked = done["requested_output_tokens"] if "requested_output_tokens" in done else [None] * len(done)
+    reasons = done["finish_reason"] if "finish_reason" in done else [None] * len(done)
+    return metrics | shortfall_figures(zip(asked, done["output_tokens"], reasons, strict=True))
+
+
+class Shortfall:
+    """The completed requests' output lengths against what their rows asked, summed as records come (a
+    few integers, whatever the run's length): a request that ended at the model's end token
+    (``--respect-eos``) or a stop word falls short, and the run says by how much rather than reporting
+    throughput over lengths nobody chose. A request whose row gives no length asks for nothing."""
+
+    def __init__(self) -> None:
+        self.asked = self.short = self.num_short = 0
+        self.reasons: dict[str, int] = {}
+
+    def add(self, asked: Any, produced: int, reason: str) -> None:
+        if asked is None or asked != asked:  # None, or NaN in a frame
+            return
+        asked, produced = int(asked), int(produced)
+        self.asked += asked
+        if produced < asked:
+            self.short += asked - produced
+            self.num_short += 1
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "requested_output_tokens": self.asked,
+            "output_tokens_short": self.short,
+            "num_requests_short": self.num_short,
+            "short_finish_reasons": dict(sorted(self.reasons.items())),
+        }
+
+
+def shortfall_figures(requests: Iterable[tuple[Any, int, str]]) -> dict[str, Any]:
+    """:class:`Shortfall` of (asked, produced, finish reason) per completed request."""
+    sums = Shortfall()
+    for asked, produced, reason in requests:
+        sums.add(asked, produced, reason)
+    return sums.figures()
 
 
 def request_metrics(
@@ -147,6 +192,7 @@ def request_metrics(
     num_cancelled: int,
     duration_s: float,
     slo_ms: Mapping[str, float | None] | None = None,
+    percentiles: Iterable[float] = PERCENTILES,
 ) -> dict[str, Any]:
     """:func:`run_metrics` from its parts: ``done``, the completed requests in workload order (columns
     ``input_tokens``, ``output_tokens`` and ``NAME_ms`` for every latency but ITL), and ``itl``, their
@@ -171,7 +217,7 @@ def request_metrics(
     empty = pd.Series(dtype=float)
     for name in LATENCIES:
         column = itl if name == "itl" else done[f"{name}_ms"] if len(done) else empty
-        metrics.update(latency_stats(column, name))
+        metrics.update(latency_stats(column, name, percentiles))
     return metrics
 
 

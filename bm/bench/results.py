@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pandas as pd
 
 import bm
 from bm.bench.journal import RunFeed
-from bm.bench.metrics import RECORD_COLUMNS
+from bm.bench.metrics import PERCENTILES, RECORD_COLUMNS
 from bm.bench.replayer import Replayer
 from bm.bench.tally import RequestTally, StatsTally
 from bm.config import BmConfig
@@ -82,9 +83,9 @@ def bench_result(
     slo = {"ttft": bench.slo_ttft_ms, "tpot": bench.slo_tpot_ms, "e2el": bench.slo_e2el_ms}
     requests = feed.requests
     requests.close()
-    metrics = requests.metrics(duration, slo) | feed.stats.metrics(
-        requests.num_paused_requests, requests.total_pauses
-    )
+    metrics = requests.metrics(
+        duration, slo, report_percentiles(bench.metric_percentiles)
+    ) | feed.stats.metrics(requests.num_paused_requests, requests.total_pauses)
     return BenchResult(
         requests=requests,
         iterations=feed.stats,
@@ -97,6 +98,12 @@ def bench_result(
         arrivals=ArrivalPlan.from_config(bench).describe() | {"max_concurrency": bench.max_concurrency},
         runtime=runtime,
     )
+
+
+def report_percentiles(asked: Iterable[float]) -> list[float]:
+    """bm's standard percentiles (p50, p90, p95, p99: what ``bm compare``, its baselines and ``bm report``
+    read) and the ones ``--metric-percentiles`` asks for, in order."""
+    return sorted(set(PERCENTILES) | set(asked))
 
 
 def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:

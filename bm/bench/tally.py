@@ -30,6 +30,8 @@ import pandas as pd
 
 from bm.bench.metrics import (
     CANCELLED,
+    PERCENTILES,
+    Shortfall,
     check_stats_columns,
     decoding_figures,
     no_iteration_metrics,
@@ -66,6 +68,7 @@ class RequestTally:
         self._itl_at = array("q", bytes(8 * n))  # where each request's gaps start in _itl, and how many
         self._itl_len = array("q", bytes(8 * n))
         self._pooled: np.ndarray | None = None  # the gaps in workload order, once the run is over
+        self._shortfall = Shortfall()  # the completed requests' output lengths against those asked: sums
 
     def given(self, index: int) -> bool:
         return bool(self._given[index])
@@ -96,6 +99,9 @@ class RequestTally:
         self._itl_at[i] = len(self._itl)
         self._itl_len[i] = len(gaps)
         self._itl.extend(gaps)
+        self._shortfall.add(
+            record.get("requested_output_tokens"), record["output_tokens"], record["finish_reason"]
+        )
 
     def _done(self) -> np.ndarray:
         return np.frombuffer(self._ok, dtype=np.bool_) if self.num_requests else np.zeros(0, dtype=bool)
@@ -122,8 +128,13 @@ class RequestTally:
             self._pooled = self._gaps()
             self._itl = array("d")
 
-    def metrics(self, duration_s: float, slo_ms: Mapping[str, float | None] | None = None) -> dict[str, Any]:
-        """:func:`~bm.bench.metrics.run_metrics` of the records given."""
+    def metrics(
+        self,
+        duration_s: float,
+        slo_ms: Mapping[str, float | None] | None = None,
+        percentiles: Iterable[float] = PERCENTILES,
+    ) -> dict[str, Any]:
+        """:func:`~bm.bench.metrics.run_metrics` of the records given, with ``percentiles`` of each latency."""
         done = self._done()
         frame = pd.DataFrame(
             {
@@ -132,9 +143,16 @@ class RequestTally:
                 **{f"{name}_ms": self.completed(name).to_numpy() for name in _LATENCIES},
             }
         )
-        return request_metrics(
-            frame, self.completed("itl"), self.num_requests, self.num_cancelled, duration_s, slo_ms
+        metrics = request_metrics(
+            frame,
+            self.completed("itl"),
+            self.num_requests,
+            self.num_cancelled,
+            duration_s,
+            slo_ms,
+            percentiles,
         )
+        return metrics | self._shortfall.figures()
 
     def nbytes(self) -> int:
         """The bytes its arrays hold (a memory check's figure)."""

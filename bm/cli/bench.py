@@ -1,164 +1,31 @@
 """``bm bench``: replay a dataset of timed arrivals through the batch manager, measure, report.
 
-Every flag sets one key of the config's ``bench`` section (or ``engine.batching_scheme`` /
-``engine.scheduler_policy`` for ``--scheme`` / ``--policy``), so a YAML file can hold a whole benchmark
-and the flags override it; the config's own checks judge every value, flags and file alike.
+Every flag sets one key of the config's ``bench`` section; the options bench shares with ``bm compare``
+and ``bm sweep``, and how flags become a config, are in :mod:`bm.cli.bench_options`. Loading the model
+and the dataset, and sizing the engine for them, are here, and those commands use them too.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
+from bm.cli.bench_options import MODEL, RUN, resolve_config, with_shared_options  # compare, sweep: too
 from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.interrupts import Interrupts
-from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override, resolve_engine
+from bm.config import BmConfig, ConfigError, resolve_engine
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
     from bm.workloads import Workload
-
-DATA, ARRIVE, RUN, MODEL = "Dataset", "Arrivals", "Run and output", "Model and engine"
-SIM = "Simulator"
-
-# flag parameter -> config key; a flag left unset (None) keeps the config file's value.
-FLAG_KEYS = {
-    "dataset": "bench.dataset",
-    "scheme": "engine.batching_scheme",
-    "policy": "engine.scheduler_policy",
-    "model": "model.path",
-    "model_config": "model.config",
-    **{
-        name: f"bench.{name}"
-        for name in (
-            "dataset_kind",
-            "prompt_column",
-            "output_column",
-            "split",
-            "input_len",
-            "output_len",
-            "range_ratio",
-            "prefix_len",
-            "num_prefix_groups",
-            "hash_block_size",
-            "input_scale",
-            "output_scale",
-            "max_input_len",
-            "max_output_len",
-            "num_requests",
-            "shuffle",
-            "seed",
-            "burstiness",
-            "trace_timestamps",
-            "time_scale",
-            "warmup",
-            "ignore_eos",
-            "out_dir",
-        )
-    },
-    "rate": "bench.request_rate",
-    "concurrency": "bench.max_concurrency",
-    "json_output": "bench.json_output",
-    "executor": "engine.executor",
-    "hardware": "sim.hardware",
-    "tensor_parallel": "sim.tensor_parallel",
-}
-SLO_KEYS = {"ttft": "bench.slo_ttft_ms", "tpot": "bench.slo_tpot_ms", "e2el": "bench.slo_e2el_ms"}
-
-
-def parse_slo(texts: list[str]) -> dict[str, float]:
-    """``ttft=500,tpot=50`` (or vLLM's ``ttft:500 tpot:50``) -> config overrides, in ms."""
-    out: dict[str, float] = {}
-    for text in texts:
-        for part in text.replace(" ", ",").split(","):
-            if not part:
-                continue
-            name, sep, value = part.replace(":", "=").partition("=")
-            key = SLO_KEYS.get(name.strip().lower())
-            if key is None or not sep:
-                raise ConfigError(
-                    f"--slo {part!r}: expected METRIC=MS with METRIC one of ttft, tpot, e2el (e.g. ttft=500)"
-                )
-            try:
-                out[key] = float(value)
-            except ValueError:
-                raise ConfigError(f"--slo {part!r}: {value!r} is not a number of milliseconds") from None
-    return out
-
-
-def resolve_config(config: Path | None, sets: list[str], flags: dict[str, Any], slo: list[str]) -> BmConfig:
-    overrides: dict[str, Any] = dict(parse_override(o) for o in sets)
-    for name, key in FLAG_KEYS.items():
-        value = flags.get(name)
-        if value is not None:
-            if name == "model":  # --model NAME picks a preset, as in bm run
-                key, value = model_override(value)
-            overrides[key] = str(value) if isinstance(value, Path) else value
-    overrides.update(parse_slo(slo))
-    # The simulator gets no defaults of its own: it resolves the engine's per-device defaults from its
-    # hardware row exactly as the real engine does from the model's device (bm.config.resolve_engine),
-    # so a what-if predicts the run the same flags would make.
-    return load_config(config, overrides)
-
-
-# Options bm bench and bm compare share, declared once so the two commands cannot drift apart: a
-# benchmark written for one runs unchanged under the other. name -> (type, typer option).
-SHARED_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "set_": (list[str], typer.Option([], "--set", "-s", help="Override a config key, e.g. bench.warmup=8.", rich_help_panel=MODEL)),
-    "model": (str | None, typer.Option(None, "--model", help="A preset (smollm2-135m, tiny-random) or a local checkpoint directory.", rich_help_panel=MODEL)),
-    "model_config": (str | None, typer.Option(None, "--model-config", help="Model config JSON (random weights).", rich_help_panel=MODEL)),
-    "dataset_kind": (str | None, typer.Option(None, "--dataset-kind", "--dataset-name", help="auto, bm, trtllm, sharegpt, azure, mooncake, hf, synthetic.", rich_help_panel=DATA)),
-    "prompt_column": (str | None, typer.Option(None, "--prompt-column", help="hf: prompt column.", rich_help_panel=DATA)),
-    "output_column": (str | None, typer.Option(None, "--output-column", help="hf: output length or completion column.", rich_help_panel=DATA)),
-    "split": (str | None, typer.Option(None, "--split", help="hf: split (default train).", rich_help_panel=DATA)),
-    "input_len": (int | None, typer.Option(None, "--input-len", help="synthetic: mean prompt length (default 1024).", rich_help_panel=DATA)),
-    "output_len": (int | None, typer.Option(None, "--output-len", help="synthetic: mean output length; also for rows that give none (default 128).", rich_help_panel=DATA)),
-    "range_ratio": (float | None, typer.Option(None, "--range-ratio", help="synthetic: lengths uniform in len*(1±r) (default 0).", rich_help_panel=DATA)),
-    "prefix_len": (int | None, typer.Option(None, "--prefix-len", help="synthetic: shared prefix tokens (default 0).", rich_help_panel=DATA)),
-    "num_prefix_groups": (int | None, typer.Option(None, "--num-prefix-groups", help="synthetic: distinct prefixes (default 1).", rich_help_panel=DATA)),
-    "hash_block_size": (int | None, typer.Option(None, "--hash-block-size", help="mooncake: tokens per hash id (default 512).", rich_help_panel=DATA)),
-    "input_scale": (float | None, typer.Option(None, "--input-scale", help="Multiply prompt lengths (default 1).", rich_help_panel=DATA)),
-    "output_scale": (float | None, typer.Option(None, "--output-scale", help="Multiply output lengths (default 1).", rich_help_panel=DATA)),
-    "max_input_len": (int | None, typer.Option(None, "--max-input-len", help="Cap prompt lengths.", rich_help_panel=DATA)),
-    "max_output_len": (int | None, typer.Option(None, "--max-output-len", help="Cap output lengths.", rich_help_panel=DATA)),
-    "num_requests": (int | None, typer.Option(None, "--num-requests", "--num-prompts", "-n", help="First N requests (default all; 1000 synthetic).", rich_help_panel=DATA)),
-    "shuffle": (bool | None, typer.Option(None, "--shuffle/--no-shuffle", help="Shuffle rows with the seed.", rich_help_panel=DATA)),
-    "seed": (int | None, typer.Option(None, "--seed", help="Seed of shuffling, token ids, arrivals (default 0).", rich_help_panel=DATA)),
-    "rate": (float | None, typer.Option(None, "--rate", "--request-rate", help="Poisson arrivals, requests/s (default offline: all at t=0).", rich_help_panel=ARRIVE)),
-    "burstiness": (float | None, typer.Option(None, "--burstiness", help="Gamma shape of the gaps at --rate (default 1: Poisson).", rich_help_panel=ARRIVE)),
-    "trace_timestamps": (bool | None, typer.Option(None, "--trace-timestamps/--no-trace-timestamps", help="Replay the dataset's timestamps.", rich_help_panel=ARRIVE)),
-    "time_scale": (float | None, typer.Option(None, "--time-scale", help="Multiply trace gaps (0.5: twice as fast) (default 1).", rich_help_panel=ARRIVE)),
-    "concurrency": (int | None, typer.Option(None, "--concurrency", "--max-concurrency", help="Most requests in flight.", rich_help_panel=ARRIVE)),
-    "warmup": (int | None, typer.Option(None, "--warmup", help="Requests run first, not measured (default 0).", rich_help_panel=RUN)),
-    "slo": (list[str], typer.Option([], "--slo", help="Goodput SLOs in ms: ttft=500,tpot=50,e2el=2000.", rich_help_panel=RUN)),
-    "ignore_eos": (bool | None, typer.Option(None, "--ignore-eos/--no-ignore-eos", help="Run every request to its length.", rich_help_panel=RUN)),
-    "executor": (str | None, typer.Option(None, "--executor", help="torch (default) or sim: simulated time from a cost model.", rich_help_panel=SIM)),
-    "hardware": (str | None, typer.Option(None, "--hardware", help="sim: hardware row: a datasheet's (h100-sxm, h200, b200, a100-80gb, l40s, mi300x) or one measured here with bm's own forward (cpu-local, cuda-local; bm sim calibrate).", rich_help_panel=SIM)),
-    "tensor_parallel": (int | None, typer.Option(None, "--tensor-parallel", "--tp", help="Devices the model is split over (default 1): simulated under engine.executor=sim; in bm bench on torch, real ranks (tp_plan='auto', needs --model).", rich_help_panel=SIM)),
-}  # fmt: skip
-
-
-def with_shared_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Give ``command`` (which takes ``**shared``) every option of :data:`SHARED_OPTIONS` as its own.
-
-    typer reads a command's parameters from its signature, so the signature is extended instead of
-    repeating the declarations; typer copies each option object, so sharing them is safe."""
-    signature = inspect.signature(command)
-    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    extra = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
-        for name, (kind, option) in SHARED_OPTIONS.items()
-    ]
-    command.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
-    return command
 
 
 @with_shared_options
@@ -170,7 +37,7 @@ def bench(
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Results directory (default bm-out/bench-TIME).", rich_help_panel=RUN),
     json_output: bool | None = typer.Option(None, "--json/--no-json", help="Print only the results JSON.", rich_help_panel=RUN),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar.", rich_help_panel=RUN),
-    plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots (as bm report does).", rich_help_panel=RUN),
+    plot: bool = typer.Option(False, "--plot", help="Also write PNG plots into OUT_DIR/plots.", rich_help_panel=RUN),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results already in OUT_DIR.", rich_help_panel=RUN),
     data_parallel: int | None = typer.Option(None, "--data-parallel", help="Run N engine replicas as processes (torch.distributed); requests go to the least loaded.", rich_help_panel=MODEL),
     rank_timeout: float = typer.Option(300.0, "--rank-timeout", help="Seconds a rank may stay silent before the run ends with an error.", rich_help_panel=MODEL),
@@ -239,7 +106,7 @@ def run_command(
         return USAGE
     from bm.bench import run_bench, write_results
     from bm.bench.results import startup_line
-    from bm.cli.bench_report import bench_progress, print_results, tick
+    from bm.cli.bench_report import bench_progress, print_results, shortfall_line, tick
     from bm.cli.journal import FileJournal
     from bm.cli.progress import PlainProgress
 
@@ -294,6 +161,9 @@ def run_command(
 
         paths = write_plots(load_plot_data(out), out / "plots")
         console.print(f"plots: {len(paths)} PNGs in {out / 'plots'}", soft_wrap=True)
+    short = shortfall_line(results)
+    if short is not None:
+        console.print(f"[yellow]{escape(short)}[/]", highlight=False)
     if results["failed"]:
         console.print(f"[yellow]{results['failed']} request(s) failed; see their error in requests.jsonl[/]")
     if result.interrupted:  # the table alone looked like a finished run
@@ -356,15 +226,12 @@ def _read_dataset(bench: Any) -> Workload:
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
+    from bm.cli.chat import ChatTemplateError
     from bm.workloads import DatasetError, load_workload
 
     try:
         rows = _read_dataset(cfg.bench)  # the dataset first: a bad file is reported before the model loads
-        bad = [r for r in rows.requests if not r.ok]
-        if len(bad) == len(rows.requests):
-            raise DatasetError(
-                f"{rows.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
-            )
+        _check_some_row_runs(rows)
     except (DatasetError, ConfigError) as exc:
         print_error(str(exc))
         return None
@@ -372,10 +239,12 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
     if sim:  # no weights, no torch: the model's shape and a hardware row (bm.sim.run)
         load_errors: tuple[type[Exception], ...] = ()
     else:
-        from bm.runtime import ModelLoadError, UnsupportedAttentionError, load_model
+        from bm.model_fit import load_fitting_model
+        from bm.runtime import ModelLoadError, UnsupportedAttentionError
 
         load_errors = (ModelLoadError, UnsupportedAttentionError)
     try:
+        template = _chat_template(cfg.bench.chat_template)  # checked before the model loads
         console.print(
             f"loading model ({cfg.model.preset or cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ..."
         )
@@ -384,20 +253,47 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
 
             loaded = load_sim_model(cfg)
         else:
-            loaded = load_model(cfg.model)
+            loaded = load_fitting_model(cfg.model)  # a tokenizer that does not fit is refused here
         tokenizer = loaded.tokenizer
+        render_chat = None
+        if tokenizer is not None:  # chat rows render as bm run renders them (its codec)
+            from bm.cli.prompts import codec_for
+
+            render_chat = codec_for(loaded, template).render_chat
         workload = load_workload(
             cfg.bench,
             vocab_size=loaded.vocab_size,
             encode=tokenizer.encode if tokenizer is not None else None,
             encode_word=tokenizer.encode_word if tokenizer is not None else None,
             workload=rows,
+            render_chat=render_chat,
         )
-    except (*load_errors, DatasetError, ConfigError) as exc:
+        _check_some_row_runs(workload)  # e.g. chats for a model with no chat template
+    except (*load_errors, DatasetError, ConfigError, ChatTemplateError) as exc:
         print_error(str(exc))
         return None
     _report_dataset(console, workload)
     return loaded, workload
+
+
+def _check_some_row_runs(workload: Workload) -> None:
+    """A dataset none of whose rows can run is refused (exit 2) rather than replayed as empty tables."""
+    from bm.workloads import DatasetError
+
+    bad = [r for r in workload.requests if not r.ok]
+    if bad and len(bad) == len(workload.requests):
+        raise DatasetError(
+            f"{workload.source}: none of its {len(bad)} rows can run; the first: {bad[0].error}"
+        )
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template`` (bench.chat_template), read and checked as bm run checks its own."""
+    if path is None:
+        return None
+    from bm.cli.chat import read_chat_template
+
+    return read_chat_template(Path(path))
 
 
 def engine_config(

@@ -15,10 +15,14 @@ from bm.bench import ReplayProgress
 from bm.cli.progress import PlainProgress, eta_s, format_duration
 
 LATENCY_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("queue_time", "Queue"))
-LATENCY_CAPTION = (
-    "TTFT: time to first token, TPOT: time per output token after the first, ITL: every gap between "
-    "tokens, E2EL: end-to-end latency, Queue: arrival to first scheduled iteration"
-)
+LATENCY_MEANINGS = {
+    "ttft": "time to first token",
+    "tpot": "time per output token after the first",
+    "itl": "every gap between tokens",
+    "e2el": "end-to-end latency",
+    "queue_time": "arrival to first scheduled iteration",
+}
+LATENCY_CAPTION = ", ".join(f"{label}: {LATENCY_MEANINGS[key]}" for key, label in LATENCY_ROWS)
 
 
 def bench_progress(console: Console, enabled: bool) -> Progress:
@@ -107,14 +111,47 @@ def summary_table(results: dict[str, Any]) -> Table:
 
 
 def latency_table(results: dict[str, Any]) -> Table:
-    table = Table(title="Latency (ms)", title_justify="left", caption=LATENCY_CAPTION, caption_justify="left")
-    columns = ("mean", "median", "std", "p90", "p95", "p99")
+    """Mean, median, std and the percentiles ``--metric-percentiles`` asks (p90, p95, p99 by default; p50
+    is the median) of the latencies ``--percentile-metrics`` names (all five by default)."""
+    bench = results.get("config", {}).get("bench", {})
+    percentiles = bench.get("metric_percentiles") or (90, 95, 99)
+    shown = bench.get("percentile_metrics") or [key for key, _ in LATENCY_ROWS]
+    columns = ("mean", "median", "std", *(f"p{p:g}" for p in percentiles if p != 50))
+    rows = [(key, label) for key, label in LATENCY_ROWS if key in shown]
+    caption = ", ".join(f"{label}: {LATENCY_MEANINGS[key]}" for key, label in rows)
+    table = Table(title="Latency (ms)", title_justify="left", caption=caption, caption_justify="left")
     table.add_column("metric")
     for column in columns:
         table.add_column(column, justify="right")
-    for key, label in LATENCY_ROWS:
+    for key, label in rows:
         table.add_row(label, *(_fmt(results.get(f"{c}_{key}_ms")) for c in columns))
     return table
+
+
+REASON_NAMES = {"end_id": "the end token", "stop": "a stop word", "length": "the length cap"}
+
+
+def shortfall_line(results: dict[str, Any]) -> str | None:
+    """``output fell 94 tokens short of the 384 asked: 6 of 8 completed requests ended early (the end
+    token: 6); --respect-eos was given`` when a run produced fewer tokens than its rows asked, else None.
+    Throughput over lengths the model chose is not the benchmark the dataset describes, so it is said."""
+    short = results.get("output_tokens_short")
+    if not short:
+        return None
+    reasons = ", ".join(
+        f"{REASON_NAMES.get(reason, reason)}: {count:,}"
+        for reason, count in (results.get("short_finish_reasons") or {}).items()
+    )
+    why = (
+        "--respect-eos stops a request at the model's end token; drop it to run every request to its length"
+        if not results["config"]["bench"]["ignore_eos"]
+        else "their rows' own end_id, stop words or a length cap ended them"
+    )
+    return (
+        f"output fell {short:,} tokens short of the {results['requested_output_tokens']:,} asked: "
+        f"{results['num_requests_short']:,} of {results['completed']:,} completed requests ended before "
+        f"their length ({reasons}); {why}"
+    )
 
 
 def _budgets(engine: dict[str, Any]) -> str:

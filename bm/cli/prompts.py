@@ -19,7 +19,13 @@ from bm.engine.request import Request
 from bm.engine.seeds import line_seed
 from bm.engine.validate import check_prompt_length
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
-from bm.workloads.jsonl import WORD_LISTS, check_without_tokenizer, read_request_file, resolve_word_list
+from bm.workloads.jsonl import (
+    WORD_LISTS,
+    chat_ids,
+    check_without_tokenizer,
+    read_request_file,
+    resolve_word_list,
+)
 from bm.workloads.request import Row, RowError
 from bm.workloads.tool_parsers import detect_parser, line_parser
 
@@ -147,19 +153,7 @@ def _prompt_ids(entry: Row, codec: Codec) -> list[int]:
     if entry.input_ids is not None:
         return entry.input_ids
     if entry.messages is not None:
-        if codec.render_chat is None:
-            raise RowError(
-                "messages: this model has no chat template; give one with --chat-template FILE, "
-                "or send the prompt as text"
-            )
-        ids = (
-            codec.render_chat(entry.messages, tools=entry.tools)
-            if entry.tools
-            else codec.render_chat(entry.messages)
-        )
-        if not ids:
-            raise RowError("messages: the chat renders to no tokens")
-        return ids
+        return chat_ids(entry, codec.render_chat)
     # a tokenizer: to_request refused a text prompt without one
     ids = _encode_prompt(codec.encode, entry.prompt or "", codec.max_prompt_tokens)
     if not ids:

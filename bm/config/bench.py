@@ -3,6 +3,7 @@ hold a whole benchmark. Kept in one module: its checks, its allowed values and i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,50 @@ DATASET_KINDS = {
     "trtllm-bench": "trtllm",
     "huggingface": "hf",
     "random": "synthetic",
+    "custom": "bm",  # vllm bench's JSONL of {"prompt": ...} lines
     "openai": "openai-batch",
 }
+
+
+# The latencies a run reports (bm.bench.metrics.LATENCIES), by the stems of their results.json keys.
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "queue_time")
+STANDARD_PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+
+
+def _items(key: str, value: Any, example: str) -> list[Any]:
+    """A list given as a YAML list or as vLLM's comma-separated text (``ttft,tpot``)."""
+    if isinstance(value, str):
+        items: list[Any] = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(f"{key}: expected a comma-separated list, e.g. {example}, got {value!r}")
+    if not items:
+        raise ConfigError(f"{key}: give at least one, e.g. {example}")
+    return items
+
+
+def _metric_names(key: str, value: Any) -> tuple[str, ...]:
+    """Latency names (vLLM's ``--percentile-metrics``): which rows the latency table shows."""
+    names = [str(v).strip().lower() for v in _items(key, value, "ttft,tpot,itl")]
+    bad = next((n for n in names if n not in LATENCY_METRICS), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: unknown metric {bad!r}; bm reports {', '.join(LATENCY_METRICS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _percentiles(key: str, value: Any) -> tuple[float, ...]:
+    """Percentiles in (0, 100] (vLLM's ``--metric-percentiles 25,50,99``)."""
+    out = []
+    for item in _items(key, value, "25,50,99"):
+        try:
+            number = float(item) if not isinstance(item, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not 0 < number <= 100:
+            raise ConfigError(f"{key}: {item!r} is not a percentile in (0, 100]")
+        out.append(number)
+    return tuple(sorted(set(out)))
 
 
 def _rate(key: str, value: Any) -> Any:
@@ -109,7 +152,27 @@ class BenchConfig:
     slo_e2el_ms: float | None = knob(
         None, "Goodput SLO on end-to-end latency (ms).", number_in(0, None, optional=True)
     )
-    ignore_eos: bool = knob(False, "Run every request to its output length (no end token).", boolean)
+    percentile_metrics: tuple[str, ...] = knob(
+        LATENCY_METRICS,
+        "The latencies the terminal's table shows (vLLM's --percentile-metrics); results.json has all.",
+        _metric_names,
+    )
+    metric_percentiles: tuple[float, ...] = knob(
+        STANDARD_PERCENTILES,
+        "Percentiles reported (vLLM's --metric-percentiles); results.json always has p50, p90, p95, p99.",
+        _percentiles,
+    )
+    ignore_eos: bool = knob(
+        True,
+        "Run every request to its dataset's output length, past the model's end token, as vllm bench "
+        "throughput and trtllm-bench do; false (--respect-eos) stops a request at the end token.",
+        boolean,
+    )
+    chat_template: str | None = knob(
+        None,
+        "A Jinja chat template file for chat rows ('messages'); default the checkpoint's own, as bm run.",
+        optional_str,
+    )
     out_dir: str | None = knob(None, "Results directory (default bm-out/bench-TIME).", optional_str)
     json_output: bool = knob(False, "Print only the results JSON on the terminal.", boolean)
 

@@ -165,6 +165,12 @@ def validate(cfg: BmConfig) -> None:
         )
     if engine.executor == "sim" and not (cfg.model.config or cfg.model.path):
         raise ConfigError(_sim_needs_shape(cfg.model.preset))
+    if engine.executor == "sim" and not cfg.bench.ignore_eos:
+        raise ConfigError(
+            "bench.ignore_eos is false (--respect-eos), but the simulator has no logits to tell where a "
+            "model would end: it runs every request to its dataset's length; drop --respect-eos (or set "
+            "bench.ignore_eos: true) to simulate, or run --executor torch"
+        )
     validate_bench(cfg.bench)
     try:  # BM_CPU_ISA, the C kernels' instruction set: bm.cpu_isa owns the rule, config only refuses early
         check_cpu_isa()

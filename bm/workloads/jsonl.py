@@ -37,6 +37,7 @@ from bm.workloads.tools import is_auto, read_tools, tool_choice_spec
 __all__ = [
     "WORD_LISTS",
     "Row",
+    "chat_ids",
     "iter_lines",
     "iter_request_file",
     "iter_slice_lines",
@@ -286,6 +287,22 @@ def resolve_word_list(
         else:
             words.append(list(word))
     return words
+
+
+def chat_ids(row: Row, render_chat: Callable[..., list[int]] | None) -> list[int]:
+    """The prompt ids of a chat row (``messages``, and ``tools`` for the template), rendered with the
+    model's chat template; one rule for ``bm run``'s lines and ``bm bench``'s replayed rows.
+    ``render_chat``: ``(messages, tools=None) -> ids`` (:class:`bm.cli.prompts.Codec`), None when the
+    model has no template."""
+    if render_chat is None:
+        raise RowError(
+            "messages: this model has no chat template; give one with --chat-template FILE, "
+            "or send the prompt as text"
+        )
+    ids = render_chat(row.messages, tools=row.tools) if row.tools else render_chat(row.messages)
+    if not ids:
+        raise RowError("messages: the chat renders to no tokens")
+    return list(ids)
 
 
 NAME_A_TOKENIZER = "or name a tokenizer with --set model.tokenizer=DIR"

@@ -20,12 +20,13 @@ import numpy as np
 
 from bm.config import DATASET_KINDS, BenchConfig
 from bm.workloads.hf import BUILDERS, load_hf
-from bm.workloads.jsonl import KNOWN_KEYS, WORD_LISTS, iter_lines, resolve_word_list
+from bm.workloads.jsonl import KNOWN_KEYS, WORD_LISTS, chat_ids, iter_lines, resolve_word_list
 from bm.workloads.records import load_bm_jsonl, load_sharegpt, load_trtllm_jsonl
 from bm.workloads.request import DatasetError, Row, RowError, Workload, check_order
 from bm.workloads.synthetic import load_synthetic
 
 Encode = Callable[[str], list[int]]
+RenderChat = Callable[..., list[int]]  # (messages, tools=None) -> prompt ids
 BM_KEYS = KNOWN_KEYS - {"id"}  # the fields that mark a line as bm's format (any table may have an id)
 FIRST_RANDOM_ID = 3  # ids 0-2 are pad/bos/eos in most vocabularies (and in make_workload.py)
 
@@ -124,12 +125,15 @@ def load_workload(
     encode: Encode | None,
     encode_word: Encode | None = None,
     workload: Workload | None = None,
+    render_chat: RenderChat | None = None,
 ) -> Workload:
     """The workload ``bm bench`` replays: selected, tokenized, scaled and capped, in replay order.
 
-    ``encode_word`` tokenizes the strings of word lists (without the special tokens a prompt gets);
-    ``workload`` is the result of :func:`read_workload` when the caller read the file already (before
-    loading the model, so a bad file is reported at once)."""
+    ``encode_word`` tokenizes the strings of word lists and stop strings (without the special tokens a
+    prompt gets); ``render_chat`` turns a chat row's ``messages`` into prompt ids with the model's chat
+    template (``bm run``'s codec, :class:`bm.cli.prompts.Codec`); ``workload`` is the result of
+    :func:`read_workload` when the caller read the file already (before loading the model, so a bad file
+    is reported at once)."""
     workload = workload if workload is not None else read_workload(bench)
     requests = workload.requests
     if bench.trace_timestamps:
@@ -145,7 +149,7 @@ def load_workload(
         random.Random(bench.seed).shuffle(requests)
     if bench.num_requests is not None:
         del requests[bench.num_requests :]
-    _finalize(workload, bench, vocab_size, encode, encode_word or encode)
+    _finalize(workload, bench, vocab_size, encode, encode_word or encode, render_chat)
     return workload
 
 
@@ -154,7 +158,12 @@ def _scaled(value: int, scale: float) -> int:
 
 
 def _finalize(
-    workload: Workload, bench: BenchConfig, vocab_size: int, encode: Encode | None, encode_word: Encode | None
+    workload: Workload,
+    bench: BenchConfig,
+    vocab_size: int,
+    encode: Encode | None,
+    encode_word: Encode | None,
+    render_chat: RenderChat | None = None,
 ) -> None:
     # numpy draws a prompt's ids in one call; random.randrange per token cost seconds per thousand
     # requests of a long trace
@@ -173,10 +182,14 @@ def _finalize(
         if not req.ok:
             continue
         try:
-            _tokenize(req, encode)
+            _tokenize(req, encode, render_chat)
             for name in WORD_LISTS:
                 if name in req.fields:
                     req.fields[name] = resolve_word_list(req.fields[name], name, encode_word)
+            if req.stop:  # stop strings end a request as bm run's do: as stop words
+                stops = resolve_word_list(req.stop, "stop", encode_word)
+                req.fields["stop_words_list"] = [*req.fields.get("stop_words_list", []), *stops]
+                req.stop = []
         except RowError as exc:
             req.error = f"{req.where}: {exc}"
             continue
@@ -192,13 +205,16 @@ def _finalize(
         req.input_len = len(req.input_ids)
 
 
-def _tokenize(req: Row, encode: Encode | None) -> None:
-    for text in (req.prompt, req.output_text):
+def _tokenize(req: Row, encode: Encode | None, render_chat: RenderChat | None = None) -> None:
+    for text in (req.prompt, req.output_text, req.messages):
         if text is not None and encode is None:
             raise DatasetError(
                 f"{req.where}: the dataset holds text but the model has no tokenizer; set model.tokenizer "
                 "(or model.path to a checkpoint with one), or use a dataset with token ids or lengths"
             )
+    if req.messages is not None:
+        req.input_ids = chat_ids(req, render_chat)
+        req.input_len = len(req.input_ids)
     if req.prompt is not None:
         req.input_ids = list(encode(req.prompt))  # type: ignore[misc]
         if not req.input_ids:

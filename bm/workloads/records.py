@@ -1,6 +1,6 @@
 """Prompt datasets stored as JSON: bm's JSONL, trtllm-bench's JSONL, and ShareGPT.
 
-- bm JSONL (what ``bm run`` reads): ``{"id"?, "prompt" | "input_ids", "request_output_len"? (or
+- bm JSONL (what ``bm run`` reads): ``{"id"?, "prompt" | "input_ids" | "messages", "request_output_len"? (or
   ``max_tokens``, ``max_new_tokens``, ``output_tokens``), "arrival_time"? (seconds), <request fields>}``.
 - trtllm-bench JSONL (``prepare_dataset.py``): ``{"task_id", "prompt" | "input_ids", "output_tokens"}``.
 - ShareGPT JSON: a list of ``{"id"?, "conversations": [{"from", "value"}, ...]}``; the first turn is the
@@ -29,18 +29,13 @@ def load_bm_jsonl(path: Path, default_output_len: int) -> Workload:
 
 def replayable(row: Row, default_output_len: int) -> Row:
     """A parsed request line (bm's, or an OpenAI batch line's) as ``bm bench`` replays it: its output
-    length settled, and what only ``bm run`` reads (chats, stop strings) refused on the row."""
+    length settled. A chat (``messages``) is rendered with the model's chat template and stop strings
+    are tokenized once the model is loaded (:func:`bm.workloads.load.load_workload`), as ``bm run``
+    does with the same line."""
     if row.ok:
         row.output_len = row.output_len or default_output_len
         if row.input_ids is not None:
             row.input_len = len(row.input_ids)
-        elif row.messages is not None:
-            row.error = (
-                f"{row.where}: messages: bm bench replays 'prompt' or 'input_ids' lines; "
-                "render the chat with bm run, or give the prompt as text"
-            )
-        if row.stop and row.ok:
-            row.error = f"{row.where}: stop: stop strings are read by bm run; give stop_words_list"
     return row
 
 
