@@ -214,6 +214,24 @@ def test_sigterm_during_the_command_lines_imports_exits_130_without_a_traceback(
     assert "Traceback" not in done.stderr and "SIGTERM: interrupted during start-up" in done.stderr
 
 
+def test_a_signal_after_the_command_finished_keeps_its_exit_code(tmp_path):
+    """Interpreter teardown after a finished command takes a second with torch loaded; a SIGTERM
+    then used to end a complete run with -15 instead of its own exit code."""
+    code = (
+        "import os, signal, sys, time\n"
+        "sys.argv = ['bm', '--help']\n"
+        "from bm.cli.entry import main\n"
+        "import atexit\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(HANG)))\n"
+        "main()\n"
+    ).replace("HANG", str(HANG_S))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage" in done.stdout and "Traceback" not in done.stderr
+
+
 def command(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "bm", *args]

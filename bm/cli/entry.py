@@ -9,12 +9,42 @@ nothing has run, and the process exits 130 with one line saying so.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+from typing import Any
 
-from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupted, Interrupts
+from bm.cli.interrupts import INTERRUPTED_EXIT, SIGNALS, Interrupted, Interrupts
 
 
 def main() -> None:
+    try:
+        _main()
+    except SystemExit as exc:
+        code = exc.code
+        keep_exit_code_on_late_signals(code if isinstance(code, int) else (0 if code is None else 1))
+        raise
+    keep_exit_code_on_late_signals(0)
+
+
+def keep_exit_code_on_late_signals(code: int) -> None:
+    """The command is over and its results are written: a signal while the interpreter tears down
+    (a second or so with torch loaded) ends the process with the command's own exit code at once.
+    Left to the default action, a SIGTERM there ended a finished run with -15, as if it had failed
+    (1 of 53 soak trials beside busy loops)."""
+
+    def finish(_signum: int, _frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+    for sig in SIGNALS:
+        signal.signal(sig, finish)
+
+
+def _main() -> None:
     with Interrupts():
         try:
             from bm.cli.main import app
