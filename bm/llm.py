@@ -183,9 +183,9 @@ class LLM:
         if current_layout().is_distributed:
             return None
         if self._executor is None:
-            from bm.runtime.executor import TorchExecutor
+            from bm.runtime.executor import executor_for
 
-            self._executor = TorchExecutor(self.loaded)
+            self._executor = executor_for(self.loaded)  # the model's: a run_bench over it shares it too
         return self._executor
 
     def _prepare_engine(self) -> None:

@@ -2,13 +2,17 @@
 prompt-carrying forwards whose kernel variants would compile mid-run) run once before any request, and
 never change a request's output.
 
-On CPU the same code runs with ``model.warmup: on``: the Triton path under Triton's interpreter with the
-static buffers of the CUDA-graph path (``model.cuda_graphs: on``), and bm's C kernels on the torch path.
+The CPU warms up by default too (``model.warmup: auto``), on the torch path with bm's C kernels; the
+CUDA path's code runs here on the Triton path under Triton's interpreter with the static buffers of the
+CUDA-graph path (``model.cuda_graphs: on``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -18,7 +22,8 @@ from bm.engine.core import EngineCore
 from bm.engine.request import Request
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.executor import TorchExecutor
-from bm.runtime.warmup import prefill_shapes, warmup_enabled
+from bm.runtime.model_runner import ModelRunner
+from bm.runtime.warmup import DECODE, PREFILL_CLASSES, prefill_shapes, warmup_enabled
 from tests.conftest import hf_greedy, make_config, random_prompts
 
 
@@ -36,32 +41,97 @@ def _config(**engine):
     )
 
 
-def test_warmup_is_on_by_default_only_on_cuda():
-    assert warmup_enabled("auto", torch.device("cuda"))
-    assert not warmup_enabled("auto", torch.device("cpu"))
+def test_warmup_is_on_by_default_on_every_device():
+    assert warmup_enabled("auto", torch.device("cuda")) and warmup_enabled("auto", torch.device("cpu"))
     assert warmup_enabled("on", torch.device("cpu")) and not warmup_enabled("off", torch.device("cuda"))
 
 
 def test_prefill_shapes_cover_one_sixteen_and_other_token_counts_within_the_budget():
-    forwards = prefill_shapes(max_batch_size=64, max_num_tokens=8192, max_seq_len=4096)
+    named = prefill_shapes(max_batch_size=64, max_num_tokens=8192, max_seq_len=4096)
+    assert [name for name, _ in named] == list(PREFILL_CLASSES)
+    forwards = [f for _, f in named]
     totals = {sum(n for n, _ in f) for f in forwards}
     assert {17, 32, 4096} <= totals  # neither 1 nor a multiple of 16, multiples of 16, the whole budget
     assert any(p > 0 and n > 1 for f in forwards for n, p in f)  # a chunk after a cached prefix
     assert any(n == 1 for f in forwards for n, _ in f)  # decode rows beside prompts
     assert all(n + p <= 4096 for f in forwards for n, p in f)
     tiny = prefill_shapes(max_batch_size=1, max_num_tokens=8, max_seq_len=12)
-    assert all(n + p <= 12 and n <= 8 for f in tiny for n, p in f if f)
+    assert all(n + p <= 12 and n <= 8 for _, f in tiny for n, p in f)
+    without = prefill_shapes(64, 8192, 4096, whole_budget=False)
+    assert [name for name, _ in without] == [n for n in PREFILL_CLASSES if n != "budget"]
 
 
 def test_the_engine_warms_up_at_build_with_the_runs_budgets_and_reports_it(tiny_model):
-    loaded = dataclasses.replace(tiny_model, warmup="on")
-    core = EngineCore(_config(), TorchExecutor(loaded))
+    core = EngineCore(_config(), TorchExecutor(tiny_model))  # model.warmup: auto, on the CPU
     assert core.warmup is not None and core.warmup["seconds"] >= 0
-    assert [1, 32] in core.warmup["forwards"]  # the token budget, in one prompt
+    assert [4, 27] in core.warmup["forwards"]  # a prompt beside decode rows (max_batch_size 4: 3 rows)
     assert [1, 1] in core.warmup["forwards"]  # a decode step, run eagerly without CUDA graphs
+    assert [1, 32] not in core.warmup["forwards"]  # the whole budget in one prompt: not on the CPU
     assert core.kv_cache_manager.pool.num_used_blocks == 0  # it took no block from the cache's owner
     off = EngineCore(_config(), TorchExecutor(dataclasses.replace(tiny_model, warmup="off")))
     assert off.warmup is None
+
+
+def test_the_warmup_runs_each_shape_class_once_before_the_first_request_and_lists_them(
+    tiny_model, monkeypatch
+):
+    """Every forward of the warm-up runs while the engine is built, on the building thread, one per
+    shape class (decode once per batch size); the run's own forwards all come after, on the worker; a
+    second engine over the same model (the next run in the process) warms nothing up again."""
+    config = _config(enable_chunked_context=True)
+    report = EngineCore(config, TorchExecutor(tiny_model)).warmup
+    shapes = Counter(report["shapes"])
+    assert set(shapes) == {*PREFILL_CLASSES, DECODE} - {"budget"}  # the whole budget: not on the CPU
+    assert all(shapes[name] == 1 for name in PREFILL_CLASSES if name != "budget")
+    assert shapes[DECODE] == 2  # one decode step per batch size: 1 and 4 (max_batch_size)
+
+    calls: list[str] = []
+    real = ModelRunner.forward
+
+    def forward(self, items, *args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return real(self, items, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    model = dataclasses.replace(tiny_model)  # a copy holds no executor yet: nothing is warm
+    stats: list[str] = []
+    results = generate([Request(0, [5, 6, 7, 8, 9], 3)], config, model=model, return_stats=stats.append)
+    assert not results[0].error and len(results[0].output_ids) == 3
+    building = threading.current_thread().name
+    # every warm-up forward first, on this thread, one per shape class; then one forward per step
+    assert calls == [building] * len(report["shapes"]) + ["bm-batch-manager"] * len(stats)
+    calls.clear()
+    again = generate([Request(0, [5, 6, 7, 8, 9], 3)], config, model=model)
+    assert again[0].output_ids == results[0].output_ids
+    assert calls and building not in calls  # the model's shared executor was warm already
+
+
+def test_warmup_registers_nothing_in_the_prefix_cache_and_leaves_reuse_and_outputs_unchanged(tiny_model):
+    """Requests sharing a prefix, one at a time with block reuse on: the warm-up writes only blocks no
+    request reads, so tokens, log probs and the prefix cache's counts are the same with it and without."""
+    shared = [11, 12, 13, 14, 15, 16, 17, 18] * 3
+    specs = [([*shared, 40 + i, 41, 42], 4) for i in range(4)]
+    config = make_config(
+        engine={"max_batch_size": 1, "max_num_tokens": 32, "enable_chunked_context": True},
+        kv_cache={"tokens_per_block": 4, "max_tokens": 512, "enable_block_reuse": True},
+    )
+
+    def run(mode: str) -> tuple[dict, int]:
+        model = dataclasses.replace(tiny_model, warmup=mode)
+        core = EngineCore(config, TorchExecutor(model))
+        kv = core.kv_cache_manager
+        assert kv.pool.num_cached_blocks == 0 and kv.num_reused_blocks == 0  # nothing registered at build
+        assert (core.warmup is not None) == (mode == "on")
+        stats: list[str] = []
+        requests = [Request(i, p, n, return_log_probs=True) for i, (p, n) in enumerate(specs)]
+        out = generate(requests, config, model=model, return_stats=stats.append)
+        reused = sum(json.loads(line)["Reused Blocks"] for line in stats)
+        return {i: (r.output_ids, r.output_log_probs) for i, r in out.items()}, reused
+
+    cold, cold_reused = run("off")
+    warm, warm_reused = run("on")
+    assert warm == cold
+    assert warm_reused == cold_reused and warm_reused >= 3 * 5  # each later request took 5 full blocks
 
 
 def test_warmup_never_changes_outputs_on_the_torch_path(tiny_model, tiny_reference):

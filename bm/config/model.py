@@ -111,9 +111,10 @@ class ModelConfig:
     )
     warmup: str = knob(
         "auto",
-        "Run every shape class a run will meet once when the engine is built, before any request: a "
-        "decode step per CUDA-graph bucket up to max_batch_size (captured) and the prompt-carrying "
-        "forwards whose Triton kernel variants would otherwise compile mid-run: auto (on CUDA), on, off.",
+        "Run every shape class a run will meet once when the engine is built, before any request (prompt, "
+        "chunk after a cached prefix, prompts beside decode rows, decode; on CUDA also the whole token "
+        "budget and a decode step per CUDA-graph bucket, captured), so kernel loads, compiles and the CPU "
+        "thread count are settled before the clock: auto and on (every device), off.",
         on_off_auto,
     )
     yield_cores: str = knob(

@@ -18,11 +18,14 @@ from bm.engine.executor import Executor
 
 
 def default_executor(config: BmConfig, model: Any = None) -> Executor:
-    """The torch executor over ``model`` (loaded from ``config.model`` when not given)."""
+    """The torch executor over ``model``: the one every engine over that loaded model takes in turn
+    (:func:`bm.runtime.executor.executor_for`: its cache, warm-up and thread count carry over, so the
+    second run in a process starts no colder than the first); over a model loaded from
+    ``config.model`` when none is given."""
     from bm.runtime import load_model
-    from bm.runtime.executor import TorchExecutor
+    from bm.runtime.executor import TorchExecutor, executor_for
 
-    return TorchExecutor(model or load_model(config.model))
+    return executor_for(model) if model is not None else TorchExecutor(load_model(config.model))
 
 
 def build_core(

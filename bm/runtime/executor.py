@@ -37,10 +37,23 @@ from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel, available_memory_bytes
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.speculative import verify_drafts
-from bm.runtime.threads import ThreadGovernor, governor_for, release_caller_team
+from bm.runtime.threads import LoadReading, ThreadGovernor, governor_for, release_caller_team
 from bm.runtime.transfer import to_device
 from bm.runtime.triton.batch import StagingBuffer
 from bm.scheduling import FinishReason, LlmRequest
+
+
+def executor_for(model: LoadedModel) -> TorchExecutor:
+    """The executor that runs the engines over ``model`` one after another (``bm compare``'s variants and
+    repeats, ``bm sweep``'s points, a script calling :func:`bm.bench.run_bench` twice): its KV cache, its
+    warm-up and its thread count serve the next engine too, so every run starts warm and none pays for
+    them again. While an engine still holds it, a new engine gets a fresh executor of its own."""
+    held = model.shared_executor
+    if held is None or held.in_use or held.model is not model:
+        held = TorchExecutor(model)
+        if model.shared_executor is None or not model.shared_executor.in_use:
+            model.shared_executor = held
+    return held
 
 
 class TorchExecutor:
@@ -67,8 +80,12 @@ class TorchExecutor:
         # the previous launch's tokens on the device and each request's row (overlap scheduling)
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None
         self._fill_staging = StagingBuffer(model.device, torch.long)
+        self.in_use = False  # an engine is bound to it (from bind() to close())
         self._governor: ThreadGovernor | None = None  # made on the first step, on the computing thread
         self._governed = False
+        # where the last governor (the warm-up's, or the previous engine's) left the thread count: the
+        # next engine's first step starts there (bm.runtime.threads.LoadReading)
+        self._threads_at: LoadReading | None = None
 
     @property
     def limits(self) -> ModelLimits:
@@ -84,6 +101,7 @@ class TorchExecutor:
         """Allocate the cache for ``layout``, or keep the one held when it serves ``layout`` (same shape,
         at least as many blocks): a second engine over this executor (``bm.LLM``'s next ``generate``)
         then reuses its tensors, captured CUDA graphs and warm-up instead of paying for them again."""
+        self.in_use = True
         if self.runner is not None and _serves(self._layout, layout):
             return
         self.runner = None  # the old cache goes before the new one is allocated
@@ -99,16 +117,37 @@ class TorchExecutor:
         )
 
     def warm_up(self, shapes: WarmupShapes) -> dict[str, Any] | None:
-        """Run the shape classes of a run within ``shapes`` once, before any request (bm.runtime.warmup),
-        where model.warmup asks for it; the report, or None when nothing ran."""
+        """Before any request of a new engine: run the shape classes of a run within ``shapes`` once
+        (bm.runtime.warmup), where model.warmup asks for it and this cache has not run them for these
+        budgets yet, and settle the CPU thread count on the machine's load; the report, or None when
+        no forward ran."""
         from bm.runtime.warmup import warm_up, warmup_enabled
 
         assert self.runner is not None, "bind() the executor before warming it up"
-        if not warmup_enabled(self.model.warmup, self.model.device) or self._warmed == shapes:
-            return None  # nothing to do, or done already for this cache and these budgets
-        report = warm_up(self.runner, shapes.max_batch_size, shapes.max_num_tokens, shapes.max_seq_len)
-        self._warmed = shapes
-        return report.to_dict()
+        governor = governor_for(self.model.yield_cores, self.model.device.type, self._threads_at)
+        try:
+            report = None
+            if warmup_enabled(self.model.warmup, self.model.device) and self._warmed != shapes:
+                report = warm_up(
+                    self.runner,
+                    shapes.max_batch_size,
+                    shapes.max_num_tokens,
+                    shapes.max_seq_len,
+                    before_each=governor.tick if governor is not None else None,
+                )
+                self._warmed = shapes
+            if governor is not None and self._threads_at is None:
+                # the first engine: the first step computes on the count the load called for during the
+                # warm-up (topped up to one window), not on every thread
+                governor.settle()
+            if report is None:
+                return None
+            report.threads = governor.current if governor is not None else None
+            return report.to_dict()
+        finally:
+            if governor is not None:
+                self._threads_at = governor.reading()
+                governor.restore()  # the building thread's count as it was; the worker resumes the reading
 
     def hand_over_threads(self) -> None:
         """The engine's worker thread computes from now on: the calling thread gives its OpenMP team
@@ -118,12 +157,14 @@ class TorchExecutor:
     def close(self) -> None:
         """The engine is done with this executor: LoRA layers give the shared model its own forwards back
         (a later adapter builds them again)."""
+        self.in_use = False
         if self.lora is not None:
             self.lora.close()
             self.lora = None
-        if self._governor is not None:  # the next engine starts from the threads it was given
+        if self._governor is not None:  # the next engine resumes where this one left the count
+            self._threads_at = self._governor.reading()
             self._governor.restore()
-            self._governor, self._governed = None, False
+        self._governor, self._governed = None, False  # the next engine's worker makes its own
 
     def admit(self, request: LlmRequest) -> None:
         """The runtime's state for a request: its prompt table as a tensor, and decoding state when it
@@ -192,7 +233,7 @@ class TorchExecutor:
     def _launch(self, batch: ExecutionBatch, *, keep_tokens: bool) -> Launched:
         assert self.runner is not None, "bind() the executor before executing"
         if not self._governed:
-            self._governor = governor_for(self.model.yield_cores, self.model.device.type)
+            self._governor = governor_for(self.model.yield_cores, self.model.device.type, self._threads_at)
             self._governed = True
         if self._governor is not None:
             self._governor.tick()

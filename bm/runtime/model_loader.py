@@ -73,6 +73,9 @@ class LoadedModel:
     yield_cores: str = "auto"
     # seconds load_model took (start-up, reported apart from a run's measured time)
     load_seconds: float | None = None
+    # the executor engines over this model take in turn (bm.runtime.executor.executor_for); a copy made
+    # with dataclasses.replace starts without one
+    shared_executor: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def device_type(self) -> str:

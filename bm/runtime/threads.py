@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from bm.cpu_load import CpuTicks, background_share, read_ticks
@@ -63,6 +64,17 @@ def release_caller_team() -> bool:
     return bool(lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0)
 
 
+@dataclass(frozen=True)
+class LoadReading:
+    """Where a governor left off: the thread count it computed with and its last reading of the load (its
+    clock's time and the tick counts). The next governor of the same executor starts from it, so an
+    engine's first step already runs on the count the load called for (see :meth:`ThreadGovernor.settle`)."""
+
+    count: int
+    at: float
+    ticks: CpuTicks | None
+
+
 class ThreadGovernor:
     """The CPU engine's thread count, given back while other processes hold cores.
 
@@ -85,7 +97,11 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
         read: Callable[[], CpuTicks | None] = read_ticks,
         set_threads: Callable[[int], None] | None = None,
+        resume: LoadReading | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """``resume``: an earlier governor's :meth:`reading` (the previous engine's, or the warm-up's): this
+        one computes with its count at once, and its first window starts at that reading."""
         self.threads = threads  # what the engine was given (torch's count when it started)
         self.current = threads
         self.cpus = cpus
@@ -93,9 +109,16 @@ class ThreadGovernor:
         self._clock = clock
         self._read = read
         self._set = set_threads or _set_torch_threads
-        self._since = clock()
-        self._last = read()
+        self._sleep = sleep
         self.changes = 0  # how often the count moved (reported, and pinned by tests)
+        if resume is None:
+            self._since, self._last = clock(), read()
+            return
+        self._since, self._last = resume.at, resume.ticks
+        count = max(1, min(threads, resume.count))
+        if count != self.current:
+            self._set(count)
+            self.current = count
 
     def tick(self) -> int:
         """Call on the computing thread before each step; returns the thread count to compute with."""
@@ -115,6 +138,21 @@ class ThreadGovernor:
             self.changes += 1
         return self.current
 
+    def settle(self) -> int:
+        """Wait out the rest of the first window, then :meth:`tick`: the count the load calls for, decided
+        before anything is timed. A governor made with nothing to resume computes with every thread
+        until its first window ends, which on a 2-core machine beside a busy process made the first step
+        of every run 5-10x slower than the next (spinning teammates at each barrier); an engine settles
+        once, at build, and every later governor of it resumes from there."""
+        left = self.window_s - (self._clock() - self._since)
+        if left > 0:
+            self._sleep(left)
+        return self.tick()
+
+    def reading(self) -> LoadReading:
+        """Where this governor is: handed to the next one (:class:`LoadReading`)."""
+        return LoadReading(self.current, self._since, self._last)
+
     def restore(self) -> None:
         """Give the engine's thread count back (the engine is done)."""
         if self.current != self.threads:
@@ -128,12 +166,13 @@ def _set_torch_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
-def governor_for(setting: str, device_type: str) -> ThreadGovernor | None:
+def governor_for(setting: str, device_type: str, resume: LoadReading | None = None) -> ThreadGovernor | None:
     """``model.yield_cores``: auto and on govern a CPU engine of more than one thread; off (or a GPU, or
-    a machine whose load cannot be read) leaves the count alone."""
+    a machine whose load cannot be read) leaves the count alone. Call it on the computing thread (the
+    count is that thread's); ``resume``: see :class:`ThreadGovernor`."""
     import torch
 
     threads = torch.get_num_threads()
     if setting == "off" or device_type != "cpu" or threads < 2 or read_ticks() is None:
         return None
-    return ThreadGovernor(threads, os.cpu_count() or threads)
+    return ThreadGovernor(threads, os.cpu_count() or threads, resume=resume)

@@ -12,6 +12,16 @@ sequence counts that pick the kernels' variants (one token, a multiple of 16, ne
 several; a chunk after a cached prefix; prompts beside decode rows; the full token budget). vLLM and
 TensorRT-LLM capture their graphs at start-up too.
 
+On the CPU (``model.warmup: auto`` warms every device) the first steps paid for the C kernels that load
+on first use (prefill attention: built on a machine's first run, loaded otherwise) and for each path's
+first call, and above all for the thread count: the engine's first step computed on every thread
+before the thread governor had read the machine's load once, which beside busy processes on a 2-core
+machine made a 2,048-token first iteration 2-10x slower than the next (bm.runtime.threads; the executor
+settles the count here, while the warm-up runs). The CPU leaves out the whole-budget prompt: on the
+SmolLM2 shape under load (average 9-10) it made the warm-up 9.5-12.5 s longer, and the first
+2,048-token step after it took the same CPU time (4.92 and 4.95 s with it, 4.87 and 4.93 s without);
+it saved only the page faults of that step's activations, 30-60 ms of its system time.
+
 The forwards write keys and values into blocks no request holds yet (every block is free while the
 engine is being built), whose contents are never read: a request's attention reads only positions it
 wrote itself. Nothing is registered in the prefix cache, which the KV manager alone owns.
@@ -20,6 +30,7 @@ wrote itself. Nothing is registered in the prefix cache, which the KV manager al
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,19 +50,22 @@ class WarmupReport:
     seconds: float = 0.0
     graph_buckets: list[int] = field(default_factory=list)  # decode batch sizes run (captured on CUDA)
     forwards: list[tuple[int, int]] = field(default_factory=list)  # (sequences, tokens) run eagerly
+    shapes: list[str] = field(default_factory=list)  # the shape class of each forward run, in order
+    threads: int | None = None  # the CPU thread count the engine starts with (bm.runtime.threads)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "seconds": self.seconds,
             "graph_buckets": list(self.graph_buckets),
             "forwards": [list(s) for s in self.forwards],
+            "shapes": list(self.shapes),
         }
+        return out if self.threads is None else out | {"threads": self.threads}
 
 
 def warmup_enabled(mode: str, device: torch.device) -> bool:
-    """``auto``: on CUDA, where compiles and graph captures would otherwise land in the first steps;
-    on the CPU nothing is compiled per shape (bm's C kernels are built when the model loads)."""
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
+    """``auto`` and ``on``: every device (see the module docstring for what the CPU's first steps paid)."""
+    return mode != "off"
 
 
 class _Blocks:
@@ -73,9 +87,18 @@ class _Blocks:
         return work_item([1] * num_tokens, start, ids, sample, window_block_ids=pooled)
 
 
-def prefill_shapes(max_batch_size: int, max_num_tokens: int, max_seq_len: int) -> list[list[tuple[int, int]]]:
-    """The prompt-carrying forwards to run, each a list of (tokens, cached prefix) per sequence; a
-    sequence of one token with a prefix is a decode row beside the prompts."""
+# The prompt-carrying shape classes, in the order they run (each a list of (tokens, cached prefix) per
+# sequence; a sequence of one token after a prefix is a decode row beside the prompts).
+PREFILL_CLASSES = ("prompt", "prompts", "chunk after a cached prefix", "prompts beside decode rows", "budget")
+DECODE = "decode"
+
+
+def prefill_shapes(
+    max_batch_size: int, max_num_tokens: int, max_seq_len: int, whole_budget: bool = True
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The prompt-carrying forwards to run, each named by its shape class (:data:`PREFILL_CLASSES`) and
+    given as a list of (tokens, cached prefix) per sequence; a class that does not fit the budgets is
+    left out, and so is the whole-budget prompt unless ``whole_budget``."""
     budget = max(1, min(max_num_tokens, max_seq_len))
     seqs = max(2, min(max_batch_size, 8))
     forwards = [
@@ -86,30 +109,47 @@ def prefill_shapes(max_batch_size: int, max_num_tokens: int, max_seq_len: int) -
         [(min(24, budget), 0)] + [(1, min(40, max_seq_len - 1))] * (seqs - 1),
         [(budget, 0)],  # the whole budget in one prompt: the largest activations a run allocates
     ]
-    return [[(n, max(0, p)) for n, p in f if n > 0 and n + max(0, p) <= max_seq_len] for f in forwards]
+    fitting = [[(n, max(0, p)) for n, p in f if n > 0 and n + max(0, p) <= max_seq_len] for f in forwards]
+    if not whole_budget:
+        fitting[-1] = []
+    return [(name, f) for name, f in zip(PREFILL_CLASSES, fitting, strict=True) if f]
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, max_batch_size: int, max_num_tokens: int, max_seq_len: int) -> WarmupReport:
+def warm_up(
+    runner: ModelRunner,
+    max_batch_size: int,
+    max_num_tokens: int,
+    max_seq_len: int,
+    before_each: Callable[[], Any] | None = None,
+) -> WarmupReport:
     """Run the shape classes a run of these budgets meets (see the module docstring); returns the report.
 
-    ``max_seq_len``: the longest sequence the cache holds (positions stay below it)."""
+    ``max_seq_len``: the longest sequence the cache holds (positions stay below it). ``before_each``
+    is called before every forward (the CPU's thread governor ticks there, bm.runtime.threads)."""
     started = time.perf_counter()
     report = WarmupReport()
     blocks = _Blocks(runner)
-    for forward in prefill_shapes(max_batch_size, max_num_tokens, max_seq_len):
-        if not forward:
-            continue
-        runner.forward([blocks.item(n, p) for n, p in forward])
+
+    def run(name: str, items: list[WorkItem]) -> None:
+        if before_each is not None:
+            before_each()
+        runner.forward(items)
+        report.shapes.append(name)
+
+    # on the CPU the whole budget's forward costs seconds and buys nothing measurable (module docstring)
+    whole = runner.device.type != "cpu"
+    for name, forward in prefill_shapes(max_batch_size, max_num_tokens, max_seq_len, whole):
+        run(name, [blocks.item(n, p) for n, p in forward])
         report.forwards.append((len(forward), sum(n for n, _ in forward)))
     sizes = runner.backend.static_decode_sizes(max_batch_size)
     position = min(33, max_seq_len - 1)  # a context past a block boundary
     for size in sizes:  # decode steps over static buffers: each size run (captured on CUDA) once
-        runner.forward([blocks.item(1, position) for _ in range(size)])
+        run(DECODE, [blocks.item(1, position) for _ in range(size)])
         report.graph_buckets.append(size)
     if not sizes:  # decode steps run eagerly: the decode tile's variants, one sequence and several
         for size in sorted({1, min(16, max_batch_size), min(17, max_batch_size)}):
-            runner.forward([blocks.item(1, position) for _ in range(size)])
+            run(DECODE, [blocks.item(1, position) for _ in range(size)])
             report.forwards.append((size, size))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
