@@ -99,17 +99,30 @@ def test_a_gate_that_cannot_judge_a_timing_exits_4_unless_allowed(saved, dataset
     assert "no regressions" in flat(allowed) and "not judged, allowed" in flat(allowed)
 
 
-def test_the_gate_stops_measuring_at_its_time_limit(saved, dataset, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("repeat", "limit", "rounds"),
+    [
+        # the clock starts at 1 (deadline 4.5); the runner reads 2 at its start, 3 and 4 before two
+        # runs, then 5: the third round is cut before it starts
+        (5, 3.5, 2),
+        # deadline 3.5: one round (read 3), then the gate asks for more at 4: past the limit
+        (1, 2.5, 1),
+    ],
+)
+def test_the_gate_stops_measuring_at_its_time_limit(
+    saved, dataset, tmp_path, monkeypatch, repeat, limit, rounds
+):
     clock = Clock()  # one second passes at each reading, for the gate and the runner alike
     monkeypatch.setattr("bm.compare.runner.time", clock)
     monkeypatch.setattr("bm.cli.compare_gate.time", clock)
     monkeypatch.setattr("bm.compare.runner.background_share", lambda before, after: 0.9)
-    result = compare(dataset, tmp_path / "bound", "--baseline", saved, "--repeat", "5", "--time-limit", "3.5")
-    # the clock starts at 1 (deadline 4.5); the runner reads 2 at its start, 3 and 4 before two runs, then 5
+    result = compare(
+        dataset, tmp_path / "bound", "--baseline", saved, "--repeat", repeat, "--time-limit", limit
+    )
     assert result.exit_code == NOT_JUDGED, result.output
-    assert "--time-limit reached after 2 round(s)" in flat(result)
+    assert f"--time-limit reached after {rounds} round(s)" in flat(result)
     doc = json.loads((tmp_path / "bound" / "compare.json").read_text())
-    assert doc["timed_out"] and doc["repeat"] == 2
+    assert doc["timed_out"] and doc["repeat"] == rounds
 
 
 def test_the_paired_gate_runs_the_baseline_command_beside_this_run_and_catches_a_slowdown_of_this_side(

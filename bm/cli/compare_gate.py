@@ -120,7 +120,10 @@ class Gate:
         from bm.compare.paired import paired_rounds_to_settle
         from bm.compare.regress import rounds_to_settle
 
-        if self.simulated or (self.deadline is not None and time.monotonic() >= self.deadline):
+        if self.simulated:
+            return 0
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            result.timed_out = True  # the limit came between rounds: said like one that cut a round
             return 0
         verdict = self.judge(result)
         if self.paired(result):
