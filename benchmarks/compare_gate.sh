@@ -57,7 +57,7 @@ gate = doc.get("baseline") or {}
 checks = gate.get("timing_checks", [])
 tp = next((c for c in checks if c["metric"] == "output_throughput"), None)
 ratio = "" if tp is None else f"; output tok/s {tp['worse_by']:+.1%} worse" + (
-    f" (95% {tp['low']:+.1%} to {tp['high']:+.1%})" if tp.get("pairs") else "")
+    f" (bounds {tp['low']:+.1%} to {tp['high']:+.1%})" if tp.get("pairs") else "")
 print(f"{doc['repeat']} round(s), timings {gate.get('timings_from')}, {sum(c['judged'] for c in checks)}/"
       f"{len(checks)} judged, {len(gate.get('regressions', []))} regression(s)"
       f"{', time limit reached' if doc.get('timed_out') else ''}{ratio}")

@@ -128,7 +128,7 @@ class Gate:
         verdict = self.judge(result)
         if self.paired(result):
             more = paired_rounds_to_settle(verdict, self.repeat, result.repeat, self.most)
-            why = "the pairs left the tolerance inside their 95% bounds"
+            why = "the pairs left the tolerance between their bounds"
         else:
             more = rounds_to_settle(
                 verdict, self.tolerance, self.noise_factor, self.repeat, result.repeat, self.most

@@ -9,19 +9,25 @@ halves of the pair. What is judged is the ratio within each pair.
 
 For each variant and timing metric, round ``r`` gives ``d_r = ln(this run / baseline)``, signed so that a
 positive ``d`` is worse (throughputs are inverted). The figure reported is the median ratio
-``exp(median d) - 1``, and its one-sided 95% bounds come from the sign test: the median lies above the
-``k``-th smallest ``d`` with 95% confidence when fewer than 5% of samples of ``n`` fair coin flips give
-fewer than ``k`` heads (no assumption about how load is distributed, so a burst that hit one half of
+``exp(median d) - 1``, and its one-sided bounds come from the sign test: the median lies above the
+``k``-th smallest ``d`` with confidence ``c`` when at most ``1 - c`` of samples of ``n`` fair coin flips
+give fewer than ``k`` heads (no assumption about how load is distributed, so a burst that hit one half of
 one pair moves one ``d``, not the verdict). With ``t = ln(1 + tolerance)``:
 
-- **regressed** when the lower bound is above ``t``: worse than the tolerance with 95% confidence;
-- **held** when the upper bound is at most ``t``: no worse than the tolerance with 95% confidence;
+- **regressed** when the lower bound at 99.9% is above ``t``;
+- **held** when the upper bound at 95% is at most ``t``;
 - **unsettled** otherwise: the gate runs more rounds, up to ``--max-repeat`` and ``--time-limit``, and a
   timing still unsettled then is *not judged*, which fails the gate with its own exit code unless
   ``--allow-unjudged``.
 
-Five pairs are the fewest that can settle (all five on one side of ``t``); more pairs narrow the bounds
-as the square root of their number, whatever the load, as long as it hits both halves alike.
+The two levels differ because the gate fails on *any* timing and passes only on *all*: a variant has
+nine timings, so unchanged code must clear nine chances to fail. At 95% each, five pairs that all
+happened to lean one way failed unchanged code once in three gated runs under load 15 on two cores (three
+timings 13-44% "worse", every pair's load 82-90% others'); at 99.9% the nine together fail unchanged
+code under 1% of the time, so ten runs in a row pass. A real slowdown moves every timing at once, so
+95% on each is ample for a pass. Ten pairs are the fewest that can show a regression (all ten worse
+than ``t``: 1/1024), five the fewest that can show a pass; more pairs narrow both bounds as the square
+root of their number, whatever the load, as long as it hits both halves alike.
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ from typing import Any
 
 from bm.compare.regress import HIGHER_IS_BETTER, TIMING_METRICS, BaselineVerdict, Regression, TimingCheck
 
-CONFIDENCE = 0.95  # one-sided, for each of "regressed" and "held"
-FEWEST_PAIRS = 5  # the smallest n whose sign-test bounds are finite at CONFIDENCE (1/32 < 5%)
+HELD_CONFIDENCE = 0.95  # one-sided: a timing no worse than the tolerance (all must hold to pass)
+REGRESSED_CONFIDENCE = 0.999  # one-sided: a timing worse than the tolerance (any one fails the gate)
 
 
-def sign_test_rank(n: int, confidence: float = CONFIDENCE) -> int:
+def sign_test_rank(n: int, confidence: float) -> int:
     """The largest ``k`` (1-based) with P(Binomial(n, 1/2) < k) <= 1 - confidence: the median of the
     population lies above the ``k``-th smallest of ``n`` samples with that confidence; 0 when no
     ``k`` does (too few samples)."""
@@ -62,8 +68,9 @@ def paired_check(
     sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
     worse = sorted(sign * math.log(c / b) for b, c in zip(baseline, current, strict=True))
     n = len(worse)
-    k = sign_test_rank(n)
-    low, high = (worse[k - 1], worse[n - k]) if k else (-math.inf, math.inf)
+    k_low, k_high = sign_test_rank(n, REGRESSED_CONFIDENCE), sign_test_rank(n, HELD_CONFIDENCE)
+    low = worse[k_low - 1] if k_low else -math.inf
+    high = worse[n - k_high] if k_high else math.inf
     limit = math.log1p(tolerance)
     regressed, held = low > limit, high <= limit
     return TimingCheck(
@@ -99,15 +106,16 @@ def paired_verdict(
                     Regression(
                         name, metric, check.previous, check.current, "timing",
                         f"{verb} {check.previous:.4g} -> {check.current:.4g} over {rounds} paired rounds "
-                        f"({check.worse_by:.1%} worse, 95% at least {check.low:.1%}; tolerance {tolerance:.0%})",
+                        f"({check.worse_by:.1%} worse, at least {check.low:.1%} with 99.9% confidence; tolerance "
+                        f"{tolerance:.0%})",
                     )
                 )  # fmt: skip
     return BaselineVerdict(regressions, checks)
 
 
 def paired_rounds_to_settle(verdict: BaselineVerdict, repeat: int, done: int, most: int) -> int:
-    """More paired rounds while a timing is unsettled and none has regressed yet (a regression with
-    95% confidence is the answer already), up to ``most`` rounds in all."""
+    """More paired rounds while a timing is unsettled and none has regressed yet (a regression at
+    99.9% is the answer already), up to ``most`` rounds in all."""
     if any(c.regressed for c in verdict.timing_checks):
         return 0
     if not any(c.unsettled for c in verdict.timing_checks):
@@ -124,7 +132,7 @@ def unsettled_note(checks: Sequence[TimingCheck], elapsed_s: float) -> str | Non
     widest = max(open_, key=lambda c: (c.high or 0.0) - (c.low or 0.0))
     return (
         f"note: {len(open_)} timing(s) not judged: after {widest.pairs} paired round(s) in {elapsed_s:.0f} s "
-        f"the machine's noise still leaves the tolerance inside their 95% bounds (widest: "
+        f"the machine's noise still leaves the tolerance between their bounds (widest: "
         f"{widest.variant}.{widest.metric}, {_pct(widest.low)} to {_pct(widest.high)} worse); run the "
         "gate on a less busy machine, raise --time-limit or --max-repeat, or gate on the simulator "
         "(docs/compare.md)"

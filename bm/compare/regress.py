@@ -209,8 +209,8 @@ class TimingCheck:
     # Not judged: every repeat of one run shared the machine with other work (which side says why).
     busy_side: str | None = None
     busy_share: float | None = None
-    # Judged on pairs (bm.compare.paired): how many, the 95% bounds of worse_by, and whether they still
-    # straddle the tolerance (not judged, like a busy side).
+    # Judged on pairs (bm.compare.paired): how many, the one-sided bounds of worse_by (low at 99.9%,
+    # high at 95%), and whether they still straddle the tolerance (not judged, like a busy side).
     pairs: int | None = None
     low: float | None = None
     high: float | None = None

@@ -98,7 +98,7 @@ def compare_markdown(result: CompareResult) -> str:
         if result.timing_checks:
             lines += [
                 "",
-                "| timing | baseline median | this run's median | worse by | 95% bounds (paired) | margin |",
+                "| timing | baseline median | this run's median | worse by | bounds (paired) | margin |",
                 "|---|---:|---:|---:|---:|---:|",
             ]
             lines += [_check_row(c) for c in result.timing_checks]
@@ -119,9 +119,9 @@ def gate_rule(result: CompareResult) -> str:
         return (
             f"Counters must match exactly; timings were judged on {result.repeat} paired round(s) with the "
             f"baseline's code (--baseline-cmd {result.baseline_command}), alternated in this sitting over "
-            f"{result.elapsed_s or 0:.0f} s: each timing's median ratio to the baseline's, with its 95% "
-            f"sign-test bounds, must stay within the tolerance {tol:.0%} ({settled} of "
-            f"{len(result.timing_checks)} timing(s) settled)."
+            f"{result.elapsed_s or 0:.0f} s: a timing regressed when worse than the tolerance {tol:.0%} with "
+            f"99.9% confidence, held when within it with 95% (sign test on the pairs' ratios); {settled} of "
+            f"{len(result.timing_checks)} timing(s) settled."
         )
     margins = [c.margin for c in result.timing_checks if c.judged]
     span = (
