@@ -19,7 +19,7 @@
 # run lasts 1-2 s on a quiet 2-core machine.
 #
 # Prints each run's exit code, duration, the load average when it started, and the gate's own account
-# (rounds, how timings were judged, the output throughput's median ratio and 95% bounds); exits 0 only
+# (rounds, how timings were judged, the output throughput's median ratio and its bounds); exits 0 only
 # when every unchanged run gave EXPECT and every slowed run failed.
 set -u
 OUT=${1:-bm-out/compare-gate}
