@@ -163,3 +163,18 @@ def test_a_baseline_command_that_cannot_pair_falls_back_to_the_saved_timings_and
     assert "not paired" in flat(result) and "no pairing here" in flat(result)
     gate = json.loads((tmp_path / "old" / "compare.json").read_text())["baseline"]
     assert gate["timings_from"] == "saved" and "no pairing here" in gate["pairing_error"]
+
+
+def test_a_paired_gate_measures_until_its_time_limit_and_saved_timings_until_six_times_repeat():
+    from types import SimpleNamespace
+
+    from bm.cli.compare_gate import Gate
+
+    gate = Gate({}, "base.json", 0.1, 1.0, repeat=5, most=None, time_limit=300.0, simulated=False)
+    result = SimpleNamespace(pairing_error=None)
+    assert gate.rounds_cap(result) == 30  # no worker: saved timings
+    gate.worker = SimpleNamespace()
+    assert gate.rounds_cap(result) == sys.maxsize  # paired: every pair narrows the bounds
+    assert gate.rounds_cap(SimpleNamespace(pairing_error="the worker died")) == 30
+    gate.most = 12
+    assert gate.rounds_cap(result) == 12  # --max-repeat, whatever is judged

@@ -66,7 +66,7 @@ def compare(
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
     tolerance: str = typer.Option("10%", "--tolerance", help="Timing change against --baseline always allowed; more is allowed when the runs measured more noise (--noise-factor).", rich_help_panel=GATES),
-    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [6 x --repeat]", show_default=False, rich_help_panel=GATES),
+    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [paired: none but --time-limit; saved timings: 6 x --repeat]", show_default=False, rich_help_panel=GATES),
     noise_factor: float = typer.Option(1.0, "--noise-factor", help="Saved timings: a timing regressed only when worse than the baseline by more than max(--tolerance, this x the larger measured spread: a median repeat's distance from the best); 0: by --tolerance alone.", rich_help_panel=GATES),
     baseline_cmd: str | None = typer.Option(None, "--baseline-cmd", help="With --baseline: the baseline's bm (e.g. ../base/.venv/bin/bm, or 'env PYTHONPATH=../base python -m bm'); its runs alternate with this run's and timings are judged on the pairs. Without it, on the saved timings.", rich_help_panel=GATES),
     time_limit: float = typer.Option(TIME_LIMIT_S, "--time-limit", help="With --baseline: seconds of measuring after which no run starts; timings not settled by then are not judged (exit 4).", rich_help_panel=GATES),
@@ -110,9 +110,10 @@ def compare(
             repeat = BASELINE_REPEATS if baseline is not None and not simulated else 1
         if repeat < 1:
             raise ConfigError(f"--repeat {repeat}: must be at least 1")
-        # the simulator's figures are the same every round: more rounds would only repeat them
-        most = (repeat if simulated else 6 * repeat) if max_repeat is None else max_repeat
-        if most < repeat:
+        # the simulator's figures are the same every round: more rounds would only repeat them; a paired
+        # gate's default is no cap but --time-limit (bm.cli.compare_gate.Gate.rounds_cap)
+        most = repeat if simulated and max_repeat is None else max_repeat
+        if most is not None and most < repeat:
             raise ConfigError(f"--max-repeat {most}: must be at least --repeat ({repeat})")
         if hf_batch_size < 1:
             raise ConfigError(f"--hf-batch-size {hf_batch_size}: must be at least 1")

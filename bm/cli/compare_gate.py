@@ -88,7 +88,7 @@ class Gate:
     tolerance: float
     noise_factor: float
     repeat: int
-    most: int
+    most: int | None  # --max-repeat; None: the default of the timings judged (rounds_cap)
     time_limit: float
     simulated: bool
     worker: BaselineWorker | None = None
@@ -100,6 +100,14 @@ class Gate:
 
     def paired(self, result: CompareResult) -> bool:
         return self.worker is not None and result.pairing_error is None
+
+    def rounds_cap(self, result: CompareResult) -> int:
+        """--max-repeat, else its default: none for pairs (every pair narrows the bounds, and
+        --time-limit is the budget), 6 x --repeat for saved timings (more rounds only wait for a quiet
+        spell)."""
+        if self.most is not None:
+            return self.most
+        return sys.maxsize if self.paired(result) else 6 * self.repeat
 
     def judge(self, result: CompareResult) -> BaselineVerdict:
         """Counters exactly against the saved baseline; timings on the pairs, else the saved timings
@@ -127,11 +135,16 @@ class Gate:
             return 0
         verdict = self.judge(result)
         if self.paired(result):
-            more = paired_rounds_to_settle(verdict, self.repeat, result.repeat, self.most)
+            more = paired_rounds_to_settle(verdict, self.repeat, result.repeat, self.rounds_cap(result))
             why = "the pairs left the tolerance between their bounds"
         else:
             more = rounds_to_settle(
-                verdict, self.tolerance, self.noise_factor, self.repeat, result.repeat, self.most
+                verdict,
+                self.tolerance,
+                self.noise_factor,
+                self.repeat,
+                result.repeat,
+                self.rounds_cap(result),
             )
             suspect = sorted({f"{c.variant}.{c.metric}" for c in verdict.timing_checks if c.regressed})
             busy = any("this run" in (c.busy_side or "") for c in verdict.timing_checks)
