@@ -8,7 +8,9 @@ measured from it, is 1.3x what the same code measures (throughput 1/1.3, about 2
 scales with the work rather than adding a constant, so the planted slowdown stays 30% on a fast or a
 loaded machine, and it changes no decision: the scheduler, the KV cache and the tokens are untouched, so
 the deterministic counters match the unslowed run exactly. It is how ``bm compare --baseline`` is shown to
-catch a real 30% slowdown (``benchmarks/compare_gate.sh``); nothing in ``bm`` knows about it.
+catch a real 30% slowdown (``benchmarks/compare_gate.sh``); nothing in ``bm`` knows about it. The patch
+lives in this process only: a paired gate's baseline worker (``--baseline-cmd``) is a process of its own
+and runs unslowed, so the slowdown lands on one side of every pair, as a slower commit's would.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_help_at_80_columns_cuts_no_option_name_or_text(words):
         command = command.commands[word]
     for param in command.params:
         longs = [name for name in getattr(param, "opts", []) if name.startswith("--")]
-        if longs and not getattr(param, "hidden", False):  # hidden: another tool's name (docs/bench.md)
+        if longs and not getattr(param, "hidden", False):  # hidden: another tool's name, or a protocol
             assert longs[0] in text, f"{longs[0]} missing from {' '.join(words)} --help"
 
 

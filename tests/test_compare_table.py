@@ -7,7 +7,8 @@ import io
 from rich.console import Console
 
 from bm.cli.compare import compare_tables
-from bm.compare.runner import TABLE_COLUMNS, CompareResult, VariantOutcome, compare_markdown
+from bm.compare.render import compare_markdown
+from bm.compare.runner import TABLE_COLUMNS, CompareResult, VariantOutcome
 from bm.compare.variants import Variant
 from bm.config import config_from_dict
 

@@ -25,7 +25,17 @@ from bm.cli.bench import (
     resolve_config,
     with_shared_options,
 )
+from bm.cli.compare_gate import (
+    TIME_LIMIT_S,
+    Gate,
+    check_gate_flags,
+    gate_exit_code,
+    serve_pairs,
+    start_worker,
+    worker_ready,
+)
 from bm.cli.errors import print_error
+from bm.cli.exit_codes import NOT_JUDGED
 from bm.cli.help import silence_progress_bars
 from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupts
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
@@ -56,18 +66,23 @@ def compare(
     asserts: list[str] = typer.Option([], "--assert", help='Gate, e.g. "inflight_fused.output_throughput >= 2 * v1.output_throughput" (repeatable).', rich_help_panel=GATES),
     baseline: Path | None = typer.Option(None, "--baseline", help="A saved compare.json to check for regressions.", rich_help_panel=GATES),
     tolerance: str = typer.Option("10%", "--tolerance", help="Timing change against --baseline always allowed; more is allowed when the runs measured more noise (--noise-factor).", rich_help_panel=GATES),
-    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [6 x --repeat]", show_default=False, rich_help_panel=GATES),
-    noise_factor: float = typer.Option(1.0, "--noise-factor", help="A timing regressed only when worse than the baseline by more than max(--tolerance, this x the larger measured spread: a median repeat's distance from the best); 0: by --tolerance alone.", rich_help_panel=GATES),
+    max_repeat: int | None = typer.Option(None, "--max-repeat", help="With --baseline: rounds in all when a timing looks regressed or too noisy to judge; the gate re-measures before it answers. [paired: none but --time-limit; saved timings: 6 x --repeat]", show_default=False, rich_help_panel=GATES),
+    noise_factor: float = typer.Option(1.0, "--noise-factor", help="Saved timings: a timing regressed only when worse than the baseline by more than max(--tolerance, this x the larger measured spread: a median repeat's distance from the best); 0: by --tolerance alone.", rich_help_panel=GATES),
+    baseline_cmd: str | None = typer.Option(None, "--baseline-cmd", help="With --baseline: the baseline's bm (e.g. ../base/.venv/bin/bm, or 'env PYTHONPATH=../base python -m bm'); its runs alternate with this run's and timings are judged on the pairs. Without it, on the saved timings.", rich_help_panel=GATES),
+    time_limit: float = typer.Option(TIME_LIMIT_S, "--time-limit", help="With --baseline: seconds of measuring after which no run starts; timings not settled by then are not judged (exit 4).", rich_help_panel=GATES),
+    allow_unjudged: bool = typer.Option(False, "--allow-unjudged", help="With --baseline: timings the gate could not judge (too noisy, or no quiet repeat) do not fail it (exit 0, not 4).", rich_help_panel=GATES),
+    pair_worker: bool = typer.Option(False, "--pair-worker", hidden=True, help="Serve a paired gate's baseline side on stdin/stdout (started by --baseline-cmd)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines or progress bars.", rich_help_panel=RUN),
     **shared: Any,
 ) -> None:  # fmt: skip
     """Run every scheme x policy (and baseline) on the identical workload in one process, print one
-    table, write compare.json and compare.md, and gate on --assert and --baseline (exit 1 on failure)."""
+    table, write compare.json and compare.md, and gate on --assert and --baseline (exit 1 on failure, 4
+    when the baseline gate could not judge a timing)."""
     from bm.compare.expr import AssertionEvalError, AssertionSyntaxError, check_refs, parse_assertion
     from bm.compare.regress import BASELINE_REPEATS, ToleranceError, parse_noise_factor, parse_tolerance
 
     err = Console(stderr=True)
-    if quiet or json_output:
+    if quiet or json_output or pair_worker:
         silence_progress_bars()
     flags = {**locals(), **shared}
     flags.pop("out_dir")  # compare's own directory, not bench.out_dir
@@ -82,12 +97,23 @@ def compare(
         from bm.compare.variants import plan_variants
 
         variants = plan_variants(schemes, policies, baselines)
+        if pair_worker:  # the baseline's side of someone else's gate: no files, no gate of its own
+            with Interrupts() as interrupts:
+                code = serve_pairs(cfg, variants, hf_batch_size, _prepare, interrupts)
+            if code:
+                raise typer.Exit(code=code)
+            return
+        simulated = cfg.engine.executor == "sim"
+        # what the baseline must share with this run: refused now, before the model loads
+        identity = check_gate_flags(cfg, previous, baseline, variants, baseline_cmd, time_limit)
         if repeat is None:  # a baseline is judged against measured noise, which takes repeats
-            repeat = BASELINE_REPEATS if baseline is not None else 1
+            repeat = BASELINE_REPEATS if baseline is not None and not simulated else 1
         if repeat < 1:
             raise ConfigError(f"--repeat {repeat}: must be at least 1")
-        most = 6 * repeat if max_repeat is None else max_repeat
-        if most < repeat:
+        # the simulator's figures are the same every round: more rounds would only repeat them; a paired
+        # gate's default is no cap but --time-limit (bm.cli.compare_gate.Gate.rounds_cap)
+        most = repeat if simulated and max_repeat is None else max_repeat
+        if most is not None and most < repeat:
             raise ConfigError(f"--max-repeat {most}: must be at least --repeat ({repeat})")
         if hf_batch_size < 1:
             raise ConfigError(f"--hf-batch-size {hf_batch_size}: must be at least 1")
@@ -108,8 +134,15 @@ def compare(
         print_error(str(exc))
         raise typer.Exit(code=2) from None
     console = err if json_output else Console()
+    gate = None
+    if previous is not None:
+        gate = Gate(previous, str(baseline), tol, noise, repeat, most, time_limit, simulated)
     with Interrupts() as interrupts:
-        code = _run(cfg, variants, parsed, previous, baseline, (tol, noise, most), repeat, reference, hf_batch_size, out, plot, json_output, quiet, console, interrupts)  # fmt: skip
+        try:
+            code = _run(cfg, variants, parsed, gate, baseline_cmd, identity, repeat, reference, hf_batch_size, out, plot, json_output, quiet, allow_unjudged, console, interrupts)  # fmt: skip
+        finally:
+            if gate is not None:
+                gate.close()
     if code == 2:  # a usage error found while loading: nothing was written
         remove_created(out, created)
     if code:
@@ -149,13 +182,31 @@ def _read_baseline(path: Path) -> dict[str, Any]:
     return document
 
 
+def _prepare(cfg: BmConfig, console: Console) -> tuple[BmConfig, Any, Any] | None:
+    """The model and workload loaded, and the config every variant runs with: the same engine budgets
+    and the same KV cache for all (sized once, here). None when either cannot load (said: exit 2)."""
+    from bm.runtime import KVCacheSizeError
+    from bm.workloads import DatasetError
+
+    loaded_pair = load_model_and_workload(cfg, console)
+    if loaded_pair is None:
+        return None
+    loaded, workload = loaded_pair
+    try:
+        cfg = pin_cache(engine_config(cfg, loaded, workload, console), loaded)
+    except (DatasetError, ConfigError, KVCacheSizeError) as exc:
+        print_error(str(exc))
+        return None
+    return cfg, loaded, workload
+
+
 def _run(
     cfg: BmConfig,
     variants: list[Variant],
     parsed: list[Assertion],
-    previous: dict[str, Any] | None,
-    baseline: Path | None,
-    gate: tuple[float, float, int],
+    gate: Gate | None,
+    baseline_cmd: str | None,
+    identity: dict[str, Any],
     repeat: int,
     reference: str | None,
     hf_batch_size: int,
@@ -163,29 +214,31 @@ def _run(
     plot: bool,
     json_output: bool,
     quiet: bool,
+    allow_unjudged: bool,
     console: Console,
     interrupts: Interrupts,
 ) -> int:
     from bm.cli.journal import FileJournal
     from bm.compare.expr import AssertionEvalError, evaluate_assertion
-    from bm.compare.regress import BaselineVerdict, judge, rounds_to_settle
-    from bm.compare.runner import CompareResult, compare_document, run_compare, write_compare
+    from bm.compare.render import write_compare
+    from bm.compare.runner import run_compare
     from bm.report.data import variant_dir
     from bm.runtime import KVCacheSizeError
     from bm.workloads import DatasetError, arrival_times
 
-    loaded_pair = load_model_and_workload(cfg, console)
-    if loaded_pair is None:
+    spawn_error = start_worker(gate, baseline_cmd, console)  # it loads while this process loads
+    prepared = _prepare(cfg, console)
+    if prepared is None:
         return 2
-    loaded, workload = loaded_pair
+    cfg, loaded, workload = prepared
     try:
-        # every variant gets the same engine budgets and the same KV cache (sized once, here)
-        cfg = pin_cache(engine_config(cfg, loaded, workload, console), loaded)
         arrivals = arrival_times(workload, cfg.bench)
     except (DatasetError, ConfigError, KVCacheSizeError) as exc:
         print_error(str(exc))
         return 2
-    console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved", highlight=False)
+    pairing_error = worker_ready(gate, variants, console, interrupts.stop)
+    paired = gate is not None and gate.worker is not None
+    console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved" + (", each paired with the baseline's" if paired else ""), highlight=False)  # fmt: skip
     started: dict[str, float] = {}
 
     def on_start(v: Variant, r: int, _m: dict[str, Any]) -> None:
@@ -199,40 +252,34 @@ def _run(
                 highlight=False,
             )
 
-    tol, noise, most = gate
-    verdict: BaselineVerdict | None = None
-
-    def more_rounds(so_far: CompareResult) -> int:
-        """The baseline gate re-measures a timing that looks regressed, or too noisy to judge."""
-        nonlocal verdict
-        if previous is None:
-            return 0
-        verdict = judge(previous, compare_document(so_far), tol, noise)
-        more = rounds_to_settle(verdict, tol, noise, repeat, so_far.repeat, most)
-        if more:
-            suspect = sorted({f"{c.variant}.{c.metric}" for c in verdict.timing_checks if c.regressed})
-            busy = any("this run" in (c.busy_side or "") for c in verdict.timing_checks)
-            why = (
-                f"{', '.join(suspect)} looked regressed"
-                if suspect
-                else "no repeat had the machine to itself"
-                if busy
-                else "the noise hid small changes"
-            )
-            console.print(f"re-measuring: {why}; {more} more round(s)", highlight=False, soft_wrap=True)
-        return more
+    def run_theirs(v: Variant) -> dict[str, Any]:
+        assert gate is not None and gate.worker is not None
+        return gate.worker.run(v, interrupts.stop)
 
     interrupts.running()  # from here the first signal ends the run in progress; finished rounds are kept
+    if gate is not None:
+        gate.start_clock()
     try:
         result = run_compare(cfg, loaded, workload, arrivals, variants, repeat=repeat, reference=reference,
                              hf_batch_size=hf_batch_size, on_start=on_start, on_done=on_done,
                              journal=lambda v: FileJournal(variant_dir(out, v.name)),
-                             more_rounds=more_rounds, stop=interrupts.stop)  # fmt: skip
+                             more_rounds=None if gate is None else lambda r: gate.more_rounds(r, console),
+                             stop=interrupts.stop, paired=run_theirs if paired else None,
+                             deadline=None if gate is None else gate.deadline)  # fmt: skip
     except (KVCacheSizeError, ConfigError) as exc:
         print_error(str(exc))
         return 2
+    result.identity = identity
+    result.pairing_error = result.pairing_error or pairing_error or spawn_error
     if result.interrupted:
         return _interrupted(console, result, out, interrupts.signal_name)
+    if result.repeat == 0:  # the time limit came before one round finished: nothing to judge
+        write_compare(out, result)
+        print_error(
+            f"--time-limit {gate.time_limit if gate else 0:g}: no round finished in time; nothing was "
+            f"judged (exit {NOT_JUDGED}); raise --time-limit"
+        )
+        return NOT_JUDGED
     metrics = result.metrics()
     failed_eval = []
     for assertion in parsed:
@@ -240,10 +287,8 @@ def _run(
             result.assertions.append(evaluate_assertion(assertion, metrics))
         except AssertionEvalError as exc:
             failed_eval.append(str(exc))
-    if previous is not None:
-        result.baseline_path, result.tolerance, result.noise_factor = str(baseline), tol, noise
-        verdict = judge(previous, compare_document(result), tol, noise)  # the rounds as they ended
-        result.regressions, result.timing_checks = verdict.regressions, verdict.timing_checks
+    if gate is not None:
+        gate.apply(result)
     document = write_compare(out, result)
     if plot:
         from bm.report.data import load_plot_data
@@ -259,13 +304,13 @@ def _run(
             print_table(console, table)
         console.print(f"wrote {out / 'compare.json'} and {out / 'compare.md'}" + (f", plots in {out / 'plots'}" if plot else ""),
                       soft_wrap=True)  # fmt: skip
-    return _gate(console, result, failed_eval)  # already stderr under --json
+    return gate_exit_code(console, result, failed_eval, allow_unjudged)  # already stderr under --json
 
 
 def _interrupted(console: Console, result: Any, out: Path, signal_name: str | None) -> int:
     """A signal ended the comparison: the rounds every variant finished are written (compare.json says
     ``interrupted``), no gate is judged on them, and the exit code is 130, never a pass."""
-    from bm.compare.runner import write_compare
+    from bm.compare.render import write_compare
 
     if result.repeat == 0:
         print_error(
@@ -285,38 +330,10 @@ def _interrupted(console: Console, result: Any, out: Path, signal_name: str | No
     return INTERRUPTED_EXIT
 
 
-def _gate(console: Console, result: Any, failed_eval: list[str]) -> int:
-    """Exit code 1 when any assertion fails (or cannot be evaluated) or a regression is found."""
-    bad = False
-    for a in result.assertions:
-        console.print(
-            ("[green]" if a.passed else "[red]") + a.message + "[/]", highlight=False, soft_wrap=True
-        )
-        bad |= not a.passed
-    for message in failed_eval:
-        console.print(f"[red]FAILED: {message}[/]", highlight=False, soft_wrap=True)
-        bad = True
-    if result.baseline_path is not None:
-        from bm.compare.regress import busy_machine_note, slow_baseline_note
-        from bm.compare.runner import gate_rule
-
-        console.print(gate_rule(result), highlight=False, soft_wrap=True)
-        for note in (busy_machine_note(result.timing_checks), slow_baseline_note(result.timing_checks)):
-            if note:
-                console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
-        if result.regressions:
-            for r in result.regressions:
-                console.print(f"[red]regression: {r.message}[/]", highlight=False, soft_wrap=True)
-            bad = True
-        else:
-            console.print(f"[green]no regressions against {result.baseline_path}[/]", highlight=False)
-    return 1 if bad else 0
-
-
 def compare_tables(result: Any, width: int = 200) -> list[Table]:
     """Variants as rows, each name in full; the figures are split over as many tables as it takes to
     fit ``width``, so nothing is truncated on an 80-column terminal or in a CI log."""
-    from bm.compare.runner import table_rows
+    from bm.compare.render import table_rows
 
     header, rows = table_rows(result)
     name_width = max(len(header[0]), *(len(r[0]) for r in rows))

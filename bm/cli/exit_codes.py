@@ -1,4 +1,4 @@
-"""The exit codes of ``bm run`` and ``bm bench``, decided in one place (see docs/exit-codes.md).
+"""The exit codes of ``bm run``, ``bm bench`` and ``bm compare``, decided in one place (see docs/exit-codes.md).
 
 A script driving bm needs to tell three outcomes apart without parsing the output: the run did its job
 (records for every line; some requests may have failed, each with its error in its record, as an
@@ -13,6 +13,10 @@ OK = 0  # every request succeeded, or at least one did and the failed ones carry
 FAILED = 1  # the run broke off (a rank died or hung), bm compare's gate failed, or a traceback (a bug)
 USAGE = 2  # refused before running: a flag, the config, an input file, the model or -o
 NO_SUCCESS = 3  # it ran, but no request succeeded: every record is an error
+# bm compare --baseline could not judge a timing (the pairs too noisy to place against the tolerance, or
+# no quiet repeat against saved timings) before --time-limit or --max-repeat: not a pass, not a failure
+# of the code; --allow-unjudged turns it into 0
+NOT_JUDGED = 4
 INTERRUPTED = 130  # Ctrl-C or SIGTERM (128 + SIGINT, the shell's convention); --resume finishes it
 
 

@@ -209,19 +209,29 @@ class TimingCheck:
     # Not judged: every repeat of one run shared the machine with other work (which side says why).
     busy_side: str | None = None
     busy_share: float | None = None
+    # Judged on pairs (bm.compare.paired): how many, the one-sided bounds of worse_by (low at 99.9%,
+    # high at 95%), and whether they still straddle the tolerance (not judged, like a busy side).
+    pairs: int | None = None
+    low: float | None = None
+    high: float | None = None
+    unsettled: bool = False
+    # The simulator's timings: the same bits every run, so any change either way is one (like a counter).
+    exact: bool = False
 
     @property
     def judged(self) -> bool:
-        return self.busy_side is None
+        return self.busy_side is None and not self.unsettled
 
     @property
     def regressed(self) -> bool:
+        if self.exact:
+            return self.previous != self.current
         return self.judged and self.worse_by > self.margin
 
     @property
     def improved(self) -> bool:
         """Better than the baseline beyond the margin: a speed-up, or a baseline measured under load."""
-        return self.judged and -self.worse_by > self.margin
+        return self.judged and not self.exact and -self.worse_by > self.margin
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"regressed": self.regressed, "improved": self.improved, "judged": self.judged}
@@ -300,6 +310,7 @@ def judge(
     prev_variants = previous.get("variants", {})
     cur_variants = current.get("variants", {})
     offline = bool(previous.get("offline_arrivals")) and bool(current.get("offline_arrivals"))
+    simulated = is_simulated(previous) and is_simulated(current)
     for name, prev in prev_variants.items():
         if name not in cur_variants:
             found.append(
@@ -320,6 +331,11 @@ def judge(
         for metric in TIMING_METRICS:
             p, c = _timing(prev, metric), _timing(cur, metric)
             if p is None or c is None or p.best <= 0:
+                continue
+            if simulated:
+                check, regression = _simulated_timing(name, metric, p.median, c.median)
+                checks.append(check)
+                found += [regression] if regression is not None else []
                 continue
             higher = metric in HIGHER_IS_BETTER
             # typical quiet repeat against typical quiet repeat (module docstring)
@@ -343,6 +359,29 @@ def judge(
                     )
                 )  # fmt: skip
     return BaselineVerdict(found, checks)
+
+
+def is_simulated(document: Mapping[str, Any]) -> bool:
+    """Whether a ``compare.json`` was measured by the simulator (virtual time: the same bits every run)."""
+    config = document.get("config")
+    engine = config.get("engine") if isinstance(config, Mapping) else None
+    return isinstance(engine, Mapping) and engine.get("executor") == "sim"
+
+
+def _simulated_timing(
+    name: str, metric: str, ref: float, now: float
+) -> tuple[TimingCheck, Regression | None]:
+    """A simulated timing, held to the baseline's exactly: the simulator's clock is virtual, so the
+    same code, config and workload give the same bits, and any change is the code's."""
+    worse_by = (ref - now) / ref if metric in HIGHER_IS_BETTER else (now - ref) / ref
+    check = TimingCheck(name, metric, ref, now, worse_by, 0.0, 0.0, 0.0, exact=True)
+    if ref == now:
+        return check, None
+    detail = (
+        f"simulated timing changed {ref!r} -> {now!r} ({worse_by:+.2%} worse; the simulator gives the "
+        "same bits every run: must match exactly)"
+    )
+    return check, Regression(name, metric, ref, now, "timing", detail)
 
 
 def rounds_to_settle(

@@ -1,9 +1,12 @@
-"""``bm compare``'s library side: variants, interleaved repeats, summaries, ratios and the result files.
+"""``bm compare``'s library side: variants, interleaved repeats, summaries, ratios and compare.json's
+content (bm.compare.render draws the table and writes the files).
 
 Every variant runs in one process on one loaded model, on the identical workload and arrival times.
 Repeats are interleaved (v1, inflight, ..., v1, inflight, ...) rather than run back to back, so a slow
 stretch of the machine (another job, thermal throttling) spreads over all variants instead of landing on
-one. Each figure reported is the median over repeats; the spread of output throughput is kept.
+one. Each figure reported is the median over repeats; the spread of output throughput is kept. A paired
+gate (``--baseline-cmd``) puts a run of the baseline's code beside each run of this code
+(bm.compare.paired).
 
 The reference baselines (``hf-generate``, ``hf-cb``) are run on the same model weights and the same
 requests. They have no notion of arrival times: they always run offline (everything at t=0), to each
@@ -12,36 +15,33 @@ request's full output length, and report throughput only, since neither exposes 
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import bm
 from bm.baselines import run_hf_continuous_batching, run_hf_generate
-from bm.bench import BenchResult, run_bench, write_results
+from bm.bench import BenchResult, run_bench
 from bm.bench.journal import BenchJournal
 from bm.bench.results import json_safe
 from bm.compare.expr import AssertionOutcome
-from bm.compare.load import BACKGROUND_SHARE, QUIET_SHARE, is_quiet
+from bm.compare.load import BACKGROUND_SHARE
+from bm.compare.pairing import PairingError
 from bm.compare.regress import (
     EXACT_IF_OFFLINE,
     TIMING_METRICS,
     Regression,
     TimingCheck,
     kv_block_counters,
-    slow_baseline_note,
     summarize_timing,
 )
 from bm.compare.variants import Variant, variant_config
 from bm.config import BmConfig, ConfigError
 from bm.cpu_load import background_share, read_ticks
-from bm.files import write_whole
-from bm.report.data import variant_dir
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.workloads import Workload
@@ -61,11 +61,6 @@ TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("num_iterations", "iterations"),
     ("total_computed_tokens", "token-slots computed"),
 )
-# The simulator's cost (hourly price x devices x simulated time): shown when any variant has one.
-COST_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("cost_usd", "cost $"),
-    ("cost_per_million_output_tokens", "$ per M out tok"),
-)
 # Ratios to the reference variant, for the figures where a ratio reads naturally.
 RATIO_METRICS = (
     "output_throughput",
@@ -82,6 +77,8 @@ RATIO_METRICS = (
 class VariantOutcome:
     variant: Variant
     repeats: list[dict[str, Any]] = field(default_factory=list)  # metrics of each repeat
+    # A paired gate's other half: the metrics of the baseline's code, one per repeat (bm.compare.paired)
+    paired: list[dict[str, Any]] = field(default_factory=list)
     last: BenchResult | None = None  # the last repeat, for its results.json beside its journal's files
 
     def summary(self) -> dict[str, Any]:
@@ -138,6 +135,14 @@ class CompareResult:
     noise_factor: float | None = None
     timing_checks: list[TimingCheck] = field(default_factory=list)
     interrupted: bool = False  # a signal ended it: ``repeat`` rounds finished, none judged
+    timed_out: bool = False  # the deadline came: the round it cut short was dropped
+    identity: dict[str, Any] | None = None  # what a later --baseline must share (bm.compare.identity)
+    # How the gate's timings were judged: "paired" (with the command), "saved", or "simulated"; and why
+    # a gate that was asked to pair did not.
+    timings_from: str | None = None
+    baseline_command: str | None = None
+    pairing_error: str | None = None
+    elapsed_s: float | None = None  # measuring time, first run to last
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         """``{variant: summary}``: what --assert expressions and --baseline checks read."""
@@ -184,6 +189,35 @@ def _baseline_metrics(
 RunCallback = Callable[[Variant, int, dict[str, Any]], None]
 # A journal for one run of a bm variant (see bm.bench.journal), entered for that run and left after it.
 JournalFactory = Callable[[Variant], AbstractContextManager[BenchJournal]]
+# Runs a variant on the baseline's code (bm.compare.pairing.BaselineWorker.run): its metrics.
+PairedRun = Callable[[Variant], dict[str, Any]]
+
+
+def run_variant(
+    config: BmConfig,
+    loaded: LoadedModel,
+    workload: Workload,
+    arrivals: Sequence[float],
+    variant: Variant,
+    *,
+    hf_batch_size: int = 16,
+    journal: JournalFactory | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[dict[str, Any], BenchResult | None]:
+    """One run of one variant (``config`` already the variant's): its metrics, with the share of the
+    CPU other processes took meanwhile (none under the simulator, whose clock no load moves), and the
+    bench result of a bm variant. A paired gate's worker runs its side through this too."""
+    simulated = config.engine.executor == "sim"
+    before = None if simulated else read_ticks()
+    run: BenchResult | None = None
+    if variant.kind == "bm":
+        with journal(variant) if journal is not None else nullcontext() as run_journal:
+            run = run_bench(config, loaded, workload, arrivals, journal=run_journal, stop=stop)
+        metrics = dict(run.metrics) | kv_block_counters(run.iterations)
+    else:
+        metrics = _baseline_metrics(variant.name, loaded, workload, hf_batch_size, stop)
+    metrics[BACKGROUND_SHARE] = None if simulated else background_share(before, read_ticks())
+    return metrics, run
 
 
 def run_compare(
@@ -201,6 +235,8 @@ def run_compare(
     journal: JournalFactory | None = None,
     more_rounds: Callable[[CompareResult], int] | None = None,
     stop: threading.Event | None = None,
+    paired: PairedRun | None = None,
+    deadline: float | None = None,
 ) -> CompareResult:
     """Run ``repeat`` interleaved rounds of every variant and collect their metrics.
 
@@ -211,6 +247,14 @@ def run_compare(
     ``more_rounds``: asked after the rounds run so far, how many more to run (0: done); the baseline gate
     uses it to re-measure before it calls a timing a regression, or when the machine was too noisy to
     judge.
+
+    ``paired``: runs a variant on the baseline's code; each run of this code is then paired with one of
+    the baseline's, back to back, the baseline's first in even rounds and second in odd ones, kept in
+    :attr:`VariantOutcome.paired`. When it raises :class:`~bm.compare.pairing.PairingError` the pairs so
+    far are dropped and the comparison goes on unpaired (``pairing_error`` says why).
+
+    ``deadline`` (``time.monotonic()``): no run starts after it; the round it interrupts is dropped and
+    the result says ``timed_out``.
 
     ``journal``: called before each run of a bm variant for the journal that receives that run's stats
     rows and records as they come (``bm compare`` streams them into the variant's folder, each repeat
@@ -242,37 +286,65 @@ def run_compare(
         if config.engine.executor == "sim"
         else runtime_info(loaded.device, loaded.dtype),
     )
+    started = time.monotonic()
+
+    def ours(outcome: VariantOutcome, round_index: int) -> None:
+        v = outcome.variant
+        if on_start:
+            on_start(v, round_index, {})
+        metrics, run = run_variant(
+            configs.get(v.name, config), loaded, workload, arrivals, v,
+            hf_batch_size=hf_batch_size, journal=journal, stop=stop,
+        )  # fmt: skip
+        outcome.last = run or outcome.last
+        outcome.repeats.append(metrics)
+        if on_done:
+            on_done(v, round_index, metrics)
+
+    def theirs(outcome: VariantOutcome) -> None:
+        nonlocal paired
+        if paired is None:
+            return
+        try:
+            outcome.paired.append(paired(outcome.variant))
+        except PairingError as exc:
+            result.pairing_error = str(exc)
+            paired = None
+            for each in outcomes:
+                each.paired.clear()
+
+    def halted() -> bool:
+        if stop is not None and stop.is_set():
+            result.interrupted = True
+        elif deadline is not None and time.monotonic() >= deadline:
+            result.timed_out = True
+        return result.interrupted or result.timed_out
+
     rounds = repeat
     while rounds > 0:
         for _ in range(rounds):
-            round_index = result.repeat
+            round_index, cut = result.repeat, False
             for outcome in outcomes:
-                if stop is not None and stop.is_set():
-                    break
-                v = outcome.variant
-                if on_start:
-                    on_start(v, round_index, {})
-                before = read_ticks()
-                if v.kind == "bm":
-                    with journal(v) if journal is not None else nullcontext() as run_journal:
-                        run = run_bench(
-                            configs[v.name], loaded, workload, arrivals, journal=run_journal, stop=stop
-                        )
-                    metrics = dict(run.metrics) | kv_block_counters(run.iterations)
-                    outcome.last = run
-                else:
-                    metrics = _baseline_metrics(v.name, loaded, workload, hf_batch_size, stop)
-                metrics[BACKGROUND_SHARE] = background_share(before, read_ticks())
-                outcome.repeats.append(metrics)
-                if on_done:
-                    on_done(v, round_index, metrics)
-            if stop is not None and stop.is_set():
+                sides = ("theirs", "ours") if round_index % 2 == 0 else ("ours", "theirs")
+                for side in sides if paired is not None else ("ours",):
+                    cut = cut or halted()
+                    if cut:
+                        break
+                    if side == "ours":
+                        ours(outcome, round_index)
+                    else:
+                        theirs(outcome)
+            if stop is not None and stop.is_set():  # its last run may have been cut short too
+                result.interrupted = cut = True
+            if cut:
                 for outcome in outcomes:  # the round cut short: its figures are partial
                     del outcome.repeats[result.repeat :]
-                result.interrupted = True
+                    del outcome.paired[result.repeat :]
+                result.elapsed_s = time.monotonic() - started
                 return result
             result.repeat += 1
         rounds = more_rounds(result) if more_rounds is not None else 0
+    result.elapsed_s = time.monotonic() - started
     return result
 
 
@@ -294,12 +366,20 @@ def compare_document(result: CompareResult) -> dict[str, Any]:
             "timings": json_safe(outcome.timings()),
             "unstable_counters": outcome.unstable_counters(result.offline_arrivals),
         }
+        if outcome.paired:  # the baseline's code, run beside this one (bm.compare.paired)
+            variants[v.name]["paired_baseline_per_repeat"] = [
+                json_safe({k: r.get(k) for k in (*TIMING_METRICS, BACKGROUND_SHARE) if k in r})
+                for r in outcome.paired
+            ]
     return {
         "bm_version": bm.__version__,
         "model": result.model_name,
         "dataset": result.workload,
         "repeat": result.repeat,
         "interrupted": result.interrupted,
+        "timed_out": result.timed_out,
+        "elapsed_s": result.elapsed_s,
+        "identity": result.identity,
         "reference": result.reference,
         "offline_arrivals": result.offline_arrivals,
         "config": result.config.to_dict(),
@@ -312,132 +392,10 @@ def compare_document(result: CompareResult) -> dict[str, Any]:
             "path": result.baseline_path,
             "tolerance": result.tolerance,
             "noise_factor": result.noise_factor,
+            "timings_from": result.timings_from,
+            "command": result.baseline_command,
+            "pairing_error": result.pairing_error,
             "regressions": [r.to_dict() for r in result.regressions],
             "timing_checks": [c.to_dict() for c in result.timing_checks],
         },
     }
-
-
-def format_value(key: str, value: Any) -> str:
-    if value is None:
-        return "–"
-    if key == "mean_kv_cache_utilization":
-        return f"{value:.0%}"
-    if key.startswith("cost"):
-        return f"{value:.3g}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if key.endswith("_throughput"):
-        return f"{value:.1f}" if key == "output_throughput" else f"{value:.2f}"
-    return f"{value:.1f}"
-
-
-def table_rows(result: CompareResult) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the comparison table, shared by the terminal and Markdown renderings."""
-    summaries = {outcome.variant.name: outcome.summary() for outcome in result.variants}
-    costed = any(s.get(key) is not None for s in summaries.values() for key, _ in COST_COLUMNS)
-    columns = TABLE_COLUMNS + (COST_COLUMNS if costed else ())
-    header = ["variant", *[h for _, h in columns], f"× {result.reference} (out tok/s)"]
-    ratios = result.ratios()
-    rows = []
-    for name, summary in summaries.items():
-        ratio = ratios[name]["output_throughput"]
-        cells = [name, *[format_value(k, summary.get(k)) for k, _ in columns]]
-        cells.append("–" if ratio is None else f"{ratio:.2f}×")
-        rows.append(cells)
-    return header, rows
-
-
-def compare_markdown(result: CompareResult) -> str:
-    """A Markdown report fit for a CI job summary or a PR comment."""
-    header, rows = table_rows(result)
-    info = result.workload
-    lines = [
-        "## bm compare",
-        "",
-        f"Model `{result.model_name}`, dataset `{info.get('kind')}` {info.get('path') or ''} "
-        f"({info.get('num_requests')} requests), {'offline arrivals' if result.offline_arrivals else 'timed arrivals'}, "
-        f"median of {result.repeat} interleaved repeat(s). Latencies in ms.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    if any(v.variant.kind == "baseline" for v in result.variants):
-        lines += [
-            "",
-            "Baselines run offline, each request to its full output length; they report throughput only.",
-        ]
-    unstable = {v.variant.name: v.unstable_counters(result.offline_arrivals) for v in result.variants}
-    unstable = {k: u for k, u in unstable.items() if u}
-    if unstable:
-        lines += [
-            "",
-            "**Warning:** counters differed between repeats: "
-            + "; ".join(f"{k}: {', '.join(u)}" for k, u in unstable.items()),
-        ]
-    if result.assertions:
-        lines += ["", "### Assertions", ""]
-        for a in result.assertions:
-            mark = "✅" if a.passed else "❌"
-            lines.append(f"- {mark} `{a.text}` — {_fmt_pair(a)}")
-    if result.baseline_path is not None:
-        lines += ["", f"### Against baseline `{result.baseline_path}`", "", gate_rule(result), ""]
-        if result.regressions:
-            lines += [f"- ❌ `{r.variant}.{r.metric}`: {r.detail}" for r in result.regressions]
-        else:
-            lines.append("- ✅ no regressions")
-        note = slow_baseline_note(result.timing_checks)
-        if note:
-            lines.append(f"- ⚠️ {note}")
-        if result.timing_checks:
-            lines += [
-                "",
-                "| timing | baseline median | this run's median | worse by | margin |",
-                "|---|---:|---:|---:|---:|",
-            ]
-            lines += [
-                f"| `{c.variant}.{c.metric}` | {c.previous:.4g} | {c.current:.4g} | {c.worse_by:+.1%} | "
-                f"{c.margin:.1%}{' ❌' if c.regressed else ''}{'' if c.judged else ' (not judged: busy)'} |"
-                for c in result.timing_checks
-            ]
-    return "\n".join(lines) + "\n"
-
-
-def gate_rule(result: CompareResult) -> str:
-    """One sentence saying how the baseline gate judged this run, with the margins it used."""
-    tol, k = result.tolerance or 0.0, result.noise_factor or 0.0
-    margins = [c.margin for c in result.timing_checks if c.judged]
-    span = (
-        f"{min(margins):.0%}" if min(margins) == max(margins) else f"{min(margins):.0%}-{max(margins):.0%}"
-    ) if margins else "none"  # fmt: skip
-    shares = [r.get(BACKGROUND_SHARE) for v in result.variants for r in v.repeats]
-    quiet = sum(is_quiet(s) for s in shares)
-    return (
-        f"Counters must match exactly; each timing's median over {result.repeat} repeat(s) ({quiet} of "
-        f"{len(shares)} runs had the machine to themselves, others at most {QUIET_SHARE:.0%} of the CPU; "
-        f"only those count) may be worse than the baseline's median by at most max(tolerance {tol:.0%}, "
-        f"{k:g} x the larger measured spread): margins used {span}."
-    )
-
-
-def _fmt_pair(a: AssertionOutcome) -> str:
-    text = f"{a.left:.4g} {a.cmp} {a.right:.4g}"
-    if not a.passed:
-        gap = abs(a.left - a.right)
-        text += f", off by {gap:.4g}" + (f" ({gap / abs(a.right):.1%})" if a.right else "")
-    return text
-
-
-def write_compare(out_dir: Path, result: CompareResult) -> dict[str, Any]:
-    """compare.json, compare.md, and each bm variant's last-repeat ``results.json`` under
-    ``variants/NAME/``, beside the ``requests.jsonl`` and ``stats.jsonl`` its journal wrote there (the
-    ``journal`` of :func:`run_compare`: the run keeps no record)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    document = compare_document(result)
-    write_whole(out_dir / "compare.json", json.dumps(document, indent=2) + "\n")
-    write_whole(out_dir / "compare.md", compare_markdown(result))
-    for outcome in result.variants:
-        if outcome.last is not None:
-            write_results(variant_dir(out_dir, outcome.variant.name), outcome.last)
-    return document
