@@ -56,7 +56,8 @@ def gate_identity(
 ) -> dict[str, Any]:
     """This run's identity as ``compare.json`` records it; ``config`` is the config as requested (before
     :func:`bm.config.resolve_engine` and the KV cache sizing fill in what the device decides)."""
-    flat = flatten(config.to_dict())
+    # as compare.json will hold it (a tuple reads back as a list), so a run equals its own baseline
+    flat = _as_json(flatten(config.to_dict()))
     workload = {k: v for k, v in flat.items() if k.startswith(f"{WORKLOAD_SECTION}.")}
     settings = {k: v for k, v in flat.items() if not k.startswith(f"{WORKLOAD_SECTION}.")}
     return {
@@ -94,10 +95,10 @@ def identity_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -
                 f"baseline, {b[:12]}... here)"
             )
     else:  # an older bm's document: its config as the run resolved it
-        theirs = flatten(saved.get("config") or {})
+        theirs = _as_json(flatten(saved.get("config") or {}))
         exact, same_settings = False, False
     ours = dict(current["workload"]) | ({} if same_settings else dict(current["config"]))
-    defaults = flatten(config_from_dict({}).to_dict())
+    defaults = _as_json(flatten(config_from_dict({}).to_dict()))
     for key, value in ours.items():
         if key not in theirs:
             # a key the baseline's bm did not know yet: the same run when this one leaves it at its default
@@ -119,6 +120,11 @@ def refusal(path: str, differences: Sequence[str]) -> str:
         f"--baseline {path} cannot judge this run, it was measured on {shown}{more}; give this run the "
         "baseline's settings, or save a new baseline with this run's (bm compare ... -o DIR)"
     )
+
+
+def _as_json(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` as a compare.json holds them (a tuple reads back as a list)."""
+    return json.loads(json.dumps(values, default=str))
 
 
 def _what(key: str) -> str:

@@ -111,10 +111,9 @@ class ModelConfig:
     )
     warmup: str = knob(
         "auto",
-        "Run every shape class a run will meet once when the engine is built, before any request (prompt, "
-        "chunk after a cached prefix, prompts beside decode rows, decode; on CUDA also the whole token "
-        "budget and a decode step per CUDA-graph bucket, captured), so kernel loads, compiles and the CPU "
-        "thread count are settled before the clock: auto and on (every device), off.",
+        "Run each shape class a run meets (prompt, chunk after a cached prefix, mixed, decode; on CUDA "
+        "also the full budget and each CUDA-graph bucket) once at engine build, so kernel loads and the "
+        "CPU thread count settle before the clock: auto and on (every device), off.",
         on_off_auto,
     )
     yield_cores: str = knob(
