@@ -10,6 +10,8 @@ that the bf16 attention keeps the float32 kernels' batch invariance.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -210,7 +212,10 @@ def test_a_bf16_run_gives_the_same_bits_with_the_bf16_cache_as_with_the_float32_
         ]
         client = StaggeredClient(requests, per_iteration=2)
         config = make_config(engine={"enable_chunked_context": True, "max_num_tokens": 16})
-        with BatchManager(config, client.get_requests, client.send_response, model=model) as manager:
+        # a copy each time: engines over one loaded model share its executor, whose cache keeps the
+        # dtype it was allocated with
+        fresh = dataclasses.replace(model)
+        with BatchManager(config, client.get_requests, client.send_response, model=fresh) as manager:
             client.wait_or_fail()
             dtype = manager.runner.kv_caches[0].dtype
         return dtype, client.results

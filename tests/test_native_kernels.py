@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -160,7 +162,10 @@ def test_greedy_output_equals_hf_generate_with_and_without_native_decode(
     requests = [InferenceRequest.from_values(i, p, m) for i, (p, m) in enumerate(specs)]
     client = StaggeredClient(requests, per_iteration=3)
     config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 96})
-    with BatchManager(config, client.get_requests, client.send_response, model=tiny_model) as manager:
+    # a copy of the model: engines over one loaded model share its executor, whose runner chose its
+    # decode kernel when the first of them bound it (the switch is read once per runner)
+    model = dataclasses.replace(tiny_model)
+    with BatchManager(config, client.get_requests, client.send_response, model=model) as manager:
         client.wait_or_fail()
         runner_native = manager.runner.backend.native_decode is not None
     assert runner_native == (native == "1" and kernel is not None)
