@@ -215,13 +215,14 @@ def test_sigterm_during_the_command_lines_imports_exits_130_without_a_traceback(
 
 
 def test_a_signal_after_the_command_finished_keeps_its_exit_code(tmp_path):
-    """Interpreter teardown after a finished command takes a second with torch loaded; a SIGTERM
-    then used to end a complete run with -15 instead of its own exit code."""
+    """After a finished command the exit callbacks run, then the process ends with the command's own
+    code: a signal in that time (or in the interpreter's teardown it skips, a second or more with
+    torch loaded) used to end a complete run with -2 or -15."""
     code = (
-        "import os, signal, sys, time\n"
+        "import atexit, os, signal, sys, time\n"
         "sys.argv = ['bm', '--help']\n"
         "from bm.cli.entry import main\n"
-        "import atexit\n"
+        "atexit.register(lambda: print('second callback ran', file=sys.stderr))\n"
         "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(HANG)))\n"
         "main()\n"
     ).replace("HANG", str(HANG_S))
@@ -230,6 +231,25 @@ def test_a_signal_after_the_command_finished_keeps_its_exit_code(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "Usage" in done.stdout and "Traceback" not in done.stderr
+    assert "second callback ran" not in done.stderr  # the signal ended it at once, with code 0
+
+
+def test_the_exit_callbacks_run_and_a_message_exit_keeps_its_text(tmp_path):
+    code = (
+        "import atexit, sys\n"
+        "sys.argv = ['bm', '--help']\n"
+        "import bm.cli.main\n"
+        "def app(): sys.exit('refused: a reason')\n"
+        "bm.cli.main.app = app\n"
+        "from bm.cli.entry import main\n"
+        "atexit.register(lambda: print('callback ran', file=sys.stderr))\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["refused: a reason", "callback ran"]
 
 
 def command(*args: str) -> subprocess.Popen:
