@@ -9,6 +9,7 @@ the fake executor, where every decision is visible without a model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 
@@ -355,3 +356,22 @@ def test_a_non_finite_weight_is_refused_naming_its_row_and_padding_after_a_row_i
     )
     results = generate([request], make_config(), model=tiny_model)
     assert "lora_weights: row 1 holds a non-finite value" in results[0].error
+
+
+def test_an_engine_without_adapters_after_one_with_them_shares_the_model_and_matches_hf(
+    tiny_model, tiny_reference, adapters
+):
+    """Engines over one loaded model take its executor in turn (bm.runtime.executor.executor_for): the
+    first engine's adapter slots go with it. Left behind, they failed the next engine's first step
+    ('NoneType' object has no attribute 'begin') when a test file without adapters followed one with
+    them in the same process."""
+    model = dataclasses.replace(tiny_model)  # an executor of this test's own
+    path, peft_model = adapters[0]
+    prompt = [5, 6, 7, 8]
+    adapted = generate(
+        [InferenceRequest.from_values(0, prompt, 4, **lora_fields(path))], make_config(), model=model
+    )
+    assert adapted[0].output_ids == hf_greedy(peft_model, prompt, 4)
+    base = generate([InferenceRequest.from_values(0, prompt, 4)], make_config(), model=model)
+    assert not base[0].error
+    assert base[0].output_ids == hf_greedy(tiny_reference, prompt, 4)

@@ -156,11 +156,17 @@ class TorchExecutor:
 
     def close(self) -> None:
         """The engine is done with this executor: LoRA layers give the shared model its own forwards back
-        (a later adapter builds them again)."""
+        (a later adapter builds them again), and what belonged to its requests goes, so the next engine
+        over the model starts with the cache, warm-up and thread count only. (Adapter slots left behind
+        made the next engine, without adapters, fail its first step.)"""
         self.in_use = False
         if self.lora is not None:
             self.lora.close()
             self.lora = None
+        self._adapter_slots = {}
+        self._prompt_tables = {}
+        self._last = None
+        self.decoder = Decoder(self.grammar)
         if self._governor is not None:  # the next engine resumes where this one left the count
             self._threads_at = self._governor.reading()
             self._governor.restore()
