@@ -30,6 +30,7 @@ from bm.cli.compare_gate import (
     Gate,
     check_gate_flags,
     gate_exit_code,
+    load_with_arrivals,
     serve_pairs,
     start_worker,
     worker_ready,
@@ -224,18 +225,12 @@ def _run(
     from bm.compare.runner import run_compare
     from bm.report.data import variant_dir
     from bm.runtime import KVCacheSizeError
-    from bm.workloads import DatasetError, arrival_times
 
     spawn_error = start_worker(gate, baseline_cmd, console)  # it loads while this process loads
-    prepared = _prepare(cfg, console)
+    prepared = load_with_arrivals(_prepare, cfg, console)
     if prepared is None:
         return 2
-    cfg, loaded, workload = prepared
-    try:
-        arrivals = arrival_times(workload, cfg.bench)
-    except (DatasetError, ConfigError, KVCacheSizeError) as exc:
-        print_error(str(exc))
-        return 2
+    cfg, loaded, workload, arrivals = prepared
     pairing_error = worker_ready(gate, variants, console, interrupts.stop)
     paired = gate is not None and gate.worker is not None
     console.print(f"{len(variants)} variants x {repeat} repeat(s), interleaved" + (", each paired with the baseline's" if paired else ""), highlight=False)  # fmt: skip

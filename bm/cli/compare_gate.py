@@ -285,19 +285,12 @@ def serve_pairs(
     from bm.compare.pairing import serve
     from bm.compare.runner import run_variant
     from bm.compare.variants import variant_config
-    from bm.runtime import KVCacheSizeError
-    from bm.workloads import DatasetError, arrival_times
 
     err = Console(stderr=True)
-    prepared = load(cfg, err)
+    prepared = load_with_arrivals(load, cfg, err)
     if prepared is None:
         return 2
-    cfg, loaded, workload = prepared
-    try:
-        arrivals = arrival_times(workload, cfg.bench)
-    except (DatasetError, ConfigError, KVCacheSizeError) as exc:
-        print_error(str(exc))
-        return 2
+    cfg, loaded, workload, arrivals = prepared
     configs = {v.name: variant_config(cfg, v) for v in variants if v.kind == "bm"}
     interrupts.running()
 
@@ -308,3 +301,20 @@ def serve_pairs(
 
     serve(variants, run, sys.stdin, sys.stdout, bm.__version__, interrupts.stop)
     return 130 if interrupts.interrupted else 0
+
+
+def load_with_arrivals(load: Callable[[BmConfig, Any], Any], cfg: BmConfig, console: Any) -> tuple | None:
+    """``load(cfg, console)``'s (config, model, workload) and the workload's arrival times, or None once
+    the reason is printed (exit 2): the gate's command and its pair worker load alike."""
+    from bm.runtime import KVCacheSizeError
+    from bm.workloads import DatasetError, arrival_times
+
+    prepared = load(cfg, console)
+    if prepared is None:
+        return None
+    cfg, loaded, workload = prepared
+    try:
+        return cfg, loaded, workload, arrival_times(workload, cfg.bench)
+    except (DatasetError, ConfigError, KVCacheSizeError) as exc:
+        print_error(str(exc))
+        return None
