@@ -78,14 +78,21 @@ def records(out: Path) -> dict[int, tuple]:
 
 def trial(kind: str, prompts: Path, work: Path, sig: int, delay: float, reference: dict | None) -> dict:
     out = work / f"out-{time.monotonic_ns()}"
-    proc = subprocess.Popen(command(kind, prompts, out), env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(delay)
-    sent = time.monotonic()
-    finished_first = proc.poll() is not None
-    if not finished_first:
-        proc.send_signal(sig)
-    stdout, stderr = proc.communicate()
-    exit_s = time.monotonic() - sent
+    # the output goes to files, not pipes: Ray's processes inherit the driver's descriptors, and a pipe
+    # stays open until the last of them exits, so timing the pipes' close timed the cluster's teardown
+    # (one SIGINT under load 9.7 read 65.3 s that way), not the command's exit
+    with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
+        proc = subprocess.Popen(command(kind, prompts, out), env=env(), cwd=REPO, stdout=out_file, stderr=err_file, text=True)  # fmt: skip
+        time.sleep(delay)
+        sent = time.monotonic()
+        finished_first = proc.poll() is not None
+        if not finished_first:
+            proc.send_signal(sig)
+        proc.wait()
+        exit_s = time.monotonic() - sent
+        out_file.seek(0)
+        err_file.seek(0)
+        stdout, stderr = out_file.read(), err_file.read()
     result = {
         "signal": signal.Signals(sig).name,
         "load_average": os.getloadavg()[0],
