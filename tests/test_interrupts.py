@@ -192,6 +192,13 @@ def test_a_signal_during_the_model_load_cancels_every_line_without_the_model(tmp
     assert json.loads((out / "summary.json").read_text())["runtime"] is None  # nothing loaded
 
 
+def python_c(code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` from the repository, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
+    )
+
+
 def test_sigterm_during_the_command_lines_imports_exits_130_without_a_traceback(tmp_path):
     """The handlers are installed before typer, rich and the config load (bm.cli.entry); a signal in
     that second used to print a KeyboardInterrupt traceback (SIGINT) or kill the process (SIGTERM)."""
@@ -207,9 +214,7 @@ def test_sigterm_during_the_command_lines_imports_exits_130_without_a_traceback(
         "from bm.cli.entry import main\n"
         "main()\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
-    )
+    done = python_c(code)
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr and "SIGTERM: interrupted during start-up" in done.stderr
 
@@ -226,9 +231,7 @@ def test_a_signal_after_the_command_finished_keeps_its_exit_code(tmp_path):
         "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(HANG)))\n"
         "main()\n"
     ).replace("HANG", str(HANG_S))
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
-    )
+    done = python_c(code)
     assert done.returncode == 0, done.stderr
     assert "Usage" in done.stdout and "Traceback" not in done.stderr
     assert "second callback ran" not in done.stderr  # the signal ended it at once, with code 0
@@ -245,9 +248,7 @@ def test_the_exit_callbacks_run_and_a_message_exit_keeps_its_text(tmp_path):
         "atexit.register(lambda: print('callback ran', file=sys.stderr))\n"
         "main()\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
-    )
+    done = python_c(code)
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["refused: a reason", "callback ran"]
 
