@@ -115,8 +115,10 @@ def trial(kind: str, prompts: Path, work: Path, sig: int, delay: float, referenc
         except (OSError, ValueError, AssertionError) as exc:
             result["resume_matches"], result["error"] = False, f"{exc}: {text[-500:]}"
     elif kind == "bench":
-        results = out / "results.json"
-        result["results_written"] = results.exists()
+        result["results_written"] = (out / "results.json").exists()
+        # the journal creates stats.jsonl at the first iteration: a signal after it must still leave
+        # results.json (one before it, during start-up, ends with nothing measured)
+        result["replay_started"] = (out / "stats.jsonl").exists()
     subprocess.run(["rm", "-rf", str(out)])
     return result
 
@@ -147,6 +149,10 @@ def summarize(trials: list[dict]) -> dict:
         "resumes_matching": sum(bool(t.get("resume_matches")) for t in trials if "resume_code" in t),
         "resumes": sum("resume_code" in t for t in trials),
         "results_written": sum(bool(t.get("results_written")) for t in trials),
+        "replay_started": sum(bool(t.get("replay_started")) for t in trials),
+        "replay_started_without_results": sum(
+            bool(t.get("replay_started")) and not t.get("results_written") for t in trials
+        ),
     }
 
 
