@@ -72,6 +72,27 @@ def test_the_engine_warms_up_at_build_with_the_runs_budgets_and_reports_it(tiny_
     assert off.warmup is None
 
 
+def test_the_cpu_warmup_maps_the_first_blocks_of_a_pool_sized_for_the_run_up_to_its_limit(
+    tiny_model, monkeypatch
+):
+    """The CPU pool is mapped untouched and each page faults in at its first write: where the pool's
+    size was set for the run (kv_cache.max_tokens, as bm bench sets it for its dataset) the warm-up
+    writes the lowest block ids (those the KV manager hands out first), the whole of a small pool and
+    no more than TOUCH_LIMIT_BYTES of a large one; a pool sized from free memory is left untouched."""
+    core = EngineCore(_config(), TorchExecutor(dataclasses.replace(tiny_model)))
+    runner = core.executor.runner
+    assert core.warmup["touched_bytes"] == runner.cache_bytes == runner.num_blocks * runner.block_bytes
+    by_memory = make_config(engine={"max_batch_size": 4, "max_num_tokens": 32}, kv_cache={"max_tokens": None})
+    assert EngineCore(by_memory, TorchExecutor(dataclasses.replace(tiny_model))).warmup["touched_bytes"] == 0
+
+    touched: list[int] = []
+    real = ModelRunner.touch_blocks
+    monkeypatch.setattr(ModelRunner, "touch_blocks", lambda self, n: touched.append(n) or real(self, n))
+    monkeypatch.setattr("bm.runtime.warmup.TOUCH_LIMIT_BYTES", 3 * runner.block_bytes + 1)
+    small = EngineCore(_config(), TorchExecutor(dataclasses.replace(tiny_model)))
+    assert touched == [3] and small.warmup["touched_bytes"] == 3 * runner.block_bytes
+
+
 def test_the_warmup_runs_each_shape_class_once_before_the_first_request_and_lists_them(
     tiny_model, monkeypatch
 ):
@@ -177,3 +198,15 @@ def test_an_llm_allocates_its_cache_and_warms_up_once_at_construction_for_every_
     second = [o.token_ids for o in llm.generate([[5, 6, 7], [9, 10, 11, 12]], params)]
     assert first == second and all(len(t) == 5 for t in first)
     assert llm._executor.runner is runner and len(runs) == 1  # the same cache, warmed up once
+
+
+def test_the_startup_line_says_how_much_of_the_kv_pool_the_warmup_mapped():
+    from bm.bench.results import startup_line
+
+    warm = {"seconds": 0.4, "graph_buckets": [], "touched_bytes": 655 * 2**20}
+    line = startup_line({"load_model_s": 1.5, "engine_build_s": 0.5, "warmup": warm})
+    assert (
+        line
+        == "start-up 2.0 s (model 1.5 s, engine 0.5 s: warm-up 0.4 s, 655 MB of KV mapped), before the clock"
+    )
+    assert "KV" not in startup_line({"engine_build_s": 0.5, "warmup": warm | {"touched_bytes": 0}})

@@ -170,6 +170,8 @@ def startup_line(startup: dict[str, Any]) -> str:
         if warm:
             graphs = len(warm.get("graph_buckets") or [])
             engine += f": warm-up {warm['seconds']:.1f} s" + (f", {graphs} CUDA graphs" if graphs else "")
+            if warm.get("touched_bytes"):  # the CPU KV pool's pages, mapped before the clock
+                engine += f", {warm['touched_bytes'] / 2**20:,.0f} MB of KV mapped"
         parts.append(engine)
     return f"start-up {doc['total_s']:.1f} s ({', '.join(parts)}), before the clock"
 

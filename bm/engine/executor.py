@@ -139,6 +139,10 @@ class WarmupShapes:
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int  # the longest sequence the cache holds
+    # blocks to map before the first request, where the pool's size was set for this run (by the user or
+    # for a benchmark's dataset): on a CPU their pages would otherwise fault in during the run. 0 leaves
+    # a pool sized from free memory alone (most of RAM on a CPU) to be mapped as a run uses it.
+    touch_blocks: int = 0
 
 
 @dataclass

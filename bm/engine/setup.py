@@ -91,7 +91,8 @@ def set_up_core(config: BmConfig, executor: Executor) -> CoreSetup:
             {g.window: g.num_blocks for g in pools.window_groups},
         )
     )
-    report = warm_up(executor, WarmupShapes(engine.max_batch_size, engine.max_num_tokens, cached))
+    touch = num_blocks if kv_cfg.max_tokens is not None else 0
+    report = warm_up(executor, WarmupShapes(engine.max_batch_size, engine.max_num_tokens, cached, touch))
     limits = request_limits(config, model)
     peft = config.peft_cache
     spec = engine.speculative

@@ -133,6 +133,7 @@ class TorchExecutor:
                     shapes.max_batch_size,
                     shapes.max_num_tokens,
                     shapes.max_seq_len,
+                    touch_blocks=shapes.touch_blocks,
                     before_each=governor.tick if governor is not None else None,
                 )
                 self._warmed = shapes

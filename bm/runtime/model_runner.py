@@ -117,6 +117,25 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches if c is not None)
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes one block id takes across every layer's pool."""
+        return sum(c[:, :, 0].numel() * c.element_size() for c in self.kv_caches if c is not None)
+
+    def touch_blocks(self, num_blocks: int) -> int:
+        """Write zeros over the first ``num_blocks`` blocks of every layer's pool (fewer where a window's
+        pool is smaller); returns the bytes written. On a CPU the pool's pages are mapped at their first
+        write (host_memory.reserved_zeros), so this moves that cost to now; the blocks are free (the
+        engine is being built) and their contents are never read before a request writes them."""
+        written = 0
+        with torch.inference_mode():
+            for cache in self.kv_caches:
+                if cache is not None:
+                    region = cache[:, :, : min(num_blocks, cache.shape[2])]
+                    region.zero_()
+                    written += region.numel() * region.element_size()
+        return written
+
+    @property
     def window(self) -> int | None:
         """The first attention layer's window (every layer's, unless the layout is mixed)."""
         return self.plan.default
