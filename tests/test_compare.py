@@ -137,6 +137,15 @@ def test_compare_refuses_to_replace_a_saved_comparison_without_overwrite(dataset
     assert (tmp_path / "compare.json").read_text() == '{"variants": {}}'
 
 
+def test_hf_baselines_beside_respect_eos_are_refused_before_the_model_loads(dataset, tmp_path):
+    """The baselines run every row to its length; bm's variants stopping at EOS would do less work."""
+    args = ["compare", str(dataset), "-o", str(tmp_path / "out"), "--respect-eos", "--quiet"]
+    result = runner.invoke(app, [*args, "--baselines", "hf-generate", "--set", "model.device=cpu"])
+    assert result.exit_code == 2, result.output
+    assert "--respect-eos stops bm's variants at EOS" in " ".join(result.output.split())
+    assert "loading model" not in result.output and not (tmp_path / "out").exists()
+
+
 def test_overwrite_replaces_the_comparison_and_drops_old_variant_folders(dataset, tmp_path):
     (tmp_path / "compare.json").write_text('{"variants": {}}')
     (tmp_path / "variants" / "v1").mkdir(parents=True)

@@ -95,9 +95,10 @@ def compare(
         tol = parse_tolerance(tolerance)
         noise = parse_noise_factor(noise_factor)
         previous = _read_baseline(baseline) if baseline is not None else None
-        from bm.compare.variants import plan_variants
+        from bm.compare.variants import check_baselines_eos, plan_variants
 
         variants = plan_variants(schemes, policies, baselines)
+        check_baselines_eos(variants, cfg.bench.ignore_eos)
         if pair_worker:  # the baseline's side of someone else's gate: no files, no gate of its own
             with Interrupts() as interrupts:
                 code = serve_pairs(cfg, variants, hf_batch_size, _prepare, interrupts)

@@ -55,6 +55,19 @@ def plan_variants(
     return variants
 
 
+def check_baselines_eos(variants: Sequence[Variant], ignore_eos: bool) -> None:
+    """The HF baselines run every row to its full length (their EOS is switched off, bm.baselines): beside
+    bm variants that stop at EOS (``--respect-eos``) the table would compare unequal work, so the pair is
+    refused before anything loads."""
+    baselines = [v.name for v in variants if v.kind == "baseline"]
+    if baselines and not ignore_eos:
+        raise ConfigError(
+            f"--baselines {','.join(baselines)} run every row to its full length, but --respect-eos stops "
+            "bm's variants at EOS, so they would do less work than the baselines; drop --respect-eos, "
+            "or drop --baselines"
+        )
+
+
 def _resolve(name: str, aliases: Mapping[str, str], option: str) -> str:
     value = aliases.get(name.lower())
     if value is None:
