@@ -114,7 +114,7 @@ def test_openai_batch_input_gets_batch_output_in_openais_schema(tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(line) + "\n" for line in BATCH_LINES))
     out = tmp_path / "out"
-    run(batch, "-o", out, "--chat-template", template)
+    run(batch, "-o", out, "--chat-template", template, "--served-model-name", "tiny")
     written = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
     # one per input line, in the order requests finished (as OpenAI's own): matched by custom_id
     assert sorted(x["custom_id"] for x in written) == sorted(x["custom_id"] for x in BATCH_LINES)
@@ -170,7 +170,7 @@ def test_a_resumed_batch_file_has_one_output_line_per_input_and_reruns_only_the_
     ok_lines = [line for line in BATCH_LINES if line["custom_id"] not in REFUSED]
     batch.write_text("".join(json.dumps(line) + "\n" for line in ok_lines))
     out = tmp_path / "out"
-    run(batch, "-o", out, "--chat-template", template)
+    run(batch, "-o", out, "--chat-template", template, "--served-model-name", "tiny")
     first = {
         x["custom_id"]: x for x in map(json.loads, (out / "batch_output.jsonl").read_text().splitlines())
     }
@@ -195,6 +195,8 @@ def test_a_resumed_batch_file_has_one_output_line_per_input_and_reruns_only_the_
             "--resume",
             "--chat-template",
             str(template),
+            "--served-model-name",
+            "tiny",
             "-q",
             "--set",
             "model.device=cpu",

@@ -53,8 +53,8 @@ def model_files(
     config: BmConfig, prompts: Path | None, known: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """``{source: {"path", "files": {name: {"sha256", "size", "stat"}}, "json": {name: contents}}}`` for
-    the model (``model``), ``model.tokenizer`` (``tokenizer``) and each adapter the prompts file names
-    (``adapter DIR``). ``known``: a previous result (a resumed run's ``run.json``), whose digests are
+    the model (``model``), ``model.tokenizer`` (``tokenizer``) and each adapter ``model.lora_modules`` or the
+    prompts file names (``adapter DIR``). ``known``: a previous result (a resumed run's ``run.json``), whose digests are
     reused for files whose recorded identity is unchanged."""
     model = config.model
     sources: dict[str, Path] = {}
@@ -66,6 +66,9 @@ def model_files(
         sources["model"] = Path(str(model.path or model.config)).resolve()
     if model.tokenizer:
         sources["tokenizer"] = Path(str(model.tokenizer)).resolve()
+    # the adapters an OpenAI batch line may name (model.lora_modules), and those bm lines name
+    for directory in (Path(d).resolve() for d in (model.lora_modules or {}).values()):
+        sources[f"adapter {directory}"] = directory
     if prompts is not None:
         for directory in adapter_dirs(prompts):
             sources[f"adapter {directory}"] = directory

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bm.cli.writers import JsonlWriter
+from bm.config import ModelConfig
 from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
 from bm.files import replacing_text
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
@@ -64,9 +65,55 @@ class BatchLine:
     parsed: Row
     custom_id: str | None = None
     url: str = CHAT_URL
-    model: str | None = None
+    model: str | None = None  # the served name or adapter that answers it (the response's ``model``)
     logprobs: bool = False
     top_logprobs: int = 0  # most likely tokens per position in the output's logprobs
+    status_code: int = 400  # of the error response, when the line cannot run (404: no such model)
+
+
+class ModelNotFoundError(RowError):
+    """A line's ``body.model`` names neither a served name of the base model nor an adapter: answered
+    with HTTP 404, as OpenAI and vLLM answer a request for a model they do not serve."""
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """What a line's ``body.model`` may name, as vLLM serves them: the base model under any of its
+    served names (``--served-model-name``), or a PEFT adapter by its ``--lora-modules`` name. A line
+    naming anything else is refused (404), never answered by another model. ``routes`` False (``bm
+    bench``, which replays prompts for timing): any name is the base model's."""
+
+    names: tuple[str, ...]
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    routes: bool = True
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> ServedModels:
+        """The names a run over ``model`` (the config's ``model`` section) answers to."""
+        adapters = {name: str(Path(d).resolve()) for name, d in (model.lora_modules or {}).items()}
+        return cls(tuple(model.served_names), adapters)
+
+    def route(self, model: str | None) -> tuple[str | None, str | None]:
+        """(the name the response gives, the adapter directory or None) for a line's ``body.model``; a
+        line naming none is the base model's, as vLLM answers it. Raises :class:`ModelNotFoundError`."""
+        if not self.routes:
+            return model, None
+        if model is None or model in self.names:
+            return (model or self.names[0]), None
+        if model in self.adapters:
+            return model, self.adapters[model]
+        served = ", ".join(repr(n) for n in self.names)
+        adapters = ", ".join(repr(n) for n in self.adapters)
+        where = f"the base model is served as {served} (--served-model-name)" + (
+            f" and the adapters as {adapters} (--lora-modules)" if adapters else ""
+        )
+        raise ModelNotFoundError(
+            f"body.model: {model!r} is not served by this run; {where}. Name one of them, or serve this "
+            "name with --served-model-name NAME (the base model) or --lora-modules NAME=DIR (an adapter)"
+        )
+
+
+ANY_MODEL = ServedModels(("bm",), routes=False)
 
 
 def is_batch_file(path: Path) -> bool:
@@ -83,29 +130,35 @@ def is_batch_object(data: dict[str, Any]) -> bool:
     return "custom_id" in data and "body" in data
 
 
-def iter_batch_file(path: Path) -> Iterator[BatchLine]:
+def iter_batch_file(path: Path, served: ServedModels = ANY_MODEL) -> Iterator[BatchLine]:
     """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
     are asked for, so a file of millions of lines is never held whole. Duplicate custom ids are refused
-    for the whole file, before it runs, by :func:`check_unique_custom_ids`."""
-    return batch_lines(iter_lines(path))
+    for the whole file, before it runs, by :func:`check_unique_custom_ids`. ``served``: what a line's
+    ``body.model`` may name (:class:`ServedModels`)."""
+    return batch_lines(iter_lines(path), served)
 
 
-def iter_batch_slice(data: bytes, first_number: int) -> Iterator[BatchLine]:
+def iter_batch_slice(data: bytes, first_number: int, served: ServedModels = ANY_MODEL) -> Iterator[BatchLine]:
     """The :class:`BatchLine` of each non-blank line of a slice of a batch file (its raw bytes, the first
     line being the file's line ``first_number``), parsed and checked as :func:`iter_batch_file` does:
     ``bm run --ray``'s replicas read their blocks so. Duplicate custom ids span slices; they are refused
     for the whole file before any replica starts (:func:`check_unique_custom_ids`)."""
-    return batch_lines(iter_slice_lines(data, first_number))
+    return batch_lines(iter_slice_lines(data, first_number), served)
 
 
-def batch_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]]) -> Iterator[BatchLine]:
+def batch_lines(
+    lines: Iterable[tuple[int, dict[str, Any] | RowError]], served: ServedModels = ANY_MODEL
+) -> Iterator[BatchLine]:
     """One :class:`BatchLine` per (line number, object or error): what the file and slice readers share."""
     for number, data in lines:
         entry = BatchLine(Row.at_line(number))
         try:
             if isinstance(data, RowError):
                 raise data
-            _line(data, entry)
+            _line(data, entry, served)
+        except ModelNotFoundError as exc:
+            entry.parsed.error = f"line {number}: {exc}"
+            entry.status_code = 404
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
         yield entry
@@ -148,7 +201,7 @@ def check_unique_custom_ids(path: Path, name: str | None = None) -> None:
         seen[custom_id] = number
 
 
-def _line(data: dict[str, Any], entry: BatchLine) -> None:
+def _line(data: dict[str, Any], entry: BatchLine, served: ServedModels) -> None:
     custom_id = data.get("custom_id")
     if isinstance(custom_id, str) and custom_id:
         entry.custom_id = custom_id
@@ -167,7 +220,7 @@ def _line(data: dict[str, Any], entry: BatchLine) -> None:
     body = data.get("body")
     if not isinstance(body, dict):
         raise RowError("body: expected an object with the request (messages or prompt, max_tokens, ...)")
-    request = _body(body, entry)
+    request = _body(body, entry, served)
     request["id"] = entry.custom_id
     try:
         parse_request(request, entry.parsed)
@@ -175,8 +228,14 @@ def _line(data: dict[str, Any], entry: BatchLine) -> None:
         raise RowError(f"body.{exc}") from None
 
 
-def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
-    """The bm request line for an OpenAI body; a field bm cannot honour raises :class:`RowError`."""
+def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[str, Any]:
+    """The bm request line for an OpenAI body; a field bm cannot honour raises :class:`RowError`, a model
+    this run does not serve :class:`ModelNotFoundError` (checked first: a server routes before it reads
+    the fields)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RowError(f"body.model: expected a string, got {model!r}")
+    entry.model, adapter = served.route(model)
     chat = entry.url == CHAT_URL
     prompt_key = "messages" if chat else "prompt"
     allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, *OPENAI_NO_EFFECT_FIELDS}
@@ -189,10 +248,6 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
                 f"body.{key}: bm cannot honour this field on {entry.url}; remove it (supported: "
                 f"{', '.join(sorted(allowed))})"
             )
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RowError(f"body.model: expected a string, got {model!r}")
-    entry.model = model
     if prompt_key not in body:
         raise RowError(f"body.{prompt_key}: missing; {entry.url} needs it")
     if body.get("stream") not in (None, False):
@@ -208,6 +263,8 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
             f"body.temperature: {temperature} is above OpenAI's limit of 2 (the API refuses it); lower it"
         )
     request: dict[str, Any] = {prompt_key: body[prompt_key]}
+    if adapter is not None:  # the same path as a bm line's lora_dir, and its adapter cache
+        request["lora_dir"] = adapter
     for key in ("n", "logit_bias"):  # checked by the bm line's parser, bounds by the engine
         if body.get(key) is not None:
             request[key] = body[key]
@@ -316,13 +373,15 @@ def batch_output_line(
         return {**base, "response": None, "error": {"code": "cancelled", "message": message}}
     if record.get("finish_reason") not in FINISH_REASONS:
         message = record.get("error") or "failed"
+        not_found = line.status_code == 404
         error = {
             "message": message,
             "type": "invalid_request_error",
             "param": _prompt_param(error_param(message), line),
-            "code": None,
+            "code": "model_not_found" if not_found else None,
         }
-        response = {"status_code": 400, "request_id": f"bm-{index}", "body": {"error": error}}
+        body = {"error": error}
+        response = {"status_code": line.status_code, "request_id": f"bm-{index}", "body": body}
         return {**base, "response": response, "error": None}
     prompt_tokens = record.get("num_prompt_tokens") or 0
     completion_tokens = record.get("num_output_tokens") or 0

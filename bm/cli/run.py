@@ -152,7 +152,9 @@ def run_prompts(
     with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, llm.loaded if llm is not None else None, out_dir)
         if options.batch_lines is not None:
-            run.open_batch(options.batch_lines, done if options.resume else None, model_label(config))
+            run.open_batch(
+                options.batch_lines, done if options.resume else None, config.model.served_names[0]
+            )
         started = time.perf_counter()
         if llm is None:
             _cancel_every_line(parsed, run, done)
@@ -298,7 +300,7 @@ class _Run:
 
     def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None, model: str) -> None:
         """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over;
-        ``model``: as the user named it, echoed where a line's body names none)."""
+        ``model``: the base model's first served name, echoed where a line's body names none)."""
         from bm.cli.openai_batch import BatchOutput, token_decoder
 
         tokenizer = getattr(self.loaded, "tokenizer", None)  # no model: a load cut short by a signal
@@ -408,7 +410,7 @@ def count_record(summary: RunSummary, record: dict[str, Any]) -> None:
 
 def model_label(config: BmConfig) -> str:
     """The model as the user named it, for the log and for a batch output line whose body names none."""
-    return config.model.preset or config.model.path or config.model.config or "embedded tiny-llama"
+    return config.model.label
 
 
 def _progress(console: Console, enabled: bool) -> Progress:

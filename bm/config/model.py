@@ -48,6 +48,8 @@ def resolve_dtype_name(dtype: str, device_type: str, native_bf16: bool | None = 
     return name
 
 
+EMBEDDED_MODEL_NAME = "embedded tiny-llama"  # the model when none is chosen (bm.runtime.default_model)
+
 # Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
 MODEL_PRESETS = ("smollm2-135m", "tiny-random")
 
@@ -58,6 +60,53 @@ def _preset(key: str, value: Any) -> Any:
     if value not in MODEL_PRESETS:
         raise ConfigError(f"{key}: unknown preset {value!r}; allowed: {', '.join(MODEL_PRESETS)}")
     return value
+
+
+def _served_names(key: str, value: Any) -> Any:
+    """model.served_model_name: one name or a list of them, each a non-empty string, none twice."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            f"{key}: expected a non-empty list of names, e.g. [my-model, gpt-4o-mini], got {value!r}"
+        )
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"{key}: {twice!r} is given twice; name each once")
+    return list(names)
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter (bm.runtime.lora_adapters)
+
+
+def _lora_modules(key: str, value: Any) -> Any:
+    """model.lora_modules: adapter name -> PEFT adapter directory, each directory checked now, so a typo
+    in a path stops the run before the model loads rather than failing every line that names it."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{key}: expected a mapping of adapter name to PEFT directory, e.g. {{sql: ./sql-lora}}"
+        )
+    modules: dict[str, str] = {}
+    for name, directory in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{key}: adapter names must be non-empty strings, got {name!r}")
+        if not isinstance(directory, (str, Path)) or not str(directory):
+            raise ConfigError(f"{key}.{name}: expected an adapter directory, got {directory!r}")
+        path = Path(directory)
+        if not path.is_dir():
+            raise ConfigError(
+                f"{key}.{name}: {str(path)!r} is not a directory; give a PEFT adapter directory"
+            )
+        if not (path / ADAPTER_CONFIG).is_file():
+            raise ConfigError(
+                f"{key}.{name}: {str(path)!r} has no {ADAPTER_CONFIG}; give the directory PEFT's "
+                "save_pretrained wrote"
+            )
+        modules[name] = str(path)
+    return modules
 
 
 def _device(key: str, value: Any) -> Any:
@@ -86,6 +135,18 @@ class ModelConfig:
         optional_str,
     )
     tokenizer: str | None = knob(None, "Tokenizer directory, when it is not inside model.path.", optional_str)
+    served_model_name: list[str] | None = knob(  # noqa: RUF009 (default None)
+        None,
+        "Names an OpenAI batch line's body.model may give for the base model (vLLM's "
+        "--served-model-name); responses name the first. Unset: the model as named (preset or path).",
+        _served_names,
+    )
+    lora_modules: dict[str, str] | None = knob(  # noqa: RUF009 (default None)
+        None,
+        "PEFT LoRA adapters by name (vLLM's --lora-modules NAME=DIR): a batch line whose body.model "
+        "names one runs with that adapter.",
+        _lora_modules,
+    )
     dtype: str = knob(
         "auto",
         "Weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 (TF32 matmuls on "
@@ -138,6 +199,23 @@ class ModelConfig:
         "One GEMM for q/k/v, one for gate/up (Llama family): auto (CUDA in float16 or bfloat16), on, off.",
         on_off_auto,
     )
+
+    @property
+    def label(self) -> str:
+        """The model as the user named it (a preset, a checkpoint or hub id, a config file), or the
+        embedded tiny model: the log's name for it, and its served name unless served_model_name says."""
+        return self.preset or self.path or self.config or EMBEDDED_MODEL_NAME
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names an OpenAI batch line's ``body.model`` may give for the base model, the first being
+        the one a response names (vLLM's --served-model-name, defaulting to the model as named)."""
+        return list(self.served_model_name or [self.label])
+
+    @property
+    def is_embedded(self) -> bool:
+        """No model was chosen: the embedded random-weight tiny Llama answers (its text is noise)."""
+        return not (self.preset or self.path or self.config)
 
     @property
     def has_no_tokenizer(self) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.cli.openai_batch import ServedModels
 from bm.cli.prompts import codec_for, to_request
 from bm.cli.records import output_record
 from bm.config import BmConfig
@@ -151,7 +152,8 @@ class Replica:
         stats_from = len(self._stats)
         if self.fault.slow_s:
             time.sleep(self.fault.slow_s)
-        for row in block_rows(data, block, self.prompts.parent, verdicts, self.batch):
+        served = ServedModels.of(self.llm.config.model)
+        for row in block_rows(data, block, self.prompts.parent, verdicts, self.batch, served):
             if row.index in skip:
                 continue
             self.fault.check_line(row)
