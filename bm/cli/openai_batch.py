@@ -226,6 +226,8 @@ def _line(data: dict[str, Any], entry: BatchLine, served: ServedModels) -> None:
         parse_request(request, entry.parsed)
     except RowError as exc:
         raise RowError(f"body.{exc}") from None
+    # OpenAI and vLLM cap no output a body does not cap: bm run's --max-tokens is for bm's own lines
+    entry.parsed.output_len_to_limit = entry.parsed.output_len is None
 
 
 def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[str, Any]:

@@ -44,14 +44,29 @@ class Codec:
     # The most tokens a prompt of this model can have (its max_position_embeddings; engine.max_seq_len may
     # lower it, which the engine checks): a text far longer is refused from a prefix, not tokenized whole.
     max_prompt_tokens: int | None = None
+    # The longest sequence a request may reach (engine.max_seq_len, else the model's own): where a line
+    # whose format has no default length (OpenAI's) stops when no end token comes first.
+    max_seq_len: int | None = None
 
 
-def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: str | None = None) -> Codec:
+def codec_for(
+    loaded: Any,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
+    engine_max_seq_len: int | None = None,
+) -> Codec:
     """The :class:`Codec` of a loaded model; ``chat_template`` (Jinja text) overrides the checkpoint's,
-    ``tool_call_parser`` (a checked name) the parser detected from it."""
+    ``tool_call_parser`` (a checked name) the parser detected from it; ``engine_max_seq_len`` (the
+    config's ``engine.max_seq_len``) lowers the model's own length limit."""
     tokenizer = loaded.tokenizer
+    limits = [x for x in (engine_max_seq_len, loaded.max_position_embeddings) if x]
+    longest = min(limits) if limits else None
     if tokenizer is None:
-        return Codec(tool_parser=tool_call_parser, max_prompt_tokens=loaded.max_position_embeddings)
+        return Codec(
+            tool_parser=tool_call_parser,
+            max_prompt_tokens=loaded.max_position_embeddings,
+            max_seq_len=longest,
+        )
     render = chat_renderer(tokenizer, chat_template)
 
     def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -68,6 +83,7 @@ def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: s
         chat_template=template,
         tool_parser=tool_call_parser or detect_parser(template),
         max_prompt_tokens=loaded.max_position_embeddings,
+        max_seq_len=longest,
     )
 
 
@@ -114,6 +130,9 @@ def to_request(
     fields.pop("streaming", None)
     row.num_prompt_tokens = len(prompt_ids)
     output_len = row.output_len or default_output_len
+    if row.output_len is None and row.output_len_to_limit and codec.max_seq_len is not None:
+        # OpenAI's default: no cap of the run's own; the end token or the model's length ends it
+        output_len = max(codec.max_seq_len - len(prompt_ids), 1)
     # Typed values as parsed. Ranges that depend on the model (token ids against the vocabulary, where ids
     # from vocab_size on may be prompt-table rows; a bias per vocabulary token) are the engine's
     # validate_request's alone: a second check here is how prompt tuning through `bm run` broke.

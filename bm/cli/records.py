@@ -81,7 +81,7 @@ def in_line_terms(message: str, row: Row) -> str:
     ``request_output_len`` (the seed's name), the line wrote ``max_tokens`` (or another spelling), and a
     line that gave none took ``--max-tokens``; it calls the prompt ``input_ids``, the line may have
     written ``prompt`` (text) or ``messages`` (a chat)."""
-    key = row.output_len_key or "--max-tokens"
+    key = row.output_len_key or ("max_tokens" if row.output_len_to_limit else "--max-tokens")
     if key != ENGINE_OUTPUT_LEN:
         message = message.replace(ENGINE_OUTPUT_LEN, key)
     if message.startswith(f"{ENGINE_PROMPT}:") and row.prompt_key != ENGINE_PROMPT:

@@ -238,7 +238,7 @@ def _feed(
     """Hand each line not already done to the engine as room frees up, and write every record."""
     loaded = llm.loaded
     default_end_id = None if options.ignore_eos else loaded.eos_token_id
-    codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
+    codec = codec_for(loaded, options.chat_template, options.tool_call_parser, llm.config.engine.max_seq_len)
     limit = in_flight_limit(llm.config)
     summary = run.summary
     # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds

@@ -88,7 +88,9 @@ class Replica:
         self.prompts = Path(prompts)  # read where the replica runs: the same path on every node
         self.batch = batch  # an OpenAI batch file: its lines read by bm.cli.openai_batch's parser
         self.logits_dir = Path(logits_dir) if logits_dir else None
-        self.codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
+        self.codec = codec_for(
+            loaded, options.chat_template, options.tool_call_parser, config.engine.max_seq_len
+        )
         self.end_id = None if options.ignore_eos else loaded.eos_token_id
         self.fault = _Fault.parse(fault)
         self.restarted = _was_restarted()
