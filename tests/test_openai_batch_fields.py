@@ -51,3 +51,45 @@ def test_a_body_without_max_tokens_runs_to_the_end_token_or_the_length_limit_not
     assert ends["usage"]["completion_tokens"] == 1 and ends["choices"][0]["finish_reason"] == "stop"
     capped = body_of(got["capped"])
     assert capped["usage"]["completion_tokens"] == 3 and capped["choices"][0]["finish_reason"] == "length"
+
+
+def test_vllm_sampling_extensions_in_a_body_set_bm_fields(tmp_path):
+    lines = [
+        completion("ends", max_tokens=6, logit_bias={END: 100}),
+        completion("ignore-eos", max_tokens=6, logit_bias={END: 100}, ignore_eos=True),
+        completion("min-tokens", max_tokens=9, logit_bias={END: 100}, min_tokens=5),
+        completion("greedy", max_tokens=8),
+        completion("top-k-1", max_tokens=8, temperature=1.0, seed=3, top_k=1),
+        completion("penalty", max_tokens=8, repetition_penalty=1.3),
+    ]
+    got, _ = run_lines(tmp_path, lines)
+    assert body_of(got["ends"])["usage"]["completion_tokens"] == 1
+    ignore = body_of(got["ignore-eos"])
+    assert ignore["usage"]["completion_tokens"] == 6 and ignore["choices"][0]["finish_reason"] == "length"
+    held = body_of(got["min-tokens"])  # the end token is held back for 5 tokens, then comes
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
+    assert body_of(got["top-k-1"])["choices"][0]["text"] == body_of(got["greedy"])["choices"][0]["text"]
+    assert body_of(got["penalty"])["usage"]["completion_tokens"] == 8
+
+
+def test_unknown_body_fields_are_ignored_with_one_warning_per_name_and_unhonourable_ones_refused(tmp_path):
+    lines = [
+        completion("a", max_tokens=2, reasoning_effort="low", verbosity="low"),
+        completion("b", max_tokens=2, reasoning_effort="high", prediction={"type": "content"}),
+        completion("echo-off", max_tokens=2, echo=False, best_of=1),
+        completion("echo", max_tokens=2, echo=True),
+        completion("suffix", max_tokens=2, suffix="The end."),
+        completion("best-of", max_tokens=2, best_of=3),
+        {"custom_id": "chat-only", "method": "POST", "url": COMPLETIONS,
+         "body": {"prompt": "x", "max_completion_tokens": 2}},
+    ]  # fmt: skip
+    got, result = run_lines(tmp_path, lines)
+    for custom_id in ("a", "b", "echo-off"):
+        body_of(got[custom_id])
+    for custom_id, field in (("echo", "echo"), ("suffix", "suffix"), ("best-of", "best_of")):
+        error = got[custom_id]["response"]["body"]["error"]
+        assert got[custom_id]["response"]["status_code"] == 400 and error["param"] == field, error
+    assert got["chat-only"]["response"]["body"]["error"]["param"] == "max_completion_tokens"
+    said = " ".join(result.stderr.split())
+    assert said.count("body.reasoning_effort") == 1
+    assert said.count("body.verbosity") == 1 and said.count("body.prediction") == 1

@@ -421,8 +421,17 @@ def _read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]
     open_lines: dict = {}
     served = ServedModels.of(cfg.model)
 
+    warned: set[str] = set()
+
     def rows() -> Iterator:
         for line in iter_batch_file(prompts, served):
+            for key in (k for k in line.ignored if k not in warned):  # once per name, not per line
+                warned.add(key)
+                print_error(
+                    f"body.{key} (first on {line.parsed.where}): bm does not know this field; it is "
+                    "ignored on every line that gives it",
+                    prefix="warning:",
+                )
             open_lines[line.parsed.index] = line
             yield line.parsed
 

@@ -2,10 +2,14 @@
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
-so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ...) makes
-that line an error record; it is never silently ignored. Fields that change nothing
-computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` beside ``stream: false``)
-are accepted once their type is right. Plain Python (no torch): the file is checked before the model loads.
+so the same checks apply, vLLM's sampling extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ...)
+included. ``body.model`` picks the base model or an adapter (:class:`ServedModels`; any other name is a
+404). A field that would change the answer and that bm cannot honour (``echo``, ``suffix``, ``best_of``
+above ``n``, ``logprobs`` beyond 5 on completions, ...) makes that line an error record naming it. Fields
+that change nothing computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options``
+beside ``stream: false``) are accepted once their type is right; a field bm does not know at all
+(``reasoning_effort``, ``verbosity``, ...) is ignored, and ``bm run`` says so once per field name. Plain
+Python (no torch): the file is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from typing import Any
 
 from bm.cli.writers import JsonlWriter
 from bm.config import ModelConfig
-from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
+from bm.engine.fields import (
+    MAX_COMPLETION_LOGPROBS,
+    OPENAI_NO_EFFECT_FIELDS,
+    no_effect_field,
+    show_value,
+    strict_int,
+)
 from bm.files import replacing_text
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
 from bm.workloads.records import replayable
@@ -41,6 +51,34 @@ COMMON_FIELDS = {
     "frequency_penalty": "frequency_penalty",
 }
 METADATA_FIELDS = ("model", "user", "metadata")  # describe the request, change nothing bm computes
+# vLLM's extensions of the OpenAI body (its sampling parameters, structured output), passed to the bm line
+# under the same names: the line's reader (bm.workloads.jsonl) maps and checks them as SamplingParams does.
+VLLM_BODY_FIELDS = (
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# Fields of one url's body, refused on the other's (they would change the answer there, not be ignored).
+URL_FIELDS = ("messages", "prompt", "max_completion_tokens", "top_logprobs", "tools", "tool_choice")
+# Body fields that would change the answer and that bm cannot honour -> the values that ask for nothing
+# (accepted) and the fix; any other value refuses the line, naming the field. best_of is judged beside n.
+REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "bm returns the completion alone; prepend the prompt yourself"),
+    "suffix": (("",), "bm has no fill-in-the-middle; drop it"),
+    "functions": ((), "give the functions as tools (and function_call as tool_choice)"),
+    "function_call": ((), "give it as tool_choice, with the functions as tools"),
+}
 # Passed through to bm's line as they are: structured output (bm.engine.structured) and tools
 # (bm.workloads.tools), read and checked there.
 STRUCTURED_FIELDS = ("response_format",)
@@ -69,6 +107,7 @@ class BatchLine:
     logprobs: bool = False
     top_logprobs: int = 0  # most likely tokens per position in the output's logprobs
     status_code: int = 400  # of the error response, when the line cannot run (404: no such model)
+    ignored: tuple[str, ...] = ()  # body fields bm does not know, ignored (said once per run)
 
 
 class ModelNotFoundError(RowError):
@@ -241,15 +280,26 @@ def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[
     chat = entry.url == CHAT_URL
     prompt_key = "messages" if chat else "prompt"
     allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, *OPENAI_NO_EFFECT_FIELDS}
-    allowed |= {"n", "stream", "logprobs", "logit_bias"}
+    allowed |= {"n", "stream", "logprobs", "logit_bias", "best_of", *VLLM_BODY_FIELDS}
     if chat:
         allowed |= {"max_completion_tokens", "top_logprobs", *TOOL_FIELDS}
-    for key in body:
-        if key not in allowed:
-            raise RowError(
-                f"body.{key}: bm cannot honour this field on {entry.url}; remove it (supported: "
-                f"{', '.join(sorted(allowed))})"
-            )
+    for key, (inert, fix) in REFUSED_FIELDS.items():
+        if body.get(key) is not None and not _same_value(body[key], inert):
+            raise RowError(f"body.{key}: bm cannot honour {key} {json.dumps(body[key])[:40]}; {fix}")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise RowError(
+            f"body.best_of: {show_value(best_of)} differs from n ({body.get('n', 1)}); bm returns every "
+            "sample it draws and ranks none: ask n instead and keep the best by their logprobs"
+        )
+    other_url = sorted(k for k in body if k in URL_FIELDS and k not in allowed)
+    if other_url:
+        raise RowError(
+            f"body.{other_url[0]}: not a field of {entry.url}; remove it or send the line to the other url"
+        )
+    # Any other field is one bm does not know: ignored, as OpenAI's newer fields (reasoning_effort,
+    # verbosity, ...) are by a server that predates them, and said once per run by the caller.
+    entry.ignored = tuple(k for k in body if k not in allowed and k not in REFUSED_FIELDS)
     if prompt_key not in body:
         raise RowError(f"body.{prompt_key}: missing; {entry.url} needs it")
     if body.get("stream") not in (None, False):
@@ -275,7 +325,7 @@ def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[
     for key, name in COMMON_FIELDS.items():
         if body.get(key) is not None:
             request[name] = body[key]
-    for key in (*STRUCTURED_FIELDS, *TOOL_FIELDS):
+    for key in (*STRUCTURED_FIELDS, *TOOL_FIELDS, *VLLM_BODY_FIELDS):
         if key in body:
             request[key] = body[key]
     if chat and body.get("max_completion_tokens") is not None:
@@ -407,6 +457,11 @@ def batch_output_line(
         "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
         "error": None,
     }
+
+
+def _same_value(value: Any, inert: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``inert`` (``False`` is not ``0`` here)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
 
 
 def _prompt_param(param: str | None, line: BatchLine) -> str | None:
