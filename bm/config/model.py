@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config.fields import ConfigError, choice, int_at_least, knob, on_off_auto, optional_str
+from bm.hub_cache import HubCacheError, check_cached, is_hub_id
 from bm.suggest import did_you_mean
 
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -109,6 +110,22 @@ def _lora_modules(key: str, value: Any) -> Any:
     return modules
 
 
+def _local_or_cached(flag: str) -> Any:
+    """A directory, or a hub id (org/name) the local Hugging Face cache holds (bm.hub_cache): a missing
+    id is refused here, before anything loads, naming the cache looked in and ``flag DIR``."""
+
+    def check(key: str, value: Any) -> Any:
+        text = optional_str(key, value)
+        if text is not None:
+            try:
+                check_cached(key, text, flag)
+            except HubCacheError as exc:
+                raise ConfigError(str(exc)) from None
+        return text
+
+    return check
+
+
 def _device(key: str, value: Any) -> Any:
     if not isinstance(value, str) or not (
         value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
@@ -127,14 +144,21 @@ class ModelConfig:
         _preset,
     )
     path: str | None = knob(
-        None, "Local Hugging Face checkpoint directory (config, safetensors, tokenizer).", optional_str
+        None,
+        "Local Hugging Face checkpoint directory (config, safetensors, tokenizer), or a hub id org/name "
+        "found in the local Hugging Face cache (never downloaded).",
+        _local_or_cached("--model"),
     )
     config: str | None = knob(
         None,
         "A model config JSON; the model is built from it with random weights (for benchmarking).",
         optional_str,
     )
-    tokenizer: str | None = knob(None, "Tokenizer directory, when it is not inside model.path.", optional_str)
+    tokenizer: str | None = knob(
+        None,
+        "Tokenizer directory (or cached hub id org/name), when it is not inside model.path.",
+        _local_or_cached("--tokenizer"),
+    )
     served_model_name: list[str] | None = knob(  # noqa: RUF009 (default None)
         None,
         "Names an OpenAI batch line's body.model may give for the base model (vLLM's "
@@ -227,7 +251,8 @@ class ModelConfig:
 
 
 def model_override(model: str) -> tuple[str, str]:
-    """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory.
+    """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory or
+    a hub id the local Hugging Face cache holds (kept as typed: it names the model).
 
     Checked here, before torch loads (seconds): a name that is neither a preset nor an existing path is
     a typo, and the closest presets are named instead of a failed load that never mentions them."""
@@ -235,7 +260,14 @@ def model_override(model: str) -> tuple[str, str]:
         return "model.preset", model
     if Path(model).exists():
         return "model.path", model
+    if is_hub_id(model):  # found in the local Hugging Face cache, or refused naming it
+        try:
+            check_cached("--model", model)
+        except HubCacheError as exc:
+            raise ConfigError(str(exc)) from None
+        return "model.path", model
     raise ConfigError(
         f"--model {model!r}: not a preset and no such directory{did_you_mean(model, MODEL_PRESETS)} "
-        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory)"
+        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory, or a hub id org/name "
+        "in the local Hugging Face cache)"
     )
