@@ -101,6 +101,8 @@ BATCH_LINES = [
      "body": {"prompt": "x", "max_tokens": 2.5}},
     {"custom_id": "new", "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [{"role": "user", "content": "Bye"}], "max_completion_tokens": 3}},
+    {"custom_id": "prompts", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": ["Once", "Twice", "Thrice"], "max_tokens": 3, "n": 2, "temperature": 1, "seed": 4}},
 ]  # fmt: skip
 REFUSED = {"tools": "body.tools", "embed": "url", "typed": "body.max_tokens"}  # fmt: skip
 

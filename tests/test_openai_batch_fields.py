@@ -93,3 +93,51 @@ def test_unknown_body_fields_are_ignored_with_one_warning_per_name_and_unhonoura
     said = " ".join(result.stderr.split())
     assert said.count("body.reasoning_effort") == 1
     assert said.count("body.verbosity") == 1 and said.count("body.prediction") == 1
+
+
+def test_a_completions_prompt_list_gets_one_response_with_a_choice_per_prompt_and_sample(tmp_path):
+    from openai.types import Completion
+
+    ids = [3 + b for b in b"The end"]  # the byte tokenizer's ids of "The end"
+    lines = [
+        completion("one", prompt="Once upon", max_tokens=4),
+        completion("two", prompt="The end", max_tokens=4),
+        completion("texts", prompt=["Once upon", "The end"], max_tokens=4, n=2),
+        completion("id-lists", prompt=[ids, ids], max_tokens=4),
+        completion("ids", prompt=ids, max_tokens=4),
+        completion("mixed", prompt=["x", [5]], max_tokens=4),
+    ]
+    got, _ = run_lines(tmp_path, lines)
+    one, two = (body_of(got[k])["choices"][0]["text"] for k in ("one", "two"))
+    texts = Completion.model_validate(body_of(got["texts"]))
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3]  # prompt x n + sample, as OpenAI numbers them
+    assert [c.text for c in texts.choices] == [one, one, two, two]  # greedy: n samples agree
+    singles = [body_of(got[k])["usage"] for k in ("one", "two")]
+    assert texts.usage.prompt_tokens == sum(u["prompt_tokens"] for u in singles)
+    assert texts.usage.completion_tokens == 2 * sum(u["completion_tokens"] for u in singles)
+    assert [c.text for c in Completion.model_validate(body_of(got["id-lists"])).choices] == [two, two]
+    assert [c.text for c in Completion.model_validate(body_of(got["ids"])).choices] == [two]
+    assert got["mixed"]["response"]["status_code"] == 400
+    assert "not a mix" in got["mixed"]["response"]["body"]["error"]["message"]
+
+
+def test_a_prompt_lists_line_ends_cancelled_or_failed_as_a_whole_when_one_prompt_does():
+    from bm.cli.records import LineParts
+    from bm.workloads.request import Row
+
+    def part(p: int) -> Row:
+        return Row(where="line 1", index=0, part=p, num_parts=2)
+
+    ok = {"index": 0, "finish_reason": "length", "text": "a", "output_ids": [5], "num_output_tokens": 1}
+    cancelled = {"index": 0, "finish_reason": "cancelled", "output_ids": [], "num_output_tokens": 0}
+    parts = LineParts()
+    assert parts.add(part(1), cancelled) is None  # held until the line's other prompt ends
+    assert parts.add(part(0), ok)["finish_reason"] == "cancelled"  # a resume runs the whole line again
+    parts = LineParts()
+    parts.add(part(0), ok)
+    joined = parts.add(part(1), {**ok, "text": "b", "num_prompt_tokens": 3})
+    assert [(s["index"], s["prompt_index"], s["text"]) for s in joined["samples"]] == [
+        (0, 0, "a"),
+        (1, 1, "b"),
+    ]
+    assert joined["num_output_tokens"] == 2 and joined["num_prompt_tokens"] == 3

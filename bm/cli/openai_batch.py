@@ -27,12 +27,13 @@ from bm.config import ModelConfig
 from bm.engine.fields import (
     MAX_COMPLETION_LOGPROBS,
     OPENAI_NO_EFFECT_FIELDS,
+    is_int,
     no_effect_field,
     show_value,
     strict_int,
 )
 from bm.files import replacing_text
-from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
+from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request, token_ids
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
 from bm.workloads.tool_parsers import parse_tool_calls
@@ -212,8 +213,19 @@ def load_batch_workload(path: Path, default_output_len: int) -> Workload:
         check_unique_custom_ids(path)
     except DuplicateCustomIdError as exc:
         raise DatasetError(str(exc)) from None
-    rows = [replayable(line.parsed, default_output_len) for line in iter_batch_file(path)]
+    rows = [replayable(_one_prompt(line.parsed), default_output_len) for line in iter_batch_file(path)]
     return Workload("openai-batch", str(path), rows)
+
+
+def _one_prompt(row: Row) -> Row:
+    """A row bench can replay: a completions prompt list is refused on its row (bench replays a request
+    per line; dropping the other prompts would time another workload)."""
+    if row.more_prompts and row.error is None:
+        row.error = (
+            f"{row.where}: body.prompt: bm bench replays one prompt per line; give each prompt its own "
+            "line (bm run answers a prompt list)"
+        )
+    return row
 
 
 class DuplicateCustomIdError(ValueError):
@@ -321,7 +333,10 @@ def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[
         if body.get(key) is not None:
             request[key] = body[key]
     if not chat and isinstance(body["prompt"], list):
-        raise RowError("body.prompt: bm runs one prompt per line; give a string, not a list")
+        first_key, first, more = _prompt_list(body["prompt"])
+        del request["prompt"]
+        request[first_key] = first
+        entry.parsed.more_prompts = more or None
     for key, name in COMMON_FIELDS.items():
         if body.get(key) is not None:
             request[name] = body[key]
@@ -457,6 +472,31 @@ def batch_output_line(
         "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
         "error": None,
     }
+
+
+def _prompt_list(value: list[Any]) -> tuple[str, Any, list[Any]]:
+    """A completions ``prompt`` given as a list, as OpenAI reads it: token ids (one prompt), or strings
+    or token-id lists (one prompt each). Returns the bm line's prompt key, the first prompt and the
+    others (checked here as the first is by the line's parser)."""
+    if not value:
+        raise RowError("body.prompt: the list is empty; give a string, a list of strings or token ids")
+    if all(is_int(t) for t in value):
+        return "input_ids", value, []
+    if all(isinstance(p, str) for p in value):
+        if not all(value):
+            raise RowError("body.prompt: a prompt of the list is empty")
+        return "prompt", value[0], value[1:]
+    if all(isinstance(p, list) for p in value):
+        for i, ids in enumerate(value):
+            try:
+                token_ids(ids, f"prompt[{i}]")
+            except RowError as exc:
+                raise RowError(f"body.{exc}") from None
+        return "input_ids", value[0], value[1:]
+    raise RowError(
+        "body.prompt: expected a string, a list of strings, a list of token ids or a list of token-id "
+        "lists, not a mix"
+    )
 
 
 def _same_value(value: Any, inert: tuple[Any, ...]) -> bool:

@@ -25,8 +25,8 @@ from bm.cli.identity import model_named, run_identity, run_options, write_run_id
 from bm.cli.interrupts import Interrupted, Interrupts
 from bm.cli.outdir import iter_final_records
 from bm.cli.progress import PlainProgress, eta_s, format_duration
-from bm.cli.prompts import codec_for, to_request
-from bm.cli.records import cancelled_record, output_record, write_logits
+from bm.cli.prompts import codec_for, to_requests
+from bm.cli.records import LineParts, cancelled_record, output_record, write_logits
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
@@ -198,7 +198,8 @@ def _generate(
     def first_interrupt() -> None:
         session.cancel()
         summary.interrupted = True
-        summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
+        in_flight_lines = len({row.index for row in run.in_flight.values()})
+        summary.records_before_interrupt = summary.num_requests - summary.num_resumed - in_flight_lines
 
     interrupts.running(first_interrupt)
     try:
@@ -208,7 +209,10 @@ def _generate(
         raise
     session.close()
     for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
-        run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
+        run.finish(
+            row, output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded)
+        )
+    run.in_flight.clear()
 
 
 def _cancel_every_line(parsed: Iterable[Row], run: _Run, done: set[int]) -> None:
@@ -257,8 +261,8 @@ def _feed(
                 run.cancel_unstarted(session, console, interrupts.signal_name)
                 run.write(cancelled_record(entry))
                 continue
-            request = to_request(entry, codec, options.default_output_len, default_end_id, options.run_seed)
-            if request is None:
+            requests = to_requests(entry, codec, options.default_output_len, default_end_id, options.run_seed)
+            if requests is None:
                 run.write(output_record(entry, None, loaded))
                 continue
             while len(run.in_flight) >= limit and not interrupts.interrupted:
@@ -269,8 +273,9 @@ def _feed(
                 run.write(cancelled_record(entry))
                 continue
             # A signal from here on finds the request queued: cancel_unstarted takes it back (each poll)
-            run.in_flight[entry.index] = entry
-            session.submit(request)
+            for part, request in requests:  # one, or one per prompt of a completions prompt list
+                run.in_flight[request.request_id] = part
+                session.submit(request)
         while run.in_flight and run.wait_one(session, console, interrupts):
             pass
         if run.plain is not None:
@@ -287,7 +292,8 @@ class _Run:
         self.outputs = outputs
         self.loaded = loaded
         self.out_dir = out_dir
-        self.in_flight: dict[int, Row] = {}
+        self.in_flight: dict[int, Row] = {}  # by engine request id (a line's index, or a later prompt's)
+        self.parts = LineParts()  # records of lines run as several requests, until the last comes
         self.progress: Progress | None = None
         self.task: Any = None
         self.started = 0.0
@@ -314,6 +320,13 @@ class _Run:
     def close_batch(self) -> None:
         if self.batch is not None:
             self.batch.close()
+
+    def finish(self, row: Row, record: dict[str, Any]) -> None:
+        """The record of an in-flight request (``row``): written, or held until the other prompts of its
+        line have theirs (:class:`~bm.cli.records.LineParts`)."""
+        whole = self.parts.add(row, record)
+        if whole is not None:
+            self.write(whole)
 
     def write(self, record: dict[str, Any]) -> None:
         self.outputs.write(record)
@@ -356,7 +369,7 @@ class _Run:
             logits_file = write_logits(self.out_dir, row.index, result)
             if logits_file is not None:
                 record["logits_file"] = logits_file
-            self.write(record)
+            self.finish(row, record)
             return True
 
     def cancel_unstarted(self, session: Session, console: Console, signal_name: str) -> None:
@@ -371,7 +384,8 @@ class _Run:
                 f"[yellow]{signal_name}: cancelling the remaining requests (again to exit at once) ...[/]"
             )
         for request in session.take_pending():
-            self.write(cancelled_record(self.in_flight.pop(request.request_id)))
+            row = self.in_flight.pop(request.request_id)
+            self.finish(row, cancelled_record(row))
 
 
 def _carry_over(out_dir: Path, summary: RunSummary) -> set[int]:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bm.cli.openai_batch import ServedModels
-from bm.cli.prompts import codec_for, to_request
-from bm.cli.records import output_record
+from bm.cli.prompts import codec_for, to_requests
+from bm.cli.records import LineParts, output_record
 from bm.config import BmConfig
 from bm.engine.request import Request, Response
 from bm.ray.blocks import Block, block_rows, read_bytes
@@ -150,7 +150,8 @@ class Replica:
         loaded = self.llm.loaded
         records: list[dict[str, Any]] = []
         sink: queue.Queue[Response] = queue.Queue()
-        rows = {}
+        rows = {}  # by engine request id
+        parts = LineParts()
         stats_from = len(self._stats)
         if self.fault.slow_s:
             time.sleep(self.fault.slow_s)
@@ -159,14 +160,15 @@ class Replica:
             if row.index in skip:
                 continue
             self.fault.check_line(row)
-            request = to_request(
+            requests = to_requests(
                 row, self.codec, self.options.default_output_len, self.end_id, self.options.run_seed
             )
-            if request is None:
+            if requests is None:
                 records.append(output_record(row, None, loaded))
                 continue
-            rows[row.index] = row
-            self._submit(request, sink)
+            for part, request in requests:  # one, or one per prompt of a completions prompt list
+                rows[request.request_id] = part
+                self._submit(request, sink)
         while rows:
             try:
                 result = sink.get(timeout=1.0)
@@ -175,8 +177,10 @@ class Replica:
                     raise RuntimeError(f"the batch manager stopped: {self._session.error}") from None
                 continue
             row = rows.pop(result.request_id)
-            records.append(self._record(row, result))
-            self._line_done()
+            whole = parts.add(row, self._record(row, result))  # a line's record once all its prompts end
+            if whole is not None:
+                records.append(whole)
+                self._line_done()
         return records, self._stats[stats_from:]
 
     def _record(self, row: Any, result: Response) -> dict[str, Any]:
@@ -195,8 +199,8 @@ class Replica:
         self._session.submit(request)
 
     def _collect(self) -> None:
-        """Hand each final response to the block that is waiting for it (request ids are line indexes,
-        unique across blocks)."""
+        """Hand each final response to the block that is waiting for it (request ids are line indexes, or
+        derived from them for a line's later prompts: unique across blocks)."""
         while self._session.alive:
             result = self._session.next_final(timeout=0.5)
             if result is not None:

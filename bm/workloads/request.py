@@ -61,6 +61,11 @@ class Row:
     tool_call: bool = False  # tool_choice made the reply a call (its output carries tool_calls)
     tool_auto: bool = False  # tools given, tool_choice absent or "auto": a parser reads the free reply
     tool_parser: str | None = None  # that parser, chosen with the chat template (bm.workloads.tool_parsers)
+    # An OpenAI completions prompt list: the prompts after the first (text, or token-id lists), each run as
+    # its own request and answered in the line's one record (bm.cli.prompts.to_requests)
+    more_prompts: list[Any] | None = None
+    part: int = 0  # which of its line's prompts this row runs (0: the first, or the only one)
+    num_parts: int = 1  # how many requests its line runs as
     error: str | None = None  # "line N: field: problem; fix", when the row cannot run
     num_prompt_tokens: int | None = None  # set once the prompt is tokenized
 
