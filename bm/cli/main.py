@@ -143,7 +143,9 @@ def run(
     ),
     set_: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
     model: str | None = typer.Option(
-        None, "--model", help="A preset (smollm2-135m, tiny-random) or a local checkpoint directory."
+        None,
+        "--model",
+        help="A preset (smollm2-135m, tiny-random), a checkpoint dir or a cached hub id.",
     ),
     model_config: str | None = typer.Option(
         None, "--model-config", help="Model config JSON, random weights (sets model.config)."
@@ -151,13 +153,15 @@ def run(
     served_model_name: list[str] = typer.Option(
         [],
         "--served-model-name",
-        help="A name body.model may give for the base model (repeatable).",
+        metavar="NAME",
+        help="A name body.model may give the base model (repeatable).",
         show_default=False,
     ),
     lora_modules: list[str] = typer.Option(
         [],
         "--lora-modules",
-        help="NAME=DIR: a PEFT adapter body.model may name (repeatable).",
+        metavar="NAME=DIR",
+        help="An adapter body.model may name (repeatable).",
         show_default=False,
     ),
     max_tokens: int = typer.Option(

@@ -145,8 +145,8 @@ class ModelConfig:
     )
     path: str | None = knob(
         None,
-        "Local Hugging Face checkpoint directory (config, safetensors, tokenizer), or a hub id org/name "
-        "found in the local Hugging Face cache (never downloaded).",
+        "Local checkpoint directory (config, safetensors, tokenizer), or a hub id org/name in the local "
+        "Hugging Face cache.",
         _local_or_cached("--model"),
     )
     config: str | None = knob(
@@ -156,19 +156,17 @@ class ModelConfig:
     )
     tokenizer: str | None = knob(
         None,
-        "Tokenizer directory (or cached hub id org/name), when it is not inside model.path.",
+        "Tokenizer directory or cached hub id, when not inside model.path.",
         _local_or_cached("--tokenizer"),
     )
     served_model_name: list[str] | None = knob(  # noqa: RUF009 (default None)
         None,
-        "Names an OpenAI batch line's body.model may give for the base model (vLLM's "
-        "--served-model-name); responses name the first. Unset: the model as named (preset or path).",
+        "body.model names of the base model [the model as named].",
         _served_names,
     )
     lora_modules: dict[str, str] | None = knob(  # noqa: RUF009 (default None)
         None,
-        "PEFT LoRA adapters by name (vLLM's --lora-modules NAME=DIR): a batch line whose body.model "
-        "names one runs with that adapter.",
+        "{name: PEFT dir}: adapters a batch line's body.model may name.",
         _lora_modules,
     )
     dtype: str = knob(
