@@ -91,16 +91,18 @@ BATCH_LINES = [
     {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
      "body": {"model": "tiny", "prompt": "Once", "max_tokens": 4, "temperature": 0, "seed": 3, "stop": ["\n"]}},
     {"custom_id": "n-2", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "x"}], "n": 2}},
+     "body": {"messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 8}},
     {"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}},
     {"custom_id": "top", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3}},
+     "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3, "max_tokens": 8}},
     {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     {"custom_id": "typed", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": "x", "max_tokens": 2.5}},
     {"custom_id": "new", "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [{"role": "user", "content": "Bye"}], "max_completion_tokens": 3}},
+    {"custom_id": "prompts", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": ["Once", "Twice", "Thrice"], "max_tokens": 3, "n": 2, "temperature": 1, "seed": 4}},
 ]  # fmt: skip
 REFUSED = {"tools": "body.tools", "embed": "url", "typed": "body.max_tokens"}  # fmt: skip
 
@@ -114,7 +116,7 @@ def test_openai_batch_input_gets_batch_output_in_openais_schema(tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(line) + "\n" for line in BATCH_LINES))
     out = tmp_path / "out"
-    run(batch, "-o", out, "--chat-template", template)
+    run(batch, "-o", out, "--chat-template", template, "--served-model-name", "tiny")
     written = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
     # one per input line, in the order requests finished (as OpenAI's own): matched by custom_id
     assert sorted(x["custom_id"] for x in written) == sorted(x["custom_id"] for x in BATCH_LINES)
@@ -170,7 +172,7 @@ def test_a_resumed_batch_file_has_one_output_line_per_input_and_reruns_only_the_
     ok_lines = [line for line in BATCH_LINES if line["custom_id"] not in REFUSED]
     batch.write_text("".join(json.dumps(line) + "\n" for line in ok_lines))
     out = tmp_path / "out"
-    run(batch, "-o", out, "--chat-template", template)
+    run(batch, "-o", out, "--chat-template", template, "--served-model-name", "tiny")
     first = {
         x["custom_id"]: x for x in map(json.loads, (out / "batch_output.jsonl").read_text().splitlines())
     }
@@ -195,6 +197,8 @@ def test_a_resumed_batch_file_has_one_output_line_per_input_and_reruns_only_the_
             "--resume",
             "--chat-template",
             str(template),
+            "--served-model-name",
+            "tiny",
             "-q",
             "--set",
             "model.device=cpu",

@@ -69,7 +69,8 @@ ENGINE = {
     "max_num_batched_tokens": (1024, "engine.max_num_tokens", 1024),
     "enable_prefix_caching": (True, "kv_cache.enable_block_reuse", True),
     "enable_chunked_prefill": (True, "engine.enable_chunked_context", True),
-    "tokenizer": ("some/dir", "model.tokenizer", "some/dir"),
+    # ./ : a path, not a hub id org/name (which the config looks up in the local Hugging Face cache)
+    "tokenizer": ("./some/dir", "model.tokenizer", "./some/dir"),
     "block_size": (16, "kv_cache.tokens_per_block", 16),
     "enforce_eager": (True, "model.cuda_graphs", "off"),
 }

@@ -112,12 +112,6 @@ def test_logit_bias_steers_the_output_and_no_logprob_entry_is_left_for_the_end_t
     assert [c.token for c in biased.choices[0].logprobs.content] == ["z"] * 4
 
 
-def test_the_echoed_model_is_the_one_named_not_a_cache_path(tmp_path):
-    out = run_batch(tmp_path, [chat("unnamed"), chat("named", model="my-model")])
-    assert body_of(out["named"])["model"] == "my-model"
-    assert body_of(out["unnamed"])["model"] == "embedded tiny-llama"
-
-
 @pytest.mark.parametrize(
     "line, param",
     [

@@ -24,6 +24,8 @@ RUN_PANELS = {
     "model": "Model and engine",
     "model_config": "Model and engine",
     "set_": "Model and engine",
+    "served_model_name": "Generation",
+    "lora_modules": "Generation",
     "max_tokens": "Generation",
     "ignore_eos": "Generation",
     "chat_template": "Generation",

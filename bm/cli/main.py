@@ -85,14 +85,42 @@ def _fail(console: Console, message: str) -> typer.Exit:
     return fail(message, USAGE)
 
 
-def build_config(config: Path | None, overrides: list[str], model: str | None, model_config: str | None):
+def build_config(
+    config: Path | None,
+    overrides: list[str],
+    model: str | None,
+    model_config: str | None,
+    served_model_name: list[str] | None = None,
+    lora_modules: list[str] | None = None,
+) -> BmConfig:
+    """The run's config: the YAML file, then ``--set``, then the flags that name a config key (each
+    checked by that key's one check, so a flag and its key are refused in the same words)."""
     pairs = dict(parse_override(o) for o in overrides)
     if model:
         key, value = model_override(model)
         pairs[key] = value
     if model_config:
         pairs["model.config"] = model_config
+    if served_model_name:
+        pairs["model.served_model_name"] = list(served_model_name)
+    if lora_modules:
+        pairs["model.lora_modules"] = lora_module_pairs(lora_modules)
     return load_config(config, pairs)
+
+
+def lora_module_pairs(given: list[str]) -> dict[str, str]:
+    """``--lora-modules NAME=DIR ...`` as the ``model.lora_modules`` mapping (vLLM's NAME=PATH form)."""
+    modules: dict[str, str] = {}
+    for text in given:
+        name, sep, directory = text.partition("=")
+        if not sep or not name or not directory:
+            raise ConfigError(
+                f"--lora-modules {text!r}: expected NAME=DIR, e.g. --lora-modules sql=./sql-lora"
+            )
+        if name in modules:
+            raise ConfigError(f"--lora-modules: the name {name!r} is given twice; name each adapter once")
+        modules[name] = directory
+    return modules
 
 
 @app.command(
@@ -115,12 +143,30 @@ def run(
     ),
     set_: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
     model: str | None = typer.Option(
-        None, "--model", help="A preset (smollm2-135m, tiny-random) or a local checkpoint directory."
+        None,
+        "--model",
+        help="A preset (smollm2-135m, tiny-random), a checkpoint dir or a cached hub id.",
     ),
     model_config: str | None = typer.Option(
         None, "--model-config", help="Model config JSON, random weights (sets model.config)."
     ),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Output length for lines that give none."),
+    served_model_name: list[str] = typer.Option(
+        [],
+        "--served-model-name",
+        metavar="NAME",
+        help="A name body.model may give the base model (repeatable).",
+        show_default=False,
+    ),
+    lora_modules: list[str] = typer.Option(
+        [],
+        "--lora-modules",
+        metavar="NAME=DIR",
+        help="An adapter body.model may name (repeatable).",
+        show_default=False,
+    ),
+    max_tokens: int = typer.Option(
+        64, "--max-tokens", min=1, help="Output length for bm lines that give none."
+    ),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's end token."),
     chat_template: Path | None = typer.Option(
         None, "--chat-template", help="Jinja chat template for 'messages' lines (overrides the checkpoint's)."
@@ -159,6 +205,8 @@ def _run(
     set_: list[str],
     model: str | None,
     model_config: str | None,
+    served_model_name: list[str],
+    lora_modules: list[str],
     max_tokens: int,
     ignore_eos: bool,
     chat_template: Path | None,
@@ -186,7 +234,7 @@ def _run(
         silence_progress_bars()
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
-        cfg = build_config(config, set_, model, model_config)
+        cfg = build_config(config, set_, model, model_config, served_model_name, lora_modules)
         # a pipe or gzip is copied once; a file with no line that can run on this model stops here
         source = open_prompts(prompts, has_tokenizer=not cfg.model.has_no_tokenizer)
         # Ranks other than 0 serve the run from here and exit: they touch no output file.
@@ -206,9 +254,11 @@ def _run(
         run_seed = _run_seed(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
             _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser, ray)
-        parsed, batch_lines = _read_requests(source.path)
+        parsed, batch_lines = _read_requests(source.path, cfg)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
+    if batch_lines is not None and cfg.model.is_embedded:
+        print_error(EMBEDDED_NOTE, prefix="note:")
 
     from rich.markup import escape
 
@@ -354,19 +404,38 @@ def _check_resume(
     check_run_identity(out, identity)
 
 
-def _read_requests(prompts: Path) -> tuple[Iterable, dict | None]:
+# Said once per run: a batch file written for a real model gets noise from the embedded one, and its
+# responses name a model the file never asked for.
+EMBEDDED_NOTE = (
+    "no --model given: the batch file is answered by bm's embedded random-weight tiny model (its text is "
+    "noise); give --model DIR (or a preset, or a cached hub id org/name)"
+)
+
+
+def _read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]:
     """The parsed lines, read as the run asks for them, and for an OpenAI batch file a dict that holds each
     line's :class:`~bm.cli.openai_batch.BatchLine` from when it is read until its output line is written
-    (``None`` for bm's own format)."""
-    from bm.cli.openai_batch import is_batch_file, iter_batch_file
+    (``None`` for bm's own format). A batch line's ``body.model`` is routed by ``cfg``'s served names and
+    adapters (:class:`~bm.cli.openai_batch.ServedModels`)."""
+    from bm.cli.openai_batch import ServedModels, is_batch_file, iter_batch_file
     from bm.workloads.jsonl import iter_request_file
 
     if not is_batch_file(prompts):
         return iter_request_file(prompts), None
     open_lines: dict = {}
+    served = ServedModels.of(cfg.model)
+
+    warned: set[str] = set()
 
     def rows() -> Iterator:
-        for line in iter_batch_file(prompts):
+        for line in iter_batch_file(prompts, served):
+            for key in (k for k in line.ignored if k not in warned):  # once per name, not per line
+                warned.add(key)
+                print_error(
+                    f"body.{key} (first on {line.parsed.where}): bm does not know this field; it is "
+                    "ignored on every line that gives it",
+                    prefix="warning:",
+                )
             open_lines[line.parsed.index] = line
             yield line.parsed
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import BmConfig
+from bm.hub_cache import local_dir
 
 SETTLED_S = 2.0  # coarser than any file system's timestamp tick (FAT's is 2 s; ext4's a few ms)
 NOT_READ = (".md", ".gguf", ".onnx", ".h5", ".msgpack", ".ot")  # never read by a checkpoint's loader
@@ -53,8 +54,8 @@ def model_files(
     config: BmConfig, prompts: Path | None, known: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """``{source: {"path", "files": {name: {"sha256", "size", "stat"}}, "json": {name: contents}}}`` for
-    the model (``model``), ``model.tokenizer`` (``tokenizer``) and each adapter the prompts file names
-    (``adapter DIR``). ``known``: a previous result (a resumed run's ``run.json``), whose digests are
+    the model (``model``), ``model.tokenizer`` (``tokenizer``) and each adapter ``model.lora_modules`` or the
+    prompts file names (``adapter DIR``). ``known``: a previous result (a resumed run's ``run.json``), whose digests are
     reused for files whose recorded identity is unchanged."""
     model = config.model
     sources: dict[str, Path] = {}
@@ -62,10 +63,13 @@ def model_files(
         gguf = _preset_file(model.preset)
         if gguf is not None:
             sources["model"] = gguf
-    elif model.path or model.config:
-        sources["model"] = Path(str(model.path or model.config)).resolve()
+    elif model.path or model.config:  # a hub id: its cached snapshot's files (bm.hub_cache)
+        sources["model"] = Path(local_dir(str(model.path or model.config))).resolve()
     if model.tokenizer:
-        sources["tokenizer"] = Path(str(model.tokenizer)).resolve()
+        sources["tokenizer"] = Path(local_dir(str(model.tokenizer))).resolve()
+    # the adapters an OpenAI batch line may name (model.lora_modules), and those bm lines name
+    for directory in (Path(d).resolve() for d in (model.lora_modules or {}).values()):
+        sources[f"adapter {directory}"] = directory
     if prompts is not None:
         for directory in adapter_dirs(prompts):
             sources[f"adapter {directory}"] = directory

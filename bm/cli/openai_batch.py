@@ -2,10 +2,14 @@
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
-so the same checks apply. A body field bm cannot honour (``logprobs`` beyond 5 on completions, ...) makes
-that line an error record; it is never silently ignored. Fields that change nothing
-computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` beside ``stream: false``)
-are accepted once their type is right. Plain Python (no torch): the file is checked before the model loads.
+so the same checks apply, vLLM's sampling extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ...)
+included. ``body.model`` picks the base model or an adapter (:class:`ServedModels`; any other name is a
+404). A field that would change the answer and that bm cannot honour (``echo``, ``suffix``, ``best_of``
+above ``n``, ``logprobs`` beyond 5 on completions, ...) makes that line an error record naming it. Fields
+that change nothing computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options``
+beside ``stream: false``) are accepted once their type is right; a field bm does not know at all
+(``reasoning_effort``, ``verbosity``, ...) is ignored, and ``bm run`` says so once per field name. Plain
+Python (no torch): the file is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -13,15 +17,23 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bm.cli.writers import JsonlWriter
-from bm.engine.fields import MAX_COMPLETION_LOGPROBS, OPENAI_NO_EFFECT_FIELDS, no_effect_field, strict_int
+from bm.config import ModelConfig
+from bm.engine.fields import (
+    MAX_COMPLETION_LOGPROBS,
+    OPENAI_NO_EFFECT_FIELDS,
+    is_int,
+    no_effect_field,
+    show_value,
+    strict_int,
+)
 from bm.files import replacing_text
-from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request
+from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request, token_ids
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
 from bm.workloads.tool_parsers import parse_tool_calls
@@ -40,6 +52,34 @@ COMMON_FIELDS = {
     "frequency_penalty": "frequency_penalty",
 }
 METADATA_FIELDS = ("model", "user", "metadata")  # describe the request, change nothing bm computes
+# vLLM's extensions of the OpenAI body (its sampling parameters, structured output), passed to the bm line
+# under the same names: the line's reader (bm.workloads.jsonl) maps and checks them as SamplingParams does.
+VLLM_BODY_FIELDS = (
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# Fields of one url's body, refused on the other's (they would change the answer there, not be ignored).
+URL_FIELDS = ("messages", "prompt", "max_completion_tokens", "top_logprobs", "tools", "tool_choice")
+# Body fields that would change the answer and that bm cannot honour -> the values that ask for nothing
+# (accepted) and the fix; any other value refuses the line, naming the field. best_of is judged beside n.
+REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "bm returns the completion alone; prepend the prompt yourself"),
+    "suffix": (("",), "bm has no fill-in-the-middle; drop it"),
+    "functions": ((), "give the functions as tools (and function_call as tool_choice)"),
+    "function_call": ((), "give it as tool_choice, with the functions as tools"),
+}
 # Passed through to bm's line as they are: structured output (bm.engine.structured) and tools
 # (bm.workloads.tools), read and checked there.
 STRUCTURED_FIELDS = ("response_format",)
@@ -64,9 +104,56 @@ class BatchLine:
     parsed: Row
     custom_id: str | None = None
     url: str = CHAT_URL
-    model: str | None = None
+    model: str | None = None  # the served name or adapter that answers it (the response's ``model``)
     logprobs: bool = False
     top_logprobs: int = 0  # most likely tokens per position in the output's logprobs
+    status_code: int = 400  # of the error response, when the line cannot run (404: no such model)
+    ignored: tuple[str, ...] = ()  # body fields bm does not know, ignored (said once per run)
+
+
+class ModelNotFoundError(RowError):
+    """A line's ``body.model`` names neither a served name of the base model nor an adapter: answered
+    with HTTP 404, as OpenAI and vLLM answer a request for a model they do not serve."""
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """What a line's ``body.model`` may name, as vLLM serves them: the base model under any of its
+    served names (``--served-model-name``), or a PEFT adapter by its ``--lora-modules`` name. A line
+    naming anything else is refused (404), never answered by another model. ``routes`` False (``bm
+    bench``, which replays prompts for timing): any name is the base model's."""
+
+    names: tuple[str, ...]
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    routes: bool = True
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> ServedModels:
+        """The names a run over ``model`` (the config's ``model`` section) answers to."""
+        adapters = {name: str(Path(d).resolve()) for name, d in (model.lora_modules or {}).items()}
+        return cls(tuple(model.served_names), adapters)
+
+    def route(self, model: str | None) -> tuple[str | None, str | None]:
+        """(the name the response gives, the adapter directory or None) for a line's ``body.model``; a
+        line naming none is the base model's, as vLLM answers it. Raises :class:`ModelNotFoundError`."""
+        if not self.routes:
+            return model, None
+        if model is None or model in self.names:
+            return (model or self.names[0]), None
+        if model in self.adapters:
+            return model, self.adapters[model]
+        served = ", ".join(repr(n) for n in self.names)
+        adapters = ", ".join(repr(n) for n in self.adapters)
+        where = f"the base model is served as {served} (--served-model-name)" + (
+            f" and the adapters as {adapters} (--lora-modules)" if adapters else ""
+        )
+        raise ModelNotFoundError(
+            f"body.model: {model!r} is not served by this run; {where}. Name one of them, or serve this "
+            "name with --served-model-name NAME (the base model) or --lora-modules NAME=DIR (an adapter)"
+        )
+
+
+ANY_MODEL = ServedModels(("bm",), routes=False)
 
 
 def is_batch_file(path: Path) -> bool:
@@ -83,29 +170,35 @@ def is_batch_object(data: dict[str, Any]) -> bool:
     return "custom_id" in data and "body" in data
 
 
-def iter_batch_file(path: Path) -> Iterator[BatchLine]:
+def iter_batch_file(path: Path, served: ServedModels = ANY_MODEL) -> Iterator[BatchLine]:
     """Every non-blank line as a :class:`BatchLine` (a line bm cannot run carries its error), read as they
     are asked for, so a file of millions of lines is never held whole. Duplicate custom ids are refused
-    for the whole file, before it runs, by :func:`check_unique_custom_ids`."""
-    return batch_lines(iter_lines(path))
+    for the whole file, before it runs, by :func:`check_unique_custom_ids`. ``served``: what a line's
+    ``body.model`` may name (:class:`ServedModels`)."""
+    return batch_lines(iter_lines(path), served)
 
 
-def iter_batch_slice(data: bytes, first_number: int) -> Iterator[BatchLine]:
+def iter_batch_slice(data: bytes, first_number: int, served: ServedModels = ANY_MODEL) -> Iterator[BatchLine]:
     """The :class:`BatchLine` of each non-blank line of a slice of a batch file (its raw bytes, the first
     line being the file's line ``first_number``), parsed and checked as :func:`iter_batch_file` does:
     ``bm run --ray``'s replicas read their blocks so. Duplicate custom ids span slices; they are refused
     for the whole file before any replica starts (:func:`check_unique_custom_ids`)."""
-    return batch_lines(iter_slice_lines(data, first_number))
+    return batch_lines(iter_slice_lines(data, first_number), served)
 
 
-def batch_lines(lines: Iterable[tuple[int, dict[str, Any] | RowError]]) -> Iterator[BatchLine]:
+def batch_lines(
+    lines: Iterable[tuple[int, dict[str, Any] | RowError]], served: ServedModels = ANY_MODEL
+) -> Iterator[BatchLine]:
     """One :class:`BatchLine` per (line number, object or error): what the file and slice readers share."""
     for number, data in lines:
         entry = BatchLine(Row.at_line(number))
         try:
             if isinstance(data, RowError):
                 raise data
-            _line(data, entry)
+            _line(data, entry, served)
+        except ModelNotFoundError as exc:
+            entry.parsed.error = f"line {number}: {exc}"
+            entry.status_code = 404
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
         yield entry
@@ -120,8 +213,19 @@ def load_batch_workload(path: Path, default_output_len: int) -> Workload:
         check_unique_custom_ids(path)
     except DuplicateCustomIdError as exc:
         raise DatasetError(str(exc)) from None
-    rows = [replayable(line.parsed, default_output_len) for line in iter_batch_file(path)]
+    rows = [replayable(_one_prompt(line.parsed), default_output_len) for line in iter_batch_file(path)]
     return Workload("openai-batch", str(path), rows)
+
+
+def _one_prompt(row: Row) -> Row:
+    """A row bench can replay: a completions prompt list is refused on its row (bench replays a request
+    per line; dropping the other prompts would time another workload)."""
+    if row.more_prompts and row.error is None:
+        row.error = (
+            f"{row.where}: body.prompt: bm bench replays one prompt per line; give each prompt its own "
+            "line (bm run answers a prompt list)"
+        )
+    return row
 
 
 class DuplicateCustomIdError(ValueError):
@@ -148,7 +252,7 @@ def check_unique_custom_ids(path: Path, name: str | None = None) -> None:
         seen[custom_id] = number
 
 
-def _line(data: dict[str, Any], entry: BatchLine) -> None:
+def _line(data: dict[str, Any], entry: BatchLine, served: ServedModels) -> None:
     custom_id = data.get("custom_id")
     if isinstance(custom_id, str) and custom_id:
         entry.custom_id = custom_id
@@ -167,32 +271,47 @@ def _line(data: dict[str, Any], entry: BatchLine) -> None:
     body = data.get("body")
     if not isinstance(body, dict):
         raise RowError("body: expected an object with the request (messages or prompt, max_tokens, ...)")
-    request = _body(body, entry)
+    request = _body(body, entry, served)
     request["id"] = entry.custom_id
     try:
         parse_request(request, entry.parsed)
     except RowError as exc:
         raise RowError(f"body.{exc}") from None
+    # OpenAI and vLLM cap no output a body does not cap: bm run's --max-tokens is for bm's own lines
+    entry.parsed.output_len_to_limit = entry.parsed.output_len is None
 
 
-def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
-    """The bm request line for an OpenAI body; a field bm cannot honour raises :class:`RowError`."""
-    chat = entry.url == CHAT_URL
-    prompt_key = "messages" if chat else "prompt"
-    allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, *OPENAI_NO_EFFECT_FIELDS}
-    allowed |= {"n", "stream", "logprobs", "logit_bias"}
-    if chat:
-        allowed |= {"max_completion_tokens", "top_logprobs", *TOOL_FIELDS}
-    for key in body:
-        if key not in allowed:
-            raise RowError(
-                f"body.{key}: bm cannot honour this field on {entry.url}; remove it (supported: "
-                f"{', '.join(sorted(allowed))})"
-            )
+def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[str, Any]:
+    """The bm request line for an OpenAI body; a field bm cannot honour raises :class:`RowError`, a model
+    this run does not serve :class:`ModelNotFoundError` (checked first: a server routes before it reads
+    the fields)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RowError(f"body.model: expected a string, got {model!r}")
-    entry.model = model
+    entry.model, adapter = served.route(model)
+    chat = entry.url == CHAT_URL
+    prompt_key = "messages" if chat else "prompt"
+    allowed = {prompt_key, *COMMON_FIELDS, *METADATA_FIELDS, *STRUCTURED_FIELDS, *OPENAI_NO_EFFECT_FIELDS}
+    allowed |= {"n", "stream", "logprobs", "logit_bias", "best_of", *VLLM_BODY_FIELDS}
+    if chat:
+        allowed |= {"max_completion_tokens", "top_logprobs", *TOOL_FIELDS}
+    for key, (inert, fix) in REFUSED_FIELDS.items():
+        if body.get(key) is not None and not _same_value(body[key], inert):
+            raise RowError(f"body.{key}: bm cannot honour {key} {json.dumps(body[key])[:40]}; {fix}")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise RowError(
+            f"body.best_of: {show_value(best_of)} differs from n ({body.get('n', 1)}); bm returns every "
+            "sample it draws and ranks none: ask n instead and keep the best by their logprobs"
+        )
+    other_url = sorted(k for k in body if k in URL_FIELDS and k not in allowed)
+    if other_url:
+        raise RowError(
+            f"body.{other_url[0]}: not a field of {entry.url}; remove it or send the line to the other url"
+        )
+    # Any other field is one bm does not know: ignored, as OpenAI's newer fields (reasoning_effort,
+    # verbosity, ...) are by a server that predates them, and said once per run by the caller.
+    entry.ignored = tuple(k for k in body if k not in allowed and k not in REFUSED_FIELDS)
     if prompt_key not in body:
         raise RowError(f"body.{prompt_key}: missing; {entry.url} needs it")
     if body.get("stream") not in (None, False):
@@ -208,15 +327,20 @@ def _body(body: dict[str, Any], entry: BatchLine) -> dict[str, Any]:
             f"body.temperature: {temperature} is above OpenAI's limit of 2 (the API refuses it); lower it"
         )
     request: dict[str, Any] = {prompt_key: body[prompt_key]}
+    if adapter is not None:  # the same path as a bm line's lora_dir, and its adapter cache
+        request["lora_dir"] = adapter
     for key in ("n", "logit_bias"):  # checked by the bm line's parser, bounds by the engine
         if body.get(key) is not None:
             request[key] = body[key]
     if not chat and isinstance(body["prompt"], list):
-        raise RowError("body.prompt: bm runs one prompt per line; give a string, not a list")
+        first_key, first, more = _prompt_list(body["prompt"])
+        del request["prompt"]
+        request[first_key] = first
+        entry.parsed.more_prompts = more or None
     for key, name in COMMON_FIELDS.items():
         if body.get(key) is not None:
             request[name] = body[key]
-    for key in (*STRUCTURED_FIELDS, *TOOL_FIELDS):
+    for key in (*STRUCTURED_FIELDS, *TOOL_FIELDS, *VLLM_BODY_FIELDS):
         if key in body:
             request[key] = body[key]
     if chat and body.get("max_completion_tokens") is not None:
@@ -316,13 +440,15 @@ def batch_output_line(
         return {**base, "response": None, "error": {"code": "cancelled", "message": message}}
     if record.get("finish_reason") not in FINISH_REASONS:
         message = record.get("error") or "failed"
+        not_found = line.status_code == 404
         error = {
             "message": message,
             "type": "invalid_request_error",
             "param": _prompt_param(error_param(message), line),
-            "code": None,
+            "code": "model_not_found" if not_found else None,
         }
-        response = {"status_code": 400, "request_id": f"bm-{index}", "body": {"error": error}}
+        body = {"error": error}
+        response = {"status_code": line.status_code, "request_id": f"bm-{index}", "body": body}
         return {**base, "response": response, "error": None}
     prompt_tokens = record.get("num_prompt_tokens") or 0
     completion_tokens = record.get("num_output_tokens") or 0
@@ -346,6 +472,36 @@ def batch_output_line(
         "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
         "error": None,
     }
+
+
+def _prompt_list(value: list[Any]) -> tuple[str, Any, list[Any]]:
+    """A completions ``prompt`` given as a list, as OpenAI reads it: token ids (one prompt), or strings
+    or token-id lists (one prompt each). Returns the bm line's prompt key, the first prompt and the
+    others (checked here as the first is by the line's parser)."""
+    if not value:
+        raise RowError("body.prompt: the list is empty; give a string, a list of strings or token ids")
+    if all(is_int(t) for t in value):
+        return "input_ids", value, []
+    if all(isinstance(p, str) for p in value):
+        if not all(value):
+            raise RowError("body.prompt: a prompt of the list is empty")
+        return "prompt", value[0], value[1:]
+    if all(isinstance(p, list) for p in value):
+        for i, ids in enumerate(value):
+            try:
+                token_ids(ids, f"prompt[{i}]")
+            except RowError as exc:
+                raise RowError(f"body.{exc}") from None
+        return "input_ids", value[0], value[1:]
+    raise RowError(
+        "body.prompt: expected a string, a list of strings, a list of token ids or a list of token-id "
+        "lists, not a mix"
+    )
+
+
+def _same_value(value: Any, inert: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``inert`` (``False`` is not ``0`` here)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
 
 
 def _prompt_param(param: str | None, line: BatchLine) -> str | None:

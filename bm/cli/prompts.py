@@ -44,14 +44,29 @@ class Codec:
     # The most tokens a prompt of this model can have (its max_position_embeddings; engine.max_seq_len may
     # lower it, which the engine checks): a text far longer is refused from a prefix, not tokenized whole.
     max_prompt_tokens: int | None = None
+    # The longest sequence a request may reach (engine.max_seq_len, else the model's own): where a line
+    # whose format has no default length (OpenAI's) stops when no end token comes first.
+    max_seq_len: int | None = None
 
 
-def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: str | None = None) -> Codec:
+def codec_for(
+    loaded: Any,
+    chat_template: str | None = None,
+    tool_call_parser: str | None = None,
+    engine_max_seq_len: int | None = None,
+) -> Codec:
     """The :class:`Codec` of a loaded model; ``chat_template`` (Jinja text) overrides the checkpoint's,
-    ``tool_call_parser`` (a checked name) the parser detected from it."""
+    ``tool_call_parser`` (a checked name) the parser detected from it; ``engine_max_seq_len`` (the
+    config's ``engine.max_seq_len``) lowers the model's own length limit."""
     tokenizer = loaded.tokenizer
+    limits = [x for x in (engine_max_seq_len, loaded.max_position_embeddings) if x]
+    longest = min(limits) if limits else None
     if tokenizer is None:
-        return Codec(tool_parser=tool_call_parser, max_prompt_tokens=loaded.max_position_embeddings)
+        return Codec(
+            tool_parser=tool_call_parser,
+            max_prompt_tokens=loaded.max_position_embeddings,
+            max_seq_len=longest,
+        )
     render = chat_renderer(tokenizer, chat_template)
 
     def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -68,7 +83,49 @@ def codec_for(loaded: Any, chat_template: str | None = None, tool_call_parser: s
         chat_template=template,
         tool_parser=tool_call_parser or detect_parser(template),
         max_prompt_tokens=loaded.max_position_embeddings,
+        max_seq_len=longest,
     )
+
+
+# A line's prompt p > 0 (an OpenAI completions prompt list) runs as request ``index + p * PART_ID_STRIDE``:
+# every id stays unique whatever the file's length, and the line's own prompt keeps its index as its id.
+PART_ID_STRIDE = 1 << 40
+
+
+def to_requests(
+    row: Row,
+    codec: Codec,
+    default_output_len: int,
+    default_end_id: int | None,
+    run_seed: int | None = None,
+) -> list[tuple[Row, Request]] | None:
+    """Every request a row runs as, each with the row it answers: one, or one per prompt of an OpenAI
+    completions prompt list (``row.more_prompts``), whose records :class:`bm.cli.records.LineParts`
+    joins into the line's one. None when the line cannot run (the row carries the first part's error)."""
+    if not row.more_prompts:
+        request = to_request(row, codec, default_output_len, default_end_id, run_seed)
+        return None if request is None else [(row, request)]
+    rows = [row] + [_part_row(row, prompt) for prompt in row.more_prompts]
+    out = []
+    for p, part in enumerate(rows):
+        part.part, part.num_parts = p, len(rows)
+        request = to_request(
+            part, codec, default_output_len, default_end_id, run_seed, row.index + p * PART_ID_STRIDE
+        )
+        if request is None:
+            row.error = part.error
+            return None
+        out.append((part, request))
+    return out
+
+
+def _part_row(row: Row, prompt: Any) -> Row:
+    """The row of one more prompt of ``row``'s list: its fields, its own prompt."""
+    from dataclasses import replace
+
+    text = prompt if isinstance(prompt, str) else None
+    ids = None if text is not None else list(prompt)
+    return replace(row, prompt=text, input_ids=ids, more_prompts=None, fields=dict(row.fields))
 
 
 def to_request(
@@ -77,16 +134,18 @@ def to_request(
     default_output_len: int,
     default_end_id: int | None,
     run_seed: int | None = None,
+    request_id: int | None = None,
 ) -> Request | None:
     """The core request for one row, tokenized; None when it cannot become one (the row then carries its
     error). Its request id is the row's index, the line's 0-based number in the file, so a blank line
-    never shifts the indexes of the lines after it. Records the prompt's length on the row.
+    never shifts the indexes of the lines after it (``request_id``: another, for a line's later prompts). Records the prompt's length on the row.
 
     With ``run_seed``, a line without a ``seed`` samples with one derived from the run seed and its
     index (:func:`bm.engine.seeds.line_seed`): duplicate lines differ, and the run seed reproduces the
     run. A line's own seed stays exact."""
     if row.error is not None:
         return None
+    request_id = row.index if request_id is None else request_id
     try:
         if codec.encode is None:  # what the line gives as text cannot run: refused naming the fix
             check_without_tokenizer(row)
@@ -101,7 +160,7 @@ def to_request(
         if "end_id" not in fields and default_end_id is not None:
             fields["end_id"] = default_end_id
         if run_seed is not None:
-            fields.setdefault("random_seed", line_seed(run_seed, row.index))
+            fields.setdefault("random_seed", line_seed(run_seed, request_id))
         if row.lora_dir is not None:
             _add_lora_dir(fields, row.lora_dir)
         if row.tool_auto:
@@ -114,10 +173,13 @@ def to_request(
     fields.pop("streaming", None)
     row.num_prompt_tokens = len(prompt_ids)
     output_len = row.output_len or default_output_len
+    if row.output_len is None and row.output_len_to_limit and codec.max_seq_len is not None:
+        # OpenAI's default: no cap of the run's own; the end token or the model's length ends it
+        output_len = max(codec.max_seq_len - len(prompt_ids), 1)
     # Typed values as parsed. Ranges that depend on the model (token ids against the vocabulary, where ids
     # from vocab_size on may be prompt-table rows; a bias per vocabulary token) are the engine's
     # validate_request's alone: a second check here is how prompt tuning through `bm run` broke.
-    return Request(row.index, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
+    return Request(request_id, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
 
 
 def read_prompt_lines(

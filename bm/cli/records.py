@@ -81,7 +81,7 @@ def in_line_terms(message: str, row: Row) -> str:
     ``request_output_len`` (the seed's name), the line wrote ``max_tokens`` (or another spelling), and a
     line that gave none took ``--max-tokens``; it calls the prompt ``input_ids``, the line may have
     written ``prompt`` (text) or ``messages`` (a chat)."""
-    key = row.output_len_key or "--max-tokens"
+    key = row.output_len_key or ("max_tokens" if row.output_len_to_limit else "--max-tokens")
     if key != ENGINE_OUTPUT_LEN:
         message = message.replace(ENGINE_OUTPUT_LEN, key)
     if message.startswith(f"{ENGINE_PROMPT}:") and row.prompt_key != ENGINE_PROMPT:
@@ -170,4 +170,57 @@ def cancelled_record(row: Row) -> dict[str, Any]:
         "finish_reason": FinishReason.CANCELLED.label,
         "error": None,
         "text": "",
+    }
+
+
+# What one generated sequence of a record is (the keys a ``samples`` entry has, bm.cli.records.sample_record)
+SAMPLE_KEYS = (
+    "text",
+    "output_ids",
+    "num_output_tokens",
+    "finish_reason",
+    "output_log_probs",
+    "top_log_probs",
+)
+
+
+class LineParts:
+    """The records of lines that ran as several requests (an OpenAI completions prompt list), each held
+    until every part's has come, then joined into the line's one record: a line still ends with exactly
+    one record, however many requests answered it."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, list[dict[str, Any] | None]] = {}
+
+    def add(self, row: Row, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The line's record once ``record`` (the one of part ``row``) completes it, else None."""
+        if row.num_parts == 1:
+            return record
+        held = self._held.setdefault(row.index, [None] * row.num_parts)
+        held[row.part] = record
+        if any(r is None for r in held):
+            return None
+        del self._held[row.index]
+        return joined_record([r for r in held if r is not None])
+
+
+def joined_record(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record for a line whose prompts ran as requests of their own: ``samples`` are every prompt's in
+    prompt order, each numbered as OpenAI numbers its choices (prompt x n + sample) with its
+    ``prompt_index``; token counts are sums; the record's own fields are the first sample's. A line one of
+    whose prompts failed or was cancelled ends so as a whole (a resume runs all of it again)."""
+    for reason in ("error", FinishReason.CANCELLED.label):
+        bad = next((r for r in parts if r["finish_reason"] == reason), None)
+        if bad is not None:
+            return bad
+    samples = []
+    for p, record in enumerate(parts):
+        for sample in record.get("samples") or [record]:
+            entry = {k: sample[k] for k in SAMPLE_KEYS if k in sample}
+            samples.append({"index": len(samples), "prompt_index": p, **entry})
+    return {
+        **parts[0],
+        "num_prompt_tokens": sum(r.get("num_prompt_tokens") or 0 for r in parts),
+        "num_output_tokens": sum(r.get("num_output_tokens") or 0 for r in parts),
+        "samples": samples,
     }

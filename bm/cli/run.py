@@ -25,8 +25,8 @@ from bm.cli.identity import model_named, run_identity, run_options, write_run_id
 from bm.cli.interrupts import Interrupted, Interrupts
 from bm.cli.outdir import iter_final_records
 from bm.cli.progress import PlainProgress, eta_s, format_duration
-from bm.cli.prompts import codec_for, to_request
-from bm.cli.records import cancelled_record, output_record, write_logits
+from bm.cli.prompts import codec_for, to_requests
+from bm.cli.records import LineParts, cancelled_record, output_record, write_logits
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed import parallel_info
@@ -152,7 +152,9 @@ def run_prompts(
     with JsonlWriter(out_dir / "outputs.jsonl", append=options.resume) as outputs, JsonlWriter(out_dir / "stats.jsonl", append=options.resume) as stats:  # fmt: skip
         run = _Run(summary, outputs, llm.loaded if llm is not None else None, out_dir)
         if options.batch_lines is not None:
-            run.open_batch(options.batch_lines, done if options.resume else None, model_label(config))
+            run.open_batch(
+                options.batch_lines, done if options.resume else None, config.model.served_names[0]
+            )
         started = time.perf_counter()
         if llm is None:
             _cancel_every_line(parsed, run, done)
@@ -196,7 +198,8 @@ def _generate(
     def first_interrupt() -> None:
         session.cancel()
         summary.interrupted = True
-        summary.records_before_interrupt = summary.num_requests - summary.num_resumed - len(run.in_flight)
+        in_flight_lines = len({row.index for row in run.in_flight.values()})
+        summary.records_before_interrupt = summary.num_requests - summary.num_resumed - in_flight_lines
 
     interrupts.running(first_interrupt)
     try:
@@ -206,7 +209,10 @@ def _generate(
         raise
     session.close()
     for row in list(run.in_flight.values()):  # only if the worker died: each row still gets a record
-        run.write(output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded))
+        run.finish(
+            row, output_record(row, error_response(row.index, "the batch manager stopped"), llm.loaded)
+        )
+    run.in_flight.clear()
 
 
 def _cancel_every_line(parsed: Iterable[Row], run: _Run, done: set[int]) -> None:
@@ -236,7 +242,7 @@ def _feed(
     """Hand each line not already done to the engine as room frees up, and write every record."""
     loaded = llm.loaded
     default_end_id = None if options.ignore_eos else loaded.eos_token_id
-    codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
+    codec = codec_for(loaded, options.chat_template, options.tool_call_parser, llm.config.engine.max_seq_len)
     limit = in_flight_limit(llm.config)
     summary = run.summary
     # rich draws the bar on a terminal only; a CI log or a pipe gets a plain line every few seconds
@@ -255,8 +261,8 @@ def _feed(
                 run.cancel_unstarted(session, console, interrupts.signal_name)
                 run.write(cancelled_record(entry))
                 continue
-            request = to_request(entry, codec, options.default_output_len, default_end_id, options.run_seed)
-            if request is None:
+            requests = to_requests(entry, codec, options.default_output_len, default_end_id, options.run_seed)
+            if requests is None:
                 run.write(output_record(entry, None, loaded))
                 continue
             while len(run.in_flight) >= limit and not interrupts.interrupted:
@@ -267,8 +273,9 @@ def _feed(
                 run.write(cancelled_record(entry))
                 continue
             # A signal from here on finds the request queued: cancel_unstarted takes it back (each poll)
-            run.in_flight[entry.index] = entry
-            session.submit(request)
+            for part, request in requests:  # one, or one per prompt of a completions prompt list
+                run.in_flight[request.request_id] = part
+                session.submit(request)
         while run.in_flight and run.wait_one(session, console, interrupts):
             pass
         if run.plain is not None:
@@ -285,7 +292,8 @@ class _Run:
         self.outputs = outputs
         self.loaded = loaded
         self.out_dir = out_dir
-        self.in_flight: dict[int, Row] = {}
+        self.in_flight: dict[int, Row] = {}  # by engine request id (a line's index, or a later prompt's)
+        self.parts = LineParts()  # records of lines run as several requests, until the last comes
         self.progress: Progress | None = None
         self.task: Any = None
         self.started = 0.0
@@ -298,7 +306,7 @@ class _Run:
 
     def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None, model: str) -> None:
         """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over;
-        ``model``: as the user named it, echoed where a line's body names none)."""
+        ``model``: the base model's first served name, echoed where a line's body names none)."""
         from bm.cli.openai_batch import BatchOutput, token_decoder
 
         tokenizer = getattr(self.loaded, "tokenizer", None)  # no model: a load cut short by a signal
@@ -312,6 +320,13 @@ class _Run:
     def close_batch(self) -> None:
         if self.batch is not None:
             self.batch.close()
+
+    def finish(self, row: Row, record: dict[str, Any]) -> None:
+        """The record of an in-flight request (``row``): written, or held until the other prompts of its
+        line have theirs (:class:`~bm.cli.records.LineParts`)."""
+        whole = self.parts.add(row, record)
+        if whole is not None:
+            self.write(whole)
 
     def write(self, record: dict[str, Any]) -> None:
         self.outputs.write(record)
@@ -354,7 +369,7 @@ class _Run:
             logits_file = write_logits(self.out_dir, row.index, result)
             if logits_file is not None:
                 record["logits_file"] = logits_file
-            self.write(record)
+            self.finish(row, record)
             return True
 
     def cancel_unstarted(self, session: Session, console: Console, signal_name: str) -> None:
@@ -369,7 +384,8 @@ class _Run:
                 f"[yellow]{signal_name}: cancelling the remaining requests (again to exit at once) ...[/]"
             )
         for request in session.take_pending():
-            self.write(cancelled_record(self.in_flight.pop(request.request_id)))
+            row = self.in_flight.pop(request.request_id)
+            self.finish(row, cancelled_record(row))
 
 
 def _carry_over(out_dir: Path, summary: RunSummary) -> set[int]:
@@ -408,7 +424,7 @@ def count_record(summary: RunSummary, record: dict[str, Any]) -> None:
 
 def model_label(config: BmConfig) -> str:
     """The model as the user named it, for the log and for a batch output line whose body names none."""
-    return config.model.preset or config.model.path or config.model.config or "embedded tiny-llama"
+    return config.model.label
 
 
 def _progress(console: Console, enabled: bool) -> Progress:

@@ -90,3 +90,9 @@ def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:
                 candidate = base / value
                 if candidate.exists():
                     values[key] = str(candidate)
+    modules = data.get("model", {}).get("lora_modules") if isinstance(data.get("model"), dict) else None
+    if isinstance(modules, dict):  # adapter directories too
+        for name, value in modules.items():
+            relative = isinstance(value, str) and value and not Path(value).is_absolute()
+            if relative and (base / value).exists():
+                modules[name] = str(base / value)

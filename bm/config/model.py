@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config.fields import ConfigError, choice, int_at_least, knob, on_off_auto, optional_str
+from bm.hub_cache import HubCacheError, check_cached, is_hub_id
 from bm.suggest import did_you_mean
 
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -48,6 +49,8 @@ def resolve_dtype_name(dtype: str, device_type: str, native_bf16: bool | None = 
     return name
 
 
+EMBEDDED_MODEL_NAME = "embedded tiny-llama"  # the model when none is chosen (bm.runtime.default_model)
+
 # Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
 MODEL_PRESETS = ("smollm2-135m", "tiny-random")
 
@@ -58,6 +61,69 @@ def _preset(key: str, value: Any) -> Any:
     if value not in MODEL_PRESETS:
         raise ConfigError(f"{key}: unknown preset {value!r}; allowed: {', '.join(MODEL_PRESETS)}")
     return value
+
+
+def _served_names(key: str, value: Any) -> Any:
+    """model.served_model_name: one name or a list of them, each a non-empty string, none twice."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            f"{key}: expected a non-empty list of names, e.g. [my-model, gpt-4o-mini], got {value!r}"
+        )
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"{key}: {twice!r} is given twice; name each once")
+    return list(names)
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter (bm.runtime.lora_adapters)
+
+
+def _lora_modules(key: str, value: Any) -> Any:
+    """model.lora_modules: adapter name -> PEFT adapter directory, each directory checked now, so a typo
+    in a path stops the run before the model loads rather than failing every line that names it."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{key}: expected a mapping of adapter name to PEFT directory, e.g. {{sql: ./sql-lora}}"
+        )
+    modules: dict[str, str] = {}
+    for name, directory in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{key}: adapter names must be non-empty strings, got {name!r}")
+        if not isinstance(directory, (str, Path)) or not str(directory):
+            raise ConfigError(f"{key}.{name}: expected an adapter directory, got {directory!r}")
+        path = Path(directory)
+        if not path.is_dir():
+            raise ConfigError(
+                f"{key}.{name}: {str(path)!r} is not a directory; give a PEFT adapter directory"
+            )
+        if not (path / ADAPTER_CONFIG).is_file():
+            raise ConfigError(
+                f"{key}.{name}: {str(path)!r} has no {ADAPTER_CONFIG}; give the directory PEFT's "
+                "save_pretrained wrote"
+            )
+        modules[name] = str(path)
+    return modules
+
+
+def _local_or_cached(flag: str) -> Any:
+    """A directory, or a hub id (org/name) the local Hugging Face cache holds (bm.hub_cache): a missing
+    id is refused here, before anything loads, naming the cache looked in and ``flag DIR``."""
+
+    def check(key: str, value: Any) -> Any:
+        text = optional_str(key, value)
+        if text is not None:
+            try:
+                check_cached(key, text, flag)
+            except HubCacheError as exc:
+                raise ConfigError(str(exc)) from None
+        return text
+
+    return check
 
 
 def _device(key: str, value: Any) -> Any:
@@ -78,14 +144,31 @@ class ModelConfig:
         _preset,
     )
     path: str | None = knob(
-        None, "Local Hugging Face checkpoint directory (config, safetensors, tokenizer).", optional_str
+        None,
+        "Local checkpoint directory (config, safetensors, tokenizer), or a hub id org/name in the local "
+        "Hugging Face cache.",
+        _local_or_cached("--model"),
     )
     config: str | None = knob(
         None,
         "A model config JSON; the model is built from it with random weights (for benchmarking).",
         optional_str,
     )
-    tokenizer: str | None = knob(None, "Tokenizer directory, when it is not inside model.path.", optional_str)
+    tokenizer: str | None = knob(
+        None,
+        "Tokenizer directory or cached hub id, when not inside model.path.",
+        _local_or_cached("--tokenizer"),
+    )
+    served_model_name: list[str] | None = knob(  # noqa: RUF009 (default None)
+        None,
+        "body.model names of the base model [the model as named].",
+        _served_names,
+    )
+    lora_modules: dict[str, str] | None = knob(  # noqa: RUF009 (default None)
+        None,
+        "{name: PEFT dir}: adapters a batch line's body.model may name.",
+        _lora_modules,
+    )
     dtype: str = knob(
         "auto",
         "Weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 (TF32 matmuls on "
@@ -140,6 +223,23 @@ class ModelConfig:
     )
 
     @property
+    def label(self) -> str:
+        """The model as the user named it (a preset, a checkpoint or hub id, a config file), or the
+        embedded tiny model: the log's name for it, and its served name unless served_model_name says."""
+        return self.preset or self.path or self.config or EMBEDDED_MODEL_NAME
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names an OpenAI batch line's ``body.model`` may give for the base model, the first being
+        the one a response names (vLLM's --served-model-name, defaulting to the model as named)."""
+        return list(self.served_model_name or [self.label])
+
+    @property
+    def is_embedded(self) -> bool:
+        """No model was chosen: the embedded random-weight tiny Llama answers (its text is noise)."""
+        return not (self.preset or self.path or self.config)
+
+    @property
     def has_no_tokenizer(self) -> bool:
         """Random weights from ``model.config`` with no ``model.tokenizer``: the one model known to have no
         tokenizer before it loads (:func:`bm.runtime.model_loader.load_tokenizer` gives it none, by this
@@ -149,7 +249,8 @@ class ModelConfig:
 
 
 def model_override(model: str) -> tuple[str, str]:
-    """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory.
+    """The config key and value a ``--model`` flag sets: a preset by name, else a checkpoint directory or
+    a hub id the local Hugging Face cache holds (kept as typed: it names the model).
 
     Checked here, before torch loads (seconds): a name that is neither a preset nor an existing path is
     a typo, and the closest presets are named instead of a failed load that never mentions them."""
@@ -157,7 +258,14 @@ def model_override(model: str) -> tuple[str, str]:
         return "model.preset", model
     if Path(model).exists():
         return "model.path", model
+    if is_hub_id(model):  # found in the local Hugging Face cache, or refused naming it
+        try:
+            check_cached("--model", model)
+        except HubCacheError as exc:
+            raise ConfigError(str(exc)) from None
+        return "model.path", model
     raise ConfigError(
         f"--model {model!r}: not a preset and no such directory{did_you_mean(model, MODEL_PRESETS)} "
-        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory)"
+        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory, or a hub id org/name "
+        "in the local Hugging Face cache)"
     )

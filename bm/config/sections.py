@@ -132,6 +132,12 @@ def validate(cfg: BmConfig) -> None:
             f"model.preset ({cfg.model.preset}) and model.{'path' if cfg.model.path else 'config'} are "
             "exclusive: a preset names the model; drop one"
         )
+    clash = sorted(set(cfg.model.served_names) & set(cfg.model.lora_modules or {}))
+    if clash:
+        raise ConfigError(
+            f"model.lora_modules: {clash[0]!r} is also a served name of the base model "
+            "(model.served_model_name); a body.model must pick one, so rename the adapter"
+        )
     kv, engine = cfg.kv_cache, cfg.engine
     if (
         engine.max_num_tokens is not None

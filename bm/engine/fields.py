@@ -37,6 +37,73 @@ FIELD_ALIASES = {
 # Structured output: response_format, guided_json, guided_regex, guided_choice and guided_grammar each set
 # the one field guided_decoding (a GuidedSpec; bm.engine.structured reads and checks every form).
 FIELD_ALIASES.update(dict.fromkeys(GUIDED_KEYS, "guided_decoding"))
+# vLLM's SamplingParams names that set one engine field each, value for value.
+FIELD_ALIASES.update(min_tokens="min_length", bad_words="bad_words_list")
+
+# vLLM's SamplingParams names -> the engine request field each sets: the one table of them. bm's JSONL
+# lines and OpenAI batch bodies take these names (bm.workloads.jsonl), as bm.LLM's SamplingParams does
+# (a test keeps bm.llm_params.SAMPLING_FIELDS equal to it).
+VLLM_SAMPLING_FIELDS: dict[str, str] = {
+    "n": "num_return_sequences",
+    "max_tokens": "request_output_len",
+    "temperature": "temperature",
+    "top_p": "runtime_top_p",
+    "top_k": "runtime_top_k",
+    "min_p": "min_p",
+    "seed": "random_seed",
+    "stop": "stop_words_list",
+    "stop_token_ids": "stop_words_list",
+    "bad_words": "bad_words_list",
+    "ignore_eos": "end_id",
+    "min_tokens": "min_length",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logprobs": "top_logprobs",
+    "logit_bias": "logit_bias",
+    "structured_outputs": "guided_decoding",
+    "guided_decoding": "guided_decoding",
+    "response_format": "guided_decoding",
+    "prompt_logprobs": "return_context_logits",
+}
+# vLLM's SamplingParams names that shape the text returned, not a request field -> the values a line may
+# give because bm's records are made so anyway (any other is refused, naming the field and bm.LLM).
+VLLM_OUTPUT_FIELDS: dict[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+}
+
+# Names other tools give a field bm spells otherwise -> bm's name: what an unknown field's "did you
+# mean" names before any near spelling (a near spelling of another field is a wrong hint: min_tokens
+# once suggested max_tokens, prompt_token_ids output_tokens). One table for every reader of lines.
+FIELD_SYNONYMS: dict[str, str] = {
+    "prompt_token_ids": "input_ids",  # vLLM's TokensPrompt
+    "max_completion_tokens": "max_tokens",  # OpenAI chat's newer name
+    "max_output_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",  # transformers' generate()
+    "num_beams": "beam_width",
+    "length_penalty": "len_penalty",
+    "stop_sequences": "stop",
+    "stop_words": "stop",
+    "bad_words_ids": "bad_words",
+    "eos_token_id": "end_id",
+    "pad_token_id": "pad_id",
+    "return_logprobs": "logprobs",
+    "num_samples": "n",
+}
+
+
+def field_hint(name: str, known: Any) -> str:
+    """``"; did you mean 'input_ids'?"`` for an unknown field ``name``: the synonym table's name when it
+    has one that ``known`` holds, else the closest spelling among ``known``; ``""`` when neither."""
+    from bm.suggest import did_you_mean
+
+    target = FIELD_SYNONYMS.get(name)
+    if target is not None and target in known:
+        return f"; did you mean {target!r}?"
+    return did_you_mean(name, known)
+
 
 # Every request field the engine implements, by its spec name, with the JSON type it must have and the
 # bounds that hold whatever the model; the engine's validator narrows some by the model (the vocabulary,

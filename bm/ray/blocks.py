@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.openai_batch import BatchOutput, iter_batch_file, iter_batch_slice
+from bm.cli.openai_batch import ANY_MODEL, BatchOutput, ServedModels, iter_batch_file, iter_batch_slice
 from bm.cli.outdir import FINAL_REASONS
 from bm.files import replacing, replacing_text
 from bm.workloads.json_lines import split_lines
@@ -99,14 +99,20 @@ def read_bytes(path: Path, block: Block) -> bytes:
 
 
 def block_rows(
-    data: bytes, block: Block, base: Path, verdicts: dict[int, str], batch: bool = False
+    data: bytes,
+    block: Block,
+    base: Path,
+    verdicts: dict[int, str],
+    batch: bool = False,
+    served: ServedModels = ANY_MODEL,
 ) -> Iterator[Row]:
     """The checked rows of ``block`` (its bytes ``data``; ``base``: the file's directory), read as bm
     request lines or, for an OpenAI batch file (``batch``), as batch lines by the one-process reader's
     parser (bm.cli.openai_batch). ``verdicts`` (index -> error) are the whole file's reader's, which
-    alone sees an id repeated on another block's line; they win over the slice's own."""
+    alone sees an id repeated on another block's line; they win over the slice's own. ``served``: what a
+    batch line's ``body.model`` may name (the replica's config)."""
     if batch:
-        rows: Iterable[Row] = (line.parsed for line in iter_batch_slice(data, block.first_number))
+        rows: Iterable[Row] = (line.parsed for line in iter_batch_slice(data, block.first_number, served))
     else:
         rows = iter_request_slice(data, block.first_number, base)
     for row in rows:
@@ -214,9 +220,14 @@ class BatchOutputLines:
     ``--resume`` it holds each line once."""
 
     def __init__(
-        self, prompts: Path, path: Path, model_name: str, decode_token: Callable[[int], str] | None
+        self,
+        prompts: Path,
+        path: Path,
+        model_name: str,
+        decode_token: Callable[[int], str] | None,
+        served: ServedModels = ANY_MODEL,
     ) -> None:
-        self.lines = iter_batch_file(prompts)  # in input order, as the records come
+        self.lines = iter_batch_file(prompts, served)  # in input order, as the records come
         self.output = BatchOutput(path.parent, model_name, decode_token, path=path)
 
     def write(self, record: dict[str, Any]) -> None:

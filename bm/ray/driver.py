@@ -219,11 +219,12 @@ def _batch_output(prompts: Path, config: BmConfig) -> Callable[[Path], BatchOutp
     """The writer of ``batch_output.jsonl`` (opened by assembly on its temporary file), naming the
     model and its tokens as a one-process run does (``Session.open_batch``): the model as the user
     named it, token strings by the model's tokenizer, loaded here alone (the driver holds no model)."""
-    from bm.cli.run import model_label
+    from bm.cli.openai_batch import ServedModels
     from bm.runtime.model_loader import load_tokenizer
 
     decode = token_decoder(load_tokenizer(config.model))
-    return lambda path: BatchOutputLines(prompts, path, model_label(config), decode)
+    served = ServedModels.of(config.model)
+    return lambda path: BatchOutputLines(prompts, path, served.names[0], decode, served)
 
 
 class _Runner:

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.prompts import codec_for, to_request
-from bm.cli.records import output_record
+from bm.cli.openai_batch import ServedModels
+from bm.cli.prompts import codec_for, to_requests
+from bm.cli.records import LineParts, output_record
 from bm.config import BmConfig
 from bm.engine.request import Request, Response
 from bm.ray.blocks import Block, block_rows, read_bytes
@@ -87,7 +88,9 @@ class Replica:
         self.prompts = Path(prompts)  # read where the replica runs: the same path on every node
         self.batch = batch  # an OpenAI batch file: its lines read by bm.cli.openai_batch's parser
         self.logits_dir = Path(logits_dir) if logits_dir else None
-        self.codec = codec_for(loaded, options.chat_template, options.tool_call_parser)
+        self.codec = codec_for(
+            loaded, options.chat_template, options.tool_call_parser, config.engine.max_seq_len
+        )
         self.end_id = None if options.ignore_eos else loaded.eos_token_id
         self.fault = _Fault.parse(fault)
         self.restarted = _was_restarted()
@@ -147,22 +150,25 @@ class Replica:
         loaded = self.llm.loaded
         records: list[dict[str, Any]] = []
         sink: queue.Queue[Response] = queue.Queue()
-        rows = {}
+        rows = {}  # by engine request id
+        parts = LineParts()
         stats_from = len(self._stats)
         if self.fault.slow_s:
             time.sleep(self.fault.slow_s)
-        for row in block_rows(data, block, self.prompts.parent, verdicts, self.batch):
+        served = ServedModels.of(self.llm.config.model)
+        for row in block_rows(data, block, self.prompts.parent, verdicts, self.batch, served):
             if row.index in skip:
                 continue
             self.fault.check_line(row)
-            request = to_request(
+            requests = to_requests(
                 row, self.codec, self.options.default_output_len, self.end_id, self.options.run_seed
             )
-            if request is None:
+            if requests is None:
                 records.append(output_record(row, None, loaded))
                 continue
-            rows[row.index] = row
-            self._submit(request, sink)
+            for part, request in requests:  # one, or one per prompt of a completions prompt list
+                rows[request.request_id] = part
+                self._submit(request, sink)
         while rows:
             try:
                 result = sink.get(timeout=1.0)
@@ -171,8 +177,10 @@ class Replica:
                     raise RuntimeError(f"the batch manager stopped: {self._session.error}") from None
                 continue
             row = rows.pop(result.request_id)
-            records.append(self._record(row, result))
-            self._line_done()
+            whole = parts.add(row, self._record(row, result))  # a line's record once all its prompts end
+            if whole is not None:
+                records.append(whole)
+                self._line_done()
         return records, self._stats[stats_from:]
 
     def _record(self, row: Any, result: Response) -> dict[str, Any]:
@@ -191,8 +199,8 @@ class Replica:
         self._session.submit(request)
 
     def _collect(self) -> None:
-        """Hand each final response to the block that is waiting for it (request ids are line indexes,
-        unique across blocks)."""
+        """Hand each final response to the block that is waiting for it (request ids are line indexes, or
+        derived from them for a line's later prompts: unique across blocks)."""
         while self._session.alive:
             result = self._session.next_final(timeout=0.5)
             if result is not None:

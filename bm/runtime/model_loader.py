@@ -126,7 +126,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
+    from bm.hub_cache import is_hub_id
+
     started = time.perf_counter()
+    hub_id = cfg.path if cfg.path and is_hub_id(cfg.path) else None  # the model's name, not its snapshot
     cfg = _resolved(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -142,7 +145,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             model = _shard_replica(model, tp_kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
-        name = str(path)
+        name = hub_id or str(path)
     else:
         if cfg.config:
             hf_config = _config_from_file(cfg.config)
@@ -205,7 +208,19 @@ def resolve_cpu_bf16_gemm(requested: str, prepack: str = "auto") -> str:
 
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:
-    """A named model (``model.preset``) as its checkpoint path (bm/runtime/presets.py)."""
+    """A named model (``model.preset``) as its checkpoint path (bm/runtime/presets.py); a hub id in
+    ``model.path`` or ``model.tokenizer`` as its snapshot in the local Hugging Face cache
+    (bm.hub_cache), so ``bm.LLM("org/name")`` loads what ``bm run --model org/name`` does."""
+    from dataclasses import replace
+
+    from bm.hub_cache import local_dir
+
+    if cfg.path or cfg.tokenizer:
+        cfg = replace(
+            cfg,
+            path=local_dir(cfg.path) if cfg.path else cfg.path,
+            tokenizer=local_dir(cfg.tokenizer) if cfg.tokenizer else cfg.tokenizer,
+        )
     if cfg.preset is None:
         return cfg
     from bm.runtime.presets import PresetError, resolve_preset

@@ -97,7 +97,9 @@ def load_sim_model(config: BmConfig) -> SimModel:
     source = config.model.config or config.model.path
     if source is None:
         raise ConfigError("engine.executor: sim needs --model-config CFG.json (model.config)")
-    shape = ModelShape.from_file(source)
+    from bm.hub_cache import local_dir
+
+    shape = ModelShape.from_file(local_dir(source))  # a hub id: its cached snapshot's config.json
     hardware = load_hardware(config.sim.hardware or "h100-sxm")
     # the dtype the real engine would load in on the row's device (auto: bfloat16 on a GPU, float32 on CPU)
     dtype = resolve_dtype_name(config.model.dtype, hardware.device_type)

@@ -21,7 +21,11 @@ from bm.engine.fields import (
     INT32_MAX,
     MAX_TOKEN_ID,
     REQUEST_FIELDS,
+    VLLM_OUTPUT_FIELDS,
     WORD_LISTS,
+    check_bool,
+    check_int,
+    field_hint,
     finite_number,
     is_int,
     is_offsets_form,
@@ -29,7 +33,6 @@ from bm.engine.fields import (
     show_value,
     strict_int,
 )
-from bm.suggest import did_you_mean
 from bm.workloads.json_lines import iter_lines, iter_slice_lines
 from bm.workloads.request import Row, RowError
 from bm.workloads.tools import is_auto, read_tools, tool_choice_spec
@@ -51,6 +54,16 @@ OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output
 LORA_DIR = "lora_dir"
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 TOOL_KEYS = ("tools", "tool_choice")  # bm.workloads.tools
+# vLLM's SamplingParams names that set no engine field value for value (bm.engine.fields has the rest as
+# aliases): read by _vllm_fields.
+VLLM_LINE_KEYS = (
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "structured_outputs",
+    "prompt_logprobs",
+    "best_of",
+)
 KNOWN_KEYS = frozenset(
     {
         "id",
@@ -62,6 +75,8 @@ KNOWN_KEYS = frozenset(
         *FIELD_ALIASES,
         *REQUEST_FIELDS,
         *TOOL_KEYS,
+        *VLLM_LINE_KEYS,
+        *VLLM_OUTPUT_FIELDS,
     }
 )
 
@@ -127,7 +142,7 @@ def parse_request(data: dict[str, Any], entry: Row) -> None:
         entry.user_id = value
     unknown = sorted(k for k in data if k not in KNOWN_KEYS)
     if unknown:
-        hint = did_you_mean(unknown[0], KNOWN_KEYS) or "; the fields are listed in docs/request-fields.md"
+        hint = field_hint(unknown[0], KNOWN_KEYS) or "; the fields are listed in docs/request-fields.md"
         raise RowError(f"unknown field {unknown[0]!r}{hint}")
     parse_prompt(data, entry)
     given = [k for k in OUTPUT_LEN_KEYS if k in data]
@@ -158,6 +173,63 @@ def parse_request(data: dict[str, Any], entry: Row) -> None:
         entry.fields[name] = request_field(name, key, value)
     if any(data.get(k) is not None for k in TOOL_KEYS):
         _tools(data, entry)
+    if any(data.get(k) is not None for k in (*VLLM_LINE_KEYS, *VLLM_OUTPUT_FIELDS)):
+        _vllm_fields(data, entry)
+
+
+def _vllm_fields(data: dict[str, Any], entry: Row) -> None:
+    """vLLM's SamplingParams names that set an engine field in a form of their own: each means here what
+    it means in vLLM (and in bm.LLM), or the line is refused naming the field and the fix."""
+    fields = entry.fields
+    if data.get("stop_token_ids") is not None:
+        ids = data["stop_token_ids"]
+        if not isinstance(ids, list) or not all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise RowError("stop_token_ids: expected a list of token ids, e.g. [13, 128009]")
+        if ids:  # each a one-token stop word, beside the line's stop_words_list
+            words = fields.get("stop_words_list") or []
+            if is_offsets_form(words):
+                raise RowError("stop_token_ids: give stop_words_list as a list of words to add them to")
+            fields["stop_words_list"] = [*words, *([t] for t in ids)]
+    ignore_eos = data.get("ignore_eos")
+    if ignore_eos is not None and check_bool(ignore_eos, "ignore_eos"):
+        if "end_id" in fields:
+            raise RowError("ignore_eos: given with end_id; keep one (end_id -1 is ignore_eos)")
+        fields["end_id"] = -1  # no end token: only the length (or a stop word) ends it
+    if data.get("logprobs") is not None:  # vLLM: the chosen token's log prob and the k most likely ones
+        if "top_logprobs" in fields or "return_log_probs" in fields:
+            raise RowError("logprobs: given with top_logprobs or return_log_probs; keep one")
+        count = check_int("top_logprobs", data["logprobs"], "logprobs")
+        fields["return_log_probs"] = True
+        if count:
+            fields["top_logprobs"] = count
+    if data.get("structured_outputs") is not None:
+        if fields.get("guided_decoding") is not None:
+            raise RowError("structured_outputs: give one structured-output field, not two")
+        try:
+            fields["guided_decoding"] = request_field(
+                "guided_decoding", "guided_decoding", data["structured_outputs"]
+            )
+        except RowError as exc:
+            raise RowError(str(exc).replace("guided_decoding", "structured_outputs")) from None
+    if data.get("prompt_logprobs") is not None:
+        raise RowError(
+            "prompt_logprobs: bm run records no prompt log probs; ask return_context_logits: true for the "
+            "prompt's logits (written beside the records), or use bm.LLM, which returns prompt_logprobs"
+        )
+    if data.get("best_of") is not None:
+        best_of = check_int("num_return_sequences", data["best_of"], "best_of")
+        n = fields.get("num_return_sequences", 1)
+        if best_of != n:
+            raise RowError(
+                f"best_of: {best_of} differs from n ({n}); bm returns every sample it draws and ranks "
+                f"none: ask n={best_of} and keep the best by their log probs (logprobs: 0)"
+            )
+    for name, inert in VLLM_OUTPUT_FIELDS.items():
+        if name in data and data[name] is not None and check_bool(data[name], name) not in inert:
+            raise RowError(
+                f"{name}: bm run's records are written with {name} {str(inert[0]).lower()}; drop it, or "
+                "use bm.LLM, whose SamplingParams honours it"
+            )
 
 
 def _tools(data: dict[str, Any], entry: Row) -> None:

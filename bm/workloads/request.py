@@ -47,6 +47,9 @@ class Row:
     input_len: int = 0  # prompt length; traces and synthetic rows get ids generated to it
     output_len: int | None = None  # None: the command's default
     output_len_key: str | None = None  # the field the line gave it under (max_tokens, ...), for errors
+    # No output_len where the format's default is none (OpenAI lines): the end token or the model's
+    # length ends it, not the command's default
+    output_len_to_limit: bool = False
     output_text: str | None = None  # a completion whose token count is the output length (sharegpt, hf)
     arrival_time: float | None = None  # seconds from the first row (timed files and traces)
     hash_ids: list[int] | None = None  # blocks of a shared prefix: equal ids mean equal tokens (mooncake)
@@ -58,6 +61,11 @@ class Row:
     tool_call: bool = False  # tool_choice made the reply a call (its output carries tool_calls)
     tool_auto: bool = False  # tools given, tool_choice absent or "auto": a parser reads the free reply
     tool_parser: str | None = None  # that parser, chosen with the chat template (bm.workloads.tool_parsers)
+    # An OpenAI completions prompt list: the prompts after the first (text, or token-id lists), each run as
+    # its own request and answered in the line's one record (bm.cli.prompts.to_requests)
+    more_prompts: list[Any] | None = None
+    part: int = 0  # which of its line's prompts this row runs (0: the first, or the only one)
+    num_parts: int = 1  # how many requests its line runs as
     error: str | None = None  # "line N: field: problem; fix", when the row cannot run
     num_prompt_tokens: int | None = None  # set once the prompt is tokenized
 
