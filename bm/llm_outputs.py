@@ -113,10 +113,9 @@ class OutputBuilder:
         if params.logprobs is None or chosen is None:
             return CompletionOutput(index, text, tokens, reason, error=getattr(sample, "error", None) or None)
         tops = sample.output_top_log_probs or [[] for _ in tokens]
-        ranks = getattr(sample, "output_log_prob_ranks", None) or [None] * len(tokens)
         logprobs = [
-            self._position(token, lp, rank, top, params.logprobs)
-            for token, lp, rank, top in zip(tokens, chosen, ranks, tops, strict=False)
+            self._position(token, lp, getattr(top, "rank", None), top, params.logprobs)
+            for token, lp, top in zip(tokens, chosen, tops, strict=False)
         ]
         return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)))
 
@@ -142,8 +141,9 @@ class OutputBuilder:
         self, token: int, logprob: float, rank: int | None, top: list[tuple[int, float]], k: int
     ) -> dict[int, Logprob]:
         """One position's log probs in vLLM's shape: the chosen token first, with its rank among the whole
-        vocabulary (the engine's count of tokens more likely than it), then the ``k`` most likely."""
-        if rank is None:  # an engine that does not count: the rank is known when it is among the top ones
+        vocabulary (counted by the runtime beside the top ones: ``TopLogProbs.rank``), then the ``k`` most
+        likely."""
+        if rank is None:  # a position without a count (a draft token accepted): known when among the top
             rank = {int(t): r for r, (t, _lp) in enumerate(top, 1)}.get(token)
         out = {token: Logprob(logprob, rank, self._piece(token))}
         for r, (tok, lp) in enumerate(top[:k], 1):

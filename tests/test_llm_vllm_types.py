@@ -222,3 +222,22 @@ def test_model_config_builds_random_weights_from_a_config_json(tmp_path, tiny_mo
 def test_every_bad_call_raises_invalid_parameter_error_naming_the_field(llm, call, message):
     with pytest.raises(bm.InvalidParameterError, match=message):
         call(llm)
+
+
+def test_every_returned_logprob_has_its_true_rank_even_outside_the_top_k(llm):
+    """A sampled token outside the top 1 gets its rank in the whole vocabulary, counted from the same
+    distribution its log probability comes from (temperature 1: the model's log softmax)."""
+    prompt = [5, 6, 7]
+    params = bm.SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=1, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    ref = reference_model(llm.loaded)
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    ranks = []
+    for i, (token, position) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        want = int((logits[i] > logits[i, token]).sum()) + 1
+        assert position[token].rank == want
+        assert position[token].logprob == pytest.approx(float(logits[i, token]), abs=1e-4)
+        ranks.append(want)
+    assert max(ranks) > 1  # some sampled token was outside the top 1
