@@ -114,7 +114,7 @@ class LLM:
         config_ = build_config(model, config, options)
         from bm.model_fit import load_fitting_model  # the runtime: once every keyword is judged
 
-        self.seed = seed
+        self.seed = 0 if seed is None else seed  # vLLM V1 seeds with 0 when none is given
         self.loaded = load_fitting_model(config_.model)
         # the budgets left unset take the model's device's defaults (bm.config.resolve_engine), so what
         # this object reports is what its engines run
