@@ -64,10 +64,14 @@ class OutputBuilder:
         beams = result.beams or [list(result.output_ids)]
         log_probs = result.beam_log_probs or [[] for _ in beams]
         cums = result.cum_log_probs or [sum(lp) for lp in log_probs]
+        ranks = result.beam_log_prob_ranks or [[None] * len(b) for b in beams]
         out = BeamSearchOutput()
-        for beam, lps, cum in zip(beams, log_probs, cums, strict=True):
+        for beam, lps, cum, beam_ranks in zip(beams, log_probs, cums, ranks, strict=True):
             tokens = [*ids, *beam]
-            chosen = [{t: Logprob(lp, None, self._piece(t))} for t, lp in zip(beam, lps, strict=False)]
+            chosen = [
+                {t: Logprob(lp, rank, self._piece(t))}
+                for t, lp, rank in zip(beam, lps, beam_ranks, strict=False)
+            ]
             reason = "length" if len(beam) >= params.max_tokens else "stop"
             text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
             out.sequences.append(BeamSearchSequence(tokens, chosen, lora_request, float(cum), text, reason))

@@ -127,6 +127,11 @@ def test_beam_search_returns_every_beam_as_hf_beam_search_does(llm, beam_width, 
     assert [s.tokens for s in out.sequences] == hf.tolist()
     for seq in out.sequences:
         assert seq.text == llm.tokenizer.decode(seq.tokens)
+        with torch.no_grad():  # each beam token's rank under the prefix it extended
+            lps = ref(torch.tensor([seq.tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        for i, position in enumerate(seq.logprobs):
+            ((token, lp),) = position.items()
+            assert lp.rank == int((lps[i] > lps[i, token]).sum()) + 1
         assert seq.cum_logprob == pytest.approx(
             sum(lp.logprob for p in seq.logprobs for lp in p.values()), abs=1e-4
         )
