@@ -229,11 +229,13 @@ def test_every_bad_call_raises_invalid_parameter_error_naming_the_field(llm, cal
         call(llm)
 
 
-def test_every_returned_logprob_has_its_true_rank_even_outside_the_top_k(llm):
+# no controls: decoded on the logits' device; a multi-token bad word: decoded on the host (bm.runtime.decoding)
+@pytest.mark.parametrize("controls", [{}, {"bad_words": ["~~"]}], ids=["device_path", "host_path"])
+def test_every_returned_logprob_has_its_true_rank_even_outside_the_top_k(llm, controls):
     """A sampled token outside the top 1 gets its rank in the whole vocabulary, counted from the same
     distribution its log probability comes from (temperature 1: the model's log softmax)."""
     prompt = [5, 6, 7]
-    params = bm.SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=1, ignore_eos=True)
+    params = bm.SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=1, ignore_eos=True, **controls)
     out = llm.generate([prompt], params)[0]
     ref = reference_model(llm.loaded)
     ids = prompt + out.token_ids
