@@ -26,6 +26,7 @@ def render_chat(
 ) -> tuple[str, list[int]]:
     """``(prompt text, prompt ids)`` of one chat. Raises :class:`InvalidParameterError` naming the
     keyword (or the template's own error) when it cannot be rendered."""
+    messages = [_text_content(i, m) for i, m in enumerate(messages)]
     check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs, messages)
     hf = getattr(tokenizer, "tokenizer", None)  # a checkpoint's Hugging Face tokenizer
     template = chat_template or (getattr(hf, "chat_template", None) if hf is not None else None)
@@ -102,6 +103,30 @@ def _jinja(
         )
     except TemplateError as exc:
         raise InvalidParameterError(f"messages: the chat template failed: {exc}") from None
+
+
+def _text_content(index: int, message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A message whose content is OpenAI's list of parts, as text: its text parts joined by newlines
+    (vLLM's 'string' content format); a part that is not text is refused, as bm runs text-only models."""
+    if not isinstance(message, Mapping):
+        raise InvalidParameterError(
+            f"messages[{index}]: expected a turn {{'role': ..., 'content': ...}}, got {type(message).__name__}"
+        )
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (
+            isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        ):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise InvalidParameterError(
+                f"messages[{index}].content: a {kind!r} part; bm runs text-only models and takes text parts "
+                "({'type': 'text', 'text': ...}) or a string"
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:

@@ -32,9 +32,9 @@ CALL_ONLY: dict[str, NotInBm] = {
         "bm encodes prompts as the tokenizer's files say", "drop it", inert=(None,)
     ),
     "chat_template_content_format": NotInBm(
-        "bm hands each message's content to the template as given",
-        "drop it",
-        inert=("auto", "string", "openai"),
+        "bm hands the template each message's content as text (OpenAI's text parts joined), vLLM's 'string'",
+        "drop it, or pass 'string'",
+        inert=("auto", "string"),
     ),
     "mm_processor_kwargs": NotInBm("bm runs text-only models", "drop it", inert=(None,)),
     "concurrency_limit": NotInBm(
@@ -43,10 +43,21 @@ CALL_ONLY: dict[str, NotInBm] = {
         inert=(None,),
     ),
 }
-_CALL_KEYWORDS = ("sampling_params", "use_tqdm", "lora_request", "chat_template", "tools")
+_CALL_KEYWORDS = (
+    "sampling_params",
+    "use_tqdm",
+    "lora_request",
+    "chat_template",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+)
 
 
 def refuse_call_keywords(owner: str, unknown: Mapping[str, Any]) -> None:
+    """A keyword ``generate``/``chat``/``beam_search`` has no parameter for, judged as ``LLM(...)``'s are:
+    :class:`InvalidParameterError` (not Python's ``TypeError``) with the nearest name or the bm way."""
     for name, value in unknown.items():
         refuse_unknown(owner, name, value, _CALL_KEYWORDS, CALL_ONLY)
 

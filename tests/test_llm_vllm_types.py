@@ -248,3 +248,15 @@ def test_every_returned_logprob_has_its_true_rank_even_outside_the_top_k(llm, co
         assert position[token].logprob == pytest.approx(float(logits[i, token]), abs=1e-4)
         ranks.append(want)
     assert max(ranks) > 1  # some sampled token was outside the top 1
+
+
+def test_openai_text_parts_reach_the_template_as_text_and_other_parts_are_refused(llm):
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}]
+    params = bm.SamplingParams(max_tokens=1, **GREEDY)
+    assert llm.chat(parts, params, chat_template=template)[0].prompt == "ab\ncd|"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(bm.InvalidParameterError, match=r"messages\[0\].content: a 'image_url' part"):
+        llm.chat(image, params, chat_template=template)
+    with pytest.raises(bm.InvalidParameterError, match="chat_template_content_format='openai'"):
+        llm.chat(parts, params, chat_template=template, chat_template_content_format="openai")
