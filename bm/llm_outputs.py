@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from bm.engine.request import Response
-from bm.engine.stopping import text_before_stop, text_through_stop
+from bm.engine.stopping import text_before_stop
 from bm.llm_params import CompletionOutput, InvalidParameterError, Logprob, RequestOutput, SamplingParams
 from bm.llm_types import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, RequestMetrics
 
@@ -110,18 +110,23 @@ class OutputBuilder:
         reason = FINISH.get(sample.finish_reason.label, sample.finish_reason.label)
         text = self.decode(tokens, params)
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        cut = (text_through_stop if params.include_stop_str_in_output else text_before_stop)(text, stops)
+        stop_reason: int | str | None = None
+        if tokens and reason == "stop" and tokens[-1] in (params.stop_token_ids or ()):
+            stop_reason = tokens[-1]
+        cut = text_before_stop(text, stops)
         if cut is not None:
-            text, reason = cut, "stop"
+            stop_reason = next(s for s in sorted(stops, key=len) if text.startswith(s, len(cut)))
+            text, reason = cut + (stop_reason if params.include_stop_str_in_output else ""), "stop"
+        error = getattr(sample, "error", None) or None
         chosen = sample.output_log_probs
         if params.logprobs is None or chosen is None:
-            return CompletionOutput(index, text, tokens, reason, error=getattr(sample, "error", None) or None)
+            return CompletionOutput(index, text, tokens, reason, error=error, stop_reason=stop_reason)
         tops = sample.output_top_log_probs or [[] for _ in tokens]
         logprobs = [
             self._position(token, lp, getattr(top, "rank", None), top, params.logprobs)
             for token, lp, top in zip(tokens, chosen, tops, strict=False)
         ]
-        return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)))
+        return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)), error, stop_reason)
 
     def decode(self, tokens: list[int], params: SamplingParams) -> str:
         """The text of ``tokens``: special tokens skipped (bm's tokenizers do), or written as the

@@ -364,6 +364,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None
+    # vLLM's: the stop string or stop token id that ended the text; None for the end token or the length
+    stop_reason: int | str | None = None
 
 
 @dataclass

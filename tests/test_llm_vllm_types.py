@@ -260,3 +260,16 @@ def test_openai_text_parts_reach_the_template_as_text_and_other_parts_are_refuse
         llm.chat(image, params, chat_template=template)
     with pytest.raises(bm.InvalidParameterError, match="chat_template_content_format='openai'"):
         llm.chat(parts, params, chat_template=template, chat_template_content_format="openai")
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_text(llm):
+    free = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0]
+    assert free.finish_reason == "length" and free.stop_reason is None
+    stop = free.text[3:5]
+    by_string = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, stop=[stop, "\x00"], **GREEDY))[0]
+    assert by_string.outputs[0].stop_reason == stop and by_string.finish_reason == "stop"
+    kept = bm.SamplingParams(max_tokens=8, stop=stop, include_stop_str_in_output=True, **GREEDY)
+    assert llm.generate([[5, 6, 7]], kept)[0].text.endswith(stop)
+    token = free.token_ids[2]
+    by_token = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, stop_token_ids=[token], **GREEDY))[0]
+    assert by_token.outputs[0].stop_reason == token and by_token.token_ids == free.token_ids[:3]
