@@ -112,6 +112,7 @@ class LLM:
             check_tensor_parallel(tensor_parallel_size)
         self.options = library_options(options)
         config_ = build_config(model, config, options)
+        self._defaults = generation_defaults(self.options.generation_config, config_.model.path)
         from bm.model_fit import load_fitting_model  # the runtime: once every keyword is judged
 
         self.seed = 0 if seed is None else seed  # vLLM V1 seeds with 0 when none is given
@@ -121,8 +122,6 @@ class LLM:
         self.config = resolve_engine(config_, self.loaded.device_type)
         self.tokenizer = self.loaded.tokenizer
         self._outputs = OutputBuilder(self.tokenizer)
-        self._defaults = generation_defaults(self.options.generation_config, self.config.model.path)
-        SamplingParams(**self._defaults)  # a checkpoint's value bm cannot run is refused now, not per call
         self._lora = LoraRequests(self.options.enable_lora, self.options.max_lora_rank)
         self._next_id = 0
         self._executor: Any = None  # one executor for every engine of this object: one cache, one warm-up

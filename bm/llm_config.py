@@ -17,7 +17,7 @@ from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
 from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_UNSUPPORTED, NotInBm
-from bm.llm_params import InvalidParameterError, refuse_unknown
+from bm.llm_params import InvalidParameterError, SamplingParams, refuse_unknown
 
 # vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
 ENGINE_ARGS: dict[str, str | None] = {
@@ -199,7 +199,14 @@ def generation_defaults(choice: str, model_dir: str | None) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise InvalidParameterError(f"generation_config: cannot read {path}: {exc}") from None
-    return {name: data[key] for key, name in GENERATION_KEYS.items() if data.get(key) is not None}
+    defaults = {name: data[key] for key, name in GENERATION_KEYS.items() if data.get(key) is not None}
+    try:  # a value bm cannot run is refused now, naming the file, not at every call
+        SamplingParams(**defaults)
+    except InvalidParameterError as exc:
+        raise InvalidParameterError(
+            f"generation_config: {path} asks for {exc}; fix the file, or pass generation_config='vllm'"
+        ) from None
+    return defaults
 
 
 def _vllm_names(message: str) -> str:

@@ -143,3 +143,11 @@ def test_unparameterized_generate_samples_as_vllm_does_and_duplicate_prompts_dif
 
 def test_docs_temperature_row_says_the_default_is_vllms():
     assert re.search(r"\| `temperature` \| `temperature` \| default 1\.0, as vLLM's", DOCS.read_text())
+
+
+def test_a_generation_config_value_bm_cannot_run_is_refused_naming_the_file(tmp_path, tiny_model):
+    folder = checkpoint(tmp_path / "ckpt", tiny_model, {"temperature": -0.5})
+    with pytest.raises(
+        bm.InvalidParameterError, match=r"generation_config: .*generation_config.json asks for"
+    ):
+        bm.LLM(str(folder), device="cpu", kv_cache=KV)
