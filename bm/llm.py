@@ -202,6 +202,11 @@ class LLM:
         refuse_call_keywords("LLM.beam_search", unknown)
         if not isinstance(params, BeamSearchParams):
             raise InvalidParameterError("LLM.beam_search(params=...): expected bm.BeamSearchParams(...)")
+        if not params.skip_special_tokens and getattr(self.tokenizer, "tokenizer", None) is None:
+            raise InvalidParameterError(
+                "BeamSearchParams.skip_special_tokens: False writes special tokens as the tokenizer spells "
+                "them, and this model's tokenizer (bm's byte tokenizer, or none) has no text for them"
+            )
         batch = parse_prompts(prompts, self._encode)
         loras = self._lora.per_prompt(lora_request, len(batch))
         self._allow_beams(params.beam_width)
@@ -216,7 +221,7 @@ class LLM:
         extras = [{**fields_, **self._lora.fields(lora)} for lora in loras]
         results, _ = self._run(batch, extras, [end_id] * len(batch), use_tqdm)
         return [
-            self._outputs.beam_output(ids, params, result, lora)
+            self._outputs.beam_output(ids, params, result, end_id, lora)
             for (_text, ids), (result, _t), lora in zip(batch, results, loras, strict=True)
         ]
 

@@ -57,7 +57,12 @@ class OutputBuilder:
         )
 
     def beam_output(
-        self, ids: list[int], params: BeamSearchParams, result: Response, lora_request: Any = None
+        self,
+        ids: list[int],
+        params: BeamSearchParams,
+        result: Response,
+        end_id: int | None,
+        lora_request: Any = None,
     ) -> BeamSearchOutput:
         """Every beam, best first as the engine ranks them; ``tokens``/``text`` include the prompt, as
         vLLM's beams do. A beam that ends on the end token ends with it, as vLLM's do."""
@@ -72,8 +77,8 @@ class OutputBuilder:
                 {t: Logprob(lp, rank, self._piece(t))}
                 for t, lp, rank in zip(beam, lps, beam_ranks, strict=False)
             ]
-            reason = "length" if len(beam) >= params.max_tokens else "stop"
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+            reason = "stop" if end_id is not None and beam and beam[-1] == end_id else "length"
+            text = self._text(tokens, params.skip_special_tokens) if self.tokenizer is not None else None
             out.sequences.append(BeamSearchSequence(tokens, chosen, lora_request, float(cum), text, reason))
         return out
 
@@ -129,17 +134,19 @@ class OutputBuilder:
         return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)), error, stop_reason)
 
     def decode(self, tokens: list[int], params: SamplingParams) -> str:
+        return "" if self.tokenizer is None else self._text(tokens, params.skip_special_tokens)
+
+    def _text(self, tokens: list[int], skip_special_tokens: bool) -> str:
         """The text of ``tokens``: special tokens skipped (bm's tokenizers do), or written as the
-        checkpoint's tokenizer spells them with ``skip_special_tokens=False`` (checked when the
-        request was built: only a checkpoint's tokenizer can)."""
-        if self.tokenizer is None:
-            return ""
-        if params.skip_special_tokens:
+        checkpoint's tokenizer spells them with ``skip_special_tokens=False`` (for SamplingParams
+        checked when the request was built: only a checkpoint's tokenizer can)."""
+        if skip_special_tokens:
             return self.tokenizer.decode(tokens)
         hf = getattr(self.tokenizer, "tokenizer", None)
         if hf is None:
             raise InvalidParameterError(
-                "SamplingParams.skip_special_tokens: False needs a checkpoint's tokenizer"
+                "skip_special_tokens: False writes special tokens as the tokenizer spells them, and this "
+                "model's tokenizer (bm's byte tokenizer) has no text for them; read them from token_ids"
             )
         return hf.decode(tokens, skip_special_tokens=False)
 

@@ -93,6 +93,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: the text keeps them, as a checkpoint's tokenizer spells them
 
     def __post_init__(self) -> None:
         try:
@@ -100,6 +101,7 @@ class BeamSearchParams:
             check_int("request_output_len", self.max_tokens, "max_tokens", low=1)
             check_bool(self.ignore_eos, "ignore_eos")
             check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
+            check_bool(self.skip_special_tokens, "skip_special_tokens")
         except RequestError as exc:
             raise InvalidParameterError(f"BeamSearchParams.{exc}") from None
         if self.temperature != 0:
@@ -116,8 +118,9 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam as vLLM returns it: ``tokens`` and ``text`` hold the prompt and the beam's output, as
-    vLLM's do; ``logprobs`` one dict per output token (the token chosen, with its log probability)."""
+    """One beam as vLLM's ``LLM.beam_search`` returns it: ``tokens`` and ``text`` hold the prompt and the
+    beam's output; ``logprobs`` one dict per output token (the token chosen, its log probability and its
+    rank under the beam it extended)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]

@@ -171,6 +171,12 @@ def test_beam_search(llm, reference):
             beam = beam[: beam.index(eos) + 1] if eos in beam else beam  # HF pads beams that ended early
             assert sequence.tokens == ids + beam
             assert sequence.text == tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+            assert sequence.finish_reason == ("stop" if beam[-1] == eos else "length")
+    written = llm.beam_search(
+        [{"prompt": "Hi"}], BeamSearchParams(beam_width=2, max_tokens=4, skip_special_tokens=False)
+    )
+    for sequence in written[0].sequences:
+        assert sequence.text == tokenizer.decode(sequence.tokens, skip_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
