@@ -42,6 +42,14 @@ PROMPT_KEYS_NOT_IN_BM = {
 PROMPT_KEYS_INERT = ("cache_salt",)
 
 
+@refusing_unknown_keywords(
+    {
+        "lora_local_path": NotInBm("vLLM's older name for lora_path", "pass lora_path=", inert=(None,)),
+        "tensorizer_config_dict": NotInBm(
+            "bm reads adapters saved by peft (safetensors)", "drop it", inert=(None,)
+        ),
+    }
+)
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter for some prompts, in vLLM's positional order: ``LoRARequest(name, int_id, path)``.
@@ -172,7 +180,6 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "LoRARequest",
-    "NotInBm",
     "RequestMetrics",
     "TextPrompt",
     "TokensPrompt",

@@ -273,3 +273,16 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_text(llm):
     token = free.token_ids[2]
     by_token = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, stop_token_ids=[token], **GREEDY))[0]
     assert by_token.outputs[0].stop_reason == token and by_token.token_ids == free.token_ids[:3]
+
+
+def test_lora_request_and_beam_params_refuse_unknown_keywords_as_invalid_parameter_errors(adapter):
+    with pytest.raises(
+        bm.InvalidParameterError, match=r"LoRARequest\(lora_local_path='x'\).*pass lora_path="
+    ):
+        bm.LoRARequest("a", 1, str(adapter[0]), lora_local_path="x")
+    with pytest.raises(bm.InvalidParameterError, match=r"LoRARequest\(lora_nmae=...\): unknown parameter"):
+        bm.LoRARequest(lora_nmae="a", lora_int_id=1, lora_path=str(adapter[0]))
+    with pytest.raises(
+        bm.InvalidParameterError, match=r"BeamSearchParams\(beam_witdh=...\): unknown parameter"
+    ):
+        bm.BeamSearchParams(beam_witdh=2, max_tokens=3)
