@@ -18,8 +18,10 @@ and a bad one raises :class:`~bm.llm_params.InvalidParameterError`). The model l
 
 The defaults are vLLM's (``SamplingParams()`` samples at temperature 1.0, over the checkpoint's
 ``generation_config.json`` when ``generate`` is given no parameters), so a script written for vLLM gets
-the answer it got there; greedy is ``temperature=0``. Generation stops at the model's end token unless ``ignore_eos`` is set (the seed's library default of
-end id -1 never stops, which surprises everyone who did not ask for it).
+the kind of answer it got there; greedy is ``temperature=0``. Generation stops at the model's end token
+unless ``ignore_eos`` is set (the seed's library default of end id -1 never stops, which surprises
+everyone who did not ask for it). What a call takes is judged in :mod:`bm.llm_inputs` and
+:mod:`bm.llm_chat`; what it returns is built in :mod:`bm.llm_outputs`.
 """
 
 from __future__ import annotations
