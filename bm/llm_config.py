@@ -9,22 +9,67 @@ way (:data:`bm.config.vllm.VLLM_UNSUPPORTED`); any other unknown keyword is refu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
-from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_UNSUPPORTED
-from bm.llm_params import InvalidParameterError, refuse_unknown
+from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_UNSUPPORTED, NotInBm
+from bm.llm_params import InvalidParameterError, SamplingParams, refuse_unknown
 
 # vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
 ENGINE_ARGS: dict[str, str | None] = {
     **VLLM_ENGINE_KEYS,
     "max_logprobs": None,  # bm returns up to 20 top log probs per position, OpenAI's bound; nothing to set
 }
-# vLLM names bm takes with a meaning of their own (read by LLM itself, not the config).
-OWN_ARGS = ("seed", "tensor_parallel_size")
+# vLLM names bm takes with a meaning of their own (read by LLM itself, not the config); max_loras sets
+# peft_cache.max_adapters, and model_config=PATH is bm's model.config (random weights, --model-config).
+OWN_ARGS = (
+    "seed",
+    "tensor_parallel_size",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "generation_config",
+    "model_config",
+)
+# vLLM's LoRA engine arguments bm has no knob for (each accepted at the value that asks for what bm does).
+VLLM_LORA_ONLY: dict[str, NotInBm] = {
+    "max_cpu_loras": NotInBm(
+        "bm reads each adapter directory once per process and keeps max_loras of them loaded",
+        "drop it; max_loras= bounds the loaded adapters",
+        inert=(None,),
+    ),
+    "fully_sharded_loras": NotInBm("bm.LLM runs in one process, unsharded", "drop it", inert=(False,)),
+    "lora_dtype": NotInBm(
+        "bm runs adapters in the model's dtype", "choose it with dtype=", inert=(None, "auto")
+    ),
+}
+# vLLM's dtype names (and torch's) -> model.dtype; anything else is refused naming these.
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+    "fp32": "float32",
+}
+
+
+@dataclass(frozen=True)
+class LibraryOptions:
+    """The keywords ``bm.LLM`` reads itself rather than the config (vLLM's meaning of each)."""
+
+    enable_lora: bool = False
+    max_lora_rank: int | None = None  # None: no bound (vLLM's default is 16; bm serves any rank)
+    generation_config: str = "auto"  # "auto": the checkpoint's; "vllm": none; else a directory
+
+
 # vLLM's enforce_eager=True: no CUDA graphs (bm's model.cuda_graphs).
 _EAGER = {True: "off", False: "auto"}
 
@@ -40,11 +85,24 @@ def build_config(
     model_keys = {f.name for f in fields(ModelConfig)} - {"seed"}  # seed= is vLLM's: sampling
     sections = set(BmConfig.__dataclass_fields__)
     overrides: dict[str, Any] = {}
-    if model is not None:
+    if isinstance(model, Mapping):  # model={"preset": ..., "seed": ...}: the model section itself
+        options = {**options, "model": {**model, **options.get("model", {})}}
+    elif model is not None:
+        if not isinstance(model, str):
+            raise InvalidParameterError(
+                f"LLM(model=...): expected a preset name, a checkpoint directory or a mapping of model "
+                f"keys, got {type(model).__name__}"
+            )
         preset = model in MODEL_PRESETS and not Path(model).exists()
         overrides["model.preset" if preset else "model.path"] = model
     for name, value in options.items():
-        if name in ENGINE_ARGS:
+        if name == "dtype":
+            overrides["model.dtype"] = dtype_name(value)
+        elif name == "max_loras":
+            overrides["peft_cache.max_adapters"] = value
+        elif name == "model_config":
+            overrides["model.config"] = value
+        elif name in ENGINE_ARGS:
             if ENGINE_ARGS[name] is not None:
                 overrides[ENGINE_ARGS[name]] = value
         elif name == "enforce_eager":
@@ -62,7 +120,7 @@ def build_config(
                 name,
                 value,
                 known,
-                VLLM_UNSUPPORTED,
+                {**VLLM_UNSUPPORTED, **VLLM_LORA_ONLY},
                 note=f"; LLM takes vLLM's engine arguments ({', '.join(ENGINE_ARGS)}, enforce_eager, seed, "
                 "tensor_parallel_size), model keys (device=, dtype=, ...) and config sections as mappings, "
                 "e.g. engine={'max_batch_size': 64}",
@@ -81,6 +139,74 @@ def build_config(
         raise
     except ConfigError as exc:
         raise InvalidParameterError(_vllm_names(str(exc))) from None
+
+
+def library_options(options: dict[str, Any]) -> LibraryOptions:
+    """Take ``LLM``'s own keywords out of ``options`` (in place) and check them."""
+    enable = options.pop("enable_lora", False)
+    rank = options.pop("max_lora_rank", None)
+    generation = options.pop("generation_config", "auto")
+    if not isinstance(enable, bool):
+        raise InvalidParameterError(f"LLM(enable_lora=...): expected True or False, got {enable!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise InvalidParameterError(f"LLM(max_lora_rank=...): expected an integer >= 1, got {rank!r}")
+    if not isinstance(generation, (str, Path)):
+        raise InvalidParameterError(
+            f"LLM(generation_config=...): expected 'auto', 'vllm' or a directory, got {generation!r}"
+        )
+    if str(generation) not in ("auto", "vllm") and not Path(generation).is_dir():
+        raise InvalidParameterError(
+            f"LLM(generation_config={str(generation)!r}): not a directory; give 'auto' (the checkpoint's "
+            "generation_config.json), 'vllm' (vLLM's SamplingParams defaults) or a directory holding one"
+        )
+    return LibraryOptions(enable, rank, str(generation))
+
+
+def dtype_name(value: Any) -> str:
+    """vLLM's ``dtype`` (a name or a ``torch.dtype``) as bm's ``model.dtype``; one bm cannot run is
+    refused naming the ones it can."""
+    name = str(value).removeprefix("torch.") if not isinstance(value, str) else value
+    if name in DTYPE_ALIASES:
+        return DTYPE_ALIASES[name]
+    raise InvalidParameterError(
+        f"LLM(dtype={value!r}): bm runs weights in float32, bfloat16 or float16; give one of "
+        f"{', '.join(repr(k) for k in DTYPE_ALIASES)} (or torch.float32 / torch.bfloat16 / torch.float16)"
+    )
+
+
+# generation_config.json's keys vLLM takes as SamplingParams defaults -> the SamplingParams name.
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(choice: str, model_dir: str | None) -> dict[str, Any]:
+    """The ``SamplingParams`` defaults a checkpoint asks for in its ``generation_config.json``, as vLLM
+    takes them (``generation_config="auto"``: the model's directory; a directory: that one; ``"vllm"``:
+    none). A model with no such file (a preset, random weights) has none."""
+    if choice == "vllm":
+        return {}
+    folder = model_dir if choice == "auto" else choice
+    path = Path(folder) / "generation_config.json" if folder else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidParameterError(f"generation_config: cannot read {path}: {exc}") from None
+    defaults = {name: data[key] for key, name in GENERATION_KEYS.items() if data.get(key) is not None}
+    try:  # a value bm cannot run is refused now, naming the file, not at every call
+        SamplingParams(**defaults)
+    except InvalidParameterError as exc:
+        raise InvalidParameterError(
+            f"generation_config: {path} asks for {exc}; fix the file, or pass generation_config='vllm'"
+        ) from None
+    return defaults
 
 
 def _vllm_names(message: str) -> str:

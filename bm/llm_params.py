@@ -84,13 +84,13 @@ VLLM_SAMPLING_ONLY: dict[str, NotInBm] = {
         "bm.LLM always decodes the text", "read token_ids and leave text aside", inert=(True,)
     ),
     "use_beam_search": NotInBm(
-        "bm.LLM has no beam search",
-        "run the prompts with bm run, whose lines take beam_width (docs/request-fields.md)",
+        "beam search is its own call in bm.LLM, as in vLLM",
+        "call llm.beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))",
         inert=(False,),
     ),
     "length_penalty": NotInBm(
-        "bm.LLM has no beam search, where a length penalty applies",
-        "run the prompts with bm run, whose lines take beam_width and len_penalty (docs/request-fields.md)",
+        "a length penalty applies to beam search, which is its own call in bm.LLM, as in vLLM",
+        "call llm.beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=..., length_penalty=...))",
         inert=(1.0,),
     ),
     "extra_args": NotInBm("bm.LLM reads no extension arguments", "drop it", inert=(None,)),
@@ -195,13 +195,15 @@ class SamplingParams:
 
     Every value is checked against the engine's field table when the object is built, so a bad one
     raises :class:`InvalidParameterError` here, not an empty answer later; so does a keyword it does
-    not take (a vLLM name bm lacks names the bm way, a typo the nearest name). One default differs from
-    vLLM's: ``temperature`` is 0 (greedy), as in TensorRT-LLM and HF ``generate()``.
+    not take (a vLLM name bm lacks names the bm way, a typo the nearest name). The defaults are vLLM's
+    (``temperature`` 1.0: a script written for vLLM samples here as it did there); greedy is
+    ``temperature=0``. ``LLM.generate`` without parameters uses :meth:`bm.LLM.get_default_sampling_params`
+    (the checkpoint's ``generation_config.json`` over these, as vLLM does).
     """
 
     n: int = 1
     max_tokens: int | None = 16  # None: up to the model's length (engine.max_seq_len)
-    temperature: float = 0.0  # 0 is greedy
+    temperature: float = 1.0  # vLLM's default; 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0  # 0: off; else drop tokens below min_p x the top token's probability
@@ -362,6 +364,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None
+    # vLLM's: the stop string or stop token id that ended the text; None for the end token or the length
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -369,7 +373,7 @@ class RequestOutput:
     """The result of one prompt, as vLLM shapes it (``outputs``: ``n`` of them), with the first
     output's fields also read directly."""
 
-    request_id: int
+    request_id: str  # vLLM's: a string, the LLM's running count of requests
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
@@ -377,6 +381,9 @@ class RequestOutput:
     # SamplingParams(prompt_logprobs=k): None for the first prompt token (nothing predicts it), then one
     # dict per prompt token: the token and the k most likely ones there, token id -> Logprob (vLLM's shape)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # when the engine saw the request's milestones (bm.llm_types.RequestMetrics), and its adapter
+    metrics: Any = None
+    lora_request: Any = None
 
     @property
     def text(self) -> str:

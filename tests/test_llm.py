@@ -21,7 +21,7 @@ def llm() -> bm.LLM:
 def test_generate_text_and_ids_equal_hf_generate_greedy_and_keep_prompt_order(llm):
     ref = reference_model(llm.loaded)
     prompts = ["Hello there", "The capital of France is", [5, 6, 7, 8]]
-    outs = llm.generate(prompts, bm.SamplingParams(max_tokens=8, ignore_eos=True))
+    outs = llm.generate(prompts, bm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.prompt for o in outs] == ["Hello there", "The capital of France is", None]
     for prompt, out in zip(prompts, outs, strict=True):
         ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -32,13 +32,13 @@ def test_generate_text_and_ids_equal_hf_generate_greedy_and_keep_prompt_order(ll
 
 
 def test_generation_stops_at_the_models_end_token_unless_ignore_eos(llm):
-    free = llm.generate("abc", bm.SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    free = llm.generate("abc", bm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     end = free[2]
     original = llm.loaded
     llm.loaded = dataclasses.replace(original, eos_token_id=end)
     try:
-        stopped = llm.generate("abc", bm.SamplingParams(max_tokens=8))[0]
-        ignored = llm.generate("abc", bm.SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        stopped = llm.generate("abc", bm.SamplingParams(temperature=0, max_tokens=8))[0]
+        ignored = llm.generate("abc", bm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     finally:
         llm.loaded = original
     assert stopped.token_ids == free[: free.index(end) + 1] and stopped.finish_reason == "stop"
@@ -47,7 +47,7 @@ def test_generation_stops_at_the_models_end_token_unless_ignore_eos(llm):
 
 def test_one_sampling_params_per_prompt_and_log_probs(llm):
     greedy, sampled = (
-        bm.SamplingParams(max_tokens=4, logprobs=0),
+        bm.SamplingParams(temperature=0, max_tokens=4, logprobs=0),
         bm.SamplingParams(max_tokens=4, temperature=1.0, seed=3),
     )
     a, b = llm.generate([[5, 6], [5, 6]], [greedy, sampled])
@@ -60,19 +60,27 @@ def test_one_sampling_params_per_prompt_and_log_probs(llm):
 
 
 def test_stop_strings_cut_the_text_before_them(llm):
-    free = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    free = llm.generate([[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     stop = free.text[3:5]
-    out = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=8, ignore_eos=True, stop=stop))[0]
+    out = llm.generate(
+        [[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop)
+    )[0]
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.find(stop)]
 
 
 def test_token_prompts_in_the_ecosystems_shapes(llm):
     """vLLM's TokensPrompt and a transformers tokenizer's result (ids as one row) are prompts too."""
-    plain = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=3))[0].token_ids
+    plain = llm.generate([[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=3))[0].token_ids
     assert (
-        llm.generate({"prompt_token_ids": [5, 6, 7]}, bm.SamplingParams(max_tokens=3))[0].token_ids == plain
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, bm.SamplingParams(temperature=0, max_tokens=3))[
+            0
+        ].token_ids
+        == plain
     )
-    assert llm.generate({"input_ids": [[5, 6, 7]]}, bm.SamplingParams(max_tokens=3))[0].token_ids == plain
+    assert (
+        llm.generate({"input_ids": [[5, 6, 7]]}, bm.SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+        == plain
+    )
     with pytest.raises(ValueError, match="non-empty list of token ids"):
         llm.generate([[]])
 
@@ -80,7 +88,7 @@ def test_token_prompts_in_the_ecosystems_shapes(llm):
 def test_chat_renders_the_template_with_the_generation_prompt(llm):
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
     messages = [{"role": "user", "content": "Hi!"}]
-    out = llm.chat(messages, bm.SamplingParams(max_tokens=3), chat_template=template)[0]
+    out = llm.chat(messages, bm.SamplingParams(temperature=0, max_tokens=3), chat_template=template)[0]
     assert out.prompt_token_ids == llm.tokenizer.encode("<user>Hi!<a>")
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat(messages)

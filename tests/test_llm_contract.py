@@ -55,31 +55,36 @@ def test_llm_generate_raises_on_invalid_sampling_params(llm, monkeypatch, fields
     again when generate is handed parameters changed since: never an empty answer, and nothing runs."""
     with pytest.raises(bm.InvalidParameterError, match=f"SamplingParams.{message}"):
         bm.SamplingParams(**fields)
-    params = bm.SamplingParams(max_tokens=3)
+    params = bm.SamplingParams(temperature=0, max_tokens=3)
     for name, value in fields.items():
         setattr(params, name, value)
     monkeypatch.setattr(llm, "session", lambda *a: pytest.fail("an engine ran for invalid parameters"))
     with pytest.raises(ValueError, match=message):
-        llm.generate(["Hi", "there"], [bm.SamplingParams(max_tokens=3), params])
+        llm.generate(["Hi", "there"], [bm.SamplingParams(temperature=0, max_tokens=3), params])
 
 
 def test_what_only_the_model_can_judge_raises_before_any_prompt_of_the_batch_runs(llm, monkeypatch):
     monkeypatch.setattr(llm, "session", lambda *a: pytest.fail("an engine ran for invalid parameters"))
     vocab = llm.loaded.vocab_size
     with pytest.raises(bm.InvalidParameterError, match=f"prompt 1: logit_bias: token id {vocab} is outside"):
-        llm.generate([[5], [6]], [bm.SamplingParams(), bm.SamplingParams(logit_bias={vocab: 1.0})])
+        llm.generate(
+            [[5], [6]],
+            [bm.SamplingParams(temperature=0), bm.SamplingParams(temperature=0, logit_bias={vocab: 1.0})],
+        )
     with pytest.raises(
         bm.InvalidParameterError, match=r"prompt 0: max_tokens: .* lower max_tokens to at most"
     ):
-        llm.generate([[5, 6]], bm.SamplingParams(max_tokens=10**6))
+        llm.generate([[5, 6]], bm.SamplingParams(temperature=0, max_tokens=10**6))
     with pytest.raises(
         bm.InvalidParameterError, match=r"prompt 0: stop: token id outside the vocabulary \[0, \d+\) in word"
     ):
-        llm.generate([[5, 6]], bm.SamplingParams(stop_token_ids=[vocab]))
+        llm.generate([[5, 6]], bm.SamplingParams(temperature=0, stop_token_ids=[vocab]))
 
 
 def test_log_probs_come_back_in_vllms_shape_with_ranks_and_the_cumulative_log_prob(llm):
-    out = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate(
+        [[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )[0]
     completion = out.outputs[0]
     assert len(completion.logprobs) == 4
     for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
@@ -91,7 +96,9 @@ def test_log_probs_come_back_in_vllms_shape_with_ranks_and_the_cumulative_log_pr
     chosen = [p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs, strict=True)]
     assert completion.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
     # logprobs=0: only the chosen token's, as in vLLM
-    zero = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=4, logprobs=0, ignore_eos=True))[0]
+    zero = llm.generate(
+        [[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+    )[0]
     assert [list(p) for p in zero.logprobs] == [[t] for t in zero.token_ids]
     assert zero.outputs[0].cumulative_logprob == pytest.approx(completion.cumulative_logprob, abs=1e-4)
 
@@ -109,8 +116,10 @@ def test_n_returns_n_completion_outputs_per_prompt(llm):
 
 
 def test_logit_bias_and_min_p_steer_sampling(llm):
-    greedy = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
-    forced = bm.SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={42: 100.0})
+    greedy = llm.generate([[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[
+        0
+    ].token_ids
+    forced = bm.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={42: 100.0})
     assert llm.generate([[5, 6, 7]], forced)[0].token_ids == [42] * 4
     # min_p=1 keeps only the most likely token: sampling at any temperature is then greedy
     for seed in range(3):
@@ -136,7 +145,9 @@ def test_llm_seed_seeds_sampling_not_the_weights():
     runs = {}
     for seed in (3, 3, 4):
         llm = bm.LLM(model="tiny-random", device="cpu", kv_cache=KV, seed=seed)
-        greedy = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+        greedy = llm.generate([[5, 6, 7]], bm.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[
+            0
+        ].token_ids
         sampled = [o.token_ids for o in llm.generate([[5, 6, 7], [5, 6, 7]], params)]
         runs.setdefault(seed, []).append((greedy, sampled))
     (greedy3, sampled3), (greedy3b, sampled3b) = runs[3]
@@ -149,14 +160,18 @@ def test_llm_seed_seeds_sampling_not_the_weights():
 def test_structured_outputs_params_in_vllms_shape(llm):
     pytest.importorskip("llguidance", reason="structured output needs llguidance (optional extra)")
     choice = bm.SamplingParams(
-        max_tokens=20, structured_outputs=bm.StructuredOutputsParams(choice=["red", "blue"])
+        temperature=0, max_tokens=20, structured_outputs=bm.StructuredOutputsParams(choice=["red", "blue"])
     )
-    regex = bm.SamplingParams(max_tokens=20, guided_decoding=bm.GuidedDecodingParams(regex="[0-9]{3}"))
+    regex = bm.SamplingParams(
+        temperature=0, max_tokens=20, guided_decoding=bm.GuidedDecodingParams(regex="[0-9]{3}")
+    )
     first, second = llm.generate(["Pick:", "Digits:"], [choice, regex])
     assert first.text in ("red", "blue") and first.finish_reason == "stop"
     assert len(second.text) == 3 and second.text.isdigit()
     with pytest.raises(bm.InvalidParameterError, match="structured_outputs and response_format"):
-        bm.SamplingParams(structured_outputs={"regex": "a"}, response_format={"type": "json_object"})
+        bm.SamplingParams(
+            temperature=0, structured_outputs={"regex": "a"}, response_format={"type": "json_object"}
+        )
 
 
 def test_chat_hands_tools_to_the_template_and_get_tokenizer_returns_the_tokenizer(llm):
@@ -166,9 +181,13 @@ def test_chat_hands_tools_to_the_template_and_get_tokenizer_returns_the_tokenize
     )
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Hi"}]
-    out = llm.chat(messages, bm.SamplingParams(max_tokens=2), chat_template=template, tools=tools)[0]
+    out = llm.chat(
+        messages, bm.SamplingParams(temperature=0, max_tokens=2), chat_template=template, tools=tools
+    )[0]
     assert out.prompt_token_ids == llm.tokenizer.encode("[weather;]<user>Hi<a>")
-    plain = llm.chat(messages, bm.SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template)[0]
+    plain = llm.chat(
+        messages, bm.SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, chat_template=template
+    )[0]
     assert plain.prompt_token_ids == llm.tokenizer.encode("<user>Hi<a>")
     tokenizer = llm.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("Hello")) == "Hello"
@@ -177,7 +196,7 @@ def test_chat_hands_tools_to_the_template_and_get_tokenizer_returns_the_tokenize
 def test_use_tqdm_draws_a_bar_on_a_terminal_and_nothing_elsewhere(llm, monkeypatch, capsys):
     import rich.console
 
-    params = bm.SamplingParams(max_tokens=2)
+    params = bm.SamplingParams(temperature=0, max_tokens=2)
     llm.generate([[5], [6]], params, use_tqdm=True)
     assert capsys.readouterr().err == ""  # not a terminal: no frames in a log
     monkeypatch.setattr(rich.console.Console, "is_terminal", property(lambda self: True))
@@ -189,7 +208,7 @@ def test_use_tqdm_draws_a_bar_on_a_terminal_and_nothing_elsewhere(llm, monkeypat
 
 def test_max_tokens_none_runs_to_the_models_length():
     llm = bm.LLM(model="tiny-random", device="cpu", kv_cache=KV, max_model_len=24)
-    out = llm.generate([[5, 6, 7, 8]], bm.SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    out = llm.generate([[5, 6, 7, 8]], bm.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.token_ids) == 20 and out.finish_reason == "length"
     assert math.isclose(llm.config.engine.max_seq_len, 24)
 
@@ -207,7 +226,7 @@ def test_prompt_logprobs_are_the_models_log_probs_of_each_prompt_token_in_vllms_
         "tiny-random", device="cpu", kv_cache=KV, enable_chunked_prefill=True, max_num_batched_tokens=8
     )
     for model in (llm, chunked):
-        out = model.generate([ids], bm.SamplingParams(max_tokens=2, prompt_logprobs=3))[0]
+        out = model.generate([ids], bm.SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
         assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
         for row, token, position in zip(want, ids[1:], out.prompt_logprobs[1:], strict=False):
             assert position[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
@@ -219,9 +238,11 @@ def test_prompt_logprobs_are_the_models_log_probs_of_each_prompt_token_in_vllms_
                 top.values.tolist(), abs=1e-4
             )
             assert set(position) == {token, *top.indices.tolist()}
-    only_chosen = llm.generate([ids[:3]], bm.SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    only_chosen = llm.generate([ids[:3]], bm.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[
+        0
+    ]
     assert [None if p is None else list(p) for p in only_chosen.prompt_logprobs] == [None, [17], [33]]
-    assert llm.generate([ids[:3]], bm.SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+    assert llm.generate([ids[:3]], bm.SamplingParams(temperature=0, max_tokens=1))[0].prompt_logprobs is None
 
 
 def test_prompt_logprobs_beside_prefix_caching_are_every_prompt_positions(llm):
@@ -229,9 +250,9 @@ def test_prompt_logprobs_beside_prefix_caching_are_every_prompt_positions(llm):
     (a cached position has no logits), so prefix caching changes nothing in the answer."""
     cached = bm.LLM("tiny-random", device="cpu", kv_cache=KV, enable_prefix_caching=True)
     prompt = list(range(5, 45))
-    params = bm.SamplingParams(max_tokens=2, prompt_logprobs=1)
+    params = bm.SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     # the first computes the prompt's blocks and the second would take them from the cache
-    _, again = cached.generate([prompt, prompt], [bm.SamplingParams(max_tokens=2), params])
+    _, again = cached.generate([prompt, prompt], [bm.SamplingParams(temperature=0, max_tokens=2), params])
     [plain] = llm.generate([prompt], params)
     assert len(again.prompt_logprobs) == len(prompt)
     assert again.prompt_logprobs == plain.prompt_logprobs
@@ -251,8 +272,8 @@ def test_skip_special_tokens_false_writes_them_as_a_checkpoints_tokenizer_spells
     fast.save_pretrained(tmp_path)
     llm = bm.LLM(str(tmp_path), device="cpu", kv_cache=KV)
     forced = {"max_tokens": 3, "ignore_eos": True, "logit_bias": {2: 100.0}}  # </s> each step
-    skipped = llm.generate(["abc"], bm.SamplingParams(**forced))[0]
-    written = llm.generate(["abc"], bm.SamplingParams(**forced, skip_special_tokens=False))[0]
+    skipped = llm.generate(["abc"], bm.SamplingParams(temperature=0, **forced))[0]
+    written = llm.generate(["abc"], bm.SamplingParams(temperature=0, **forced, skip_special_tokens=False))[0]
     assert skipped.token_ids == written.token_ids == [2, 2, 2]
     assert skipped.text == "" and written.text.split() == ["</s>"] * 3
 
@@ -260,14 +281,16 @@ def test_skip_special_tokens_false_writes_them_as_a_checkpoints_tokenizer_spells
 def test_skip_special_tokens_false_is_refused_for_a_tokenizer_with_no_text_for_them(llm, monkeypatch):
     monkeypatch.setattr(llm, "session", lambda *a: pytest.fail("an engine ran for a refused request"))
     with pytest.raises(bm.InvalidParameterError, match=r"skip_special_tokens: False .* has no text for them"):
-        llm.generate([[5, 6]], bm.SamplingParams(skip_special_tokens=False))
+        llm.generate([[5, 6]], bm.SamplingParams(temperature=0, skip_special_tokens=False))
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(llm):
     a = llm.tokenizer.encode("a")
     forced = {"max_tokens": 6, "ignore_eos": True, "logit_bias": {a[0]: 100.0}, "stop": ["aa"]}
-    cut = llm.generate([[5, 6]], bm.SamplingParams(**forced))[0]
-    kept = llm.generate([[5, 6]], bm.SamplingParams(**forced, include_stop_str_in_output=True))[0]
+    cut = llm.generate([[5, 6]], bm.SamplingParams(temperature=0, **forced))[0]
+    kept = llm.generate(
+        [[5, 6]], bm.SamplingParams(temperature=0, **forced, include_stop_str_in_output=True)
+    )[0]
     assert cut.token_ids == kept.token_ids == a * 2  # the engine stopped on the stop string's tokens
     assert (cut.text, kept.text) == ("", "aa") and cut.finish_reason == kept.finish_reason == "stop"
 

@@ -55,8 +55,8 @@ SAMPLING_ONLY = {
     "allowed_token_ids": (None, [5, 6], "structured_outputs"),
     "truncate_prompt_tokens": (None, 8, "get_tokenizer().encode(text)[-N:]"),
     "detokenize": (True, False, "read token_ids"),
-    "use_beam_search": (False, True, "beam_width"),
-    "length_penalty": (1.0, 0.8, "len_penalty"),
+    "use_beam_search": (False, True, "llm.beam_search(prompts, BeamSearchParams("),
+    "length_penalty": (1.0, 0.8, "BeamSearchParams(beam_width=..., max_tokens=..., length_penalty="),
     "extra_args": (None, {"x": 1}, "drop it"),
 }
 
@@ -76,7 +76,15 @@ ENGINE = {
 }
 # vLLM LLM(...) keywords LLM reads itself: seed seeds sampling (test_llm_contract.py), and
 # tensor_parallel_size must be the ranks this one process runs in (1), since LLM starts none.
-OWN = {"seed": 3, "tensor_parallel_size": 1}
+OWN = {
+    "seed": 3,
+    "tensor_parallel_size": 1,
+    "enable_lora": True,
+    "max_loras": 2,  # peft_cache.max_adapters
+    "max_lora_rank": 8,
+    "generation_config": "vllm",
+}
+# model_config=PATH (a config JSON, random weights) is pinned in test_llm_vllm_types.py.
 
 # vLLM LLM(...) keywords bm has no knob for: (a value that asks for what bm does anyway, accepted; a
 # value that asks for more, refused naming the bm way).
@@ -184,9 +192,11 @@ def test_a_bad_engine_argument_raises_naming_the_vllm_name_and_an_unknown_one_th
 
 
 def test_the_names_llm_reads_itself_are_listed_and_accepted():
-    assert set(OWN) == set(OWN_ARGS)
+    assert set(OWN) | {"model_config"} == set(OWN_ARGS)
     llm = bm.LLM("tiny-random", device="cpu", **OWN)
-    assert llm.seed == 3
+    assert llm.seed == 3 and llm.config.peft_cache.max_adapters == 2
+    assert llm.options.enable_lora and llm.options.max_lora_rank == 8
+    assert llm.options.generation_config == "vllm"
 
 
 @pytest.fixture

@@ -201,8 +201,9 @@ def test_the_library_and_the_seeds_api_take_structured_output(tiny_model):
     from tests.clients import StaggeredClient
 
     llm = bm.LLM(model="tiny-random", device="cpu")
-    choice = bm.SamplingParams(max_tokens=20, guided_decoding={"choice": ["red", "green"]})
+    choice = bm.SamplingParams(temperature=0, max_tokens=20, guided_decoding={"choice": ["red", "green"]})
     schema = bm.SamplingParams(
+        temperature=0,
         max_tokens=60,
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "boolean"}}},
     )
@@ -211,7 +212,7 @@ def test_the_library_and_the_seeds_api_take_structured_output(tiny_model):
     assert second.text in ("true", "false") and second.finish_reason == "stop"
     with pytest.raises(ValueError, match="not both"):
         bm.SamplingParams(
-            response_format={"type": "json_object"}, guided_decoding={"regex": "a"}
+            temperature=0, response_format={"type": "json_object"}, guided_decoding={"regex": "a"}
         ).request_fields(None)
 
     seed = InferenceRequest.from_values(0, [5, 6, 7], 12, end_id=EOS, guided_decoding={"choice": ["abc"]})

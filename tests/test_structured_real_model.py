@@ -38,6 +38,7 @@ def test_ten_schemas_every_finished_reply_parses_and_validates():
     chats = [[{"role": "user", "content": f"{prompt} Reply in JSON."}] for prompt, _ in SCHEMAS]
     params = [
         bm.SamplingParams(
+            temperature=0,
             max_tokens=96,
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}},
         )

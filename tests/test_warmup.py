@@ -193,7 +193,7 @@ def test_an_llm_allocates_its_cache_and_warms_up_once_at_construction_for_every_
     )  # fmt: skip
     assert len(runs) == 1  # at construction, before the first generate
     runner = llm._executor.runner
-    params = bm.SamplingParams(max_tokens=5, ignore_eos=True)
+    params = bm.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     first = [o.token_ids for o in llm.generate([[5, 6, 7], [9, 10, 11, 12]], params)]
     second = [o.token_ids for o in llm.generate([[5, 6, 7], [9, 10, 11, 12]], params)]
     assert first == second and all(len(t) == 5 for t in first)

@@ -151,6 +151,8 @@ class FinalOutputs:
 
     beams: list[list[int]] | None = None
     beam_log_probs: list[list[float]] | None = None
+    # per beam, per token: the token's rank in the distribution it was chosen from (1: the most likely)
+    beam_log_prob_ranks: list[list[int]] | None = None
     cum_log_probs: list[float] | None = None
     context_logits: Any = None
     generation_logits: Any = None

@@ -137,6 +137,7 @@ class Response(RequestCounters):
     cum_log_probs: list[float] | None = None  # one per beam (one for a plain request)
     beams: list[list[int]] | None = None
     beam_log_probs: list[list[float]] | None = None
+    beam_log_prob_ranks: list[list[int]] | None = None  # per beam token: its rank where it was chosen
     pad_fill: int = 0  # what pads shorter beams in a [beam_width, n] tensor (the end id, else pad id)
     context_logits: Any = None  # [prompt, vocab]
     generation_logits: Any = None  # [output, vocab]

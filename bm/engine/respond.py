@@ -46,6 +46,7 @@ def _final_fields(req: LlmRequest, response: Response, extras: FinalOutputs) -> 
         response.beams = extras.beams
         response.output_ids = list(extras.beams[0]) if extras.beams else []
         response.beam_log_probs = extras.beam_log_probs
+        response.beam_log_prob_ranks = extras.beam_log_prob_ranks
         end_id = req.sampling.end_id
         response.pad_fill = end_id if end_id >= 0 else req.sampling.pad_id
         if req.controls is not None and req.controls.return_log_probs:

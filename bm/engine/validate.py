@@ -118,7 +118,13 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
     if request.request_output_len is None:
         raise RequestError("missing mandatory input tensor 'request_output_len'")
     max_new = check_int("request_output_len", request.request_output_len, low=1)
-    beam_width = _int("beam_width", request.beam_width, 1, high=limits.max_beam_width)
+    beam_width = _int("beam_width", request.beam_width, 1)
+    if beam_width > limits.max_beam_width:  # an engine bound, not the field's: name the knob that sets it
+        raise RequestError(
+            f"beam_width: must be at most {limits.max_beam_width}, got {beam_width}; the engine takes beams up "
+            f"to engine.max_beam_width (--set engine.max_beam_width={beam_width}; bm.LLM.beam_search raises it "
+            "itself)"
+        )
     _check_lengths(prompt, max_new, limits)
 
     temperature = _float("temperature", request.temperature, 0.0)

@@ -13,7 +13,7 @@ The engine owns the KV side: after a step it forks the beams' block tables by :a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class Hypothesis:
     tokens: list[int]
     log_probs: list[float]
     score: float  # length-penalised
+    ranks: list[int] = field(default_factory=list)  # each token's rank in its parent's distribution
 
 
 class BeamSearch:
@@ -45,6 +46,7 @@ class BeamSearch:
         self.early_stopping: bool | str = {0: False, 1: True}.get(early_stopping, "never")
         self.tokens: list[list[int]] = [[]]  # running beams (one before the first step)
         self.log_probs: list[list[float]] = [[]]
+        self.ranks: list[list[int]] = [[]]
         self.scores = torch.zeros(beam_width)
         self.scores[1:] = _NEG
         self.finished: list[Hypothesis | None] = [None] * beam_width
@@ -64,6 +66,10 @@ class BeamSearch:
         top_scores, top_index = top_scores[0], top_index[0]
         top_beams = (top_index // vocab).tolist()
         top_tokens = (top_index % vocab).tolist()
+        # each candidate's rank under its parent (1 + tokens strictly more likely), as vLLM reports it
+        parent_rows = log_probs[top_beams]
+        picked = parent_rows[torch.arange(len(top_tokens)), top_tokens]
+        top_ranks = ((parent_rows > picked[:, None]).sum(-1) + 1).tolist()
         new_length = self.length + 1
         ends = torch.tensor([t == self.end_id or new_length >= self.max_new_tokens for t in top_tokens])
 
@@ -88,7 +94,12 @@ class BeamSearch:
                 parent, token = top_beams[c], top_tokens[c]
                 lp = float(log_probs[parent, token])
                 finished.append(
-                    Hypothesis(self.tokens[parent] + [token], self.log_probs[parent] + [lp], float(merged[k]))
+                    Hypothesis(
+                        self.tokens[parent] + [token],
+                        self.log_probs[parent] + [lp],
+                        float(merged[k]),
+                        self.ranks[parent] + [top_ranks[c]],
+                    )
                 )
                 flags.append(bool(just_finished[c]))
             scores.append(float(merged[k]))
@@ -105,6 +116,7 @@ class BeamSearch:
         self.log_probs = [
             self.log_probs[p] + [float(log_probs[p, t])] for p, t in zip(parents, tokens, strict=True)
         ]
+        self.ranks = [self.ranks[top_beams[c]] + [top_ranks[c]] for c in chosen]
         self.scores = running[chosen]
         self.length = new_length
 

@@ -22,7 +22,7 @@ from bm.runtime.grammar import GrammarRuntime, MaskApplier
 from bm.runtime.logits import DecodingState, LogitsRow, PendingTokens, apply_controls
 from bm.runtime.sampler import Sampler
 from bm.runtime.transfer import to_device
-from bm.scheduling.request import LlmRequest, Sampling
+from bm.scheduling.request import LlmRequest, Sampling, TopLogProbs
 
 
 @dataclass
@@ -47,10 +47,11 @@ class DeviceDecode:
     top_counts: list[int] = field(default_factory=list)
     top_values: torch.Tensor | None = None  # [len(wanted), max(top_counts)]
     top_ids: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None  # [len(wanted)]: each chosen token's rank (with top_values)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the host reads, in the order :meth:`read` takes it back."""
-        extra = [self.log_probs, self.top_values, self.top_ids]
+        extra = [self.log_probs, self.top_values, self.top_ids, self.ranks]
         return [self.tokens, *(t for t in extra if t is not None)]
 
     def read(
@@ -65,9 +66,9 @@ class DeviceDecode:
             for i, value in zip(self.wanted, host[1].tolist(), strict=True):
                 log_probs[i] = value
         if self.top_values is not None:
-            values, ids = host[2].tolist(), host[3].tolist()
+            values, ids, ranks = host[2].tolist(), host[3].tolist(), host[4].tolist()
             for j, (i, k) in enumerate(zip(self.wanted, self.top_counts, strict=True)):
-                tops[i] = list(zip(ids[j][:k], values[j][:k], strict=True)) if k else None
+                tops[i] = _top(ids[j][:k], values[j][:k], ranks[j]) if k else None
         return tokens, log_probs, tops
 
 
@@ -129,6 +130,7 @@ class Decoder:
         out.top_counts = [requests[i].decoding.controls.top_log_probs for i in wanted]  # type: ignore[union-attr]
         if any(out.top_counts):
             out.top_values, out.top_ids = lp.topk(max(out.top_counts), dim=-1)
+            out.ranks = _ranks(lp, out.log_probs)  # type: ignore[arg-type]
         return out
 
     @torch.inference_mode()
@@ -188,7 +190,8 @@ class Decoder:
             counts = [rows[i].state.controls.top_log_probs for i in wanted]  # type: ignore[union-attr]
             if any(counts):
                 result.top_log_probs = [None] * len(rows)
-                for i, top in zip(wanted, _top_log_probs(lp, counts), strict=True):
+                ranks = _ranks(lp, lp.gather(1, chosen[:, None])[:, 0]).tolist()
+                for i, top in zip(wanted, _top_log_probs(lp, counts, ranks), strict=True):
                     result.top_log_probs[i] = top
         return result
 
@@ -239,12 +242,26 @@ def _log_softmax_rows(
     return torch.log_softmax(logits.index_select(0, index).float() / temperature[:, None], dim=-1), index
 
 
-def _top_log_probs(lp: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]] | None]:
-    """Each row's ``counts[i]`` most likely (token, log prob) pairs, most likely first: one topk over the
-    rows for the largest count, one copy to the host."""
+def _top_log_probs(
+    lp: torch.Tensor, counts: list[int], ranks: list[int]
+) -> list[list[tuple[int, float]] | None]:
+    """Each row's ``counts[i]`` most likely (token, log prob) pairs, most likely first, with the chosen
+    token's rank: one topk over the rows for the largest count, one copy to the host."""
     values, ids = lp.topk(max(counts), dim=-1)
     values, ids = values.tolist(), ids.tolist()
-    return [list(zip(ids[j][:k], values[j][:k], strict=True)) if k else None for j, k in enumerate(counts)]
+    return [_top(ids[j][:k], values[j][:k], ranks[j]) if k else None for j, k in enumerate(counts)]
+
+
+def _ranks(lp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's chosen token's rank in its whole distribution: 1 + the tokens strictly more likely
+    (vLLM's rank), so a chosen token outside the top ones still has its true rank."""
+    return (lp > chosen[:, None]).sum(-1) + 1
+
+
+def _top(ids: list[int], values: list[float], rank: int) -> TopLogProbs:
+    top = TopLogProbs(zip(ids, values, strict=True))
+    top.rank = int(rank)
+    return top
 
 
 def _keep_generation_logits(logits: torch.Tensor, kept: list[tuple[int, DecodingState]]) -> None:

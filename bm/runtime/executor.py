@@ -367,8 +367,10 @@ class TorchExecutor:
             if request.finish_reason in (FinishReason.END_ID, FinishReason.LENGTH):
                 hyps = search.results()
                 out.beams, out.beam_log_probs = [h.tokens for h in hyps], [h.log_probs for h in hyps]
+                out.beam_log_prob_ranks = [h.ranks for h in hyps]
             else:  # cancelled: the running beams
                 out.beams, out.beam_log_probs = search.tokens, search.log_probs
+                out.beam_log_prob_ranks = search.ranks
             out.cum_log_probs = [float(sum(v)) for v in out.beam_log_probs]
         if opts.controls.return_context_logits and opts.context_logits:
             out.context_logits = torch.cat(opts.context_logits)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from bm.scheduling.controls import Controls
 
@@ -56,6 +56,24 @@ _LABELS = {
     FinishReason.CANCELLED: "cancelled",
     FinishReason.ERROR: "error",
 }
+
+
+class TopLogProbs(list):
+    """One position's most likely ``(token, log prob)`` pairs, most likely first (a plain list to every
+    reader), and ``rank``: the chosen token's rank in the whole vocabulary there (1 + the tokens more
+    likely than it), which vLLM reports even for a chosen token outside the top ones. Riding on the
+    list the engine already carries per position keeps the response's shape unchanged."""
+
+    rank: int | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled across ranks with its rank
+        return (_top_log_probs, (list(self), self.rank))
+
+
+def _top_log_probs(pairs: list[tuple[int, float]], rank: int | None) -> TopLogProbs:
+    top = TopLogProbs(pairs)
+    top.rank = rank
+    return top
 
 
 @dataclass(frozen=True)
