@@ -416,8 +416,9 @@ def _read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]
     """The parsed lines, read as the run asks for them, and for an OpenAI batch file a dict that holds each
     line's :class:`~bm.cli.openai_batch.BatchLine` from when it is read until its output line is written
     (``None`` for bm's own format). A batch line's ``body.model`` is routed by ``cfg``'s served names and
-    adapters (:class:`~bm.cli.openai_batch.ServedModels`)."""
-    from bm.cli.openai_batch import ServedModels, is_batch_file, iter_batch_file
+    adapters (:class:`~bm.cli.served_models.ServedModels`)."""
+    from bm.cli.openai_batch import is_batch_file, iter_batch_file
+    from bm.cli.served_models import ServedModels
     from bm.workloads.jsonl import iter_request_file
 
     if not is_batch_file(prompts):

@@ -1,29 +1,27 @@
-"""OpenAI Batch API files: the input users already have, and ``batch_output.jsonl`` in OpenAI's format.
+"""OpenAI Batch API input files: the input users already have, read as bm lines.
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
 so the same checks apply, vLLM's sampling extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ...)
-included. ``body.model`` picks the base model or an adapter (:class:`ServedModels`; any other name is a
-404). A field that would change the answer and that bm cannot honour (``echo``, ``suffix``, ``best_of``
-above ``n``, ``logprobs`` beyond 5 on completions, ...) makes that line an error record naming it. Fields
-that change nothing computed (``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options``
-beside ``stream: false``) are accepted once their type is right; a field bm does not know at all
-(``reasoning_effort``, ``verbosity``, ...) is ignored, and ``bm run`` says so once per field name. Plain
-Python (no torch): the file is checked before the model loads.
+included. ``body.model`` picks the base model or an adapter (:mod:`bm.cli.served_models`; any other
+name is a 404). A field that would change the answer and that bm cannot honour (``echo``, ``suffix``,
+``best_of`` above ``n``, ``logprobs`` beyond 5 on completions, ...) makes that line an error record
+naming it. Fields that change nothing computed (``store``, ``service_tier``, ``parallel_tool_calls``,
+``stream_options`` beside ``stream: false``) are accepted once their type is right; a field bm does not
+know at all (``reasoning_effort``, ``verbosity``, ...) is ignored, and ``bm run`` says so once per field
+name. ``batch_output.jsonl`` is written by :mod:`bm.cli.openai_batch_output`. Plain Python (no torch):
+the file is checked before the model loads.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.writers import JsonlWriter
-from bm.config import ModelConfig
+from bm.cli.served_models import ANY_MODEL, ModelNotFoundError, ServedModels
 from bm.engine.fields import (
     MAX_COMPLETION_LOGPROBS,
     OPENAI_NO_EFFECT_FIELDS,
@@ -32,12 +30,9 @@ from bm.engine.fields import (
     show_value,
     strict_int,
 )
-from bm.files import replacing_text
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request, token_ids
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
-from bm.workloads.tool_parsers import parse_tool_calls
-from bm.workloads.tools import tool_calls, tool_names
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = ("custom_id", "method", "url", "body")
@@ -84,17 +79,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 # (bm.workloads.tools), read and checked there.
 STRUCTURED_FIELDS = ("response_format",)
 TOOL_FIELDS = ("tools", "tool_choice")
-FINISH_REASONS = {"end_id": "stop", "stop": "stop", "length": "length"}
-# bm's field names in an engine error -> the body field the user wrote (an error's ``param``)
-OPENAI_NAMES = {
-    "num_return_sequences": "n",
-    "random_seed": "seed",
-    "runtime_top_p": "top_p",
-    "request_output_len": "max_tokens",
-    "stop_words_list": "stop",
-    "return_log_probs": "logprobs",
-}
-FIELD_PATH = re.compile(r"^(?:line \d+: )?(?:body\.)?([A-Za-z_][\w.\[\]]*): ")
 
 
 @dataclass
@@ -109,51 +93,6 @@ class BatchLine:
     top_logprobs: int = 0  # most likely tokens per position in the output's logprobs
     status_code: int = 400  # of the error response, when the line cannot run (404: no such model)
     ignored: tuple[str, ...] = ()  # body fields bm does not know, ignored (said once per run)
-
-
-class ModelNotFoundError(RowError):
-    """A line's ``body.model`` names neither a served name of the base model nor an adapter: answered
-    with HTTP 404, as OpenAI and vLLM answer a request for a model they do not serve."""
-
-
-@dataclass(frozen=True)
-class ServedModels:
-    """What a line's ``body.model`` may name, as vLLM serves them: the base model under any of its
-    served names (``--served-model-name``), or a PEFT adapter by its ``--lora-modules`` name. A line
-    naming anything else is refused (404), never answered by another model. ``routes`` False (``bm
-    bench``, which replays prompts for timing): any name is the base model's."""
-
-    names: tuple[str, ...]
-    adapters: Mapping[str, str] = field(default_factory=dict)
-    routes: bool = True
-
-    @classmethod
-    def of(cls, model: ModelConfig) -> ServedModels:
-        """The names a run over ``model`` (the config's ``model`` section) answers to."""
-        adapters = {name: str(Path(d).resolve()) for name, d in (model.lora_modules or {}).items()}
-        return cls(tuple(model.served_names), adapters)
-
-    def route(self, model: str | None) -> tuple[str | None, str | None]:
-        """(the name the response gives, the adapter directory or None) for a line's ``body.model``; a
-        line naming none is the base model's, as vLLM answers it. Raises :class:`ModelNotFoundError`."""
-        if not self.routes:
-            return model, None
-        if model is None or model in self.names:
-            return (model or self.names[0]), None
-        if model in self.adapters:
-            return model, self.adapters[model]
-        served = ", ".join(repr(n) for n in self.names)
-        adapters = ", ".join(repr(n) for n in self.adapters)
-        where = f"the base model is served as {served} (--served-model-name)" + (
-            f" and the adapters as {adapters} (--lora-modules)" if adapters else ""
-        )
-        raise ModelNotFoundError(
-            f"body.model: {model!r} is not served by this run; {where}. Name one of them, or serve this "
-            "name with --served-model-name NAME (the base model) or --lora-modules NAME=DIR (an adapter)"
-        )
-
-
-ANY_MODEL = ServedModels(("bm",), routes=False)
 
 
 def is_batch_file(path: Path) -> bool:
@@ -371,109 +310,6 @@ def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[
     return request
 
 
-class BatchOutput:
-    """``batch_output.jsonl``, one line per input line, written as each request's record is written.
-
-    Lines come in the order requests finish, as in OpenAI's own batch output (match them by
-    ``custom_id``); nothing is held back to sort them, so memory does not grow with the file. On
-    ``--resume`` the lines of the records the run keeps are carried over first (rewritten in one step),
-    and the lines of requests that were cancelled are dropped, since those requests run again."""
-
-    def __init__(
-        self,
-        out_dir: Path,
-        model_name: str,
-        decode_token: Callable[[int], str] | None = None,
-        keep: set[int] | None = None,
-        path: Path | None = None,
-    ) -> None:
-        # ``path``: where the lines go instead (``bm run --ray`` writes a temporary file, renamed over
-        # ``batch_output.jsonl`` once whole)
-        self.path = path or out_dir / "batch_output.jsonl"
-        self.model_name = model_name
-        self.decode_token = decode_token
-        self.created = int(time.time())
-        if keep is not None and self.path.exists():
-            with replacing_text(self.path) as f:
-                for _number, data in iter_lines(self.path):
-                    if isinstance(data, dict) and _line_index(data) in keep:
-                        f.write(json.dumps(data, ensure_ascii=False) + "\n")
-        self._file = JsonlWriter(self.path, append=keep is not None)
-
-    def write(self, line: BatchLine, record: dict[str, Any] | None) -> None:
-        out = batch_output_line(
-            line.parsed.index, line, record, self.model_name, self.created, self.decode_token
-        )
-        self._file.write(out)
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def token_decoder(tokenizer: Any) -> Callable[[int], str] | None:
-    """How an output line's logprobs name a token (``decode_token`` of :class:`BatchOutput`): its text
-    by ``tokenizer`` (one with ``decode``); None without one (the id is written as text)."""
-    return (lambda token: tokenizer.decode([token])) if tokenizer is not None else None
-
-
-def _line_index(data: dict[str, Any]) -> int | None:
-    """The input line index an output line answers (its ``id`` is ``batch_req_bm_<index>``)."""
-    ident = data.get("id")
-    prefix = "batch_req_bm_"
-    if isinstance(ident, str) and ident.startswith(prefix) and ident[len(prefix) :].isdigit():
-        return int(ident[len(prefix) :])
-    return None
-
-
-def batch_output_line(
-    index: int,
-    line: BatchLine,
-    record: dict[str, Any] | None,
-    model_name: str,
-    created: int,
-    decode_token: Callable[[int], str] | None = None,
-) -> dict[str, Any]:
-    """One line of OpenAI's batch output: ``response`` with a completion body, or an error."""
-    base: dict[str, Any] = {"id": f"batch_req_bm_{index}", "custom_id": line.custom_id}
-    if record is None or record.get("finish_reason") == "cancelled":
-        message = "the run was interrupted before this request finished; run again with --resume"
-        return {**base, "response": None, "error": {"code": "cancelled", "message": message}}
-    if record.get("finish_reason") not in FINISH_REASONS:
-        message = record.get("error") or "failed"
-        not_found = line.status_code == 404
-        error = {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": _prompt_param(error_param(message), line),
-            "code": "model_not_found" if not_found else None,
-        }
-        body = {"error": error}
-        response = {"status_code": line.status_code, "request_id": f"bm-{index}", "body": body}
-        return {**base, "response": response, "error": None}
-    prompt_tokens = record.get("num_prompt_tokens") or 0
-    completion_tokens = record.get("num_output_tokens") or 0
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    decode = decode_token or str
-    samples = record.get("samples") or [record]  # n > 1: every sample; else the record is the one
-    model = line.model or model_name
-    if line.url == CHAT_URL:
-        choices = [_chat_choice(i, sample, line, decode) for i, sample in enumerate(samples)]
-        body = {"id": f"chatcmpl-bm-{index}", "object": "chat.completion", "created": created, "model": model}
-    else:
-        choices = [_completion_choice(i, sample, line, decode) for i, sample in enumerate(samples)]
-        body = {"id": f"cmpl-bm-{index}", "object": "text_completion", "created": created, "model": model}
-    body.update(choices=choices, usage=usage)
-    return {
-        **base,
-        "response": {"status_code": 200, "request_id": f"bm-{index}", "body": body},
-        "error": None,
-    }
-
-
 def _prompt_list(value: list[Any]) -> tuple[str, Any, list[Any]]:
     """A completions ``prompt`` given as a list, as OpenAI reads it: token ids (one prompt), or strings
     or token-id lists (one prompt each). Returns the bm line's prompt key, the first prompt and the
@@ -502,94 +338,3 @@ def _prompt_list(value: list[Any]) -> tuple[str, Any, list[Any]]:
 def _same_value(value: Any, inert: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``inert`` (``False`` is not ``0`` here)."""
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
-
-
-def _prompt_param(param: str | None, line: BatchLine) -> str | None:
-    """The engine names a prompt ``input_ids``; the user wrote ``messages`` (chat) or ``prompt``."""
-    if param != "input_ids":
-        return param
-    return "messages" if line.url == CHAT_URL else "prompt"
-
-
-def error_param(message: str) -> str | None:
-    """The body field an error names (``line 3: body.n: ...`` -> ``n``; bm's own names for a field, as
-    the engine reports them, become the body's: ``random_seed`` -> ``seed``)."""
-    found = FIELD_PATH.match(message)
-    if found is None:
-        return None
-    path = found.group(1)
-    head, sep, rest = path.partition(".")
-    return OPENAI_NAMES.get(head, head) + sep + rest
-
-
-def _scored_tokens(sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]):
-    """(token text, log prob, top pairs) per generated token, without the end token (the text holds none
-    of it); None when log probs were not asked for."""
-    log_probs = sample.get("output_log_probs") if line.logprobs else None
-    if log_probs is None:
-        return None
-    ids = list(sample.get("output_ids", []))
-    tops = sample.get("top_log_probs") or [[] for _ in ids]
-    if sample.get("finish_reason") == "end_id" and ids:
-        ids, log_probs, tops = ids[:-1], log_probs[: len(ids) - 1], tops[: len(ids) - 1]
-    return [
-        (decode(t), lp, [(decode(int(tok)), v) for tok, v in top])
-        for t, lp, top in zip(ids, log_probs, tops, strict=False)
-    ]
-
-
-def _chat_choice(
-    index: int, sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]
-) -> dict[str, Any]:
-    scored = _scored_tokens(sample, line, decode)
-    logprobs = None
-    if scored is not None:
-        logprobs = {
-            "content": [
-                {
-                    "token": tok,
-                    "logprob": lp,
-                    "bytes": list(tok.encode("utf-8")),
-                    "top_logprobs": [
-                        {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top
-                    ],
-                }
-                for tok, lp, top in scored
-            ],
-            "refusal": None,
-        }
-    message: dict[str, Any] = {"role": "assistant", "content": sample.get("text") or "", "refusal": None}
-    reason = FINISH_REASONS[sample["finish_reason"]]
-    call_id = f"call_bm_{line.parsed.index}" + (f"_{index}" if index else "")
-    calls = tool_calls(message["content"], call_id) if line.parsed.tool_call and reason == "stop" else None
-    if calls is not None:  # tool_choice constrained the reply to a call: OpenAI returns it as tool_calls
-        message.update(content=None, tool_calls=calls)
-        reason = "tool_calls"
-    elif line.parsed.tool_parser is not None:  # tool_choice auto: the model chose; its parser tells which
-        reply = parse_tool_calls(
-            line.parsed.tool_parser, message["content"], tool_names(line.parsed.tools), call_id
-        )
-        if reply.tool_calls is not None:
-            message.update(content=reply.content, tool_calls=reply.tool_calls)
-            reason = "tool_calls" if reason == "stop" else reason
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
-
-
-def _completion_choice(
-    index: int, sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]
-) -> dict[str, Any]:
-    scored = _scored_tokens(sample, line, decode)
-    logprobs = None
-    if scored is not None:
-        offsets, at = [], 0
-        for tok, _lp, _top in scored:
-            offsets.append(at)
-            at += len(tok)
-        logprobs = {
-            "tokens": [tok for tok, _lp, _top in scored],
-            "token_logprobs": [lp for _tok, lp, _top in scored],
-            "top_logprobs": [dict(top) for _tok, _lp, top in scored] if line.top_logprobs else None,
-            "text_offset": offsets,
-        }
-    reason = FINISH_REASONS[sample["finish_reason"]]
-    return {"index": index, "text": sample.get("text") or "", "logprobs": logprobs, "finish_reason": reason}

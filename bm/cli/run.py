@@ -307,7 +307,7 @@ class _Run:
     def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None, model: str) -> None:
         """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over;
         ``model``: the base model's first served name, echoed where a line's body names none)."""
-        from bm.cli.openai_batch import BatchOutput, token_decoder
+        from bm.cli.openai_batch_output import BatchOutput, token_decoder
 
         tokenizer = getattr(self.loaded, "tokenizer", None)  # no model: a load cut short by a signal
         self.batch = BatchOutput(self.out_dir, model, token_decoder(tokenizer), keep)

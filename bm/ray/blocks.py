@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.openai_batch import ANY_MODEL, BatchOutput, ServedModels, iter_batch_file, iter_batch_slice
+from bm.cli.openai_batch import iter_batch_file, iter_batch_slice
+from bm.cli.openai_batch_output import BatchOutput
 from bm.cli.outdir import FINAL_REASONS
+from bm.cli.served_models import ANY_MODEL, ServedModels
 from bm.files import replacing, replacing_text
 from bm.workloads.json_lines import split_lines
 from bm.workloads.jsonl import iter_request_file, iter_request_slice
@@ -215,7 +217,7 @@ def assemble(
 class BatchOutputLines:
     """``batch_output.jsonl`` of a run over an OpenAI batch file, written by the driver from the records
     as ``outputs.jsonl`` is assembled (in input order), with the one-process run's writer
-    (:class:`~bm.cli.openai_batch.BatchOutput`) into ``path`` (assembly's temporary file): one output
+    (:class:`~bm.cli.openai_batch_output.BatchOutput`) into ``path`` (assembly's temporary file): one output
     line per input line. Every assembly writes it whole, from kept and new records alike, so after a
     ``--resume`` it holds each line once."""
 

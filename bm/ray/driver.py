@@ -28,7 +28,8 @@ from typing import Any
 
 from rich.console import Console
 
-from bm.cli.openai_batch import is_batch_file, token_decoder
+from bm.cli.openai_batch import is_batch_file
+from bm.cli.openai_batch_output import token_decoder
 from bm.cli.records import cancelled_record, output_record
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
@@ -219,7 +220,7 @@ def _batch_output(prompts: Path, config: BmConfig) -> Callable[[Path], BatchOutp
     """The writer of ``batch_output.jsonl`` (opened by assembly on its temporary file), naming the
     model and its tokens as a one-process run does (``Session.open_batch``): the model as the user
     named it, token strings by the model's tokenizer, loaded here alone (the driver holds no model)."""
-    from bm.cli.openai_batch import ServedModels
+    from bm.cli.served_models import ServedModels
     from bm.runtime.model_loader import load_tokenizer
 
     decode = token_decoder(load_tokenizer(config.model))

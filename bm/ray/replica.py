@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.openai_batch import ServedModels
 from bm.cli.prompts import codec_for, to_requests
 from bm.cli.records import LineParts, output_record
+from bm.cli.served_models import ServedModels
 from bm.config import BmConfig
 from bm.engine.request import Request, Response
 from bm.ray.blocks import Block, block_rows, read_bytes
