@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,18 @@ from bm.cli.errors import print_error
 from bm.cli.exit_codes import FAILED, NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
-from bm.cli.source import PromptsSource, open_prompts
-from bm.config import BmConfig, ConfigError, config_reference, load_config, model_override, parse_override
+from bm.cli.run_inputs import (
+    EMBEDDED_NOTE,
+    build_config,
+    check_resume,
+    check_tool_call_parser,
+    prepare_run_out_dir,
+    read_requests,
+    read_template,
+    run_seed_of,
+)
+from bm.cli.source import open_prompts
+from bm.config import ConfigError, config_reference
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,44 +92,6 @@ def _fail(console: Console, message: str) -> typer.Exit:
     from bm.cli.errors import fail
 
     return fail(message, USAGE)
-
-
-def build_config(
-    config: Path | None,
-    overrides: list[str],
-    model: str | None,
-    model_config: str | None,
-    served_model_name: list[str] | None = None,
-    lora_modules: list[str] | None = None,
-) -> BmConfig:
-    """The run's config: the YAML file, then ``--set``, then the flags that name a config key (each
-    checked by that key's one check, so a flag and its key are refused in the same words)."""
-    pairs = dict(parse_override(o) for o in overrides)
-    if model:
-        key, value = model_override(model)
-        pairs[key] = value
-    if model_config:
-        pairs["model.config"] = model_config
-    if served_model_name:
-        pairs["model.served_model_name"] = list(served_model_name)
-    if lora_modules:
-        pairs["model.lora_modules"] = lora_module_pairs(lora_modules)
-    return load_config(config, pairs)
-
-
-def lora_module_pairs(given: list[str]) -> dict[str, str]:
-    """``--lora-modules NAME=DIR ...`` as the ``model.lora_modules`` mapping (vLLM's NAME=PATH form)."""
-    modules: dict[str, str] = {}
-    for text in given:
-        name, sep, directory = text.partition("=")
-        if not sep or not name or not directory:
-            raise ConfigError(
-                f"--lora-modules {text!r}: expected NAME=DIR, e.g. --lora-modules sql=./sql-lora"
-            )
-        if name in modules:
-            raise ConfigError(f"--lora-modules: the name {name!r} is given twice; name each adapter once")
-        modules[name] = directory
-    return modules
 
 
 @app.command(
@@ -247,14 +218,14 @@ def _run(
             )  # fmt: skip
         # under --ray a replica starts its own ranks (bm.ray.replica); the driver is one process
         multi_rank = not ray and start_ranks(console, cfg, tensor_parallel, data_parallel, rank_timeout)
-        template = _read_template(chat_template)
-        _check_tool_call_parser(tool_call_parser)
+        template = read_template(chat_template)
+        check_tool_call_parser(tool_call_parser)
         out = out_dir or Path("bm-out") / time.strftime("run-%Y%m%d-%H%M%S")
-        _prepare_out_dir(out, resume, overwrite, source, max_tokens)
-        run_seed = _run_seed(out, seed, resume)
+        prepare_run_out_dir(out, resume, overwrite, source, max_tokens)
+        run_seed = run_seed_of(out, seed, resume)
         if resume:  # before the model loads: a refused resume costs nothing
-            _check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser, ray)
-        parsed, batch_lines = _read_requests(source.path, cfg)
+            check_resume(out, source, cfg, max_tokens, ignore_eos, template, run_seed, tool_call_parser, ray)
+        parsed, batch_lines = read_requests(source.path, cfg)
     except (ConfigError, ValueError) as exc:
         raise _fail(console, str(exc)) from None
     if batch_lines is not None and cfg.model.is_embedded:
@@ -342,105 +313,6 @@ def _count_lines(path: Path) -> int:
     file, and one pass over its bytes costs about a second per gigabyte."""
     with path.open("rb") as f:
         return sum(1 for line in f if line.strip())
-
-
-def _read_template(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    from bm.cli.chat import read_chat_template
-
-    return read_chat_template(path)
-
-
-def _check_tool_call_parser(name: str | None) -> None:
-    from bm.workloads.tool_parsers import check_parser
-
-    check_parser(name)
-
-
-def _prepare_out_dir(
-    out: Path, resume: bool, overwrite: bool, source: PromptsSource, max_tokens: int
-) -> None:
-    """-o checked and locked, with room for the run's records (bm.cli.diskspace), before the model loads."""
-    from bm.cli.diskspace import run_output_bytes
-    from bm.cli.outdir import prepare_out_dir
-
-    needed = run_output_bytes(source.path, max_tokens, out, resume)
-    prepare_out_dir(
-        out, resume=resume, overwrite=overwrite, prompts=source.path, prompts_name=source.name, needed=needed
-    )
-
-
-def _run_seed(out: Path, given: int | None, resume: bool) -> int | None:
-    from bm.cli.identity import run_seed_for
-
-    return run_seed_for(out, given, resume)
-
-
-def _check_resume(
-    out: Path,
-    source: PromptsSource,
-    cfg: BmConfig,
-    max_tokens: int,
-    ignore_eos: bool,
-    template: str | None,
-    run_seed: int | None = None,
-    tool_call_parser: str | None = None,
-    ray: bool = False,
-) -> None:
-    """``--resume`` into records of another model, config, run options or run seed is refused
-    (docs/resume.md), and so is a resume that changes whether the run goes on Ray."""
-    from bm.cli.identity import (
-        check_resume_mode,
-        check_run_identity,
-        run_identity,
-        run_options,
-        saved_identity,
-    )
-
-    check_resume_mode(out, ray)
-    options = run_options(max_tokens, ignore_eos, template, tool_call_parser)
-    identity = run_identity(source.path, cfg, options, run_seed, name=source.name, known=saved_identity(out))
-    check_run_identity(out, identity)
-
-
-# Said once per run: a batch file written for a real model gets noise from the embedded one, and its
-# responses name a model the file never asked for.
-EMBEDDED_NOTE = (
-    "no --model given: the batch file is answered by bm's embedded random-weight tiny model (its text is "
-    "noise); give --model DIR (or a preset, or a cached hub id org/name)"
-)
-
-
-def _read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]:
-    """The parsed lines, read as the run asks for them, and for an OpenAI batch file a dict that holds each
-    line's :class:`~bm.cli.openai_batch.BatchLine` from when it is read until its output line is written
-    (``None`` for bm's own format). A batch line's ``body.model`` is routed by ``cfg``'s served names and
-    adapters (:class:`~bm.cli.served_models.ServedModels`)."""
-    from bm.cli.openai_batch import is_batch_file, iter_batch_file
-    from bm.cli.served_models import ServedModels
-    from bm.workloads.jsonl import iter_request_file
-
-    if not is_batch_file(prompts):
-        return iter_request_file(prompts), None
-    open_lines: dict = {}
-    served = ServedModels.of(cfg.model)
-
-    warned: set[str] = set()
-
-    def rows() -> Iterator:
-        for line in iter_batch_file(prompts, served):
-            for key in (k for k in line.ignored if k not in warned):  # once per name, not per line
-                warned.add(key)
-                print_error(
-                    f"body.{key} (first on {line.parsed.where}): bm does not know this field; it is "
-                    "ignored on every line that gives it",
-                    prefix="warning:",
-                )
-            open_lines[line.parsed.index] = line
-            yield line.parsed
-
-    return rows(), open_lines
 
 
 def _register_bench() -> None:
