@@ -233,7 +233,8 @@ def _run(
 
     from rich.markup import escape
 
-    from bm.cli.run import RunOptions, resume_command, run_prompts, summary_table
+    from bm.cli.run import RunOptions, run_prompts
+    from bm.cli.run_summary import resume_command, summary_table
     from bm.distributed.layout import ParallelError
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 

@@ -32,7 +32,7 @@ from bm.cli.identity import (
 )
 from bm.cli.outdir import prepare_out_dir
 from bm.cli.outlock import release
-from bm.cli.run import RunSummary, count_record
+from bm.cli.run_summary import RunSummary, count_record
 from bm.cli.source import PromptsSource, open_prompts
 from bm.config import BmConfig
 from bm.files import write_whole

@@ -9,7 +9,8 @@ from typing import Any
 from rich.console import Console
 
 from bm.cli.identity import run_identity, run_options
-from bm.cli.run import RunOptions, RunSummary
+from bm.cli.run import RunOptions
+from bm.cli.run_summary import RunSummary
 from bm.config import BmConfig
 from bm.ray.api import run_ray
 from bm.ray.driver import RayOptions
