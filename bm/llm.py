@@ -35,12 +35,8 @@ from typing import Any
 from bm.config import BmConfig, resolve_engine
 from bm.engine.fields import RequestError
 from bm.engine.request import Request, Response
-from bm.llm_config import (
-    build_config,
-    check_tensor_parallel,
-    generation_defaults,
-    library_options,
-)
+from bm.generation_config import generation_defaults
+from bm.llm_config import build_config, check_tensor_parallel, library_options
 from bm.llm_inputs import LoraRequests, Loras, parse_prompts, per_prompt_params, refuse_call_keywords
 from bm.llm_outputs import OutputBuilder
 from bm.llm_params import (

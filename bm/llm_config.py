@@ -9,7 +9,6 @@ way (:data:`bm.config.vllm.VLLM_UNSUPPORTED`); any other unknown keyword is refu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 
 from bm.config import MODEL_PRESETS, BmConfig, ConfigError, load_config
 from bm.config.vllm import ENFORCE_EAGER_KEY, VLLM_ENGINE_KEYS, VLLM_UNSUPPORTED, NotInBm
-from bm.llm_params import InvalidParameterError, SamplingParams, refuse_unknown
+from bm.generation_config import is_generation_choice
+from bm.llm_params import InvalidParameterError, refuse_unknown
 
 # vLLM's LLM(...) / EngineArgs name -> the bm config key it sets (the table the CLI's flags share).
 ENGINE_ARGS: dict[str, str | None] = {
@@ -154,7 +154,7 @@ def library_options(options: dict[str, Any]) -> LibraryOptions:
         raise InvalidParameterError(
             f"LLM(generation_config=...): expected 'auto', 'vllm' or a directory, got {generation!r}"
         )
-    if str(generation) not in ("auto", "vllm") and not Path(generation).is_dir():
+    if not is_generation_choice(generation):
         raise InvalidParameterError(
             f"LLM(generation_config={str(generation)!r}): not a directory; give 'auto' (the checkpoint's "
             "generation_config.json), 'vllm' (vLLM's SamplingParams defaults) or a directory holding one"
@@ -172,41 +172,6 @@ def dtype_name(value: Any) -> str:
         f"LLM(dtype={value!r}): bm runs weights in float32, bfloat16 or float16; give one of "
         f"{', '.join(repr(k) for k in DTYPE_ALIASES)} (or torch.float32 / torch.bfloat16 / torch.float16)"
     )
-
-
-# generation_config.json's keys vLLM takes as SamplingParams defaults -> the SamplingParams name.
-GENERATION_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def generation_defaults(choice: str, model_dir: str | None) -> dict[str, Any]:
-    """The ``SamplingParams`` defaults a checkpoint asks for in its ``generation_config.json``, as vLLM
-    takes them (``generation_config="auto"``: the model's directory; a directory: that one; ``"vllm"``:
-    none). A model with no such file (a preset, random weights) has none."""
-    if choice == "vllm":
-        return {}
-    folder = model_dir if choice == "auto" else choice
-    path = Path(folder) / "generation_config.json" if folder else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InvalidParameterError(f"generation_config: cannot read {path}: {exc}") from None
-    defaults = {name: data[key] for key, name in GENERATION_KEYS.items() if data.get(key) is not None}
-    try:  # a value bm cannot run is refused now, naming the file, not at every call
-        SamplingParams(**defaults)
-    except InvalidParameterError as exc:
-        raise InvalidParameterError(
-            f"generation_config: {path} asks for {exc}; fix the file, or pass generation_config='vllm'"
-        ) from None
-    return defaults
 
 
 def _vllm_names(message: str) -> str:

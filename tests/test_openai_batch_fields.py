@@ -58,9 +58,9 @@ def test_vllm_sampling_extensions_in_a_body_set_bm_fields(tmp_path):
         completion("ends", max_tokens=6, logit_bias={END: 100}),
         completion("ignore-eos", max_tokens=6, logit_bias={END: 100}, ignore_eos=True),
         completion("min-tokens", max_tokens=9, logit_bias={END: 100}, min_tokens=5),
-        completion("greedy", max_tokens=8),
+        completion("greedy", max_tokens=8, temperature=0),
         completion("top-k-1", max_tokens=8, temperature=1.0, seed=3, top_k=1),
-        completion("penalty", max_tokens=8, repetition_penalty=1.3),
+        completion("penalty", max_tokens=8, repetition_penalty=1.3, temperature=0),
     ]
     got, _ = run_lines(tmp_path, lines)
     assert body_of(got["ends"])["usage"]["completion_tokens"] == 1
@@ -100,11 +100,11 @@ def test_a_completions_prompt_list_gets_one_response_with_a_choice_per_prompt_an
 
     ids = [3 + b for b in b"The end"]  # the byte tokenizer's ids of "The end"
     lines = [
-        completion("one", prompt="Once upon", max_tokens=4),
-        completion("two", prompt="The end", max_tokens=4),
-        completion("texts", prompt=["Once upon", "The end"], max_tokens=4, n=2),
-        completion("id-lists", prompt=[ids, ids], max_tokens=4),
-        completion("ids", prompt=ids, max_tokens=4),
+        completion("one", prompt="Once upon", max_tokens=4, temperature=0),
+        completion("two", prompt="The end", max_tokens=4, temperature=0),
+        completion("texts", prompt=["Once upon", "The end"], max_tokens=4, n=2, temperature=0),
+        completion("id-lists", prompt=[ids, ids], max_tokens=4, temperature=0),
+        completion("ids", prompt=ids, max_tokens=4, temperature=0),
         completion("mixed", prompt=["x", [5]], max_tokens=4),
     ]
     got, _ = run_lines(tmp_path, lines)

@@ -135,6 +135,13 @@ def run(
         help="An adapter body.model may name (repeatable).",
         show_default=False,
     ),
+    generation_config: str | None = typer.Option(
+        None,
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        help="OpenAI lines' sampling defaults [auto].",
+        show_default=False,
+    ),
     max_tokens: int = typer.Option(
         64, "--max-tokens", min=1, help="Output length for bm lines that give none."
     ),
@@ -178,6 +185,7 @@ def _run(
     model_config: str | None,
     served_model_name: list[str],
     lora_modules: list[str],
+    generation_config: str | None,
     max_tokens: int,
     ignore_eos: bool,
     chat_template: Path | None,
@@ -205,7 +213,9 @@ def _run(
         silence_progress_bars()
     # Everything the user wrote is checked here, before torch and transformers load (seconds).
     try:
-        cfg = build_config(config, set_, model, model_config, served_model_name, lora_modules)
+        cfg = build_config(
+            config, set_, model, model_config, served_model_name, lora_modules, generation_config
+        )
         # a pipe or gzip is copied once; a file with no line that can run on this model stops here
         source = open_prompts(prompts, has_tokenizer=not cfg.model.has_no_tokenizer)
         # Ranks other than 0 serve the run from here and exit: they touch no output file.

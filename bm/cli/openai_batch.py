@@ -16,11 +16,12 @@ the file is checked before the model loads.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bm.cli.errors import print_error
 from bm.cli.served_models import ANY_MODEL, ModelNotFoundError, ServedModels
 from bm.engine.fields import (
     MAX_COMPLETION_LOGPROBS,
@@ -30,6 +31,7 @@ from bm.engine.fields import (
     show_value,
     strict_int,
 )
+from bm.generation_config import VLLM_TEMPERATURE
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request, token_ids
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload
@@ -141,6 +143,34 @@ def batch_lines(
         except RowError as exc:
             entry.parsed.error = f"line {number}: {exc}"
         yield entry
+
+
+class IgnoredFieldNotices:
+    """Says, once per field name for the whole run, that a body field bm does not know is ignored (as
+    vLLM's server warns and goes on), naming the first line that gave it. One run prints the same
+    notices however it reads the file: ``bm run`` as its lines are read, ``bm run --ray``'s driver in
+    its pass over the file before any replica starts (:func:`note_ignored_fields`), ``bm bench`` as it
+    loads the dataset. ``say``: where a notice goes (standard error by default)."""
+
+    def __init__(self, say: Callable[[str], None] | None = None) -> None:
+        self.said: set[str] = set()
+        self._say = say or (lambda text: print_error(text, prefix="warning:"))
+
+    def note(self, line: BatchLine) -> None:
+        """Say each of ``line``'s ignored fields that no earlier line gave."""
+        for key in line.ignored:
+            if key not in self.said:
+                self.said.add(key)
+                self._say(
+                    f"body.{key} (first on {line.parsed.where}): bm does not know this field; it is "
+                    "ignored on every line that gives it"
+                )
+
+
+def note_ignored_fields(path: Path, served: ServedModels, notices: IgnoredFieldNotices) -> None:
+    """One streaming pass over a batch file, noting every ignored body field (held: the names said)."""
+    for line in iter_batch_file(path, served):
+        notices.note(line)
 
 
 def load_batch_workload(path: Path, default_output_len: int) -> Workload:
@@ -307,7 +337,17 @@ def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[
             request["top_logprobs"] = entry.top_logprobs
     if entry.logprobs:
         request["return_log_probs"] = True
+    _sampling_defaults(request, served.defaults)
     return request
+
+
+def _sampling_defaults(request: dict[str, Any], defaults: Mapping[str, Any]) -> None:
+    """What vLLM's server gives a body that leaves a sampling field out: the served model's generation
+    config (``defaults``; its ``max_new_tokens`` only where neither max_tokens field is given), else
+    temperature 1.0. bm's own lines keep their greedy default; an OpenAI body never meant it."""
+    for name, value in {"temperature": VLLM_TEMPERATURE, **defaults}.items():
+        if request.get(name) is None:  # a null is no value, as vLLM reads it
+            request[name] = value
 
 
 def _prompt_list(value: list[Any]) -> tuple[str, Any, list[Any]]:

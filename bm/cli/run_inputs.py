@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from bm.cli.errors import print_error
 from bm.cli.source import PromptsSource
 from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override
 
@@ -22,6 +21,7 @@ def build_config(
     model_config: str | None,
     served_model_name: list[str] | None = None,
     lora_modules: list[str] | None = None,
+    generation_config: str | None = None,
 ) -> BmConfig:
     """The run's config: the YAML file, then ``--set``, then the flags that name a config key (each
     checked by that key's one check, so a flag and its key are refused in the same words)."""
@@ -35,6 +35,8 @@ def build_config(
         pairs["model.served_model_name"] = list(served_model_name)
     if lora_modules:
         pairs["model.lora_modules"] = lora_module_pairs(lora_modules)
+    if generation_config:
+        pairs["model.generation_config"] = generation_config
     return load_config(config, pairs)
 
 
@@ -131,7 +133,7 @@ def read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]:
     line's :class:`~bm.cli.openai_batch.BatchLine` from when it is read until its output line is written
     (``None`` for bm's own format). A batch line's ``body.model`` is routed by ``cfg``'s served names and
     adapters (:class:`~bm.cli.served_models.ServedModels`)."""
-    from bm.cli.openai_batch import is_batch_file, iter_batch_file
+    from bm.cli.openai_batch import IgnoredFieldNotices, is_batch_file, iter_batch_file
     from bm.cli.served_models import ServedModels
     from bm.workloads.jsonl import iter_request_file
 
@@ -140,17 +142,11 @@ def read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]:
     open_lines: dict = {}
     served = ServedModels.of(cfg.model)
 
-    warned: set[str] = set()
+    notices = IgnoredFieldNotices()
 
     def rows() -> Iterator:
         for line in iter_batch_file(prompts, served):
-            for key in (k for k in line.ignored if k not in warned):  # once per name, not per line
-                warned.add(key)
-                print_error(
-                    f"body.{key} (first on {line.parsed.where}): bm does not know this field; it is "
-                    "ignored on every line that gives it",
-                    prefix="warning:",
-                )
+            notices.note(line)  # once per name, not per line
             open_lines[line.parsed.index] = line
             yield line.parsed
 

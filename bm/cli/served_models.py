@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bm.config import ModelConfig
+from bm.generation_config import generation_defaults
 from bm.workloads.request import RowError
 
 
@@ -24,17 +26,24 @@ class ServedModels:
     """What a line's ``body.model`` may name, as vLLM serves them: the base model under any of its
     served names (``--served-model-name``), or a PEFT adapter by its ``--lora-modules`` name. A line
     naming anything else is refused (404), never answered by another model. ``routes`` False (``bm
-    bench``, which replays prompts for timing): any name is the base model's."""
+    bench``, which replays prompts for timing): any name is the base model's. ``defaults``: the sampling
+    values a line that sets none of them gets besides vLLM's temperature 1.0, as vLLM's server starts
+    each request from its ``--generation-config`` (``model.generation_config``;
+    :func:`bm.generation_config.generation_defaults`), adapters included."""
 
     names: tuple[str, ...]
     adapters: Mapping[str, str] = field(default_factory=dict)
     routes: bool = True
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: ModelConfig) -> ServedModels:
-        """The names a run over ``model`` (the config's ``model`` section) answers to."""
+        """The names a run over ``model`` (the config's ``model`` section) answers to, and its sampling
+        defaults (a generation_config.json bm cannot run raises ``InvalidParameterError``, a
+        ``ValueError``, before the model loads)."""
         adapters = {name: str(Path(d).resolve()) for name, d in (model.lora_modules or {}).items()}
-        return cls(tuple(model.served_names), adapters)
+        defaults = generation_defaults(model.generation_config, model.path)
+        return cls(tuple(model.served_names), adapters, defaults=defaults)
 
     def route(self, model: str | None) -> tuple[str | None, str | None]:
         """(the name the response gives, the adapter directory or None) for a line's ``body.model``; a

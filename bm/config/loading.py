@@ -78,7 +78,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:
     """Paths inside a config file are relative to that file, as a user editing it would expect."""
     for section, keys in (
-        ("model", ("path", "config", "tokenizer")),
+        ("model", ("path", "config", "tokenizer", "generation_config")),
         ("bench", ("dataset", "chat_template")),
     ):
         values = data.get(section)

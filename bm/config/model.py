@@ -78,6 +78,27 @@ def _served_names(key: str, value: Any) -> Any:
     return list(names)
 
 
+GENERATION_CHOICES = ("auto", "vllm")  # or a directory holding a generation_config.json
+
+
+def is_generation_choice(value: Any) -> bool:
+    """Whether ``value`` names a generation config as vLLM's ``--generation-config`` does: ``auto`` (the
+    checkpoint's), ``vllm`` (none) or an existing directory. The one check of ``model.generation_config``,
+    ``--generation-config`` and ``bm.LLM(generation_config=...)``."""
+    if not isinstance(value, (str, Path)) or not str(value):
+        return False
+    return str(value) in GENERATION_CHOICES or Path(value).is_dir()
+
+
+def _generation_config(key: str, value: Any) -> Any:
+    if not is_generation_choice(value):
+        raise ConfigError(
+            f"{key}: {value!r} is not a directory; give auto (the checkpoint's generation_config.json), "
+            "vllm (vLLM's defaults: temperature 1.0) or a directory holding a generation_config.json"
+        )
+    return str(value)
+
+
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter (bm.runtime.lora_adapters)
 
 
@@ -168,6 +189,11 @@ class ModelConfig:
         None,
         "{name: PEFT dir}: adapters a batch line's body.model may name.",
         _lora_modules,
+    )
+    generation_config: str = knob(
+        "auto",
+        "OpenAI lines' sampling defaults: auto (generation_config.json), vllm (temperature 1.0), or a DIR.",
+        _generation_config,
     )
     dtype: str = knob(
         "auto",
