@@ -353,6 +353,27 @@ def test_an_openai_batch_file_gives_the_records_and_batch_output_of_one_process(
     assert records(library) == rows and batch_lines_of(library) == expected
 
 
+def test_ray_says_each_unknown_body_field_once_for_the_run_before_the_replicas_start(cluster, tmp_path):
+    """Unknown body fields on lines of several blocks: one warning per field name, naming its first line,
+    as a one-process run gives; said by the driver's pass over the file, not by each replica."""
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once", "max_tokens": 2, "temperature": 0, **extra}}
+        for i, extra in enumerate(
+            [{"reasoning_effort": "low"}, {}, {"reasoning_effort": "high", "verbosity": "low"}, {"verbosity": "x"}]
+        )
+    ]  # fmt: skip
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = ["--ray", "--replicas", "2", "--block-lines", "2"]
+    result = bm_run(cluster, [str(batch), *COMMON, "-o", str(tmp_path / "ray"), *flags])
+    assert result.returncode == 0, result.stdout[-3000:]
+    said = " ".join(result.stdout.split())
+    assert said.count("body.reasoning_effort") == 1 and "body.reasoning_effort (first on line 1)" in said
+    assert said.count("body.verbosity") == 1 and "body.verbosity (first on line 3)" in said
+    assert said.index("body.verbosity") < said.index("bm run --ray:")  # before any block is handed out
+
+
 def test_run_batch_checks_its_chat_template_as_the_cli_does_naming_its_argument(tmp_path):
     """The one check of --chat-template, before any replica (or Ray) starts; the error names the
     argument as the caller wrote it."""

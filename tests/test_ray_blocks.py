@@ -13,7 +13,7 @@ import types
 import pytest
 
 from bm.cli.identity import check_resume_mode
-from bm.cli.openai_batch import iter_batch_file
+from bm.cli.openai_batch import IgnoredFieldNotices, iter_batch_file
 from bm.cli.outdir import OutDirError
 from bm.distributed.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
@@ -72,6 +72,21 @@ def batch_file(tmp_path):
     path = tmp_path / "batch.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def test_the_drivers_pass_over_a_batch_file_says_each_ignored_field_once_naming_its_first_line(tmp_path):
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **extra}}
+        for i, extra in enumerate(
+            [{"reasoning_effort": "low"}, {"modalities": ["text"]}, {"reasoning_effort": "high"}]
+        )
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    said: list[str] = []
+    assert file_verdicts(path, batch=True, notices=IgnoredFieldNotices(said.append)) == {}
+    assert [text.split(" (")[0] for text in said] == ["body.reasoning_effort", "body.modalities"]
+    assert "first on line 1" in said[0] and "first on line 2" in said[1]
 
 
 @pytest.mark.parametrize("block_lines", [1, 3, 50])

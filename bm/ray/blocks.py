@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.openai_batch import iter_batch_file, iter_batch_slice
+from bm.cli.openai_batch import IgnoredFieldNotices, iter_batch_file, iter_batch_slice, note_ignored_fields
 from bm.cli.openai_batch_output import BatchOutput
 from bm.cli.outdir import FINAL_REASONS
 from bm.cli.served_models import ANY_MODEL, ServedModels
@@ -123,13 +123,23 @@ def block_rows(
         yield row
 
 
-def file_verdicts(path: Path, batch: bool = False) -> dict[int, str]:
+def file_verdicts(
+    path: Path,
+    batch: bool = False,
+    notices: IgnoredFieldNotices | None = None,
+    served: ServedModels = ANY_MODEL,
+) -> dict[int, str]:
     """Index -> error of every line the reader refuses, from one streaming pass over the whole file with
     the validator every ``bm run`` uses (bm.workloads.jsonl): the lines that cannot run, and the
     duplicate ids only a reader of the whole file can find. Empty for an OpenAI batch file (``batch``):
     its one whole-file check, duplicate custom ids, refuses the file before the run starts
-    (bm.cli.source.check_runnable), and every other verdict is the line's own."""
+    (bm.cli.source.check_runnable), and every other verdict is the line's own. With ``notices``, a batch
+    file's pass (lines routed by ``served``) says each body field bm ignores, once per name, as a
+    one-process run does while it reads: the driver runs this before any replica starts, and the
+    replicas, which read their own blocks, say nothing of it."""
     if batch:
+        if notices is not None:
+            note_ignored_fields(path, served, notices)
         return {}
     return {row.index: row.error for row in iter_request_file(path) if row.error is not None}
 

@@ -28,9 +28,10 @@ from typing import Any
 
 from rich.console import Console
 
-from bm.cli.openai_batch import is_batch_file
+from bm.cli.openai_batch import IgnoredFieldNotices, is_batch_file
 from bm.cli.openai_batch_output import token_decoder
 from bm.cli.records import cancelled_record, output_record
+from bm.cli.served_models import ANY_MODEL, ServedModels
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.distributed.layout import ParallelError
@@ -163,7 +164,9 @@ def run_blocks(
         store.start(block_lines)
     blocks = plan_blocks(prompts, block_lines)
     batch = is_batch_file(prompts)
-    verdicts = file_verdicts(prompts, batch)
+    # the whole file's pass, before any replica starts: a batch file's unknown body fields are said here
+    notices = IgnoredFieldNotices() if batch else None
+    verdicts = file_verdicts(prompts, batch, notices, ServedModels.of(config.model) if batch else ANY_MODEL)
     report = RayReport(block_lines=block_lines, num_blocks=len(blocks))
     kept: dict[int, dict[int, dict[str, Any]]] = {}  # block -> its final records, where some lines rerun
     kept_indexes: set[int] = set()
@@ -220,7 +223,6 @@ def _batch_output(prompts: Path, config: BmConfig) -> Callable[[Path], BatchOutp
     """The writer of ``batch_output.jsonl`` (opened by assembly on its temporary file), naming the
     model and its tokens as a one-process run does (``Session.open_batch``): the model as the user
     named it, token strings by the model's tokenizer, loaded here alone (the driver holds no model)."""
-    from bm.cli.served_models import ServedModels
     from bm.runtime.model_loader import load_tokenizer
 
     decode = token_decoder(load_tokenizer(config.model))
