@@ -250,6 +250,45 @@ def test_bench_recognizes_an_openai_batch_file(tmp_path):
     assert sorted(r["id"] for r in read_jsonl(out / "requests.jsonl")) == ["c0", "c1", "c2"]
 
 
+def test_bench_routes_body_model_as_bm_run_does_warns_once_per_unknown_field_and_refuses_what_it_cannot_time(
+    tmp_path,
+):
+    """Served names answer, an unserved name is refused as bm run refuses it, an adapter line is refused
+    naming bm run (bench applies no adapter), a prompt list is refused naming the line, the field and
+    why, and an unknown body field is said once for the run, not silently dropped."""
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    config = tmp_path / "bench.yaml"
+    config.write_text(
+        f"model:\n  served_model_name: [tiny, gpt-4o-mini]\n  lora_modules: {{sql: {adapter}}}\n"
+    )
+    url = "/v1/completions"
+    path = tmp_path / "batch.jsonl"
+    path.write_text(
+        batch_line("plain", url, {"prompt": "hi", "max_tokens": 3})
+        + batch_line(
+            "named", url, {"prompt": "hi", "max_tokens": 3, "model": "gpt-4o-mini", "verbosity": "low"}
+        )
+        + batch_line("again", url, {"prompt": "yo", "max_tokens": 3, "verbosity": "high"})
+        + batch_line("list", url, {"prompt": ["a", "b"], "max_tokens": 3})
+        + batch_line("adapter", url, {"prompt": "hi", "max_tokens": 3, "model": "sql"})
+        + batch_line("unknown", url, {"prompt": "hi", "max_tokens": 3, "model": "llama"})
+    )
+    out = tmp_path / "out"
+    result = bench(path, "-c", config, "-o", out)
+    said = " ".join(result.stderr.split())
+    assert said.count("body.verbosity") == 1 and "body.verbosity (first on line 2)" in said
+    errors = {r["id"]: r.get("error") for r in read_jsonl(out / "requests.jsonl")}
+    assert [k for k, e in errors.items() if e is None] == ["plain", "named", "again"]
+    assert errors["list"].startswith("line 4: body.prompt: a list of 2 prompts; bm bench replays one request")
+    assert "give each prompt its own line (bm run answers a prompt list)" in errors["list"]
+    assert errors["adapter"].startswith("line 5: body.model: 'sql' is a LoRA adapter")
+    assert "run this file with bm run" in errors["adapter"]
+    assert errors["unknown"].startswith("line 6: body.model: 'llama' is not served by this run")
+    assert "model.served_model_name" in errors["unknown"]
+
+
 def test_bench_on_a_chat_batch_file_for_a_model_without_a_chat_template_names_the_flag(tmp_path):
     """Chat lines replay through the chat template (tests/test_bench_defaults.py); the embedded model's
     byte tokenizer has none, so the file is refused naming --chat-template, never read as a table."""

@@ -21,7 +21,7 @@ from bm.cli.bench_options import MODEL, RUN, resolve_config, with_shared_options
 from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.interrupts import Interrupts
-from bm.config import BmConfig, ConfigError, resolve_engine
+from bm.config import BmConfig, ConfigError, ModelConfig, resolve_engine
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -178,13 +178,14 @@ def run_command(
     return code
 
 
-def _read_dataset(bench: Any) -> Workload:
+def _read_dataset(bench: Any, model: ModelConfig | None = None) -> Workload:
     """Every row of the dataset: an OpenAI batch file through the batch reader ``bm run`` uses (it lives
     with the CLI, which owns that format), any other kind through :func:`bm.workloads.read_workload`.
 
     A pipe (``-``, ``/dev/stdin``) or a gzip file is read through the one copy :func:`open_dataset` makes
     (as ``bm run`` reads its prompts), so every kind that reads one file takes it; messages name the
-    input as the user gave it, never the copy."""
+    input as the user gave it, never the copy. ``model``: the config's model section, which routes an
+    OpenAI batch line's ``body.model`` and gives its sampling defaults as in ``bm run``."""
     from dataclasses import replace
 
     from bm.cli.source import PromptsFileError, open_dataset
@@ -207,9 +208,11 @@ def _read_dataset(bench: Any) -> Workload:
                 "it uncompressed (e.g. zcat data.jsonl.gz > data.jsonl) and give that path"
             )
         if kind == "openai-batch" and path.is_file():
-            from bm.cli.openai_batch import load_batch_workload
+            from bm.cli.openai_batch import IgnoredFieldNotices, load_batch_workload
+            from bm.cli.served_models import ANY_MODEL, ServedModels
 
-            workload = load_batch_workload(path, bench.output_len)
+            served = ServedModels.of(model) if model is not None else ANY_MODEL
+            workload = load_batch_workload(path, bench.output_len, served, IgnoredFieldNotices())
         else:
             workload = read_workload(replace(bench, dataset=str(path), dataset_kind=kind))
     except DatasetError as exc:
@@ -230,7 +233,9 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
     from bm.workloads import DatasetError, load_workload
 
     try:
-        rows = _read_dataset(cfg.bench)  # the dataset first: a bad file is reported before the model loads
+        rows = _read_dataset(
+            cfg.bench, cfg.model
+        )  # the dataset first: a bad file is reported before the model loads
         _check_some_row_runs(rows)
     except (DatasetError, ConfigError) as exc:
         print_error(str(exc))

@@ -173,26 +173,49 @@ def note_ignored_fields(path: Path, served: ServedModels, notices: IgnoredFieldN
         notices.note(line)
 
 
-def load_batch_workload(path: Path, default_output_len: int) -> Workload:
+def load_batch_workload(
+    path: Path,
+    default_output_len: int,
+    served: ServedModels = ANY_MODEL,
+    notices: IgnoredFieldNotices | None = None,
+) -> Workload:
     """An OpenAI batch file as ``bm bench`` replays it (``--dataset-kind openai-batch``, or detected):
     each line's body through the same reader as ``bm run``, then as a bm line (bench replays prompts
     and token ids; a chat line is refused on its row, naming ``bm run``). Before, bench took such a file
-    for a Hugging Face table and suggested ``--prompt-column``, which cannot reach a prompt in ``body``."""
+    for a Hugging Face table and suggested ``--prompt-column``, which cannot reach a prompt in ``body``.
+    ``served``: how ``body.model`` routes, as in ``bm run`` (the config's ``model.served_model_name``
+    and ``model.lora_modules``); ``notices``: where ignored body fields are said, once per name."""
     try:
         check_unique_custom_ids(path)
     except DuplicateCustomIdError as exc:
         raise DatasetError(str(exc)) from None
-    rows = [replayable(_one_prompt(line.parsed), default_output_len) for line in iter_batch_file(path)]
+    rows = []
+    for line in iter_batch_file(path, served):
+        if notices is not None:
+            notices.note(line)
+        rows.append(replayable(_replayable_line(line), default_output_len))
     return Workload("openai-batch", str(path), rows)
 
 
-def _one_prompt(row: Row) -> Row:
-    """A row bench can replay: a completions prompt list is refused on its row (bench replays a request
-    per line; dropping the other prompts would time another workload)."""
-    if row.more_prompts and row.error is None:
+def _replayable_line(line: BatchLine) -> Row:
+    """A line's row as bench can replay it, or refused on its row naming the line, the field and why:
+    a completions prompt list (bench replays one request per line; timing its first prompt alone would
+    measure another workload) and an adapter (bench runs the base model and applies none, so it would
+    time another model's answers)."""
+    row = line.parsed
+    if row.error is not None:
+        return row
+    if row.more_prompts:
         row.error = (
-            f"{row.where}: body.prompt: bm bench replays one prompt per line; give each prompt its own "
-            "line (bm run answers a prompt list)"
+            f"{row.where}: body.prompt: a list of {1 + len(row.more_prompts)} prompts; bm bench replays "
+            "one request per line, and timing the first prompt alone would measure another workload: give "
+            "each prompt its own line (bm run answers a prompt list)"
+        )
+    elif row.lora_dir is not None:
+        row.error = (
+            f"{row.where}: body.model: {line.model!r} is a LoRA adapter (--lora-modules, "
+            "model.lora_modules); bm bench replays on the base model and applies no adapter, so it would "
+            "time another model's answers: run this file with bm run, or name the base model's served name"
         )
     return row
 

@@ -61,7 +61,8 @@ class ServedModels:
         )
         raise ModelNotFoundError(
             f"body.model: {model!r} is not served by this run; {where}. Name one of them, or serve this "
-            "name with --served-model-name NAME (the base model) or --lora-modules NAME=DIR (an adapter)"
+            "name with --served-model-name NAME (the base model) or --lora-modules NAME=DIR (an adapter); "
+            "config keys model.served_model_name and model.lora_modules"
         )
 
 
