@@ -289,6 +289,24 @@ def test_bench_routes_body_model_as_bm_run_does_warns_once_per_unknown_field_and
     assert "model.served_model_name" in errors["unknown"]
 
 
+def test_bench_refuses_a_bm_line_naming_a_lora_dir_rather_than_time_the_base_model(tmp_path):
+    """bm run applies a line's lora_dir; a replay would run the base model and report its timings as
+    the adapter's, so the line fails naming the field and bm run, and the other lines run."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        json.dumps({"id": "base", "input_ids": [5, 6, 7], "max_tokens": 2})
+        + "\n"
+        + json.dumps({"id": "tuned", "input_ids": [5, 6, 7], "max_tokens": 2, "lora_dir": "adapter"})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    bench(path, "-o", out)
+    errors = {r["id"]: r.get("error") for r in read_jsonl(out / "requests.jsonl")}
+    assert errors["base"] is None
+    assert errors["tuned"].startswith("line 2: lora_dir: bm bench replays on the base model")
+    assert errors["tuned"].endswith("run this file with bm run")
+
+
 def test_bench_on_a_chat_batch_file_for_a_model_without_a_chat_template_names_the_flag(tmp_path):
     """Chat lines replay through the chat template (tests/test_bench_defaults.py); the embedded model's
     byte tokenizer has none, so the file is refused naming --chat-template, never read as a table."""

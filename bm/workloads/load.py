@@ -181,6 +181,12 @@ def _finalize(
     for req in workload.requests:
         if not req.ok:
             continue
+        if req.lora_dir is not None:  # bm run applies it; a replay runs the base model alone
+            req.error = (
+                f"{req.where}: lora_dir: bm bench replays on the base model and applies no adapter, so "
+                "it would time another model's answers; run this file with bm run"
+            )
+            continue
         try:
             _tokenize(req, encode, render_chat)
             for name in WORD_LISTS:
