@@ -25,7 +25,7 @@ _EXPORTS = {
     "RequestError": "bm.engine.request",
     "RequestLimits": "bm.engine.request",
     "Response": "bm.engine.request",
-    "validate_request": "bm.engine.request",
+    "validate_request": "bm.engine.validate",
 }
 
 __all__ = sorted(_EXPORTS)
