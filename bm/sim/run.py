@@ -21,9 +21,8 @@ from bm.bench.replayer import Replayer, Timeline, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError, resolve_dtype_name
 from bm.config.engine import BatchingScheme
-from bm.engine.core import StepOutput
+from bm.engine.core import EngineCore, StepOutput
 from bm.engine.driver import Driver
-from bm.engine.factory import build_core
 from bm.engine.fast_forward import DecodeRun
 from bm.engine.overlap import resolve_overlap
 from bm.engine.request import Response
@@ -247,7 +246,7 @@ class _VirtualReplay:
         self.replayer = replayer
         self.clock = clock
         self.executor = SimExecutor(model.cost_model(), clock)
-        self.core = build_core(config, self.executor, clock=clock)
+        self.core = EngineCore(config, self.executor, clock=clock)
         self.driver = Driver(
             self.core,
             self._deliver,
