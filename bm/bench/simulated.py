@@ -5,6 +5,9 @@ arrival; arrived requests are admitted; the core steps; the clock advances by th
 duration (the executor does that, so the core's own timestamps are simulated too). The same
 :class:`~bm.bench.replayer.Replayer` timestamps the tokens, so records and metrics are computed by the
 very code a real run uses, in simulated seconds; the wall time is reported beside them.
+
+It lives in :mod:`bm.bench`, above :mod:`bm.sim`: it is the bench runner's replay with the simulator's
+executor and cost model underneath, so the simulator itself never imports the benchmark.
 """
 
 from __future__ import annotations
