@@ -263,7 +263,7 @@ def _run(
     from rich.markup import escape
 
     from bm.cli.run import RunOptions, resume_command, run_prompts, summary_table
-    from bm.distributed.layout import ParallelError
+    from bm.parallel.layout import ParallelError
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:

@@ -20,7 +20,7 @@ schedule, and rank 0 stops the run if two shards of a replica ever disagree.
 
 A collective that fails (a rank died: its sockets close) or times out (a rank hangs: ``--rank-timeout``)
 ends the run on rank 0 with every unfinished request answered by an error response, or, in a process
-that asked for it (:func:`bm.distributed.layout.exit_on_rank_fault`: a ``bm run --ray`` replica, whose
+that asked for it (:func:`bm.parallel.layout.exit_on_rank_fault`: a ``bm run --ray`` replica, whose
 blocks Ray retries when its process dies), ends rank 0's process before any response is written.
 """
 
@@ -34,8 +34,6 @@ from typing import Any
 
 from bm.batch_manager.executors import torch_executor
 from bm.config import BmConfig
-from bm.distributed import layout as _layout
-from bm.distributed.layout import ParallelLayout
 from bm.engine.core import EngineCore, StepOutput
 from bm.engine.driver import Driver, claimed_id, to_request
 from bm.engine.executor import (
@@ -50,6 +48,8 @@ from bm.engine.executor import (
 from bm.engine.request import Request, RequestError, Response, error_response
 from bm.engine.stats import IterationStats
 from bm.engine.worker import EngineWorker
+from bm.parallel import layout as _layout
+from bm.parallel.layout import ParallelLayout
 from bm.scheduling.request import LlmRequest
 
 log = logging.getLogger("bm")

@@ -32,8 +32,8 @@ from bm.cli.openai_batch import is_batch_file, token_decoder
 from bm.cli.records import cancelled_record, output_record
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.distributed.layout import ParallelError
 from bm.engine.request import error_response
+from bm.parallel.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
     Block,
