@@ -22,9 +22,9 @@ import sys
 
 import torch
 
+from bm.batch_manager import BatchManager, InferenceRequest
+from bm.batch_manager.offline import OfflineClient
 from bm.config import config_from_dict
-from bm.engine import BatchManager, InferenceRequest
-from bm.engine.offline import OfflineClient
 from bm.runtime import ModelRunner, load_model, work_item
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.presets import is_available

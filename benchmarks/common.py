@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from bm.baselines import PeerResult
+from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import BmConfig, parse_override
-from bm.engine import EngineLoop, OfflineClient, Request
+from bm.engine import EngineLoop, Request
 from bm.runtime import LoadedModel
 
 Workload = list[tuple[list[int], int]]
@@ -88,7 +89,11 @@ def run_bm(loaded: LoadedModel, config: BmConfig, workload: Workload) -> tuple[P
     stats: list[str] = []
     start = time.perf_counter()
     with EngineLoop(
-        config, client.get_requests, client.send_response, return_stats=stats.append, model=loaded
+        config,
+        client.get_requests,
+        client.send_response,
+        return_stats=stats.append,
+        executor=torch_executor(config, loaded),
     ):
         client.wait()
     elapsed = time.perf_counter() - start

@@ -61,8 +61,9 @@ from common import copy_bandwidth
 from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
+from bm.batch_manager import generate
 from bm.config import KvCacheConfig, config_from_dict
-from bm.engine import Request, generate
+from bm.engine import Request
 from bm.runtime import ModelRunner, work_item
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.executor import TorchExecutor

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import load_config
-from bm.engine import EngineLoop, OfflineClient, Request
+from bm.engine import EngineLoop, Request
 from bm.engine.model_inputs import LORA_MODULE_NAMES
 from bm.runtime import load_model
 from bm.runtime.lora_adapters import find_lora_targets
@@ -43,7 +44,9 @@ def random_adapter(model: torch.nn.Module, rank: int, seed: int) -> tuple[list[l
 def run(loaded, config, requests: list[Request]) -> tuple[float, int]:
     client = OfflineClient(requests)
     start = time.perf_counter()
-    with EngineLoop(config, client.get_requests, client.send_response, model=loaded):
+    with EngineLoop(
+        config, client.get_requests, client.send_response, executor=torch_executor(config, loaded)
+    ):
         client.wait()
     elapsed = time.perf_counter() - start
     failed = [r for r in client.results.values() if r.error]

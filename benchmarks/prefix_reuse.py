@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.config import load_config
-from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import load_model
 
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from common import log
 
 from bm.bench import run_bench
+from bm.bench.simulated import load_sim_model
 from bm.config import load_config, parse_override
 from bm.runtime import load_model
 from bm.sim import LOCAL_ROWS, calibrate
-from bm.sim.run import load_sim_model
 from bm.workloads import load_workload
 
 KEYS = ("output_throughput", "median_ttft_ms", "mean_itl_ms", "duration", "num_iterations")

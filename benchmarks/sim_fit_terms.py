@@ -24,13 +24,13 @@ import yaml
 from common import log
 
 from bm.bench import run_bench
+from bm.bench.simulated import load_sim_model
 from bm.config import load_config
 from bm.runtime import load_model
 from bm.sim import LOCAL_ROWS, calibrate
 from bm.sim import forward_fit as ff
 from bm.sim.hardware import local_row_path
 from bm.sim.model import ModelShape
-from bm.sim.run import load_sim_model
 from bm.workloads import load_workload
 
 KEYS = ("output_throughput", "median_ttft_ms", "mean_itl_ms")

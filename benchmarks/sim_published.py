@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 from bm.bench import run_bench
+from bm.bench.simulated import load_sim_model
 from bm.config import load_config
-from bm.sim.run import load_sim_model
 from bm.workloads import load_workload
 
 PUBLISHED = {"median_ttft_ms": 406.77, "mean_itl_ms": 18.58}

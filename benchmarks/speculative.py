@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import load_config
-from bm.engine import EngineLoop, OfflineClient, Request
+from bm.engine import EngineLoop, Request
 from bm.runtime import load_model
 
 
@@ -33,7 +34,11 @@ def run(loaded, config, workload):
     stats: list[str] = []
     start = time.perf_counter()
     with EngineLoop(
-        config, client.get_requests, client.send_response, model=loaded, return_stats=stats.append
+        config,
+        client.get_requests,
+        client.send_response,
+        executor=torch_executor(config, loaded),
+        return_stats=stats.append,
     ):
         client.wait()
     elapsed = time.perf_counter() - start

@@ -29,9 +29,10 @@ t2 = time.perf_counter()
 from bm.runtime.native import paged_decode_kernel
 paged_decode_kernel()
 t3 = time.perf_counter()
-from bm.engine import EngineLoop, OfflineClient, Request
+from bm.batch_manager import OfflineClient, torch_executor
+from bm.engine import EngineLoop, Request
 client = OfflineClient([Request(0, [1, 2, 3], 1)])
-with EngineLoop(cfg, client.get_requests, client.send_response, model=loaded):
+with EngineLoop(cfg, client.get_requests, client.send_response, executor=torch_executor(cfg, loaded)):
     t4 = time.perf_counter()
     client.wait()
 t5 = time.perf_counter()

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import load_config
-from bm.engine import EngineLoop, OfflineClient, Request
+from bm.engine import EngineLoop, Request
 from bm.engine.structured import guided_spec
 from bm.runtime import load_model
 from bm.runtime.decoding import Decoder
@@ -115,7 +116,9 @@ class MaskTimer:
 def run(loaded, config, requests: list[Request]) -> float:
     client = OfflineClient(requests)
     start = time.perf_counter()
-    with EngineLoop(config, client.get_requests, client.send_response, model=loaded):
+    with EngineLoop(
+        config, client.get_requests, client.send_response, executor=torch_executor(config, loaded)
+    ):
         client.wait()
     elapsed = time.perf_counter() - start
     failed = [r for r in client.results.values() if r.error]

@@ -28,11 +28,11 @@ _EXPORTS = {
     "BmConfig": "bm.config",
     "ConfigError": "bm.config",
     "load_config": "bm.config",
-    "BatchManager": "bm.engine",
-    "InferenceRequest": "bm.engine",
-    "OfflineClient": "bm.engine",
-    "RequestResult": "bm.engine",
-    "generate": "bm.engine",
+    "BatchManager": "bm.batch_manager",
+    "InferenceRequest": "bm.batch_manager",
+    "OfflineClient": "bm.batch_manager",
+    "RequestResult": "bm.batch_manager",
+    "generate": "bm.batch_manager",
     "FinishReason": "bm.scheduling",
 }
 

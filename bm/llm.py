@@ -246,7 +246,7 @@ class LLM:
     def _engine_executor(self) -> Any:
         """The executor every engine of this object runs on (None under several ranks, where each rank
         builds its own): its KV cache, CUDA graphs and warm-up outlive one ``generate`` call."""
-        from bm.distributed.layout import current_layout
+        from bm.parallel.layout import current_layout
 
         if current_layout().is_distributed:
             return None

@@ -190,7 +190,7 @@ def check_tensor_parallel(size: Any) -> None:
     drives the engine and every other rank serves its shard of each forward (bm.distributed.cli). A
     script's ``LLM(tensor_parallel_size=2)`` would run every rank as a driver, so it is refused before
     anything loads, naming the commands that do run a split model (docs/parallel.md)."""
-    from bm.distributed.layout import current_layout
+    from bm.parallel.layout import current_layout
 
     have = current_layout().tensor_parallel
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bm.engine.offline import RequestQueue
+from bm.engine.loop import RequestQueue
 from bm.engine.request import Request, Response
 
 

@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from bm.engine import InferenceRequest, OfflineClient
+from bm.batch_manager import InferenceRequest, OfflineClient
 from tests.engine_wait import ENGINE_WAIT_S, unfinished, wait_or_fail
 
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from bm.batch_manager import InferenceRequest, OfflineClient, torch_executor
+from bm.batch_manager.offline import RequestResult
 from bm.config import BmConfig
-from bm.engine import EngineLoop, InferenceRequest, OfflineClient
+from bm.engine import EngineLoop
 from bm.engine.executor import Executor
-from bm.engine.offline import RequestResult
 from bm.engine.request import Request
 from bm.scheduling import FinishReason
 from tests.hang import HANG_S
@@ -55,7 +56,7 @@ def generate_or_fail(
     check_integrity: bool = False,
     timeout: float = ENGINE_WAIT_S,
 ) -> dict[int, RequestResult]:
-    """:func:`bm.engine.generate`, but a hang fails within ``timeout`` naming the unfinished requests."""
+    """:func:`bm.batch_manager.generate`, but a hang fails within ``timeout`` naming the unfinished requests."""
     requests = list(requests)
     client = OfflineClient(requests)
     with EngineLoop(
@@ -63,8 +64,7 @@ def generate_or_fail(
         client.get_requests,
         client.send_response,
         return_stats=return_stats,
-        model=model,
-        executor=executor,
+        executor=executor or torch_executor(config, model),
         check_integrity=check_integrity,
     ) as manager:
         if not client.wait(timeout):

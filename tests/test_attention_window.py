@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bm.batch_manager import InferenceRequest
 from bm.config import ConfigError, config_from_dict
-from bm.engine import InferenceRequest
 from bm.kv import NO_BLOCK
 from bm.runtime.attention import forward_context, paged_attention_forward
 from bm.runtime.model_loader import describe_model
@@ -143,7 +143,7 @@ def test_window_with_chunked_context_and_reuse_matches_hf(full_attention_mistral
 
 
 def test_native_window_and_user_window_take_the_smaller(full_attention_mistral):
-    from bm.engine import BatchManager
+    from bm.batch_manager import BatchManager
 
     loaded = copy.copy(full_attention_mistral[0])
     loaded.sliding_window = 24

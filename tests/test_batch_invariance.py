@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.cpu_isa import BF16_KV_ISAS, ENV_ISA, kernel_isa
-from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import load_model
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import ENV_SWITCH, bf16_gemm_kernel, paged_decode_kernel

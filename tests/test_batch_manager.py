@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.scheduling import FinishReason
 from tests.clients import ScriptedClient
 from tests.conftest import hf_greedy, make_config

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 import bm.cli.progress
 from bm.bench import ReplayProgress, run_bench, write_results
 from bm.bench.metrics import RECORD_COLUMNS
+from bm.bench.simulated import load_sim_model
 from bm.cli.bench_report import bench_progress, replay_eta, tick
 from bm.cli.journal import FileJournal
 from bm.cli.main import app
@@ -28,7 +29,6 @@ from bm.cli.progress import PlainProgress, eta_s, format_duration, progress_line
 from bm.compare.runner import run_compare
 from bm.compare.variants import plan_variants
 from bm.config import load_config
-from bm.sim.run import load_sim_model
 from bm.workloads import Row, arrival_times, load_workload
 from tests.conftest import make_config
 from tests.hang import HANG_S

@@ -16,9 +16,9 @@ import pytest
 
 from bm.bench import engine_metrics, records_frame, run_bench, run_metrics
 from bm.bench.metrics import RECORD_COLUMNS
+from bm.bench.simulated import load_sim_model
 from bm.bench.tally import RequestTally, StatsTally
 from bm.config import load_config
-from bm.sim.run import load_sim_model
 from bm.workloads import arrival_times, load_workload
 from tests.conftest import make_config
 from tests.recorder import Recorder

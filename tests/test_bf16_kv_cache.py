@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 import torch
 
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.cpu_isa import BF16_KV_ISAS, ENV_ISA
-from bm.engine import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, load_model, native, work_item
 from bm.runtime.attention import LayerExtras
 from bm.runtime.model_loader import ModelConfig

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, load_model, work_item
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import ModelConfig

@@ -281,10 +281,10 @@ def test_a_lora_request_under_tensor_parallelism_is_refused_naming_the_field_and
     """Adapter weights are not split like the shards' projections, so a LoRA request is refused at
     admission (an error response naming lora_task_id) rather than failing inside the forward."""
     from bm.distributed.engine import ParallelExecutor
-    from bm.distributed.layout import ParallelLayout
     from bm.engine.fake_executor import FakeExecutor
     from bm.engine.request import RequestError, RequestLimits
     from bm.engine.validate import validate_request
+    from bm.parallel.layout import ParallelLayout
 
     limits = RequestLimits(vocab_size=64, max_seq_len=64, max_num_tokens=None, max_beam_width=1)
     lora = {"lora_task_id": 1, "lora_config": [[1, 0, 1]], "lora_weights": [[0.5] * 8]}
@@ -297,7 +297,7 @@ def test_a_lora_request_under_tensor_parallelism_is_refused_naming_the_field_and
 
 
 def test_cuda_runs_use_nccl_for_tensors_and_gloo_for_bm_exchanges():
-    from bm.distributed.layout import _device_type, process_group_backend
+    from bm.parallel.layout import _device_type, process_group_backend
 
     assert process_group_backend(_device_type("cuda:1")) == "cpu:gloo,cuda:nccl"
     assert process_group_backend(_device_type("cpu")) == "gloo"
@@ -309,7 +309,7 @@ def test_cuda_runs_use_nccl_for_tensors_and_gloo_for_bm_exchanges():
 ORPHANING_RANK_0 = """
 import os, threading, time
 from bm.config import config_from_dict
-from bm.distributed.layout import launched_ranks
+from bm.parallel.layout import launched_ranks
 from bm.distributed.worker import start_replica_ranks
 
 config = config_from_dict({"model": {"device": "cpu"}})

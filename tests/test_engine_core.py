@@ -59,16 +59,26 @@ def mixed_requests(count: int = 10) -> list[Request]:
     return out
 
 
-def test_core_kv_and_scheduling_import_without_torch():
+def test_every_module_of_engine_kv_and_scheduling_imports_and_the_core_runs_without_torch():
+    """The engine, ``bm.kv`` and ``bm.scheduling`` import no torch at any depth: every module under them
+    imports in a process where ``import torch`` fails (the seed's tensor-map adapter and the torch
+    executor's factory live in bm.batch_manager, above bm.runtime), and the core steps a request there."""
     code = textwrap.dedent(
         """
-        import sys
+        import importlib, pkgutil, sys
         class Block:
             def find_spec(self, name, path=None, target=None):
                 if name == "torch" or name.startswith("torch."):
                     raise ImportError("torch is blocked in this test")
         sys.meta_path.insert(0, Block())
-        import bm.engine.core, bm.engine.fake_executor, bm.kv, bm.scheduling
+        import bm.engine, bm.kv, bm.scheduling
+        imported = 0
+        for package in (bm.engine, bm.kv, bm.scheduling):
+            for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+                importlib.import_module(info.name)
+                imported += 1
+        assert imported > 30, f"only {imported} modules found under bm.engine, bm.kv, bm.scheduling"
+        from bm.engine import EngineCore, EngineLoop, Request, Response, validate_request
         from bm.config import config_from_dict
         from bm.engine.core import EngineCore
         from bm.engine.fake_executor import FakeExecutor

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.runtime import load_model
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import SmallGemmKernel, elementwise_kernels, small_gemm_kernel

@@ -22,9 +22,9 @@ from transformers import (
     Qwen3Config,
 )
 
+from bm.batch_manager import InferenceRequest
+from bm.batch_manager.offline import generate
 from bm.config import ConfigError, load_config
-from bm.engine import InferenceRequest
-from bm.engine.offline import generate
 from bm.runtime import fused_projections as fp
 from bm.runtime import load_model
 from bm.runtime.attention import ShapeProbe, forward_context
@@ -153,7 +153,7 @@ def test_stacked_attention_takes_the_cache_under_either_name_transformers_gives_
 
 
 def test_greedy_tokens_through_the_engine_are_the_same_with_projections_stacked_and_not(monkeypatch):
-    """The embedded tiny Llama through bm.engine.offline.generate (bm's paged attention, chunked and
+    """The embedded tiny Llama through bm.batch_manager.offline.generate (bm's paged attention, chunked and
     batched prompts, decode steps): stacking changes no token."""
     specs = random_prompts(seed=7, count=8, vocab=250, max_prompt=40, max_output=12)
     requests = [InferenceRequest.from_values(i, p, n) for i, (p, n) in enumerate(specs)]

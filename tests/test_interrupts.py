@@ -315,9 +315,9 @@ def test_sigterm_during_a_parallel_sweep_keeps_the_finished_points_and_leaves_no
 def test_an_interrupted_simulated_bench_cancels_what_had_not_finished_and_says_so(monkeypatch):
     """The simulator runs on the main thread on a virtual clock: the first signal's event ends the
     replay at its next check (bm bench --executor sim ran to the end, or to the watchdog, before)."""
-    import bm.sim.run as sim_run
+    import bm.bench.simulated as sim_run
+    from bm.bench.simulated import load_sim_model, run_sim
     from bm.config import load_config
-    from bm.sim.run import load_sim_model, run_sim
     from bm.workloads import load_workload
     from tests.test_sweep import base_overrides
 

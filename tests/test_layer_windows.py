@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bm.batch_manager import BatchManager, InferenceRequest, generate
 from bm.config import ConfigError, config_from_dict
-from bm.engine import BatchManager, InferenceRequest, generate
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.runtime.model_loader import describe_model
 from tests.clients import StaggeredClient

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from bm.engine import InferenceRequest, generate
+from bm.batch_manager import InferenceRequest, generate
 from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor
 from bm.engine.model_inputs import LORA_MODULE_NAMES, LoraSpec
@@ -90,7 +90,7 @@ def test_three_peft_adapters_and_base_requests_mixed_in_one_engine_match_peft_ge
 
     stats: list[str] = []
     client = StaggeredClient(requests, per_iteration=3)
-    from bm.engine import BatchManager
+    from bm.batch_manager import BatchManager
 
     config = make_config(
         engine={"max_batch_size": 8, "max_num_tokens": 128}, peft_cache={"max_adapters": max_adapters}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, UnsupportedAttentionError, work_item
 from bm.runtime.attention import ATTENTION_NAME
 from bm.runtime.model_loader import describe_model

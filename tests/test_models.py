@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from bm.batch_manager import InferenceRequest
 from bm.config import ModelConfig
-from bm.engine import InferenceRequest
 from bm.runtime import UnsupportedAttentionError, load_model
 from bm.runtime.model_loader import describe_model
 from bm.runtime.model_runner import ModelRunner, work_item

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner
 from bm.runtime.attention import LayerExtras
 from bm.runtime.native import ENV_SWITCH, DecodeRows, paged_decode_kernel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.scheduling import FinishReason
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts

@@ -13,11 +13,11 @@ from collections import Counter
 import pytest
 import torch
 
+from bm.batch_manager.offline import generate
 from bm.config import config_from_dict
 from bm.engine.core import EngineCore
 from bm.engine.executor import PENDING_TOKEN
 from bm.engine.fake_executor import FakeExecutor
-from bm.engine.offline import generate
 from bm.engine.overlap import resolve_overlap
 from bm.engine.request import Request
 from bm.scheduling import FinishReason

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.runtime.backends import torch_ops
 from bm.runtime.backends.torch_layout import PrefillSegment
 from bm.runtime.native import ENV_SWITCH, prefill_attention_kernel

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bm.engine import InferenceRequest
+from bm.batch_manager import InferenceRequest
 from tests.conftest import hf_greedy, make_config, random_prompts
 from tests.engine_wait import generate_or_fail
 from tests.test_schemes import SMALL_CACHE, engine_config, run

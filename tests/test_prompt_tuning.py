@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
+from bm.batch_manager import InferenceRequest, generate
 from bm.cli.prompts import read_prompt_lines
-from bm.engine import InferenceRequest, generate
 from tests.conftest import make_config
 
 REUSE = {"max_tokens": 4096, "tokens_per_block": 8, "enable_block_reuse": True}

@@ -15,7 +15,7 @@ import pytest
 from bm.cli.identity import check_resume_mode
 from bm.cli.openai_batch import IgnoredFieldNotices, iter_batch_file
 from bm.cli.outdir import OutDirError
-from bm.distributed.layout import ParallelError
+from bm.parallel.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
     PartStore,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.scheduling import FinishReason
 from tests.clients import StaggeredClient
 from tests.conftest import hf_generate, hf_greedy, make_config, random_prompts

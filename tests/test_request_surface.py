@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.kv import KVCacheManager
 from bm.scheduling import FinishReason, LlmRequest
 from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler
@@ -245,7 +245,7 @@ def test_cli_accepts_every_field_and_writes_log_probs_and_logits_files(tmp_path)
 
 
 def test_from_values_takes_a_tokenizers_result_and_refuses_other_shapes_in_bms_words():
-    from bm.engine import InferenceRequest
+    from bm.batch_manager import InferenceRequest
     from bm.engine.request import RequestError
 
     plain = InferenceRequest.from_values(0, [5, 6, 7], 4).tensors["input_ids"]

@@ -173,7 +173,7 @@ def test_logit_bias_is_added_to_the_logits_as_hf_does_it(tiny_model, tiny_refere
 
 
 def test_the_seeds_tensor_api_takes_num_return_sequences_and_returns_every_sample(tiny_model, tiny_reference):
-    from bm.engine import BatchManager, InferenceRequest
+    from bm.batch_manager import BatchManager, InferenceRequest
     from tests.clients import ScriptedClient
 
     client = ScriptedClient()
@@ -194,7 +194,7 @@ def test_the_seeds_tensor_api_takes_num_return_sequences_and_returns_every_sampl
 
 
 def test_bm_generate_returns_every_sample_and_the_top_log_probs(tiny_model):
-    from bm.engine.offline import generate
+    from bm.batch_manager.offline import generate
 
     results = generate(
         [Request(1, PROMPT, 5, temperature=1.0, random_seed=2, num_return_sequences=3, top_logprobs=2)],

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bm.engine import InferenceRequest
+from bm.batch_manager import InferenceRequest
 from tests.conftest import make_config
 from tests.engine_wait import generate_or_fail
 from tests.sched_helpers import Harness, ReuseCache

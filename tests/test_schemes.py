@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.config import ConfigError
-from bm.engine import BatchManager, InferenceRequest
 from tests.clients import StaggeredClient
 from tests.conftest import hf_greedy, make_config, random_prompts
 from tests.engine_wait import generate_or_fail

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bm.bench.simulated import cost_metrics
 from bm.config import ConfigError, load_config
 from bm.engine.core import EngineCore
 from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
@@ -17,7 +18,6 @@ from bm.engine.request import Request
 from bm.scheduling.request import LlmRequest
 from bm.sim import CostModel, Hardware, ModelShape, SimExecutor, hardware_table, load_hardware
 from bm.sim.cost import IterationCost
-from bm.sim.run import cost_metrics
 
 from .conftest import REPO, make_config
 
@@ -95,7 +95,7 @@ def test_an_iteration_costs_host_plus_device_in_order_and_the_longer_of_the_two_
     """engine.overlap_scheduler resolves for a row's device as the engine resolves it (auto: on for a
     GPU); overlapped, the host's per-iteration time hides behind the forward, in order it adds. The
     fast-forward's decode price follows the same rule (its rows must equal the step-by-step ones)."""
-    from bm.sim.run import sim_overlaps
+    from bm.bench.simulated import sim_overlaps
 
     shape = ModelShape.from_dict(TINY)
     overlap = sim_overlaps(make_config(engine={"overlap_scheduler": setting}), device)
@@ -180,7 +180,7 @@ def test_the_sim_package_imports_without_torch():
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'torch' or name.startswith('torch.'): raise ImportError('no torch here')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import bm.sim, bm.sim.run\n"
+        "import bm.sim, bm.bench.simulated\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -209,7 +209,7 @@ def sim_config(tmp_path: Path, **sets) -> object:
 
 def run_document(config) -> dict:
     from bm.bench import results_document, run_bench
-    from bm.sim.run import load_sim_model
+    from bm.bench.simulated import load_sim_model
     from bm.workloads import load_workload
 
     model = load_sim_model(config)
@@ -248,8 +248,8 @@ def test_sim_and_real_engine_resolve_auto_dtype_alike(tmp_path, row, dtype):
     float32, run in TF32), whatever torch_dtype the model config names; results.json records it."""
     import torch
 
+    from bm.bench.simulated import load_sim_model
     from bm.runtime.model_loader import resolve_dtype
-    from bm.sim.run import load_sim_model
 
     config_file = tmp_path / "tiny.json"
     config_file.write_text(json.dumps(TINY | {"torch_dtype": "float32"}))  # no say in the dtype

@@ -214,7 +214,7 @@ def test_a_simulated_run_on_a_local_row_is_timed_by_the_fit_not_the_roofline(cac
     prompt tokens (on cuda-local also a decode step wider than its largest graph, here 4 rows), plus the
     row's per-iteration overhead (hidden behind the forward on cuda-local, where the engine overlaps);
     nothing of the roofline's FLOPs and bytes."""
-    from bm.sim.run import load_sim_model, run_sim
+    from bm.bench.simulated import load_sim_model, run_sim
     from bm.workloads import load_workload
 
     shape = ModelShape.from_file(tiny_config)
@@ -248,7 +248,7 @@ def test_a_simulated_run_on_a_local_row_is_timed_by_the_fit_not_the_roofline(cac
 
 
 def test_a_local_row_refuses_tensor_parallelism(cache, tiny_config):
-    from bm.sim.run import load_sim_model
+    from bm.bench.simulated import load_sim_model
 
     write_row("cpu-local", "cpu", {"per_forward": 1.0}, ModelShape.from_file(tiny_config), "float32")
     config = load_config(None, {"engine.executor": "sim", "sim.hardware": "cpu-local",

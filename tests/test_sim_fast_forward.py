@@ -68,7 +68,7 @@ def config_for(tmp_path: Path, seed: int, sets: dict) -> object:
 
 def replay(config, fast_forward: bool):
     """The run's result, and its stats rows and records as its journal got them."""
-    from bm.sim.run import load_sim_model, run_sim
+    from bm.bench.simulated import load_sim_model, run_sim
     from bm.workloads import load_workload
 
     model = load_sim_model(config)

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from bm.engine import InferenceRequest, generate
+from bm.batch_manager import InferenceRequest, generate
 from bm.engine.core import EngineCore
 from bm.engine.fake_executor import FakeExecutor, fake_token
 from bm.engine.request import Request

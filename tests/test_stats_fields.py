@@ -14,8 +14,8 @@ import re
 import pandas as pd
 import pytest
 
+from bm.batch_manager import InferenceRequest
 from bm.bench.metrics import STATS_COLUMNS, MissingStatsColumnError, engine_metrics
-from bm.engine import InferenceRequest
 from bm.report.data import read_variant_dir
 from tests.conftest import make_config
 from tests.engine_wait import generate_or_fail

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from bm.engine.offline import generate
+from bm.batch_manager.offline import generate
 from bm.engine.request import Request
 from bm.engine.structured import GuidedSpec, guided_spec
 from bm.runtime import grammar as grammar_module
@@ -197,7 +197,7 @@ def test_structured_output_refuses_beams_and_drafts(tiny_model):
 
 def test_the_library_and_the_seeds_api_take_structured_output(tiny_model):
     import bm
-    from bm.engine import BatchManager, InferenceRequest
+    from bm.batch_manager import BatchManager, InferenceRequest
     from tests.clients import StaggeredClient
 
     llm = bm.LLM(model="tiny-random", device="cpu")

@@ -40,7 +40,7 @@ def base_overrides(**sets: object) -> dict[str, object]:
 
 
 def sweep_inputs(schemes: str = "inflight_fused", **sets: object):
-    from bm.sim.run import load_sim_model
+    from bm.bench.simulated import load_sim_model
     from bm.workloads import load_workload
 
     base = load_config(None, base_overrides(**sets))
@@ -58,7 +58,7 @@ def load_workload_for(config, model):
 
 def replay(config, model, workload, slo: Slo, rate: float) -> bool:
     """Feasibility of one full replay at ``rate`` (no early stop)."""
-    from bm.sim.run import run_sim
+    from bm.bench.simulated import run_sim
 
     result = run_sim(load_config_for(config, "rate", rate), model, workload)
     return slo.feasible(slo.values(result.requests), int(result.metrics["failed"]))
@@ -138,21 +138,21 @@ def test_a_parallel_sweep_loads_every_simulated_model_before_its_workers_fork(tm
     (CUDA cannot start again in a forked child, and workers measuring at once would skew each other)."""
     import os
 
-    import bm.sim.run
+    import bm.bench.simulated
 
     base = load_config(None, base_overrides(**{"bench.num_requests": 12}))
     configs = expand(base, plan_axes(None, {"sim.hardware": "h100-sxm,h200"}))
-    model = bm.sim.run.load_sim_model(base)
+    model = bm.bench.simulated.load_sim_model(base)
     workload = load_workload_for(base, model)
     loads = tmp_path / "loads"
-    real = bm.sim.run.load_sim_model
+    real = bm.bench.simulated.load_sim_model
 
     def recording(config):
         with loads.open("a") as f:
             f.write(f"{os.getpid()} {config.sim.hardware}\n")
         return real(config)
 
-    monkeypatch.setattr(bm.sim.run, "load_sim_model", recording)
+    monkeypatch.setattr(bm.bench.simulated, "load_sim_model", recording)
     monkeypatch.setattr(sweep_runner, "_SHARED", {})
     run_sweep(
         SweepPlan(configs, Slo.parse([SLO_FLAGS], 99), workers=2), model, workload, PointStore(tmp_path)

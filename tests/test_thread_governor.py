@@ -9,8 +9,8 @@ import threading
 
 import torch
 
+from bm.batch_manager.offline import generate
 from bm.cpu_load import CpuTicks
-from bm.engine.offline import generate
 from bm.engine.request import Request
 from bm.runtime import executor as executor_module
 from bm.runtime.model_runner import ModelRunner

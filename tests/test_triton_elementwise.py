@@ -17,8 +17,9 @@ pytest.importorskip("triton")
 
 from transformers.models.llama import modeling_llama as llama
 
+from bm.batch_manager import generate
 from bm.config import ModelConfig
-from bm.engine import Request, generate
+from bm.engine import Request
 from bm.runtime import load_model
 from bm.runtime.fusion import fuse_elementwise
 from bm.runtime.triton.elementwise import TritonElementwise

@@ -12,7 +12,7 @@ from tests.hang import HANG_S
 
 pytest.importorskip("triton")
 
-from bm.engine import BatchManager, InferenceRequest
+from bm.batch_manager import BatchManager, InferenceRequest
 from bm.runtime import ModelRunner, work_item
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.model_loader import describe_model

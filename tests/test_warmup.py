@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from bm.engine import generate
+from bm.batch_manager import generate
 from bm.engine.core import EngineCore
 from bm.engine.request import Request
 from bm.runtime.backends import ENV_SWITCH

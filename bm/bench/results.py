@@ -24,8 +24,8 @@ from bm.bench.metrics import PERCENTILES, RECORD_COLUMNS
 from bm.bench.replayer import Replayer
 from bm.bench.tally import RequestTally, StatsTally
 from bm.config import BmConfig
-from bm.distributed import parallel_info
 from bm.files import replacing_text
+from bm.parallel import parallel_info
 from bm.workloads import ArrivalPlan, Workload
 
 

@@ -100,8 +100,8 @@ def run_bench(
     cancelled.
     """
     config = sized_for(config, model, workload)
-    if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.sim.run)
-        from bm.sim.run import run_sim
+    if config.engine.executor == "sim":  # the simulator: same replay on a virtual clock (bm.bench.simulated)
+        from bm.bench.simulated import run_sim
 
         return run_sim(config, model, workload, arrivals, progress=progress, journal=journal, interrupt=stop)
     bench = config.bench

@@ -241,7 +241,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
         print_error(str(exc))
         return None
     sim = cfg.engine.executor == "sim"
-    if sim:  # no weights, no torch: the model's shape and a hardware row (bm.sim.run)
+    if sim:  # no weights, no torch: the model's shape and a hardware row (bm.bench.simulated)
         load_errors: tuple[type[Exception], ...] = ()
     else:
         from bm.model_fit import load_fitting_model
@@ -254,7 +254,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
             f"loading model ({cfg.model.preset or cfg.model.path or cfg.model.config or 'embedded tiny-llama'}) ..."
         )
         if sim:
-            from bm.sim.run import load_sim_model
+            from bm.bench.simulated import load_sim_model
 
             loaded = load_sim_model(cfg)
         else:

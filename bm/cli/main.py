@@ -245,7 +245,7 @@ def _run(
 
     from bm.cli.run import RunOptions, run_prompts
     from bm.cli.run_summary import resume_command, summary_table
-    from bm.distributed.layout import ParallelError
+    from bm.parallel.layout import ParallelError
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:

@@ -30,10 +30,10 @@ from bm.cli.records import LineParts, cancelled_record, output_record, write_log
 from bm.cli.run_summary import RunSummary, count_record
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.distributed import parallel_info
 from bm.engine.request import error_response
 from bm.files import replacing, write_whole
 from bm.llm import LLM, Session
+from bm.parallel import parallel_info
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.workloads.request import Row

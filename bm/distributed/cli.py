@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from bm.config import BmConfig
-from bm.distributed.layout import (
+from bm.parallel.layout import (
     LAUNCHED_BY_BM,
     ParallelError,
     ParallelLayout,

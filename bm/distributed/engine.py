@@ -20,7 +20,7 @@ schedule, and rank 0 stops the run if two shards of a replica ever disagree.
 
 A collective that fails (a rank died: its sockets close) or times out (a rank hangs: ``--rank-timeout``)
 ends the run on rank 0 with every unfinished request answered by an error response, or, in a process
-that asked for it (:func:`bm.distributed.layout.exit_on_rank_fault`: a ``bm run --ray`` replica, whose
+that asked for it (:func:`bm.parallel.layout.exit_on_rank_fault`: a ``bm run --ray`` replica, whose
 blocks Ray retries when its process dies), ends rank 0's process before any response is written.
 """
 
@@ -32,9 +32,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from bm.batch_manager.executors import torch_executor
 from bm.config import BmConfig
-from bm.distributed import layout as _layout
-from bm.distributed.layout import ParallelLayout
 from bm.engine.core import EngineCore, StepOutput
 from bm.engine.driver import Driver, claimed_id, to_request
 from bm.engine.executor import (
@@ -46,10 +45,11 @@ from bm.engine.executor import (
     ModelLimits,
     hand_over_threads,
 )
-from bm.engine.factory import build_core
 from bm.engine.request import Request, RequestError, Response, error_response
 from bm.engine.stats import IterationStats
 from bm.engine.worker import EngineWorker
+from bm.parallel import layout as _layout
+from bm.parallel.layout import ParallelLayout
 from bm.scheduling.request import LlmRequest
 
 log = logging.getLogger("bm")
@@ -135,12 +135,9 @@ class ParallelExecutor:
 def build_rank_core(config: BmConfig, layout: ParallelLayout, model: Any = None) -> EngineCore:
     """This rank's core over its (sharded, when tensor-parallel) model, its executor made to agree with
     the replica's other shards once every rank is up."""
-
-    def joined(executor: Executor) -> Executor:
-        _layout.wait_for_all_ranks()
-        return ParallelExecutor(executor, layout)
-
-    return build_core(config, model=model, wrap=joined)
+    executor = torch_executor(config, model)
+    _layout.wait_for_all_ranks()
+    return EngineCore(config, ParallelExecutor(executor, layout))
 
 
 def _digest(out: StepOutput) -> int:
@@ -423,11 +420,14 @@ def _tag(stats: str, replica: int, layout: ParallelLayout) -> str:
     return json.dumps(data)
 
 
-def engine_loop(config: BmConfig, *args: Any, **kwargs: Any) -> Any:
-    """The engine for this process's layout: the plain :class:`EngineLoop` in a single-process run,
-    the rank-0 coordinator of a multi-rank one (same interface, so clients need no change)."""
+def engine_loop(
+    config: BmConfig, *args: Any, model: Any = None, executor: Executor | None = None, **kwargs: Any
+) -> Any:
+    """The engine for this process's layout: the plain :class:`EngineLoop` in a single-process run (on
+    ``executor``, by default the torch executor over ``model``), the rank-0 coordinator of a multi-rank
+    one (same interface, so clients need no change)."""
     if _layout.current_layout().is_distributed:
-        return DistributedEngineLoop(config, *args, **kwargs)
+        return DistributedEngineLoop(config, *args, model=model, executor=executor, **kwargs)
     from bm.engine.loop import EngineLoop
 
-    return EngineLoop(config, *args, **kwargs)
+    return EngineLoop(config, *args, executor=executor or torch_executor(config, model), **kwargs)

@@ -3,12 +3,12 @@ bm.distributed.worker`` is ranks 1..N-1, and :func:`start_replica_ranks` makes t
 
 bm's launcher starts the other ranks of ``bm run --tensor-parallel`` by rerunning its command line. A
 ``bm run --ray`` replica is a Ray actor, whose command line is Ray's worker, so it starts them with this
-module's command instead (through the same launcher, :func:`bm.distributed.layout.setup_parallel`): the
+module's command instead (through the same launcher, :func:`bm.parallel.layout.setup_parallel`): the
 config travels as JSON in :data:`SPEC_ENV`, the layout in torchrun's variables, and each rank then
 serves rounds exactly as a rank of ``bm run`` does (:func:`bm.distributed.cli.start`).
 
 Both sides die together, so that Ray's restart of the actor is the one answer to a fault: rank 0 exits
-when a rank fails (:func:`bm.distributed.layout.exit_on_rank_fault`) instead of answering its requests
+when a rank fails (:func:`bm.parallel.layout.exit_on_rank_fault`) instead of answering its requests
 with errors, and a rank exits as soon as its parent is gone instead of waiting ``--rank-timeout`` in a
 collective while holding its memory (and its GPU, which the restarted actor wants back).
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import bm
 from bm.config import BmConfig, config_from_dict
-from bm.distributed.layout import ParallelLayout, RankCommand, exit_on_rank_fault, setup_parallel
+from bm.parallel.layout import ParallelLayout, RankCommand, exit_on_rank_fault, setup_parallel
 
 SPEC_ENV = "BM_RANK_SPEC"  # JSON: {"config": BmConfig.to_dict(), "tensor_parallel", "rank_timeout_s", ...}
 PARENT_ENV = "BM_RANK_PARENT"  # rank 0's pid: the rank exits when its parent is no longer that process

@@ -1,7 +1,9 @@
-"""The engine: a model-free core loop, its executors' protocol, the typed request surface, and the seed's
-Batch Manager (callbacks and InferenceRequest tensor maps) as an adapter over them.
+"""The engine: a model-free core loop, its executors' protocol, the typed request surface, and the loop
+that runs the core on a worker thread behind the Batch Manager's callbacks.
 
-Names load lazily, so ``import bm.engine.core`` (no torch) does not pull in the torch-backed adapter.
+No module here imports torch, at any depth: the seed's tensor-map adapter (``BatchManager``,
+``InferenceRequest``) and the torch executor an engine over a model runs on are :mod:`bm.batch_manager`,
+above :mod:`bm.runtime`.
 """
 
 from __future__ import annotations
@@ -10,22 +12,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BatchManager": "bm.engine.batch_manager",
     "Driver": "bm.engine.driver",
     "EngineCore": "bm.engine.core",
     "StepOutput": "bm.engine.core",
-    "InferenceRequest": "bm.engine.inference_request",
-    "parse_request": "bm.engine.inference_request",
-    "to_core_request": "bm.engine.inference_request",
     "EngineLoop": "bm.engine.loop",
-    "OfflineClient": "bm.engine.offline",
-    "RequestResult": "bm.engine.offline",
-    "generate": "bm.engine.offline",
     "Request": "bm.engine.request",
     "RequestError": "bm.engine.request",
     "RequestLimits": "bm.engine.request",
     "Response": "bm.engine.request",
-    "validate_request": "bm.engine.request",
+    "validate_request": "bm.engine.validate",
 }
 
 __all__ = sorted(_EXPORTS)

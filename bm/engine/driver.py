@@ -7,7 +7,7 @@ Three callers run the core, and each is a configuration of this driver rather th
   ``get_requests``, responses and stats to its callbacks, stop signals polled after each iteration;
 - :mod:`bm.distributed.engine`: one driver per replica shard, fed the requests rank 0 assigned in this
   round, its responses and stats collected for the gather;
-- :func:`bm.sim.run.run_sim`: a virtual clock, requests from the replayer, tokens timestamped after each
+- :func:`bm.bench.simulated.run_sim`: a virtual clock, requests from the replayer, tokens timestamped after each
   step and steady decode stretches advanced at once (:meth:`Driver.fast_forward`).
 
 The driver never sleeps, never owns a thread and never advances a clock: how time passes is the

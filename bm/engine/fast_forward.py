@@ -59,7 +59,7 @@ class DecodeRun:
     """What :func:`fast_forward` advanced: ``len(end_times)`` iterations of ``request_ids``.
 
     Per iteration ``j``: the clock at its end ``end_times[j]`` and the blocks used and cached after it;
-    with ``template`` that is every field of its stats row (``bm.sim.run.decode_rows`` writes them).
+    with ``template`` that is every field of its stats row (``bm.bench.simulated.decode_rows`` writes them).
     """
 
     request_ids: list[int]

@@ -4,7 +4,9 @@ Each iteration is one :class:`~bm.engine.driver.Driver` round: ``get_requests`` 
 :meth:`~bm.engine.core.EngineCore.step`, then ``send_response`` for every response, ``return_stats`` and
 ``poll_stop_signal`` (only while requests are active). This module adds the real-time part: the worker
 thread, idling between arrivals, shutdown and cancel-all from other threads. :class:`EngineLoop` speaks the typed core (:class:`Request` in, :class:`Response` out);
-:class:`bm.engine.batch_manager.BatchManager` is the same loop with the seed's tensor maps at its edge.
+:class:`bm.batch_manager.BatchManager` is the same loop with the seed's tensor maps at its edge. The loop
+runs on the executor it is given (:func:`bm.batch_manager.torch_executor` over a model): the engine
+never chooses one, so it imports no torch.
 
 Faults stay with the request that caused them: an object from ``get_requests`` that is not a request
 gets an error response of its own (when it names an id) and the rest of the list is admitted; a raising
@@ -14,20 +16,22 @@ gets an error response of its own (when it names an id) and the rest of the list
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from bm.config import BmConfig
+from bm.engine.core import EngineCore
 from bm.engine.driver import Driver, to_request
 from bm.engine.executor import Executor, hand_over_threads
-from bm.engine.factory import build_core, default_executor
 from bm.engine.request import Request, Response
 from bm.engine.stats import IterationStats
 from bm.engine.worker import EngineWorker
 from bm.scheduling import FinishReason
 
-__all__ = ["EngineLoop", "default_executor"]  # default_executor: bm.engine.factory's, kept importable
+__all__ = ["EngineLoop", "RequestQueue"]
 
 log = logging.getLogger("bm")
 
@@ -37,8 +41,37 @@ ReturnStats = Callable[[str], None]
 _IDLE_SLEEP_S = 0.0005
 
 
+class RequestQueue:
+    """Requests waiting for the engine, taken as it has room: what every client's ``get_requests`` hands
+    out, and what an interrupted caller takes back (``take_all``) to account for each one."""
+
+    def __init__(self, requests: Iterable[Any] = ()) -> None:
+        self._pending: deque[Any] = deque(requests)
+        self._lock = threading.Lock()
+
+    def put(self, request: Any) -> None:
+        with self._lock:
+            self._pending.append(request)
+
+    def take(self, max_new: int) -> list[Any]:
+        """Up to ``max_new`` requests, oldest first (all of them when ``max_new`` < 0)."""
+        with self._lock:
+            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
+            return [self._pending.popleft() for _ in range(count)]
+
+    def take_all(self) -> list[Any]:
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+            return taken
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
 class EngineLoop(EngineWorker):
-    """Construct it with a config and the callbacks; its worker thread starts at once.
+    """Construct it with a config, the callbacks and the executor to run on; its worker thread starts at
+    once.
 
     Call :meth:`shutdown` to stop: the worker stops fetching, finishes the active requests and exits.
     ``shutdown(cancel=True)`` (or :meth:`cancel_all`) ends every active request with finish reason
@@ -53,14 +86,13 @@ class EngineLoop(EngineWorker):
         poll_stop_signal: PollStopSignal | None = None,
         return_stats: ReturnStats | None = None,
         *,
-        model: Any = None,
-        executor: Executor | None = None,
+        executor: Executor,
         check_integrity: bool = False,
     ) -> None:
         self.config = config
         self._send_response = send_response
         self._return_stats = return_stats
-        self.core = build_core(config, executor, model=model, check_integrity=check_integrity)
+        self.core = EngineCore(config, executor, check_integrity=check_integrity)
         self.executor = self.core.executor
         self.model = getattr(self.executor, "model", None)
         self.driver = Driver(

@@ -2,7 +2,7 @@
 
 :class:`Request` holds the InferenceRequest table's fields under their spec names, as plain values (lists
 of ints, floats, bools); a field left ``None`` was not given and takes the spec's default. The seed's
-tensor-map API (:mod:`bm.engine.inference_request`) is an adapter that builds one of these; ``bm run``,
+tensor-map API (:mod:`bm.batch_manager.inference_request`) is an adapter that builds one of these; ``bm run``,
 ``bm bench`` and ``bm compare`` build them directly. :func:`bm.engine.validate.validate_request` is the
 one place every value is checked, into the scheduler's :class:`~bm.scheduling.LlmRequest`.
 """

@@ -193,7 +193,7 @@ def check_ray_run(
     replica's ranks start inside its actor, so their settings are checked here, as ``bm run`` checks
     its own ranks' (the same checks)."""
     from bm.distributed.cli import check_ranks
-    from bm.distributed.layout import validate
+    from bm.parallel.layout import validate
 
     for flag, value in zip(
         ("--replicas", "--replica-threads", "--block-lines", "--ray-tries"), counts, strict=False

@@ -34,8 +34,8 @@ from bm.cli.records import cancelled_record, output_record
 from bm.cli.served_models import ANY_MODEL, ServedModels
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
-from bm.distributed.layout import ParallelError
 from bm.engine.request import error_response
+from bm.parallel.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
     Block,

@@ -252,7 +252,7 @@ class _Fault:
         if self.kill_rank:
             import signal
 
-            from bm.distributed.layout import launched_ranks
+            from bm.parallel.layout import launched_ranks
 
             rank1 = launched_ranks()[0]
             print(

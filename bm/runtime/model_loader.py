@@ -104,7 +104,7 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"model.device is {name!r} but CUDA is not available here; use cpu or auto")
     if device.type == "cuda" and device.index is None:
-        from bm.distributed.layout import local_cuda_index
+        from bm.parallel.layout import local_cuda_index
 
         device = torch.device("cuda", local_cuda_index())
     return device
@@ -233,8 +233,8 @@ def _resolved(cfg: ModelConfig) -> ModelConfig:
 
 def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
     """Under ``--tensor-parallel N`` each rank loads only its shard, by the model's own tp_plan."""
-    from bm.distributed.layout import current_layout
-    from bm.distributed.tensor_parallel import TensorParallelError, distributed_config
+    from bm.parallel.layout import current_layout
+    from bm.parallel.tensor_parallel import TensorParallelError, distributed_config
 
     layout = current_layout()
     if layout.tensor_parallel == 1:
@@ -247,9 +247,9 @@ def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
 
 
 def _shard_replica(model: torch.nn.Module, tp_kwargs: dict[str, Any]) -> torch.nn.Module:
-    """With several replicas, the shards are split after loading (see bm.distributed.tensor_parallel)."""
-    from bm.distributed.layout import current_layout
-    from bm.distributed.tensor_parallel import shard_replica
+    """With several replicas, the shards are split after loading (see bm.parallel.tensor_parallel)."""
+    from bm.parallel.layout import current_layout
+    from bm.parallel.tensor_parallel import shard_replica
 
     layout = current_layout()
     return model if layout.tensor_parallel == 1 or tp_kwargs else shard_replica(model, layout)

@@ -105,7 +105,7 @@ def run_point(grid: GridConfig, kind: str, load: float, slo: Slo, repeats: int, 
     config = load_config_for(grid.config, kind, load)
     sim = config.engine.executor == "sim"
     if sim:
-        from bm.sim.run import load_sim_model, run_sim
+        from bm.bench.simulated import load_sim_model, run_sim
 
         model = _sim_model(config, load_sim_model)
         stop = EarlyStop(slo, len(workload.requests)) if early_stop else None
@@ -228,7 +228,7 @@ def run_sweep(
 
     sim = all(g.config.engine.executor == "sim" for g in plan.configs)
     if sim and plan.workers > 1:
-        from bm.sim.run import load_sim_model
+        from bm.bench.simulated import load_sim_model
 
         # Every configuration's simulated model loaded here, before the workers fork: a local row's
         # forward fit is then measured once, in this process, not by every worker at once on a shared

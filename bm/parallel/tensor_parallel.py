@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bm.distributed.layout import ParallelLayout, mesh_device_type
+from bm.parallel.layout import ParallelLayout, mesh_device_type
 
 
 class TensorParallelError(ValueError):

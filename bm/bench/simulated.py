@@ -5,6 +5,9 @@ arrival; arrived requests are admitted; the core steps; the clock advances by th
 duration (the executor does that, so the core's own timestamps are simulated too). The same
 :class:`~bm.bench.replayer.Replayer` timestamps the tokens, so records and metrics are computed by the
 very code a real run uses, in simulated seconds; the wall time is reported beside them.
+
+It lives in :mod:`bm.bench`, above :mod:`bm.sim`: it is the bench runner's replay with the simulator's
+executor and cost model underneath, so the simulator itself never imports the benchmark.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ from bm.bench.replayer import Replayer, Timeline, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError, resolve_dtype_name
 from bm.config.engine import BatchingScheme
-from bm.engine.core import StepOutput
+from bm.engine.core import EngineCore, StepOutput
 from bm.engine.driver import Driver
-from bm.engine.factory import build_core
 from bm.engine.fast_forward import DecodeRun
 from bm.engine.overlap import resolve_overlap
 from bm.engine.request import Response
@@ -247,7 +249,7 @@ class _VirtualReplay:
         self.replayer = replayer
         self.clock = clock
         self.executor = SimExecutor(model.cost_model(), clock)
-        self.core = build_core(config, self.executor, clock=clock)
+        self.core = EngineCore(config, self.executor, clock=clock)
         self.driver = Driver(
             self.core,
             self._deliver,

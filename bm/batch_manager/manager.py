@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from bm.batch_manager.executors import torch_executor
+from bm.batch_manager.inference_request import InferenceRequest, response_tensors, to_core_request
 from bm.config import BmConfig
 from bm.engine.executor import Executor
-from bm.engine.inference_request import InferenceRequest, response_tensors, to_core_request
 from bm.engine.loop import EngineLoop, PollStopSignal, ReturnStats
 from bm.engine.request import Request, Response
 from bm.runtime import LoadedModel
@@ -28,7 +29,8 @@ __all__ = ["BatchManager", "GetRequests", "PollStopSignal", "ReturnStats", "Send
 
 
 class BatchManager(EngineLoop):
-    """The seed's Batch Manager. ``get_requests`` may also return typed :class:`Request` objects."""
+    """The seed's Batch Manager. ``get_requests`` may also return typed :class:`Request` objects. It runs
+    on ``executor``, by default the torch executor over ``model`` (or over ``config.model``)."""
 
     def __init__(
         self,
@@ -48,8 +50,7 @@ class BatchManager(EngineLoop):
             send_response,
             poll_stop_signal,
             return_stats,
-            model=model,
-            executor=executor,
+            executor=executor or torch_executor(config, model),
             check_integrity=check_integrity,
         )
 

@@ -9,15 +9,15 @@ one result per request.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bm.batch_manager.executors import torch_executor
+from bm.batch_manager.inference_request import InferenceRequest, response_from_tensors, to_core_request
 from bm.config import BmConfig
 from bm.engine.executor import Executor
-from bm.engine.inference_request import InferenceRequest, response_from_tensors, to_core_request
-from bm.engine.loop import EngineLoop
+from bm.engine.loop import EngineLoop, RequestQueue
 from bm.engine.request import Request, RequestCounters, RequestError, Response, SampleOutput, error_response
 from bm.engine.stats import hit_rate
 from bm.scheduling import FinishReason
@@ -54,34 +54,6 @@ class RequestResult(RequestCounters):
     def cache_hit_rate(self) -> float:
         """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
         return hit_rate(self.num_reused_blocks, self.num_missed_blocks)
-
-
-class RequestQueue:
-    """Requests waiting for the engine, taken as it has room: what every client's ``get_requests`` hands
-    out, and what an interrupted caller takes back (``take_all``) to account for each one."""
-
-    def __init__(self, requests: Iterable[Any] = ()) -> None:
-        self._pending: deque[Any] = deque(requests)
-        self._lock = threading.Lock()
-
-    def put(self, request: Any) -> None:
-        with self._lock:
-            self._pending.append(request)
-
-    def take(self, max_new: int) -> list[Any]:
-        """Up to ``max_new`` requests, oldest first (all of them when ``max_new`` < 0)."""
-        with self._lock:
-            count = len(self._pending) if max_new < 0 else min(max_new, len(self._pending))
-            return [self._pending.popleft() for _ in range(count)]
-
-    def take_all(self) -> list[Any]:
-        with self._lock:
-            taken = list(self._pending)
-            self._pending.clear()
-            return taken
-
-    def __len__(self) -> int:
-        return len(self._pending)
 
 
 class OfflineClient:
@@ -121,7 +93,7 @@ class OfflineClient:
         error: str = "",
     ) -> None:
         """Takes a core :class:`Response`, or the seed's ``(request_id, tensors, final, error)`` when the
-        client is handed to a :class:`~bm.engine.batch_manager.BatchManager`."""
+        client is handed to a :class:`~bm.batch_manager.manager.BatchManager`."""
         if not isinstance(response, Response):
             response = response_from_tensors(response, tensors or {}, final, error)
         with self._lock:
@@ -193,15 +165,16 @@ def generate(
     check_integrity: bool = False,
     timeout: float | None = None,
 ) -> dict[int, RequestResult]:
-    """Run ``requests`` to completion and return one :class:`RequestResult` per request id."""
+    """Run ``requests`` to completion and return one :class:`RequestResult` per request id, on
+    ``executor`` (by default the torch executor over ``model``, or over ``config.model``)."""
+    config = config or BmConfig()
     client = OfflineClient(requests)
     with EngineLoop(
-        config or BmConfig(),
+        config,
         client.get_requests,
         client.send_response,
         return_stats=return_stats,
-        model=model,
-        executor=executor,
+        executor=executor or torch_executor(config, model),
         check_integrity=check_integrity,
     ) as manager:
         if not client.wait(timeout):
