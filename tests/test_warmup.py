@@ -203,10 +203,10 @@ def test_an_llm_allocates_its_cache_and_warms_up_once_at_construction_for_every_
 def test_the_startup_line_says_how_much_of_the_kv_pool_the_warmup_mapped():
     from bm.bench.results import startup_line
 
-    warm = {"seconds": 0.4, "graph_buckets": [], "touched_bytes": 655 * 2**20}
+    warm = {"seconds": 0.4, "graph_buckets": [], "touched_bytes": 444 * 2**20}
     line = startup_line({"load_model_s": 1.5, "engine_build_s": 0.5, "warmup": warm})
     assert (
         line
-        == "start-up 2.0 s (model 1.5 s, engine 0.5 s: warm-up 0.4 s, 655 MB of KV mapped), before the clock"
+        == "start-up 2.0 s (model 1.5 s, engine 0.5 s: warm-up 0.4 s, 444 MB of KV mapped), before the clock"
     )
     assert "KV" not in startup_line({"engine_build_s": 0.5, "warmup": warm | {"touched_bytes": 0}})
