@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from bm.config import ConfigError
 from bm.config.vllm import NotInBm
-from bm.engine.fields import RequestError, check_bool, check_int, request_field
+from bm.engine.fields import VLLM_SAMPLING_FIELDS, RequestError, check_bool, check_int, request_field
 from bm.suggest import did_you_mean
 
 
@@ -28,31 +28,10 @@ class InvalidParameterError(RequestError, ConfigError):
     keywords), and a ``ValueError``, as vLLM raises."""
 
 
-# vLLM's SamplingParams name -> the engine request field it sets (bm.engine.fields), for the mapping
-# test, the docs and the messages: an engine error names the field the user wrote, not the spec's name.
-SAMPLING_FIELDS: dict[str, str] = {
-    "n": "num_return_sequences",
-    "max_tokens": "request_output_len",
-    "temperature": "temperature",
-    "top_p": "runtime_top_p",
-    "top_k": "runtime_top_k",
-    "min_p": "min_p",
-    "seed": "random_seed",
-    "stop": "stop_words_list",
-    "stop_token_ids": "stop_words_list",
-    "bad_words": "bad_words_list",
-    "ignore_eos": "end_id",
-    "min_tokens": "min_length",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "logprobs": "top_logprobs",
-    "logit_bias": "logit_bias",
-    "structured_outputs": "guided_decoding",
-    "guided_decoding": "guided_decoding",
-    "response_format": "guided_decoding",
-    "prompt_logprobs": "return_context_logits",  # the prompt's logits, made log probs by bm.LLM
-}
+# vLLM's SamplingParams name -> the engine request field it sets, for the mapping test, the docs and the
+# messages: an engine error names the field the user wrote, not the spec's name. One table with bm's JSONL
+# and OpenAI bodies (bm.engine.fields); ``prompt_logprobs`` asks for the prompt's logits, made log probs here.
+SAMPLING_FIELDS: dict[str, str] = VLLM_SAMPLING_FIELDS
 # vLLM's SamplingParams names that set no engine field: they shape the text and outputs bm.LLM returns
 # (best_of is honoured when it equals n: bm returns every sample it draws).
 OUTPUT_FIELDS = (

@@ -295,3 +295,19 @@ def test_a_raising_logits_post_processor_ends_only_its_own_request(tiny_model, t
     ((tensors2, error2),) = client.finals_for(2)
     assert error2 == ""
     assert tensors2["output_ids"][0].tolist() == hf_greedy(tiny_reference, prompt(7, 3), 5)
+
+
+def test_generate_past_its_timeout_stops_the_engine_and_names_the_unfinished_requests():
+    """A request the engine has not finished by the timeout is named in the error (a scheduling bug shows
+    up as one that never runs), and the engine is stopped rather than left running."""
+    from bm.batch_manager import generate
+    from bm.engine.fake_executor import FakeExecutor
+    from bm.engine.request import Request
+
+    config = make_config(
+        engine={"max_batch_size": 2, "max_seq_len": 200_000}, kv_cache={"max_tokens": 200_064}
+    )
+    with pytest.raises(
+        TimeoutError, match=r"requests \[0\] got no final response within 0 s \(0 of 1 finished\)"
+    ):
+        generate([Request(0, [5, 6, 7], 100_000)], config, executor=FakeExecutor(64), timeout=0)

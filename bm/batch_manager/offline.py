@@ -166,8 +166,11 @@ def generate(
     timeout: float | None = None,
 ) -> dict[int, RequestResult]:
     """Run ``requests`` to completion and return one :class:`RequestResult` per request id, on
-    ``executor`` (by default the torch executor over ``model``, or over ``config.model``)."""
+    ``executor`` (by default the torch executor over ``model``, or over ``config.model``). Past
+    ``timeout`` seconds the engine is stopped and a ``TimeoutError`` names the requests that had no final
+    response (a request the scheduler never runs shows up there)."""
     config = config or BmConfig()
+    requests = list(requests)
     client = OfflineClient(requests)
     with EngineLoop(
         config,
@@ -178,8 +181,13 @@ def generate(
         check_integrity=check_integrity,
     ) as manager:
         if not client.wait(timeout):
+            done = {i for i, r in client.results.items() if r.finish_reason != FinishReason.NOT_FINISHED}
+            stuck = sorted({r.request_id for r in requests} - done)
             manager.shutdown(cancel=True)
-            raise TimeoutError(f"requests did not finish within {timeout} s")
+            raise TimeoutError(
+                f"requests {stuck} got no final response within {timeout} s "
+                f"({len(requests) - len(stuck)} of {len(requests)} finished)"
+            )
     if manager.error is not None:
         raise RuntimeError(f"the batch manager failed: {manager.error}") from manager.error
     return client.results
