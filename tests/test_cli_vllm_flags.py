@@ -114,3 +114,20 @@ def test_help_lists_the_vllm_flags_a_command_takes():
     text = " ".join(runner.invoke(app, ["run", "--help"], env={"COLUMNS": "80"}).output.split())
     assert "--max-model-len (engine.max_seq_len)" in text
     assert "--tensor-parallel-size/-tp (--tensor-parallel)" in text
+
+
+def test_vllms_one_flag_many_values_form_of_served_names_and_lora_modules_becomes_repeated_flags(tmp_path):
+    """vLLM writes ``--served-model-name a b`` and ``--lora-modules x=DIR y=DIR``; bm's options repeat. A
+    served name list stops at the next option or at an existing file (bm run's prompts file)."""
+    from bm.cli.vllm_flags import translate_vllm_flags
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("")
+    options = {"--served-model-name", "--lora-modules", "--seed"}
+    args = ["--served-model-name", "a", "b", str(prompts), "--lora-modules", "x=/p", "y=/q", "--seed", "1"]
+    assert translate_vllm_flags(args, "run", options) == [
+        *["--served-model-name", "a", "--served-model-name", "b", str(prompts)],
+        *["--lora-modules", "x=/p", "--lora-modules", "y=/q", "--seed", "1"],
+    ]
+    assert translate_vllm_flags(["--lora-modules", "bad"], "run", options) == ["--lora-modules", "bad"]
+    assert translate_vllm_flags(["--served-model-name"], "run", options) == ["--served-model-name"]

@@ -11,6 +11,7 @@ A vLLM flag bm cannot honour stops the command with a line that names what to us
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
@@ -131,6 +132,10 @@ def translate_vllm_flags(args: list[str], command: str, options: set[str]) -> li
         if arg == "--":
             return out + args[i:]
         name, eq, inline = arg.partition("=")
+        if name in LIST_OPTIONS and name in options and not eq:  # vLLM's `--lora-modules a=X b=Y`
+            values, i = _list_values(args, i + 1, LIST_OPTIONS[name])
+            out += [w for value in values for w in (name, value)] if values else [name]  # none: click says so
+            continue
         if name in options:  # the command's own option: never read as another tool's
             out.append(arg)
             i += 1
@@ -171,6 +176,28 @@ def translate_vllm_flags(args: list[str], command: str, options: set[str]) -> li
         else:
             out += [str(flag.option)] + ([value] if flag.switch is None else [])
     return out
+
+
+# bm's repeatable options that vLLM writes as one flag followed by several values -> how to tell one of its
+# values from the next argument: a NAME=PATH word; a served name is any word that is not an option and not
+# an existing file (the prompts file bm run takes may follow the names).
+LIST_OPTIONS: dict[str, str] = {"--lora-modules": "pairs", "--served-model-name": "names"}
+
+
+def _list_values(args: list[str], i: int, kind: str) -> tuple[list[str], int]:
+    """The values after a list option at ``args[i - 1]`` (at least one, as click would ask), and where the
+    rest begins."""
+    values: list[str] = []
+    while i < len(args) and not args[i].startswith("-"):
+        word = args[i]
+        belongs = "=" in word if kind == "pairs" else not (values and Path(word).exists())
+        if not belongs:
+            break
+        values.append(word)
+        i += 1
+    if not values and i < len(args):  # let click judge the one value it expects
+        values, i = [args[i]], i + 1
+    return values, i
 
 
 def _switch_target(flag: VllmFlag) -> str:
