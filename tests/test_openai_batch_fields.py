@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 
-from typer.testing import CliRunner
+from tests.batch_cli import invoke_batch
 
-from bm.cli.main import app
-
-runner = CliRunner()
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 END = "2"  # the byte tokenizer's end token, as a logit_bias key
 
@@ -22,11 +19,7 @@ def completion(custom_id: str, **body) -> dict:
 
 def run_lines(tmp_path, lines: list[dict], *flags: str):
     """``bm run`` over the batch ``lines``: the output lines by custom_id, and the CLI result."""
-    batch = tmp_path / "batch.jsonl"
-    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out = tmp_path / "out"
-    args = ["run", str(batch), "-o", str(out), "-q", "--set", "model.device=cpu", *flags]
-    result = runner.invoke(app, args)
+    result, out = invoke_batch(tmp_path, lines, *flags)
     assert result.exit_code == 0, result.output
     lines_out = [json.loads(x) for x in (out / "batch_output.jsonl").read_text().splitlines()]
     return {line["custom_id"]: line for line in lines_out}, result

@@ -7,27 +7,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from bm.cli.main import app
 from bm.config import ConfigError, config_from_dict, load_config
+from tests.batch_cli import invoke_batch
 
-runner = CliRunner()
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def completion(custom_id: str, **body) -> dict:
     body = {"prompt": "Once upon a time", "max_tokens": 4, **body}
     return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS, "body": body}
-
-
-def invoke_batch(tmp_path, lines: list[dict], *flags: str):
-    """``bm run`` over the batch ``lines`` with ``flags`` (not checked): the result and the output dir."""
-    batch = tmp_path / "batch.jsonl"
-    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out = tmp_path / "out"
-    args = ["run", str(batch), "-o", str(out), "-q", "--set", "model.device=cpu", *flags]
-    return runner.invoke(app, args), out
 
 
 def output_lines(out) -> dict[str, dict]:
