@@ -157,7 +157,9 @@ def to_core_request(request: InferenceRequest) -> Request:
         elif name == "embedding_bias":
             values[name] = _embedding_bias(tensors)
         elif name == "prompt_embedding_table":
-            values[name] = _prompt_table(tensors)
+            values[name] = (
+                _rows_tensor(tensors, name, True, "[1, num_virtual_tokens, hidden]").float().tolist()
+            )
         elif name == "draft_input_ids":
             values[name] = _draft_ids(tensors)
         elif name == "draft_logits":
@@ -300,19 +302,6 @@ def response_from_tensors(
         if value is not None:
             setattr(response, name, int(value[0]))
     return response
-
-
-def _prompt_table(tensors: Mapping[str, torch.Tensor]) -> list[list[float]]:
-    table = tensors["prompt_embedding_table"]
-    if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point:
-        raise RequestError("prompt_embedding_table: expected a float tensor [num_virtual_tokens, hidden]")
-    if table.dim() == 3 and table.shape[0] == 1:
-        table = table[0]
-    if table.dim() != 2:
-        raise RequestError(
-            f"prompt_embedding_table: expected shape [1, num_virtual_tokens, hidden], got {list(table.shape)}"
-        )
-    return table.float().tolist()
 
 
 def _rows_tensor(tensors: Mapping[str, torch.Tensor], name: str, floating: bool, shape: str) -> torch.Tensor:

@@ -157,7 +157,9 @@ def warm_up(
 
     # on the CPU the whole budget's forward costs seconds and buys nothing measurable (module docstring)
     whole = runner.device.type != "cpu"
-    if not whole and touch_blocks:  # the pool's first pages, mapped now rather than by the run's writes
+    if (
+        runner.device.type == "cpu" and touch_blocks
+    ):  # the pool's lowest pages, mapped before the run writes them
         lowest = min(touch_blocks, runner.num_blocks, TOUCH_LIMIT_BYTES // max(1, runner.block_bytes))
         report.touched_bytes = runner.touch_blocks(lowest)
     for name, forward in prefill_shapes(max_batch_size, max_num_tokens, max_seq_len, whole):
