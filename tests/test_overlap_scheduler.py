@@ -464,3 +464,21 @@ def test_an_overlapped_launch_reads_no_device_value_on_the_host(tiny_model, monk
     kept = [Request(0, specs[0][0], 4, return_generation_logits=True)]
     # the host decode path reads its tokens within the launch
     assert ("bm/runtime/sampler.py", "sample") in _launch_reads(tiny_model, monkeypatch, kept)
+
+
+def test_pending_tokens_count_in_a_requests_length_and_never_appear_in_its_output_ids():
+    """While an iteration is in flight its sampled tokens are pending: the scheduler, the cache and the
+    batch see them in the request's length (``num_tokens``), and ``output_ids`` holds only known
+    tokens, so nothing that reads a request's output between steps meets a placeholder."""
+    core = fake_core("on")
+    for request in mixed_requests(8):
+        assert core.add_request(request) is None
+    seen_pending = 0
+    while core.num_active or core.in_flight:
+        core.step()
+        for req in core._active.values():
+            assert PENDING_TOKEN not in req.output_ids
+            assert req.num_tokens == req.num_prompt_tokens + len(req.output_ids) + req.num_pending
+            assert req.num_pending <= 1  # between steps: only the iteration in flight's token
+            seen_pending += req.num_pending
+    assert seen_pending > 0  # the test saw iterations in flight

@@ -9,7 +9,7 @@ Inflight runs contexts then generation, and V1 splits contexts into forwards of 
 from __future__ import annotations
 
 from bm.config import BatchingScheme
-from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
+from bm.engine.executor import PENDING_TOKEN, ExecutionBatch, WorkItem, WorkKind
 from bm.kv import KVCacheManager, ResourcePlan
 from bm.scheduling import SchedulerOutput
 
@@ -25,9 +25,13 @@ def resource_plan(plan: SchedulerOutput) -> ResourcePlan:
             resources.starts.append((req, match))
             start = match.num_tokens
         resources.grow.append((rid, start + plan.context_chunk_sizes[rid]))
-    # each generation grows to its known tokens (num_tokens, read as lengths: once per request an iteration)
+    # each generation grows to its tokens, pending ones included (num_tokens, read as lengths: once per
+    # request an iteration)
     resources.grow.extend(
-        [(r.request_id, len(r.prompt_ids) + len(r.output_ids)) for r in plan.generation_requests]
+        [
+            (r.request_id, len(r.prompt_ids) + len(r.output_ids) + r.num_pending)
+            for r in plan.generation_requests
+        ]
     )
     for slot in plan.empty_slots:
         resources.grow.append((slot.request.request_id, slot.position + 1))
@@ -63,14 +67,14 @@ def build_batch(
     generation, windowed = WorkKind.GENERATION, bool(kv.window_tables)
     for req in plan.generation_requests:
         # read as attributes (num_tokens - 1, last_token()): this runs once per request an iteration
-        output = req.output_ids
-        position = len(req.prompt_ids) + len(output) - 1
+        output, pending = req.output_ids, req.num_pending
+        position = len(req.prompt_ids) + len(output) + pending - 1
         if req.beam_tokens is not None:
             for beam, tokens in enumerate(req.beam_tokens):
                 table = kv.block_ids(req.request_id, beam)
                 items.append(WorkItem(req, generation, [tokens[-1]], position, table, True, beam))
         else:
-            token = output[-1] if output else req.prompt_ids[-1]
+            token = PENDING_TOKEN if pending else output[-1] if output else req.prompt_ids[-1]
             item = WorkItem(req, generation, [token], position, kv.block_ids(req.request_id), True)
             if windowed:
                 item.window_block_ids = kv.window_block_ids(req.request_id)

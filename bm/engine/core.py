@@ -4,33 +4,35 @@
 
     schedule -> pause -> prepare_resources -> execute -> update -> respond -> stats
 
+:meth:`EngineCore.plain_step` runs them in that order; :meth:`EngineCore.overlapped_step` launches the
+next iteration before it collects the one in flight (:mod:`bm.engine.overlap`), from the same two
+parts: ``_launch`` (pause, prepare resources, execute) and ``_collect`` (update, respond, stats).
 The scheduler returns a plan and changes no request; the KV cache manager's ``prepare_resources``
-applies it (frees the paused, takes cached prefixes, grows tables, forks beam blocks on write), a second
-plan grows tables for drafts, and ``update_resources`` applies what the step computed (trims past
-rejected drafts, registers full blocks, releases blocks behind the window, forks beam tables). Those two
-steps and ``free`` when a request ends are the only places blocks change hands (a test reads the
-engine's source for any other call). The executor computes the batch the core describes and returns
-sampled tokens. The core runs the same under the torch executor, the fake one in tests, or a
-simulator, so every decision it makes is testable without a model.
+applies it, a second plan grows tables for drafts, and ``update_resources`` applies what the step
+computed. Those two steps and ``free`` when a request ends are the only places blocks change hands (a
+test reads the engine's source for any other call). The core runs the same under the torch executor,
+the fake one in tests, or a simulator, so every decision it makes is testable without a model.
 
-What surrounds the step lives beside it: the parts built before the first step
-(:mod:`bm.engine.setup`), the step's results applied to its requests (:mod:`bm.engine.progress`),
-responses (:mod:`bm.engine.respond`), n-sample families (:mod:`bm.engine.samples`) and drafts
-(:mod:`bm.engine.speculative`). The core is synchronous and single-threaded; :mod:`bm.engine.loop`
-puts it on a worker thread behind the seed's callbacks.
+Around the step, each in its own module: admission and the gates before scheduling
+(:mod:`~bm.engine.admission`), the parts built before the first step (:mod:`~bm.engine.setup`), the
+step's results applied to its requests (:mod:`~bm.engine.progress`), responses
+(:mod:`~bm.engine.respond`), n-sample families (:mod:`~bm.engine.samples`), drafts
+(:mod:`~bm.engine.speculative`), the head-of-line watch (:mod:`~bm.engine.hol`) and fast-forward's
+template (:mod:`~bm.engine.fast_forward`). :mod:`bm.engine.loop` puts the core on a worker thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from bm.config import BatchingScheme, BmConfig
+from bm.engine.admission import check_fits, check_samples, ready_requests
 from bm.engine.batching import attach_drafts, build_batch, resource_plan
 from bm.engine.executor import ExecutionBatch, ExecutionResult, Executor, WorkKind
-from bm.engine.fast_forward import DecodeRun, fast_forward, supports_fast_forward
+from bm.engine.fast_forward import DecodeRun, DecodeTemplate, fast_forward, supports_fast_forward
 from bm.engine.hol import HeadOfLineWatch
 from bm.engine.overlap import (
     Flight,
@@ -39,47 +41,26 @@ from bm.engine.overlap import (
     mark_pending,
     pauses_pending,
     resolve_overlap,
-    restore_pending,
+    settle_pending,
     short_of_length,
-    strip_pending,
     survey,
 )
 from bm.engine.peft_cache import PeftCache
-from bm.engine.progress import WorkCounts, apply_tokens, count_work
+from bm.engine.progress import WorkCounts, apply_tokens, count_work, start_requests
 from bm.engine.request import Request, RequestError, Response, error_response
 from bm.engine.respond import produced_requests, response_for
 from bm.engine.samples import SampleFamilies
 from bm.engine.setup import set_up_core
 from bm.engine.speculative import propose_drafts
 from bm.engine.stats import CacheUsage, IterationStats, iteration_stats
+from bm.engine.step_output import ScheduleRecord, StepOutput
 from bm.engine.validate import validate_request
 from bm.kv import PreparedResources
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 
+__all__ = ["EngineCore", "ScheduleRecord", "StepOutput"]
+
 log = logging.getLogger("bm")
-
-
-@dataclass
-class ScheduleRecord:
-    """Which requests an iteration scheduled, by id (what conformance tests and stats compare)."""
-
-    context_ids: list[int] = field(default_factory=list)
-    context_chunks: dict[int, int] = field(default_factory=dict)
-    generation_ids: list[int] = field(default_factory=list)
-    paused_ids: list[int] = field(default_factory=list)
-    padding_ids: list[int] = field(default_factory=list)
-    empty_slot_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class StepOutput:
-    responses: list[Response] = field(default_factory=list)
-    stats: IterationStats | None = None
-    schedule: ScheduleRecord = field(default_factory=ScheduleRecord)
-    finished_ids: list[int] = field(default_factory=list)
-    computed_tokens: int = 0
-    # the requests a token was applied to, one entry per token (a discarded row of an ended request is not)
-    produced_ids: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -116,7 +97,7 @@ class EngineCore:
         self.families = SampleFamilies()
         self._held: list[LlmRequest] = []  # finished, kept by the scheduler (V1 empty slots)
         self._iteration = 0
-        self._num_starts = 0
+        self._starts = itertools.count(1)  # start orders: MAX_UTILIZATION pauses the latest first
         self._start_time = clock()
         self.warnings: list[str] = []  # said once each during the run (logged), for the results file
         self.overlap, refused = resolve_overlap(
@@ -125,22 +106,21 @@ class EngineCore:
             v1=self.scheme == BatchingScheme.V1,
             ngram=self.ngram is not None,
         )
-        if refused is not None:
-            self.warnings.append(refused)
-            log.warning("bm: %s", refused)
+        self._warn(refused)
         self.launcher = launcher_for(executor, overlap=self.overlap)
         self._in_flight: Flight | None = None  # overlap: the iteration launched and not yet collected
         self._last_collect: float | None = None  # when the previous iteration's stats were taken
-        self._can_fast_forward = not self.overlap and supports_fast_forward(
-            executor,
-            self.scheme,
-            self.scheduler,
-            self.kv_cache_manager,
-            attention_window=self.attention_window,
-            ngram=self.ngram,
+        self.decode_template = DecodeTemplate(
+            not self.overlap
+            and supports_fast_forward(
+                executor,
+                self.scheme,
+                self.scheduler,
+                self.kv_cache_manager,
+                attention_window=self.attention_window,
+                ngram=self.ngram,
+            )
         )
-        # (generation ids, stats) of the last iteration when it was a pure decode of every active request
-        self._decode: tuple[list[int], IterationStats] | None = None
         engine = config.engine
         self._head_of_line = HeadOfLineWatch(
             engine.max_batch_size, engine.max_num_tokens, bool(engine.enable_chunked_context)
@@ -170,8 +150,9 @@ class EngineCore:
         try:
             llm_request = validate_request(request, self.limits)
             if llm_request.num_return_sequences > 1:
-                self._check_samples(llm_request)
-            self._check_fits(llm_request)
+                windowed = self.attention_window is not None or bool(self.kv_cache_manager.window_tables)
+                check_samples(v1=self.scheme == BatchingScheme.V1, windowed=windowed)
+            check_fits(llm_request, self.kv_cache_manager)
             self.executor.admit(llm_request)
         except RequestError as exc:
             return error_response(rid, str(exc))
@@ -183,64 +164,62 @@ class EngineCore:
                 return error_response(rid, str(exc))
         llm_request.arrival_time = self.clock()
         self._active[rid] = llm_request
-        self._decode = None
+        self.decode_template.forget()
         return None
-
-    def _check_samples(self, request: LlmRequest) -> None:
-        """Samples fork one table; V1's static batches and attention windows (blocks released behind the
-        window, windowed pools) are not built for it."""
-        if self.scheme == BatchingScheme.V1:
-            raise RequestError("num_return_sequences: not supported by the V1 batching scheme; send n lines")
-        if self.attention_window is not None or self.kv_cache_manager.window_tables:
-            raise RequestError("num_return_sequences: not supported with an attention window; send n lines")
-
-    def _check_fits(self, request: LlmRequest) -> None:
-        kv = self.kv_cache_manager
-        needed = kv.get_needed_resource_to_completion(request)
-        if needed > kv.get_max_resource_count():
-            raise RequestError(
-                f"the request needs {needed} KV cache blocks (prompt {request.num_prompt_tokens} + output "
-                f"{request.max_new_tokens} tokens) but the cache holds {kv.get_max_resource_count()} blocks "
-                f"of {kv.tokens_per_block} tokens; raise kv_cache.max_tokens or kv_cache.free_memory_fraction, "
-                "or lower request_output_len"
-            )
 
     # -- one iteration --------------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Run one iteration over the active requests (nothing when none is active).
+        """Run one iteration over the active requests (nothing when none is active): in order, or
+        overlapped with the next when the core overlaps (:mod:`bm.engine.overlap`)."""
+        return self.overlapped_step() if self.overlap else self.plain_step()
 
-        Without overlap an iteration is launched and collected here. With overlap
-        (:mod:`bm.engine.overlap`) the next iteration is launched first and the one in flight collected
-        after, so the output carries the previous iteration's tokens and stats (none after the first)."""
-        if not self._active and self._in_flight is None:
-            return StepOutput()
+    def plain_step(self) -> StepOutput:
+        """The seed's iteration, each part in turn: schedule; pause, prepare resources and execute
+        (:meth:`_launch`); update, respond and stats (:meth:`_collect`)."""
         out = StepOutput()
-        prev, self._in_flight = self._in_flight, None
+        if not self._active:
+            return out
+        started, num_active = self.clock(), len(self._active)
+        ready, plan = self._schedule()
+        flight = self._launch(plan, ready, started, num_active)
+        self._collect(flight, out)
+        return out
+
+    def overlapped_step(self) -> StepOutput:
+        """Launch the next iteration, then collect the one in flight, from the same parts: the output
+        carries the previous iteration's tokens and stats (none after the first). An iteration that
+        cannot run ahead of its tokens, or a plan pausing a request whose token is pending, is
+        collected before the next launch; an iteration with nothing to compute, at once."""
+        out, prev, self._in_flight = StepOutput(), self._in_flight, None
+        if not self._active and prev is None:
+            return out
         if prev is not None and not prev.overlappable:
             self._collect(prev, out)
             prev = None
         started, num_active = self.clock(), len(self._active)
         ready, plan = self._schedule(overlapping=prev is not None)
-        if prev is not None and pauses_pending(plan):  # the recompute needs the pending token
+        if prev is not None and pauses_pending(plan):
             self._collect(prev, out)
             prev = None
-            ready, plan = self._schedule(overlapping=False)
-        flight = None
-        if prev is None or not is_idle(plan):
-            flight = self._launch(plan, ready, started, num_active)
+            ready, plan = self._schedule()
+        flight = (
+            None if prev is not None and is_idle(plan) else self._launch(plan, ready, started, num_active)
+        )
         if prev is not None:
-            self._collect(prev, out, following=flight)
-        elif flight is not None and (not self.overlap or not flight.batch.forwards):
+            self._collect(prev, out)
+        elif flight is not None and not flight.batch.forwards:
             self._collect(flight, out)
             flight = None
         self._in_flight = flight
         return out
 
-    def _schedule(self, *, overlapping: bool) -> tuple[list[LlmRequest], SchedulerOutput]:
-        """The ready requests and the scheduler's plan for them; while an iteration is in flight, a
-        request whose pending token is its last is not scheduled again."""
-        ready = self._ready()
+    def _schedule(self, *, overlapping: bool = False) -> tuple[list[LlmRequest], SchedulerOutput]:
+        """The ready requests (:func:`~bm.engine.admission.ready_requests`) and the scheduler's plan for
+        them; while an iteration is in flight, a request whose pending token is its last is not
+        scheduled again."""
+        kv = self.kv_cache_manager
+        ready = ready_requests(self._active.values(), self.peft_cache, kv, self.max_num_active_requests)
         if overlapping:
             ready = short_of_length(ready)
         return ready, self.scheduler.schedule_request(ready)
@@ -248,55 +227,53 @@ class EngineCore:
     def _launch(
         self, plan: SchedulerOutput, ready: list[LlmRequest], started: float, num_active: int
     ) -> Flight:
-        """Apply the plan to the cache and the requests, build the batch and launch it."""
-        self._watch_head_of_line(ready, plan)
+        """Pause, prepare resources and execute: the plan applied to the cache and the requests, the
+        batch built and launched (under overlap its sampled tokens then count as pending)."""
+        self._warn(self._head_of_line.observe(ready, plan, self.kv_cache_manager))
         prepared = self.kv_cache_manager.prepare_resources(resource_plan(plan))
-        self._pause(plan)
-        reuse = self._start(plan, prepared.reused_tokens)
+        for req in plan.paused_requests:  # their blocks are freed: back to the queue, to recompute
+            req.pause()
+        reuse = start_requests(
+            plan, prepared.reused_tokens, self._starts, self.kv_cache_manager.enable_block_reuse
+        )
         batch = self._batch(plan, prepared)
         flight = Flight(plan, batch, reuse, started, num_active, len(ready))
         if self.overlap:
             flight.counts = count_work(batch, self.clock())
             survey(flight)
-        flight.handle = self.launcher.launch(batch)  # the runtime reads the output so far, unmarked
-        if self.overlap:
-            mark_pending(flight.sampling)
+        flight.handle = self.launcher.launch(batch)
+        mark_pending(flight.sampling)  # empty without overlap: survey fills it
         return flight
 
-    def _collect(self, flight: Flight, out: StepOutput, following: Flight | None = None) -> None:
-        """Read ``flight``'s tokens and apply them (``following``: the iteration launched after it, whose
-        placeholders are set aside meanwhile), respond, and write the iteration's stats to ``out``."""
+    def _collect(self, flight: Flight, out: StepOutput) -> None:
+        """Update, respond and stats: read ``flight``'s tokens and apply them, respond, and write the
+        iteration's stats to ``out``."""
         result, active, empty_slot = self.launcher.collect(flight.handle), self._active, WorkKind.EMPTY_SLOT
         result.sampled = [s for s in result.sampled if active.get((r := s[0].request).request_id) is r]
         out.produced_ids = [i.request.request_id for i, _, _ in result.sampled if i.kind is not empty_slot]
-        batch = flight.batch
-        if self.overlap:
-            strip_pending(flight.sampling)
-            if following is not None:
-                strip_pending(following.sampling)
+        settle_pending(flight.sampling)
         counts = self._update(flight, result)
-        out.schedule, out.computed_tokens = _record(flight.plan), counts.computed
+        out.schedule, out.computed_tokens = ScheduleRecord.of(flight.plan), counts.computed
         usage = CacheUsage.of(self.kv_cache_manager)
-        self._respond(batch, result, out)
+        self._respond(flight.batch, result, out)
         if self.check_integrity:
             self.verify()
-        if following is not None:
-            restore_pending(following.sampling, self._active)
         self._iteration += 1
         out.stats = self._stats(flight, counts, result, usage, out)
-        self._remember_decode(flight.plan, result, out, flight.num_active)
+        self.decode_template.observe(
+            flight.plan,
+            result,
+            out.stats,
+            num_active=flight.num_active,
+            num_finished=len(out.finished_ids),
+            sampling_families=bool(self.families),
+        )
 
-    def _ready(self) -> list[LlmRequest]:
-        """The active requests the scheduler sees: not one whose LoRA adapter cannot be loaded yet (every
-        slot held), nor, with windowed pools, one beyond what the pools are sized for."""
-        ready = self.peft_cache.ready_requests(self._active.values())
-        return self._within_window_pools(ready) if self.kv_cache_manager.window_tables else ready
-
-    def _watch_head_of_line(self, ready: list[LlmRequest], plan: SchedulerOutput) -> None:
-        blocked = self._head_of_line.observe(ready, plan, self.kv_cache_manager)
-        if blocked is not None:
-            self.warnings.append(blocked)
-            log.warning("bm: %s", blocked)
+    def _warn(self, message: str | None) -> None:
+        """Say ``message`` once, now (logged) and in the results file (:attr:`warnings`)."""
+        if message is not None:
+            self.warnings.append(message)
+            log.warning("bm: %s", message)
 
     def _batch(self, plan: SchedulerOutput, prepared: PreparedResources) -> ExecutionBatch:
         """The executor's batch for ``plan``, with the blocks to copy and any drafts to verify."""
@@ -323,55 +300,32 @@ class EngineCore:
         # count each stretch twice (latencies summing to twice the run). In order, launch comes later.
         begin = flight.started if self._last_collect is None else max(flight.started, self._last_collect)
         self._last_collect = now
-        stats = iteration_stats(
+        return iteration_stats(
             flight.plan,
             counts,
             self.kv_cache_manager,
             iteration=self._iteration,
             num_active=flight.num_active,
             max_requests=self.max_num_active_requests,
-            used_blocks=usage.used_blocks,
+            usage=usage,
+            result=result,
             num_finished=len(out.finished_ids),
             elapsed_s=now - self._start_time,
             latency_ms=(now - begin) * 1e3,
             reuse=flight.reuse,
+            peft=self.peft_cache.snapshot(flight.num_active - flight.num_ready),
         )
-        stats.num_forwards = result.num_forwards
-        stats.used_layer_blocks = usage.layer_blocks
-        stats.saved_layer_blocks = usage.saved_layer_blocks
-        stats.peft = self.peft_cache.snapshot(flight.num_active - flight.num_ready)
-        stats.draft_steps = len(result.drafts)
-        stats.draft_tokens = sum(o.num_draft for o in result.drafts.values())
-        stats.accepted_draft_tokens = sum(o.num_accepted for o in result.drafts.values())
-        return stats
-
-    def _remember_decode(
-        self, plan: SchedulerOutput, result: ExecutionResult, out: StepOutput, num_active: int
-    ) -> None:
-        """Keep the step as fast-forward's template when it decoded every active request and nothing
-        else happened (no start, pause, end, draft, beam or fault)."""
-        self._decode = None
-        if (
-            self._can_fast_forward
-            and len(plan.generation_requests) == num_active
-            and not (plan.context_requests or plan.paused_requests or plan.padding or plan.empty_slots)
-            and not (out.finished_ids or result.drafts or result.beams or result.faults)
-            and not self.families
-        ):
-            self._decode = ([r.request_id for r in plan.generation_requests], out.stats)
 
     def fast_forward(self, until: float = float("inf")) -> DecodeRun | None:
         """Right after a :meth:`step` that decoded every active request: advance the iterations that
         provably repeat it (:mod:`bm.engine.fast_forward`), starting none at or after clock time
         ``until``. None when the executor cannot, or nothing can be skipped."""
-        decode, self._decode = self._decode, None
-        if decode is None:
+        taken = self.decode_template.take(self._active)
+        if taken is None:
             return None
-        generation_ids, template = decode
-        if len(generation_ids) != len(self._active):
-            return None
+        requests, template = taken
         run = fast_forward(
-            [self._active[rid] for rid in generation_ids],
+            requests,
             self.kv_cache_manager,
             self.executor,  # supports_fast_forward checked that it offers decode_run
             self.clock,
@@ -386,45 +340,6 @@ class EngineCore:
                 self.verify()
         return run
 
-    def _within_window_pools(self, ready: list[LlmRequest]) -> list[LlmRequest]:
-        """Windowed pools are sized for ``max_num_active_requests`` requests holding blocks: beyond that,
-        a request not started yet waits unscheduled (the engine loop never queues more anyway)."""
-        kv = self.kv_cache_manager
-        room = self.max_num_active_requests - kv.num_requests
-        out = []
-        for request in ready:
-            if not kv.has_request(request.request_id):
-                if room <= 0:
-                    continue
-                room -= 1
-            out.append(request)
-        return out
-
-    def _pause(self, plan: SchedulerOutput) -> None:
-        """Paused requests (their blocks already freed) wait in the queue and recompute prompt + output."""
-        for req in plan.paused_requests:
-            req.pause()
-
-    def _start(self, plan: SchedulerOutput, reused_tokens: dict[int, int]) -> tuple[int, int]:
-        """Requests starting to hold blocks now: their cached prefix counts as computed, and they get a
-        start order (MAX_UTILIZATION pauses the latest first). Returns (reused, missed) blocks."""
-        reused = missed = 0
-        for req in plan.context_requests:
-            if req.holds_blocks:
-                continue
-            self._num_starts += 1
-            req.start_order = self._num_starts
-            match = plan.prefixes.get(req.request_id)
-            if match is None:
-                continue
-            req.num_computed_tokens = reused_tokens.get(req.request_id, 0)
-            if self.kv_cache_manager.enable_block_reuse:
-                req.num_reused_blocks += match.num_blocks
-                req.num_missed_blocks += match.num_missed_blocks
-                reused += match.num_blocks
-                missed += match.num_missed_blocks
-        return reused, missed
-
     def _update(self, flight: Flight, result: ExecutionResult) -> WorkCounts:
         """Apply what was computed (:mod:`bm.engine.progress`): progress (counted at launch under
         overlap), new tokens, finish reasons; an n-sample request whose prompt is done forks its
@@ -438,8 +353,7 @@ class EngineCore:
             update.computed = [(r, n) for r, n in flight.computed if active.get(r.request_id) is r]
         for parent in forking:
             for sibling in self.families.fork(parent, update):
-                self._num_starts += 1
-                sibling.start_order = self._num_starts
+                sibling.start_order = next(self._starts)
                 self.executor.admit(sibling)
                 self._active[sibling.request_id] = sibling
         self.kv_cache_manager.update_resources(update)
@@ -505,9 +419,9 @@ class EngineCore:
             if not member.is_finished:
                 member.finish_reason = reason
             self._held = [r for r in self._held if r is not member]
-            strip_pending([member])  # its row in flight, if any, is thrown away
+            member.num_pending = 0  # its row in flight, if any, is thrown away
             self._end(member, out, error)
-        self._decode = None
+        self.decode_template.forget()
         self._drop_orphan_flight()
         return out.responses[0] if out.responses else None
 
@@ -534,14 +448,3 @@ class EngineCore:
         stray = [rid for rid in kv.request_ids() if rid not in self._active]
         if stray:
             raise AssertionError(f"block tables belong to no active request: {stray}")
-
-
-def _record(plan: SchedulerOutput) -> ScheduleRecord:
-    return ScheduleRecord(
-        context_ids=[r.request_id for r in plan.context_requests],
-        context_chunks=dict(plan.context_chunk_sizes),
-        generation_ids=[r.request_id for r in plan.generation_requests],
-        paused_ids=[r.request_id for r in plan.paused_requests],
-        padding_ids=[w.request.request_id for w in plan.padding],
-        empty_slot_ids=[s.request.request_id for s in plan.empty_slots],
-    )

@@ -16,12 +16,8 @@ from typing import Any, Protocol
 
 from bm.engine.model_inputs import LoraSpec
 from bm.kv.window_layout import AttentionWindowLayout
+from bm.scheduling.request import PENDING_TOKEN as PENDING_TOKEN  # the batch's placeholder, re-exported
 from bm.scheduling.request import LlmRequest
-
-# A generation row's input token while the iteration that samples it is still running (overlap
-# scheduling, bm.engine.overlap): the executor writes in the token that request's row of the previous
-# launch sampled. Token ids are never negative.
-PENDING_TOKEN = -1
 
 
 class WorkKind(Enum):

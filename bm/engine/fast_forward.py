@@ -29,14 +29,15 @@ manager's own methods, in step order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from bm.config import BatchingScheme
+from bm.engine.executor import ExecutionResult
 from bm.engine.stats import IterationStats
 from bm.kv import KVCacheManager, ResourcePlan, ResourceUpdate
-from bm.scheduling import LlmRequest, RequestState
+from bm.scheduling import LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler, StaticBatchScheduler
 from bm.scheduling.micro_batch import MicroBatchScheduler
 from bm.scheduling.scheduler import RequestScheduler, SimpleScheduler
@@ -75,6 +76,47 @@ class DecodeRun:
     @property
     def num_iterations(self) -> int:
         return len(self.end_times)
+
+
+class DecodeTemplate:
+    """Fast-forward's template: the last iteration, when it decoded every active request and nothing
+    else happened (no start, pause, end, draft, beam or fault). The core shows it every iteration it
+    collects (:meth:`observe`) and has it forgotten whenever a request comes or goes."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # supports_fast_forward, asked once
+        self.remembered: tuple[list[int], IterationStats] | None = None
+
+    def forget(self) -> None:
+        self.remembered = None
+
+    def observe(
+        self,
+        plan: SchedulerOutput,
+        result: ExecutionResult,
+        stats: IterationStats | None,
+        *,
+        num_active: int,
+        num_finished: int,
+        sampling_families: bool,
+    ) -> None:
+        self.remembered = None
+        if (
+            self.enabled
+            and stats is not None
+            and len(plan.generation_requests) == num_active
+            and not (plan.context_requests or plan.paused_requests or plan.padding or plan.empty_slots)
+            and not (num_finished or result.drafts or result.beams or result.faults)
+            and not sampling_families
+        ):
+            self.remembered = ([r.request_id for r in plan.generation_requests], stats)
+
+    def take(self, active: Mapping[int, LlmRequest]) -> tuple[list[LlmRequest], IterationStats] | None:
+        """The remembered iteration's requests (still every active one) and its stats, once."""
+        last, self.remembered = self.remembered, None
+        if last is None or len(last[0]) != len(active):
+            return None
+        return [active[rid] for rid in last[0]], last[1]
 
 
 def supports_fast_forward(

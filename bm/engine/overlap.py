@@ -9,10 +9,11 @@ core collect n's tokens. What follows from that, as TensorRT-LLM's PyTorch overl
 * a request that iteration n ends (its end id, a stop word) is found one iteration late: it already has a
   row in n+1, whose token is thrown away. Its length limit is known without the token, so a request that
   reaches it is not scheduled again;
-* while n+1 is in flight, each request that sampled in n carries one placeholder at the end of its
-  ``output_ids`` (so the scheduler, the cache and the batch see its true length). Collecting n takes the
-  placeholders off, applies n's tokens exactly as a step without overlap does (same stop checks, same
-  responses), and puts back those of n+1 for the requests still running.
+* while n+1 is in flight, each request that sampled in n counts one pending token
+  (:attr:`~bm.scheduling.LlmRequest.num_pending`; never in its ``output_ids``), so the scheduler, the
+  cache and the batch see its true length. Collecting n settles one pending token per request and
+  applies n's tokens exactly as a step without overlap does (same stop checks, same responses); those of
+  n+1 stay pending.
 
 Some steps cannot run ahead of their tokens, and the core collects them before scheduling the next one
 (:func:`survey`): beam search (beams reorder on the host), draft verification (drafts are built from
@@ -24,14 +25,13 @@ frequency penalties overlap: they need the output's token counts only, and the r
 token's on the device. The V1 scheme (static batches run in lockstep) and n-gram
 drafts never overlap. Outputs are the same with overlap on or off: only when tokens become known moves.
 
-Executors that compute synchronously (the fake one, the simulator, the torch executor on the CPU) overlap
-through :class:`SyncLauncher`, which resolves placeholders from the previous iteration's result on the
+Executors that compute synchronously (the fake one, the simulator) overlap through :class:`SyncLauncher`, which resolves placeholders from the previous iteration's result on the
 host: the core's overlap logic is then exercised, and tested, without a device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -163,45 +163,33 @@ def survey(flight: Flight) -> None:
 
 
 def mark_pending(sampling: Iterable[LlmRequest]) -> None:
-    """A placeholder for each token a launched batch samples (``sampling``: :attr:`Flight.sampling`);
+    """One pending token for each token a launched batch samples (``sampling``: :attr:`Flight.sampling`);
     a last prompt chunk makes its request a generation."""
     generating = RequestState.GENERATION_IN_PROGRESS  # a local: read per request
     for req in sampling:
-        req.output_ids.append(PENDING_TOKEN)
+        req.num_pending += 1
         req.state = generating
 
 
-def strip_pending(requests: Iterable[LlmRequest]) -> None:
-    for req in requests:
-        output = req.output_ids
-        while output and output[-1] == PENDING_TOKEN:
-            output.pop()
-
-
-def restore_pending(sampling: Iterable[LlmRequest], active: Mapping[int, LlmRequest]) -> None:
-    """Put back the placeholders of a batch in flight (``sampling``: its :attr:`Flight.sampling`) for
-    its requests still running (``active``: request id -> the active request)."""
+def settle_pending(sampling: Iterable[LlmRequest]) -> None:
+    """A collected batch's tokens are about to be applied: each of its requests has one pending token
+    fewer (an iteration launched after it keeps its own)."""
     for req in sampling:
-        if active.get(req.request_id) is req and not req.is_finished:
-            req.output_ids.append(PENDING_TOKEN)
-
-
-def has_pending(req: LlmRequest) -> bool:
-    return bool(req.output_ids) and req.output_ids[-1] == PENDING_TOKEN
+        if req.num_pending:
+            req.num_pending -= 1
 
 
 def short_of_length(requests: Iterable[LlmRequest]) -> list[LlmRequest]:
     """The requests but those whose pending token is their last: nothing is left to schedule for
     them, whatever the token."""
     return [
-        r
-        for r in requests
-        if not ((output := r.output_ids) and output[-1] == PENDING_TOKEN and len(output) >= r.max_new_tokens)
+        r for r in requests if not (r.num_pending and len(r.output_ids) + r.num_pending >= r.max_new_tokens)
     ]
 
 
 def pauses_pending(plan: SchedulerOutput) -> bool:
-    return any(has_pending(req) for req in plan.paused_requests)
+    """The plan pauses a request whose token is pending: its recompute needs the token."""
+    return any(req.num_pending for req in plan.paused_requests)
 
 
 def is_idle(plan: SchedulerOutput) -> bool:

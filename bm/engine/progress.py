@@ -8,13 +8,14 @@ beam forks). The engine core applies that update, through the manager, in the sa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from bm.engine.executor import DraftOutcome, ExecutionBatch, ExecutionResult, WorkKind
 from bm.engine.speculative import SpecState
 from bm.engine.stopping import stop_reason
 from bm.kv import ResourceUpdate
-from bm.scheduling import FinishReason, LlmRequest, RequestState
+from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.request import NOT_FINISHED
 
 # read per token: module constants, not members read off their enum classes each time
@@ -59,6 +60,29 @@ def count_work(batch: ExecutionBatch, now: float) -> WorkCounts:
             else:
                 empty_slots += 1
     return WorkCounts(computed, context, padding, generation, empty_slots)
+
+
+def start_requests(
+    plan: SchedulerOutput, reused_tokens: dict[int, int], starts: Iterator[int], reuse: bool
+) -> tuple[int, int]:
+    """The plan's requests that start to hold blocks now: their cached prefix counts as computed, and
+    they take the next start order from ``starts`` (MAX_UTILIZATION pauses the latest first). Returns
+    the (reused, missed) blocks, counted where ``reuse`` (block reuse) is on."""
+    reused = missed = 0
+    for req in plan.context_requests:
+        if req.holds_blocks:
+            continue
+        req.start_order = next(starts)
+        match = plan.prefixes.get(req.request_id)
+        if match is None:
+            continue
+        req.num_computed_tokens = reused_tokens.get(req.request_id, 0)
+        if reuse:
+            req.num_reused_blocks += match.num_blocks
+            req.num_missed_blocks += match.num_missed_blocks
+            reused += match.num_blocks
+            missed += match.num_missed_blocks
+    return reused, missed
 
 
 def apply_tokens(

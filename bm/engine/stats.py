@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from bm.engine.peft_cache import PeftCacheCounts
 
 if TYPE_CHECKING:
+    from bm.engine.executor import ExecutionResult
     from bm.kv import KVCacheManager
     from bm.scheduling import SchedulerOutput
 
@@ -146,14 +147,18 @@ def iteration_stats(
     iteration: int,
     num_active: int,
     max_requests: int,
-    used_blocks: int,
+    usage: CacheUsage,
+    result: ExecutionResult,
     num_finished: int,
     elapsed_s: float,
     latency_ms: float,
     reuse: tuple[int, int],
+    peft: PeftCacheCounts | None,
 ) -> IterationStats:
     """One iteration's stats from its plan and what it computed (``counts``: context, generation,
-    padding, empty-slot and computed tokens)."""
+    padding, empty-slot and computed tokens; ``result``: forwards and drafts; ``usage``: the cache's
+    occupancy before finished requests freed their blocks)."""
+    used_blocks = usage.used_blocks
     context_ids = {r.request_id for r in plan.context_requests} | {w.request.request_id for w in plan.padding}
     num_generation = len(plan.generation_requests) + len(plan.empty_slots)
     return IterationStats(
@@ -171,7 +176,7 @@ def iteration_stats(
         empty_generation_slots=counts.empty_slots,
         padding_tokens=counts.padding,
         computed_tokens=counts.computed,
-        num_forwards=0,
+        num_forwards=result.num_forwards,
         paused_requests=len(plan.paused_requests),
         queued_requests=num_active - len(context_ids) - num_generation,
         finished_requests=num_finished,
@@ -180,4 +185,10 @@ def iteration_stats(
         reused_blocks=reuse[0],
         missed_blocks=reuse[1],
         cached_blocks=kv.pool.num_cached_blocks,
+        used_layer_blocks=usage.layer_blocks,
+        saved_layer_blocks=usage.saved_layer_blocks,
+        peft=peft if peft is not None else PeftCacheCounts(),
+        draft_steps=len(result.drafts),
+        draft_tokens=sum(o.num_draft for o in result.drafts.values()),
+        accepted_draft_tokens=sum(o.num_accepted for o in result.drafts.values()),
     )

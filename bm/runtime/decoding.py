@@ -156,8 +156,21 @@ class Decoder:
                 continue
             if opts.controls.return_generation_logits and opts.beam is None:
                 kept.append((i, opts))
-            output = opts.beam.tokens[b] if opts.beam is not None else req.output_ids
-            rows.append(LogitsRow(req.request_id, opts, req.prompt_ids, output, req.sampling.end_id))
+            if opts.beam is not None:
+                rows.append(
+                    LogitsRow(req.request_id, opts, req.prompt_ids, opts.beam.tokens[b], req.sampling.end_id)
+                )
+            else:
+                rows.append(
+                    LogitsRow(
+                        req.request_id,
+                        opts,
+                        req.prompt_ids,
+                        req.output_ids,
+                        req.sampling.end_id,
+                        req.num_pending,
+                    )
+                )
             if opts.beam is not None:
                 beam_rows.setdefault(req.request_id, []).append(i)
         _keep_generation_logits(logits, kept)
@@ -224,7 +237,12 @@ def _controlled_row(request: LlmRequest) -> LogitsRow | None:
     if state is None or not state.controls.processes_logits:
         return None
     return LogitsRow(
-        request.request_id, state, request.prompt_ids, request.output_ids, request.sampling.end_id
+        request.request_id,
+        state,
+        request.prompt_ids,
+        request.output_ids,
+        request.sampling.end_id,
+        request.num_pending,
     )
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from bm.engine.executor import PENDING_TOKEN
 from bm.runtime.transfer import tensor_to_device, to_device
 from bm.scheduling.controls import Controls
 
@@ -45,8 +44,8 @@ class DecodingState:
 @dataclass
 class PendingTokens:
     """The last output token of some rows, still on the device: under overlap scheduling a request's
-    ``output`` ends in a placeholder (:data:`~bm.engine.executor.PENDING_TOKEN`) while the step that
-    sampled it is in flight. Request ``r``'s is ``values[position[r]]``. The penalties count it there,
+    latest token is pending (:attr:`~bm.scheduling.LlmRequest.num_pending`, not in its ``output``) while
+    the step that sampled it is in flight. Request ``r``'s is ``values[position[r]]``. The penalties count it there,
     on the device, so a request with penalties need not wait for its token on the host."""
 
     position: dict[int, int]  # request id -> its token's index in values
@@ -63,6 +62,8 @@ class LogitsRow:
     prompt: list[int]
     output: list[int]
     end_id: int
+    # the output's tokens still being sampled (overlap scheduling): in its length, not in ``output``
+    num_pending: int = 0
 
 
 def apply_controls(
@@ -99,7 +100,7 @@ def apply_controls(
         for word in opts.bad_words:
             if _ends_with(r.prompt, r.output, word[:-1]):
                 bans.append((i, word[-1]))
-        if len(r.output) < opts.min_length and r.end_id >= 0:
+        if len(r.output) + r.num_pending < opts.min_length and r.end_id >= 0:
             bans.append((i, r.end_id))
     if bans:
         where = to_device(bans, torch.long, dev)
@@ -187,17 +188,9 @@ def _token_counts(
     device: torch.device,
     pending: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``[len(histories), vocab]`` float32 counts of each history's tokens. A history ending in a
-    placeholder counts, instead, the token ``pending`` holds for it on the device (the same count)."""
+    """``[len(histories), vocab]`` float32 counts of each history's tokens, plus, for the rows
+    ``pending`` names, the token it holds for them on the device (their latest, not on the host yet)."""
     rows, tokens = pending if pending is not None else ([], None)
-    has_pending = set(rows)  # a list's `in` would make this loop quadratic in the batch's rows
-    stripped = []
-    for j, h in enumerate(histories):
-        ends_pending = bool(h) and h[-1] == PENDING_TOKEN
-        if ends_pending != (j in has_pending):
-            raise AssertionError(f"row {j}: a placeholder without its pending token, or the reverse")
-        stripped.append(h[:-1] if ends_pending else h)
-    histories = stripped
     longest = max((len(h) for h in histories), default=0)
     counts = torch.zeros(len(histories), vocab + 1, device=device)
     if longest:

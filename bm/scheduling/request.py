@@ -27,6 +27,11 @@ class RequestState(IntEnum):
 GENERATION_STATES = (RequestState.GENERATION_IN_PROGRESS, RequestState.GENERATION_TO_COMPLETE)
 CONTEXT_INIT = RequestState.CONTEXT_INIT
 
+# The input token of a generation row whose previous token is still being sampled (overlap scheduling,
+# bm.engine.overlap; :attr:`LlmRequest.num_pending`): the executor writes in the token that request's row
+# of the previous launch sampled. Token ids are never negative.
+PENDING_TOKEN = -1
+
 
 class FinishReason(IntEnum):
     """Why a request ended; values follow TensorRT-LLM's executor, with ERROR added by bm."""
@@ -150,6 +155,10 @@ class LlmRequest:
     streaming: bool = False
     state: RequestState = RequestState.CONTEXT_INIT
     output_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by an iteration still in flight (overlap scheduling, bm.engine.overlap), not known on
+    # the host yet: they count in the request's length (the scheduler, the cache and the batch see it)
+    # and are never in ``output_ids``. Only the overlap path changes it.
+    num_pending: int = 0
     # Tokens whose keys and values are in the cache. A context phase (first or after a pause) covers
     # every known token; generation then adds one token an iteration.
     num_computed_tokens: int = 0
@@ -216,8 +225,8 @@ class LlmRequest:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens so far."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt plus generated tokens so far, pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def num_tokens_at_completion(self) -> int:
@@ -263,4 +272,7 @@ class LlmRequest:
         return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
 
     def last_token(self) -> int:
+        """The latest token, or :data:`PENDING_TOKEN` while it is still being sampled."""
+        if self.num_pending:
+            return PENDING_TOKEN
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
