@@ -26,7 +26,7 @@ from bm.ray.blocks import (  # fmt: skip
     plan_blocks,
     read_bytes,
 )
-from bm.ray.driver import replica_layout
+from bm.ray.placement import replica_layout
 from bm.workloads.jsonl import iter_request_file
 from tests.conftest import REPO
 from tests.hang import HANG_S

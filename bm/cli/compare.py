@@ -40,7 +40,7 @@ from bm.cli.exit_codes import NOT_JUDGED
 from bm.cli.help import silence_progress_bars
 from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupts
 from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
-from bm.compare.regress import read_baseline_document
+from bm.compare.baseline_file import read_baseline_document
 from bm.config import BmConfig, ConfigError
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from bm.kv.block_pool import BlockPool, require
 from bm.kv.prefix_cache import PrefixCache
 from bm.kv.shared_tables import SharedTables
-from bm.kv.tables import NO_BLOCK, RequestBlocks, check_references
+from bm.kv.tables import NO_BLOCK, RequestBlocks, check_references, held_references
 from bm.kv.types import (
     NO_MATCH,
     KVRequest,
@@ -186,7 +186,7 @@ class KVCacheManager:
     def num_blocks_freed_by(self, request_ids: Iterable[int]) -> int:
         """Blocks that freeing all of ``request_ids`` would return to the pool (free or cached): those no
         other request references."""
-        refs = self._references(request_ids)
+        refs = held_references(self._requests, request_ids)
         return sum(1 for b, n in refs.items() if self.pool.ref_count(b) == n)
 
     def num_freeable_blocks(self, request_id: int) -> int:
@@ -314,7 +314,7 @@ class KVCacheManager:
         """
         if self.prefix_cache is None or request.request_id in self._requests:
             return NO_MATCH
-        return self.prefix_cache.find(request, self._references(releasing))
+        return self.prefix_cache.find(request, held_references(self._requests, releasing))
 
     def take_cached_prefix(self, request: KVRequest, match: PrefixMatch) -> int:
         """Start the request's table with the matched blocks (by reference); returns the tokens reused.
@@ -371,16 +371,6 @@ class KVCacheManager:
         for sibling_id in sibling_ids:
             require(sibling_id not in self._requests, f"request {sibling_id} already holds blocks")
             self._requests[sibling_id] = self.shared_tables.fork_sample(source, num_tokens)
-
-    def _references(self, request_ids: Iterable[int]) -> dict[int, int]:
-        """Block id -> references the given requests hold on it."""
-        refs: dict[int, int] = {}
-        for request_id in request_ids:
-            blocks = self._requests.get(request_id)
-            if blocks is not None:
-                for b in blocks.live_blocks():
-                    refs[b] = refs.get(b, 0) + 1
-        return refs
 
     def _distinct_blocks(self, request_id: int) -> set[int]:
         blocks = self._requests.get(request_id)

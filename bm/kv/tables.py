@@ -8,7 +8,7 @@ trim and release themselves over a pool; the manager decides when.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from bm.kv.block_hash import BlockKey
@@ -122,6 +122,17 @@ class RequestBlocks:
             held.update(self.padding)
         held.discard(NO_BLOCK)
         return held
+
+
+def held_references(requests: Mapping[int, RequestBlocks], request_ids: Iterable[int]) -> dict[int, int]:
+    """Block id -> references the tables of ``request_ids`` (those in ``requests``) hold on it."""
+    refs: dict[int, int] = {}
+    for request_id in request_ids:
+        blocks = requests.get(request_id)
+        if blocks is not None:
+            for b in blocks.live_blocks():
+                refs[b] = refs.get(b, 0) + 1
+    return refs
 
 
 def check_references(requests: Mapping[int, RequestBlocks], pool: BlockPool, tokens_per_block: int) -> None:

@@ -35,7 +35,6 @@ from bm.cli.served_models import ANY_MODEL, ServedModels
 from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.engine.request import error_response
-from bm.parallel.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
     Block,
@@ -48,12 +47,12 @@ from bm.ray.blocks import (  # fmt: skip
     plan_blocks,
     read_bytes,
 )
+from bm.ray.placement import pool_strategy, replica_layout
 from bm.ray.replica import FAULT_ENV, LineOptions, Replica
 from bm.ray.session import connect, disconnect
 
 DEFAULT_BLOCK_LINES = 64
 DEFAULT_TRIES = 3
-DEFAULT_CPU_THREADS = 4  # torch threads of a CPU replica when neither the count nor the threads are given
 DEFAULT_RANK_TIMEOUT_S = 300.0  # bm run's --rank-timeout
 
 
@@ -89,44 +88,6 @@ class RayReport:
     num_replica_restarts: int = 0  # replicas that Ray restarted after their process died
     lines_failed: list[int] = field(default_factory=list)  # indexes that failed every try alone too
     blocks_by_replica: dict[str, int] = field(default_factory=dict)
-
-
-def replica_layout(
-    resources: dict[str, float],
-    replicas: int | None,
-    threads: int | None,
-    device: str,
-    tensor_parallel: int = 1,
-) -> tuple[int, float, float, int | None]:
-    """``(replicas, num_cpus, num_gpus, torch threads)`` per replica from the cluster's resources: a GPU
-    per rank where the cluster has GPUs (and the model is not pinned to the CPU), else CPU replicas of
-    ``threads`` threads per rank (:data:`DEFAULT_CPU_THREADS`, or the CPUs split over ``replicas`` x
-    ``tensor_parallel`` ranks). A replica never reserves more than its share of the CPUs, so every
-    replica of the pool can start; a tensor-parallel replica takes whole GPUs (one per rank), so the
-    replicas must fit the cluster's GPUs (a :class:`ParallelError` naming ``--replicas`` otherwise)."""
-    cpus = max(int(resources.get("CPU", 1)), 1)
-    gpus = int(resources.get("GPU", 0))
-    tp = tensor_parallel
-    if gpus >= 1 and device != "cpu":
-        if tp == 1:
-            count = replicas or gpus
-            return count, min(1.0, cpus / count), 1.0 if count <= gpus else gpus / count, threads
-        count = replicas or gpus // tp
-        if not count or count * tp > gpus:
-            raise ParallelError(
-                f"--replicas {count} x --tensor-parallel {tp} needs {max(count, 1) * tp} GPUs, and the Ray "
-                f"cluster has {gpus}: give --replicas {gpus // tp} or fewer"
-                if gpus >= tp
-                else f"--tensor-parallel {tp}: a replica takes {tp} GPUs of one node, and the Ray cluster has "
-                f"{gpus}; give --tensor-parallel {gpus} or fewer (or add GPUs to the cluster)"
-            )
-        return count, min(float(tp), cpus / count), float(tp), threads
-    if threads is None:
-        threads = (
-            max(1, cpus // (replicas * tp)) if replicas else min(DEFAULT_CPU_THREADS, max(1, cpus // tp))
-        )
-    count = replicas or max(1, cpus // (threads * tp))
-    return count, min(float(threads * tp), cpus / count), 0.0, threads
 
 
 def run_blocks(
@@ -388,7 +349,7 @@ class _Runner:
         # takes them, so no read stage holds CPUs or starts processes of its own.
         rows = [block_row(b, verdicts, kept.get(b.block_id, {})) for b in blocks]
         dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
-        strategy = _strategy(report.replicas, alone)
+        strategy = pool_strategy(report.replicas, alone)
         with warnings.catch_warnings():
             # max_restarts and max_task_retries reach the actors through map_batches' **ray_remote_args,
             # which Ray 2.60 deprecates (RayDeprecationWarning: "removed in Ray 2.64"). Ray 2.60 has no
@@ -423,25 +384,6 @@ class _Runner:
                 max_restarts=-1,
                 max_task_retries=max(self.options.tries - 1, 0),
             )
-
-
-def _strategy(replicas: int, alone: bool) -> Any:
-    """A fixed pool of ``replicas`` actors. Each runs up to two blocks at once into one engine session
-    (where this Ray supports concurrent calls on an actor), so its batch stays full across blocks; when
-    lines are tried ``alone``, an actor holds one block at a time, so a line that kills its process
-    never costs another line a try."""
-    from ray.data import ActorPoolStrategy
-
-    from bm.ray.replica import BLOCKS_PER_REPLICA
-
-    if alone:
-        return ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1)
-    try:
-        return ActorPoolStrategy(
-            size=replicas, max_concurrent_calls_per_actor=BLOCKS_PER_REPLICA, enable_true_multi_threading=True
-        )
-    except TypeError:  # an older Ray: one block at a time per replica
-        return ActorPoolStrategy(size=replicas)
 
 
 def _tries(count: int, whose: str) -> str:

@@ -7,8 +7,7 @@ steps). Block tables, positions and what to sample come from the core; nothing h
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,9 +28,10 @@ from bm.engine.executor import (
 from bm.engine.model_inputs import LoraSpec
 from bm.runtime.backends import InputFill
 from bm.runtime.beam_search import BeamSearch
-from bm.runtime.decoding import Decoder, DecodeResult, DeviceDecode
+from bm.runtime.decoding import Decoder, DecodeResult
 from bm.runtime.grammar import GrammarRuntime
 from bm.runtime.kv_sizing import num_kv_blocks
+from bm.runtime.launched import Launched, copy_to_host, sampled_tokens, take_samples
 from bm.runtime.logits import DecodingState, PendingTokens
 from bm.runtime.lora import LoraLayers
 from bm.runtime.model_loader import LoadedModel, available_memory_bytes
@@ -233,7 +233,7 @@ class TorchExecutor:
         for items, decoded, (host, copied) in launched.on_device:
             if copied is not None:
                 copied.synchronize()
-            _take_samples(result, zip(items, *decoded.read(host), strict=True))
+            take_samples(result, zip(items, *decoded.read(host), strict=True))
         launched.on_device = []
         return result
 
@@ -248,7 +248,7 @@ class TorchExecutor:
         launched = Launched(ExecutionResult(num_forwards=len(batch.forwards)))
         for group in batch.forwards:
             self._forward(group, launched)
-        self._last = _sampled_tokens(launched, self.model.device) if keep_tokens else None
+        self._last = sampled_tokens(launched, self.model.device) if keep_tokens else None
         return launched
 
     def _input_fill(self, group: list[WorkItem]) -> tuple[InputFill, PendingTokens] | None:
@@ -310,7 +310,7 @@ class TorchExecutor:
         requests = [item.request for item in to_sample]
         on_device = self.decoder.decode_on_device(logits, requests, pending)
         if on_device is not None:  # no host work: tokens (and log probs) stay on the device for now
-            launched.on_device.append((to_sample, on_device, _copy_to_host(on_device.tensors())))
+            launched.on_device.append((to_sample, on_device, copy_to_host(on_device.tensors())))
             return
         beams = [item.beam for item in to_sample]
         decoded: DecodeResult = self.decoder.decode(logits.float(), requests, beams, pending)
@@ -321,7 +321,7 @@ class TorchExecutor:
         log_probs = decoded.log_probs or [None] * len(to_sample)
         tops = decoded.top_log_probs or [None] * len(to_sample)
         rows = zip(to_sample, decoded.tokens, log_probs, tops, strict=True)
-        _take_samples(
+        take_samples(
             result, (r for r in rows if r[0].request.decoding is None or r[0].request.decoding.beam is None)
         )
 
@@ -381,62 +381,6 @@ class TorchExecutor:
     def release(self, request: LlmRequest) -> None:
         self.decoder.release(request.request_id)
         self._prompt_tables.pop(request.request_id, None)
-
-
-@dataclass
-class Launched:
-    """A step queued by :meth:`TorchExecutor.launch`: what is known on the host already, and per forward
-    the items sampled on the device with their tokens there (copied over by ``collect``)."""
-
-    result: ExecutionResult
-    # (items, their tokens and log probs on the device, the host copies under way and the event that
-    # ends them)
-    on_device: list[tuple[list[WorkItem], DeviceDecode, tuple[list[torch.Tensor], Any]]] = field(
-        default_factory=list
-    )
-
-
-def _take_samples(result: ExecutionResult, rows: Iterable[tuple[WorkItem, int, float | None, Any]]) -> None:
-    """Each (item, token, log prob, top log probs) row into ``result``, from the device or the host path."""
-    for item, token, lp, top in rows:
-        result.sampled.append((item, token, lp))
-        if top is not None:
-            result.top_log_probs[item.request.request_id] = top
-
-
-def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-    """Start copying ``tensors`` (a step's tokens, its log probs) to the host right behind the kernels
-    that compute them, so waiting for them later does not also wait for a step launched after (a copy
-    queued then would run after it)."""
-    if tensors[0].device.type != "cuda":
-        return tensors, None
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for h, t in zip(host, tensors, strict=True):
-        h.copy_(t, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
-
-
-def _sampled_tokens(launched: Launched, device: torch.device) -> tuple[torch.Tensor, dict[int, int]]:
-    """Every token ``launched`` sampled, on the device (those decoded on the host copied over), with
-    each request's row; a last row holds 0 for requests that sampled nothing (a fault)."""
-    parts: list[torch.Tensor] = []
-    index: dict[int, int] = {}
-    size = 0
-    host = [
-        (item, token) for item, token, _ in launched.result.sampled if item.kind is not WorkKind.EMPTY_SLOT
-    ]
-    if host:
-        parts.append(to_device([t for _, t in host], torch.long, device))
-        index.update((item.request.request_id, i) for i, (item, _) in enumerate(host))
-        size = len(host)
-    for items, decoded, _ in launched.on_device:
-        parts.append(decoded.tokens.to(torch.long))
-        index.update((item.request.request_id, size + i) for i, item in enumerate(items))
-        size += len(items)
-    parts.append(torch.zeros(1, dtype=torch.long, device=device))
-    return torch.cat(parts), index
 
 
 def _serves(held: CacheLayout | None, wanted: CacheLayout) -> bool:

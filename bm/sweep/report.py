@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bm.compare.regress import read_baseline_document
+from bm.compare.baseline_file import read_baseline_document
 from bm.files import write_whole
 from bm.sweep.runner import ConfigOutcome, SweepPlan
 
