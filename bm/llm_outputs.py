@@ -11,18 +11,9 @@ import time
 from typing import Any
 
 from bm.engine.request import Response
-from bm.engine.stopping import text_before_stop
+from bm.engine.stopping import finished_text
 from bm.llm_params import CompletionOutput, InvalidParameterError, Logprob, RequestOutput, SamplingParams
 from bm.llm_types import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, RequestMetrics
-
-# The engine's finish reasons under the names OpenAI and vLLM use.
-FINISH = {
-    "end_id": "stop",
-    "stop_words": "stop",
-    "length": "length",
-    "cancelled": "cancelled",
-    "error": "error",
-}
 
 
 class OutputBuilder:
@@ -112,16 +103,15 @@ class OutputBuilder:
     def completion(self, index: int, sample: Any, params: SamplingParams) -> CompletionOutput:
         """One sample (a response, or one of its n samples) as vLLM's CompletionOutput."""
         tokens = list(sample.output_ids)
-        reason = FINISH.get(sample.finish_reason.label, sample.finish_reason.label)
-        text = self.decode(tokens, params)
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        stop_reason: int | str | None = None
-        if tokens and reason == "stop" and tokens[-1] in (params.stop_token_ids or ()):
-            stop_reason = tokens[-1]
-        cut = text_before_stop(text, stops)
-        if cut is not None:
-            stop_reason = next(s for s in sorted(stops, key=len) if text.startswith(s, len(cut)))
-            text, reason = cut + (stop_reason if params.include_stop_str_in_output else ""), "stop"
+        finished = finished_text(
+            self.decode(tokens, params),
+            tokens,
+            sample.finish_reason,
+            stops,
+            params.include_stop_str_in_output,
+        )
+        text, reason, stop_reason = finished.text or "", finished.finish_reason, finished.stop_reason
         error = getattr(sample, "error", None) or None
         chosen = sample.output_log_probs
         if params.logprobs is None or chosen is None:

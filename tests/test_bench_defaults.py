@@ -61,7 +61,7 @@ def test_respect_eos_stops_at_the_end_token_and_says_how_many_tokens_short(tmp_p
     assert results["total_output_tokens"] == 3  # one token each: the end token itself
     assert results["requested_output_tokens"] == 15
     assert results["output_tokens_short"] == 12 and results["num_requests_short"] == 3
-    assert results["short_finish_reasons"] == {"end_id": 3}
+    assert results["short_finish_reasons"] == {"stop": 3}
     said = " ".join(result.output.split())
     assert "output fell 12 tokens short of the 15 asked: 3 of 3 completed requests" in said
     assert "--respect-eos" in said

@@ -83,7 +83,7 @@ def test_every_hostile_line_gets_exactly_one_record_naming_its_line_and_no_trace
         record = records[index]
         if expected is None:
             assert record["error"] is None, record
-            assert record["finish_reason"] in ("length", "end_id", "stop")
+            assert record["finish_reason"] in ("length", "stop")
         else:
             assert record["finish_reason"] == "error"
             assert record["error"].startswith(f"line {index + 1}: "), record["error"]

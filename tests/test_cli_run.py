@@ -30,7 +30,7 @@ def test_run_on_the_shipped_sample_writes_one_record_per_line(tmp_path):
     assert sorted(r["index"] for r in records) == list(range(len(lines)))
     assert {r["id"] for r in records} == {line["id"] for line in lines}
     for r in records:
-        assert r["error"] is None and r["finish_reason"] in ("length", "end_id")
+        assert r["error"] is None and r["finish_reason"] in ("length", "stop")
         assert r["num_output_tokens"] == len(r["output_ids"]) > 0
         assert isinstance(r["text"], str)
     stats = read_jsonl(tmp_path / "stats.jsonl")

@@ -296,9 +296,54 @@ def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(ll
 
 
 def test_the_stop_string_found_is_the_first_to_start_and_of_two_starting_there_the_shorter():
-    from bm.engine.stopping import text_before_stop, text_through_stop
+    from bm.engine.stopping import finished_text
+    from bm.scheduling import FinishReason
 
-    assert text_before_stop("say STOP now END", ["END", "STOP"]) == "say "
-    assert text_through_stop("say STOP now END", ["END", "STOP"]) == "say STOP"
-    assert text_through_stop("xaby", ["aby", "ab"]) == "xab"
-    assert text_before_stop("nothing", ["zz"]) is None and text_through_stop("nothing", ["zz"]) is None
+    limit = FinishReason.LENGTH
+    cut = finished_text("say STOP now END", [1], limit, ["END", "STOP"])
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == ("say ", "stop", "STOP")
+    assert (
+        finished_text("say STOP now END", [1], limit, ["END", "STOP"], include_stop_str=True).text
+        == "say STOP"
+    )
+    assert finished_text("xaby", [1], limit, ["aby", "ab"], include_stop_str=True).text == "xab"
+    none = finished_text("nothing", [1], limit, ["zz"])
+    assert (none.text, none.finish_reason, none.stop_reason) == ("nothing", "length", None)
+
+
+def test_bm_run_and_bm_llm_write_one_finish_vocabulary_for_the_same_request(llm, tmp_path):
+    """One request, two front doors: ``bm run``'s record and ``bm.LLM``'s output carry the same text,
+    tokens, ``finish_reason`` (vLLM's words: ``stop``, ``length``) and ``stop_reason`` (the stop
+    string, the stop token, or None), whether a stop string, a stop token or the length ended it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from bm.cli.main import app
+
+    prompt = [5, 6, 7]
+    greedy = llm.generate([prompt], bm.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[
+        0
+    ].outputs[0]
+    text, ids = greedy.text, greedy.token_ids
+    assert len(text) >= 3, "the greedy text is too short to hold a stop string"
+    cases = [
+        {"max_tokens": 6},  # the length
+        {"max_tokens": 6, "stop_token_ids": [ids[2]]},  # a stop token
+        {"max_tokens": 6, "stop": [text[1:3]]},  # a stop string
+    ]
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text("".join(json.dumps({"input_ids": prompt, "temperature": 0, **c}) + "\n" for c in cases))
+    out = tmp_path / "out"
+    args = ["run", str(lines), "--model", "tiny-random", "-o", str(out), "-q", "--set", "model.device=cpu"]
+    result = CliRunner().invoke(app, [*args, "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    records = sorted(
+        (json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()), key=lambda r: r["index"]
+    )
+    for case, record in zip(cases, records, strict=True):
+        ours = llm.generate([prompt], bm.SamplingParams(temperature=0, ignore_eos=True, **case))[0].outputs[0]
+        seen = (record["text"], record["output_ids"], record["finish_reason"], record["stop_reason"])
+        assert seen == (ours.text, list(ours.token_ids), ours.finish_reason, ours.stop_reason), case
+    assert [r["finish_reason"] for r in records] == ["length", "stop", "stop"]
+    assert [r["stop_reason"] for r in records] == [None, ids[2], text[1:3]]

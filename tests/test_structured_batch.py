@@ -126,7 +126,11 @@ def test_bm_lines_take_guided_regex_and_guided_choice(tmp_path):
     records = {
         r["index"]: r for r in map(json.loads, (tmp_path / "o" / "outputs.jsonl").read_text().splitlines())
     }
-    assert records[0]["text"] in ("yes", "no") and records[0]["finish_reason"] == "end_id"
+    assert (
+        records[0]["text"] in ("yes", "no")
+        and records[0]["finish_reason"] == "stop"
+        and records[0]["stop_reason"] is None
+    )
     code = records[1]["text"]
     assert len(code) == 6 and code[:3].isupper() and code[3] == "-" and code[4:].isdigit()
     assert "given twice" in records[2]["error"]

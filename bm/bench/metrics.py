@@ -31,7 +31,7 @@ from bm.workloads.request import Row
 
 PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el", "queue_time")
-OK_REASONS = ("length", "end_id", "stop")
+OK_REASONS = ("length", "stop")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 CANCELLED = FinishReason.CANCELLED.label

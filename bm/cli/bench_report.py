@@ -128,7 +128,7 @@ def latency_table(results: dict[str, Any]) -> Table:
     return table
 
 
-REASON_NAMES = {"end_id": "the end token", "stop": "a stop word", "length": "the length cap"}
+REASON_NAMES = {"stop": "the end token or a stop word", "length": "the length cap"}
 
 
 def shortfall_line(results: dict[str, Any]) -> str | None:

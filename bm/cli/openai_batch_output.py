@@ -21,7 +21,7 @@ from bm.workloads.jsonl import iter_lines
 from bm.workloads.tool_parsers import parse_tool_calls
 from bm.workloads.tools import tool_calls, tool_names
 
-FINISH_REASONS = {"end_id": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "end_id": "stop"}  # end_id: older records
 # bm's field names in an engine error -> the body field the user wrote (an error's ``param``)
 OPENAI_NAMES = {
     "num_return_sequences": "n",
@@ -155,6 +155,15 @@ def error_param(message: str) -> str | None:
     return OPENAI_NAMES.get(head, head) + sep + rest
 
 
+def _ended_on_end_token(sample: dict[str, Any]) -> bool:
+    """``stop`` with no ``stop_reason`` (vLLM's rule: the end token, not a stop string or token); a
+    record of an older bm says ``end_id``."""
+    reason = sample.get("finish_reason")
+    return reason == "end_id" or (
+        reason == "stop" and "stop_reason" in sample and sample["stop_reason"] is None
+    )
+
+
 def _scored_tokens(sample: dict[str, Any], line: BatchLine, decode: Callable[[int], str]):
     """(token text, log prob, top pairs) per generated token, without the end token (the text holds none
     of it); None when log probs were not asked for."""
@@ -163,7 +172,7 @@ def _scored_tokens(sample: dict[str, Any], line: BatchLine, decode: Callable[[in
         return None
     ids = list(sample.get("output_ids", []))
     tops = sample.get("top_log_probs") or [[] for _ in ids]
-    if sample.get("finish_reason") == "end_id" and ids:
+    if _ended_on_end_token(sample) and ids:
         ids, log_probs, tops = ids[:-1], log_probs[: len(ids) - 1], tops[: len(ids) - 1]
     return [
         (decode(t), lp, [(decode(int(tok)), v) for tok, v in top])

@@ -18,7 +18,8 @@ from bm.cli.diskspace import NoRoomError, check_free_space
 from bm.files import file_digest
 from bm.workloads.jsonl import iter_lines
 
-FINAL_REASONS = ("end_id", "stop", "length")
+# end_id: the end token, as records written before finish reasons took bm.LLM's words say
+FINAL_REASONS = ("stop", "length", "end_id")
 RUN_FILES = (
     "outputs.jsonl",
     "stats.jsonl",

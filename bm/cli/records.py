@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bm.engine.request import Response, SampleOutput
-from bm.engine.stopping import text_before_stop
+from bm.engine.stopping import finished_text
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
 from bm.workloads.tool_parsers import parse_tool_calls
@@ -23,10 +23,15 @@ if TYPE_CHECKING:  # the records need no torch
     from bm.runtime import LoadedModel
 
 
-def cut_at_stop(row: Row, text: str, reason: str) -> tuple[str, str]:
-    """Stop strings end the text before them, as in OpenAI's API (the finish reason becomes ``stop``)."""
-    cut = text_before_stop(text, row.stop)
-    return (text, reason) if cut is None else (cut, FinishReason.STOP_WORDS.label)
+def sequence_fields(row: Row, output_ids: list[int], reason: FinishReason, tokenizer: Any) -> dict[str, Any]:
+    """A finished sequence's ``text`` (decoded, cut before a stop string as OpenAI's API cuts it; absent
+    without a tokenizer), ``finish_reason`` and ``stop_reason``: what ``bm.LLM`` returns for the same
+    request (:func:`bm.engine.stopping.finished_text`, the one rule for both)."""
+    text = tokenizer.decode(output_ids) if tokenizer is not None else None
+    finished = finished_text(text, output_ids, reason, row.stop)
+    fields: dict[str, Any] = {} if finished.text is None else {"text": finished.text}
+    fields.update(finish_reason=finished.finish_reason, stop_reason=finished.stop_reason)
+    return fields
 
 
 def top_log_probs(values: list[list[tuple[int, float]]] | None) -> list[list[list[float]]] | None:
@@ -39,10 +44,8 @@ def top_log_probs(values: list[list[tuple[int, float]]] | None) -> list[list[lis
 def sample_record(row: Row, sample: SampleOutput, tokenizer: Any) -> dict[str, Any]:
     """One entry of a record's ``samples``: the sample's own tokens, text and finish reason."""
     entry: dict[str, Any] = {"index": sample.index}
-    reason = sample.finish_reason.label
-    if tokenizer is not None:
-        entry["text"], reason = cut_at_stop(row, tokenizer.decode(sample.output_ids), reason)
-    entry.update(output_ids=sample.output_ids, num_output_tokens=len(sample.output_ids), finish_reason=reason)
+    finished = sequence_fields(row, sample.output_ids, sample.finish_reason, tokenizer)
+    entry.update(output_ids=sample.output_ids, num_output_tokens=len(sample.output_ids), **finished)
     if sample.output_log_probs is not None:
         entry["output_log_probs"] = sample.output_log_probs
     if sample.output_top_log_probs is not None:
@@ -71,7 +74,8 @@ def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> di
         "text": "",
         "output_ids": [],
         "num_output_tokens": 0,
-        "finish_reason": "error",
+        "finish_reason": FinishReason.ERROR.label,
+        "stop_reason": None,
         "error": None,
     }
 
@@ -103,9 +107,9 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
         "id": row.user_id,
         "num_prompt_tokens": row.num_prompt_tokens,
     }
-    reason = result.finish_reason.label
-    if loaded.tokenizer is not None:
-        record["text"], reason = cut_at_stop(row, loaded.tokenizer.decode(result.output_ids), reason)
+    finished = sequence_fields(row, result.output_ids, result.finish_reason, loaded.tokenizer)
+    if "text" in finished:
+        record["text"] = finished.pop("text")
         if row.tool_call:  # tool_choice forced a call: the record carries it parsed, as OpenAI's message does
             record["tool_calls"] = tool_calls(record["text"], f"call_bm_{row.index}")
         elif row.tool_parser is not None:  # tool_choice auto: the calls the reply holds, None for text
@@ -116,7 +120,7 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
     record.update(
         output_ids=result.output_ids,
         num_output_tokens=len(result.output_ids),
-        finish_reason=reason,
+        **finished,
         error=None,
     )
     log_probs = result.output_log_probs
@@ -168,6 +172,7 @@ def cancelled_record(row: Row) -> dict[str, Any]:
         "output_ids": [],
         "num_output_tokens": 0,
         "finish_reason": FinishReason.CANCELLED.label,
+        "stop_reason": None,
         "error": None,
         "text": "",
     }
@@ -179,6 +184,7 @@ SAMPLE_KEYS = (
     "output_ids",
     "num_output_tokens",
     "finish_reason",
+    "stop_reason",
     "output_log_probs",
     "top_log_probs",
 )
@@ -209,7 +215,7 @@ def joined_record(parts: list[dict[str, Any]]) -> dict[str, Any]:
     prompt order, each numbered as OpenAI numbers its choices (prompt x n + sample) with its
     ``prompt_index``; token counts are sums; the record's own fields are the first sample's. A line one of
     whose prompts failed or was cancelled ends so as a whole (a resume runs all of it again)."""
-    for reason in ("error", FinishReason.CANCELLED.label):
+    for reason in (FinishReason.ERROR.label, FinishReason.CANCELLED.label):
         bad = next((r for r in parts if r["finish_reason"] == reason), None)
         if bad is not None:
             return bad

@@ -1,6 +1,9 @@
-"""Why a request stops after a token: its end id, a stop word, or its length. Pure Python."""
+"""Why a request stops after a token: its end id, a stop word, or its length; and how a finished
+sequence reads back, the same for ``bm run``'s records and ``bm.LLM``'s outputs. Pure Python."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from bm.scheduling import FinishReason, LlmRequest
 from bm.scheduling.request import NOT_FINISHED
@@ -8,18 +11,34 @@ from bm.scheduling.request import NOT_FINISHED
 END_ID, STOP_WORDS, LENGTH = FinishReason.END_ID, FinishReason.STOP_WORDS, FinishReason.LENGTH
 
 
-def text_before_stop(text: str, stops: list[str]) -> str | None:
-    """The text before the first stop string in it, or None when none occurs: stop strings end the text
-    before them, as in OpenAI's API. One rule for ``bm run``'s records and ``bm.LLM``'s outputs."""
-    found = _first_stop(text, stops)
-    return text[: found[0]] if found is not None else None
+@dataclass(frozen=True)
+class FinishedText:
+    """A finished sequence as the user reads it: its text (None without a tokenizer), its finish reason
+    in the one vocabulary both front doors write (:attr:`FinishReason.label`: ``stop``, ``length``,
+    ``cancelled``, ``error``, ...), and vLLM's ``stop_reason``: the stop string that ended the text, the
+    token that completed a stop word (``stop_token_ids``), or None (the end token, or a limit)."""
+
+    text: str | None
+    finish_reason: str
+    stop_reason: int | str | None
 
 
-def text_through_stop(text: str, stops: list[str]) -> str | None:
-    """The text up to and including the first stop string in it (vLLM's ``include_stop_str_in_output``),
-    or None when none occurs; the same stop as :func:`text_before_stop` finds."""
-    found = _first_stop(text, stops)
-    return text[: found[0] + len(found[1])] if found is not None else None
+def finished_text(
+    text: str | None,
+    output_ids: list[int],
+    reason: FinishReason,
+    stops: list[str],
+    include_stop_str: bool = False,
+) -> FinishedText:
+    """``text`` (the decoded ``output_ids``) cut before the first stop string in it, as OpenAI's API and
+    vLLM cut it (through it with ``include_stop_str``), and why the sequence ended. One rule for
+    ``bm run``'s records and ``bm.LLM``'s outputs."""
+    stop_reason: int | str | None = output_ids[-1] if reason is STOP_WORDS and output_ids else None
+    word = reason.label
+    if text is not None and (found := _first_stop(text, stops)) is not None:
+        where, stop = found
+        text, word, stop_reason = text[: where + (len(stop) if include_stop_str else 0)], "stop", stop
+    return FinishedText(text, word, stop_reason)
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

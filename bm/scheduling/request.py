@@ -46,7 +46,9 @@ class FinishReason(IntEnum):
 
     @property
     def label(self) -> str:
-        """The short name written to outputs.jsonl (``end_id``, ``stop``, ``length``, ...)."""
+        """The one name users read, in ``bm run``'s records and ``bm.LLM``'s outputs alike: vLLM's and
+        OpenAI's words where they have one (``stop`` for the end token and for a stop word, ``length``),
+        else bm's (``cancelled``, ``error``, ``timed_out``)."""
         return _LABELS[self]
 
 
@@ -54,7 +56,7 @@ NOT_FINISHED = FinishReason.NOT_FINISHED
 
 _LABELS = {
     FinishReason.NOT_FINISHED: "not_finished",
-    FinishReason.END_ID: "end_id",
+    FinishReason.END_ID: "stop",
     FinishReason.STOP_WORDS: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.TIMED_OUT: "timed_out",
