@@ -1,5 +1,5 @@
 """Where a named model's file lives (``model.preset``), found without torch: ``bm run --resume`` digests
-that file before anything loads (:mod:`bm.cli.model_files`), and importing :mod:`bm.runtime` costs
+that file before anything loads (:mod:`bm.runfiles.model_files`), and importing :mod:`bm.runtime` costs
 seconds. :mod:`bm.runtime.presets` turns the file into a checkpoint."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from bm.cli.main import app
-from bm.cli.outdir import COMPARE_FILES, OutDirError, check_baseline_kept
 from bm.cli.sweep import SWEEP_FILES
+from bm.runfiles.outdir import COMPARE_FILES, OutDirError, check_baseline_kept
 from tests.conftest import compare_dataset
 from tests.test_sweep import SLO_FLAGS, base_overrides
 

@@ -24,11 +24,11 @@ from bm.bench.simulated import load_sim_model
 from bm.cli.bench_report import bench_progress, replay_eta, tick
 from bm.cli.journal import FileJournal
 from bm.cli.main import app
-from bm.cli.outlock import LOCK_NAME
 from bm.cli.progress import PlainProgress, eta_s, format_duration, progress_line
 from bm.compare.runner import run_compare
 from bm.compare.variants import plan_variants
 from bm.config import load_config
+from bm.runfiles.outlock import LOCK_NAME
 from bm.workloads import Row, arrival_times, load_workload
 from tests.conftest import make_config
 from tests.hang import HANG_S

@@ -155,8 +155,8 @@ def test_openai_batch_input_gets_batch_output_in_openais_schema(tmp_path):
 
 
 def test_an_interrupted_batch_line_reports_a_cancelled_error():
-    from bm.cli.openai_batch import BatchLine
-    from bm.cli.openai_batch_output import batch_output_line
+    from bm.runfiles.openai_batch import BatchLine
+    from bm.runfiles.openai_batch_output import batch_output_line
     from bm.workloads.request import Row
 
     line = BatchLine(Row.at_line(1), custom_id="a")

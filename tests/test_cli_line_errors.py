@@ -8,8 +8,8 @@ import json
 from typer.testing import CliRunner
 
 from bm.cli.main import app
-from bm.cli.openai_batch import BatchLine, iter_batch_file
-from bm.cli.openai_batch_output import batch_output_line
+from bm.runfiles.openai_batch import BatchLine, iter_batch_file
+from bm.runfiles.openai_batch_output import batch_output_line
 from bm.workloads.jsonl import read_request_file
 from bm.workloads.request import Row
 

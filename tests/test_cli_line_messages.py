@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from bm.cli.prompts import Codec, to_request
-from bm.cli.source import PromptsFileError, open_prompts
+from bm.runfiles.prompts import Codec, to_request
+from bm.runfiles.source import PromptsFileError, open_prompts
 from bm.workloads.jsonl import read_request_file
 from tests.conftest import REPO
 from tests.hang import HANG_S
@@ -186,7 +186,7 @@ def test_a_long_prompt_of_few_tokens_is_tokenized_whole_and_runs(tmp_path):
 
 
 def test_the_engines_length_error_names_the_field_the_line_used(tmp_path):
-    from bm.cli.records import in_line_terms
+    from bm.runfiles.records import in_line_terms
 
     message = "input_ids: the prompt has 9000 tokens, longer than the model's maximum of 2048"
     text = row_of(tmp_path, {"prompt": "x"})

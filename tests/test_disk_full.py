@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import bm.cli.diskspace as diskspace
 import bm.cli.main as main_module
-import bm.cli.writers as writers_module
-from bm.cli.identity import write_run_identity
+import bm.runfiles.diskspace as diskspace
+import bm.runfiles.writers as writers_module
 from bm.cli.main import app
+from bm.runfiles.identity import write_run_identity
 from tests.test_whole_lines import DEV_FULL, Disk, whole_lines
 
 runner = CliRunner()

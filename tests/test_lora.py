@@ -224,7 +224,7 @@ def test_max_bytes_bounds_the_loaded_adapters_and_an_adapter_too_large_is_refuse
 
 
 def test_jsonl_lora_dir_becomes_the_seed_form_with_a_task_id_from_the_directory(tmp_path, adapters):
-    from bm.cli.prompts import read_prompt_lines
+    from bm.runfiles.prompts import read_prompt_lines
 
     path, _ = adapters[1]
     lines = tmp_path / "prompts.jsonl"

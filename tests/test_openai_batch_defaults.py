@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from bm.cli.main import app
-from bm.cli.openai_batch import iter_batch_file
-from bm.cli.served_models import ServedModels
 from bm.config import ConfigError, ModelConfig, load_config
+from bm.runfiles.openai_batch import iter_batch_file
+from bm.runfiles.served_models import ServedModels
 from bm.workloads.jsonl import iter_request_file
 from tests.conftest import hf_greedy, reference_model
 

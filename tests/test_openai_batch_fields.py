@@ -115,7 +115,7 @@ def test_a_completions_prompt_list_gets_one_response_with_a_choice_per_prompt_an
 
 
 def test_a_prompt_lists_line_ends_cancelled_or_failed_as_a_whole_when_one_prompt_does():
-    from bm.cli.records import LineParts
+    from bm.runfiles.records import LineParts
     from bm.workloads.request import Row
 
     def part(p: int) -> Row:

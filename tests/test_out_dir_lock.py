@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bm.cli import outlock
 from bm.cli.main import app
-from bm.cli.outdir import BENCH_FILES, COMPARE_FILES, RUN_FILES, OutDirError, prepare_out_dir
 from bm.cli.sweep import SWEEP_FILES
+from bm.runfiles import outlock
+from bm.runfiles.outdir import BENCH_FILES, COMPARE_FILES, RUN_FILES, OutDirError, prepare_out_dir
 from tests.conftest import REPO
 from tests.hang import HANG_S
 
 runner = CliRunner()
 HOLD = (
-    "import sys; from pathlib import Path; from bm.cli.outlock import acquire\n"
+    "import sys; from pathlib import Path; from bm.runfiles.outlock import acquire\n"
     "acquire(Path(sys.argv[1])); print('locked', flush=True); sys.stdin.read()\n"
 )
 
@@ -143,7 +143,7 @@ def test_two_concurrent_runs_into_one_directory_one_is_refused_naming_the_other(
 
 
 FORK = (
-    "import os, sys; from pathlib import Path; from bm.cli.outlock import acquire\n"
+    "import os, sys; from pathlib import Path; from bm.runfiles.outlock import acquire\n"
     "acquire(Path(sys.argv[1]))\n"
     "if os.fork() == 0:\n"  # a worker that outlives its parent; it says so once its fork has returned
     "    print('child', flush=True); sys.stdin.read(); os._exit(0)\n"

@@ -18,14 +18,7 @@ DOC = PACKAGE.parent / "docs" / "internals.md"
 
 # Upward edges not yet untangled, each with why it is still there. An entry that no longer occurs fails
 # the test below, so the allowance goes with the fix.
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("bm.ray", "bm.cli"): (
-        "bm.ray (bm run --ray, bm.ray.run_batch) reuses bm run's file machinery, which lives in bm.cli "
-        "(records, openai_batch, writers, outdir, outlock, identity, source, prompts, run, chat, "
-        "diskspace, interrupts, progress, model_files); bm.cli.main dispatches --ray to bm.ray. The fix "
-        "moves that machinery to a package below bm.ray."
-    ),
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def package_order(text: str) -> list[str]:

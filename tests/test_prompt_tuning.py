@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bm.batch_manager import InferenceRequest, generate
-from bm.cli.prompts import read_prompt_lines
+from bm.runfiles.prompts import read_prompt_lines
 from tests.conftest import make_config
 
 REUSE = {"max_tokens": 4096, "tokens_per_block": 8, "enable_block_reuse": True}

@@ -12,9 +12,6 @@ import types
 
 import pytest
 
-from bm.cli.identity import check_resume_mode
-from bm.cli.openai_batch import IgnoredFieldNotices, iter_batch_file
-from bm.cli.outdir import OutDirError
 from bm.parallel.layout import ParallelError
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
@@ -27,6 +24,9 @@ from bm.ray.blocks import (  # fmt: skip
     read_bytes,
 )
 from bm.ray.placement import replica_layout
+from bm.runfiles.identity import check_resume_mode
+from bm.runfiles.openai_batch import IgnoredFieldNotices, iter_batch_file
+from bm.runfiles.outdir import OutDirError
 from bm.workloads.jsonl import iter_request_file
 from tests.conftest import REPO
 from tests.hang import HANG_S

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 import bm
-from bm.cli.identity import NOT_IN_DIGEST, run_identity, run_options
 from bm.cli.main import app
+from bm.runfiles.identity import NOT_IN_DIGEST, run_identity, run_options
 from tests.conftest import REPO, make_config
 
 runner = CliRunner()

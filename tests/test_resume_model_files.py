@@ -12,9 +12,9 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-import bm.cli.model_files as model_files_module
+import bm.runfiles.model_files as model_files_module
 from bm.cli.main import app
-from bm.cli.model_files import adapter_dirs, model_files, model_files_change
+from bm.runfiles.model_files import adapter_dirs, model_files, model_files_change
 from tests.conftest import REPO, make_config
 
 runner = CliRunner()

@@ -230,7 +230,7 @@ def test_shipped_tools_batch_files_run_auto_with_the_template_that_teaches_smoll
     from pathlib import Path
 
     from bm.chat_template import jinja_renderer
-    from bm.cli.openai_batch import iter_batch_file
+    from bm.runfiles.openai_batch import iter_batch_file
 
     root = Path(__file__).resolve().parent.parent / "datasets" / "tools"
     template = (root / "chatml-tools.jinja").read_text()

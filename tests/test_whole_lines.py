@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import bm.cli.journal as journal_module
-import bm.cli.writers as writers_module
+import bm.runfiles.writers as writers_module
 from bm.cli.journal import FileJournal
-from bm.cli.writers import JsonlWriter
 from bm.files import append_whole, trim_torn_tail, write_whole
+from bm.runfiles.writers import JsonlWriter
 from bm.sweep.runner import PointStore
 
 DEV_FULL = Path("/dev/full")

@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from bm.cli.bench_options import MODEL, RUN, resolve_config, with_shared_options  # compare, sweep: too
-from bm.cli.errors import print_error
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.interrupts import Interrupts
 from bm.config import BmConfig, ConfigError, ModelConfig, resolve_engine
+from bm.runfiles.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -45,8 +45,8 @@ def bench(
 ) -> None:  # fmt: skip
     """Replay DATASET's requests at their arrival times through the batch manager; report throughput,
     latency (vllm bench serve's metric names) and the batch manager's figures."""
-    from bm.cli.outdir import BENCH_FILES, OutDirError, prepare_out_dir
     from bm.distributed.cli import end_ranks, start_ranks
+    from bm.runfiles.outdir import BENCH_FILES, OutDirError, prepare_out_dir
 
     flags = {**locals(), **shared}
     try:
@@ -77,7 +77,7 @@ def bench(
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    """The error on standard error (bm.cli.errors), exit code 2; ``console`` is kept for callers."""
+    """The error on standard error (bm.runfiles.stderr), exit code 2; ``console`` is kept for callers."""
     print_error(message)
     return typer.Exit(code=USAGE)
 
@@ -188,7 +188,7 @@ def _read_dataset(bench: Any, model: ModelConfig | None = None) -> Workload:
     OpenAI batch line's ``body.model`` and gives its sampling defaults as in ``bm run``."""
     from dataclasses import replace
 
-    from bm.cli.source import PromptsFileError, open_dataset
+    from bm.runfiles.source import PromptsFileError, open_dataset
     from bm.workloads import DatasetError, detect_kind, read_workload
 
     if bench.dataset is None or bench.dataset_kind == "synthetic":
@@ -208,8 +208,8 @@ def _read_dataset(bench: Any, model: ModelConfig | None = None) -> Workload:
                 "it uncompressed (e.g. zcat data.jsonl.gz > data.jsonl) and give that path"
             )
         if kind == "openai-batch" and path.is_file():
-            from bm.cli.openai_batch import IgnoredFieldNotices, load_batch_workload
-            from bm.cli.served_models import ANY_MODEL, ServedModels
+            from bm.runfiles.openai_batch import IgnoredFieldNotices, load_batch_workload
+            from bm.runfiles.served_models import ANY_MODEL, ServedModels
 
             served = ServedModels.of(model) if model is not None else ANY_MODEL
             workload = load_batch_workload(path, bench.output_len, served, IgnoredFieldNotices())
@@ -229,7 +229,7 @@ def _read_dataset(bench: Any, model: ModelConfig | None = None) -> Workload:
 def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedModel, Workload] | None:
     """Load the model, then the dataset with its tokenizer, and say what was read (skipped and failing
     rows included); on a bad model or dataset print the error and return None (exit code 2)."""
-    from bm.cli.chat import ChatTemplateError
+    from bm.runfiles.chat import ChatTemplateError
     from bm.workloads import DatasetError, load_workload
 
     try:
@@ -262,7 +262,7 @@ def load_model_and_workload(cfg: BmConfig, console: Console) -> tuple[LoadedMode
         tokenizer = loaded.tokenizer
         render_chat = None
         if tokenizer is not None:  # chat rows render as bm run renders them (its codec)
-            from bm.cli.prompts import codec_for
+            from bm.runfiles.prompts import codec_for
 
             render_chat = codec_for(loaded, template).render_chat
         workload = load_workload(
@@ -296,7 +296,7 @@ def _chat_template(path: str | None) -> str | None:
     """The text of ``--chat-template`` (bench.chat_template), read and checked as bm run checks its own."""
     if path is None:
         return None
-    from bm.cli.chat import read_chat_template
+    from bm.runfiles.chat import read_chat_template
 
     return read_chat_template(Path(path))
 

@@ -35,13 +35,13 @@ from bm.cli.compare_gate import (
     start_worker,
     worker_ready,
 )
-from bm.cli.errors import print_error
 from bm.cli.exit_codes import NOT_JUDGED
 from bm.cli.help import silence_progress_bars
 from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupts
-from bm.cli.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
 from bm.compare.baseline_file import read_baseline_document
 from bm.config import BmConfig, ConfigError
+from bm.runfiles.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
+from bm.runfiles.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.compare.expr import Assertion

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from bm.cli.errors import print_error
 from bm.cli.exit_codes import FAILED, NOT_JUDGED, OK
 from bm.compare.identity import gate_identity, identity_differences, refusal
 from bm.config import BmConfig, ConfigError
+from bm.runfiles.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.compare.pairing import BaselineWorker
@@ -36,7 +36,7 @@ TIME_LIMIT_S = 300.0
 
 def dataset_sha256(cfg: BmConfig) -> str | None:
     """The digest of the dataset file the run reads (None for synthetic data, a directory or a pipe)."""
-    from bm.cli.outdir import file_digest
+    from bm.runfiles.outdir import file_digest
 
     path = Path(cfg.bench.dataset) if cfg.bench.dataset else None
     if path is None or cfg.bench.dataset_kind == "synthetic" or not path.is_file():

@@ -71,8 +71,9 @@ def _main() -> None:
 
             if not is_disk_full(exc):
                 raise
-            from bm.cli.errors import disk_full_message, print_error
+            from bm.cli.errors import disk_full_message
             from bm.cli.exit_codes import FAILED
+            from bm.runfiles.stderr import print_error
 
             print_error(disk_full_message(exc, None))
             sys.exit(FAILED)

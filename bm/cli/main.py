@@ -11,7 +11,6 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from bm.cli.errors import print_error
 from bm.cli.exit_codes import FAILED, NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.help import CompactHelp, silence_progress_bars
 from bm.cli.interrupts import Interrupts
@@ -25,8 +24,9 @@ from bm.cli.run_inputs import (
     read_template,
     run_seed_of,
 )
-from bm.cli.source import open_prompts
 from bm.config import ConfigError, config_reference
+from bm.runfiles.source import open_prompts
+from bm.runfiles.stderr import print_error
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -244,8 +244,8 @@ def _run(
     from rich.markup import escape
 
     from bm.cli.run import RunOptions, run_prompts
-    from bm.cli.run_summary import resume_command, summary_table
     from bm.parallel.layout import ParallelError
+    from bm.runfiles.run_summary import resume_command, summary_table
     from bm.runtime import KVCacheSizeError, ModelLoadError, UnsupportedAttentionError
 
     try:
@@ -263,7 +263,7 @@ def _run(
             run_seed=run_seed,
         )
         if ray:
-            from bm.ray.cli import run_with_ray
+            from bm.cli.ray_run import run_with_ray
 
             ray_flags = (replicas, replica_threads, block_lines, ray_tries, tensor_parallel, rank_timeout)
             summary = run_with_ray(options, cfg, out, console, interrupts, *ray_flags)

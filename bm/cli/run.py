@@ -21,19 +21,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column
 
 import bm
-from bm.cli.identity import model_named, run_identity, run_options, write_run_identity
 from bm.cli.interrupts import Interrupted, Interrupts
-from bm.cli.outdir import iter_final_records
 from bm.cli.progress import PlainProgress, eta_s, format_duration
-from bm.cli.prompts import codec_for, to_requests
-from bm.cli.records import LineParts, cancelled_record, output_record, write_logits
-from bm.cli.run_summary import RunSummary, count_record
-from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.engine.request import error_response
 from bm.files import replacing, write_whole
 from bm.llm import LLM, Session
 from bm.parallel import parallel_info
+from bm.runfiles.identity import model_named, run_identity, run_options, write_run_identity
+from bm.runfiles.outdir import iter_final_records
+from bm.runfiles.prompts import codec_for, to_requests
+from bm.runfiles.records import LineParts, cancelled_record, output_record, write_logits
+from bm.runfiles.run_summary import RunSummary, count_record
+from bm.runfiles.writers import JsonlWriter
 from bm.runtime import LoadedModel
 from bm.runtime.native import runtime_info
 from bm.workloads.request import Row
@@ -273,7 +273,7 @@ class _Run:
     def open_batch(self, batch_lines: dict[int, Any], keep: set[int] | None, model: str) -> None:
         """Write ``batch_output.jsonl`` beside the records (``keep``: the indexes a resume carries over;
         ``model``: the base model's first served name, echoed where a line's body names none)."""
-        from bm.cli.openai_batch_output import BatchOutput, token_decoder
+        from bm.runfiles.openai_batch_output import BatchOutput, token_decoder
 
         tokenizer = getattr(self.loaded, "tokenizer", None)  # no model: a load cut short by a signal
         self.batch = BatchOutput(self.out_dir, model, token_decoder(tokenizer), keep)
@@ -289,7 +289,7 @@ class _Run:
 
     def finish(self, row: Row, record: dict[str, Any]) -> None:
         """The record of an in-flight request (``row``): written, or held until the other prompts of its
-        line have theirs (:class:`~bm.cli.records.LineParts`)."""
+        line have theirs (:class:`~bm.runfiles.records.LineParts`)."""
         whole = self.parts.add(row, record)
         if whole is not None:
             self.write(whole)

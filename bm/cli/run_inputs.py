@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from bm.cli.source import PromptsSource
 from bm.config import BmConfig, ConfigError, load_config, model_override, parse_override
+from bm.runfiles.source import PromptsSource
 
 
 def build_config(
@@ -60,7 +60,7 @@ def read_template(path: Path | None) -> str | None:
     the load (None: the tokenizer's own template)."""
     if path is None:
         return None
-    from bm.cli.chat import read_chat_template
+    from bm.runfiles.chat import read_chat_template
 
     return read_chat_template(path)
 
@@ -75,9 +75,10 @@ def check_tool_call_parser(name: str | None) -> None:
 def prepare_run_out_dir(
     out: Path, resume: bool, overwrite: bool, source: PromptsSource, max_tokens: int
 ) -> None:
-    """-o checked and locked, with room for the run's records (bm.cli.diskspace), before the model loads."""
-    from bm.cli.diskspace import run_output_bytes
-    from bm.cli.outdir import prepare_out_dir
+    """-o checked and locked, with room for the run's records (bm.runfiles.diskspace), before the model
+    loads."""
+    from bm.runfiles.diskspace import run_output_bytes
+    from bm.runfiles.outdir import prepare_out_dir
 
     needed = run_output_bytes(source.path, max_tokens, out, resume)
     prepare_out_dir(
@@ -87,8 +88,8 @@ def prepare_run_out_dir(
 
 def run_seed_of(out: Path, given: int | None, resume: bool) -> int | None:
     """The run's seed: ``--seed``, or on ``--resume`` the one the records were written with, so that a
-    resumed run samples as the first one did (bm.cli.identity)."""
-    from bm.cli.identity import run_seed_for
+    resumed run samples as the first one did (bm.runfiles.identity)."""
+    from bm.runfiles.identity import run_seed_for
 
     return run_seed_for(out, given, resume)
 
@@ -106,7 +107,7 @@ def check_resume(
 ) -> None:
     """``--resume`` into records of another model, config, run options or run seed is refused
     (docs/resume.md), and so is a resume that changes whether the run goes on Ray."""
-    from bm.cli.identity import (
+    from bm.runfiles.identity import (
         check_resume_mode,
         check_run_identity,
         run_identity,
@@ -130,11 +131,11 @@ EMBEDDED_NOTE = (
 
 def read_requests(prompts: Path, cfg: BmConfig) -> tuple[Iterable, dict | None]:
     """The parsed lines, read as the run asks for them, and for an OpenAI batch file a dict that holds each
-    line's :class:`~bm.cli.openai_batch.BatchLine` from when it is read until its output line is written
+    line's :class:`~bm.runfiles.openai_batch.BatchLine` from when it is read until its output line is written
     (``None`` for bm's own format). A batch line's ``body.model`` is routed by ``cfg``'s served names and
-    adapters (:class:`~bm.cli.served_models.ServedModels`)."""
-    from bm.cli.openai_batch import IgnoredFieldNotices, is_batch_file, iter_batch_file
-    from bm.cli.served_models import ServedModels
+    adapters (:class:`~bm.runfiles.served_models.ServedModels`)."""
+    from bm.runfiles.openai_batch import IgnoredFieldNotices, is_batch_file, iter_batch_file
+    from bm.runfiles.served_models import ServedModels
     from bm.workloads.jsonl import iter_request_file
 
     if not is_batch_file(prompts):

@@ -28,10 +28,10 @@ from bm.cli.bench import (
     resolve_config,
     with_shared_options,
 )
-from bm.cli.errors import print_error
 from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupted, Interrupts
-from bm.cli.outdir import OutDirError, prepare_out_dir
 from bm.config import BmConfig, ConfigError, resolve_engine
+from bm.runfiles.outdir import OutDirError, prepare_out_dir
+from bm.runfiles.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.compare.expr import Assertion

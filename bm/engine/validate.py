@@ -175,7 +175,7 @@ def check_prompt_length(
 ) -> None:
     """The one verdict on a prompt's length: more tokens than ``max_seq_len`` (which ``setting`` names)
     is refused. ``at_least``: ``num_tokens`` is a lower bound, counted on a prefix of a text too long to
-    tokenize whole (:mod:`bm.cli.prompts`)."""
+    tokenize whole (:mod:`bm.runfiles.prompts`)."""
     if num_tokens > max_seq_len:
         count = f"at least {num_tokens}" if at_least else str(num_tokens)
         raise RequestError(

@@ -19,8 +19,12 @@ from typing import Any
 from rich.console import Console
 
 import bm
-from bm.cli.diskspace import run_output_bytes
-from bm.cli.identity import (
+from bm.config import BmConfig
+from bm.files import write_whole
+from bm.ray.driver import DEFAULT_BLOCK_LINES, DEFAULT_RANK_TIMEOUT_S, DEFAULT_TRIES, RayOptions, run_blocks
+from bm.ray.replica import LineOptions
+from bm.runfiles.diskspace import run_output_bytes
+from bm.runfiles.identity import (
     check_resume_mode,
     check_run_identity,
     model_named,
@@ -30,14 +34,10 @@ from bm.cli.identity import (
     saved_identity,
     write_run_identity,
 )
-from bm.cli.outdir import prepare_out_dir
-from bm.cli.outlock import release
-from bm.cli.run_summary import RunSummary, count_record
-from bm.cli.source import PromptsSource, open_prompts
-from bm.config import BmConfig
-from bm.files import write_whole
-from bm.ray.driver import DEFAULT_BLOCK_LINES, DEFAULT_RANK_TIMEOUT_S, DEFAULT_TRIES, RayOptions, run_blocks
-from bm.ray.replica import LineOptions
+from bm.runfiles.outdir import prepare_out_dir
+from bm.runfiles.outlock import release
+from bm.runfiles.run_summary import RunSummary, count_record
+from bm.runfiles.source import PromptsSource, open_prompts
 
 
 def run_batch(
@@ -75,11 +75,11 @@ def run_batch(
     retry and of resume) and ``tries`` (runs of a block before its lines are tried one by one) as
     ``bm run --ray``'s; ``tensor_parallel_size`` (each replica's model split over that many ranks, as
     ``--tensor-parallel``: a checkpoint directory as ``model``) and ``rank_timeout`` (seconds, as
-    ``--rank-timeout``). Raises ``ValueError`` (an :class:`~bm.cli.outdir.OutDirError`, a
-    :class:`~bm.cli.source.PromptsFileError`, a :class:`~bm.chat_template.ChatTemplateError` or an
+    ``--rank-timeout``). Raises ``ValueError`` (an :class:`~bm.runfiles.outdir.OutDirError`, a
+    :class:`~bm.runfiles.source.PromptsFileError`, a :class:`~bm.chat_template.ChatTemplateError` or an
     :class:`~bm.llm_params.InvalidParameterError`) for what cannot run, before any replica starts."""
-    from bm.cli.chat import read_chat_template
     from bm.llm_config import build_config
+    from bm.runfiles.chat import read_chat_template
 
     cfg = build_config(model, config, engine_options)
     out = Path(out_dir)

@@ -21,11 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.openai_batch import IgnoredFieldNotices, iter_batch_file, iter_batch_slice, note_ignored_fields
-from bm.cli.openai_batch_output import BatchOutput
-from bm.cli.outdir import FINAL_REASONS
-from bm.cli.served_models import ANY_MODEL, ServedModels
 from bm.files import replacing, replacing_text
+from bm.runfiles.openai_batch import (
+    IgnoredFieldNotices,
+    iter_batch_file,
+    iter_batch_slice,
+    note_ignored_fields,
+)
+from bm.runfiles.openai_batch_output import BatchOutput
+from bm.runfiles.outdir import FINAL_REASONS
+from bm.runfiles.served_models import ANY_MODEL, ServedModels
 from bm.workloads.json_lines import split_lines
 from bm.workloads.jsonl import iter_request_file, iter_request_slice
 from bm.workloads.request import Row
@@ -110,7 +115,7 @@ def block_rows(
 ) -> Iterator[Row]:
     """The checked rows of ``block`` (its bytes ``data``; ``base``: the file's directory), read as bm
     request lines or, for an OpenAI batch file (``batch``), as batch lines by the one-process reader's
-    parser (bm.cli.openai_batch). ``verdicts`` (index -> error) are the whole file's reader's, which
+    parser (bm.runfiles.openai_batch). ``verdicts`` (index -> error) are the whole file's reader's, which
     alone sees an id repeated on another block's line; they win over the slice's own. ``served``: what a
     batch line's ``body.model`` may name (the replica's config)."""
     if batch:
@@ -133,7 +138,7 @@ def file_verdicts(
     the validator every ``bm run`` uses (bm.workloads.jsonl): the lines that cannot run, and the
     duplicate ids only a reader of the whole file can find. Empty for an OpenAI batch file (``batch``):
     its one whole-file check, duplicate custom ids, refuses the file before the run starts
-    (bm.cli.source.check_runnable), and every other verdict is the line's own. With ``notices``, a batch
+    (bm.runfiles.source.check_runnable), and every other verdict is the line's own. With ``notices``, a batch
     file's pass (lines routed by ``served``) says each body field bm ignores, once per name, as a
     one-process run does while it reads: the driver runs this before any replica starts, and the
     replicas, which read their own blocks, say nothing of it."""
@@ -227,9 +232,9 @@ def assemble(
 class BatchOutputLines:
     """``batch_output.jsonl`` of a run over an OpenAI batch file, written by the driver from the records
     as ``outputs.jsonl`` is assembled (in input order), with the one-process run's writer
-    (:class:`~bm.cli.openai_batch_output.BatchOutput`) into ``path`` (assembly's temporary file): one output
-    line per input line. Every assembly writes it whole, from kept and new records alike, so after a
-    ``--resume`` it holds each line once."""
+    (:class:`~bm.runfiles.openai_batch_output.BatchOutput`) into ``path`` (assembly's temporary file):
+    one output line per input line. Every assembly writes it whole, from kept and new records alike, so
+    after a ``--resume`` it holds each line once."""
 
     def __init__(
         self,

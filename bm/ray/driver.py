@@ -28,11 +28,6 @@ from typing import Any
 
 from rich.console import Console
 
-from bm.cli.openai_batch import IgnoredFieldNotices, is_batch_file
-from bm.cli.openai_batch_output import token_decoder
-from bm.cli.records import cancelled_record, output_record
-from bm.cli.served_models import ANY_MODEL, ServedModels
-from bm.cli.writers import JsonlWriter
 from bm.config import BmConfig
 from bm.engine.request import error_response
 from bm.ray.blocks import (  # fmt: skip
@@ -50,6 +45,11 @@ from bm.ray.blocks import (  # fmt: skip
 from bm.ray.placement import pool_strategy, replica_layout
 from bm.ray.replica import FAULT_ENV, LineOptions, Replica
 from bm.ray.session import connect, disconnect
+from bm.runfiles.openai_batch import IgnoredFieldNotices, is_batch_file
+from bm.runfiles.openai_batch_output import token_decoder
+from bm.runfiles.records import cancelled_record, output_record
+from bm.runfiles.served_models import ANY_MODEL, ServedModels
+from bm.runfiles.writers import JsonlWriter
 
 DEFAULT_BLOCK_LINES = 64
 DEFAULT_TRIES = 3
@@ -208,7 +208,7 @@ class _Runner:
         on_loaded: Callable[[str], None] | None,
     ) -> None:
         self.prompts, self.config, self.out_dir, self.line = prompts, config, out_dir, line
-        self.batch = batch  # an OpenAI batch file (bm.cli.openai_batch reads its lines)
+        self.batch = batch  # an OpenAI batch file (bm.runfiles.openai_batch reads its lines)
         self.options, self.report, self.store, self.console = options, report, store, console
         self.on_loaded = on_loaded
         self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"

@@ -2,9 +2,9 @@
 ``bm.LLM`` (its own config, device, KV cache) and turns blocks of prompt lines into their records.
 
 The replica builds each line's request and record with the code a one-process ``bm run`` uses
-(:func:`bm.cli.prompts.to_request`, :func:`bm.cli.records.output_record`), seeding an unseeded line from
-the run seed and its index, so a record does not depend on which replica ran its line or with what
-else in the batch. One engine session serves every block the actor runs; up to
+(:func:`bm.runfiles.prompts.to_request`, :func:`bm.runfiles.records.output_record`), seeding an
+unseeded line from the run seed and its index, so a record does not depend on which replica ran its
+line or with what else in the batch. One engine session serves every block the actor runs; up to
 :data:`BLOCKS_PER_REPLICA` blocks run at once (Ray Data calls the actor from that many threads), so the
 engine's batch stays full across block boundaries instead of draining at the end of each block.
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.prompts import codec_for, to_requests
-from bm.cli.records import LineParts, output_record
-from bm.cli.served_models import ServedModels
 from bm.config import BmConfig
 from bm.engine.request import Request, Response
 from bm.ray.blocks import Block, block_rows, read_bytes
+from bm.runfiles.prompts import codec_for, to_requests
+from bm.runfiles.records import LineParts, output_record
+from bm.runfiles.served_models import ServedModels
 
 BLOCKS_PER_REPLICA = 2
 # A test hook, read by the driver and handed to each replica: "exit_after=N:MARKER" makes the first
@@ -86,7 +86,7 @@ class Replica:
         loaded = self.llm.loaded
         self.options = options
         self.prompts = Path(prompts)  # read where the replica runs: the same path on every node
-        self.batch = batch  # an OpenAI batch file: its lines read by bm.cli.openai_batch's parser
+        self.batch = batch  # an OpenAI batch file: its lines read by bm.runfiles.openai_batch's parser
         self.logits_dir = Path(logits_dir) if logits_dir else None
         self.codec = codec_for(
             loaded, options.chat_template, options.tool_call_parser, config.engine.max_seq_len
@@ -186,7 +186,7 @@ class Replica:
     def _record(self, row: Any, result: Response) -> dict[str, Any]:
         record = output_record(row, result, self.llm.loaded)
         if self.logits_dir is not None:
-            from bm.cli.records import write_logits
+            from bm.runfiles.records import write_logits
 
             logits_file = write_logits(self.logits_dir, row.index, result)
             if logits_file is not None:

@@ -364,7 +364,7 @@ def resolve_word_list(
 def chat_ids(row: Row, render_chat: Callable[..., list[int]] | None) -> list[int]:
     """The prompt ids of a chat row (``messages``, and ``tools`` for the template), rendered with the
     model's chat template; one rule for ``bm run``'s lines and ``bm bench``'s replayed rows.
-    ``render_chat``: ``(messages, tools=None) -> ids`` (:class:`bm.cli.prompts.Codec`), None when the
+    ``render_chat``: ``(messages, tools=None) -> ids`` (:class:`bm.runfiles.prompts.Codec`), None when the
     model has no template."""
     if render_chat is None:
         raise RowError(
@@ -383,8 +383,8 @@ NAME_A_TOKENIZER = "or name a tokenizer with --set model.tokenizer=DIR"
 def check_without_tokenizer(row: Row) -> None:
     """Raise the :class:`RowError` a row gets from a model without a tokenizer, for what it gives as text
     (a prompt, a chat, words or stop strings); a row of token ids alone passes. One verdict for the run
-    (:func:`bm.cli.prompts.to_request`) and for the check before a model known to have none loads
-    (:func:`bm.cli.source.check_runnable`)."""
+    (:func:`bm.runfiles.prompts.to_request`) and for the check before a model known to have none loads
+    (:func:`bm.runfiles.source.check_runnable`)."""
     if row.prompt is not None:
         raise RowError(
             f"prompt: this model has no tokenizer; give 'input_ids' (token ids) instead, {NAME_A_TOKENIZER}"

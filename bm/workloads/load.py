@@ -103,7 +103,7 @@ def read_workload(bench: BenchConfig) -> Workload:
         kind = detect_kind(path, bench.prompt_column) if bench.dataset_kind == "auto" else bench.dataset_kind
         if kind != "hf" and path.is_dir():
             raise DatasetError(f"{path} is a directory; only --dataset-kind hf reads directories")
-        if kind not in LOADERS:  # openai-batch: its reader is the CLI's (bm.cli.openai_batch)
+        if kind not in LOADERS:  # openai-batch: its reader is the CLI's (bm.runfiles.openai_batch)
             raise DatasetError(f"{path}: {kind} files are read by the bm bench and bm run commands")
         workload = LOADERS[kind](path, bench)
     except UnicodeDecodeError as exc:
@@ -131,7 +131,7 @@ def load_workload(
 
     ``encode_word`` tokenizes the strings of word lists and stop strings (without the special tokens a
     prompt gets); ``render_chat`` turns a chat row's ``messages`` into prompt ids with the model's chat
-    template (``bm run``'s codec, :class:`bm.cli.prompts.Codec`); ``workload`` is the result of
+    template (``bm run``'s codec, :class:`bm.runfiles.prompts.Codec`); ``workload`` is the result of
     :func:`read_workload` when the caller read the file already (before loading the model, so a bad file
     is reported at once)."""
     workload = workload if workload is not None else read_workload(bench)

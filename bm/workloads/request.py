@@ -62,7 +62,7 @@ class Row:
     tool_auto: bool = False  # tools given, tool_choice absent or "auto": a parser reads the free reply
     tool_parser: str | None = None  # that parser, chosen with the chat template (bm.workloads.tool_parsers)
     # An OpenAI completions prompt list: the prompts after the first (text, or token-id lists), each run as
-    # its own request and answered in the line's one record (bm.cli.prompts.to_requests)
+    # its own request and answered in the line's one record (bm.runfiles.prompts.to_requests)
     more_prompts: list[Any] | None = None
     part: int = 0  # which of its line's prompts this row runs (0: the first, or the only one)
     num_parts: int = 1  # how many requests its line runs as

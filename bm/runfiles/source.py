@@ -196,9 +196,9 @@ def check_runnable(source: PromptsSource, has_tokenizer: bool = True) -> None:
     a line holding a NUL byte is one refused line wherever it is, and binary data is a file of them.
 
     The reader is the one the run uses (bm lines or OpenAI batch lines, told apart by the first JSON
-    object, as :func:`bm.cli.openai_batch.is_batch_file` does); it stops at the first good line, so a
+    object, as :func:`bm.runfiles.openai_batch.is_batch_file` does); it stops at the first good line, so a
     good file costs one line here, and a file of junk one pass of its lines."""
-    from bm.cli.openai_batch import batch_lines, check_unique_custom_ids, is_batch_object
+    from bm.runfiles.openai_batch import batch_lines, check_unique_custom_ids, is_batch_object
     from bm.workloads.json_lines import iter_lines
     from bm.workloads.jsonl import check_without_tokenizer, iter_request_lines
     from bm.workloads.request import RowError

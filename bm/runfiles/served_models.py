@@ -1,6 +1,6 @@
 """What a batch line's ``body.model`` may name, as vLLM serves models: the base model under its served
 names (``--served-model-name``) and PEFT adapters by name (``--lora-modules``). Apart from the line
-reader (:mod:`bm.cli.openai_batch`) because ``bm run --ray``'s replicas and block readers route lines
+reader (:mod:`bm.runfiles.openai_batch`) because ``bm run --ray``'s replicas and block readers route lines
 too and need nothing else of it. Plain Python (no torch).
 """
 

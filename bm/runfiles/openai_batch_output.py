@@ -1,7 +1,7 @@
 """``batch_output.jsonl`` in OpenAI's format: one output line per input line, built from the line's
-:class:`~bm.cli.openai_batch.BatchLine` and the record bm wrote for it (a response with its choices,
+:class:`~bm.runfiles.openai_batch.BatchLine` and the record bm wrote for it (a response with its choices,
 log probs and tool calls, an error response with its status code and ``param``, or a cancelled line).
-Apart from the input side (:mod:`bm.cli.openai_batch`, which maps a body onto a bm line) because the two
+Apart from the input side (:mod:`bm.runfiles.openai_batch`, which maps a body onto a bm line) because the two
 change for different reasons: the reader follows the request fields, this follows the response schema.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bm.cli.openai_batch import CHAT_URL, BatchLine
-from bm.cli.writers import JsonlWriter
 from bm.files import replacing_text
+from bm.runfiles.openai_batch import CHAT_URL, BatchLine
+from bm.runfiles.writers import JsonlWriter
 from bm.workloads.jsonl import iter_lines
 from bm.workloads.tool_parsers import parse_tool_calls
 from bm.workloads.tools import tool_calls, tool_names

@@ -3,7 +3,7 @@
 Two ``bm run``s into one directory both exited 0, and one run's records were lost; once the records came
 from one run while ``run.json`` described the other, so a later resume would have mixed them. Every
 command that writes into ``-o`` (``bm run``, ``bm run --ray``'s driver, ``bm bench``, ``bm compare``,
-``bm sweep``) takes this lock before it writes anything there (:func:`bm.cli.outdir.prepare_out_dir`).
+``bm sweep``) takes this lock before it writes anything there (:func:`bm.runfiles.outdir.prepare_out_dir`).
 
 The lock is ``flock`` on ``OUT/.bm.lock``, which says who holds it (pid, command line, since when, host).
 The kernel releases a ``flock`` when its last descriptor closes, so a process that ends in any way,

@@ -1,5 +1,5 @@
 """What a run's records depend on, kept in ``run.json`` and checked by ``--resume``: the prompts file,
-bm's version, the model (as named, and by its files' contents: :mod:`bm.cli.model_files`), the config
+bm's version, the model (as named, and by its files' contents: :mod:`bm.runfiles.model_files`), the config
 keys that change outputs, the run's own options and its run seed. Known before the model loads, so a
 refused resume costs nothing. Plain Python (no torch)."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import bm
-from bm.cli.model_files import model_files, model_files_change
-from bm.cli.outdir import RAY_PARTS, OutDirError, has_records
 from bm.config import BmConfig
 from bm.engine.seeds import random_run_seed
 from bm.files import file_digest, write_whole
+from bm.runfiles.model_files import model_files, model_files_change
+from bm.runfiles.outdir import RAY_PARTS, OutDirError, has_records
 
 # Config keys that decide how fast and where a run goes, never which tokens a request gets (bm's outputs
 # equal HF's alone under every scheduler, batch size, cache size and kernel), plus the sections bm run
@@ -35,7 +35,7 @@ NOT_IN_DIGEST = (
 IDENTITY_LABELS = {  # run.json key -> how the refusal names it, in the order they are checked
     "bm_version": "bm's version",
     "model": "the model",
-    "model_files": "the model",  # its files' contents (bm.cli.model_files), compared by digest
+    "model_files": "the model",  # its files' contents (bm.runfiles.model_files), compared by digest
     "config": "the config",
     "options": "the run options",
     "seed": "the run seed",
@@ -52,7 +52,7 @@ def run_identity(
 ) -> dict[str, Any]:
     """What a run directory's records depend on, known before the model loads (so a refused
     ``--resume`` costs nothing): the prompts file, bm's version, the model as named and by the contents
-    of its files (:func:`bm.cli.model_files.model_files`), the config keys that change outputs (and their
+    of its files (:func:`bm.runfiles.model_files.model_files`), the config keys that change outputs (and their
     digest), the run's own options (``--max-tokens`` ...) and the run seed that unseeded lines derive
     theirs from (null: a run from before run seeds, where every unseeded line sampled with seed 0).
     ``loaded`` (the model as it loaded) is added by :func:`write_run_identity`. ``name`` is the input as

@@ -1,6 +1,6 @@
 """From a row (a checked request line) to the batch manager's request, once the model (and tokenizer) is loaded.
 
-The file itself is read by :mod:`bm.workloads.jsonl` (or :mod:`bm.cli.openai_batch`) before the model
+The file itself is read by :mod:`bm.workloads.jsonl` (or :mod:`bm.runfiles.openai_batch`) before the model
 loads, so a bad file is reported at once; here text is tokenized, chats are rendered with the chat
 template and word lists become token ids; the engine checks ids against the vocabulary. Every line keeps
 its place: the batch manager gets each line's 0-based number as its request id (always unique), and the user's
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.records import in_line_terms
 from bm.engine.request import Request
 from bm.engine.seeds import line_seed
 from bm.engine.validate import check_prompt_length
+from bm.runfiles.records import in_line_terms
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
 from bm.workloads.jsonl import (
     WORD_LISTS,
@@ -100,7 +100,7 @@ def to_requests(
     run_seed: int | None = None,
 ) -> list[tuple[Row, Request]] | None:
     """Every request a row runs as, each with the row it answers: one, or one per prompt of an OpenAI
-    completions prompt list (``row.more_prompts``), whose records :class:`bm.cli.records.LineParts`
+    completions prompt list (``row.more_prompts``), whose records :class:`bm.runfiles.records.LineParts`
     joins into the line's one. None when the line cannot run (the row carries the first part's error)."""
     if not row.more_prompts:
         request = to_request(row, codec, default_output_len, default_end_id, run_seed)

@@ -3,13 +3,13 @@
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. The body is mapped onto bm's request format and parsed by the same parser as a bm line,
 so the same checks apply, vLLM's sampling extensions (``top_k``, ``min_tokens``, ``ignore_eos``, ...)
-included. ``body.model`` picks the base model or an adapter (:mod:`bm.cli.served_models`; any other
+included. ``body.model`` picks the base model or an adapter (:mod:`bm.runfiles.served_models`; any other
 name is a 404). A field that would change the answer and that bm cannot honour (``echo``, ``suffix``,
 ``best_of`` above ``n``, ``logprobs`` beyond 5 on completions, ...) makes that line an error record
 naming it. Fields that change nothing computed (``store``, ``service_tier``, ``parallel_tool_calls``,
 ``stream_options`` beside ``stream: false``) are accepted once their type is right; a field bm does not
 know at all (``reasoning_effort``, ``verbosity``, ...) is ignored, and ``bm run`` says so once per field
-name. ``batch_output.jsonl`` is written by :mod:`bm.cli.openai_batch_output`. Plain Python (no torch):
+name. ``batch_output.jsonl`` is written by :mod:`bm.runfiles.openai_batch_output`. Plain Python (no torch):
 the file is checked before the model loads.
 """
 
@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.cli.errors import print_error
-from bm.cli.served_models import ANY_MODEL, ModelNotFoundError, ServedModels
 from bm.engine.fields import (
     MAX_COMPLETION_LOGPROBS,
     OPENAI_NO_EFFECT_FIELDS,
@@ -32,6 +30,8 @@ from bm.engine.fields import (
     strict_int,
 )
 from bm.generation_config import VLLM_TEMPERATURE
+from bm.runfiles.served_models import ANY_MODEL, ModelNotFoundError, ServedModels
+from bm.runfiles.stderr import print_error
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request, token_ids
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload

@@ -8,13 +8,13 @@ from typing import Any
 
 from rich.console import Console
 
-from bm.cli.identity import run_identity, run_options
 from bm.cli.run import RunOptions
-from bm.cli.run_summary import RunSummary
 from bm.config import BmConfig
 from bm.ray.api import run_ray
 from bm.ray.driver import RayOptions
 from bm.ray.replica import LineOptions
+from bm.runfiles.identity import run_identity, run_options
+from bm.runfiles.run_summary import RunSummary
 
 
 def run_with_ray(

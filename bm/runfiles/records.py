@@ -178,7 +178,7 @@ def cancelled_record(row: Row) -> dict[str, Any]:
     }
 
 
-# What one generated sequence of a record is (the keys a ``samples`` entry has, bm.cli.records.sample_record)
+# What one generated sequence of a record is (the keys a ``samples`` entry has, ``sample_record``)
 SAMPLE_KEYS = (
     "text",
     "output_ids",

@@ -1,8 +1,8 @@
 """The output directory of ``bm run``, ``bm bench``, ``bm compare`` and ``bm sweep``: checked before
-anything runs, locked for one writer (:mod:`bm.cli.outlock`), checked for room (:mod:`bm.cli.diskspace`),
-never silently replaced (a ``--baseline`` in it included), readable back for ``--resume`` (whose
-identity checks are :mod:`bm.cli.identity`'s), and removed again when a usage error stops the command
-before it wrote anything. Plain Python (no torch), so ``-o`` problems are reported at once."""
+anything runs, locked for one writer (:mod:`bm.runfiles.outlock`), checked for room
+(:mod:`bm.runfiles.diskspace`), never silently replaced (a ``--baseline`` in it included), readable back
+for ``--resume`` (whose identity checks are :mod:`bm.runfiles.identity`'s), and removed again when a
+usage error stops the command before it wrote anything. Plain Python (no torch), so ``-o`` problems are reported at once."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bm.cli import outlock
-from bm.cli.diskspace import NoRoomError, check_free_space
 from bm.files import file_digest
+from bm.runfiles import outlock
+from bm.runfiles.diskspace import NoRoomError, check_free_space
 from bm.workloads.jsonl import iter_lines
 
 # end_id: the end token, as records written before finish reasons took bm.LLM's words say
@@ -133,8 +133,8 @@ def check_baseline_kept(out: Path, baseline: Path, files: tuple[str, ...]) -> No
 
 def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, prompts: Path | None = None, files: tuple[str, ...] = RUN_FILES, command: str = "bm run", prompts_name: str | None = None, baseline: Path | None = None, needed: tuple[int, str] = (0, "")) -> Path | None:  # fmt: skip
     """Check ``-o`` before anything runs: a directory (made here) that is writable, that no other
-    process writes into (this process locks it first, :mod:`bm.cli.outlock`), on a file system with room
-    for ``needed`` (bytes, and how they were reckoned: :mod:`bm.cli.diskspace`), holding no file that
+    process writes into (this process locks it first, :mod:`bm.runfiles.outlock`), on a file system with room
+    for ``needed`` (bytes, and how they were reckoned: :mod:`bm.runfiles.diskspace`), holding no file that
     ``--baseline`` names (``baseline``, :func:`check_baseline_kept`), and never a previous run's results
     silently replaced: non-empty needs ``--resume`` or ``--overwrite``, which removes only bm's own
     ``files`` (so old variant folders cannot outlive the run that replaced them).
