@@ -31,7 +31,6 @@ _EXPORTS = {
     "BatchManager": "bm.batch_manager",
     "InferenceRequest": "bm.batch_manager",
     "OfflineClient": "bm.batch_manager",
-    "RequestResult": "bm.batch_manager",
     "generate": "bm.batch_manager",
     "FinishReason": "bm.scheduling",
 }
@@ -50,11 +49,18 @@ def _version() -> str:
         return "0.0.0+source"
 
 
+# Names that went, with what replaces them (said in the AttributeError).
+_GONE = {
+    "RequestResult": "; generate() and OfflineClient.results hold each request's final bm.engine.Response, "
+    "which has the same fields (output_ids, finish_reason, error, ok, the counters)",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name == "__version__":
         globals()["__version__"] = found = _version()
         return found
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'bm' has no attribute {name!r}")
+        raise AttributeError(f"module 'bm' has no attribute {name!r}{_GONE.get(name, '')}")
     return getattr(import_module(module), name)

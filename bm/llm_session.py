@@ -6,14 +6,11 @@ Why its own module: ``LLM.generate`` and ``bm run`` both drive this one session 
 
 from __future__ import annotations
 
-import queue
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bm.engine.loop import RequestQueue
-from bm.engine.request import Request, Response
+from bm.engine.client import EngineClient
 
 
 @contextmanager
@@ -36,8 +33,9 @@ def progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
         yield lambda: bar.advance(task)
 
 
-class Session:
-    """Requests in, final responses out, over one engine loop (see :meth:`LLM.session`).
+class Session(EngineClient):
+    """Requests in, final responses out, over one engine loop (see :meth:`LLM.session`): the one client
+    layer (:class:`~bm.engine.client.EngineClient`, keeping nothing per request) and the loop it feeds.
 
     Requests wait in a queue the engine pulls from as it has room; :meth:`cancel` stops handing them out
     and ends the active ones as ``cancelled``, and :meth:`take_pending` returns those never handed out, so
@@ -46,16 +44,11 @@ class Session:
     def __init__(self, llm: Any, return_stats: Callable[[str], None] | None = None) -> None:
         from bm.distributed.engine import engine_loop
 
-        self._pending = RequestQueue()
-        self._finished: queue.Queue[tuple[Response, float]] = queue.Queue()
-        # time.perf_counter() when the response next_final last returned came back from the engine
-        # (RequestMetrics.finished_time); one value, so a long bm run keeps nothing per request
-        self.last_finished_at: float | None = None
-        self.stopped = False
+        super().__init__(keep_results=False)
         self._manager = engine_loop(
             llm.config,
-            self._get_requests,
-            self._on_response,
+            self.get_requests,
+            self.send_response,
             return_stats=return_stats,
             model=llm.loaded,
             **({"executor": executor} if (executor := llm._engine_executor()) is not None else {}),
@@ -66,17 +59,6 @@ class Session:
         """The engine's warm-up report (None when it ran none, or reused an earlier one's)."""
         core = getattr(self._manager, "core", None)
         return getattr(core, "warmup", None)
-
-    def submit(self, request: Request) -> None:
-        self._pending.put(request)
-
-    def next_final(self, timeout: float = 0.1) -> Response | None:
-        """The next request's final response, or None when none finished within ``timeout`` seconds."""
-        try:
-            response, self.last_finished_at = self._finished.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        return response
 
     @property
     def alive(self) -> bool:
@@ -92,11 +74,6 @@ class Session:
         self.stopped = True
         self._manager.cancel_all()
 
-    def take_pending(self) -> list[Request]:
-        """Every request not yet handed to the engine, removed; nothing more is handed out after this."""
-        self.stopped = True
-        return self._pending.take_all()
-
     def close(self) -> None:
         self._manager.shutdown(cancel=True)
 
@@ -105,10 +82,3 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _get_requests(self, max_new: int) -> list[Request]:
-        return [] if self.stopped else self._pending.take(max_new)
-
-    def _on_response(self, response: Response) -> None:
-        if response.final:  # the engine's thread; a request's one final response (nothing streams here)
-            self._finished.put((response, time.perf_counter()))

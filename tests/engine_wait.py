@@ -14,10 +14,8 @@ from typing import Any
 import pytest
 
 from bm.batch_manager import InferenceRequest, OfflineClient, generate
-from bm.batch_manager.offline import RequestResult
 from bm.config import BmConfig
-from bm.engine.request import Request
-from bm.scheduling import FinishReason
+from bm.engine.request import Request, Response
 from tests.hang import HANG_S
 
 # Seconds to wait for a workload before calling it a hang (tests/hang.py): the largest workload in the
@@ -28,8 +26,7 @@ ENGINE_WAIT_S = HANG_S
 
 def unfinished(client: OfflineClient, request_ids: Iterable[int]) -> list[int]:
     """Ids among ``request_ids`` that have no final response yet."""
-    done = {rid for rid, r in client.results.items() if r.finish_reason != FinishReason.NOT_FINISHED}
-    return sorted(set(request_ids) - done)
+    return sorted(set(request_ids) - set(client.results))
 
 
 def wait_or_fail(client: OfflineClient, request_ids: Iterable[int], timeout: float = ENGINE_WAIT_S) -> None:
@@ -50,7 +47,7 @@ def generate_or_fail(
     *,
     timeout: float = ENGINE_WAIT_S,
     **kwargs: Any,
-) -> dict[int, RequestResult]:
+) -> dict[int, Response]:
     """:func:`bm.batch_manager.generate`, but a hang fails the test (not errors it) within ``timeout``,
     with generate's own message naming the unfinished requests."""
     try:

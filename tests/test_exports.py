@@ -49,3 +49,10 @@ def test_every_name_in_all_imports(module_name):
         except AttributeError as exc:
             missing.append(f"{name} ({exc})")
     assert not missing, f"{module_name}.__all__ names that do not import: {missing}"
+
+
+def test_a_name_that_went_says_what_replaces_it():
+    import bm
+
+    with pytest.raises(AttributeError, match=r"final bm\.engine\.Response"):
+        bm.RequestResult  # noqa: B018

@@ -5,7 +5,7 @@ maps and ``send_response`` tensors at its edge, :func:`generate` and :class:`Off
 requests (typed or seed) to completion, and :func:`torch_executor` is the step from a loaded model to the
 executor every engine over it runs on. They import torch and :mod:`bm.runtime`, which is why they sit
 here and not in :mod:`bm.engine` (which imports no torch at any depth). ``bm.BatchManager``,
-``bm.InferenceRequest``, ``bm.OfflineClient``, ``bm.RequestResult`` and ``bm.generate`` are these.
+``bm.InferenceRequest``, ``bm.OfflineClient`` and ``bm.generate`` are these.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ _EXPORTS = {
     "parse_request": "bm.batch_manager.inference_request",
     "to_core_request": "bm.batch_manager.inference_request",
     "OfflineClient": "bm.batch_manager.offline",
-    "RequestResult": "bm.batch_manager.offline",
     "generate": "bm.batch_manager.offline",
     "torch_executor": "bm.batch_manager.executors",
 }

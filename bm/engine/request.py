@@ -111,9 +111,20 @@ class RequestCounters:
     num_draft_steps: int = 0
 
     def copy_counters(self, other: RequestCounters) -> None:
-        """Take ``other``'s counters (a final response's, onto a result)."""
+        """Take ``other``'s counters (a final response's, onto another record of the request)."""
         for name in COUNTERS:
             setattr(self, name, getattr(other, name))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over verified draft tokens (0 without drafts)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Reused over looked-up context blocks (0 when block reuse looked nothing up)."""
+        looked_up = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / looked_up if looked_up else 0.0
 
 
 COUNTERS = tuple(f.name for f in fields(RequestCounters))
@@ -148,6 +159,10 @@ class Response(RequestCounters):
     output_top_log_probs: list[list[tuple[int, float]]] | None = None
     # n > 1 (final only): every sample, index 0 first; ``output_ids`` and the rest describe sample 0.
     samples: list[SampleOutput] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
 
 
 def error_response(request_id: int, message: str) -> Response:
