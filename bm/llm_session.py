@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bm.engine.loop import RequestQueue
-from bm.engine.request import Request, Response
+from bm.engine.driving.loop import RequestQueue
+from bm.engine.requests.request import Request, Response
 
 
 @contextmanager

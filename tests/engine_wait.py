@@ -16,7 +16,7 @@ import pytest
 from bm.batch_manager import InferenceRequest, OfflineClient, generate
 from bm.batch_manager.offline import RequestResult
 from bm.config import BmConfig
-from bm.engine.request import Request
+from bm.engine.requests.request import Request
 from bm.scheduling import FinishReason
 from tests.hang import HANG_S
 

@@ -16,10 +16,17 @@ from typing import Any
 from bm.batch_manager.executors import torch_executor
 from bm.batch_manager.inference_request import InferenceRequest, response_from_tensors, to_core_request
 from bm.config import BmConfig
-from bm.engine.executor import Executor
-from bm.engine.loop import EngineLoop, RequestQueue
-from bm.engine.request import Request, RequestCounters, RequestError, Response, SampleOutput, error_response
-from bm.engine.stats import hit_rate
+from bm.engine.driving.loop import EngineLoop, RequestQueue
+from bm.engine.execution.protocol import Executor
+from bm.engine.outputs.stats import hit_rate
+from bm.engine.requests.request import (
+    Request,
+    RequestCounters,
+    RequestError,
+    Response,
+    SampleOutput,
+    error_response,
+)
 from bm.scheduling import FinishReason
 
 
