@@ -51,8 +51,8 @@ import time
 
 from bm.config import KvCacheConfig, config_from_dict
 from bm.engine import EngineCore, Request
-from bm.engine.executor import ExecutionBatch, ExecutionResult, WorkKind
-from bm.engine.fake_executor import FakeExecutor
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.execution.protocol import ExecutionBatch, ExecutionResult, WorkKind
 
 PROMPT_TOKENS = (256, 512)  # drawn from [low, high)
 OUTPUT_TOKENS = 128

@@ -24,7 +24,7 @@ import torch
 from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import load_config
 from bm.engine import EngineLoop, Request
-from bm.engine.model_inputs import LORA_MODULE_NAMES
+from bm.engine.requests.model_inputs import LORA_MODULE_NAMES
 from bm.runtime import load_model
 from bm.runtime.lora_adapters import find_lora_targets
 

@@ -20,9 +20,9 @@ import json
 from collections.abc import Mapping, Sequence
 
 from bm.config import config_from_dict
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import Request
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.scheduling import LlmRequest, MicroBatchScheduler
 
 

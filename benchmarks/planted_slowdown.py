@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from functools import wraps
 from typing import Any
 
-from bm.engine.core import EngineCore
+from bm.engine.step.core import EngineCore
 
 
 def _slowed(method: Callable[..., Any], factor: float, extra_s: float) -> Callable[..., Any]:

@@ -112,7 +112,7 @@ def _timed_residual_gemm(timers: Timers, fn: Callable) -> Callable:
 @contextmanager
 def instrumented(timers: Timers) -> Iterator[None]:
     """Wrap each part's entry point with a timer; the originals come back on exit."""
-    from bm.engine.core import EngineCore as Core
+    from bm.engine.step.core import EngineCore as Core
     from bm.runtime import decoding, model_runner, native, prepack
     from bm.runtime.backends import torch_backend
 

@@ -26,7 +26,7 @@ import torch
 from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import load_config
 from bm.engine import EngineLoop, Request
-from bm.engine.structured import guided_spec
+from bm.engine.requests.structured import guided_spec
 from bm.runtime import load_model
 from bm.runtime.decoding import Decoder
 from bm.runtime.presets import PRESETS, checkpoint_dir, is_available

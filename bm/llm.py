@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import BmConfig, resolve_engine
-from bm.engine.fields import RequestError
-from bm.engine.request import Request, Response
+from bm.engine.requests.fields import RequestError
+from bm.engine.requests.request import Request, Response
 from bm.generation_config import generation_defaults
 from bm.llm_config import build_config, check_tensor_parallel, library_options
 from bm.llm_inputs import LoraRequests, Loras, parse_prompts, per_prompt_params, refuse_call_keywords
@@ -270,8 +270,8 @@ class LLM:
 
     def _request_limits(self) -> Any:
         """What the engine validates a request against, so a batch is checked before any of it runs."""
-        from bm.engine.executor import ModelLimits
-        from bm.engine.setup import request_limits
+        from bm.engine.execution.protocol import ModelLimits
+        from bm.engine.step.setup import request_limits
 
         executor = self._engine_executor()
         model = executor.limits if executor is not None else ModelLimits(
@@ -327,8 +327,8 @@ class LLM:
         first: int,
     ) -> list[Request]:
         """One engine request per prompt, each checked by the engine's validator before any is sent."""
-        from bm.engine.seeds import line_seed
-        from bm.engine.validate import validate_request
+        from bm.engine.requests.seeds import line_seed
+        from bm.engine.requests.validate import validate_request
 
         requests = []
         for i, ((_text, ids), fields_, end_id) in enumerate(zip(prompts, extras, end_ids, strict=True)):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config.vllm import NotInBm
-from bm.engine.fields import RequestError, token_id_list
+from bm.engine.requests.fields import RequestError, token_id_list
 from bm.llm_params import InvalidParameterError, SamplingParams, refuse_unknown
 from bm.llm_types import BeamSearchParams, LoRARequest, prompt_keys_refusal
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bm.engine.request import Response
-from bm.engine.stopping import finished_text
+from bm.engine.requests.request import Response
+from bm.engine.requests.stopping import finished_text
 from bm.llm_params import CompletionOutput, InvalidParameterError, Logprob, RequestOutput, SamplingParams
 from bm.llm_types import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, RequestMetrics
 

@@ -1,11 +1,11 @@
 """``bm.LLM``'s values: the parameters a request takes and the outputs it returns, in vLLM's shapes.
 
 Why their own module: these are the library's contract with a vLLM user (the names, their defaults,
-what comes back), and every name here maps onto one engine field of :mod:`bm.engine.fields`, the one
+what comes back), and every name here maps onto one engine field of :mod:`bm.engine.requests.fields`, the one
 table every door of bm reads. Nothing here checks a value by itself: each is handed to that table's
 checks (``request_field``) when the parameters are built, and to the engine's one validator
-(:func:`bm.engine.validate.validate_request`) before a batch starts, so a bad value is refused with the
-same rule whichever door it came in by, and raised here as :class:`InvalidParameterError`.
+(:func:`bm.engine.requests.validate.validate_request`) before a batch starts, so a bad value is refused with
+the same rule whichever door it came in by, and raised here as :class:`InvalidParameterError`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from bm.config import ConfigError
 from bm.config.vllm import NotInBm
-from bm.engine.fields import VLLM_SAMPLING_FIELDS, RequestError, check_bool, check_int, request_field
+from bm.engine.requests.fields import VLLM_SAMPLING_FIELDS, RequestError, check_bool, check_int, request_field
 from bm.suggest import did_you_mean
 
 
@@ -30,7 +30,8 @@ class InvalidParameterError(RequestError, ConfigError):
 
 # vLLM's SamplingParams name -> the engine request field it sets, for the mapping test, the docs and the
 # messages: an engine error names the field the user wrote, not the spec's name. One table with bm's JSONL
-# and OpenAI bodies (bm.engine.fields); ``prompt_logprobs`` asks for the prompt's logits, made log probs here.
+# and OpenAI bodies (bm.engine.requests.fields); ``prompt_logprobs`` asks for the prompt's logits, made log
+# probs here.
 SAMPLING_FIELDS: dict[str, str] = VLLM_SAMPLING_FIELDS
 # vLLM's SamplingParams names that set no engine field: they shape the text and outputs bm.LLM returns
 # (best_of is honoured when it equals n: bm returns every sample it draws).

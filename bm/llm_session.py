@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bm.engine.client import EngineClient
+from bm.engine.driving.client import EngineClient
 
 
 @contextmanager
@@ -35,7 +35,7 @@ def progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
 
 class Session(EngineClient):
     """Requests in, final responses out, over one engine loop (see :meth:`LLM.session`): the one client
-    layer (:class:`~bm.engine.client.EngineClient`, keeping nothing per request) and the loop it feeds.
+    layer (:class:`~bm.engine.driving.client.EngineClient`, keeping nothing per request) and the loop it feeds.
 
     Requests wait in a queue the engine pulls from as it has room; :meth:`cancel` stops handing them out
     and ends the active ones as ``cancelled``, and :meth:`take_pending` returns those never handed out, so

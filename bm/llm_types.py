@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from bm.config.vllm import NotInBm
-from bm.engine.fields import RequestError, check_bool, check_int
+from bm.engine.requests.fields import RequestError, check_bool, check_int
 from bm.llm_params import InvalidParameterError, Logprob, refusing_unknown_keywords
 
 

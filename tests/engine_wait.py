@@ -15,7 +15,7 @@ import pytest
 
 from bm.batch_manager import InferenceRequest, OfflineClient, generate
 from bm.config import BmConfig
-from bm.engine.request import Request, Response
+from bm.engine.requests.request import Request, Response
 from tests.hang import HANG_S
 
 # Seconds to wait for a workload before calling it a hang (tests/hang.py): the largest workload in the

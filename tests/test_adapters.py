@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bm.runtime import UnsupportedAttentionError
-from bm.runtime.adapters import (
+from bm.runtime.model_families import (
     _ADAPTERS,
     TESTED_TRANSFORMERS,
     adapt_attention_modules,

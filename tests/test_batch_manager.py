@@ -301,8 +301,8 @@ def test_generate_past_its_timeout_stops_the_engine_and_names_the_unfinished_req
     """A request the engine has not finished by the timeout is named in the error (a scheduling bug shows
     up as one that never runs), and the engine is stopped rather than left running."""
     from bm.batch_manager import generate
-    from bm.engine.fake_executor import FakeExecutor
-    from bm.engine.request import Request
+    from bm.engine.execution.fake_executor import FakeExecutor
+    from bm.engine.requests.request import Request
 
     config = make_config(
         engine={"max_batch_size": 2, "max_seq_len": 200_000}, kv_cache={"max_tokens": 200_064}

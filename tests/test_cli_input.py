@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bm.cli.main import app
-from bm.engine.request import Request
+from bm.engine.requests.request import Request
 from bm.workloads.jsonl import REQUEST_FIELDS, read_request_file
 from tests.conftest import REPO
 from tests.hang import HANG_S

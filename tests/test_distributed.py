@@ -281,9 +281,9 @@ def test_a_lora_request_under_tensor_parallelism_is_refused_naming_the_field_and
     """Adapter weights are not split like the shards' projections, so a LoRA request is refused at
     admission (an error response naming lora_task_id) rather than failing inside the forward."""
     from bm.distributed.engine import ParallelExecutor
-    from bm.engine.fake_executor import FakeExecutor
-    from bm.engine.request import RequestError, RequestLimits
-    from bm.engine.validate import validate_request
+    from bm.engine.execution.fake_executor import FakeExecutor
+    from bm.engine.requests.request import RequestError, RequestLimits
+    from bm.engine.requests.validate import validate_request
     from bm.parallel.layout import ParallelLayout
 
     limits = RequestLimits(vocab_size=64, max_seq_len=64, max_num_tokens=None, max_beam_width=1)

@@ -4,10 +4,10 @@ and failing sinks that never stop a round."""
 from __future__ import annotations
 
 from bm.config import config_from_dict
-from bm.engine.core import EngineCore
-from bm.engine.driver import Driver
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import Request, Response
+from bm.engine.driving.driver import Driver
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.requests.request import Request, Response
+from bm.engine.step.core import EngineCore
 from bm.scheduling import FinishReason
 
 

@@ -9,9 +9,9 @@ import textwrap
 import pytest
 
 from bm.config import config_from_dict
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor, fake_token
-from bm.engine.request import Request
+from bm.engine.execution.fake_executor import FakeExecutor, fake_token
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.scheduling import FinishReason
 from tests.hang import HANG_S
 
@@ -80,9 +80,9 @@ def test_every_module_of_engine_kv_and_scheduling_imports_and_the_core_runs_with
         assert imported > 30, f"only {imported} modules found under bm.engine, bm.kv, bm.scheduling"
         from bm.engine import EngineCore, EngineLoop, Request, Response, validate_request
         from bm.config import config_from_dict
-        from bm.engine.core import EngineCore
-        from bm.engine.fake_executor import FakeExecutor
-        from bm.engine.request import Request
+        from bm.engine.step.core import EngineCore
+        from bm.engine.execution.fake_executor import FakeExecutor
+        from bm.engine.requests.request import Request
         core = EngineCore(config_from_dict({"kv_cache": {"max_tokens": 64, "tokens_per_block": 4}}),
                           FakeExecutor(100))
         core.add_request(Request(0, [5, 6, 7], 3))

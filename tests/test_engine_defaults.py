@@ -18,10 +18,10 @@ import pytest
 
 from bm.cli.bench import resolve_config
 from bm.config import ENGINE_DEFAULTS, BmConfig, ConfigError, config_from_dict, load_config, resolve_engine
-from bm.engine.core import EngineCore
-from bm.engine.driver import Driver
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import Request
+from bm.engine.driving.driver import Driver
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor
 from bm.sim.hardware import load_hardware

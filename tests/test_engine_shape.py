@@ -13,11 +13,14 @@ import ast
 import inspect
 import textwrap
 
-from bm.engine.core import EngineCore
-from tests.test_import_cycles import PACKAGE
+from bm.engine.step.core import EngineCore
+from tests.test_import_cycles import PACKAGE, import_graph
 
 MAX_MODULE_LINES = 450
 MAX_PLAIN_STEP_LINES = 15
+
+# bm.engine's subpackages by job, bottom first: each imports only those before it (bm/engine/__init__.py)
+ENGINE_ORDER = ["requests", "execution", "outputs", "step", "driving"]
 
 
 def _calls(function: object) -> list[str]:
@@ -59,3 +62,17 @@ def test_the_overlapped_step_is_built_from_the_plain_steps_parts_and_step_choose
     assert set(_calls(EngineCore.step)) == {"overlapped_step", "plain_step"}
     launch, collect = _calls(EngineCore._launch), _calls(EngineCore._collect)
     assert "overlapped_step" not in launch + collect and "plain_step" not in launch + collect
+
+
+def test_every_engine_module_is_in_a_subpackage_that_imports_only_those_below_it():
+    graph = import_graph()
+    engine = {m: m.split(".") for m in graph if m.startswith("bm.engine.")}
+    flat = sorted(m for m, parts in engine.items() if len(parts) == 3 and parts[2] not in ENGINE_ORDER)
+    assert not flat, f"modules of bm.engine in none of its subpackages {ENGINE_ORDER}: {flat}"
+    upward = sorted(
+        f"{m} imports {t}"
+        for m, parts in engine.items()
+        for t in graph[m]
+        if t in engine and ENGINE_ORDER.index(engine[t][2]) > ENGINE_ORDER.index(parts[2])
+    )
+    assert not upward, "an engine subpackage imports one above it:\n" + "\n".join(upward)

@@ -122,7 +122,7 @@ def test_readme_library_example_runs_as_written(capsys):
 def test_a_session_streams_requests_in_and_final_responses_out_and_returns_unstarted_ones(llm):
     """The engine session that generate() and bm run share: each submitted request ends in exactly one
     final response, and once cancelled nothing more is handed to the engine: the caller takes it back."""
-    from bm.engine.request import Request
+    from bm.engine.requests.request import Request
 
     with llm.session() as session:
         for rid in range(3):

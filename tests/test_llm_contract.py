@@ -296,7 +296,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(ll
 
 
 def test_the_stop_string_found_is_the_first_to_start_and_of_two_starting_there_the_shorter():
-    from bm.engine.stopping import finished_text
+    from bm.engine.requests.stopping import finished_text
     from bm.scheduling import FinishReason
 
     limit = FinishReason.LENGTH

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from bm.batch_manager import InferenceRequest, generate
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.model_inputs import LORA_MODULE_NAMES, LoraSpec
-from bm.engine.request import Request
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.requests.model_inputs import LORA_MODULE_NAMES, LoraSpec
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.runtime import lora as lora_module
 from bm.runtime.lora import LoraLayers
 from bm.runtime.lora_adapters import find_lora_targets, read_peft_adapter, task_id_for_directory

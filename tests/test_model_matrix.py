@@ -80,8 +80,8 @@ def test_an_eager_forward_reads_no_device_value_on_the_host(entry: Entry):
     every prompt step then waited for the step in flight, and overlap scheduling hid nothing there."""
     loaded = describe_model(build(entry), None, entry.name)
     if loaded.model.config._attn_implementation != ATTENTION_NAME:
-        # adapted (bm.runtime.adapters: bloom, mpt, falcon; gptj and codegen before transformers 5.24): its
-        # config cannot name bm's attention, so transformers' own mask code still runs (a dense mask, and
+        # adapted (bm.runtime.model_families: bloom, mpt, falcon; gptj and codegen before transformers 5.24):
+        # its config cannot name bm's attention, so transformers' own mask code still runs (a dense mask, and
         # on Falcon the packed-sequence check). Old families, not what runs on a GPU: left as they are.
         pytest.skip(f"{entry.name}'s attention is adapted, and keeps transformers' mask code")
     runner = ModelRunner(loaded, num_blocks=16, tokens_per_block=4, max_seq_len=64)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from bm.engine.fields import RequestError, request_field
-from bm.engine.request import Request, RequestLimits
-from bm.engine.validate import validate_request
+from bm.engine.requests.fields import RequestError, request_field
+from bm.engine.requests.request import Request, RequestLimits
+from bm.engine.requests.validate import validate_request
 from bm.workloads.jsonl import parse_request
 from bm.workloads.request import Row
 

@@ -15,11 +15,11 @@ import torch
 
 from bm.batch_manager.offline import generate
 from bm.config import config_from_dict
-from bm.engine.core import EngineCore
-from bm.engine.executor import PENDING_TOKEN
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.overlap import resolve_overlap
-from bm.engine.request import Request
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.execution.protocol import PENDING_TOKEN
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
+from bm.engine.step.overlap import resolve_overlap
 from bm.scheduling import FinishReason
 from tests.conftest import make_config, random_prompts
 from tests.op_counts import HostReads
@@ -294,7 +294,7 @@ def test_the_tiny_model_pauses_and_recomputes_the_same_tokens_with_overlap(tiny_
 
 def test_structured_output_steps_run_in_order_with_the_same_tokens(tiny_model):
     pytest.importorskip("llguidance", reason="structured output needs llguidance (optional extra)")
-    from bm.engine.structured import guided_spec
+    from bm.engine.requests.structured import guided_spec
 
     vocab = tiny_model.vocab_size
     specs = random_prompts(seed=9, count=4, vocab=vocab, max_prompt=20, max_output=10)

@@ -22,7 +22,7 @@ def _profile_parts():
 
 
 def test_parts_add_up_to_the_engine_steps_and_gemms_are_timed_by_shape(tiny_model):
-    from bm.engine.core import EngineCore
+    from bm.engine.step.core import EngineCore
     from bm.runtime.model_runner import ModelRunner
 
     pp = _profile_parts()

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from bm.config import ModelConfig
-from bm.engine.core import EngineCore
-from bm.engine.request import Request
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.runtime.executor import TorchExecutor
 from bm.runtime.presets import is_available
 from tests.conftest import make_config, reference_model

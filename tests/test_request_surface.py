@@ -246,7 +246,7 @@ def test_cli_accepts_every_field_and_writes_log_probs_and_logits_files(tmp_path)
 
 def test_from_values_takes_a_tokenizers_result_and_refuses_other_shapes_in_bms_words():
     from bm.batch_manager import InferenceRequest
-    from bm.engine.request import RequestError
+    from bm.engine.requests.request import RequestError
 
     plain = InferenceRequest.from_values(0, [5, 6, 7], 4).tensors["input_ids"]
     for given in (

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from bm.bench.replayer import build_requests
 from bm.cli.main import app
-from bm.engine.request import Request, RequestLimits
-from bm.engine.seeds import line_seed
-from bm.engine.validate import validate_request
+from bm.engine.requests.request import Request, RequestLimits
+from bm.engine.requests.seeds import line_seed
+from bm.engine.requests.validate import validate_request
 from bm.workloads.request import Row, Workload
 from tests.hang import HANG_S
 from tests.test_cli_interrupt import (

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from bm.engine.core import EngineCore
-from bm.engine.request import Request
-from bm.engine.seeds import sample_seed
+from bm.engine.requests.request import Request
+from bm.engine.requests.seeds import sample_seed
+from bm.engine.step.core import EngineCore
 from bm.runtime.executor import TorchExecutor
 from tests.conftest import hf_generate, hf_greedy, make_config, random_prompts
 from tests.test_engine_core import core_for, mixed_requests, run_all

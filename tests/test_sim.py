@@ -12,9 +12,9 @@ import pytest
 
 from bm.bench.simulated import cost_metrics
 from bm.config import ConfigError, load_config
-from bm.engine.core import EngineCore
-from bm.engine.executor import ExecutionBatch, WorkItem, WorkKind
-from bm.engine.request import Request
+from bm.engine.execution.protocol import ExecutionBatch, WorkItem, WorkKind
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.scheduling.request import LlmRequest
 from bm.sim import CostModel, Hardware, ModelShape, SimExecutor, hardware_table, load_hardware
 from bm.sim.cost import IterationCost

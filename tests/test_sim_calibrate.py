@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from bm.config import ConfigError, load_config
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.step.core import EngineCore
 from bm.runtime.model_loader import ModelConfig
 from bm.sim import CostModel, ModelShape, load_hardware
 from bm.sim.forward_fit import (

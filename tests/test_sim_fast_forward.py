@@ -108,8 +108,8 @@ def test_fast_forward_gives_the_step_by_step_replay_iteration_by_iteration(tmp_p
 
 def test_fast_forward_skips_most_iterations_of_a_steady_decode(tmp_path):
     """The point of it: a long decode with no arrivals is advanced in a few calls, not step by step."""
-    from bm.engine.core import EngineCore
-    from bm.engine.request import Request
+    from bm.engine.requests.request import Request
+    from bm.engine.step.core import EngineCore
     from bm.sim import CostModel, ModelShape, SimExecutor, load_hardware
 
     config = config_for(tmp_path, 1, {})
@@ -132,7 +132,7 @@ def test_a_decode_runs_tokens_are_the_scalar_fake_tokens_bumped_off_the_end_id()
     request ids near 2**64 and end ids the hash hits."""
     import random
 
-    from bm.engine.fake_executor import fake_token
+    from bm.engine.execution.fake_executor import fake_token
     from bm.scheduling.request import LlmRequest, Sampling
     from bm.sim.executor import fake_tokens
 

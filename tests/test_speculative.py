@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from bm.batch_manager import InferenceRequest, generate
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor, fake_token
-from bm.engine.request import Request
-from bm.engine.speculative import ngram_drafts
+from bm.engine.execution.fake_executor import FakeExecutor, fake_token
+from bm.engine.requests.request import Request
+from bm.engine.requests.speculative import ngram_drafts
+from bm.engine.step.core import EngineCore
 from bm.runtime import load_model
 from bm.runtime.model_loader import ModelConfig
 from tests.conftest import REPO, hf_greedy, make_config, random_prompts, reference_model

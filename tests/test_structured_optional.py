@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from bm.cli.main import app
-from bm.engine.fields import request_field
-from bm.engine.request import RequestError
+from bm.engine.requests.fields import request_field
+from bm.engine.requests.request import RequestError
 from tests.conftest import REPO
 from tests.hang import HANG_S
 

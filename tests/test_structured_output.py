@@ -10,8 +10,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from bm.batch_manager.offline import generate
-from bm.engine.request import Request
-from bm.engine.structured import GuidedSpec, guided_spec
+from bm.engine.requests.request import Request
+from bm.engine.requests.structured import GuidedSpec, guided_spec
 from bm.runtime import grammar as grammar_module
 from bm.runtime.tokenizer import ByteTokenizer
 from tests.conftest import hf_generate, hf_greedy, make_config, random_prompts
@@ -171,8 +171,8 @@ def test_an_invalid_constraint_is_that_requests_error_naming_the_problem(tiny_mo
     prompt = [5, 6, 7]
     bad = Request(0, prompt, 4, guided_decoding={"json": value} if key == "guided_json" else None)
     if key != "guided_json":
-        from bm.engine.fields import request_field
-        from bm.engine.request import RequestError
+        from bm.engine.requests.fields import request_field
+        from bm.engine.requests.request import RequestError
 
         with pytest.raises(RequestError, match=message.replace("(", r"\(")):
             request_field("guided_decoding", key, value)

@@ -11,7 +11,7 @@ import torch
 
 from bm.batch_manager.offline import generate
 from bm.cpu_load import CpuTicks
-from bm.engine.request import Request
+from bm.engine.requests.request import Request
 from bm.runtime import executor as executor_module
 from bm.runtime.model_runner import ModelRunner
 from bm.runtime.threads import ThreadGovernor, governor_for

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from bm.config import BmConfig
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.loop import EngineLoop
-from bm.engine.request import Request
+from bm.engine.driving.loop import EngineLoop
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.requests.request import Request
 from bm.runtime.native.build import loaded_openmp_runtime
 from tests.hang import HANG_S
 

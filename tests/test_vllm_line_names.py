@@ -1,12 +1,12 @@
 """bm's own JSONL lines take vLLM's SamplingParams names, each meaning what it means to bm.LLM, and an
-unknown field's "did you mean" comes from one table (bm.engine.fields), never a near spelling of an
+unknown field's "did you mean" comes from one table (bm.engine.requests.fields), never a near spelling of an
 unrelated field. Plain Python: no model."""
 
 from __future__ import annotations
 
 import pytest
 
-from bm.engine.fields import FIELD_SYNONYMS, VLLM_SAMPLING_FIELDS
+from bm.engine.requests.fields import FIELD_SYNONYMS, VLLM_SAMPLING_FIELDS
 from bm.llm_params import SAMPLING_FIELDS
 from bm.workloads.jsonl import KNOWN_KEYS, parse_request
 from bm.workloads.request import Row, RowError

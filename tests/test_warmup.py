@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from bm.batch_manager import generate
-from bm.engine.core import EngineCore
-from bm.engine.request import Request
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.executor import TorchExecutor
 from bm.runtime.model_runner import ModelRunner

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from bm.config import config_from_dict
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor, fake_token
-from bm.engine.limits import cache_pools, window_layout
-from bm.engine.request import Request
+from bm.engine.execution.fake_executor import FakeExecutor, fake_token
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
+from bm.engine.step.limits import cache_pools, window_layout
 from bm.kv import NO_BLOCK, IntegrityError, KVCacheManager, WindowGroup
 from bm.kv.window_groups import split_blocks, window_pool_bound
 

@@ -1,8 +1,8 @@
 """The seed's Batch Manager over a real model: the adapter above the torch-free engine.
 
-:class:`BatchManager` is :class:`bm.engine.loop.EngineLoop` with the seed's ``InferenceRequest`` tensor
-maps and ``send_response`` tensors at its edge, :func:`generate` and :class:`OfflineClient` run a list of
-requests (typed or seed) to completion, and :func:`torch_executor` is the step from a loaded model to the
+:class:`BatchManager` is :class:`bm.engine.driving.loop.EngineLoop` with the seed's ``InferenceRequest``
+tensor maps and ``send_response`` tensors at its edge, :func:`generate` and :class:`OfflineClient` run a list
+of requests (typed or seed) to completion, and :func:`torch_executor` is the step from a loaded model to the
 executor every engine over it runs on. They import torch and :mod:`bm.runtime`, which is why they sit
 here and not in :mod:`bm.engine` (which imports no torch at any depth). ``bm.BatchManager``,
 ``bm.InferenceRequest``, ``bm.OfflineClient`` and ``bm.generate`` are these.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from bm.config import BmConfig
-from bm.engine.executor import Executor
+from bm.engine.execution.protocol import Executor
 
 
 def torch_executor(config: BmConfig, model: Any = None) -> Executor:

@@ -1,9 +1,9 @@
 """``InferenceRequest`` as in the seed (a uint64 id plus named tensors): an adapter at the edge.
 
-:func:`to_core_request` reads the tensor map into the typed core :class:`~bm.engine.request.Request`
+:func:`to_core_request` reads the tensor map into the typed core :class:`~bm.engine.requests.request.Request`
 (plain values), checking what only a tensor can get wrong (shape, dtype); every value is then validated
-in one place, :func:`bm.engine.validate.validate_request`. Every spec tensor bm does not implement yet is
-refused by name, never silently ignored.
+in one place, :func:`bm.engine.requests.validate.validate_request`. Every spec tensor bm does not implement
+yet is refused by name, never silently ignored.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from bm.engine.fields import BOOL_FIELDS, WORD_LISTS, token_id_list
-from bm.engine.request import COUNTERS, Request, RequestError, RequestLimits, Response, SampleOutput
-from bm.engine.validate import UNSUPPORTED_FIELDS, validate_request
+from bm.engine.requests.fields import BOOL_FIELDS, WORD_LISTS, token_id_list
+from bm.engine.requests.request import COUNTERS, Request, RequestError, RequestLimits, Response, SampleOutput
+from bm.engine.requests.validate import UNSUPPORTED_FIELDS, validate_request
 from bm.runtime.logits import LogitsPostProcessor
 from bm.scheduling.request import FinishReason, LlmRequest
 
@@ -221,7 +221,7 @@ def response_tensors(response: Response) -> dict[str, torch.Tensor]:
         scheduled = response.first_scheduled_time
         tensors.update(
             finish_reason=torch.tensor([int(response.finish_reason)], dtype=torch.int32),
-            # the response's counters, each under its own name (bm.engine.request.RequestCounters)
+            # the response's counters, each under its own name (bm.engine.requests.request.RequestCounters)
             **{name: torch.tensor([getattr(response, name)], dtype=torch.int32) for name in COUNTERS},
             # seconds from admission to the first iteration that computed part of it (-1: never scheduled)
             queue_time=torch.tensor(

@@ -17,9 +17,9 @@ import torch
 from bm.batch_manager.executors import torch_executor
 from bm.batch_manager.inference_request import InferenceRequest, response_tensors, to_core_request
 from bm.config import BmConfig
-from bm.engine.executor import Executor
-from bm.engine.loop import EngineLoop, PollStopSignal, ReturnStats
-from bm.engine.request import Request, Response
+from bm.engine.driving.loop import EngineLoop, PollStopSignal, ReturnStats
+from bm.engine.execution.protocol import Executor
+from bm.engine.requests.request import Request, Response
 from bm.runtime import LoadedModel
 
 GetRequests = Callable[[int], list[InferenceRequest]]

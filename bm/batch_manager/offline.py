@@ -1,5 +1,5 @@
 """The seed's offline door: a fixed list of requests (typed, or the seed's ``InferenceRequest``) in,
-one final response per request out, over the one client layer (:mod:`bm.engine.client`).
+one final response per request out, over the one client layer (:mod:`bm.engine.driving.client`).
 
 It uses only the public callbacks, exactly as a library user would; the seed's objects are translated
 once at the door.
@@ -13,14 +13,14 @@ from typing import Any
 from bm.batch_manager.executors import torch_executor
 from bm.batch_manager.inference_request import InferenceRequest, response_from_tensors, to_core_request
 from bm.config import BmConfig
-from bm.engine.client import EngineClient
-from bm.engine.executor import Executor
-from bm.engine.loop import EngineLoop
-from bm.engine.request import Request, RequestError, Response, error_response
+from bm.engine.driving.client import EngineClient
+from bm.engine.driving.loop import EngineLoop
+from bm.engine.execution.protocol import Executor
+from bm.engine.requests.request import Request, RequestError, Response, error_response
 
 
 class OfflineClient(EngineClient):
-    """:class:`~bm.engine.client.EngineClient` for the seed's types: ``InferenceRequest`` objects are
+    """:class:`~bm.engine.driving.client.EngineClient` for the seed's types: ``InferenceRequest`` objects are
     read once as they are handed out, and the seed's ``send_response(request_id, tensors, final, error)``
     is taken when the client is handed to a :class:`~bm.batch_manager.manager.BatchManager`."""
 

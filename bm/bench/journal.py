@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from bm.bench.metrics import request_record
 from bm.bench.replayer import Replayer, Timeline
 from bm.bench.tally import RequestTally, StatsTally
-from bm.engine.request import Request
+from bm.engine.requests.request import Request
 from bm.workloads import Workload
 
 

@@ -248,7 +248,7 @@ ENGINE_KEYS = (
 ENGINE_TOTALS = ("total_computed_tokens", "total_padded_context_tokens", "total_empty_generation_slots")
 
 
-# Every per-iteration stats field engine_metrics reads, spelled as bm.engine.stats writes them.
+# Every per-iteration stats field engine_metrics reads, spelled as bm.engine.outputs.stats writes them.
 STATS_COLUMNS = (
     "Scheduled Requests",
     "Total Context Tokens",

@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bm.engine.fields import FIELD_ALIASES  # vLLM's names for request fields, as in `bm run`
-from bm.engine.request import Request, Response
-from bm.engine.seeds import line_seed
+from bm.engine.requests.fields import FIELD_ALIASES  # vLLM's names for request fields, as in `bm run`
+from bm.engine.requests.request import Request, Response
+from bm.engine.requests.seeds import line_seed
 from bm.scheduling import FinishReason
 from bm.workloads import Workload
 

@@ -24,12 +24,12 @@ from bm.bench.replayer import Replayer, Timeline, build_requests
 from bm.bench.results import BenchResult, ReplayProgress, bench_result, snapshot
 from bm.config import BmConfig, ConfigError, resolve_dtype_name
 from bm.config.engine import BatchingScheme
-from bm.engine.core import EngineCore, StepOutput
-from bm.engine.driver import Driver
-from bm.engine.fast_forward import DecodeRun
-from bm.engine.overlap import resolve_overlap
-from bm.engine.request import Response
-from bm.engine.stats import IterationStats
+from bm.engine.driving.driver import Driver
+from bm.engine.outputs.stats import IterationStats
+from bm.engine.requests.request import Response
+from bm.engine.step.core import EngineCore, StepOutput
+from bm.engine.step.fast_forward import DecodeRun
+from bm.engine.step.overlap import resolve_overlap
 from bm.scheduling import FinishReason
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
@@ -174,7 +174,7 @@ def run_sim(
 ) -> BenchResult:
     """Replay ``workload`` through the engine core under the simulator; returns a ``BenchResult``.
 
-    ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.fast_forward`); the
+    ``fast_forward``: advance steady decode stretches in one call (:mod:`bm.engine.step.fast_forward`); the
     result is the same either way (a test pins it), only the wall time differs. ``stop``: shown every
     finished request and asked every few iterations; True ends the replay there, every unfinished
     request failed as stopped early (``bm sweep`` stops a point once its SLO is certainly missed).

@@ -24,7 +24,7 @@ import bm
 from bm.cli.interrupts import Interrupted, Interrupts
 from bm.cli.progress import PlainProgress, eta_s, format_duration
 from bm.config import BmConfig
-from bm.engine.request import error_response
+from bm.engine.requests.request import error_response
 from bm.files import replacing, write_whole
 from bm.llm import LLM, Session
 from bm.parallel import parallel_info

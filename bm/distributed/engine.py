@@ -34,9 +34,9 @@ from typing import Any
 
 from bm.batch_manager.executors import torch_executor
 from bm.config import BmConfig
-from bm.engine.core import EngineCore, StepOutput
-from bm.engine.driver import Driver, claimed_id, to_request
-from bm.engine.executor import (
+from bm.engine.driving.driver import Driver, claimed_id, to_request
+from bm.engine.driving.worker import EngineWorker
+from bm.engine.execution.protocol import (
     CacheLayout,
     ExecutionBatch,
     ExecutionResult,
@@ -45,9 +45,9 @@ from bm.engine.executor import (
     ModelLimits,
     hand_over_threads,
 )
-from bm.engine.request import Request, RequestError, Response, error_response
-from bm.engine.stats import IterationStats
-from bm.engine.worker import EngineWorker
+from bm.engine.outputs.stats import IterationStats
+from bm.engine.requests.request import Request, RequestError, Response, error_response
+from bm.engine.step.core import EngineCore, StepOutput
 from bm.parallel import layout as _layout
 from bm.parallel.layout import ParallelLayout
 from bm.scheduling.request import LlmRequest
@@ -232,7 +232,7 @@ class TokenBalancer:
 
 
 class DistributedEngineLoop(EngineWorker):
-    """Rank 0's engine: :class:`~bm.engine.loop.EngineLoop`'s interface (callbacks in, a worker thread,
+    """Rank 0's engine: :class:`~bm.engine.driving.loop.EngineLoop`'s interface (callbacks in, a worker thread,
     ``shutdown`` / ``cancel_all`` / ``is_alive`` / ``error``) over every replica of the run."""
 
     def __init__(
@@ -428,6 +428,6 @@ def engine_loop(
     one (same interface, so clients need no change)."""
     if _layout.current_layout().is_distributed:
         return DistributedEngineLoop(config, *args, model=model, executor=executor, **kwargs)
-    from bm.engine.loop import EngineLoop
+    from bm.engine.driving.loop import EngineLoop
 
     return EngineLoop(config, *args, executor=executor or torch_executor(config, model), **kwargs)

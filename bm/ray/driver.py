@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 
 from bm.config import BmConfig
-from bm.engine.request import error_response
+from bm.engine.requests.request import error_response
 from bm.ray.blocks import (  # fmt: skip
     BatchOutputLines,
     Block,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import BmConfig
-from bm.engine.request import Request, Response
+from bm.engine.requests.request import Request, Response
 from bm.ray.blocks import Block, block_rows, read_bytes
 from bm.runfiles.prompts import codec_for, to_requests
 from bm.runfiles.records import LineParts, output_record

@@ -12,7 +12,7 @@ from typing import Any
 
 import bm
 from bm.config import BmConfig
-from bm.engine.seeds import random_run_seed
+from bm.engine.requests.seeds import random_run_seed
 from bm.files import file_digest, write_whole
 from bm.runfiles.model_files import model_files, model_files_change
 from bm.runfiles.outdir import RAY_PARTS, OutDirError, has_records

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.engine.fields import (
+from bm.engine.requests.fields import (
     MAX_COMPLETION_LOGPROBS,
     OPENAI_NO_EFFECT_FIELDS,
     is_int,
@@ -77,7 +77,7 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((), "give the functions as tools (and function_call as tool_choice)"),
     "function_call": ((), "give it as tool_choice, with the functions as tools"),
 }
-# Passed through to bm's line as they are: structured output (bm.engine.structured) and tools
+# Passed through to bm's line as they are: structured output (bm.engine.requests.structured) and tools
 # (bm.workloads.tools), read and checked there.
 STRUCTURED_FIELDS = ("response_format",)
 TOOL_FIELDS = ("tools", "tool_choice")

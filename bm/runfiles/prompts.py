@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bm.engine.request import Request
-from bm.engine.seeds import line_seed
-from bm.engine.validate import check_prompt_length
+from bm.engine.requests.request import Request
+from bm.engine.requests.seeds import line_seed
+from bm.engine.requests.validate import check_prompt_length
 from bm.runfiles.records import in_line_terms
 from bm.runtime.tokenizer import ChatTemplateError, chat_renderer
 from bm.workloads.jsonl import (
@@ -141,8 +141,8 @@ def to_request(
     never shifts the indexes of the lines after it (``request_id``: another, for a line's later prompts). Records the prompt's length on the row.
 
     With ``run_seed``, a line without a ``seed`` samples with one derived from the run seed and its
-    index (:func:`bm.engine.seeds.line_seed`): duplicate lines differ, and the run seed reproduces the
-    run. A line's own seed stays exact."""
+    index (:func:`bm.engine.requests.seeds.line_seed`): duplicate lines differ, and the run seed reproduces
+    the run. A line's own seed stays exact."""
     if row.error is not None:
         return None
     request_id = row.index if request_id is None else request_id

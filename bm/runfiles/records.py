@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bm.engine.request import Response, SampleOutput
-from bm.engine.stopping import finished_text
+from bm.engine.requests.request import Response, SampleOutput
+from bm.engine.requests.stopping import finished_text
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
 from bm.workloads.tool_parsers import parse_tool_calls
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the records need no torch
 def sequence_fields(row: Row, output_ids: list[int], reason: FinishReason, tokenizer: Any) -> dict[str, Any]:
     """A finished sequence's ``text`` (decoded, cut before a stop string as OpenAI's API cuts it; absent
     without a tokenizer), ``finish_reason`` and ``stop_reason``: what ``bm.LLM`` returns for the same
-    request (:func:`bm.engine.stopping.finished_text`, the one rule for both)."""
+    request (:func:`bm.engine.requests.stopping.finished_text`, the one rule for both)."""
     text = tokenizer.decode(output_ids) if tokenizer is not None else None
     finished = finished_text(text, output_ids, reason, row.stop)
     fields: dict[str, Any] = {} if finished.text is None else {"text": finished.text}

@@ -29,7 +29,7 @@ ATTENTION_NAME = "bm_paged"
 # loudly instead of running with silently different attention. (A native sliding window is honoured by
 # the runner instead, per layer: see ModelRunner; soft-capping, ALiBi and sink logits are implemented.)
 _UNSUPPORTED_KWARGS = {"sinks": "attention sinks passed as 'sinks'"}
-# Set on an attention module by an adapter (bm.runtime.adapters): per query head ALiBi slopes, float32.
+# Set on an attention module by an adapter (bm.runtime.model_families): per query head ALiBi slopes, float32.
 ALIBI_ATTR = "bm_alibi_slopes"
 
 
@@ -190,7 +190,7 @@ def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     Configs name these differently from model to model (and some ignore ``num_key_value_heads``); the
     shapes the attention function receives are the truth. A model that never calls the registered
     function (one that bypasses ``AttentionInterface``) is refused here rather than run wrongly. Models
-    with attention classes of their own must be adapted first (:mod:`bm.runtime.adapters`).
+    with attention classes of their own must be adapted first (:mod:`bm.runtime.model_families`).
     """
     register()
     model.set_attn_implementation(ATTENTION_NAME)

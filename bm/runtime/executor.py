@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from bm.config import KvCacheConfig
-from bm.engine.executor import (
+from bm.engine.execution.protocol import (
     PENDING_TOKEN,
     BeamStep,
     CacheLayout,
@@ -25,7 +25,7 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
-from bm.engine.model_inputs import LoraSpec
+from bm.engine.requests.model_inputs import LoraSpec
 from bm.runtime.backends import InputFill
 from bm.runtime.beam_search import BeamSearch
 from bm.runtime.decoding import Decoder, DecodeResult

@@ -1,7 +1,7 @@
 """Structured output in the runtime: one grammar matcher per request, and the batch's token masks.
 
-The engine core carries each request's :class:`~bm.engine.structured.GuidedSpec` (plain, hashable); here
-it becomes an llguidance matcher. Every distinct spec is compiled once per executor (a pristine matcher
+The engine core carries each request's :class:`~bm.engine.requests.structured.GuidedSpec` (plain, hashable);
+here it becomes an llguidance matcher. Every distinct spec is compiled once per executor (a pristine matcher
 is kept per spec and each request gets a copy, which shares the compiled grammar). The matcher follows
 the tokens the core accepted, not the tokens the sampler proposed: before each mask it consumes the
 request's new ``output_ids`` (and rolls back any the core dropped), so a chunked prompt (masks apply
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bm.engine.request import RequestError
-from bm.engine.structured import GuidedSpec, load_llguidance
+from bm.engine.requests.request import RequestError
+from bm.engine.requests.structured import GuidedSpec, load_llguidance
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)

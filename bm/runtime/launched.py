@@ -1,6 +1,6 @@
 """What a step launched by the torch executor leaves in flight, and how its tokens come back.
 
-Under overlap scheduling (bm.engine.overlap) :meth:`~bm.runtime.executor.TorchExecutor.launch` returns
+Under overlap scheduling (bm.engine.step.overlap) :meth:`~bm.runtime.executor.TorchExecutor.launch` returns
 before the device is done: the tokens sampled on the device are copied to the host right behind the
 kernels that compute them, collected a step later, and meanwhile feed the next launch's pending rows
 (:func:`sampled_tokens`). Kept apart from the executor, which decides what to run.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bm.engine.executor import ExecutionResult, WorkItem, WorkKind
+from bm.engine.execution.protocol import ExecutionResult, WorkItem, WorkKind
 from bm.runtime.decoding import DeviceDecode
 from bm.runtime.transfer import to_device
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bm.engine.model_inputs import LORA_MODULE_NAMES, LORA_MODULES, LoraSpec
-from bm.engine.request import RequestError
+from bm.engine.requests.model_inputs import LORA_MODULE_NAMES, LORA_MODULES, LoraSpec
+from bm.engine.requests.request import RequestError
 from bm.runtime.lora_adapters import find_lora_targets
 from bm.runtime.native import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
 

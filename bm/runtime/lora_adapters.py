@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bm.engine.model_inputs import LORA_MODULES
+from bm.engine.requests.model_inputs import LORA_MODULES
 
 # Module id -> the HF names it maps to, as ``parent.leaf`` suffixes (TensorRT-LLM's default mapping for
 # Llama-style models first, then other families' spellings of the same projection).

@@ -22,11 +22,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from bm.config import ModelConfig, resolve_dtype_name
 from bm.config.model import BF16_WITHOUT_CPU_SUPPORT
 from bm.cpu_isa import ENV_ISA, cpu_bf16_gemm, cpu_features, native_bf16
-from bm.runtime.adapters import adapt_attention_modules
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fused_projections import fuse_projections, should_fuse_projections
 from bm.runtime.fusion import fuse_elementwise, should_fuse
+from bm.runtime.model_families import adapt_attention_modules
 from bm.runtime.native import bf16_gemm_kernel, kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.random_weights import random_model

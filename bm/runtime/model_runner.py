@@ -1,7 +1,7 @@
 """Owns the model and the KV tensors; turns a list of scheduled work items into one packed forward.
 
-The engine hands over its :class:`~bm.engine.executor.WorkItem` values as they are (tokens, their first
-position, the request's block table, whether to sample after the last token); the runner reads only
+The engine hands over its :class:`~bm.engine.execution.protocol.WorkItem` values as they are (tokens, their
+first position, the request's block table, whether to sample after the last token); the runner reads only
 those fields, so a forward of its own (warm-up, benchmarks, tests) builds them with :func:`work_item`.
 Its attention backend (chosen once, :mod:`bm.runtime.backends`) builds the packed inputs and its own
 attention metadata once per forward; the runner runs the model with that metadata current for every
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bm.engine.executor import WorkItem, WorkKind
+from bm.engine.execution.protocol import WorkItem, WorkKind
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.runtime.attention import ATTENTION_NAME, forward_context, register
 from bm.runtime.backends import (
@@ -41,8 +41,8 @@ def work_item(
 ) -> WorkItem:
     """A work item for a forward the runner computes with no request behind it (warm-up, benchmarks,
     tests): tokens ``token_ids`` at positions ``start_pos...`` over ``block_ids``; ``fields`` sets the
-    other :class:`~bm.engine.executor.WorkItem` fields the runner reads (``keep_all``, ``num_draft``,
-    ``window_block_ids``, ``decode_from``)."""
+    other :class:`~bm.engine.execution.protocol.WorkItem` fields the runner reads (``keep_all``,
+    ``num_draft``, ``window_block_ids``, ``decode_from``)."""
     return WorkItem(None, WorkKind.CONTEXT, token_ids, start_pos, block_ids, sample, **fields)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bm.engine.executor import DraftOutcome
+from bm.engine.execution.protocol import DraftOutcome
 from bm.runtime.sampler import Sampler
 from bm.scheduling.request import LlmRequest
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from bm.engine.executor import WorkItem
+from bm.engine.execution.protocol import WorkItem
 from bm.kv import cdiv
 from bm.runtime.model_runner import ModelRunner, work_item
 
@@ -142,7 +142,7 @@ def warm_up(
     """Run the shape classes a run of these budgets meets (see the module docstring); returns the report.
 
     ``max_seq_len``: the longest sequence the cache holds (positions stay below it). ``touch_blocks``:
-    the pool's lowest blocks to map first on a CPU (bm.engine.executor.WarmupShapes), at most
+    the pool's lowest blocks to map first on a CPU (bm.engine.execution.protocol.WarmupShapes), at most
     :data:`TOUCH_LIMIT_BYTES`. ``before_each`` is called before every forward (the CPU's thread
     governor ticks there, bm.runtime.threads)."""
     started = time.perf_counter()

@@ -14,7 +14,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Controls:
     """The validated controls beyond temperature / top-k / top-p, as plain values: the one type the
-    engine validates into (bm.engine.request), the scheduler carries on each request and the runtime
+    engine validates into (bm.engine.requests.request), the scheduler carries on each request and the runtime
     reads (its per-request decoding state holds these controls, not a copy of them)."""
 
     repetition_penalty: float = 1.0
@@ -31,7 +31,7 @@ class Controls:
     logits_post_processor: Callable[..., Any] | None = None
     len_penalty: float = 1.0
     early_stopping: int = 1
-    guided: Any = None  # a bm.engine.structured.GuidedSpec: the runtime masks tokens to follow it
+    guided: Any = None  # a bm.engine.requests.structured.GuidedSpec: the runtime masks tokens to follow it
     top_log_probs: int = 0  # most likely tokens returned per position (with return_log_probs)
 
     @property

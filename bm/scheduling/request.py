@@ -28,7 +28,7 @@ GENERATION_STATES = (RequestState.GENERATION_IN_PROGRESS, RequestState.GENERATIO
 CONTEXT_INIT = RequestState.CONTEXT_INIT
 
 # The input token of a generation row whose previous token is still being sampled (overlap scheduling,
-# bm.engine.overlap; :attr:`LlmRequest.num_pending`): the executor writes in the token that request's row
+# bm.engine.step.overlap; :attr:`LlmRequest.num_pending`): the executor writes in the token that request's row
 # of the previous launch sampled. Token ids are never negative.
 PENDING_TOKEN = -1
 
@@ -116,7 +116,8 @@ class LoraInput(Protocol):
 
 
 class ModelInputValues(Protocol):
-    """What changes a request's activations beside its token ids (:class:`bm.engine.model_inputs.ModelInputs`)."""
+    """What changes a request's activations beside its token ids
+    (:class:`bm.engine.requests.model_inputs.ModelInputs`)."""
 
     prompt_table: PromptTableInput | None
     lora: LoraInput | None
@@ -157,8 +158,8 @@ class LlmRequest:
     streaming: bool = False
     state: RequestState = RequestState.CONTEXT_INIT
     output_ids: list[int] = field(default_factory=list)
-    # Tokens sampled by an iteration still in flight (overlap scheduling, bm.engine.overlap), not known on
-    # the host yet: they count in the request's length (the scheduler, the cache and the batch see it)
+    # Tokens sampled by an iteration still in flight (overlap scheduling, bm.engine.step.overlap), not known
+    # on the host yet: they count in the request's length (the scheduler, the cache and the batch see it)
     # and are never in ``output_ids``. Only the overlap path changes it.
     num_pending: int = 0
     # Tokens whose keys and values are in the cache. A context phase (first or after a pause) covers

@@ -123,9 +123,9 @@ def measure_op_overhead(device: Any) -> float:
 def measure_step_overhead() -> float:
     """Seconds of one engine-core step around a no-op executor: bm's own Python cost per iteration."""
     from bm.config import BmConfig
-    from bm.engine.core import EngineCore
-    from bm.engine.fake_executor import FakeExecutor
-    from bm.engine.request import Request
+    from bm.engine.execution.fake_executor import FakeExecutor
+    from bm.engine.requests.request import Request
+    from bm.engine.step.core import EngineCore
 
     config = BmConfig()
     config.kv_cache.max_tokens = 1 << 16

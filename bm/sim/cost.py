@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bm.engine.executor import ExecutionBatch, WorkItem
+from bm.engine.execution.protocol import ExecutionBatch, WorkItem
 from bm.sim.hardware import Hardware
 from bm.sim.model import DTYPE_BYTES, ModelShape
 from bm.sim.work import work_totals

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from bm.engine.executor import ExecutionBatch, ExecutionResult, ModelLimits, WorkKind
-from bm.engine.fake_executor import _MIX, FakeExecutor, fake_token
-from bm.engine.request import RequestError
+from bm.engine.execution.fake_executor import _MIX, FakeExecutor, fake_token
+from bm.engine.execution.protocol import ExecutionBatch, ExecutionResult, ModelLimits, WorkKind
+from bm.engine.requests.request import RequestError
 from bm.scheduling.request import LlmRequest
 from bm.sim.cost import CostModel, IterationCost
 
@@ -135,7 +135,7 @@ class SimExecutor(FakeExecutor):
     def decode_run(
         self, requests: list[LlmRequest], max_iterations: int, until: float
     ) -> tuple[list[float], list[list[int]]]:
-        """Up to ``max_iterations`` generation iterations of ``requests`` (bm.engine.fast_forward), timed
+        """Up to ``max_iterations`` generation iterations of ``requests`` (bm.engine.step.fast_forward), timed
         one after the other exactly as :meth:`execute` times each, none started at or after ``until``."""
         clock = self.clock
         cost_model = self.cost_model

@@ -150,7 +150,7 @@ def time_design(loaded: Any, model_config: Any, design: Design) -> list[tuple[li
     between two device synchronizations."""
     import torch
 
-    from bm.engine.core import EngineCore
+    from bm.engine.step.core import EngineCore
     from bm.runtime.executor import TorchExecutor
 
     device = loaded.device
@@ -211,7 +211,7 @@ def drive(
 ) -> None:
     """Each run's requests added to ``core`` at once (ids from ``request_ids``: one core serves every
     run), then stepped until all finish; prompts cut to fit ``longest`` positions (the model's limit)."""
-    from bm.engine.request import Request
+    from bm.engine.requests.request import Request
 
     vocab = core.executor.limits.vocab_size
     for run in runs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bm.engine.executor import WorkItem, WorkKind
+from bm.engine.execution.protocol import WorkItem, WorkKind
 
 
 @dataclass(frozen=True)

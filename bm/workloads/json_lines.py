@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bm.engine.fields import FIELD_ALIASES, INT_FIELDS
+from bm.engine.requests.fields import FIELD_ALIASES, INT_FIELDS
 from bm.workloads.request import RowError
 
 MAX_DEPTH = 64  # no field of the format nests deeper; deeper input is refused before it can recurse

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bm.engine.fields import (
+from bm.engine.requests.fields import (
     FIELD_ALIASES,
     INT32_MAX,
     MAX_TOKEN_ID,
@@ -54,8 +54,8 @@ OUTPUT_LEN_KEYS = ("request_output_len", "max_tokens", "max_new_tokens", "output
 LORA_DIR = "lora_dir"
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 TOOL_KEYS = ("tools", "tool_choice")  # bm.workloads.tools
-# vLLM's SamplingParams names that set no engine field value for value (bm.engine.fields has the rest as
-# aliases): read by _vllm_fields.
+# vLLM's SamplingParams names that set no engine field value for value (bm.engine.requests.fields has the rest
+# as aliases): read by _vllm_fields.
 VLLM_LINE_KEYS = (
     "stop_token_ids",
     "ignore_eos",

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from bm.engine.request import RequestError
+from bm.engine.requests.request import RequestError
 
 
 class DatasetError(ValueError):
@@ -22,7 +22,7 @@ class DatasetError(ValueError):
 
 # One row cannot run; the loader records the message on the row and goes on. It is the engine's own
 # refusal type: a row's problem and a request's are one thing, raised by the one field table
-# (bm.engine.fields) or the one validator (bm.engine.validate.validate_request).
+# (bm.engine.requests.fields) or the one validator (bm.engine.requests.validate.validate_request).
 RowError = RequestError
 
 
@@ -32,8 +32,8 @@ class Row:
     line, a ShareGPT entry, a trace row, a Hugging Face dataset row or a synthetic request.
 
     It is the only row type: readers fill it with values already checked against the one field table
-    (:mod:`bm.engine.fields`), untokenized; ``bm run`` turns it into an engine request, ``bm bench`` first
-    chooses, tokenizes and scales the rows it replays. A row that cannot run keeps its place with its
+    (:mod:`bm.engine.requests.fields`), untokenized; ``bm run`` turns it into an engine request, ``bm bench``
+    first chooses, tokenizes and scales the rows it replays. A row that cannot run keeps its place with its
     ``error`` and is reported, never dropped. Exactly one prompt form is set once it is ready to run
     (``prompt``, ``input_ids`` or ``messages``; a trace row has only ``input_len`` until bench generates ids).
     """

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from bm.engine.request import RequestError
+from bm.engine.requests.request import RequestError
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bm.engine.request import RequestError
-from bm.engine.structured import GuidedSpec, SpecError, make_spec
+from bm.engine.requests.request import RequestError
+from bm.engine.requests.structured import GuidedSpec, SpecError, make_spec
 
 
 def read_tools(value: Any, key: str = "tools") -> list[dict[str, Any]]:

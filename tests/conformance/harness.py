@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from bm.config import config_from_dict
-from bm.engine.core import EngineCore
-from bm.engine.fake_executor import FakeExecutor
-from bm.engine.request import Request
+from bm.engine.execution.fake_executor import FakeExecutor
+from bm.engine.requests.request import Request
+from bm.engine.step.core import EngineCore
 
 # A budget that never binds: TRT-LLM's capacity tests run no micro-batch stage (no token limit), and its
 # micro-batch tests run no KV cache manager (no block limit).

@@ -42,7 +42,7 @@ def test_blocker_really_blocks_torch() -> None:
 
 def test_core_kv_and_scheduling_import_without_torch() -> None:
     result = run_without_torch(
-        "import bm.engine.core, bm.engine.fake_executor, bm.scheduling, bm.kv\n"
+        "import bm.engine.step.core, bm.engine.execution.fake_executor, bm.scheduling, bm.kv\n"
         "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n"
     )
     assert result.returncode == 0, result.stderr[-3000:]

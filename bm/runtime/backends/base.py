@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from bm.engine.executor import WorkItem
+from bm.engine.execution.protocol import WorkItem
 from bm.runtime.attention import LayerCall
 from bm.runtime.model_loader import LoadedModel
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bm.engine.executor import WorkItem
+from bm.engine.execution.protocol import WorkItem
 from bm.kv import cdiv
 from bm.runtime.attention import LayerCall
 from bm.runtime.backends.base import AttentionBackend, BackendSetup, ForwardInputs, PerLayer, kept_rows

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bm.engine.executor import WorkItem
+from bm.engine.execution.protocol import WorkItem
 from bm.kv import cdiv
 from bm.runtime.native import DecodeRows, PagedDecodeKernel
 

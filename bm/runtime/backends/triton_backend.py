@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bm.engine.executor import WorkItem
+from bm.engine.execution.protocol import WorkItem
 from bm.runtime.attention import LayerCall
 from bm.runtime.backends.base import (
     AttentionBackend,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bm.engine.executor import WorkItem
+from bm.engine.execution.protocol import WorkItem
 from bm.runtime.triton.batch import Inputs, PagedBatch, StagingBuffer, cdiv
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
-"""The one place a core :class:`~bm.engine.request.Request`'s every value is checked, into the scheduler's
-:class:`~bm.scheduling.LlmRequest` (or a :class:`~bm.engine.fields.RequestError` naming the field and
-the fix). Both doors (the typed core and the seed's tensor maps) refuse the same things with the same
-messages, and a value of the wrong type is refused, never coerced (``beam_width: 1.9`` is an error, not 1).
+"""The one place a core :class:`~bm.engine.requests.request.Request`'s every value is checked, into the
+scheduler's :class:`~bm.scheduling.LlmRequest` (or a :class:`~bm.engine.requests.fields.RequestError`
+naming the field and the fix). Both doors (the typed core and the seed's tensor maps) refuse the same things
+with the same messages, and a value of the wrong type is refused, never coerced (``beam_width: 1.9`` is an
+error, not 1).
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bm.engine.fields import RequestError, check_bool, check_float, check_int, is_number, logit_bias
-from bm.engine.model_inputs import ModelInputs, check_prompt_table_request, lora_spec, prompt_table
-from bm.engine.request import Request, RequestLimits
+from bm.engine.requests.fields import RequestError, check_bool, check_float, check_int, is_number, logit_bias
+from bm.engine.requests.model_inputs import ModelInputs, check_prompt_table_request, lora_spec, prompt_table
+from bm.engine.requests.request import Request, RequestLimits
 from bm.scheduling.controls import Controls
 from bm.scheduling.request import LlmRequest, Sampling
 
@@ -22,7 +23,8 @@ UNSUPPORTED_FIELDS: tuple[str, ...] = ()
 
 
 def _int(name: str, value: Any, default: int, *, high: int | None = None) -> int:
-    """A given integer field, checked against the one field table (bm.engine.fields), narrowed by ``high``."""
+    """A given integer field, checked against the one field table (bm.engine.requests.fields), narrowed by
+    ``high``."""
     return default if value is None else check_int(name, value, high=high)
 
 
@@ -234,7 +236,7 @@ def _guided(value: Any) -> Any:
     """The request's structured-output spec, checked by the one reader of its forms."""
     if value is None:
         return None
-    from bm.engine.structured import SpecError, guided_spec
+    from bm.engine.requests.structured import SpecError, guided_spec
 
     try:
         return guided_spec("guided_decoding", value)
@@ -278,7 +280,7 @@ def _check_beam_request(sampling: Sampling, streaming: bool, controls: Controls)
 
 
 def _drafts(request: Request, limits: RequestLimits, beam_width: int, controls: Controls) -> Any:
-    from bm.engine.speculative import SpecState
+    from bm.engine.requests.speculative import SpecState
 
     drafts, logits = request.draft_input_ids, request.draft_logits
     if drafts is None:

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bm.engine.peft_cache import PeftCacheCounts
+from bm.engine.execution.peft_cache import PeftCacheCounts
 
 if TYPE_CHECKING:
-    from bm.engine.executor import ExecutionResult
+    from bm.engine.execution.protocol import ExecutionResult
     from bm.kv import KVCacheManager
     from bm.scheduling import SchedulerOutput
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bm.engine.executor import DraftOutcome, ExecutionBatch, ExecutionResult, WorkKind
-from bm.engine.speculative import SpecState
-from bm.engine.stopping import stop_reason
+from bm.engine.execution.protocol import DraftOutcome, ExecutionBatch, ExecutionResult, WorkKind
+from bm.engine.requests.speculative import SpecState
+from bm.engine.requests.stopping import stop_reason
 from bm.kv import ResourceUpdate
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.request import NOT_FINISHED

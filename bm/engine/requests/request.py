@@ -3,8 +3,8 @@
 :class:`Request` holds the InferenceRequest table's fields under their spec names, as plain values (lists
 of ints, floats, bools); a field left ``None`` was not given and takes the spec's default. The seed's
 tensor-map API (:mod:`bm.batch_manager.inference_request`) is an adapter that builds one of these; ``bm run``,
-``bm bench`` and ``bm compare`` build them directly. :func:`bm.engine.validate.validate_request` is the
-one place every value is checked, into the scheduler's :class:`~bm.scheduling.LlmRequest`.
+``bm bench`` and ``bm compare`` build them directly. :func:`bm.engine.requests.validate.validate_request` is
+the one place every value is checked, into the scheduler's :class:`~bm.scheduling.LlmRequest`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from bm.engine.fields import RequestError
+from bm.engine.requests.fields import RequestError
 from bm.scheduling.request import FinishReason
 
 __all__ = ["RequestError"]  # defined with the field table, raised here too
@@ -81,8 +81,8 @@ class Request:
     # Called as fn(request_id, logits [rows, vocab], tokens so far per row) -> logits, before bm's own
     # controls, each step this request samples (rows: 1, or one per beam). Runs inside the runtime.
     logits_post_processor: Callable[..., Any] | None = None
-    # Structured output: the output follows this constraint (a bm.engine.structured.GuidedSpec, or any
-    # form bm.engine.structured.guided_spec reads, e.g. {"json": schema}).
+    # Structured output: the output follows this constraint (a bm.engine.requests.structured.GuidedSpec, or
+    # any form bm.engine.requests.structured.guided_spec reads, e.g. {"json": schema}).
     guided_decoding: Any = None
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from bm.config import BatchingScheme
-from bm.engine.executor import ExecutionResult
-from bm.engine.stats import IterationStats
+from bm.engine.execution.protocol import ExecutionResult
+from bm.engine.outputs.stats import IterationStats
 from bm.kv import KVCacheManager, ResourcePlan, ResourceUpdate
 from bm.scheduling import LlmRequest, RequestState, SchedulerOutput
 from bm.scheduling.capacity import GuaranteedNoEvictScheduler, MaxUtilizationScheduler, StaticBatchScheduler

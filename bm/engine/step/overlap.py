@@ -2,9 +2,9 @@
 
 On a GPU the host's share of an iteration (scheduling, block tables, the step's metadata, the token
 copy back) otherwise runs while the device waits. With overlap the core launches iteration n+1 with a
-placeholder (:data:`~bm.engine.executor.PENDING_TOKEN`) where each generation row's input is the token
-iteration n is still sampling; the executor fills it from n's output on the device, and only then does the
-core collect n's tokens. What follows from that, as TensorRT-LLM's PyTorch overlap scheduler does it:
+placeholder (:data:`~bm.engine.execution.protocol.PENDING_TOKEN`) where each generation row's input is the
+token iteration n is still sampling; the executor fills it from n's output on the device, and only then does
+the core collect n's tokens. What follows from that, as TensorRT-LLM's PyTorch overlap scheduler does it:
 
 * a request that iteration n ends (its end id, a stop word) is found one iteration late: it already has a
   row in n+1, whose token is thrown away. Its length limit is known without the token, so a request that
@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bm.engine.executor import PENDING_TOKEN, ExecutionBatch, ExecutionResult, WorkKind
-from bm.engine.progress import WorkCounts
+from bm.engine.execution.protocol import PENDING_TOKEN, ExecutionBatch, ExecutionResult, WorkKind
+from bm.engine.step.apply import WorkCounts
 from bm.scheduling import LlmRequest, RequestState, SchedulerOutput
 
 OVERLAP_SETTINGS = ("auto", "on", "off")

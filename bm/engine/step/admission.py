@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bm.engine.peft_cache import PeftCache
-from bm.engine.request import RequestError
+from bm.engine.execution.peft_cache import PeftCache
+from bm.engine.requests.request import RequestError
 from bm.kv import KVCacheManager
 from bm.scheduling import LlmRequest
 

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from bm.engine.model_inputs import LoraSpec
-from bm.engine.request import RequestError
+from bm.engine.requests.model_inputs import LoraSpec
+from bm.engine.requests.request import RequestError
 from bm.scheduling.request import LlmRequest
 
 

@@ -4,8 +4,8 @@ The core decides everything (schedule, KV blocks, positions, which tokens to sam
 iteration as :class:`ExecutionBatch`: forwards of work items, each a run of tokens at positions with the
 block table to read and write. An executor computes and returns sampled tokens; it never allocates or
 frees a block. The torch ``ModelRunner`` path (:class:`bm.runtime.executor.TorchExecutor`) is one
-executor, :class:`bm.engine.fake_executor.FakeExecutor` (a token that is a pure function of request and
-position) another, so the real loop runs in tests and what-ifs without a model.
+executor, :class:`bm.engine.execution.fake_executor.FakeExecutor` (a token that is a pure function of request
+and position) another, so the real loop runs in tests and what-ifs without a model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from bm.engine.model_inputs import LoraSpec
+from bm.engine.requests.model_inputs import LoraSpec
 from bm.kv.window_layout import AttentionWindowLayout
 from bm.scheduling.request import PENDING_TOKEN as PENDING_TOKEN  # the batch's placeholder, re-exported
 from bm.scheduling.request import LlmRequest

@@ -4,7 +4,7 @@ Every reader of request lines (bm's JSONL, OpenAI batch bodies, bench datasets) 
 adapter take field names, aliases and types from here, so a field is declared once. The checks here are
 the ones that need no model: a value's type and the bounds of its encoding. What depends on the model
 (token ids against the vocabulary, where ids from vocab_size on may be prompt-table rows; lengths
-against the maximum sequence) is judged once, by :func:`bm.engine.validate.validate_request`.
+against the maximum sequence) is judged once, by :func:`bm.engine.requests.validate.validate_request`.
 
 Plain Python (no torch), so a whole file is checked before the model loads. A value of the wrong type is
 refused with the field and the fix, never coerced (``beam_width: 1.9`` is an error, not 1).
@@ -16,7 +16,7 @@ import json
 import math
 from typing import Any
 
-from bm.engine.structured import GUIDED_KEYS, SpecError, guided_spec
+from bm.engine.requests.structured import GUIDED_KEYS, SpecError, guided_spec
 
 
 class RequestError(ValueError):
@@ -35,7 +35,7 @@ FIELD_ALIASES = {
     "n": "num_return_sequences",
 }
 # Structured output: response_format, guided_json, guided_regex, guided_choice and guided_grammar each set
-# the one field guided_decoding (a GuidedSpec; bm.engine.structured reads and checks every form).
+# the one field guided_decoding (a GuidedSpec; bm.engine.requests.structured reads and checks every form).
 FIELD_ALIASES.update(dict.fromkeys(GUIDED_KEYS, "guided_decoding"))
 # vLLM's SamplingParams names that set one engine field each, value for value.
 FIELD_ALIASES.update(min_tokens="min_length", bad_words="bad_words_list")

@@ -1,7 +1,7 @@
 """The engine core on a worker thread, behind the Batch Manager's callbacks, with typed requests.
 
-Each iteration is one :class:`~bm.engine.driver.Driver` round: ``get_requests`` (fetch), the core's
-:meth:`~bm.engine.core.EngineCore.step`, then ``send_response`` for every response, ``return_stats`` and
+Each iteration is one :class:`~bm.engine.driving.driver.Driver` round: ``get_requests`` (fetch), the core's
+:meth:`~bm.engine.step.core.EngineCore.step`, then ``send_response`` for every response, ``return_stats`` and
 ``poll_stop_signal`` (only while requests are active). This module adds the real-time part: the worker
 thread, idling between arrivals, shutdown and cancel-all from other threads. :class:`EngineLoop` speaks the typed core (:class:`Request` in, :class:`Response` out);
 :class:`bm.batch_manager.BatchManager` is the same loop with the seed's tensor maps at its edge. The loop
@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from bm.config import BmConfig
-from bm.engine.core import EngineCore
-from bm.engine.driver import Driver, to_request
-from bm.engine.executor import Executor, hand_over_threads
-from bm.engine.request import Request, Response
-from bm.engine.stats import IterationStats
-from bm.engine.worker import EngineWorker
+from bm.engine.driving.driver import Driver, to_request
+from bm.engine.driving.worker import EngineWorker
+from bm.engine.execution.protocol import Executor, hand_over_threads
+from bm.engine.outputs.stats import IterationStats
+from bm.engine.requests.request import Request, Response
+from bm.engine.step.core import EngineCore
 from bm.scheduling import FinishReason
 
 __all__ = ["EngineLoop", "RequestQueue"]

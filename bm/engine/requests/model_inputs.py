@@ -7,8 +7,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from bm.engine.fields import RequestError, check_int, is_number
-from bm.engine.request import Request, RequestLimits
+from bm.engine.requests.fields import RequestError, check_int, is_number
+from bm.engine.requests.request import Request, RequestLimits
 from bm.scheduling.controls import Controls
 
 

@@ -5,7 +5,7 @@ request comes out.
 offline client all do this one job, so they share this class: the engine loop pulls requests as it has
 room (:meth:`EngineClient.get_requests`, nothing once stopped) and pushes responses
 (:meth:`EngineClient.send_response`); a streamed request's responses are joined into one final
-:class:`~bm.engine.request.Response`, which goes to ``on_final``, to :attr:`EngineClient.results` when
+:class:`~bm.engine.requests.request.Response`, which goes to ``on_final``, to :attr:`EngineClient.results` when
 kept, and to the queue :meth:`EngineClient.next_final` reads. Plain Python, no torch.
 """
 
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from bm.engine.loop import RequestQueue
-from bm.engine.request import Response
+from bm.engine.driving.loop import RequestQueue
+from bm.engine.requests.request import Response
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bm.engine.executor import (
+from bm.engine.execution.protocol import (
     PENDING_TOKEN,
     BeamStep,
     CacheLayout,
@@ -22,7 +22,7 @@ from bm.engine.executor import (
     WorkItem,
     WorkKind,
 )
-from bm.engine.model_inputs import LoraSpec
+from bm.engine.requests.model_inputs import LoraSpec
 from bm.kv import NO_BLOCK, cdiv
 from bm.scheduling.request import LlmRequest
 

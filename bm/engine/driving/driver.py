@@ -1,9 +1,9 @@
-"""The one driver of :class:`~bm.engine.core.EngineCore`: admit requests, step, route responses and
+"""The one driver of :class:`~bm.engine.step.core.EngineCore`: admit requests, step, route responses and
 stats, apply stop signals and cancellations.
 
 Three callers run the core, and each is a configuration of this driver rather than a loop of its own:
 
-- :class:`bm.engine.loop.EngineLoop`: real time on a worker thread, requests fetched from the client's
+- :class:`bm.engine.driving.loop.EngineLoop`: real time on a worker thread, requests fetched from the client's
   ``get_requests``, responses and stats to its callbacks, stop signals polled after each iteration;
 - :mod:`bm.distributed.engine`: one driver per replica shard, fed the requests rank 0 assigned in this
   round, its responses and stats collected for the gather;
@@ -21,10 +21,10 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from bm.engine.core import EngineCore, StepOutput
-from bm.engine.fast_forward import DecodeRun
-from bm.engine.request import Request, RequestError, Response, error_response
-from bm.engine.stats import IterationStats
+from bm.engine.outputs.stats import IterationStats
+from bm.engine.requests.request import Request, RequestError, Response, error_response
+from bm.engine.step.core import EngineCore, StepOutput
+from bm.engine.step.fast_forward import DecodeRun
 from bm.scheduling import FinishReason
 
 log = logging.getLogger("bm")

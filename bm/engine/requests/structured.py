@@ -28,7 +28,7 @@ from typing import Any
 
 class SpecError(ValueError):
     """A structured-output field that cannot be honoured; its callers report it as the line's
-    RequestError (this module stays below bm.engine.request, which reads specs through it)."""
+    RequestError (this module stays below bm.engine.requests.request, which reads specs through it)."""
 
 
 INSTALL = "pip install llguidance==1.9.1"

@@ -1,6 +1,6 @@
 """What one engine step hands back: its responses, its stats line and what it scheduled, by id.
 
-Kept apart from the loop (:mod:`bm.engine.core`) because every driver reads it (the engine loop, the
+Kept apart from the loop (:mod:`bm.engine.step.core`) because every driver reads it (the engine loop, the
 simulator, the tensor-parallel leader) while only the core writes it.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bm.engine.request import Response
-from bm.engine.stats import IterationStats
+from bm.engine.outputs.stats import IterationStats
+from bm.engine.requests.request import Response
 from bm.scheduling import SchedulerOutput
 
 

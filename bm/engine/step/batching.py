@@ -9,7 +9,7 @@ Inflight runs contexts then generation, and V1 splits contexts into forwards of 
 from __future__ import annotations
 
 from bm.config import BatchingScheme
-from bm.engine.executor import PENDING_TOKEN, ExecutionBatch, WorkItem, WorkKind
+from bm.engine.execution.protocol import PENDING_TOKEN, ExecutionBatch, WorkItem, WorkKind
 from bm.kv import KVCacheManager, ResourcePlan
 from bm.scheduling import SchedulerOutput
 

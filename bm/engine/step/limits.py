@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bm.config import BatchingScheme, BmConfig
-from bm.engine.executor import ModelLimits
+from bm.engine.execution.protocol import ModelLimits
 from bm.kv.types import cdiv
 from bm.kv.window_groups import WindowGroup, split_blocks, window_pool_bound
 from bm.kv.window_layout import AttentionWindowLayout

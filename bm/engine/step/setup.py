@@ -4,7 +4,7 @@ Resolve the budgets for the executor's device, size the KV cache, lay out the wi
 one KV cache manager, bind the executor to the cache (it allocates its tensors), warm it up (compiles
 and CUDA graph captures happen here, not in the first steps), then build the scheduler over the cache.
 The engine loop, the distributed engine and the simulator all get their core through
-:func:`bm.engine.core.EngineCore`, which calls :func:`set_up_core`; nothing else sizes a cache.
+:func:`bm.engine.step.core.EngineCore`, which calls :func:`set_up_core`; nothing else sizes a cache.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from bm.config import BatchingScheme, BmConfig, resolve_engine
-from bm.engine.executor import CacheLayout, Executor, ModelLimits, WarmupShapes, warm_up
-from bm.engine.limits import cache_pools, max_seq_len, window_layout
-from bm.engine.peft_cache import PeftCache
-from bm.engine.request import RequestLimits
-from bm.engine.speculative import NgramConfig
+from bm.engine.execution.peft_cache import PeftCache
+from bm.engine.execution.protocol import CacheLayout, Executor, ModelLimits, WarmupShapes, warm_up
+from bm.engine.requests.request import RequestLimits
+from bm.engine.requests.speculative import NgramConfig
+from bm.engine.step.limits import cache_pools, max_seq_len, window_layout
 from bm.kv import KVCacheManager
 from bm.scheduling.factory import build_scheduler
 from bm.scheduling.scheduler import RequestScheduler

@@ -1,5 +1,5 @@
 """The control surface every engine loop shares: a daemon worker thread, shutdown, cancel-all, and use as
-a context manager. :class:`~bm.engine.loop.EngineLoop` (one process) and
+a context manager. :class:`~bm.engine.driving.loop.EngineLoop` (one process) and
 :class:`~bm.distributed.engine.DistributedEngineLoop` (rank 0 of several) are driven alike by their
 clients through it; each only supplies the loop its thread runs."""
 

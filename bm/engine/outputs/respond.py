@@ -1,14 +1,15 @@
 """A request's response, built from its state: the tokens it streams, or everything at its end (no torch).
 
 Streaming requests get the tokens produced since their last response; a final response carries what the
-request counted over its life (:class:`~bm.engine.request.RequestCounters`), its times, and what the
-executor keeps to the end (beams, context and generation logits: :class:`~bm.engine.executor.FinalOutputs`).
+request counted over its life (:class:`~bm.engine.requests.request.RequestCounters`), its times, and what the
+executor keeps to the end (beams, context and generation logits:
+:class:`~bm.engine.execution.protocol.FinalOutputs`).
 """
 
 from __future__ import annotations
 
-from bm.engine.executor import ExecutionBatch, FinalOutputs, WorkKind
-from bm.engine.request import Response
+from bm.engine.execution.protocol import ExecutionBatch, FinalOutputs, WorkKind
+from bm.engine.requests.request import Response
 from bm.scheduling import LlmRequest
 
 

@@ -5,7 +5,7 @@
     schedule -> pause -> prepare_resources -> execute -> update -> respond -> stats
 
 :meth:`EngineCore.plain_step` runs them in that order; :meth:`EngineCore.overlapped_step` launches the
-next iteration before it collects the one in flight (:mod:`bm.engine.overlap`), from the same two
+next iteration before it collects the one in flight (:mod:`bm.engine.step.overlap`), from the same two
 parts: ``_launch`` (pause, prepare resources, execute) and ``_collect`` (update, respond, stats).
 The scheduler returns a plan and changes no request; the KV cache manager's ``prepare_resources``
 applies it, a second plan grows tables for drafts, and ``update_resources`` applies what the step
@@ -13,12 +13,12 @@ computed. Those two steps and ``free`` when a request ends are the only places b
 test reads the engine's source for any other call). The core runs the same under the torch executor,
 the fake one in tests, or a simulator, so every decision it makes is testable without a model.
 
-Around the step, each in its own module: admission and the gates before scheduling
-(:mod:`~bm.engine.admission`), the parts built before the first step (:mod:`~bm.engine.setup`), the
-step's results applied to its requests (:mod:`~bm.engine.progress`), responses
-(:mod:`~bm.engine.respond`), n-sample families (:mod:`~bm.engine.samples`), drafts
-(:mod:`~bm.engine.speculative`), the head-of-line watch (:mod:`~bm.engine.hol`) and fast-forward's
-template (:mod:`~bm.engine.fast_forward`). :mod:`bm.engine.loop` puts the core on a worker thread.
+Around the step, each in its own module: the parts built before the first step (:mod:`~bm.engine.step.setup`),
+admission and the gates before scheduling (:mod:`~bm.engine.step.admission`), the step's results applied to
+its requests (:mod:`~bm.engine.step.apply`), responses (:mod:`~bm.engine.outputs.respond`), n-sample families
+(:mod:`~bm.engine.requests.samples`), drafts (:mod:`~bm.engine.requests.speculative`), the head-of-line watch
+(:mod:`~bm.engine.step.hol`) and fast-forward's template (:mod:`~bm.engine.step.fast_forward`).
+:mod:`bm.engine.driving.loop` puts the core on a worker thread.
 """
 
 from __future__ import annotations
@@ -29,12 +29,21 @@ import time
 from collections.abc import Callable
 
 from bm.config import BatchingScheme, BmConfig
-from bm.engine.admission import check_fits, check_samples, ready_requests
-from bm.engine.batching import attach_drafts, build_batch, resource_plan
-from bm.engine.executor import ExecutionBatch, ExecutionResult, Executor, WorkKind
-from bm.engine.fast_forward import DecodeRun, DecodeTemplate, fast_forward, supports_fast_forward
-from bm.engine.hol import HeadOfLineWatch
-from bm.engine.overlap import (
+from bm.engine.execution.peft_cache import PeftCache
+from bm.engine.execution.protocol import ExecutionBatch, ExecutionResult, Executor, WorkKind
+from bm.engine.outputs.respond import produced_requests, response_for
+from bm.engine.outputs.stats import CacheUsage, IterationStats, iteration_stats
+from bm.engine.outputs.step_output import ScheduleRecord, StepOutput
+from bm.engine.requests.request import Request, RequestError, Response, error_response
+from bm.engine.requests.samples import SampleFamilies
+from bm.engine.requests.speculative import propose_drafts
+from bm.engine.requests.validate import validate_request
+from bm.engine.step.admission import check_fits, check_samples, ready_requests
+from bm.engine.step.apply import WorkCounts, apply_tokens, count_work, start_requests
+from bm.engine.step.batching import attach_drafts, build_batch, resource_plan
+from bm.engine.step.fast_forward import DecodeRun, DecodeTemplate, fast_forward, supports_fast_forward
+from bm.engine.step.hol import HeadOfLineWatch
+from bm.engine.step.overlap import (
     Flight,
     is_idle,
     launcher_for,
@@ -45,16 +54,7 @@ from bm.engine.overlap import (
     short_of_length,
     survey,
 )
-from bm.engine.peft_cache import PeftCache
-from bm.engine.progress import WorkCounts, apply_tokens, count_work, start_requests
-from bm.engine.request import Request, RequestError, Response, error_response
-from bm.engine.respond import produced_requests, response_for
-from bm.engine.samples import SampleFamilies
-from bm.engine.setup import set_up_core
-from bm.engine.speculative import propose_drafts
-from bm.engine.stats import CacheUsage, IterationStats, iteration_stats
-from bm.engine.step_output import ScheduleRecord, StepOutput
-from bm.engine.validate import validate_request
+from bm.engine.step.setup import set_up_core
 from bm.kv import PreparedResources
 from bm.scheduling import FinishReason, LlmRequest, RequestState, SchedulerOutput
 
@@ -171,7 +171,7 @@ class EngineCore:
 
     def step(self) -> StepOutput:
         """Run one iteration over the active requests (nothing when none is active): in order, or
-        overlapped with the next when the core overlaps (:mod:`bm.engine.overlap`)."""
+        overlapped with the next when the core overlaps (:mod:`bm.engine.step.overlap`)."""
         return self.overlapped_step() if self.overlap else self.plain_step()
 
     def plain_step(self) -> StepOutput:
@@ -215,7 +215,7 @@ class EngineCore:
         return out
 
     def _schedule(self, *, overlapping: bool = False) -> tuple[list[LlmRequest], SchedulerOutput]:
-        """The ready requests (:func:`~bm.engine.admission.ready_requests`) and the scheduler's plan for
+        """The ready requests (:func:`~bm.engine.step.admission.ready_requests`) and the scheduler's plan for
         them; while an iteration is in flight, a request whose pending token is its last is not
         scheduled again."""
         kv = self.kv_cache_manager
@@ -318,7 +318,7 @@ class EngineCore:
 
     def fast_forward(self, until: float = float("inf")) -> DecodeRun | None:
         """Right after a :meth:`step` that decoded every active request: advance the iterations that
-        provably repeat it (:mod:`bm.engine.fast_forward`), starting none at or after clock time
+        provably repeat it (:mod:`bm.engine.step.fast_forward`), starting none at or after clock time
         ``until``. None when the executor cannot, or nothing can be skipped."""
         taken = self.decode_template.take(self._active)
         if taken is None:
@@ -341,7 +341,7 @@ class EngineCore:
         return run
 
     def _update(self, flight: Flight, result: ExecutionResult) -> WorkCounts:
-        """Apply what was computed (:mod:`bm.engine.progress`): progress (counted at launch under
+        """Apply what was computed (:mod:`bm.engine.step.apply`): progress (counted at launch under
         overlap), new tokens, finish reasons; an n-sample request whose prompt is done forks its
         samples; then the cache's bookkeeping."""
         now = self.clock()

@@ -5,8 +5,8 @@ request. When its last prompt chunk runs, the engine forks the other samples as 
 block tables share the prompt's blocks (:meth:`bm.kv.KVCacheManager.fork_samples`, through the
 manager's update step). A sibling starts one position back: its first step recomputes the prompt's last
 token into its own copy of the shared tail block and samples its first token from its own generator
-(seed from :func:`bm.engine.seeds.sample_seed`), so no sample depends on its siblings or on the batch.
-Each sample ends on its own (end token, stop word, length) and frees its table; the request's one final
+(seed from :func:`bm.engine.requests.seeds.sample_seed`), so no sample depends on its siblings or on the
+batch. Each sample ends on its own (end token, stop word, length) and frees its table; the request's one final
 response carries every sample once the last one ends.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from bm.engine.request import COUNTERS, Response, SampleOutput
-from bm.engine.seeds import sample_seed
+from bm.engine.requests.request import COUNTERS, Response, SampleOutput
+from bm.engine.requests.seeds import sample_seed
 from bm.kv import ResourceUpdate
 from bm.scheduling import FinishReason, LlmRequest, RequestState
 
