@@ -36,7 +36,7 @@ TESTS = [
     "tests/test_triton_elementwise.py",
     "tests/test_triton_runner.py",
     "tests/test_model_matrix.py",
-    "tests/test_adapters.py",
+    "tests/test_model_families.py",
     "tests/test_oracle.py",
     "tests/test_overlap_scheduler.py",
     "tests/test_triton_attention.py",

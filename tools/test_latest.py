@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "requirements" / "lock.txt"
 MODEL_FILE_LOCK = REPO / "requirements" / "model-file.txt"
 TESTS = [
-    "tests/test_adapters.py",
+    "tests/test_model_families.py",
     "tests/test_model_matrix.py",
     "tests/test_oracle.py",
     "tests/test_request_oracle.py",
