@@ -21,7 +21,7 @@ from bm.cli.bench_options import MODEL, RUN, resolve_config, with_shared_options
 from bm.cli.exit_codes import NO_SUCCESS, USAGE, run_exit_code
 from bm.cli.interrupts import Interrupts
 from bm.config import BmConfig, ConfigError, ModelConfig, resolve_engine
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.runtime import LoadedModel
@@ -77,7 +77,7 @@ def bench(
 
 
 def _fail(console: Console, message: str) -> typer.Exit:
-    """The error on standard error (bm.runfiles.stderr), exit code 2; ``console`` is kept for callers."""
+    """The error on standard error (bm.stderr), exit code 2; ``console`` is kept for callers."""
     print_error(message)
     return typer.Exit(code=USAGE)
 

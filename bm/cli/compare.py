@@ -41,7 +41,7 @@ from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupts
 from bm.compare.baseline_file import read_baseline_document
 from bm.config import BmConfig, ConfigError
 from bm.runfiles.outdir import COMPARE_FILES, OutDirError, prepare_out_dir, remove_created
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.compare.expr import Assertion

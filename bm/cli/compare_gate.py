@@ -21,7 +21,7 @@ from rich.console import Console
 from bm.cli.exit_codes import FAILED, NOT_JUDGED, OK
 from bm.compare.identity import gate_identity, identity_differences, refusal
 from bm.config import BmConfig, ConfigError
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.compare.pairing import BaselineWorker

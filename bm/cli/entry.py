@@ -73,7 +73,7 @@ def _main() -> None:
                 raise
             from bm.cli.errors import disk_full_message
             from bm.cli.exit_codes import FAILED
-            from bm.runfiles.stderr import print_error
+            from bm.stderr import print_error
 
             print_error(disk_full_message(exc, None))
             sys.exit(FAILED)

@@ -1,4 +1,4 @@
-"""How a ``bm`` command stops on an error: the message on standard error (``bm.runfiles.stderr``, the one
+"""How a ``bm`` command stops on an error: the message on standard error (``bm.stderr``, the one
 printer every command and a run's readers share) and the exit to raise, and the one line a full disk gets.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import typer
 
 from bm.cli.exit_codes import USAGE
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 
 
 def fail(message: str, code: int = USAGE) -> typer.Exit:

@@ -26,7 +26,7 @@ from bm.cli.run_inputs import (
 )
 from bm.config import ConfigError, config_reference
 from bm.runfiles.source import open_prompts
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 
 # No hub access at run time: models come from local paths or configs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

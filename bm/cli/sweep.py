@@ -31,7 +31,7 @@ from bm.cli.bench import (
 from bm.cli.interrupts import INTERRUPTED_EXIT, Interrupted, Interrupts
 from bm.config import BmConfig, ConfigError, resolve_engine
 from bm.runfiles.outdir import OutDirError, prepare_out_dir
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 
 if TYPE_CHECKING:
     from bm.compare.expr import Assertion

@@ -31,7 +31,7 @@ from bm.engine.requests.fields import (
 )
 from bm.generation_config import VLLM_TEMPERATURE
 from bm.runfiles.served_models import ANY_MODEL, ModelNotFoundError, ServedModels
-from bm.runfiles.stderr import print_error
+from bm.stderr import print_error
 from bm.workloads.jsonl import iter_lines, iter_slice_lines, parse_request, token_ids
 from bm.workloads.records import replayable
 from bm.workloads.request import DatasetError, Row, RowError, Workload

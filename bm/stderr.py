@@ -3,8 +3,9 @@
 Errors used to go to stdout (only ``bm bench --json`` sent them to stderr), so ``bm run ... 2>err.log``
 caught nothing and a script that parsed stdout read the error as output. Messages are printed as text,
 never as rich markup: a message quoting ``[len*(1-r), len*(1+r)]`` or a file holding ``[red]`` keeps
-its brackets. A run's readers warn the same way (``warning: ...``), so the printer lives here, below both
-``bm.cli`` and ``bm.ray``; how a command stops on an error is ``bm.cli.errors``.
+its brackets. A run's readers warn the same way (``warning: ...``), so the printer is a module of its own at the
+bottom of the package order, which every command and reader may import; how a command stops on an error
+is ``bm.cli.errors``.
 """
 
 from __future__ import annotations
