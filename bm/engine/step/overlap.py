@@ -25,8 +25,9 @@ frequency penalties overlap: they need the output's token counts only, and the r
 token's on the device. The V1 scheme (static batches run in lockstep) and n-gram
 drafts never overlap. Outputs are the same with overlap on or off: only when tokens become known moves.
 
-Executors that compute synchronously (the fake one, the simulator) overlap through :class:`SyncLauncher`, which resolves placeholders from the previous iteration's result on the
-host: the core's overlap logic is then exercised, and tested, without a device.
+Executors that compute synchronously (the fake one, the simulator) overlap through :class:`SyncLauncher`,
+which resolves placeholders from the previous iteration's result on the host: the core's overlap logic
+is then exercised, and tested, without a device.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class Flight:
     # once at launch (:func:`survey`), not on each of the four passes that need it.
     counts: WorkCounts | None = None
     computed: list[tuple[LlmRequest, int]] = field(default_factory=list)
-    # the requests that sample one token in it and take a placeholder for it
+    # the requests that sample one token in it, each counting it pending until it is collected
     sampling: list[LlmRequest] = field(default_factory=list)
     overlappable: bool = True
 
