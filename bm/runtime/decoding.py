@@ -161,16 +161,7 @@ class Decoder:
                     LogitsRow(req.request_id, opts, req.prompt_ids, opts.beam.tokens[b], req.sampling.end_id)
                 )
             else:
-                rows.append(
-                    LogitsRow(
-                        req.request_id,
-                        opts,
-                        req.prompt_ids,
-                        req.output_ids,
-                        req.sampling.end_id,
-                        req.num_pending,
-                    )
-                )
+                rows.append(_logits_row(req, opts))
             if opts.beam is not None:
                 beam_rows.setdefault(req.request_id, []).append(i)
         _keep_generation_logits(logits, kept)
@@ -236,6 +227,11 @@ def _controlled_row(request: LlmRequest) -> LogitsRow | None:
     state = request.decoding
     if state is None or not state.controls.processes_logits:
         return None
+    return _logits_row(request, state)
+
+
+def _logits_row(request: LlmRequest, state: DecodingState) -> LogitsRow:
+    """The request's tokens so far (its pending ones counted, not listed) under ``state``."""
     return LogitsRow(
         request.request_id,
         state,

@@ -34,8 +34,9 @@ class _Streamed:
 class EngineClient:
     """Requests in, finals out, over the engine loop's two callbacks.
 
-    ``requests``: handed out first, in order. ``keep_results``: keep every final in :attr:`results`
-    (``bm run`` over millions of lines keeps nothing per request, and reads :meth:`next_final`).
+    ``requests``: handed out first, in order. ``keep_results``: keep every final in :attr:`results`;
+    without, finals wait in a queue for :meth:`next_final` instead (``bm run`` over millions of lines
+    keeps nothing per request). A final goes to one of the two, never both.
     """
 
     def __init__(
@@ -104,14 +105,16 @@ class EngineClient:
                 self.results[response.request_id] = response
             self.num_final += 1
             done = self.num_final >= self._expected
-        self._finals.put((response, time.perf_counter()))
+        if not self._keep:
+            self._finals.put((response, time.perf_counter()))
         if self._on_final is not None:
             self._on_final(response)
         if done:
             self._all_final.set()
 
     def next_final(self, timeout: float = 0.1) -> Response | None:
-        """The next request's final response, or None when none came within ``timeout`` seconds."""
+        """The next request's final response, or None when none came within ``timeout`` seconds (a
+        client that keeps its results queues none: read :attr:`results`)."""
         try:
             response, self.last_finished_at = self._finals.get(timeout=timeout)
         except queue.Empty:

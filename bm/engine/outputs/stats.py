@@ -153,7 +153,7 @@ def iteration_stats(
     elapsed_s: float,
     latency_ms: float,
     reuse: tuple[int, int],
-    peft: PeftCacheCounts | None,
+    peft: PeftCacheCounts,
 ) -> IterationStats:
     """One iteration's stats from its plan and what it computed (``counts``: context, generation,
     padding, empty-slot and computed tokens; ``result``: forwards and drafts; ``usage``: the cache's
@@ -187,7 +187,7 @@ def iteration_stats(
         cached_blocks=kv.pool.num_cached_blocks,
         used_layer_blocks=usage.layer_blocks,
         saved_layer_blocks=usage.saved_layer_blocks,
-        peft=peft if peft is not None else PeftCacheCounts(),
+        peft=peft,
         draft_steps=len(result.drafts),
         draft_tokens=sum(o.num_draft for o in result.drafts.values()),
         accepted_draft_tokens=sum(o.num_accepted for o in result.drafts.values()),
