@@ -135,11 +135,15 @@ def test_the_paired_gate_runs_the_baseline_command_beside_this_run_and_catches_a
     result = compare(dataset, tmp_path / "same", "--baseline", saved, "--baseline-cmd", command,
                      "--tolerance", "10000%")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "paired with the baseline's code" in flat(result) and "5 paired round(s)" in flat(result)
+    assert "paired with the baseline's code" in flat(result)
     doc = json.loads((tmp_path / "same" / "compare.json").read_text())
     assert doc["baseline"]["timings_from"] == "paired" and doc["baseline"]["command"] == command
-    assert len(doc["variants"]["inflight_fused"]["paired_baseline_per_repeat"]) == doc["repeat"] == 5
-    assert all(c["pairs"] == 5 and c["judged"] for c in doc["baseline"]["timing_checks"])
+    # five pairs are the fewest that can hold; on a loaded runner one pair's ratio can pass even this
+    # tolerance (a stall on one side of a millisecond timing), and the gate then measures more rounds
+    rounds = doc["repeat"]
+    assert rounds >= 5 and f"{rounds} paired round(s)" in flat(result)
+    assert len(doc["variants"]["inflight_fused"]["paired_baseline_per_repeat"]) == rounds
+    assert all(c["pairs"] == rounds and c["judged"] for c in doc["baseline"]["timing_checks"])
 
     # every engine step of this side 1 s longer (these runs take well under a second in all); the
     # baseline's side runs in its own process, untouched
@@ -149,8 +153,12 @@ def test_the_paired_gate_runs_the_baseline_command_beside_this_run_and_catches_a
     assert result.exit_code == 1, result.output
     doc = json.loads((tmp_path / "slow" / "compare.json").read_text())
     found = doc["baseline"]["regressions"]
-    assert {r["kind"] for r in found} == {"timing"} and doc["repeat"] == 10  # ten pairs show a regression
-    assert re.search(r"regression: inflight_fused\.\w+: (rose|fell) .* over 10 paired rounds", flat(result))
+    # ten pairs are the fewest that can show a regression; a pair the load evened out adds rounds
+    rounds = doc["repeat"]
+    assert {r["kind"] for r in found} == {"timing"} and rounds >= 10
+    assert re.search(
+        rf"regression: inflight_fused\.\w+: (rose|fell) .* over {rounds} paired rounds", flat(result)
+    )
 
 
 def test_a_baseline_command_that_cannot_pair_falls_back_to_the_saved_timings_and_says_so(
