@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bm.engine.outputs.sequences import FinishedSequence, finished_sequences
 from bm.engine.requests.request import Response
-from bm.engine.requests.stopping import finished_text
 from bm.llm_params import CompletionOutput, InvalidParameterError, Logprob, RequestOutput, SamplingParams
 from bm.llm_types import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, RequestMetrics
 
@@ -32,11 +32,16 @@ class OutputBuilder:
         finished_at: float | None = None,
         lora_request: Any = None,
     ) -> RequestOutput:
-        samples = result.samples or [result]
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = self.prompt_logprobs(ids, result.context_logits, params.prompt_logprobs)
-        completions = [self.completion(i, s, params) for i, s in enumerate(samples)]
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        decode = (
+            None if self.tokenizer is None else lambda tokens: self._text(tokens, params.skip_special_tokens)
+        )
+        sequences = finished_sequences(result, stops, decode, params.include_stop_str_in_output)
+        error = (result.error or None) if result.samples is None else None
+        completions = [self.completion(s, params, error) for s in sequences]
         return RequestOutput(
             str(request_id),
             prompt,
@@ -100,31 +105,24 @@ class OutputBuilder:
             out.append(position)
         return out
 
-    def completion(self, index: int, sample: Any, params: SamplingParams) -> CompletionOutput:
-        """One sample (a response, or one of its n samples) as vLLM's CompletionOutput."""
-        tokens = list(sample.output_ids)
-        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        finished = finished_text(
-            self.decode(tokens, params),
-            tokens,
-            sample.finish_reason,
-            stops,
-            params.include_stop_str_in_output,
-        )
-        text, reason, stop_reason = finished.text or "", finished.finish_reason, finished.stop_reason
-        error = getattr(sample, "error", None) or None
-        chosen = sample.output_log_probs
+    def completion(
+        self, sequence: FinishedSequence, params: SamplingParams, error: str | None = None
+    ) -> CompletionOutput:
+        """One sequence (the response, or one of its n samples) as vLLM's CompletionOutput."""
+        tokens, text = sequence.token_ids, sequence.text or ""
+        reason, stop_reason, chosen = sequence.finish_reason, sequence.stop_reason, sequence.log_probs
         if params.logprobs is None or chosen is None:
-            return CompletionOutput(index, text, tokens, reason, error=error, stop_reason=stop_reason)
-        tops = sample.output_top_log_probs or [[] for _ in tokens]
+            return CompletionOutput(
+                sequence.index, text, tokens, reason, error=error, stop_reason=stop_reason
+            )
+        tops = sequence.top_log_probs or [[] for _ in tokens]
         logprobs = [
             self._position(token, lp, getattr(top, "rank", None), top, params.logprobs)
             for token, lp, top in zip(tokens, chosen, tops, strict=False)
         ]
-        return CompletionOutput(index, text, tokens, reason, logprobs, float(sum(chosen)), error, stop_reason)
-
-    def decode(self, tokens: list[int], params: SamplingParams) -> str:
-        return "" if self.tokenizer is None else self._text(tokens, params.skip_special_tokens)
+        return CompletionOutput(
+            sequence.index, text, tokens, reason, logprobs, float(sum(chosen)), error, stop_reason
+        )
 
     def _text(self, tokens: list[int], skip_special_tokens: bool) -> str:
         """The text of ``tokens``: special tokens skipped (bm's tokenizers do), or written as the

@@ -11,14 +11,20 @@ the same rule whichever door it came in by, and raised here as :class:`InvalidPa
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple, TypeVar
 
 from bm.config import ConfigError
 from bm.config.vllm import NotInBm
-from bm.engine.requests.fields import VLLM_SAMPLING_FIELDS, RequestError, check_bool, check_int, request_field
+from bm.engine.requests.fields import (
+    VLLM_SAMPLING_FIELDS,
+    RequestError,
+    check_bool,
+    check_int,
+    in_user_terms,
+    request_field,
+)
 from bm.suggest import did_you_mean
 
 
@@ -117,26 +123,10 @@ def refusing_unknown_keywords(vllm_only: Mapping[str, NotInBm]) -> Callable[[_In
     return wrap
 
 
-# The engine field -> the name a message says (first vLLM name that sets it).
-_USER_NAME = {
-    "num_return_sequences": "n",
-    "request_output_len": "max_tokens",
-    "runtime_top_p": "top_p",
-    "runtime_top_k": "top_k",
-    "random_seed": "seed",
-    "stop_words_list": "stop",
-    "bad_words_list": "bad_words",
-    "min_length": "min_tokens",
-    "top_logprobs": "logprobs",
-    "return_log_probs": "logprobs",
-}
-_SPEC_NAME = re.compile(r"\b(" + "|".join(sorted(_USER_NAME, key=len, reverse=True)) + r")\b")
-
-
 def user_message(message: str) -> str:
     """An engine message in the library's names (``request_output_len`` -> ``max_tokens``)."""
     message = message.replace("(engine.max_seq_len)", "(LLM(max_model_len=...), engine.max_seq_len)")
-    return _SPEC_NAME.sub(lambda m: _USER_NAME[m.group(1)], message)
+    return in_user_terms(message)
 
 
 @refusing_unknown_keywords(

@@ -150,12 +150,12 @@ def test_run_bench_compares_schemes_on_one_workload_in_one_process(tmp_path, tin
     v1, fused = results["v1"], results["inflight_fused"]
     tokens = [r["output_tokens"] for r in records["v1"]]
     assert tokens == [r["output_tokens"] for r in records["inflight_fused"]]
-    assert tokens == [r.output_len for r in workload.requests]
+    assert tokens == [r.max_tokens for r in workload.requests]
     assert [r["arrival_s"] for r in records["v1"]] == pytest.approx(times)
     assert v1.metrics.keys() == fused.metrics.keys()
     assert fused.metrics["total_empty_generation_slots"] == 0
     assert fused.metrics["total_computed_tokens"] == sum(
-        r.input_len + r.output_len - 1 for r in workload.requests
+        r.input_len + r.max_tokens - 1 for r in workload.requests
     )
     document = write_results(tmp_path / "v1", v1)
     assert document["batching_scheme"] == "v1" and document["completed"] == 6

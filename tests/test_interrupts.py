@@ -109,7 +109,7 @@ def run_in_thread(prompts: Path, out: Path, interrupts: Interrupts, limit: int, 
 
     monkeypatch.setattr(run_module, "in_flight_limit", lambda config: limit)
     config = make_config(engine={"max_batch_size": 2})
-    options = RunOptions(default_output_len=4, ignore_eos=True, show_progress=False)
+    options = RunOptions(default_max_tokens=4, ignore_eos=True, show_progress=False)
     console = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     ended = threading.Event()
 
@@ -193,7 +193,7 @@ def test_a_signal_during_the_model_load_cancels_every_line_without_the_model(tmp
     monkeypatch.setattr(run_module, "LLM", interrupted_load)
     prompts = write_ids(tmp_path / "p.jsonl", 5, 4)
     out = tmp_path / "out"
-    options = RunOptions(default_output_len=4, prompts=prompts, run_seed=3)
+    options = RunOptions(default_max_tokens=4, prompts=prompts, run_seed=3)
     console = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     summary = run_prompts(iter_request_file(prompts), make_config(), out, options, console, interrupts)
     assert summary.interrupted and summary.num_cancelled == 5

@@ -88,8 +88,8 @@ def test_max_new_tokens_is_the_length_of_a_line_that_gives_no_max_tokens(tmp_pat
             write_batch(tmp_path, lines), ServedModels.of(ModelConfig(generation_config=str(folder)))
         )
     }
-    assert by_id["open"].output_len == 3 and not by_id["open"].output_len_to_limit
-    assert by_id["given"].output_len == 5
+    assert by_id["open"].max_tokens == 3 and not by_id["open"].max_tokens_to_limit
+    assert by_id["given"].max_tokens == 5
 
 
 def test_a_generation_config_bm_cannot_run_or_a_missing_directory_is_refused_before_the_load(tmp_path):

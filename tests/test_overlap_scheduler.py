@@ -380,10 +380,12 @@ def test_steps_that_need_no_host_read_decode_on_the_device_with_the_host_paths_b
     from bm.runtime.logits import DecodingState
     from bm.scheduling.controls import Controls
 
-    assert on_device_only(DecodingState(Controls(return_log_probs=True, top_log_probs=3, stop_words=((5,),))))
-    assert on_device_only(DecodingState(Controls(min_length=3, bad_words=((5,),), embedding_bias=[0.0])))
+    assert on_device_only(
+        DecodingState(Controls(return_log_probs=True, top_log_probs=3, stop_words_list=((5,),)))
+    )
+    assert on_device_only(DecodingState(Controls(min_length=3, bad_words_list=((5,),), embedding_bias=[0.0])))
     assert not on_device_only(DecodingState(Controls(return_log_probs=True, return_generation_logits=True)))
-    assert not on_device_only(DecodingState(Controls(bad_words=((5, 6),))))  # reads the output
+    assert not on_device_only(DecodingState(Controls(bad_words_list=((5, 6),))))  # reads the output
     vocab = tiny_model.vocab_size
     extra = {k: _bias(vocab) if v == "bias" else v for k, v in DEVICE_CONTROLS[controls].items()}
     specs = random_prompts(seed=21, count=6, vocab=vocab, max_prompt=24, max_output=10)

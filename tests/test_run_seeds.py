@@ -97,8 +97,8 @@ def test_resume_after_sigkill_gives_the_outputs_of_an_uninterrupted_run_with_tha
 
 
 def test_bench_rows_without_a_seed_get_one_from_the_run_seed():
-    rows = [Row(f"line {i}", input_ids=[5, 6, 7], output_len=4) for i in range(3)]
-    rows.append(Row("line 4", input_ids=[5, 6, 7], output_len=4, fields={"seed": 9}))
+    rows = [Row(f"line {i}", input_ids=[5, 6, 7], max_tokens=4) for i in range(3)]
+    rows.append(Row("line 4", input_ids=[5, 6, 7], max_tokens=4, fields={"seed": 9}))
     built = dict(build_requests(Workload("bm", "x", rows), None, run_seed=3))
     assert [built[i].random_seed for i in range(3)] == [line_seed(3, i) for i in range(3)]
     assert len({built[i].random_seed for i in range(3)}) == 3

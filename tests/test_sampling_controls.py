@@ -86,7 +86,7 @@ def test_temperature_above_one_flattens():
     ],
 )
 def test_top_k_keeps_exactly_the_k_most_likely_renormalised(top_k, expected):
-    measured = filtered_distribution(log_probs(0.2, 0.4, 0.1, 0.3), temperature=1.0, top_k=top_k)
+    measured = filtered_distribution(log_probs(0.2, 0.4, 0.1, 0.3), temperature=1.0, runtime_top_k=top_k)
     assert_distribution(measured, expected)
 
 
@@ -105,7 +105,7 @@ def test_top_k_keeps_exactly_the_k_most_likely_renormalised(top_k, expected):
     ],
 )
 def test_top_p_keeps_the_smallest_nucleus_reaching_p(top_p, expected):
-    measured = filtered_distribution(log_probs(0.5, 0.25, 0.125, 0.125), temperature=1.0, top_p=top_p)
+    measured = filtered_distribution(log_probs(0.5, 0.25, 0.125, 0.125), temperature=1.0, runtime_top_p=top_p)
     assert_distribution(measured, expected)
 
 
@@ -113,7 +113,7 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p(top_p, expected):
 def test_top_p_equal_to_a_nucleus_mass_keeps_exactly_that_nucleus(top_p, kept):
     # Four equal logits: probabilities are exactly 0.25 each, so the masses 0.25, 0.5, 0.75 are exact
     # and top_p equal to one of them is reached with that many tokens, no more.
-    measured = filtered_distribution([0.0] * 4, temperature=1.0, top_p=top_p)
+    measured = filtered_distribution([0.0] * 4, temperature=1.0, runtime_top_p=top_p)
     assert len(measured) == kept
     assert all(p == pytest.approx(1 / kept, abs=1.5 / GRID) for p in measured.values())
 
@@ -121,13 +121,15 @@ def test_top_p_equal_to_a_nucleus_mass_keeps_exactly_that_nucleus(top_p, kept):
 def test_top_k_then_top_p_then_temperature_combine():
     # T = 0.5 squares (0.4, 0.3, 0.2, 0.1) -> (16, 9, 4, 1) / 30; top_k 3 keeps 16, 9, 4 (/ 29);
     # top_p 0.8: 16/29 = 0.55 < 0.8, 25/29 = 0.86 >= 0.8 -> the first two, 16/25 and 9/25.
-    measured = filtered_distribution(log_probs(0.4, 0.3, 0.2, 0.1), temperature=0.5, top_k=3, top_p=0.8)
+    measured = filtered_distribution(
+        log_probs(0.4, 0.3, 0.2, 0.1), temperature=0.5, runtime_top_k=3, runtime_top_p=0.8
+    )
     assert_distribution(measured, {0: 16 / 25, 1: 9 / 25})
 
 
 def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, 1.0, 0.0], [0.0, 0.0, 5.0]])
-    params = [Sampling(), Sampling(temperature=1.0, top_k=1), Sampling(temperature=0.0)]
+    params = [Sampling(), Sampling(temperature=1.0, runtime_top_k=1), Sampling(temperature=0.0)]
     assert Sampler().sample(logits, params, [0, 1, 2]) == [1, 0, 2]
 
 
@@ -145,7 +147,7 @@ def test_seeded_sampling_follows_the_filtered_distribution():
     n = 20000
     probs = (0.35, 0.25, 0.2, 0.1, 0.06, 0.04)
     logits = torch.tensor([log_probs(*probs)] * n, dtype=torch.float32)
-    params = [Sampling(temperature=1.0, top_k=5, top_p=0.85, random_seed=s) for s in range(n)]
+    params = [Sampling(temperature=1.0, runtime_top_k=5, runtime_top_p=0.85, random_seed=s) for s in range(n)]
     tokens = Sampler().sample(logits, params, list(range(n)))
     kept = {0: 0.35 / 0.9, 1: 0.25 / 0.9, 2: 0.2 / 0.9, 3: 0.1 / 0.9}
     outside = sum(1 for t in tokens if t not in kept)
@@ -260,7 +262,7 @@ def test_min_length_without_an_end_token_bans_nothing():
     ],
 )
 def test_bad_words_ban_the_token_that_would_complete_a_word(prompt, output, banned):
-    out = controlled([0.0] * 8, prompt=prompt, output=output, bad_words=((5, 6), (7,), (4, 5, 1)))
+    out = controlled([0.0] * 8, prompt=prompt, output=output, bad_words_list=((5, 6), (7,), (4, 5, 1)))
     assert {i for i, x in enumerate(out) if x == NEG} == banned
 
 

@@ -34,7 +34,7 @@ def test_vllm_sampling_names_on_a_bm_line_set_the_engine_fields_samplingparams_s
         min_tokens=3, stop_token_ids=[7, 9], ignore_eos=True, top_k=5, repetition_penalty=1.1,
         max_tokens=4, n=2, seed=1, logprobs=2, bad_words=["no"], min_p=0.1,
     )  # fmt: skip
-    assert row.output_len == 4
+    assert row.max_tokens == 4
     assert row.fields == {
         "min_length": 3,
         "stop_words_list": [[7], [9]],

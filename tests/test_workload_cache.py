@@ -22,7 +22,7 @@ runner = CliRunner()
 def _workload(lengths: list[tuple[int, int]], **fields) -> Workload:
     rows = [
         Row(
-            where=f"line {i + 1}", index=i, input_ids=list(range(3, 3 + p)), output_len=n, fields=dict(fields)
+            where=f"line {i + 1}", index=i, input_ids=list(range(3, 3 + p)), max_tokens=n, fields=dict(fields)
         )
         for i, (p, n) in enumerate(lengths)
     ]

@@ -40,9 +40,9 @@ def test_bm_jsonl_with_text_ids_output_aliases_arrival_times_and_fields(tmp_path
     w = load(path, output_len=7)
     assert w.kind == "bm" and [r.ok for r in w.requests] == [True] * 3
     a, b, c = w.requests
-    assert a.user_id == "a" and a.input_ids == encode("one two three") and a.output_len == 4
-    assert b.input_ids == [5, 6] and b.output_len == 2 and b.fields == {"temperature": 0.5}
-    assert c.output_len == 7 and [r.arrival_time for r in w.requests] == [0.0, 1.5, 2.0]
+    assert a.user_id == "a" and a.input_ids == encode("one two three") and a.max_tokens == 4
+    assert b.input_ids == [5, 6] and b.max_tokens == 2 and b.fields == {"temperature": 0.5}
+    assert c.max_tokens == 7 and [r.arrival_time for r in w.requests] == [0.0, 1.5, 2.0]
 
 
 def test_bm_jsonl_bad_rows_keep_their_place_with_an_error_naming_line_and_field(tmp_path):
@@ -77,8 +77,8 @@ def test_trtllm_bench_jsonl(tmp_path):
     assert detect_kind(path) == "trtllm"
     w = load(path)
     a, b, c = w.requests
-    assert (a.user_id, a.input_ids, a.output_len) == (0, [7, 8, 9], 5)
-    assert b.input_ids == encode("hello there") and b.output_len == 3
+    assert (a.user_id, a.input_ids, a.max_tokens) == (0, [7, 8, 9], 5)
+    assert b.input_ids == encode("hello there") and b.max_tokens == 3
     assert c.error.startswith("line 3: missing field 'output_tokens'")
 
 
@@ -100,7 +100,7 @@ def test_sharegpt_first_turn_is_the_prompt_second_turn_gives_the_output_length(t
     w = load(path)
     assert w.num_skipped == 1 and len(w.requests) == 2
     first, bad = w.requests
-    assert first.user_id == "x" and first.input_ids == encode("hi there you") and first.output_len == 4
+    assert first.user_id == "x" and first.input_ids == encode("hi there you") and first.max_tokens == 4
     assert bad.error == "entry 2: conversations[1].value: the text is empty"
 
 
@@ -125,7 +125,7 @@ def test_azure_trace_with_bom_and_crlf_gets_synthetic_ids_of_the_given_lengths(t
     assert detect_kind(path) == "azure"
     w = load(path, trace_timestamps=True)
     a, bad, c = w.requests
-    assert a.input_len == len(a.input_ids) == 374 and a.output_len == 44
+    assert a.input_len == len(a.input_ids) == 374 and a.max_tokens == 44
     assert all(3 <= t < VOCAB for t in a.input_ids)
     assert bad.error == "line 3: GeneratedTokens: must be at least 1, got 0"
     assert [r.arrival_time for r in w.requests] == pytest.approx([0.0, 0.5, 2.0])
@@ -185,7 +185,7 @@ def test_hf_dataset_from_a_local_file_and_a_saved_directory(tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", rows)
     w = load(path, dataset_kind="hf", prompt_column="question", output_column="answer")
     assert [r.input_ids for r in w.requests] == [encode("what is this"), encode("why")]
-    assert [r.output_len for r in w.requests] == [2, 1]
+    assert [r.max_tokens for r in w.requests] == [2, 1]
     with pytest.raises(DatasetError, match="no column 'prompt'"):
         load(path, dataset_kind="hf")
 
@@ -195,7 +195,7 @@ def test_hf_dataset_from_a_local_file_and_a_saved_directory(tmp_path):
     datasets.Dataset.from_list([{"ids": [4, 5, 6], "n": 3}, {"ids": [7], "n": 0}]).save_to_disk(str(saved))
     assert detect_kind(saved) == "hf"
     w = load(saved, prompt_column="ids", output_column="n")
-    assert w.requests[0].input_ids == [4, 5, 6] and w.requests[0].output_len == 3
+    assert w.requests[0].input_ids == [4, 5, 6] and w.requests[0].max_tokens == 3
     assert w.requests[1].error == "row 1: n: must be at least 1, got 0"
 
 
@@ -212,11 +212,11 @@ def test_synthetic_lengths_stay_in_range_and_prefix_groups_share_their_prefix():
     )
     assert len(w.requests) == 40
     for i, r in enumerate(w.requests):
-        assert 6 + 10 <= r.input_len <= 6 + 30 and 5 <= r.output_len <= 15
+        assert 6 + 10 <= r.input_len <= 6 + 30 and 5 <= r.max_tokens <= 15
         assert r.input_ids[:6] == w.requests[i % 2].input_ids[:6]
     assert w.requests[0].input_ids[:6] != w.requests[1].input_ids[:6]
     fixed = load(dataset_kind="synthetic", num_requests=3, input_len=8, output_len=4)
-    assert [(r.input_len, r.output_len) for r in fixed.requests] == [(8, 4)] * 3
+    assert [(r.input_len, r.max_tokens) for r in fixed.requests] == [(8, 4)] * 3
 
 
 def test_scaling_caps_num_requests_and_seeded_shuffle(tmp_path):
@@ -224,7 +224,7 @@ def test_scaling_caps_num_requests_and_seeded_shuffle(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     w = load(path, input_scale=0.25, output_scale=2.0, max_output_len=12, num_requests=4)
     assert len(w.requests) == 4
-    assert [r.input_ids for r in w.requests] == [[1, 2]] * 4 and [r.output_len for r in w.requests] == [
+    assert [r.input_ids for r in w.requests] == [[1, 2]] * 4 and [r.max_tokens for r in w.requests] == [
         12
     ] * 4
     grown = load(path, input_scale=1.5, max_input_len=14)
@@ -265,4 +265,4 @@ def test_trace_timestamps_on_a_dataset_without_them_is_refused(tmp_path):
 def test_every_shipped_sample_loads_without_a_bad_row(name, kind, extra):
     w = load(REPO / "datasets" / "bench" / name, **extra)
     assert w.kind == kind and len(w.requests) >= 10
-    assert all(r.ok and r.input_ids and r.output_len >= 1 for r in w.requests), [r.error for r in w.requests]
+    assert all(r.ok and r.input_ids and r.max_tokens >= 1 for r in w.requests), [r.error for r in w.requests]

@@ -72,7 +72,7 @@ def request_record(index: int, req: Row, timeline: Timeline | None) -> dict[str,
         "error": req.error,
         "input_tokens": req.input_len if req.input_ids is None else len(req.input_ids),
         "output_tokens": 0,
-        "requested_output_tokens": req.output_len,  # the length its row asked for
+        "requested_output_tokens": req.max_tokens,  # the length its row asked for
         "arrival_s": None,
         "send_s": None,
         "queue_time_ms": None,

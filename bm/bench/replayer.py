@@ -202,7 +202,7 @@ def build_requests(
         if run_seed is not None:
             fields.setdefault("random_seed", line_seed(run_seed, index))
         try:
-            request = Request(index, list(req.input_ids), req.output_len, streaming=True, **fields)
+            request = Request(index, list(req.input_ids), req.max_tokens, streaming=True, **fields)
         except TypeError as exc:
             req.error = f"{req.where}: {exc}"
             continue

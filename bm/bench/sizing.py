@@ -48,7 +48,7 @@ def workload_cache(workload: Workload, configs: Iterable[BmConfig]) -> WorkloadC
     if not rows:
         return None
     longest_prompt = max(_prompt_len(r) for r in rows)
-    longest_output = max(r.output_len or 0 for r in rows)
+    longest_output = max(r.max_tokens or 0 for r in rows)
     samples = max(_samples(r.fields) for r in rows)
     best: WorkloadCache | None = None
     for config in configs:

@@ -250,7 +250,7 @@ def _run(
 
     try:
         options = RunOptions(
-            default_output_len=max_tokens,
+            default_max_tokens=max_tokens,
             ignore_eos=ignore_eos,
             show_progress=not quiet,
             prompts=source.path,

@@ -37,13 +37,13 @@ def run_with_ray(
         options.prompts,
         config,
         run_options(
-            options.default_output_len, options.ignore_eos, options.chat_template, options.tool_call_parser
+            options.default_max_tokens, options.ignore_eos, options.chat_template, options.tool_call_parser
         ),
         options.run_seed,
         name=options.prompts_name,
     )
     line = LineOptions(
-        options.default_output_len,
+        options.default_max_tokens,
         options.ignore_eos,
         options.run_seed,
         options.chat_template,

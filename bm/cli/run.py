@@ -51,7 +51,7 @@ def in_flight_limit(config: BmConfig) -> int:
 class RunOptions:
     """How ``bm run`` answers a file: the flags that shape its requests, its records and its display."""
 
-    default_output_len: int  # max_tokens of a line that gives none
+    default_max_tokens: int  # max_tokens of a line that gives none
     ignore_eos: bool = False
     show_progress: bool = True
     prompts: Path | None = None  # the input file (its digest makes the run's identity)
@@ -89,7 +89,7 @@ def run_prompts(
             options.prompts,
             config,
             run_options(
-                options.default_output_len,
+                options.default_max_tokens,
                 options.ignore_eos,
                 options.chat_template,
                 options.tool_call_parser,
@@ -227,7 +227,7 @@ def _feed(
                 run.cancel_unstarted(session, console, interrupts.signal_name)
                 run.write(cancelled_record(entry))
                 continue
-            requests = to_requests(entry, codec, options.default_output_len, default_end_id, options.run_seed)
+            requests = to_requests(entry, codec, options.default_max_tokens, default_end_id, options.run_seed)
             if requests is None:
                 run.write(output_record(entry, None, loaded))
                 continue

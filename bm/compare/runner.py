@@ -164,7 +164,7 @@ class CompareResult:
 def _baseline_metrics(
     name: str, loaded: LoadedModel, workload: Workload, hf_batch_size: int, stop: threading.Event | None
 ) -> dict[str, Any]:
-    runnable = [(r.input_ids, r.output_len) for r in workload.requests if r.ok and r.input_ids is not None]
+    runnable = [(r.input_ids, r.max_tokens) for r in workload.requests if r.ok and r.input_ids is not None]
     if name == "hf-generate":
         peer = run_hf_generate(loaded.model, runnable, batch_size=hf_batch_size, stop=stop)
     else:

@@ -49,7 +49,7 @@ FAULT_ENV = "BM_RAY_TEST_FAULT"
 class LineOptions:
     """What a line's request and record depend on besides the line: ``bm run``'s own flags."""
 
-    default_output_len: int
+    default_max_tokens: int
     ignore_eos: bool
     run_seed: int | None
     chat_template: str | None = None
@@ -161,7 +161,7 @@ class Replica:
                 continue
             self.fault.check_line(row)
             requests = to_requests(
-                row, self.codec, self.options.default_output_len, self.end_id, self.options.run_seed
+                row, self.codec, self.options.default_max_tokens, self.end_id, self.options.run_seed
             )
             if requests is None:
                 records.append(output_record(row, None, loaded))

@@ -175,7 +175,7 @@ def note_ignored_fields(path: Path, served: ServedModels, notices: IgnoredFieldN
 
 def load_batch_workload(
     path: Path,
-    default_output_len: int,
+    default_max_tokens: int,
     served: ServedModels = ANY_MODEL,
     notices: IgnoredFieldNotices | None = None,
 ) -> Workload:
@@ -193,7 +193,7 @@ def load_batch_workload(
     for line in iter_batch_file(path, served):
         if notices is not None:
             notices.note(line)
-        rows.append(replayable(_replayable_line(line), default_output_len))
+        rows.append(replayable(_replayable_line(line), default_max_tokens))
     return Workload("openai-batch", str(path), rows)
 
 
@@ -270,7 +270,7 @@ def _line(data: dict[str, Any], entry: BatchLine, served: ServedModels) -> None:
     except RowError as exc:
         raise RowError(f"body.{exc}") from None
     # OpenAI and vLLM cap no output a body does not cap: bm run's --max-tokens is for bm's own lines
-    entry.parsed.output_len_to_limit = entry.parsed.output_len is None
+    entry.parsed.max_tokens_to_limit = entry.parsed.max_tokens is None
 
 
 def _body(body: dict[str, Any], entry: BatchLine, served: ServedModels) -> dict[str, Any]:

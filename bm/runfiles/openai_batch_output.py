@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bm.engine.requests.fields import USER_NAMES
 from bm.files import replacing_text
 from bm.runfiles.openai_batch import CHAT_URL, BatchLine
 from bm.runfiles.writers import JsonlWriter
@@ -22,15 +23,9 @@ from bm.workloads.tool_parsers import parse_tool_calls
 from bm.workloads.tools import tool_calls, tool_names
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "end_id": "stop"}  # end_id: older records
-# bm's field names in an engine error -> the body field the user wrote (an error's ``param``)
-OPENAI_NAMES = {
-    "num_return_sequences": "n",
-    "random_seed": "seed",
-    "runtime_top_p": "top_p",
-    "request_output_len": "max_tokens",
-    "stop_words_list": "stop",
-    "return_log_probs": "logprobs",
-}
+# bm's field names in an engine error -> the body field the user wrote (an error's ``param``): the one
+# table's vLLM names, which are OpenAI's too, except ``top_logprobs``, which a chat body names itself.
+OPENAI_NAMES = {engine: user for engine, user in USER_NAMES.items() if engine != "top_logprobs"}
 FIELD_PATH = re.compile(r"^(?:line \d+: )?(?:body\.)?([A-Za-z_][\w.\[\]]*): ")
 
 

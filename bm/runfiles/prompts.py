@@ -95,7 +95,7 @@ PART_ID_STRIDE = 1 << 40
 def to_requests(
     row: Row,
     codec: Codec,
-    default_output_len: int,
+    default_max_tokens: int,
     default_end_id: int | None,
     run_seed: int | None = None,
 ) -> list[tuple[Row, Request]] | None:
@@ -103,14 +103,14 @@ def to_requests(
     completions prompt list (``row.more_prompts``), whose records :class:`bm.runfiles.records.LineParts`
     joins into the line's one. None when the line cannot run (the row carries the first part's error)."""
     if not row.more_prompts:
-        request = to_request(row, codec, default_output_len, default_end_id, run_seed)
+        request = to_request(row, codec, default_max_tokens, default_end_id, run_seed)
         return None if request is None else [(row, request)]
     rows = [row] + [_part_row(row, prompt) for prompt in row.more_prompts]
     out = []
     for p, part in enumerate(rows):
         part.part, part.num_parts = p, len(rows)
         request = to_request(
-            part, codec, default_output_len, default_end_id, run_seed, row.index + p * PART_ID_STRIDE
+            part, codec, default_max_tokens, default_end_id, run_seed, row.index + p * PART_ID_STRIDE
         )
         if request is None:
             row.error = part.error
@@ -131,7 +131,7 @@ def _part_row(row: Row, prompt: Any) -> Row:
 def to_request(
     row: Row,
     codec: Codec,
-    default_output_len: int,
+    default_max_tokens: int,
     default_end_id: int | None,
     run_seed: int | None = None,
     request_id: int | None = None,
@@ -172,20 +172,20 @@ def to_request(
     # with it off every response the engine sends is the request's one final response.
     fields.pop("streaming", None)
     row.num_prompt_tokens = len(prompt_ids)
-    output_len = row.output_len or default_output_len
-    if row.output_len is None and row.output_len_to_limit and codec.max_seq_len is not None:
+    max_tokens = row.max_tokens or default_max_tokens
+    if row.max_tokens is None and row.max_tokens_to_limit and codec.max_seq_len is not None:
         # OpenAI's default: no cap of the run's own; the end token or the model's length ends it
-        output_len = max(codec.max_seq_len - len(prompt_ids), 1)
+        max_tokens = max(codec.max_seq_len - len(prompt_ids), 1)
     # Typed values as parsed. Ranges that depend on the model (token ids against the vocabulary, where ids
     # from vocab_size on may be prompt-table rows; a bias per vocabulary token) are the engine's
     # validate_request's alone: a second check here is how prompt tuning through `bm run` broke.
-    return Request(request_id, input_ids=list(prompt_ids), request_output_len=output_len, **fields)
+    return Request(request_id, input_ids=list(prompt_ids), request_output_len=max_tokens, **fields)
 
 
 def read_prompt_lines(
     path: Path,
     encode: Callable[[str], list[int]] | None,
-    default_output_len: int,
+    default_max_tokens: int,
     default_end_id: int | None,
     encode_word: Callable[[str], list[int]] | None = None,
 ) -> list[tuple[Row, Request | None]]:
@@ -193,7 +193,7 @@ def read_prompt_lines(
     vocabulary)."""
     codec = Codec(encode=encode, encode_word=encode_word)
     return [
-        (row, to_request(row, codec, default_output_len, default_end_id)) for row in read_request_file(path)
+        (row, to_request(row, codec, default_max_tokens, default_end_id)) for row in read_request_file(path)
     ]
 
 

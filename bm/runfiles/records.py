@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bm.engine.requests.request import Response, SampleOutput
-from bm.engine.requests.stopping import finished_text
+from bm.engine.outputs.sequences import FinishedSequence, finished_sequences
+from bm.engine.requests.fields import in_user_terms
+from bm.engine.requests.request import Response
 from bm.scheduling import FinishReason
 from bm.workloads.request import Row
 from bm.workloads.tool_parsers import parse_tool_calls
@@ -23,17 +24,6 @@ if TYPE_CHECKING:  # the records need no torch
     from bm.runtime import LoadedModel
 
 
-def sequence_fields(row: Row, output_ids: list[int], reason: FinishReason, tokenizer: Any) -> dict[str, Any]:
-    """A finished sequence's ``text`` (decoded, cut before a stop string as OpenAI's API cuts it; absent
-    without a tokenizer), ``finish_reason`` and ``stop_reason``: what ``bm.LLM`` returns for the same
-    request (:func:`bm.engine.requests.stopping.finished_text`, the one rule for both)."""
-    text = tokenizer.decode(output_ids) if tokenizer is not None else None
-    finished = finished_text(text, output_ids, reason, row.stop)
-    fields: dict[str, Any] = {} if finished.text is None else {"text": finished.text}
-    fields.update(finish_reason=finished.finish_reason, stop_reason=finished.stop_reason)
-    return fields
-
-
 def top_log_probs(values: list[list[tuple[int, float]]] | None) -> list[list[list[float]]] | None:
     """Per generated token, its most likely ``[token id, log prob]`` pairs, most likely first."""
     if values is None:
@@ -41,28 +31,22 @@ def top_log_probs(values: list[list[tuple[int, float]]] | None) -> list[list[lis
     return [[[token, lp] for token, lp in top] for top in values]
 
 
-def sample_record(row: Row, sample: SampleOutput, tokenizer: Any) -> dict[str, Any]:
+def sample_record(sequence: FinishedSequence) -> dict[str, Any]:
     """One entry of a record's ``samples``: the sample's own tokens, text and finish reason."""
-    entry: dict[str, Any] = {"index": sample.index}
-    finished = sequence_fields(row, sample.output_ids, sample.finish_reason, tokenizer)
-    entry.update(output_ids=sample.output_ids, num_output_tokens=len(sample.output_ids), **finished)
-    if sample.output_log_probs is not None:
-        entry["output_log_probs"] = sample.output_log_probs
-    if sample.output_top_log_probs is not None:
-        entry["top_log_probs"] = top_log_probs(sample.output_top_log_probs)
+    entry: dict[str, Any] = {"index": sequence.index}
+    if sequence.text is not None:
+        entry["text"] = sequence.text
+    entry.update(
+        output_ids=sequence.token_ids,
+        num_output_tokens=len(sequence.token_ids),
+        finish_reason=sequence.finish_reason,
+        stop_reason=sequence.stop_reason,
+    )
+    if sequence.log_probs is not None:
+        entry["output_log_probs"] = sequence.log_probs
+    if sequence.top_log_probs is not None:
+        entry["top_log_probs"] = top_log_probs(sequence.top_log_probs)
     return entry
-
-
-def extra_fields(row: Row, result: Response, tokenizer: Any) -> dict[str, Any]:
-    """``top_log_probs`` when asked for, and for n > 1 ``samples`` (every sample, index 0 first; the
-    record's own fields are sample 0's, and ``num_output_tokens`` counts the tokens of all samples)."""
-    extra: dict[str, Any] = {}
-    if result.output_top_log_probs is not None:
-        extra["top_log_probs"] = top_log_probs(result.output_top_log_probs)
-    if result.samples is not None:
-        extra["samples"] = [sample_record(row, s, tokenizer) for s in result.samples]
-        extra["num_output_tokens"] = sum(len(s.output_ids) for s in result.samples)
-    return extra
 
 
 def _error_fields(index: int, user_id: Any, num_prompt_tokens: int | None) -> dict[str, Any]:
@@ -85,9 +69,8 @@ def in_line_terms(message: str, row: Row) -> str:
     ``request_output_len`` (the seed's name), the line wrote ``max_tokens`` (or another spelling), and a
     line that gave none took ``--max-tokens``; it calls the prompt ``input_ids``, the line may have
     written ``prompt`` (text) or ``messages`` (a chat)."""
-    key = row.output_len_key or ("max_tokens" if row.output_len_to_limit else "--max-tokens")
-    if key != ENGINE_OUTPUT_LEN:
-        message = message.replace(ENGINE_OUTPUT_LEN, key)
+    key = row.max_tokens_key or ("max_tokens" if row.max_tokens_to_limit else "--max-tokens")
+    message = in_user_terms(message, {ENGINE_OUTPUT_LEN: key})
     if message.startswith(f"{ENGINE_PROMPT}:") and row.prompt_key != ENGINE_PROMPT:
         message = row.prompt_key + message[len(ENGINE_PROMPT) :]
     return message
@@ -107,23 +90,26 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
         "id": row.user_id,
         "num_prompt_tokens": row.num_prompt_tokens,
     }
-    finished = sequence_fields(row, result.output_ids, result.finish_reason, loaded.tokenizer)
-    if "text" in finished:
-        record["text"] = finished.pop("text")
+    tokenizer = loaded.tokenizer
+    sequences = finished_sequences(result, row.stop, None if tokenizer is None else tokenizer.decode)
+    first = sequences[0]  # the record's own fields are sample 0's
+    if first.text is not None:
+        record["text"] = first.text
         if row.tool_call:  # tool_choice forced a call: the record carries it parsed, as OpenAI's message does
-            record["tool_calls"] = tool_calls(record["text"], f"call_bm_{row.index}")
+            record["tool_calls"] = tool_calls(first.text, f"call_bm_{row.index}")
         elif row.tool_parser is not None:  # tool_choice auto: the calls the reply holds, None for text
             reply = parse_tool_calls(
-                row.tool_parser, record["text"], tool_names(row.tools), f"call_bm_{row.index}"
+                row.tool_parser, first.text, tool_names(row.tools), f"call_bm_{row.index}"
             )
             record["tool_calls"] = reply.tool_calls
     record.update(
-        output_ids=result.output_ids,
-        num_output_tokens=len(result.output_ids),
-        **finished,
+        output_ids=first.token_ids,
+        num_output_tokens=len(first.token_ids),
+        finish_reason=first.finish_reason,
+        stop_reason=first.stop_reason,
         error=None,
     )
-    log_probs = result.output_log_probs
+    log_probs = first.log_probs
     if result.beams is not None:
         record["beams"] = result.beams
         log_probs = result.beam_log_probs[0] if result.beam_log_probs else None  # the best beam's
@@ -135,7 +121,11 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
         record["cum_log_probs"] = (
             result.cum_log_probs if result.beams is not None else result.cum_log_probs[0]
         )
-    record.update(extra_fields(row, result, loaded.tokenizer))  # top log probs, n samples
+    if first.top_log_probs is not None:
+        record["top_log_probs"] = top_log_probs(first.top_log_probs)
+    if result.samples is not None:  # n > 1: every sample; num_output_tokens counts them all
+        record["samples"] = [sample_record(s) for s in sequences]
+        record["num_output_tokens"] = sum(len(s.token_ids) for s in sequences)
     return record
 
 

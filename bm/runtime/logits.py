@@ -97,7 +97,7 @@ def apply_controls(
         opts = r.state.controls
         if opts.no_repeat_ngram_size > 0:
             bans.extend((i, t) for t in _ngram_bans(r))
-        for word in opts.bad_words:
+        for word in opts.bad_words_list:
             if _ends_with(r.prompt, r.output, word[:-1]):
                 bans.append((i, word[-1]))
         if len(r.output) + r.num_pending < opts.min_length and r.end_id >= 0:

@@ -97,8 +97,10 @@ class Sampler:
         dev = logits.device
         vocab = logits.shape[1]
         temperature = to_device([p.temperature for p in params], torch.float32, dev)
-        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, dev)
-        top_p = to_device([p.top_p for p in params], torch.float32, dev)
+        top_k = to_device(
+            [p.runtime_top_k if p.runtime_top_k > 0 else vocab for p in params], torch.long, dev
+        )
+        top_p = to_device([p.runtime_top_p for p in params], torch.float32, dev)
         sorted_logits, sorted_ids = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev)
         sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))

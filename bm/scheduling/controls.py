@@ -23,8 +23,8 @@ class Controls:
     min_length: int = 0
     no_repeat_ngram_size: int = 0
     embedding_bias: tuple[float, ...] | None = None
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    stop_words: tuple[tuple[int, ...], ...] = ()
+    bad_words_list: tuple[tuple[int, ...], ...] = ()
+    stop_words_list: tuple[tuple[int, ...], ...] = ()
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
@@ -45,7 +45,7 @@ class Controls:
             or self.frequency_penalty != 0.0
             or self.min_length > 0
             or self.no_repeat_ngram_size > 0
-            or bool(self.bad_words)
+            or bool(self.bad_words_list)
         )
 
     @property
@@ -60,7 +60,7 @@ class Controls:
             self.guided is not None
             or self.logits_post_processor is not None
             or self.no_repeat_ngram_size > 0
-            or any(len(word) > 1 for word in self.bad_words)
+            or any(len(word) > 1 for word in self.bad_words_list)
         )
 
     @property
@@ -68,7 +68,7 @@ class Controls:
         return bool(
             self.guided is not None
             or self.processes_logits
-            or self.stop_words
+            or self.stop_words_list
             or self.return_log_probs
             or self.return_context_logits
             or self.return_generation_logits

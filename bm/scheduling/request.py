@@ -85,11 +85,13 @@ def _top_log_probs(pairs: list[tuple[int, float]], rank: int | None) -> TopLogPr
 
 @dataclass(frozen=True)
 class Sampling:
-    """Per-request decoding controls, already validated. ``temperature == 0`` means greedy."""
+    """Per-request decoding controls, already validated. ``temperature == 0`` means greedy. Named as the
+    engine request names them (the seed's tensor names: ``runtime_top_k``, ``random_seed``), so a control
+    keeps one name from validation to the sampler."""
 
     temperature: float = 0.0
-    top_k: int = 0  # 0: no top-k filter
-    top_p: float = 1.0  # 1.0: no nucleus filter
+    runtime_top_k: int = 0  # 0: no top-k filter
+    runtime_top_p: float = 1.0  # 1.0: no nucleus filter
     min_p: float = 0.0  # 0.0: no min-p filter (keep tokens at least min_p x the top token's probability)
     random_seed: int = 0
     end_id: int = -1  # -1: never stop on a token
@@ -97,7 +99,7 @@ class Sampling:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature == 0.0 or self.runtime_top_k == 1
 
 
 class PromptTableInput(Protocol):

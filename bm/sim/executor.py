@@ -36,13 +36,13 @@ class VirtualClock:
             self.now = t
 
 
-# Fields of a request whose answer only real logits can give: (what the check reads, the request field).
+# Fields of a request whose answer only real logits can give (each a field of its Controls, named alike).
 _LOGIT_FIELDS = (
-    ("stop_words", "stop_words_list"),
-    ("return_log_probs", "return_log_probs"),
-    ("return_context_logits", "return_context_logits"),
-    ("return_generation_logits", "return_generation_logits"),
-    ("logits_post_processor", "logits_post_processor"),
+    "stop_words_list",
+    "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
+    "logits_post_processor",
 )
 
 
@@ -53,7 +53,7 @@ def logit_fields(request: LlmRequest) -> list[str]:
         out.append("beam_width")
     controls = request.controls
     if controls is not None:
-        out += [name for attr, name in _LOGIT_FIELDS if getattr(controls, attr)]
+        out += [name for name in _LOGIT_FIELDS if getattr(controls, name)]
     return out
 
 

@@ -49,13 +49,13 @@ def _load(path: Path, split: str) -> Any:
 
 
 def load_hf(
-    path: Path, split: str, prompt_column: str, output_column: str | None, default_output_len: int
+    path: Path, split: str, prompt_column: str, output_column: str | None, default_max_tokens: int
 ) -> Workload:
-    return _to_workload(_load(path, split), path, prompt_column, output_column, default_output_len)
+    return _to_workload(_load(path, split), path, prompt_column, output_column, default_max_tokens)
 
 
 def _to_workload(
-    dataset: Any, path: Path, prompt_column: str, output_column: str | None, default_output_len: int
+    dataset: Any, path: Path, prompt_column: str, output_column: str | None, default_max_tokens: int
 ) -> Workload:
     columns = list(dataset.column_names)
     for option, column in (("--prompt-column", prompt_column), ("--output-column", output_column)):
@@ -68,7 +68,7 @@ def _to_workload(
     outputs = dataset[output_column] if output_column else [None] * len(prompts)
     requests = []
     for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        req = Row(where=f"row {row}", index=row, user_id=row, output_len=default_output_len)
+        req = Row(where=f"row {row}", index=row, user_id=row, max_tokens=default_max_tokens)
         try:
             if isinstance(prompt, str):
                 if not prompt:
@@ -82,7 +82,7 @@ def _to_workload(
                     raise RowError(f"{output_column}: the completion is empty")
                 req.output_text = output
             elif output_column is not None:
-                req.output_len = positive_int(output, output_column)
+                req.max_tokens = positive_int(output, output_column)
         except RowError as exc:
             req.error = f"row {row}: {exc}"
         requests.append(req)

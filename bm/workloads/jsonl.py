@@ -149,8 +149,8 @@ def parse_request(data: dict[str, Any], entry: Row) -> None:
     if len(given) > 1:
         raise RowError(f"{given[1]}: output length given twice ({', '.join(given)}); keep one")
     if given and data[given[0]] is not None:
-        entry.output_len = strict_int(data[given[0]], given[0], 1, INT32_MAX)
-        entry.output_len_key = given[0]
+        entry.max_tokens = strict_int(data[given[0]], given[0], 1, INT32_MAX)
+        entry.max_tokens_key = given[0]
     if data.get("arrival_time") is not None:
         entry.arrival_time = finite_number(data["arrival_time"], "arrival_time", low=0.0)
     if data.get("stop") is not None:

@@ -199,8 +199,8 @@ def _finalize(
         except RowError as exc:
             req.error = f"{req.where}: {exc}"
             continue
-        req.output_len = _capped(
-            _scaled(req.output_len or bench.output_len, bench.output_scale), bench.max_output_len
+        req.max_tokens = _capped(
+            _scaled(req.max_tokens or bench.output_len, bench.output_scale), bench.max_output_len
         )
         n = _capped(_scaled(req.input_len, bench.input_scale), bench.max_input_len)
         if req.input_ids is not None:
@@ -227,8 +227,8 @@ def _tokenize(req: Row, encode: Encode | None, render_chat: RenderChat | None = 
             raise RowError("prompt: the prompt encodes to no tokens")
         req.input_len = len(req.input_ids)
     if req.output_text is not None:
-        req.output_len = len(encode(req.output_text))  # type: ignore[misc]
-        if req.output_len < 1:
+        req.max_tokens = len(encode(req.output_text))  # type: ignore[misc]
+        if req.max_tokens < 1:
             raise RowError("the completion encodes to no tokens, so its output length would be 0")
 
 

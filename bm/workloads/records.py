@@ -22,18 +22,18 @@ from bm.workloads.request import DatasetError, Row, RowError, Workload, positive
 TRTLLM_KEYS = ("task_id", "prompt", "input_ids", "output_tokens")
 
 
-def load_bm_jsonl(path: Path, default_output_len: int) -> Workload:
+def load_bm_jsonl(path: Path, default_max_tokens: int) -> Workload:
     """bm's own format through the one parser ``bm run`` uses, so a file means the same to both."""
-    return Workload("bm", str(path), [replayable(row, default_output_len) for row in iter_request_file(path)])
+    return Workload("bm", str(path), [replayable(row, default_max_tokens) for row in iter_request_file(path)])
 
 
-def replayable(row: Row, default_output_len: int) -> Row:
+def replayable(row: Row, default_max_tokens: int) -> Row:
     """A parsed request line (bm's, or an OpenAI batch line's) as ``bm bench`` replays it: its output
     length settled. A chat (``messages``) is rendered with the model's chat template and stop strings
     are tokenized once the model is loaded (:func:`bm.workloads.load.load_workload`), as ``bm run``
     does with the same line."""
     if row.ok:
-        row.output_len = row.output_len or default_output_len
+        row.max_tokens = row.max_tokens or default_max_tokens
         if row.input_ids is not None:
             row.input_len = len(row.input_ids)
     return row
@@ -54,7 +54,7 @@ def load_trtllm_jsonl(path: Path) -> Workload:
             row.user_id = data["task_id"]
             parse_prompt(data, row, keys=("prompt", "input_ids"))
             row.input_len = len(row.input_ids) if row.input_ids is not None else 0
-            row.output_len = positive_int(data["output_tokens"], "output_tokens")
+            row.max_tokens = positive_int(data["output_tokens"], "output_tokens")
         except RowError as exc:
             row.error = f"{row.where}: {exc}"
         rows.append(row)

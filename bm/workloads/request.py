@@ -45,11 +45,11 @@ class Row:
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     input_len: int = 0  # prompt length; traces and synthetic rows get ids generated to it
-    output_len: int | None = None  # None: the command's default
-    output_len_key: str | None = None  # the field the line gave it under (max_tokens, ...), for errors
-    # No output_len where the format's default is none (OpenAI lines): the end token or the model's
+    max_tokens: int | None = None  # None: the command's default (its output length)
+    max_tokens_key: str | None = None  # the field the line gave it under (max_tokens, ...), for errors
+    # No max_tokens where the format's default is none (OpenAI lines): the end token or the model's
     # length ends it, not the command's default
-    output_len_to_limit: bool = False
+    max_tokens_to_limit: bool = False
     output_text: str | None = None  # a completion whose token count is the output length (sharegpt, hf)
     arrival_time: float | None = None  # seconds from the first row (timed files and traces)
     hash_ids: list[int] | None = None  # blocks of a shared prefix: equal ids mean equal tokens (mooncake)

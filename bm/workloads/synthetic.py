@@ -35,7 +35,7 @@ def load_synthetic(bench: BenchConfig) -> Workload:
                 index=i,
                 user_id=i,
                 input_len=bench.prefix_len + random_part,
-                output_len=output_len,
+                max_tokens=output_len,
                 hash_ids=[i % bench.num_prefix_groups] if bench.prefix_len else None,
             )
         )

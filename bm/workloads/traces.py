@@ -74,7 +74,7 @@ def load_azure(path: Path) -> Workload:
         req = Row(where=f"line {row + 2}", index=row, user_id=row, arrival_time=t)
         try:
             req.input_len = positive_int(_number(n_in), "ContextTokens")
-            req.output_len = positive_int(_number(n_out), "GeneratedTokens")
+            req.max_tokens = positive_int(_number(n_out), "GeneratedTokens")
         except RowError as exc:
             req.error = f"{req.where}: {exc}"
         requests.append(req)
@@ -115,7 +115,7 @@ def _mooncake_row(where: str, index: int, data: dict[str, Any] | RowError) -> Ro
                     f"missing field {name!r}; Mooncake rows hold {', '.join(MOONCAKE_COLUMNS)}[, hash_ids]"
                 )
         req.input_len = positive_int(data["input_length"], "input_length")
-        req.output_len = positive_int(data["output_length"], "output_length")
+        req.max_tokens = positive_int(data["output_length"], "output_length")
         req.hash_ids = _hash_ids(data.get("hash_ids"))
         req.user_id = data.get("id", where)
     except RowError as exc:

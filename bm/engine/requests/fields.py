@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from bm.engine.requests.structured import GUIDED_KEYS, SpecError, guided_spec
@@ -66,6 +67,27 @@ VLLM_SAMPLING_FIELDS: dict[str, str] = {
     "response_format": "guided_decoding",
     "prompt_logprobs": "return_context_logits",
 }
+# The other direction, engine field -> the vLLM name a user wrote for it (the first that sets it above),
+# for every message that speaks back to a user: bm.LLM's errors, a line's error, an OpenAI error's
+# ``param``. Derived, so the two directions cannot drift. Fields that several names set with different
+# meanings (end_id from ignore_eos, guided_decoding from response_format, ...) keep the engine's name.
+_SEVERAL_MEANINGS = frozenset({"end_id", "guided_decoding", "return_context_logits"})
+USER_NAMES: dict[str, str] = {"return_log_probs": "logprobs"}
+for _user, _engine in VLLM_SAMPLING_FIELDS.items():
+    if _engine != _user and _engine not in _SEVERAL_MEANINGS:
+        USER_NAMES.setdefault(_engine, _user)
+
+
+def in_user_terms(message: str, names: dict[str, str] | None = None) -> str:
+    """An engine message with each engine field name (a whole word) replaced by the user's: ``names``
+    (default :data:`USER_NAMES`); the one translation from the engine's words to a user's."""
+    names = USER_NAMES if names is None else names
+    if not names:
+        return message
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True)) + r")\b")
+    return pattern.sub(lambda m: names[m.group(1)], message)
+
+
 # vLLM's SamplingParams names that shape the text returned, not a request field -> the values a line may
 # give because bm's records are made so anyway (any other is refused, naming the field and bm.LLM).
 VLLM_OUTPUT_FIELDS: dict[str, tuple[Any, ...]] = {

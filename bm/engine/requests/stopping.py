@@ -70,8 +70,8 @@ def stop_reason(req: LlmRequest, token: int) -> FinishReason:
     controls = req.controls
     if (
         controls is not None
-        and controls.stop_words
-        and any(ends_with(req.prompt_ids, req.output_ids, w) for w in controls.stop_words)
+        and controls.stop_words_list
+        and any(ends_with(req.prompt_ids, req.output_ids, w) for w in controls.stop_words_list)
     ):
         return STOP_WORDS
     if len(req.output_ids) >= req.max_new_tokens:

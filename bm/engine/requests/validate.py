@@ -137,8 +137,8 @@ def validate_request(request: Request, limits: RequestLimits) -> LlmRequest:
         temperature = 1.0  # asking for a filter means asking to sample
     sampling = Sampling(
         temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        runtime_top_k=top_k,
+        runtime_top_p=top_p,
         min_p=min_p,
         random_seed=_int("random_seed", request.random_seed, 0),
         end_id=_int("end_id", request.end_id, -1, high=limits.vocab_size - 1),
@@ -218,8 +218,8 @@ def _controls(request: Request, limits: RequestLimits, max_new: int) -> Controls
         min_length=_int("min_length", request.min_length, 0, high=max_new),
         no_repeat_ngram_size=_int("no_repeat_ngram_size", request.no_repeat_ngram_size, 0),
         embedding_bias=_bias(request, limits.vocab_size),
-        bad_words=_words("bad_words_list", request.bad_words_list, limits.vocab_size),
-        stop_words=_words("stop_words_list", request.stop_words_list, limits.vocab_size),
+        bad_words_list=_words("bad_words_list", request.bad_words_list, limits.vocab_size),
+        stop_words_list=_words("stop_words_list", request.stop_words_list, limits.vocab_size),
         return_log_probs=_bool("return_log_probs", request.return_log_probs) or top > 0,
         top_log_probs=top,
         return_context_logits=_bool("return_context_logits", request.return_context_logits),
@@ -271,7 +271,7 @@ def _check_beam_request(sampling: Sampling, streaming: bool, controls: Controls)
         )
     if streaming:
         raise RequestError("streaming: not supported with beam_width > 1; set streaming to false")
-    if controls.stop_words:
+    if controls.stop_words_list:
         raise RequestError("stop_words_list: not supported with beam_width > 1")
     if controls.return_generation_logits:
         raise RequestError("return_generation_logits: not supported with beam_width > 1")

@@ -148,7 +148,7 @@ def _steady(req: LlmRequest) -> bool:
         and req.beam_width == 1
         and not req.streaming
         and req.speculation is None
-        and (controls is None or not controls.stop_words)
+        and (controls is None or not controls.stop_words_list)
     )
 
 
