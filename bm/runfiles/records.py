@@ -31,17 +31,22 @@ def top_log_probs(values: list[list[tuple[int, float]]] | None) -> list[list[lis
     return [[[token, lp] for token, lp in top] for top in values]
 
 
+def _finished_fields(sequence: FinishedSequence) -> dict[str, Any]:
+    """A sequence's tokens and why it ended, as a record and each of its ``samples`` hold them."""
+    return {
+        "output_ids": sequence.token_ids,
+        "num_output_tokens": len(sequence.token_ids),
+        "finish_reason": sequence.finish_reason,
+        "stop_reason": sequence.stop_reason,
+    }
+
+
 def sample_record(sequence: FinishedSequence) -> dict[str, Any]:
     """One entry of a record's ``samples``: the sample's own tokens, text and finish reason."""
     entry: dict[str, Any] = {"index": sequence.index}
     if sequence.text is not None:
         entry["text"] = sequence.text
-    entry.update(
-        output_ids=sequence.token_ids,
-        num_output_tokens=len(sequence.token_ids),
-        finish_reason=sequence.finish_reason,
-        stop_reason=sequence.stop_reason,
-    )
+    entry.update(_finished_fields(sequence))
     if sequence.log_probs is not None:
         entry["output_log_probs"] = sequence.log_probs
     if sequence.top_log_probs is not None:
@@ -102,13 +107,7 @@ def output_record(row: Row, result: Response | None, loaded: LoadedModel) -> dic
                 row.tool_parser, first.text, tool_names(row.tools), f"call_bm_{row.index}"
             )
             record["tool_calls"] = reply.tool_calls
-    record.update(
-        output_ids=first.token_ids,
-        num_output_tokens=len(first.token_ids),
-        finish_reason=first.finish_reason,
-        stop_reason=first.stop_reason,
-        error=None,
-    )
+    record.update(_finished_fields(first), error=None)
     log_probs = first.log_probs
     if result.beams is not None:
         record["beams"] = result.beams
