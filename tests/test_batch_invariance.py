@@ -115,6 +115,26 @@ def test_log_probs_alone_and_in_a_batch_are_bitwise_equal(models, monkeypatch, i
         assert torch.equal(alone.generation_logits, both.generation_logits), f"request {i}"
 
 
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_int8_kv_log_probs_alone_and_in_a_batch_are_bitwise_equal(models, monkeypatch, scenario):
+    """With ``kv_cache.dtype: int8`` too: each row is quantized from its own values, the decode kernel
+    reads int8 rows as the float32 kernel reads their dequantized values, and a chunk after a cached
+    prefix is attended over its blocks widened (tests/test_kv_int8.py pins both bit for bit)."""
+    isa = ISAS[0]  # the machine's best build
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv(ENV_ISA, isa if isa != "native" else "auto")
+    model = models[isa]
+    sections = {name: dict(values) for name, values in SCENARIOS[scenario].items()}
+    sections.setdefault("kv_cache", {})["dtype"] = "int8"
+    specs = workload(model.vocab_size)
+    together = run(model, specs, sections, range(len(specs)))
+    for i in range(len(specs)):
+        alone = run(model, specs, sections, [i])[i]
+        assert alone.output_ids == together[i].output_ids, f"request {i}"
+        assert alone.output_log_probs == together[i].output_log_probs, f"request {i}"
+        assert torch.equal(alone.generation_logits, together[i].generation_logits), f"request {i}"
+
+
 # ---- bfloat16 ----------------------------------------------------------------------------------------
 # In bf16 on the CPU the attention is bm's (the AVX-512 kernels read the bf16 cache and keep the float32
 # kernels' summation order: tests/test_bf16_kv_cache.py pins them as those kernels' bits), the elementwise

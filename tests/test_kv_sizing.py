@@ -18,7 +18,11 @@ GIB = 2**30
 
 
 def _cpu_model(kv_bytes_per_token: int = SMOLLM2_KV_BYTES_PER_TOKEN) -> SimpleNamespace:
-    return SimpleNamespace(kv_bytes_per_token=kv_bytes_per_token, device=torch.device("cpu"))
+    return SimpleNamespace(
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_cache_bytes_per_token=lambda dtype: kv_bytes_per_token,
+        device=torch.device("cpu"),
+    )
 
 
 def test_default_pool_is_the_smaller_of_nine_tenths_of_free_memory_and_what_the_engine_can_hold():

@@ -90,7 +90,7 @@ OWN = {
 # value that asks for more, refused naming the bm way).
 ENGINE_ONLY = {
     "quantization": (None, "awq", "dtype="),
-    "kv_cache_dtype": ("auto", "fp8", "dtype="),
+    "kv_cache_dtype": ("auto", "fp8", "kv_cache={'dtype': 'int8'}"),
     "trust_remote_code": (False, True, "runs no code from a checkpoint"),
     "pipeline_parallel_size": (1, 2, "bm run --tensor-parallel N"),
     "swap_space": (0, 4, "'scheduler_policy': 'max_utilization'"),

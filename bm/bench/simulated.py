@@ -68,6 +68,7 @@ class SimModel:
     device: str = "sim"
     decode_graphs: bool = True  # model.cuda_graphs is not off (a cuda-local row prices graph replays)
     overlap: bool = False  # the engine would overlap the host's work with the device's on this row
+    kv_cache_dtype: str = "auto"  # kv_cache.dtype: what one token's keys and values take
 
     @property
     def vocab_size(self) -> int:
@@ -80,7 +81,13 @@ class SimModel:
 
     def cost_model(self) -> CostModel:
         return CostModel(
-            self.shape, self.hardware, self.dtype, self.tensor_parallel, self.decode_graphs, self.overlap
+            self.shape,
+            self.hardware,
+            self.dtype,
+            self.tensor_parallel,
+            self.decode_graphs,
+            self.overlap,
+            self.kv_cache_dtype,
         )
 
     def runtime(self) -> dict[str, Any]:
@@ -121,6 +128,7 @@ def load_sim_model(config: BmConfig) -> SimModel:
         name=shape.name or str(source),
         decode_graphs=config.model.cuda_graphs != "off",
         overlap=sim_overlaps(config, hardware.device_type),
+        kv_cache_dtype=config.kv_cache.dtype,
     )
 
 

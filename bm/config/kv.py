@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bm.config.fields import ConfigError, boolean, fraction, int_at_least, knob
+from bm.config.fields import ConfigError, boolean, choice, fraction, int_at_least, knob
 
 
 def _attention_window(key: str, value: Any) -> Any:
@@ -55,6 +55,11 @@ class KvCacheConfig:
         0,
         "With max_attention_window: the first tokens of a sequence, always attended (StreamingLLM sinks).",
         int_at_least(0),
+    )
+    dtype: str = knob(
+        "auto",
+        "auto, or int8 rows with a scale each (kv-cache.md).",
+        choice({"auto": "auto", "int8": "int8"}),
     )
 
 

@@ -56,9 +56,10 @@ VLLM_UNSUPPORTED: dict[str, NotInBm] = {
         (None,),
     ),
     "kv_cache_dtype": NotInBm(
-        "bm keeps the KV cache in the model's dtype",
-        "choose it with dtype= (model.dtype)",
-        "choose it with --dtype (model.dtype)",
+        "bm's KV cache holds the model's KV dtype or int8 rows with a scale each (kv_cache.dtype); "
+        "vLLM's fp8 caches are not built in bm yet",
+        "for a quantized cache give kv_cache={'dtype': 'int8'}",
+        "for a quantized cache give --set kv_cache.dtype=int8",
         ("auto",),
     ),
     "trust_remote_code": NotInBm(

@@ -114,6 +114,7 @@ class TorchExecutor:
             max_attention_window=layout.window_layout or layout.max_attention_window,
             sink_token_length=layout.sink_token_length,
             window_pools=layout.window_pools,
+            cache_dtype=layout.dtype,
         )
 
     def warm_up(self, shapes: WarmupShapes) -> dict[str, Any] | None:

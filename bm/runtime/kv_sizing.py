@@ -21,7 +21,7 @@ def num_kv_blocks(
     ``max_useful_tokens`` (every admissible request at its longest) caps the pool: on a CPU, 90% of RAM
     for a small model would be blocks no schedule can ever fill, and bookkeeping for nothing.
     """
-    bytes_per_block = loaded.kv_bytes_per_token * kv.tokens_per_block
+    bytes_per_block = loaded.kv_cache_bytes_per_token(kv.dtype) * kv.tokens_per_block
     if free_bytes is None:
         free_bytes = available_memory_bytes(loaded.device)
     by_memory = int(free_bytes * kv.free_memory_fraction) // bytes_per_block

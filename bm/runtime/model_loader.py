@@ -26,6 +26,7 @@ from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fused_projections import fuse_projections, should_fuse_projections
 from bm.runtime.fusion import fuse_elementwise, should_fuse
+from bm.runtime.kv_quant import row_bytes
 from bm.runtime.model_families import adapt_attention_modules
 from bm.runtime.native import bf16_gemm_kernel, kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
@@ -90,9 +91,15 @@ class LoadedModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Keys and values of one token across all layers."""
-        element = torch.empty((), dtype=self.kv_dtype).element_size()
-        return sum(2 * heads * dim * element for heads, dim in self.kv_shapes.values())
+        """Keys and values of one token across all layers, in the model's own KV dtype."""
+        return self.kv_cache_bytes_per_token("auto")
+
+    def kv_cache_bytes_per_token(self, cache_dtype: str) -> int:
+        """Keys and values of one token across all layers as a cache of ``kv_cache.dtype`` stores them
+        (int8: each row's values and its scale, bm.runtime.kv_quant)."""
+        return sum(
+            2 * heads * row_bytes(dim, self.kv_dtype, cache_dtype) for heads, dim in self.kv_shapes.values()
+        )
 
 
 def resolve_device(name: str) -> torch.device:

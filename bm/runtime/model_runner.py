@@ -28,6 +28,7 @@ from bm.runtime.backends import (
     backend_class,
 )
 from bm.runtime.host_memory import reserved_zeros, tune_host_allocator
+from bm.runtime.kv_quant import stored_row
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.transfer import to_device
 
@@ -58,12 +59,19 @@ class ModelRunner:
         max_attention_window: int | Sequence[int | None] | AttentionWindowLayout | None = None,
         sink_token_length: int = 0,
         window_pools: Mapping[int, int] | None = None,
+        cache_dtype: str = "auto",
     ) -> None:
         """``max_attention_window``: one window for every layer, one per layer (by layer index), or a
         layout. A query at position p of a windowed layer attends keys in (p - window, p] and the first
         ``sink_token_length`` positions; blocks wholly outside every layer's window may be gone
         (``NO_BLOCK`` in tables). ``window_pools``: windows whose layers keep blocks in a pool of their
-        own (window -> its blocks); work items then carry ``window_block_ids`` for them."""
+        own (window -> its blocks); work items then carry ``window_block_ids`` for them.
+        ``cache_dtype``: ``kv_cache.dtype`` (auto: the model's KV dtype; int8: bm.runtime.kv_quant rows)."""
+        if cache_dtype == "int8" and (loaded.device.type != "cpu" or loaded.kv_dtype != torch.float32):
+            raise ValueError(
+                f"kv_cache.dtype: int8 is read by the CPU's float32 attention only so far, and this model "
+                f"runs {loaded.kv_dtype} on {loaded.device}; keep kv_cache.dtype: auto there"
+            )
         num_layers = max(loaded.kv_shapes) + 1
         if isinstance(max_attention_window, AttentionWindowLayout):
             layout = max_attention_window
@@ -91,11 +99,12 @@ class ModelRunner:
             self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
             for layer, (heads, dim) in loaded.kv_shapes.items():
                 blocks = self.window_pools.get(layout.windows[layer], num_blocks)
-                shape = (2, heads, blocks, tokens_per_block, dim)
+                dtype, width = stored_row(dim, loaded.kv_dtype, cache_dtype)
+                shape = (2, heads, blocks, tokens_per_block, width)
                 if loaded.device.type == "cpu":  # pages mapped as a run first writes them (host_memory)
-                    self.kv_caches[layer] = reserved_zeros(shape, loaded.kv_dtype)
+                    self.kv_caches[layer] = reserved_zeros(shape, dtype)
                 else:
-                    self.kv_caches[layer] = torch.zeros(shape, dtype=loaded.kv_dtype, device=loaded.device)
+                    self.kv_caches[layer] = torch.zeros(shape, dtype=dtype, device=loaded.device)
         self.plan = WindowPlan(
             {layer: layout.windows[layer] for layer in sorted(loaded.kv_shapes)},
             layout.sink_token_length,

@@ -70,11 +70,14 @@ class CostModel:
         tensor_parallel: int = 1,
         decode_graphs: bool = True,
         overlap: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """``decode_graphs``: the engine replays CUDA graphs for decode-only steps (``model.cuda_graphs``
         not off); it matters only on a row measured with graphs (cuda-local), whose decode steps larger
         than its largest graph, or all of them without graphs, are then priced as eager forwards.
-        ``overlap``: the host's per-iteration time hides behind the device's (see the module's doc)."""
+        ``overlap``: the host's per-iteration time hides behind the device's (see the module's doc).
+        ``kv_cache_dtype``: ``kv_cache.dtype`` (int8: a quarter of the KV bytes of float32, read and
+        held)."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         self.model = model
@@ -85,7 +88,7 @@ class CostModel:
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.peak_flops = hardware.peak_flops(dtype) * hardware.compute_efficiency
         self.bandwidth = hardware.memory_bw * hardware.memory_efficiency
-        self.kv_bytes_per_token = model.kv_bytes_per_token(self.dtype_bytes)
+        self.kv_bytes_per_token = model.kv_bytes_per_token(self.dtype_bytes, kv_cache_dtype)
         m = model
         self._linear_weights = m.num_layers * m.layer_linear_params
         # per token: attention FLOPs per key, summed over layers

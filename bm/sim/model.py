@@ -94,6 +94,8 @@ class ModelShape:
         embed = 0 if self.tie_word_embeddings else self.hidden_size * self.vocab_size
         return self.num_layers * self.layer_linear_params + self.lm_head_params + embed
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, cache_dtype: str = "auto") -> int:
+        """K and V of every layer for one token: ``dtype_bytes`` an element, or with ``kv_cache.dtype:
+        int8`` one byte an element and a four-byte scale a row (bm.runtime.kv_quant's layout)."""
+        row = self.head_dim + 4 if cache_dtype == "int8" else self.head_dim * dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * row

@@ -125,6 +125,8 @@ class CacheLayout:
     window_layout: AttentionWindowLayout | None = None
     # windows whose layers keep a pool of their own -> its blocks (work items then carry their tables)
     window_pools: dict[int, int] = field(default_factory=dict)
+    # kv_cache.dtype: how the executor stores keys and values (auto: the model's KV dtype; int8)
+    dtype: str = "auto"
 
 
 @dataclass(frozen=True)

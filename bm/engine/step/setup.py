@@ -89,6 +89,7 @@ def set_up_core(config: BmConfig, executor: Executor) -> CoreSetup:
             pools.sink_token_length,
             layout if layout.is_mixed else None,
             {g.window: g.num_blocks for g in pools.window_groups},
+            kv_cfg.dtype,
         )
     )
     touch = num_blocks if kv_cfg.max_tokens is not None else 0

@@ -29,6 +29,7 @@ from bm.runtime.backends.torch_layout import (
     rows_in_pool,
 )
 from bm.runtime.backends.torch_ops import decode, prefill
+from bm.runtime.kv_quant import dequantize_rows, is_quantized, quantize_rows
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.native import PagedDecodeKernel, paged_decode_kernel
 
@@ -47,6 +48,7 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
         loaded, bs = setup.loaded, setup.tokens_per_block
+        self.kv_dtype = loaded.kv_dtype  # what attention computes in (an int8 cache's rows widen to it)
         # keys and values of the largest decode group, gathered side by side
         widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
         group_tokens = max(DECODE_GROUP_TOKENS, cdiv(setup.max_seq_len, bs) * bs)
@@ -105,13 +107,22 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         )
 
     def forward_layer(self, metadata: TorchMetadata, call: LayerCall) -> torch.Tensor:
-        """Store and attend in the cache's dtype: a bfloat16 model's cache on the CPU is bfloat16 where
-        the AVX-512 attention kernels read it, else float32 (LoadedModel.kv_dtype); where it differs
-        from the model's, the call's tensors are converted once here, for both."""
-        dtype = self.kv_caches[call.layer].dtype
+        """Store and attend in the KV dtype: a bfloat16 model's cache on the CPU is bfloat16 where the
+        AVX-512 attention kernels read it, else float32 (LoadedModel.kv_dtype); where it differs from
+        the model's, the call's tensors are converted once here, for both. An int8 cache
+        (``kv_cache.dtype: int8``) stores each row quantized, and the layer then attends the call's own
+        keys and values as the cache gives them back too, so a token's attention reads the same values
+        whether its keys came from this chunk or from the cache (results do not depend on chunking)."""
+        dtype = self.kv_dtype
         if dtype != call.query.dtype:
             call.query, call.key, call.value = call.query.to(dtype), call.key.to(dtype), call.value.to(dtype)
-        self.store_kv(metadata, call.layer, call.key, call.value)
+        cache = self.kv_caches[call.layer]
+        if is_quantized(cache):
+            keys, values = quantize_rows(call.key), quantize_rows(call.value)
+            _copy_rows(cache, metadata.for_layer(call.layer).slot_mapping, keys, values)
+            call.key, call.value = dequantize_rows(keys, dtype), dequantize_rows(values, dtype)
+        else:
+            self.store_kv(metadata, call.layer, call.key, call.value)
         return self.attend(metadata, call)
 
     def store_kv(self, metadata: TorchMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -120,10 +131,7 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         cache = self.kv_caches[layer]
         slots = metadata.for_layer(layer).slot_mapping
         if self.native_decode is None or not self.native_decode.write_kv(cache, slots, key, value):
-            kv_heads, num_blocks, block_size, head_dim = cache.shape[1:]
-            flat = cache.view(2, kv_heads, num_blocks * block_size, head_dim)
-            flat[0].index_copy_(1, slots, key)
-            flat[1].index_copy_(1, slots, value)
+            _copy_rows(cache, slots, key, value)
 
     def attend(self, metadata: TorchMetadata, call: LayerCall) -> torch.Tensor:
         meta = metadata.for_layer(call.layer)
@@ -138,3 +146,11 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         if meta.native_decode is not None:
             self.native_decode(out, query, cache, meta.native_decode, scaling, extras)
         return out
+
+
+def _copy_rows(cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Rows ``key`` and ``value`` [kv_heads, T, width] into ``cache``'s flat slots ``slots`` [T]."""
+    kv_heads, num_blocks, block_size, width = cache.shape[1:]
+    flat = cache.view(2, kv_heads, num_blocks * block_size, width)
+    flat[0].index_copy_(1, slots, key)
+    flat[1].index_copy_(1, slots, value)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from bm.runtime.attention import NO_EXTRAS, LayerCall, LayerExtras
 from bm.runtime.backends.torch_layout import DecodeGroup, PrefillSegment
+from bm.runtime.kv_quant import cache_head_dim, dequantize_rows, is_quantized
 from bm.runtime.native import PrefillAttentionKernel, prefill_attention_kernel
 
 
@@ -60,9 +61,16 @@ def prefill(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: Prefil
     if call.extras:
         _prefill_scores(out, call, cache, seg)
         return
-    kernel = _native_prefill(q, cache, seg)
+    table, blocks = seg.block_ids, cache
+    if table is not None and is_quantized(cache):
+        # An int8 cache: the run's blocks widened into a float32 cache of their own, read by the float32
+        # kernel in order, so a chunk after a cached prefix sums exactly as the whole prompt did (whose
+        # keys, the call's own, were widened from the same rows in forward_layer).
+        blocks = dequantize_rows(cache.index_select(2, table), q.dtype)
+        table = torch.arange(table.numel(), dtype=table.dtype, device=table.device)
+    kernel = _native_prefill(q, blocks, seg)
     if kernel is not None:
-        kernel(out, q, k, v, seg.start, seg.end, scaling, cache, seg.block_ids, seg.prefix_len)
+        kernel(out, q, k, v, seg.start, seg.end, scaling, blocks, table, seg.prefix_len)
         return
     qs = q[None, :, seg.start : seg.end]
     if seg.block_ids is None:
@@ -75,18 +83,20 @@ def prefill(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: Prefil
                 qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True
             )
     else:
-        kv = _gathered(cache, seg)
+        kv = _gathered(cache, seg, q.dtype)
         res = F.scaled_dot_product_attention(
             qs, kv[0][None], kv[1][None], attn_mask=seg.mask, scale=scaling, enable_gqa=True
         )
     out[seg.start : seg.end] = res[0].transpose(0, 1)
 
 
-def _gathered(cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
+def _gathered(cache: torch.Tensor, seg: PrefillSegment, dtype: torch.dtype) -> torch.Tensor:
     """The keys and values ``[2, kv_heads, keys, d]`` a run after a cached prefix reads: its blocks
-    gathered from the cache, cut to the mask's keys."""
-    kv_heads, head_dim = cache.shape[1], cache.shape[4]
+    gathered from the cache (an int8 cache's rows widened to ``dtype``), cut to the mask's keys."""
+    kv_heads, head_dim = cache.shape[1], cache_head_dim(cache)
     blocks = cache.index_select(2, seg.block_ids)
+    if is_quantized(cache):
+        blocks = dequantize_rows(blocks, dtype)
     return blocks.view(2, kv_heads, -1, head_dim)[:, :, : seg.mask.shape[-1]]
 
 
@@ -123,7 +133,7 @@ def _native_prefill(
 
 def _prefill_scores(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: PrefillSegment) -> None:
     q, k, v = call.query, call.key, call.value
-    kv_heads, head_dim = cache.shape[1], cache.shape[4]
+    kv_heads, head_dim = cache.shape[1], cache_head_dim(cache)
     length = seg.end - seg.start
     dev = q.device
     query_pos = torch.arange(seg.prefix_len, seg.prefix_len + length, device=dev)
@@ -132,7 +142,7 @@ def _prefill_scores(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg
         key_pos = query_pos
         allowed = seg.mask if seg.mask is not None else key_pos[None, :] <= query_pos[:, None]
     else:
-        ks, vs = _gathered(cache, seg)
+        ks, vs = _gathered(cache, seg, q.dtype)
         key_pos = seg.key_pos if seg.key_pos is not None else torch.arange(ks.shape[1], device=dev)
         allowed = seg.mask
     qg = q[:, seg.start : seg.end].reshape(kv_heads, -1, length, head_dim)[:, None]  # [kvh, 1, g, L, d]
@@ -153,7 +163,8 @@ def decode(
 ) -> None:
     """One decode group's attention into its rows of ``out``: the group's blocks gathered (into
     ``scratch`` where it is large enough) and attended in one fused SDPA call."""
-    kv_heads, _, block_size, head_dim = cache.shape[1:]
+    kv_heads, _, block_size = cache.shape[1:4]
+    head_dim, quantized = cache_head_dim(cache), is_quantized(cache)
     num_heads = q.shape[0]
     group_size = num_heads // kv_heads
     rows = group.token_index.numel()
@@ -164,13 +175,15 @@ def decode(
 
     shape = (kv_heads, rows * group.num_blocks, block_size, head_dim)
     numel = kv_heads * rows * length * head_dim
-    use_scratch = scratch is not None and scratch.numel() >= 2 * numel
+    use_scratch = not quantized and scratch is not None and scratch.numel() >= 2 * numel
     keys = torch.index_select(
         cache[0], 1, group.block_ids, out=scratch[:numel].view(shape) if use_scratch else None
     )
     values = torch.index_select(
         cache[1], 1, group.block_ids, out=scratch[numel : 2 * numel].view(shape) if use_scratch else None
     )
+    if quantized:  # an int8 cache's rows, widened to the query's dtype
+        keys, values = dequantize_rows(keys, q.dtype), dequantize_rows(values, q.dtype)
     if extra:
         key_pos = group.key_pos
         if key_pos is None:

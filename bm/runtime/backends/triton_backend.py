@@ -54,6 +54,11 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
+        if any(c is not None and c.dtype == torch.int8 for c in self.kv_caches):
+            raise ValueError(
+                "kv_cache.dtype: int8 is read by the torch attention backend only so far, not by Triton's "
+                "kernels; keep kv_cache.dtype: auto with BM_ATTENTION=triton"
+            )
         self.builder = BatchBuilder(self.device, self.tokens_per_block)
         self._run_model = setup.run_model
         # split-KV decode (bm.runtime.triton.ops): the SMs its choice fills, and one scratch buffer for

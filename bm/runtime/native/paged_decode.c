@@ -33,30 +33,73 @@
 
 /* Keys and values are float32 or bf16 (bf16 != 0: AVX-512 builds only, bm_paged_decode_bf16). Every
    function below that reads them takes the flag as a compile-time constant (always_inline, or one copy
-   per dtype), so the float32 code is what it was, and the bf16 code is the same code with each key or
+   per dtype), so the float32 code is what it was, and the kvt code is the same code with each key or
    value widened to float32 in a register as it is loaded: the same operations in the same order on the
-   same float32 values. So a bf16 cache gives exactly the float32 kernel's results on its widened keys
+   same float32 values. So a kvt cache gives exactly the float32 kernel's results on its widened keys
    and values (tests/test_native_kernels.py pins it), reading half the bytes. */
-#define KV_ESZ(bf16) ((bf16) ? 2 : 4) /* bytes per element */
-#define KV_AT(p, n, bf16) ((const void *)((const char *)(p) + (int64_t)(n) * KV_ESZ(bf16)))
-#define KV1(p, n, bf16) ((bf16) ? bf16_to_f32(((const uint16_t *)(p))[n]) : ((const float *)(p))[n])
+#define KV_ESZ(kvt) ((kvt) == 1 ? 2 : (kvt) == 2 ? 1 : 4) /* bytes per element */
+#define KV_AT(p, n, kvt) ((const void *)((const char *)(p) + (int64_t)(n) * KV_ESZ(kvt)))
+/* An int8 cache's element as a float, before its row's scale (KVS1, KV8S and KV16S apply it). */
+#define KV1(p, n, kvt) ((kvt) == 1 ? bf16_to_f32(((const uint16_t *)(p))[n]) : (kvt) == 2 ? (float)((const int8_t *)(p))[n] : ((const float *)(p))[n])
+/* Elements of a row, and where the next row starts: an int8 row's d values are followed by its float32
+   scale, so rows are d + 4 bytes apart; float32 and bf16 rows are d elements apart. */
+#define KV_ROW(d, kvt) ((kvt) == 2 ? (d) + 4 : (d))
+/* The scale of the int8 row starting at `row` (d values, then the scale). */
+static inline float row_scale(const void *row, int64_t d) {
+    float s;
+    memcpy(&s, (const char *)row + d, sizeof s);
+    return s;
+}
+/* An int8 value times its row's scale, rounded as one float32 product, then opaque to the optimizer:
+   this file is built with -fassociative-math, which could otherwise regroup `w * (x * sc)` as
+   `(w * x) * sc` in the scalar loops and change the bits. */
+static inline float dequant1(float x, float sc) {
+    float v = x * sc;
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+    __asm__("" : "+w"(v));
+#else
+    volatile float fence = v;
+    v = fence;
+#endif
+    return v;
+}
+/* An int8 row's d values times its scale, into dst: the row as the float32 kernel would read it from
+   the dequantized cache. The scalar loops widen a row first and then run the float32 code on it, so
+   the compiler vectorizes their sums as it does the float32 kernel's (the same order, the same bits). */
+static inline void widen_row(float *dst, const void *row, int64_t d) {
+    const float sc = row_scale(row, d);
+    for (int64_t i = 0; i < d; i++) dst[i] = dequant1((float)((const int8_t *)row)[i], sc);
+}
 
 #if BM_HAVE_AVX2
-#define KV8(p, n, bf16) ((bf16) ? bf16x8_load((const uint16_t *)(p) + (n)) : _mm256_loadu_ps((const float *)(p) + (n)))
+#define I8X8(p, n) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(p) + (n)))))
+#define KV8(p, n, kvt) ((kvt) == 1 ? bf16x8_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X8(p, n) : _mm256_loadu_ps((const float *)(p) + (n)))
+/* A vector made opaque to the optimizer, as dequant1 does for one float: with -fassociative-math GCC
+   would regroup `q * (x * s)` inside the FMA that follows and change the bits. */
+static inline __m256 opaque8(__m256 x) {
+    __asm__("" : "+v"(x));
+    return x;
+}
+#define KV8S(p, n, kvt, sv) ((kvt) == 2 ? opaque8(_mm256_mul_ps(KV8(p, n, kvt), sv)) : KV8(p, n, kvt))
 
 /* Eight dot products q . k[r] (r = 0..7, rows d floats apart), returned as one vector. */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t d, const int bf16) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t d, const int kvt) {
+    const int64_t rs = KV_ROW(d, kvt);
+    __m256 s[8];
+    for (int r = 0; r < 8; r++) s[r] = kvt == 2 ? _mm256_set1_ps(row_scale(KV_AT(k, r * rs, kvt), d)) : _mm256_setzero_ps();
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, KV8(k, 0 * d + i, bf16), a0);
-        a1 = _mm256_fmadd_ps(qv, KV8(k, 1 * d + i, bf16), a1);
-        a2 = _mm256_fmadd_ps(qv, KV8(k, 2 * d + i, bf16), a2);
-        a3 = _mm256_fmadd_ps(qv, KV8(k, 3 * d + i, bf16), a3);
-        a4 = _mm256_fmadd_ps(qv, KV8(k, 4 * d + i, bf16), a4);
-        a5 = _mm256_fmadd_ps(qv, KV8(k, 5 * d + i, bf16), a5);
-        a6 = _mm256_fmadd_ps(qv, KV8(k, 6 * d + i, bf16), a6);
-        a7 = _mm256_fmadd_ps(qv, KV8(k, 7 * d + i, bf16), a7);
+        a0 = _mm256_fmadd_ps(qv, KV8S(k, 0 * rs + i, kvt, s[0]), a0);
+        a1 = _mm256_fmadd_ps(qv, KV8S(k, 1 * rs + i, kvt, s[1]), a1);
+        a2 = _mm256_fmadd_ps(qv, KV8S(k, 2 * rs + i, kvt, s[2]), a2);
+        a3 = _mm256_fmadd_ps(qv, KV8S(k, 3 * rs + i, kvt, s[3]), a3);
+        a4 = _mm256_fmadd_ps(qv, KV8S(k, 4 * rs + i, kvt, s[4]), a4);
+        a5 = _mm256_fmadd_ps(qv, KV8S(k, 5 * rs + i, kvt, s[5]), a5);
+        a6 = _mm256_fmadd_ps(qv, KV8S(k, 6 * rs + i, kvt, s[6]), a6);
+        a7 = _mm256_fmadd_ps(qv, KV8S(k, 7 * rs + i, kvt, s[7]), a7);
     }
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -67,7 +110,13 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
 /* The AVX-512 paths here also take AVX512DQ's 256-bit extracts. */
 #if BM_HAVE_AVX512 && defined(__AVX512DQ__)
 #define BM_DECODE_AVX512 1
-#define KV16(p, n, bf16) ((bf16) ? bf16x16_load((const uint16_t *)(p) + (n)) : _mm512_loadu_ps((const float *)(p) + (n)))
+#define I8X16(p, n) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)(p) + (n)))))
+#define KV16(p, n, kvt) ((kvt) == 1 ? bf16x16_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X16(p, n) : _mm512_loadu_ps((const float *)(p) + (n)))
+static inline __m512 opaque16(__m512 x) {
+    __asm__("" : "+v"(x));
+    return x;
+}
+#define KV16S(p, n, kvt, sv) ((kvt) == 2 ? opaque16(_mm512_mul_ps(KV16(p, n, kvt), sv)) : KV16(p, n, kvt))
 /* For head sizes that are a multiple of 16: eight keys' sums of sixteen lanes each, folded to eight lanes,
    then the same reduction as dot8. */
 static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a) {
@@ -84,15 +133,17 @@ static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a)
    is now loaded once for all H heads instead of once per head. */
 static inline __attribute__((always_inline)) void score8_heads(const float *q0, int64_t qsh, const void *k,
                                                                int64_t d, const int H, float *out,
-                                                               int64_t ostride, float scale, const int bf16) {
-    __m512 a[3][8];
+                                                               int64_t ostride, float scale, const int kvt) {
+    const int64_t rs = KV_ROW(d, kvt);
+    __m512 a[3][8], s[8];
+    for (int r = 0; r < 8; r++) s[r] = kvt == 2 ? _mm512_set1_ps(row_scale(KV_AT(k, r * rs, kvt), d)) : _mm512_setzero_ps();
     for (int h = 0; h < H; h++)
         for (int r = 0; r < 8; r++) a[h][r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
         __m512 qv[3];
         for (int h = 0; h < H; h++) qv[h] = _mm512_loadu_ps(q0 + h * qsh + i);
         for (int r = 0; r < 8; r++) {
-            const __m512 kv = KV16(k, r * d + i, bf16);
+            const __m512 kv = KV16S(k, r * rs + i, kvt, s[r]);
             for (int h = 0; h < H; h++) a[h][r] = _mm512_fmadd_ps(qv[h], kv, a[h][r]);
         }
     }
@@ -101,16 +152,17 @@ static inline __attribute__((always_inline)) void score8_heads(const float *q0, 
 }
 
 /* score8_heads for every query head of a kv head, three at a time; one copy per dtype. */
-#define BM_SCORE8_ALL(name, bf16)                                                                          \
+#define BM_SCORE8_ALL(name, kvt)                                                                          \
     static void name(const float *q0, int64_t qsh, const void *k, int64_t d, int64_t g, float *out,       \
                      int64_t ostride, float scale) {                                                       \
         int64_t h = 0;                                                                                     \
-        for (; h + 3 <= g; h += 3) score8_heads(q0 + h * qsh, qsh, k, d, 3, out + h * ostride, ostride, scale, bf16); \
-        if (g - h == 2) score8_heads(q0 + h * qsh, qsh, k, d, 2, out + h * ostride, ostride, scale, bf16); \
-        if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale, bf16); \
+        for (; h + 3 <= g; h += 3) score8_heads(q0 + h * qsh, qsh, k, d, 3, out + h * ostride, ostride, scale, kvt); \
+        if (g - h == 2) score8_heads(q0 + h * qsh, qsh, k, d, 2, out + h * ostride, ostride, scale, kvt); \
+        if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale, kvt); \
     }
 BM_SCORE8_ALL(score8_all, 0)
 BM_SCORE8_ALL(score8_all_bf16, 1)
+BM_SCORE8_ALL(score8_all_i8, 2)
 #else
 #define BM_DECODE_AVX512 0
 #endif
@@ -129,7 +181,8 @@ typedef struct {
     const float *sinks;   /* NULL, or per query head a logit in the softmax's denominator only */
     int64_t first, last; /* work items [first, last) of this thread */
     int status;
-    int bf16; /* q, k, v and out are bf16 (bm_paged_decode_bf16) */
+    int kvt; /* 0: float32 throughout; 1: q, k, v and out are bf16 (bm_paged_decode_bf16); 2: k and v are
+                int8 rows, each d values then its float32 scale, q and out float32 (bm_paged_decode_i8) */
 } job_t;
 
 /* Ask for `floats` floats from `p` on into the cache, one request per 64-byte line. */
@@ -147,6 +200,8 @@ typedef __m512 vt_t;
 #define vt_store _mm512_storeu_ps
 #define vt_fma _mm512_fmadd_ps
 #define vt_set1 _mm512_set1_ps
+#define vt_mul _mm512_mul_ps
+#define vt_opaque opaque16
 #elif BM_HAVE_AVX2
 #define BM_VT_LANES 8
 #define BM_VT_MAXH 2 /* 2 heads x 4 vectors, 4 of values, 1 weight: 13 of 16 registers */
@@ -156,6 +211,8 @@ typedef __m256 vt_t;
 #define vt_store _mm256_storeu_ps
 #define vt_fma _mm256_fmadd_ps
 #define vt_set1 _mm256_set1_ps
+#define vt_mul _mm256_mul_ps
+#define vt_opaque opaque8
 #endif
 
 #ifdef BM_VT_LANES
@@ -163,16 +220,23 @@ typedef __m256 vt_t;
    columns, the accumulators held in registers across the keys. Per output element it is the same
    fused multiply-add, in the same key order, that the plain loop compiles to in these builds (each
    sum starts from 0 and takes one FMA per key), so the bits do not change; only the loads and stores of
-   the accumulators between keys go. */
+   the accumulators between keys go. `vb` is the block's columns from the tile's first on, `rows` the
+   block itself (where an int8 row's scale is found: d values on from the row's start). */
 static inline __attribute__((always_inline)) void v_tile(float *acc, const float *w, int64_t wstride,
-                                                         const void *vb, int64_t o0, int64_t n,
-                                                         int64_t d, const int H, const int C, const int bf16) {
+                                                         const void *vb, const void *rows, int64_t o0,
+                                                         int64_t n, int64_t d, const int H, const int C,
+                                                         const int kvt) {
+    const int64_t rs = KV_ROW(d, kvt);
     vt_t r[BM_VT_MAXH][4];
     for (int h = 0; h < H; h++)
         for (int c = 0; c < C; c++) r[h][c] = vt_load(acc + h * d + c * BM_VT_LANES);
     for (int64_t o = o0; o < n; o++) {
         vt_t v[4];
-        for (int c = 0; c < C; c++) v[c] = vt_load_kv(vb, o * d + c * BM_VT_LANES, bf16);
+        for (int c = 0; c < C; c++) v[c] = vt_load_kv(vb, o * rs + c * BM_VT_LANES, kvt);
+        if (kvt == 2) { /* an int8 row: each value times the row's scale, as torch's dequantization */
+            const vt_t sv = vt_set1(row_scale(KV_AT(rows, o * rs, kvt), d));
+            for (int c = 0; c < C; c++) v[c] = vt_opaque(vt_mul(v[c], sv));
+        }
         for (int h = 0; h < H; h++) {
             const vt_t wv = vt_set1(w[h * wstride + o]);
             for (int c = 0; c < C; c++) r[h][c] = vt_fma(wv, v[c], r[h][c]);
@@ -185,18 +249,18 @@ static inline __attribute__((always_inline)) void v_tile(float *acc, const float
 #define BM_VT_CASE_C(H)                                                   \
     case H:                                                               \
         switch (nc) {                                                     \
-        case 1: v_tile(acc, w, wstride, vb, o0, n, d, H, 1, bf16); break;       \
-        case 2: v_tile(acc, w, wstride, vb, o0, n, d, H, 2, bf16); break;       \
-        case 3: v_tile(acc, w, wstride, vb, o0, n, d, H, 3, bf16); break;       \
-        default: v_tile(acc, w, wstride, vb, o0, n, d, H, 4, bf16); break;      \
+        case 1: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 1, kvt); break; \
+        case 2: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 2, kvt); break; \
+        case 3: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 3, kvt); break; \
+        default: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 4, kvt); break; \
         }                                                                 \
         break;
 
 /* One tile of nh (<= BM_VT_MAXH) heads by nc (<= 4) vectors, sizes made compile-time constants; one
    copy per dtype (v_tile_any, v_tile_any_bf16). */
 static inline __attribute__((always_inline)) void v_tile_kv(float *acc, const float *w, int64_t wstride,
-                                                            const void *vb, int64_t o0, int64_t n, int64_t d,
-                                                            int nh, int nc, const int bf16) {
+                                                            const void *vb, const void *rows, int64_t o0,
+                                                            int64_t n, int64_t d, int nh, int nc, const int kvt) {
     switch (nh) {
         BM_VT_CASE_C(1)
 #if BM_VT_MAXH >= 2
@@ -211,14 +275,18 @@ static inline __attribute__((always_inline)) void v_tile_kv(float *acc, const fl
     }
 }
 
-static void v_tile_any(float *acc, const float *w, int64_t wstride, const void *vb, int64_t o0,
-                       int64_t n, int64_t d, int nh, int nc) {
-    v_tile_kv(acc, w, wstride, vb, o0, n, d, nh, nc, 0);
+static void v_tile_any(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,
+                       int64_t o0, int64_t n, int64_t d, int nh, int nc) {
+    v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, 0);
+}
+static void v_tile_any_i8(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,
+                          int64_t o0, int64_t n, int64_t d, int nh, int nc) {
+    v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, 2);
 }
 #if BM_DECODE_AVX512
-static void v_tile_any_bf16(float *acc, const float *w, int64_t wstride, const void *vb, int64_t o0,
-                            int64_t n, int64_t d, int nh, int nc) {
-    v_tile_kv(acc, w, wstride, vb, o0, n, d, nh, nc, 1);
+static void v_tile_any_bf16(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,
+                            int64_t o0, int64_t n, int64_t d, int nh, int nc) {
+    v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, 1);
 }
 #endif
 #endif
@@ -227,7 +295,7 @@ static void v_tile_any_bf16(float *acc, const float *w, int64_t wstride, const v
    (sb = the block's first key's scores), heads h < g. */
 static inline __attribute__((always_inline)) void accumulate_v(float *acc, const float *sb, int64_t span,
                                                                const void *vb, int64_t o0, int64_t n, int64_t g,
-                                                               int64_t d, const int bf16) {
+                                                               int64_t d, float *row, const int kvt) {
 #ifdef BM_VT_LANES
     if (d % BM_VT_LANES == 0) {
         const int64_t vecs = d / BM_VT_LANES;
@@ -236,23 +304,31 @@ static inline __attribute__((always_inline)) void accumulate_v(float *acc, const
                 const int nh = (int)(g - h0 < BM_VT_MAXH ? g - h0 : BM_VT_MAXH);
                 const int nc = (int)(vecs - c0 < 4 ? vecs - c0 : 4);
 #if BM_DECODE_AVX512
-                if (bf16)
+                if (kvt == 1)
                     v_tile_any_bf16(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
-                                    KV_AT(vb, c0 * BM_VT_LANES, bf16), o0, n, d, nh, nc);
+                                    KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc);
                 else
 #endif
-                v_tile_any(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span, KV_AT(vb, c0 * BM_VT_LANES, bf16), o0,
-                           n, d, nh, nc);
+                if (kvt == 2)
+                    v_tile_any_i8(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
+                                  KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc);
+                else
+                    v_tile_any(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
+                               KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc);
             }
         return;
     }
 #endif
     for (int64_t o = o0; o < n; o++) {
-        const void *vp = KV_AT(vb, o * d, bf16);
+        const void *vp = KV_AT(vb, o * KV_ROW(d, kvt), kvt);
+        if (kvt == 2) widen_row(row, vp, d); /* `row`: d floats of scratch */
         for (int64_t h = 0; h < g; h++) {
             const float w = sb[h * span + o];
             float *ah = acc + h * d;
-            for (int64_t i = 0; i < d; i++) ah[i] += w * KV1(vp, i, bf16);
+            if (kvt == 2)
+                for (int64_t i = 0; i < d; i++) ah[i] += w * row[i];
+            else
+                for (int64_t i = 0; i < d; i++) ah[i] += w * KV1(vp, i, kvt);
         }
     }
 }
@@ -288,7 +364,7 @@ static inline float row_max(const float *x, int64_t n) {
 /* One (row, kv head): scores, softmax, values, out. `qw` is g * head_dim floats of scratch where a bf16
    row's query heads are widened first (then read as the float32 ones are, head_dim apart). */
 static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int64_t item, float *scores,
-                                                            float *acc, float *qw, const int bf16) {
+                                                            float *acc, float *qw, const int kvt) {
     const int64_t g = a->heads / a->kv_heads, d = a->head_dim, bs = a->block_size;
     const int64_t row = item / a->kv_heads, kvh = item % a->kv_heads;
     const int64_t len = a->lengths[row], tok = a->token_index[row];
@@ -296,11 +372,12 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
        never read. `span` keys, scored at scores[h * span + (j - first)]. */
     const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0, span = len - first;
     const int64_t *table = a->block_table + row * a->max_blocks;
-    const int64_t head_stride = a->num_blocks * bs * d;
-    const void *kh = KV_AT(a->k, kvh * head_stride, bf16), *vh = KV_AT(a->v, kvh * head_stride, bf16);
+    const int64_t rs = KV_ROW(d, kvt); /* elements from one key (or value) row to the next */
+    const int64_t head_stride = a->num_blocks * bs * rs;
+    const void *kh = KV_AT(a->k, kvh * head_stride, kvt), *vh = KV_AT(a->v, kvh * head_stride, kvt);
     const float *q0;
     int64_t qsh = a->q_stride_head;
-    if (bf16) {
+    if (kvt == 1) {
         const uint16_t *qb = (const uint16_t *)a->q + tok * a->q_stride_token + kvh * g * qsh;
         for (int64_t h = 0; h < g; h++)
             for (int64_t i = 0; i < d; i++) qw[h * d + i] = bf16_to_f32(qb[h * qsh + i]);
@@ -310,24 +387,26 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
         q0 = (const float *)a->q + tok * a->q_stride_token + kvh * g * qsh;
     }
     /* floats' worth of a run of keys or values, for prefetch_block */
-#define KV_FLOATS(n) ((n) * KV_ESZ(bf16) / 4)
+#define KV_FLOATS(n) ((n) * KV_ESZ(kvt) / 4)
 
     for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
-        const void *kb = KV_AT(kh, table[b] * bs * d, bf16);
+        const void *kb = KV_AT(kh, table[b] * bs * rs, kvt);
         const int64_t n = len - j0 < bs ? len - j0 : bs;
         /* The next block sits anywhere in the pool, where the hardware prefetcher cannot guess it: ask
            for it now, while this one is scored. After the last key block, the first value block. */
         if (j0 + bs < len)
-            prefetch_block(KV_AT(kh, table[b + 1] * bs * d, bf16), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * d));
-        else prefetch_block(KV_AT(vh, table[first / bs] * bs * d, bf16), KV_FLOATS((bs < span ? bs : span) * d));
+            prefetch_block(KV_AT(kh, table[b + 1] * bs * rs, kvt), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * rs));
+        else prefetch_block(KV_AT(vh, table[first / bs] * bs * rs, kvt), KV_FLOATS((bs < span ? bs : span) * rs));
         float *sb = scores - first + j0; /* sb[h * span + o]: key j0 + o */
         int64_t o = first > j0 ? first - j0 : 0;
 #if BM_DECODE_AVX512
         if (d % 16 == 0) {
-            if (bf16)
-                for (; o + 8 <= n; o += 8) score8_all_bf16(q0, qsh, KV_AT(kb, o * d, bf16), d, g, sb + o, span, a->scale);
+            if (kvt == 1)
+                for (; o + 8 <= n; o += 8) score8_all_bf16(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale);
+            else if (kvt == 2)
+                for (; o + 8 <= n; o += 8) score8_all_i8(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale);
             else
-                for (; o + 8 <= n; o += 8) score8_all(q0, qsh, KV_AT(kb, o * d, bf16), d, g, sb + o, span, a->scale);
+                for (; o + 8 <= n; o += 8) score8_all(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale);
         }
 #endif
 #if BM_HAVE_AVX2
@@ -335,15 +414,19 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
             for (; o + 8 <= n; o += 8)
                 for (int64_t h = 0; h < g; h++)
                     _mm256_storeu_ps(sb + h * span + o,
-                                     _mm256_mul_ps(dot8(q0 + h * qsh, KV_AT(kb, o * d, bf16), d, bf16),
+                                     _mm256_mul_ps(dot8(q0 + h * qsh, KV_AT(kb, o * rs, kvt), d, kvt),
                                                    _mm256_set1_ps(a->scale)));
 #endif
         for (; o < n; o++) {
-            const void *kp = KV_AT(kb, o * d, bf16);
+            const void *kp = KV_AT(kb, o * rs, kvt);
+            if (kvt == 2) widen_row(qw, kp, d); /* an int8 row's queries are float32: qw is free */
             for (int64_t h = 0; h < g; h++) {
                 const float *qp = q0 + h * qsh;
                 float s = 0.f;
-                for (int64_t i = 0; i < d; i++) s += qp[i] * KV1(kp, i, bf16);
+                if (kvt == 2)
+                    for (int64_t i = 0; i < d; i++) s += qp[i] * qw[i];
+                else
+                    for (int64_t i = 0; i < d; i++) s += qp[i] * KV1(kp, i, kvt);
                 sb[h * span + o] = s * a->scale;
             }
         }
@@ -396,14 +479,14 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
         for (int64_t i = 0; i < d; i++) acc[h * d + i] = 0.f;
     }
     for (int64_t j0 = first / bs * bs, b = first / bs; j0 < len; j0 += bs, b++) {
-        const void *vb = KV_AT(vh, table[b] * bs * d, bf16);
+        const void *vb = KV_AT(vh, table[b] * bs * rs, kvt);
         const int64_t n = len - j0 < bs ? len - j0 : bs;
         if (j0 + bs < len)
-            prefetch_block(KV_AT(vh, table[b + 1] * bs * d, bf16), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * d));
-        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d, bf16);
+            prefetch_block(KV_AT(vh, table[b + 1] * bs * rs, kvt), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * rs));
+        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d, qw, kvt);
     }
 #undef KV_FLOATS
-    if (bf16) { /* rounded to nearest even, as torch's .to(torch.bfloat16) of the float32 result */
+    if (kvt == 1) { /* rounded to nearest even, as torch's .to(torch.bfloat16) of the float32 result */
         uint16_t *o0 = (uint16_t *)a->out + (tok * a->heads + kvh * g) * d;
         for (int64_t x = 0; x < g * d; x++) o0[x] = f32_to_bf16(acc[x]);
     } else {
@@ -416,6 +499,10 @@ static void attend(const job_t *a, int64_t item, float *scores, float *acc, floa
     attend_kv(a, item, scores, acc, qw, 0);
 }
 
+static void attend_i8(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
+    attend_kv(a, item, scores, acc, qw, 2);
+}
+
 #if BM_DECODE_AVX512
 static void attend_bf16(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
     attend_kv(a, item, scores, acc, qw, 1);
@@ -425,11 +512,15 @@ static void attend_bf16(const job_t *a, int64_t item, float *scores, float *acc,
 /* A work item in the job's dtype. */
 static void attend_item(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
 #if BM_DECODE_AVX512
-    if (a->bf16) {
+    if (a->kvt == 1) {
         attend_bf16(a, item, scores, acc, qw);
         return;
     }
 #endif
+    if (a->kvt == 2) {
+        attend_i8(a, item, scores, acc, qw);
+        return;
+    }
     attend(a, item, scores, acc, qw);
 }
 
@@ -507,10 +598,28 @@ int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride
     return run_job(job, threads);
 }
 
+/* The same over an int8 cache (kv_cache.dtype: int8): each key and value row is head_dim int8 values and
+   then its float32 scale (rows head_dim + 4 bytes apart); q and out are float32. Each value is widened
+   and multiplied by its row's scale in a register, the float32 product torch's dequantization makes, and
+   everything after is the float32 kernel's: so this gives exactly what bm_paged_decode_f32 gives on the
+   dequantized cache, reading about a quarter of its bytes. Every build has it. */
+int bm_paged_decode_i8(const float *q, int64_t q_stride_token, int64_t q_stride_head,
+                       const int8_t *k, const int8_t *v, const int64_t *token_index,
+                       const int64_t *block_table, const int64_t *lengths, float *out,
+                       int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                       int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
+                       float scale, float softcap, const float *alibi, int64_t window,
+                       const float *sinks, int64_t threads) {
+    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
+                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
+                       scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, 2};
+    return run_job(job, threads);
+}
+
 #if BM_DECODE_AVX512
 /* The same over a bf16 cache, bf16 queries (strides in elements) and a bf16 `out`: keys, values and
    queries widened to float32 in registers, everything after as the float32 kernel computes it, the
-   result rounded to bf16 (nearest even). Halves the bytes a decode step reads from the cache, which
+   result rounded to kvt (nearest even). Halves the bytes a decode step reads from the cache, which
    bounds this kernel's speed. Only the AVX-512 builds have it (bm.runtime.native.kv_cache_dtype keeps a
    float32 cache elsewhere; docs/cpu-kernels.md says why). */
 int bm_paged_decode_bf16(const uint16_t *q, int64_t q_stride_token, int64_t q_stride_head,

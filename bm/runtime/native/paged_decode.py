@@ -8,10 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from bm.runtime.attention import NO_EXTRAS, LayerExtras
+from bm.runtime.kv_quant import SCALE_BYTES
 from bm.runtime.native.args import BF16, F32, FLOAT, I64, INT, PTR, bind, fits, pointer, require, unit_stride
 from bm.runtime.native.loader import NativeKernel, load_kernel
 
 _NAME = "paged decode kernel"
+I8 = torch.int8
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class PagedDecodeKernel(NativeKernel):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = {F32: bind(lib, "bm_paged_decode_f32", *_ATTEND)}
+        # an int8 cache (kv_cache.dtype: int8, bm.runtime.kv_quant): float32 queries and output
+        self._int8 = bind(lib, "bm_paged_decode_i8", *_ATTEND) if hasattr(lib, "bm_paged_decode_i8") else None
         self._write = {F32: bind(lib, "bm_kv_write_f32", *_WRITE)}
         if hasattr(lib, "bm_paged_decode_bf16"):
             self._fn[BF16] = bind(lib, "bm_paged_decode_bf16", *_ATTEND)
@@ -63,8 +67,9 @@ class PagedDecodeKernel(NativeKernel):
         return device.type == "cpu" and dtype in (F32, BF16)
 
     def supports(self, cache: torch.Tensor) -> bool:
-        """Whether this build reads ``cache`` in place."""
-        return cache.device.type == "cpu" and cache.dtype in self._fn and cache.is_contiguous()
+        """Whether this build reads ``cache`` in place (an int8 cache: with float32 queries)."""
+        known = cache.dtype in self._fn or (cache.dtype == I8 and self._int8 is not None)
+        return cache.device.type == "cpu" and known and cache.is_contiguous()
 
     def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Copy keys ``k`` and values ``v`` [kv_heads, T, d] (any strides, unit along d) into ``cache``'s
@@ -110,12 +115,17 @@ class PagedDecodeKernel(NativeKernel):
         heads, _, head_dim = q.shape
         _, kv_heads, num_blocks, block_size, cache_dim = cache.shape
         alibi, sinks = extras.alibi, extras.sinks
-        fn = self._fn.get(cache.dtype)
-        if fn is None:
-            raise ValueError(
-                f"{_NAME}: this build ({self.isa}) reads {', '.join(map(str, self.dtypes))} caches, not {cache.dtype}"
-            )
-        require(_NAME, cache.dtype, (q, out, cache), (out, cache))
+        if cache.dtype == I8 and self._int8 is not None:  # rows of head_dim values, then their scale
+            fn, cache_dim = self._int8, cache_dim - SCALE_BYTES
+            require(_NAME, F32, (q, out), (out,))
+            require(_NAME, I8, (cache,), (cache,))
+        else:
+            fn = self._fn.get(cache.dtype)
+            if fn is None:
+                raise ValueError(
+                    f"{_NAME}: this build ({self.isa}) reads {', '.join(map(str, self.dtypes))} caches, not {cache.dtype}"
+                )
+            require(_NAME, cache.dtype, (q, out, cache), (out, cache))
         require(_NAME, F32, (alibi, sinks), (alibi, sinks))
         if head_dim != cache_dim or heads % kv_heads or out.shape[1:] != (heads, head_dim):
             raise ValueError(
