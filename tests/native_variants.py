@@ -12,6 +12,20 @@ from bm.cpu_isa import machine_isas
 ISAS = list(machine_isas())
 each_isa = pytest.mark.parametrize("isa", ISAS)
 
+# Decode kernel shapes that reach every code path of paged_decode.c, for the tests that hold a cache
+# dtype's kernel to the float32 one: head sizes 64/128/16 take the sixteen-lane bodies, 40 the eight-lane
+# dot product and the scalar V loop, 12 the scalar code only; block sizes 1 and 5 leave keys over after
+# the eight-key groups.
+each_decode_shape = pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 32), (6, 3, 12, 4), (8, 1, 40, 16), (4, 4, 64, 1), (7, 7, 16, 5)],
+)
+# A layer's extras (soft-capping, ALiBi, a window, sink logits), alone and together.
+each_decode_extra = pytest.mark.parametrize(
+    ("softcap", "alibi", "window", "sink"),
+    [(2.0, False, None, False), (None, True, None, False), (None, False, 5, False), (0.5, True, 9, True)],
+)
+
 
 def scattered_tables(
     lengths: list[int], num_blocks: int, block_size: int, g: torch.Generator

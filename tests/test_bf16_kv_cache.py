@@ -23,7 +23,7 @@ from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import DecodeRows, kv_cache_dtype, paged_decode_kernel, prefill_attention_kernel
 from tests.clients import StaggeredClient
 from tests.conftest import make_config, random_prompts
-from tests.native_variants import ISAS, each_isa, scattered_tables
+from tests.native_variants import ISAS, each_decode_extra, each_decode_shape, each_isa, scattered_tables
 
 BF16_ISAS = [isa for isa in ISAS if isa in BF16_KV_ISAS]
 needs_bf16_build = pytest.mark.skipif(
@@ -56,12 +56,7 @@ def test_only_the_builds_in_bf16_kv_isas_have_the_bf16_attention_kernels(isa):
 
 
 @needs_bf16_build
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size"),
-    # 64/128/16: sixteen-lane bodies; 40: the eight-lane dot product and the scalar V loop; 12: scalar
-    # only; block sizes 1 and 5: keys left over after the eight-key groups
-    [(9, 3, 64, 16), (8, 2, 128, 32), (6, 3, 12, 4), (8, 1, 40, 16), (4, 4, 64, 1), (7, 7, 16, 5)],
-)
+@each_decode_shape
 @each_bf16_isa
 def test_bf16_decode_is_the_float32_kernel_on_the_widened_cache_rounded(
     heads, kv_heads, head_dim, block_size, isa
@@ -84,10 +79,7 @@ def test_bf16_decode_is_the_float32_kernel_on_the_widened_cache_rounded(
 
 
 @needs_bf16_build
-@pytest.mark.parametrize(
-    ("softcap", "alibi", "window", "sink"),
-    [(2.0, False, None, False), (None, True, None, False), (None, False, 5, False), (0.5, True, 9, True)],
-)
+@each_decode_extra
 @each_bf16_isa
 def test_bf16_decode_extras_match_the_float32_kernel_bit_for_bit(softcap, alibi, window, sink, isa):
     kernel = paged_decode_kernel(isa)

@@ -19,7 +19,7 @@ from bm.runtime.native import paged_decode_kernel
 from bm.runtime.native.paged_decode import DecodeRows
 from bm.scheduling import FinishReason
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
-from tests.native_variants import each_isa, scattered_tables
+from tests.native_variants import each_decode_extra, each_decode_shape, each_isa, scattered_tables
 from tests.test_oracle import run_staggered
 
 
@@ -121,12 +121,7 @@ def _int8_paged(kv_heads, num_blocks, bs, d, lengths, g):
     return rows, dequantize_rows(rows, torch.float32), scattered_tables(lengths, num_blocks, bs, g)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size"),
-    # 64/128/16: the vector bodies; 40: eight lanes and the scalar V loop; 12: scalar only; block sizes 1
-    # and 5: keys left over after the eight-key groups
-    [(9, 3, 64, 16), (8, 2, 128, 32), (6, 3, 12, 4), (8, 1, 40, 16), (4, 4, 64, 1), (7, 7, 16, 5)],
-)
+@each_decode_shape
 @each_isa
 def test_int8_decode_is_the_float32_kernel_on_the_dequantized_cache_bit_for_bit(
     heads, kv_heads, head_dim, block_size, isa
@@ -148,10 +143,7 @@ def test_int8_decode_is_the_float32_kernel_on_the_dequantized_cache_bit_for_bit(
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # rows not asked for stay NaN
 
 
-@pytest.mark.parametrize(
-    ("softcap", "alibi", "window", "sink"),
-    [(2.0, False, None, False), (None, True, None, False), (None, False, 5, False), (0.5, True, 9, True)],
-)
+@each_decode_extra
 @each_isa
 def test_int8_decode_extras_match_the_float32_kernel_bit_for_bit(softcap, alibi, window, sink, isa):
     kernel = paged_decode_kernel(isa)
