@@ -31,15 +31,17 @@
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_exp16 */
 #include "bf16.h"
 
-/* Keys and values are float32 or bf16 (bf16 != 0: AVX-512 builds only, bm_paged_decode_bf16). Every
-   function below that reads them takes the flag as a compile-time constant (always_inline, or one copy
-   per dtype), so the float32 code is what it was, and the kvt code is the same code with each key or
-   value widened to float32 in a register as it is loaded: the same operations in the same order on the
-   same float32 values. So a kvt cache gives exactly the float32 kernel's results on its widened keys
-   and values (tests/test_native_kernels.py pins it), reading half the bytes. */
+/* Keys and values are float32 (kvt 0), bf16 (kvt 1: AVX-512 builds only, bm_paged_decode_bf16) or int8
+   rows with a scale each (kvt 2: bm_paged_decode_i8). Every function below that reads them takes the
+   flag as a compile-time constant (always_inline, or one copy per dtype), so the float32 code is what it
+   was, and the bf16 and int8 code is the same code with each key or value widened to float32 in a
+   register as it is loaded (an int8 one times its row's scale): the same operations in the same order on
+   the same float32 values. So a bf16 or int8 cache gives exactly the float32 kernel's results on its
+   widened keys and values (tests/test_bf16_kv_cache.py and tests/test_kv_int8.py pin it), reading half
+   or about a quarter of the bytes. */
 #define KV_ESZ(kvt) ((kvt) == 1 ? 2 : (kvt) == 2 ? 1 : 4) /* bytes per element */
 #define KV_AT(p, n, kvt) ((const void *)((const char *)(p) + (int64_t)(n) * KV_ESZ(kvt)))
-/* An int8 cache's element as a float, before its row's scale (KVS1, KV8S and KV16S apply it). */
+/* An int8 cache's element as a float, before its row's scale (widen_row, KV8S and KV16S apply it). */
 #define KV1(p, n, kvt) ((kvt) == 1 ? bf16_to_f32(((const uint16_t *)(p))[n]) : (kvt) == 2 ? (float)((const int8_t *)(p))[n] : ((const float *)(p))[n])
 /* Elements of a row, and where the next row starts: an int8 row's d values are followed by its float32
    scale, so rows are d + 4 bytes apart; float32 and bf16 rows are d elements apart. */
@@ -583,57 +585,37 @@ static int run_job(const job_t job, int64_t threads) {
 #endif
 }
 
-/* Returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller must
-   then discard `out`). */
-int bm_paged_decode_f32(const float *q, int64_t q_stride_token, int64_t q_stride_head,
-                        const float *k, const float *v, const int64_t *token_index,
-                        const int64_t *block_table, const int64_t *lengths, float *out,
-                        int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
-                        float scale, float softcap, const float *alibi, int64_t window,
-                        const float *sinks, int64_t threads) {
-    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
-                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                       scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, 0};
-    return run_job(job, threads);
-}
+/* One exported entry per cache dtype: `qt` the queries' and output's element type, `kt` the cache's.
+   Each returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller
+   must then discard `out`). */
+#define BM_DECODE_ENTRY(name, qt, kt, kvt)                                                                  \
+    int name(const qt *q, int64_t q_stride_token, int64_t q_stride_head, const kt *k, const kt *v,         \
+             const int64_t *token_index, const int64_t *block_table, const int64_t *lengths, qt *out,      \
+             int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t num_blocks,        \
+             int64_t block_size, int64_t head_dim, int64_t max_len, float scale, float softcap,            \
+             const float *alibi, int64_t window, const float *sinks, int64_t threads) {                    \
+        const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,  \
+                           rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,   \
+                           scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, kvt};              \
+        return run_job(job, threads);                                                                      \
+    }
+
+BM_DECODE_ENTRY(bm_paged_decode_f32, float, float, 0)
 
 /* The same over an int8 cache (kv_cache.dtype: int8): each key and value row is head_dim int8 values and
    then its float32 scale (rows head_dim + 4 bytes apart); q and out are float32. Each value is widened
    and multiplied by its row's scale in a register, the float32 product torch's dequantization makes, and
    everything after is the float32 kernel's: so this gives exactly what bm_paged_decode_f32 gives on the
    dequantized cache, reading about a quarter of its bytes. Every build has it. */
-int bm_paged_decode_i8(const float *q, int64_t q_stride_token, int64_t q_stride_head,
-                       const int8_t *k, const int8_t *v, const int64_t *token_index,
-                       const int64_t *block_table, const int64_t *lengths, float *out,
-                       int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
-                       int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
-                       float scale, float softcap, const float *alibi, int64_t window,
-                       const float *sinks, int64_t threads) {
-    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
-                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                       scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, 2};
-    return run_job(job, threads);
-}
+BM_DECODE_ENTRY(bm_paged_decode_i8, float, int8_t, 2)
 
 #if BM_DECODE_AVX512
 /* The same over a bf16 cache, bf16 queries (strides in elements) and a bf16 `out`: keys, values and
    queries widened to float32 in registers, everything after as the float32 kernel computes it, the
-   result rounded to kvt (nearest even). Halves the bytes a decode step reads from the cache, which
+   result rounded to bf16 (nearest even). Halves the bytes a decode step reads from the cache, which
    bounds this kernel's speed. Only the AVX-512 builds have it (bm.runtime.native.kv_cache_dtype keeps a
    float32 cache elsewhere; docs/cpu-kernels.md says why). */
-int bm_paged_decode_bf16(const uint16_t *q, int64_t q_stride_token, int64_t q_stride_head,
-                         const uint16_t *k, const uint16_t *v, const int64_t *token_index,
-                         const int64_t *block_table, const int64_t *lengths, uint16_t *out,
-                         int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads,
-                         int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t max_len,
-                         float scale, float softcap, const float *alibi, int64_t window,
-                         const float *sinks, int64_t threads) {
-    const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,
-                       rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,
-                       scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, 1};
-    return run_job(job, threads);
-}
+BM_DECODE_ENTRY(bm_paged_decode_bf16, uint16_t, uint16_t, 1)
 #endif
 
 /* Writes a forward's new keys and values into the cache: for token t and kv head h, the d elements at
