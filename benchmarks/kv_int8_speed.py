@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from common import log
+from common import log, run_bm
 
-from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import config_from_dict
 from bm.config.model import ModelConfig
-from bm.engine import EngineLoop, Request
 from bm.runtime.model_loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,27 +38,13 @@ def run(loaded, kv_dtype: str, max_tokens: int, workload) -> dict:
             "kv_cache": {"dtype": kv_dtype, "max_tokens": max_tokens, "tokens_per_block": BLOCK},
         }
     )
-    requests = [Request(i, list(p), n, end_id=-1) for i, (p, n) in enumerate(workload)]
-    client = OfflineClient(requests)
-    stats: list[str] = []
-    start = time.perf_counter()
-    with EngineLoop(
-        config, client.get_requests, client.send_response, return_stats=stats.append,
-        executor=torch_executor(config, loaded),
-    ):  # fmt: skip
-        client.wait()
-    elapsed = time.perf_counter() - start
-    failed = [r.error for r in client.results.values() if r.error]
-    if failed:
-        raise SystemExit(f"bm: {len(failed)} requests failed, e.g. {failed[0]}")
-    generated = sum(len(r.output_ids) for r in client.results.values())
-    batches = [json.loads(s).get("Active Request Count", 0) for s in stats]
+    result, stats = run_bm(loaded, config, workload)  # no end token: every request runs its full length
     return {
         "kv_cache_dtype": kv_dtype,
         "cache_tokens": max_tokens,
-        "output_tok_s": round(generated / elapsed, 1),
-        "most_active_requests": max(batches, default=0),
-        "wall_s": round(elapsed, 2),
+        "output_tok_s": round(result.output_tok_s, 1),
+        "most_active_requests": max((s.get("Active Request Count", 0) for s in stats), default=0),
+        "wall_s": round(result.wall_s, 2),
     }
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")  # kv_cache.dtype's values; auto: the model's own KV dtype
 SCALE_BYTES = 4  # one float32 scale after each row's values
 QMAX = 127.0
 

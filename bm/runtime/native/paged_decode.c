@@ -52,39 +52,18 @@ static inline float row_scale(const void *row, int64_t d) {
     memcpy(&s, (const char *)row + d, sizeof s);
     return s;
 }
-/* An int8 value times its row's scale, rounded as one float32 product, then opaque to the optimizer:
-   this file is built with -fassociative-math, which could otherwise regroup `w * (x * sc)` as
-   `(w * x) * sc` in the scalar loops and change the bits. */
-static inline float dequant1(float x, float sc) {
-    float v = x * sc;
-#if defined(__x86_64__) || defined(__i386__)
-    __asm__("" : "+x"(v));
-#elif defined(__aarch64__)
-    __asm__("" : "+w"(v));
-#else
-    volatile float fence = v;
-    v = fence;
-#endif
-    return v;
-}
 /* An int8 row's d values times its scale, into dst: the row as the float32 kernel would read it from
    the dequantized cache. The scalar loops widen a row first and then run the float32 code on it, so
    the compiler vectorizes their sums as it does the float32 kernel's (the same order, the same bits). */
 static inline void widen_row(float *dst, const void *row, int64_t d) {
     const float sc = row_scale(row, d);
-    for (int64_t i = 0; i < d; i++) dst[i] = dequant1((float)((const int8_t *)row)[i], sc);
+    for (int64_t i = 0; i < d; i++) dst[i] = (float)((const int8_t *)row)[i] * sc;
 }
 
 #if BM_HAVE_AVX2
 #define I8X8(p, n) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(p) + (n)))))
 #define KV8(p, n, kvt) ((kvt) == 1 ? bf16x8_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X8(p, n) : _mm256_loadu_ps((const float *)(p) + (n)))
-/* A vector made opaque to the optimizer, as dequant1 does for one float: with -fassociative-math GCC
-   would regroup `q * (x * s)` inside the FMA that follows and change the bits. */
-static inline __m256 opaque8(__m256 x) {
-    __asm__("" : "+v"(x));
-    return x;
-}
-#define KV8S(p, n, kvt, sv) ((kvt) == 2 ? opaque8(_mm256_mul_ps(KV8(p, n, kvt), sv)) : KV8(p, n, kvt))
+#define KV8S(p, n, kvt, sv) ((kvt) == 2 ? _mm256_mul_ps(KV8(p, n, kvt), sv) : KV8(p, n, kvt))
 
 /* Eight dot products q . k[r] (r = 0..7, rows d floats apart), returned as one vector. */
 static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t d, const int kvt) {
@@ -114,11 +93,7 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
 #define BM_DECODE_AVX512 1
 #define I8X16(p, n) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)(p) + (n)))))
 #define KV16(p, n, kvt) ((kvt) == 1 ? bf16x16_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X16(p, n) : _mm512_loadu_ps((const float *)(p) + (n)))
-static inline __m512 opaque16(__m512 x) {
-    __asm__("" : "+v"(x));
-    return x;
-}
-#define KV16S(p, n, kvt, sv) ((kvt) == 2 ? opaque16(_mm512_mul_ps(KV16(p, n, kvt), sv)) : KV16(p, n, kvt))
+#define KV16S(p, n, kvt, sv) ((kvt) == 2 ? _mm512_mul_ps(KV16(p, n, kvt), sv) : KV16(p, n, kvt))
 /* For head sizes that are a multiple of 16: eight keys' sums of sixteen lanes each, folded to eight lanes,
    then the same reduction as dot8. */
 static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a) {
@@ -203,7 +178,6 @@ typedef __m512 vt_t;
 #define vt_fma _mm512_fmadd_ps
 #define vt_set1 _mm512_set1_ps
 #define vt_mul _mm512_mul_ps
-#define vt_opaque opaque16
 #elif BM_HAVE_AVX2
 #define BM_VT_LANES 8
 #define BM_VT_MAXH 2 /* 2 heads x 4 vectors, 4 of values, 1 weight: 13 of 16 registers */
@@ -214,7 +188,6 @@ typedef __m256 vt_t;
 #define vt_fma _mm256_fmadd_ps
 #define vt_set1 _mm256_set1_ps
 #define vt_mul _mm256_mul_ps
-#define vt_opaque opaque8
 #endif
 
 #ifdef BM_VT_LANES
@@ -237,7 +210,7 @@ static inline __attribute__((always_inline)) void v_tile(float *acc, const float
         for (int c = 0; c < C; c++) v[c] = vt_load_kv(vb, o * rs + c * BM_VT_LANES, kvt);
         if (kvt == 2) { /* an int8 row: each value times the row's scale, as torch's dequantization */
             const vt_t sv = vt_set1(row_scale(KV_AT(rows, o * rs, kvt), d));
-            for (int c = 0; c < C; c++) v[c] = vt_opaque(vt_mul(v[c], sv));
+            for (int c = 0; c < C; c++) v[c] = vt_mul(v[c], sv);
         }
         for (int h = 0; h < H; h++) {
             const vt_t wv = vt_set1(w[h * wstride + o]);
