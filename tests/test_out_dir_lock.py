@@ -146,9 +146,11 @@ FORK = (
     "import os, sys; from pathlib import Path; from bm.runfiles.outlock import acquire\n"
     "acquire(Path(sys.argv[1]))\n"
     "if os.fork() == 0:\n"  # a worker that outlives its parent; it says so once its fork has returned
-    "    print('child', flush=True); sys.stdin.read(); os._exit(0)\n"
-    "print('forked', flush=True); sys.stdin.read()\n"
+    "    os.write(1, b'child\\n'); sys.stdin.read(); os._exit(0)\n"
+    "os.write(1, b'forked\\n'); sys.stdin.read()\n"
 )
+# os.write: one write(2) per line, so the two processes' lines never interleave (print writes the
+# text and its newline separately where stdout is unbuffered, as with PYTHONUNBUFFERED=1 in CI)
 
 
 def test_a_forked_worker_outliving_its_killed_parent_does_not_keep_the_directory(tmp_path):
