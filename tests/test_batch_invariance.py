@@ -116,16 +116,20 @@ def test_log_probs_alone_and_in_a_batch_are_bitwise_equal(models, monkeypatch, i
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_int8_kv_log_probs_alone_and_in_a_batch_are_bitwise_equal(models, monkeypatch, scenario):
-    """With ``kv_cache.dtype: int8`` too: each row is quantized from its own values, the decode kernel
-    reads int8 rows as the float32 kernel reads their dequantized values, and a chunk after a cached
-    prefix is attended over its blocks widened (tests/test_kv_int8.py pins both bit for bit)."""
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_log_probs_alone_and_in_a_batch_are_bitwise_equal(
+    models, monkeypatch, scenario, cache_dtype
+):
+    """With ``kv_cache.dtype: int8`` or ``fp8_e4m3`` too: each row is quantized from its own values (and
+    an fp8 layer's constant scales), the decode kernel reads quantized rows as the float32 kernel reads
+    their dequantized values, and a chunk after a cached prefix is attended over its blocks widened
+    (tests/test_kv_quant.py pins both bit for bit)."""
     isa = ISAS[0]  # the machine's best build
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv(ENV_ISA, isa if isa != "native" else "auto")
     model = models[isa]
     sections = {name: dict(values) for name, values in SCENARIOS[scenario].items()}
-    sections.setdefault("kv_cache", {})["dtype"] = "int8"
+    sections.setdefault("kv_cache", {})["dtype"] = cache_dtype
     specs = workload(model.vocab_size)
     together = run(model, specs, sections, range(len(specs)))
     for i in range(len(specs)):

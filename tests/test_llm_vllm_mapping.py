@@ -72,6 +72,7 @@ ENGINE = {
     # ./ : a path, not a hub id org/name (which the config looks up in the local Hugging Face cache)
     "tokenizer": ("./some/dir", "model.tokenizer", "./some/dir"),
     "block_size": (16, "kv_cache.tokens_per_block", 16),
+    "kv_cache_dtype": ("fp8", "kv_cache.dtype", "fp8_e4m3"),  # vLLM's fp8 is e4m3
     "enforce_eager": (True, "model.cuda_graphs", "off"),
 }
 # vLLM LLM(...) keywords LLM reads itself: seed seeds sampling (test_llm_contract.py), and
@@ -90,7 +91,6 @@ OWN = {
 # value that asks for more, refused naming the bm way).
 ENGINE_ONLY = {
     "quantization": (None, "awq", "dtype="),
-    "kv_cache_dtype": ("auto", "fp8", "kv_cache={'dtype': 'int8'}"),
     "trust_remote_code": (False, True, "runs no code from a checkpoint"),
     "pipeline_parallel_size": (1, 2, "bm run --tensor-parallel N"),
     "swap_space": (0, 4, "'scheduler_policy': 'max_utilization'"),

@@ -58,8 +58,8 @@ class KvCacheConfig:
     )
     dtype: str = knob(
         "auto",
-        "auto, or int8 rows with a scale each (kv-cache.md).",
-        choice({"auto": "auto", "int8": "int8"}),
+        "auto, int8, or fp8_e4m3 (vLLM's fp8); see kv-cache.md.",
+        choice({"auto": "auto", "int8": "int8", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3"}),
     )
 
 

@@ -21,6 +21,7 @@ VLLM_ENGINE_KEYS: dict[str, str] = {
     "enable_chunked_prefill": "engine.enable_chunked_context",
     "tokenizer": "model.tokenizer",
     "block_size": "kv_cache.tokens_per_block",
+    "kv_cache_dtype": "kv_cache.dtype",  # auto, fp8 and fp8_e4m3 as vLLM reads them; bm's int8 too
 }
 # The booleans among them: on the command line a switch (--enable-prefix-caching / --no-enable-prefix-caching).
 VLLM_SWITCHES: tuple[str, ...] = ("enable_prefix_caching", "enable_chunked_prefill")
@@ -54,13 +55,6 @@ VLLM_UNSUPPORTED: dict[str, NotInBm] = {
         "choose the precision with dtype= (model.dtype)",
         "choose the precision with --dtype (model.dtype)",
         (None,),
-    ),
-    "kv_cache_dtype": NotInBm(
-        "bm's KV cache holds the model's KV dtype or int8 rows with a scale each (kv_cache.dtype); "
-        "vLLM's fp8 caches are not built in bm yet",
-        "for a quantized cache give kv_cache={'dtype': 'int8'}",
-        "for a quantized cache give --set kv_cache.dtype=int8",
-        ("auto",),
     ),
     "trust_remote_code": NotInBm(
         "bm builds models from transformers' own classes and runs no code from a checkpoint",

@@ -26,7 +26,7 @@ from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fused_projections import fuse_projections, should_fuse_projections
 from bm.runtime.fusion import fuse_elementwise, should_fuse
-from bm.runtime.kv_quant import row_bytes
+from bm.runtime.kv_quant import checkpoint_kv_scales, row_bytes
 from bm.runtime.model_families import adapt_attention_modules
 from bm.runtime.native import bf16_gemm_kernel, kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
@@ -72,6 +72,8 @@ class LoadedModel:
     warmup: str = "auto"
     # model.yield_cores: auto, on, off (fewer CPU threads while other processes hold cores)
     yield_cores: str = "auto"
+    # per layer, the fp8 KV cache's key and value scales the checkpoint carries (bm.runtime.kv_quant)
+    kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)
     # seconds load_model took (start-up, reported apart from a run's measured time)
     load_seconds: float | None = None
     # the executor engines over this model take in turn (bm.runtime.executor.executor_for); a copy made
@@ -96,7 +98,7 @@ class LoadedModel:
 
     def kv_cache_bytes_per_token(self, cache_dtype: str) -> int:
         """Keys and values of one token across all layers as a cache of ``kv_cache.dtype`` stores them
-        (int8: each row's values and its scale, bm.runtime.kv_quant)."""
+        (int8: each row's values and its scale; fp8_e4m3: a byte a value; bm.runtime.kv_quant)."""
         return sum(
             2 * heads * row_bytes(dim, self.kv_dtype, cache_dtype) for heads, dim in self.kv_shapes.values()
         )
@@ -175,6 +177,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     loaded.cuda_graphs = cfg.cuda_graphs
     loaded.warmup = cfg.warmup
     loaded.yield_cores = cfg.yield_cores
+    if cfg.path:
+        loaded.kv_scales = checkpoint_kv_scales(Path(cfg.path))
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 

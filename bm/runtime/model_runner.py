@@ -66,10 +66,11 @@ class ModelRunner:
         ``sink_token_length`` positions; blocks wholly outside every layer's window may be gone
         (``NO_BLOCK`` in tables). ``window_pools``: windows whose layers keep blocks in a pool of their
         own (window -> its blocks); work items then carry ``window_block_ids`` for them.
-        ``cache_dtype``: ``kv_cache.dtype`` (auto: the model's KV dtype; int8: bm.runtime.kv_quant rows)."""
-        if cache_dtype == "int8" and (loaded.device.type != "cpu" or loaded.kv_dtype != torch.float32):
+        ``cache_dtype``: ``kv_cache.dtype`` (auto: the model's KV dtype; int8 or fp8_e4m3:
+        bm.runtime.kv_quant rows)."""
+        if cache_dtype != "auto" and (loaded.device.type != "cpu" or loaded.kv_dtype != torch.float32):
             raise ValueError(
-                f"kv_cache.dtype: int8 is read by the CPU's float32 attention only so far, and this model "
+                f"kv_cache.dtype: {cache_dtype} is read by the CPU's float32 attention only so far, and this model "
                 f"runs {loaded.kv_dtype} on {loaded.device}; keep kv_cache.dtype: auto there"
             )
         num_layers = max(loaded.kv_shapes) + 1

@@ -76,7 +76,7 @@ class CostModel:
         not off); it matters only on a row measured with graphs (cuda-local), whose decode steps larger
         than its largest graph, or all of them without graphs, are then priced as eager forwards.
         ``overlap``: the host's per-iteration time hides behind the device's (see the module's doc).
-        ``kv_cache_dtype``: ``kv_cache.dtype`` (int8: a quarter of the KV bytes of float32, read and
+        ``kv_cache_dtype``: ``kv_cache.dtype`` (int8 and fp8_e4m3: about a quarter of the KV bytes of float32, read and
         held)."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")

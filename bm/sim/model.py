@@ -96,6 +96,9 @@ class ModelShape:
 
     def kv_bytes_per_token(self, dtype_bytes: int, cache_dtype: str = "auto") -> int:
         """K and V of every layer for one token: ``dtype_bytes`` an element, or with ``kv_cache.dtype:
-        int8`` one byte an element and a four-byte scale a row (bm.runtime.kv_quant's layout)."""
-        row = self.head_dim + 4 if cache_dtype == "int8" else self.head_dim * dtype_bytes
+        int8`` one byte an element and a four-byte scale a row, with ``fp8_e4m3`` one byte an element
+        (bm.runtime.kv_quant's layouts)."""
+        row = {"int8": self.head_dim + 4, "fp8_e4m3": self.head_dim}.get(
+            cache_dtype, self.head_dim * dtype_bytes
+        )
         return 2 * self.num_layers * self.num_kv_heads * row

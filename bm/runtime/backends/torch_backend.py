@@ -29,7 +29,14 @@ from bm.runtime.backends.torch_layout import (
     rows_in_pool,
 )
 from bm.runtime.backends.torch_ops import decode, prefill
-from bm.runtime.kv_quant import dequantize_rows, is_quantized, quantize_rows
+from bm.runtime.kv_quant import (
+    NO_SCALES,
+    as_bytes,
+    cache_format,
+    dequantize_rows,
+    is_quantized,
+    quantize_rows,
+)
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.native import PagedDecodeKernel, paged_decode_kernel
 
@@ -48,7 +55,9 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
         loaded, bs = setup.loaded, setup.tokens_per_block
-        self.kv_dtype = loaded.kv_dtype  # what attention computes in (an int8 cache's rows widen to it)
+        self.kv_dtype = loaded.kv_dtype  # what attention computes in (a quantized cache's rows widen to it)
+        # an fp8 cache's per-layer key and value scales: the checkpoint's, else 1.0 (bm.runtime.kv_quant)
+        self.kv_scales = {layer: loaded.kv_scales.get(layer, NO_SCALES) for layer in loaded.kv_shapes}
         # keys and values of the largest decode group, gathered side by side
         widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
         group_tokens = max(DECODE_GROUP_TOKENS, cdiv(setup.max_seq_len, bs) * bs)
@@ -109,18 +118,23 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
     def forward_layer(self, metadata: TorchMetadata, call: LayerCall) -> torch.Tensor:
         """Store and attend in the KV dtype: a bfloat16 model's cache on the CPU is bfloat16 where the
         AVX-512 attention kernels read it, else float32 (LoadedModel.kv_dtype); where it differs from
-        the model's, the call's tensors are converted once here, for both. An int8 cache
-        (``kv_cache.dtype: int8``) stores each row quantized, and the layer then attends the call's own
-        keys and values as the cache gives them back too, so a token's attention reads the same values
-        whether its keys came from this chunk or from the cache (results do not depend on chunking)."""
+        the model's, the call's tensors are converted once here, for both. A quantized cache
+        (``kv_cache.dtype: int8 | fp8_e4m3``) stores each row quantized, and the layer then attends the
+        call's own keys and values as the cache gives them back too, so a token's attention reads the
+        same values whether its keys came from this chunk or from the cache (results do not depend on
+        chunking)."""
         dtype = self.kv_dtype
         if dtype != call.query.dtype:
             call.query, call.key, call.value = call.query.to(dtype), call.key.to(dtype), call.value.to(dtype)
         cache = self.kv_caches[call.layer]
         if is_quantized(cache):
-            keys, values = quantize_rows(call.key), quantize_rows(call.value)
+            form, (k_scale, v_scale) = cache_format(cache), self.kv_scales[call.layer]
+            keys, values = quantize_rows(call.key, form, k_scale), quantize_rows(call.value, form, v_scale)
             _copy_rows(cache, metadata.for_layer(call.layer).slot_mapping, keys, values)
-            call.key, call.value = dequantize_rows(keys, dtype), dequantize_rows(values, dtype)
+            call.key, call.value = (
+                dequantize_rows(keys, dtype, k_scale),
+                dequantize_rows(values, dtype, v_scale),
+            )
         else:
             self.store_kv(metadata, call.layer, call.key, call.value)
         return self.attend(metadata, call)
@@ -137,20 +151,22 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         meta = metadata.for_layer(call.layer)
         cache = self.kv_caches[call.layer]
         query, scaling, extras = call.query, call.scaling, call.extras
+        scales = self.kv_scales[call.layer]
         num_heads, num_tokens, head_dim = query.shape
         out = query.new_empty(num_tokens, num_heads, head_dim)
         for seg in meta.prefill:
-            prefill(out, call, cache, seg)
+            prefill(out, call, cache, seg, scales)
         for group in meta.decode_groups:
-            decode(out, query, cache, group, scaling, self.scratch, extras)
+            decode(out, query, cache, group, scaling, self.scratch, extras, scales)
         if meta.native_decode is not None:
-            self.native_decode(out, query, cache, meta.native_decode, scaling, extras)
+            self.native_decode(out, query, cache, meta.native_decode, scaling, extras, scales)
         return out
 
 
 def _copy_rows(cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Rows ``key`` and ``value`` [kv_heads, T, width] into ``cache``'s flat slots ``slots`` [T]."""
+    """Rows ``key`` and ``value`` [kv_heads, T, width] into ``cache``'s flat slots ``slots`` [T] (fp8
+    rows as their bytes: torch copies no float8 by index on the CPU)."""
     kv_heads, num_blocks, block_size, width = cache.shape[1:]
-    flat = cache.view(2, kv_heads, num_blocks * block_size, width)
-    flat[0].index_copy_(1, slots, key)
-    flat[1].index_copy_(1, slots, value)
+    flat = as_bytes(cache).view(2, kv_heads, num_blocks * block_size, width)
+    flat[0].index_copy_(1, slots, as_bytes(key))
+    flat[1].index_copy_(1, slots, as_bytes(value))

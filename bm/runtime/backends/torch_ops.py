@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from bm.runtime.attention import NO_EXTRAS, LayerCall, LayerExtras
 from bm.runtime.backends.torch_layout import DecodeGroup, PrefillSegment
-from bm.runtime.kv_quant import cache_head_dim, dequantize_rows, is_quantized
+from bm.runtime.kv_quant import NO_SCALES, cache_head_dim, dequantize_rows, is_quantized
 from bm.runtime.native import PrefillAttentionKernel, prefill_attention_kernel
 
 
@@ -53,20 +53,26 @@ def _scores_attention(
     return torch.matmul(probs, v.unsqueeze(2))
 
 
-def prefill(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: PrefillSegment) -> None:
+def prefill(
+    out: torch.Tensor,
+    call: LayerCall,
+    cache: torch.Tensor,
+    seg: PrefillSegment,
+    kv_scales: tuple[float, float] = NO_SCALES,
+) -> None:
     """One prefill run's attention into ``out[seg.start:seg.end]``: the compiled causal kernel where it
     computes exactly this run's, else SDPA; with soft-capping, ALiBi or sink logits, the scores written
-    out."""
+    out. ``kv_scales``: an fp8 cache's key and value scales (bm.runtime.kv_quant)."""
     q, k, v, scaling = call.query, call.key, call.value, call.scaling
     if call.extras:
-        _prefill_scores(out, call, cache, seg)
+        _prefill_scores(out, call, cache, seg, kv_scales)
         return
     table, blocks = seg.block_ids, cache
     if table is not None and is_quantized(cache):
-        # An int8 cache: the run's blocks widened into a float32 cache of their own, read by the float32
-        # kernel in order, so a chunk after a cached prefix sums exactly as the whole prompt did (whose
-        # keys, the call's own, were widened from the same rows in forward_layer).
-        blocks = dequantize_rows(cache.index_select(2, table), q.dtype)
+        # A quantized cache: the run's blocks widened into a float32 cache of their own, read by the
+        # float32 kernel in order, so a chunk after a cached prefix sums exactly as the whole prompt did
+        # (whose keys, the call's own, were widened from the same rows in forward_layer).
+        blocks = dequantize_rows(cache.index_select(2, table), q.dtype, _pair(kv_scales))
         table = torch.arange(table.numel(), dtype=table.dtype, device=table.device)
     kernel = _native_prefill(q, blocks, seg)
     if kernel is not None:
@@ -83,20 +89,27 @@ def prefill(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: Prefil
                 qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True
             )
     else:
-        kv = _gathered(cache, seg, q.dtype)
+        kv = _gathered(cache, seg, q.dtype, kv_scales)
         res = F.scaled_dot_product_attention(
             qs, kv[0][None], kv[1][None], attn_mask=seg.mask, scale=scaling, enable_gqa=True
         )
     out[seg.start : seg.end] = res[0].transpose(0, 1)
 
 
-def _gathered(cache: torch.Tensor, seg: PrefillSegment, dtype: torch.dtype) -> torch.Tensor:
+def _pair(kv_scales: tuple[float, float]) -> torch.Tensor:
+    """An fp8 cache's key and value scales as a tensor that scales a gathered ``[2, ...]`` pair."""
+    return torch.tensor(kv_scales, dtype=torch.float32).view(2, 1, 1, 1, 1)
+
+
+def _gathered(
+    cache: torch.Tensor, seg: PrefillSegment, dtype: torch.dtype, kv_scales: tuple[float, float]
+) -> torch.Tensor:
     """The keys and values ``[2, kv_heads, keys, d]`` a run after a cached prefix reads: its blocks
-    gathered from the cache (an int8 cache's rows widened to ``dtype``), cut to the mask's keys."""
+    gathered from the cache (a quantized cache's rows widened to ``dtype``), cut to the mask's keys."""
     kv_heads, head_dim = cache.shape[1], cache_head_dim(cache)
     blocks = cache.index_select(2, seg.block_ids)
     if is_quantized(cache):
-        blocks = dequantize_rows(blocks, dtype)
+        blocks = dequantize_rows(blocks, dtype, _pair(kv_scales))
     return blocks.view(2, kv_heads, -1, head_dim)[:, :, : seg.mask.shape[-1]]
 
 
@@ -131,7 +144,13 @@ def _native_prefill(
     return kernel
 
 
-def _prefill_scores(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg: PrefillSegment) -> None:
+def _prefill_scores(
+    out: torch.Tensor,
+    call: LayerCall,
+    cache: torch.Tensor,
+    seg: PrefillSegment,
+    kv_scales: tuple[float, float],
+) -> None:
     q, k, v = call.query, call.key, call.value
     kv_heads, head_dim = cache.shape[1], cache_head_dim(cache)
     length = seg.end - seg.start
@@ -142,7 +161,7 @@ def _prefill_scores(out: torch.Tensor, call: LayerCall, cache: torch.Tensor, seg
         key_pos = query_pos
         allowed = seg.mask if seg.mask is not None else key_pos[None, :] <= query_pos[:, None]
     else:
-        ks, vs = _gathered(cache, seg, q.dtype)
+        ks, vs = _gathered(cache, seg, q.dtype, kv_scales)
         key_pos = seg.key_pos if seg.key_pos is not None else torch.arange(ks.shape[1], device=dev)
         allowed = seg.mask
     qg = q[:, seg.start : seg.end].reshape(kv_heads, -1, length, head_dim)[:, None]  # [kvh, 1, g, L, d]
@@ -160,9 +179,11 @@ def decode(
     scaling: float,
     scratch: torch.Tensor | None,
     extra: LayerExtras = NO_EXTRAS,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> None:
     """One decode group's attention into its rows of ``out``: the group's blocks gathered (into
-    ``scratch`` where it is large enough) and attended in one fused SDPA call."""
+    ``scratch`` where it is large enough) and attended in one fused SDPA call. ``kv_scales``: an fp8
+    cache's key and value scales."""
     kv_heads, _, block_size = cache.shape[1:4]
     head_dim, quantized = cache_head_dim(cache), is_quantized(cache)
     num_heads = q.shape[0]
@@ -182,8 +203,9 @@ def decode(
     values = torch.index_select(
         cache[1], 1, group.block_ids, out=scratch[numel : 2 * numel].view(shape) if use_scratch else None
     )
-    if quantized:  # an int8 cache's rows, widened to the query's dtype
-        keys, values = dequantize_rows(keys, q.dtype), dequantize_rows(values, q.dtype)
+    if quantized:  # a quantized cache's rows, widened to the query's dtype
+        keys = dequantize_rows(keys, q.dtype, kv_scales[0])
+        values = dequantize_rows(values, q.dtype, kv_scales[1])
     if extra:
         key_pos = group.key_pos
         if key_pos is None:

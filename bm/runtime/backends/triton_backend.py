@@ -27,6 +27,7 @@ from bm.runtime.backends.base import (
     PerLayer,
     all_kept_rows,
 )
+from bm.runtime.kv_quant import cache_format, is_quantized
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.triton import triton_available
 from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
@@ -54,10 +55,11 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
-        if any(c is not None and c.dtype == torch.int8 for c in self.kv_caches):
+        quantized = [cache_format(c) for c in self.kv_caches if c is not None and is_quantized(c)]
+        if quantized:
             raise ValueError(
-                "kv_cache.dtype: int8 is read by the torch attention backend only so far, not by Triton's "
-                "kernels; keep kv_cache.dtype: auto with BM_ATTENTION=triton"
+                f"kv_cache.dtype: {quantized[0]} is read by the torch attention backend only so far, not by "
+                "Triton's kernels; keep kv_cache.dtype: auto with BM_ATTENTION=triton"
             )
         self.builder = BatchBuilder(self.device, self.tokens_per_block)
         self._run_model = setup.run_model

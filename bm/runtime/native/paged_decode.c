@@ -31,45 +31,70 @@
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_exp16 */
 #include "bf16.h"
 
-/* Keys and values are float32 (kvt 0), bf16 (kvt 1: AVX-512 builds only, bm_paged_decode_bf16) or int8
-   rows with a scale each (kvt 2: bm_paged_decode_i8). Every function below that reads them takes the
-   flag as a compile-time constant (always_inline, or one copy per dtype), so the float32 code is what it
-   was, and the bf16 and int8 code is the same code with each key or value widened to float32 in a
-   register as it is loaded (an int8 one times its row's scale): the same operations in the same order on
-   the same float32 values. So a bf16 or int8 cache gives exactly the float32 kernel's results on its
-   widened keys and values (tests/test_bf16_kv_cache.py and tests/test_kv_int8.py pin it), reading half
-   or about a quarter of the bytes. */
-#define KV_ESZ(kvt) ((kvt) == 1 ? 2 : (kvt) == 2 ? 1 : 4) /* bytes per element */
+/* Keys and values are float32 (kvt 0), bf16 (kvt 1: AVX-512 builds only, bm_paged_decode_bf16), int8
+   rows with a scale each (kvt 2: bm_paged_decode_i8) or float8 e4m3 at a scale per layer for keys and
+   one for values (kvt 3: bm_paged_decode_f8). Every function below that reads them takes the flag as a
+   compile-time constant (always_inline, or one copy per dtype), so the float32 code is what it was, and
+   the other dtypes' code is the same code with each key or value widened to float32 in a register as it
+   is loaded (an int8 or fp8 one times its scale): the same operations in the same order on the same
+   float32 values. So a bf16, int8 or fp8 cache gives exactly the float32 kernel's results on its widened
+   keys and values (tests/test_bf16_kv_cache.py and tests/test_kv_quant.py pin it), reading half or
+   about a quarter of the bytes. */
+#define KV_ESZ(kvt) ((kvt) == 1 ? 2 : (kvt) >= 2 ? 1 : 4) /* bytes per element */
 #define KV_AT(p, n, kvt) ((const void *)((const char *)(p) + (int64_t)(n) * KV_ESZ(kvt)))
-/* An int8 cache's element as a float, before its row's scale (widen_row, KV8S and KV16S apply it). */
-#define KV1(p, n, kvt) ((kvt) == 1 ? bf16_to_f32(((const uint16_t *)(p))[n]) : (kvt) == 2 ? (float)((const int8_t *)(p))[n] : ((const float *)(p))[n])
+
+/* A float8 e4m3fn value (bias 7, no infinities, S.1111.111 NaN) as float32: exact. A normal one's
+   exponent and mantissa bits move into float32's with the bias raised by 120; a subnormal one is its
+   mantissa times 2^-9. The same value torch's .to(torch.float32) gives. */
+static inline float fp8_to_f32(uint8_t b) {
+    const uint32_t em = b & 0x7fu;
+    union { uint32_t u; float f; } v = { .u = (em << 20) + (120u << 23) };
+    float x = em == 0x7fu ? NAN : em < 8u ? (float)em * 0x1p-9f : v.f;
+    return b & 0x80u ? -x : x;
+}
+/* A quantized cache's element as a float, before its scale (widen_row, KV8S and KV16S apply it). */
+#define KV1(p, n, kvt) ((kvt) == 1 ? bf16_to_f32(((const uint16_t *)(p))[n]) : (kvt) == 2 ? (float)((const int8_t *)(p))[n] : (kvt) == 3 ? fp8_to_f32(((const uint8_t *)(p))[n]) : ((const float *)(p))[n])
 /* Elements of a row, and where the next row starts: an int8 row's d values are followed by its float32
    scale, so rows are d + 4 bytes apart; float32 and bf16 rows are d elements apart. */
 #define KV_ROW(d, kvt) ((kvt) == 2 ? (d) + 4 : (d))
-/* The scale of the int8 row starting at `row` (d values, then the scale). */
-static inline float row_scale(const void *row, int64_t d) {
+/* The scale of the quantized row starting at `row`: an int8 row's own (d values, then the scale), an
+   fp8 row's layer's `ts` (the layer's key or value scale). */
+static inline __attribute__((always_inline)) float row_scale(const void *row, int64_t d, const int kvt, float ts) {
+    if (kvt == 3) return ts;
     float s;
     memcpy(&s, (const char *)row + d, sizeof s);
     return s;
 }
-/* An int8 row's d values times its scale, into dst: the row as the float32 kernel would read it from
-   the dequantized cache. The scalar loops widen a row first and then run the float32 code on it, so
-   the compiler vectorizes their sums as it does the float32 kernel's (the same order, the same bits). */
-static inline void widen_row(float *dst, const void *row, int64_t d) {
-    const float sc = row_scale(row, d);
-    for (int64_t i = 0; i < d; i++) dst[i] = (float)((const int8_t *)row)[i] * sc;
+/* A quantized row's d values times its scale, into dst: the row as the float32 kernel would read it
+   from the dequantized cache. The scalar loops widen a row first and then run the float32 code on it,
+   so the compiler vectorizes their sums as it does the float32 kernel's (the same order, the same bits). */
+static inline __attribute__((always_inline)) void widen_row(float *dst, const void *row, int64_t d, const int kvt, float ts) {
+    const float sc = row_scale(row, d, kvt, ts);
+    for (int64_t i = 0; i < d; i++) dst[i] = KV1(row, i, kvt) * sc;
 }
 
 #if BM_HAVE_AVX2
 #define I8X8(p, n) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)(p) + (n)))))
-#define KV8(p, n, kvt) ((kvt) == 1 ? bf16x8_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X8(p, n) : _mm256_loadu_ps((const float *)(p) + (n)))
-#define KV8S(p, n, kvt, sv) ((kvt) == 2 ? _mm256_mul_ps(KV8(p, n, kvt), sv) : KV8(p, n, kvt))
+/* Eight fp8 values widened as fp8_to_f32 does, lane by lane. */
+static inline __m256 fp8x8_load(const void *p) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
+    __m256 x = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+    x = _mm256_blendv_ps(x, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(x, _mm256_castsi256_ps(sign));
+}
+#define KV8(p, n, kvt) ((kvt) == 1 ? bf16x8_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X8(p, n) : (kvt) == 3 ? fp8x8_load((const uint8_t *)(p) + (n)) : _mm256_loadu_ps((const float *)(p) + (n)))
+#define KV8S(p, n, kvt, sv) ((kvt) >= 2 ? _mm256_mul_ps(KV8(p, n, kvt), sv) : KV8(p, n, kvt))
 
 /* Eight dot products q . k[r] (r = 0..7, rows d floats apart), returned as one vector. */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t d, const int kvt) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t d, const int kvt,
+                                                         float ts) {
     const int64_t rs = KV_ROW(d, kvt);
     __m256 s[8];
-    for (int r = 0; r < 8; r++) s[r] = kvt == 2 ? _mm256_set1_ps(row_scale(KV_AT(k, r * rs, kvt), d)) : _mm256_setzero_ps();
+    for (int r = 0; r < 8; r++) s[r] = kvt >= 2 ? _mm256_set1_ps(row_scale(KV_AT(k, r * rs, kvt), d, kvt, ts)) : _mm256_setzero_ps();
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
@@ -92,8 +117,18 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
 #if BM_HAVE_AVX512 && defined(__AVX512DQ__)
 #define BM_DECODE_AVX512 1
 #define I8X16(p, n) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)(p) + (n)))))
-#define KV16(p, n, kvt) ((kvt) == 1 ? bf16x16_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X16(p, n) : _mm512_loadu_ps((const float *)(p) + (n)))
-#define KV16S(p, n, kvt, sv) ((kvt) == 2 ? _mm512_mul_ps(KV16(p, n, kvt), sv) : KV16(p, n, kvt))
+/* Sixteen fp8 values widened as fp8_to_f32 does, lane by lane. */
+static inline __m512 fp8x16_load(const void *p) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    __m512 x = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+    x = _mm512_mask_mul_ps(x, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), _mm512_cvtepi32_ps(em), _mm512_set1_ps(0x1p-9f));
+    x = _mm512_mask_mov_ps(x, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+#define KV16(p, n, kvt) ((kvt) == 1 ? bf16x16_load((const uint16_t *)(p) + (n)) : (kvt) == 2 ? I8X16(p, n) : (kvt) == 3 ? fp8x16_load((const uint8_t *)(p) + (n)) : _mm512_loadu_ps((const float *)(p) + (n)))
+#define KV16S(p, n, kvt, sv) ((kvt) >= 2 ? _mm512_mul_ps(KV16(p, n, kvt), sv) : KV16(p, n, kvt))
 /* For head sizes that are a multiple of 16: eight keys' sums of sixteen lanes each, folded to eight lanes,
    then the same reduction as dot8. */
 static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a) {
@@ -110,10 +145,11 @@ static inline __attribute__((always_inline)) __m256 reduce8_512(const __m512 *a)
    is now loaded once for all H heads instead of once per head. */
 static inline __attribute__((always_inline)) void score8_heads(const float *q0, int64_t qsh, const void *k,
                                                                int64_t d, const int H, float *out,
-                                                               int64_t ostride, float scale, const int kvt) {
+                                                               int64_t ostride, float scale, const int kvt,
+                                                               float ts) {
     const int64_t rs = KV_ROW(d, kvt);
     __m512 a[3][8], s[8];
-    for (int r = 0; r < 8; r++) s[r] = kvt == 2 ? _mm512_set1_ps(row_scale(KV_AT(k, r * rs, kvt), d)) : _mm512_setzero_ps();
+    for (int r = 0; r < 8; r++) s[r] = kvt >= 2 ? _mm512_set1_ps(row_scale(KV_AT(k, r * rs, kvt), d, kvt, ts)) : _mm512_setzero_ps();
     for (int h = 0; h < H; h++)
         for (int r = 0; r < 8; r++) a[h][r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
@@ -131,15 +167,16 @@ static inline __attribute__((always_inline)) void score8_heads(const float *q0, 
 /* score8_heads for every query head of a kv head, three at a time; one copy per dtype. */
 #define BM_SCORE8_ALL(name, kvt)                                                                          \
     static void name(const float *q0, int64_t qsh, const void *k, int64_t d, int64_t g, float *out,       \
-                     int64_t ostride, float scale) {                                                       \
+                     int64_t ostride, float scale, float ts) {                                             \
         int64_t h = 0;                                                                                     \
-        for (; h + 3 <= g; h += 3) score8_heads(q0 + h * qsh, qsh, k, d, 3, out + h * ostride, ostride, scale, kvt); \
-        if (g - h == 2) score8_heads(q0 + h * qsh, qsh, k, d, 2, out + h * ostride, ostride, scale, kvt); \
-        if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale, kvt); \
+        for (; h + 3 <= g; h += 3) score8_heads(q0 + h * qsh, qsh, k, d, 3, out + h * ostride, ostride, scale, kvt, ts); \
+        if (g - h == 2) score8_heads(q0 + h * qsh, qsh, k, d, 2, out + h * ostride, ostride, scale, kvt, ts); \
+        if (g - h == 1) score8_heads(q0 + h * qsh, qsh, k, d, 1, out + h * ostride, ostride, scale, kvt, ts); \
     }
 BM_SCORE8_ALL(score8_all, 0)
 BM_SCORE8_ALL(score8_all_bf16, 1)
 BM_SCORE8_ALL(score8_all_i8, 2)
+BM_SCORE8_ALL(score8_all_f8, 3)
 #else
 #define BM_DECODE_AVX512 0
 #endif
@@ -159,7 +196,9 @@ typedef struct {
     int64_t first, last; /* work items [first, last) of this thread */
     int status;
     int kvt; /* 0: float32 throughout; 1: q, k, v and out are bf16 (bm_paged_decode_bf16); 2: k and v are
-                int8 rows, each d values then its float32 scale, q and out float32 (bm_paged_decode_i8) */
+                int8 rows, each d values then its float32 scale, q and out float32 (bm_paged_decode_i8);
+                3: k and v are fp8 e4m3 rows, q and out float32 (bm_paged_decode_f8) */
+    float k_scale, v_scale; /* kvt 3: the layer's key and value scales */
 } job_t;
 
 /* Ask for `floats` floats from `p` on into the cache, one request per 64-byte line. */
@@ -200,7 +239,7 @@ typedef __m256 vt_t;
 static inline __attribute__((always_inline)) void v_tile(float *acc, const float *w, int64_t wstride,
                                                          const void *vb, const void *rows, int64_t o0,
                                                          int64_t n, int64_t d, const int H, const int C,
-                                                         const int kvt) {
+                                                         const int kvt, float ts) {
     const int64_t rs = KV_ROW(d, kvt);
     vt_t r[BM_VT_MAXH][4];
     for (int h = 0; h < H; h++)
@@ -208,8 +247,8 @@ static inline __attribute__((always_inline)) void v_tile(float *acc, const float
     for (int64_t o = o0; o < n; o++) {
         vt_t v[4];
         for (int c = 0; c < C; c++) v[c] = vt_load_kv(vb, o * rs + c * BM_VT_LANES, kvt);
-        if (kvt == 2) { /* an int8 row: each value times the row's scale, as torch's dequantization */
-            const vt_t sv = vt_set1(row_scale(KV_AT(rows, o * rs, kvt), d));
+        if (kvt >= 2) { /* a quantized row: each value times its scale, as torch's dequantization */
+            const vt_t sv = vt_set1(row_scale(KV_AT(rows, o * rs, kvt), d, kvt, ts));
             for (int c = 0; c < C; c++) v[c] = vt_mul(v[c], sv);
         }
         for (int h = 0; h < H; h++) {
@@ -224,10 +263,10 @@ static inline __attribute__((always_inline)) void v_tile(float *acc, const float
 #define BM_VT_CASE_C(H)                                                   \
     case H:                                                               \
         switch (nc) {                                                     \
-        case 1: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 1, kvt); break; \
-        case 2: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 2, kvt); break; \
-        case 3: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 3, kvt); break; \
-        default: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 4, kvt); break; \
+        case 1: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 1, kvt, ts); break; \
+        case 2: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 2, kvt, ts); break; \
+        case 3: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 3, kvt, ts); break; \
+        default: v_tile(acc, w, wstride, vb, rows, o0, n, d, H, 4, kvt, ts); break; \
         }                                                                 \
         break;
 
@@ -235,7 +274,8 @@ static inline __attribute__((always_inline)) void v_tile(float *acc, const float
    copy per dtype (v_tile_any, v_tile_any_bf16). */
 static inline __attribute__((always_inline)) void v_tile_kv(float *acc, const float *w, int64_t wstride,
                                                             const void *vb, const void *rows, int64_t o0,
-                                                            int64_t n, int64_t d, int nh, int nc, const int kvt) {
+                                                            int64_t n, int64_t d, int nh, int nc, const int kvt,
+                                                            float ts) {
     switch (nh) {
         BM_VT_CASE_C(1)
 #if BM_VT_MAXH >= 2
@@ -250,19 +290,17 @@ static inline __attribute__((always_inline)) void v_tile_kv(float *acc, const fl
     }
 }
 
-static void v_tile_any(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,
-                       int64_t o0, int64_t n, int64_t d, int nh, int nc) {
-    v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, 0);
-}
-static void v_tile_any_i8(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,
-                          int64_t o0, int64_t n, int64_t d, int nh, int nc) {
-    v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, 2);
-}
+/* One copy per dtype; `ts`: an fp8 cache's value scale. */
+#define BM_V_TILE_ANY(name, kvt)                                                                         \
+    static void name(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,     \
+                     int64_t o0, int64_t n, int64_t d, int nh, int nc, float ts) {                      \
+        v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, kvt, ts);                                 \
+    }
+BM_V_TILE_ANY(v_tile_any, 0)
+BM_V_TILE_ANY(v_tile_any_i8, 2)
+BM_V_TILE_ANY(v_tile_any_f8, 3)
 #if BM_DECODE_AVX512
-static void v_tile_any_bf16(float *acc, const float *w, int64_t wstride, const void *vb, const void *rows,
-                            int64_t o0, int64_t n, int64_t d, int nh, int nc) {
-    v_tile_kv(acc, w, wstride, vb, rows, o0, n, d, nh, nc, 1);
-}
+BM_V_TILE_ANY(v_tile_any_bf16, 1)
 #endif
 #endif
 
@@ -270,7 +308,7 @@ static void v_tile_any_bf16(float *acc, const float *w, int64_t wstride, const v
    (sb = the block's first key's scores), heads h < g. */
 static inline __attribute__((always_inline)) void accumulate_v(float *acc, const float *sb, int64_t span,
                                                                const void *vb, int64_t o0, int64_t n, int64_t g,
-                                                               int64_t d, float *row, const int kvt) {
+                                                               int64_t d, float *row, const int kvt, float ts) {
 #ifdef BM_VT_LANES
     if (d % BM_VT_LANES == 0) {
         const int64_t vecs = d / BM_VT_LANES;
@@ -281,26 +319,29 @@ static inline __attribute__((always_inline)) void accumulate_v(float *acc, const
 #if BM_DECODE_AVX512
                 if (kvt == 1)
                     v_tile_any_bf16(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
-                                    KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc);
+                                    KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc, ts);
                 else
 #endif
                 if (kvt == 2)
                     v_tile_any_i8(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
-                                  KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc);
+                                  KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc, ts);
+                else if (kvt == 3)
+                    v_tile_any_f8(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
+                                  KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc, ts);
                 else
                     v_tile_any(acc + h0 * d + c0 * BM_VT_LANES, sb + h0 * span, span,
-                               KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc);
+                               KV_AT(vb, c0 * BM_VT_LANES, kvt), vb, o0, n, d, nh, nc, ts);
             }
         return;
     }
 #endif
     for (int64_t o = o0; o < n; o++) {
         const void *vp = KV_AT(vb, o * KV_ROW(d, kvt), kvt);
-        if (kvt == 2) widen_row(row, vp, d); /* `row`: d floats of scratch */
+        if (kvt >= 2) widen_row(row, vp, d, kvt, ts); /* `row`: d floats of scratch */
         for (int64_t h = 0; h < g; h++) {
             const float w = sb[h * span + o];
             float *ah = acc + h * d;
-            if (kvt == 2)
+            if (kvt >= 2)
                 for (int64_t i = 0; i < d; i++) ah[i] += w * row[i];
             else
                 for (int64_t i = 0; i < d; i++) ah[i] += w * KV1(vp, i, kvt);
@@ -377,11 +418,13 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
 #if BM_DECODE_AVX512
         if (d % 16 == 0) {
             if (kvt == 1)
-                for (; o + 8 <= n; o += 8) score8_all_bf16(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale);
+                for (; o + 8 <= n; o += 8) score8_all_bf16(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale, a->k_scale);
             else if (kvt == 2)
-                for (; o + 8 <= n; o += 8) score8_all_i8(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale);
+                for (; o + 8 <= n; o += 8) score8_all_i8(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale, a->k_scale);
+            else if (kvt == 3)
+                for (; o + 8 <= n; o += 8) score8_all_f8(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale, a->k_scale);
             else
-                for (; o + 8 <= n; o += 8) score8_all(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale);
+                for (; o + 8 <= n; o += 8) score8_all(q0, qsh, KV_AT(kb, o * rs, kvt), d, g, sb + o, span, a->scale, a->k_scale);
         }
 #endif
 #if BM_HAVE_AVX2
@@ -389,16 +432,16 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
             for (; o + 8 <= n; o += 8)
                 for (int64_t h = 0; h < g; h++)
                     _mm256_storeu_ps(sb + h * span + o,
-                                     _mm256_mul_ps(dot8(q0 + h * qsh, KV_AT(kb, o * rs, kvt), d, kvt),
+                                     _mm256_mul_ps(dot8(q0 + h * qsh, KV_AT(kb, o * rs, kvt), d, kvt, a->k_scale),
                                                    _mm256_set1_ps(a->scale)));
 #endif
         for (; o < n; o++) {
             const void *kp = KV_AT(kb, o * rs, kvt);
-            if (kvt == 2) widen_row(qw, kp, d); /* an int8 row's queries are float32: qw is free */
+            if (kvt >= 2) widen_row(qw, kp, d, kvt, a->k_scale); /* a quantized cache's queries are float32: qw is free */
             for (int64_t h = 0; h < g; h++) {
                 const float *qp = q0 + h * qsh;
                 float s = 0.f;
-                if (kvt == 2)
+                if (kvt >= 2)
                     for (int64_t i = 0; i < d; i++) s += qp[i] * qw[i];
                 else
                     for (int64_t i = 0; i < d; i++) s += qp[i] * KV1(kp, i, kvt);
@@ -458,7 +501,7 @@ static inline __attribute__((always_inline)) void attend_kv(const job_t *a, int6
         const int64_t n = len - j0 < bs ? len - j0 : bs;
         if (j0 + bs < len)
             prefetch_block(KV_AT(vh, table[b + 1] * bs * rs, kvt), KV_FLOATS((len - j0 - bs < bs ? len - j0 - bs : bs) * rs));
-        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d, qw, kvt);
+        accumulate_v(acc, scores - first + j0, span, vb, first > j0 ? first - j0 : 0, n, g, d, qw, kvt, a->v_scale);
     }
 #undef KV_FLOATS
     if (kvt == 1) { /* rounded to nearest even, as torch's .to(torch.bfloat16) of the float32 result */
@@ -478,6 +521,10 @@ static void attend_i8(const job_t *a, int64_t item, float *scores, float *acc, f
     attend_kv(a, item, scores, acc, qw, 2);
 }
 
+static void attend_f8(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
+    attend_kv(a, item, scores, acc, qw, 3);
+}
+
 #if BM_DECODE_AVX512
 static void attend_bf16(const job_t *a, int64_t item, float *scores, float *acc, float *qw) {
     attend_kv(a, item, scores, acc, qw, 1);
@@ -494,6 +541,10 @@ static void attend_item(const job_t *a, int64_t item, float *scores, float *acc,
 #endif
     if (a->kvt == 2) {
         attend_i8(a, item, scores, acc, qw);
+        return;
+    }
+    if (a->kvt == 3) {
+        attend_f8(a, item, scores, acc, qw);
         return;
     }
     attend(a, item, scores, acc, qw);
@@ -558,18 +609,20 @@ static int run_job(const job_t job, int64_t threads) {
 #endif
 }
 
-/* One exported entry per cache dtype: `qt` the queries' and output's element type, `kt` the cache's.
-   Each returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller
+/* One exported entry per cache dtype: `qt` the queries' and output's element type, `kt` the cache's;
+   `k_scale` and `v_scale` are read by the fp8 entry only. Each returns 0 on success, nonzero if a thread's scratch memory could not be allocated (the caller
    must then discard `out`). */
 #define BM_DECODE_ENTRY(name, qt, kt, kvt)                                                                  \
     int name(const qt *q, int64_t q_stride_token, int64_t q_stride_head, const kt *k, const kt *v,         \
              const int64_t *token_index, const int64_t *block_table, const int64_t *lengths, qt *out,      \
              int64_t rows, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t num_blocks,        \
              int64_t block_size, int64_t head_dim, int64_t max_len, float scale, float softcap,            \
-             const float *alibi, int64_t window, const float *sinks, int64_t threads) {                    \
+             const float *alibi, int64_t window, const float *sinks, float k_scale, float v_scale,         \
+             int64_t threads) {                                                                             \
         const job_t job = {q, q_stride_token, q_stride_head, k, v, token_index, block_table, lengths, out,  \
                            rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, max_len,   \
-                           scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, kvt};              \
+                           scale, softcap, alibi, window, sinks, 0, rows * kv_heads, 0, kvt, k_scale,      \
+                           v_scale};                                                                        \
         return run_job(job, threads);                                                                      \
     }
 
@@ -581,6 +634,12 @@ BM_DECODE_ENTRY(bm_paged_decode_f32, float, float, 0)
    everything after is the float32 kernel's: so this gives exactly what bm_paged_decode_f32 gives on the
    dequantized cache, reading about a quarter of its bytes. Every build has it. */
 BM_DECODE_ENTRY(bm_paged_decode_i8, float, int8_t, 2)
+
+/* The same over an fp8 cache (kv_cache.dtype: fp8_e4m3): head_dim float8 e4m3 values a row, the layer's
+   keys scaled by k_scale and its values by v_scale; q and out float32. Each value is widened exactly and
+   multiplied by its scale in a register, the float32 product torch's dequantization makes: exactly
+   bm_paged_decode_f32 on the dequantized cache, reading a quarter of its bytes. Every build has it. */
+BM_DECODE_ENTRY(bm_paged_decode_f8, float, uint8_t, 3)
 
 #if BM_DECODE_AVX512
 /* The same over a bf16 cache, bf16 queries (strides in elements) and a bf16 `out`: keys, values and

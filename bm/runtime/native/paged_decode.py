@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bm.runtime.attention import NO_EXTRAS, LayerExtras
-from bm.runtime.kv_quant import SCALE_BYTES
+from bm.runtime.kv_quant import FP8, NO_SCALES, SCALE_BYTES
 from bm.runtime.native.args import BF16, F32, FLOAT, I64, INT, PTR, bind, fits, pointer, require, unit_stride
 from bm.runtime.native.loader import NativeKernel, load_kernel
 
@@ -40,7 +40,26 @@ class DecodeRows:
             )
 
 
-_ATTEND = (PTR, INT, INT, PTR, PTR, PTR, PTR, PTR, PTR, *[INT] * 8, FLOAT, FLOAT, PTR, INT, PTR, INT)
+_ATTEND = (
+    PTR,
+    INT,
+    INT,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    PTR,
+    *[INT] * 8,
+    FLOAT,
+    FLOAT,
+    PTR,
+    INT,
+    PTR,
+    FLOAT,
+    FLOAT,
+    INT,
+)
 _WRITE = (PTR, INT, INT, PTR, INT, INT, PTR, PTR, PTR, *[INT] * 5)
 
 
@@ -53,8 +72,12 @@ class PagedDecodeKernel(NativeKernel):
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = {F32: bind(lib, "bm_paged_decode_f32", *_ATTEND)}
-        # an int8 cache (kv_cache.dtype: int8, bm.runtime.kv_quant): float32 queries and output
-        self._int8 = bind(lib, "bm_paged_decode_i8", *_ATTEND) if hasattr(lib, "bm_paged_decode_i8") else None
+        # quantized caches (kv_cache.dtype: int8 | fp8_e4m3, bm.runtime.kv_quant): float32 queries and output
+        self._quantized = {
+            dtype: bind(lib, name, *_ATTEND)
+            for dtype, name in ((I8, "bm_paged_decode_i8"), (FP8, "bm_paged_decode_f8"))
+            if hasattr(lib, name)
+        }
         self._write = {F32: bind(lib, "bm_kv_write_f32", *_WRITE)}
         if hasattr(lib, "bm_paged_decode_bf16"):
             self._fn[BF16] = bind(lib, "bm_paged_decode_bf16", *_ATTEND)
@@ -67,8 +90,8 @@ class PagedDecodeKernel(NativeKernel):
         return device.type == "cpu" and dtype in (F32, BF16)
 
     def supports(self, cache: torch.Tensor) -> bool:
-        """Whether this build reads ``cache`` in place (an int8 cache: with float32 queries)."""
-        known = cache.dtype in self._fn or (cache.dtype == I8 and self._int8 is not None)
+        """Whether this build reads ``cache`` in place (a quantized cache: with float32 queries)."""
+        known = cache.dtype in self._fn or cache.dtype in self._quantized
         return cache.device.type == "cpu" and known and cache.is_contiguous()
 
     def write_kv(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -104,21 +127,27 @@ class PagedDecodeKernel(NativeKernel):
         rows: DecodeRows,
         scaling: float,
         extras: LayerExtras = NO_EXTRAS,
+        kv_scales: tuple[float, float] = NO_SCALES,
     ) -> None:
         """``out`` [tokens, heads, d] contiguous; ``q`` [heads, tokens, d]; ``cache`` one layer's
         [2, kv_heads, num_blocks, block_size, d]; ``rows``: which rows of ``q``/``out`` attend which blocks.
         ``extras``: the layer's soft-capping (scores become ``softcap * tanh(score / softcap)``), ALiBi
         slopes ([heads] float32: ``slope * (key - query)`` is added to each score) and sink logits ([heads]
         float32: one more logit per head in the softmax's denominator, gpt-oss). ``q``, ``out`` and
-        ``cache`` are float32, or all bf16 where the build reads bf16 (``dtypes``)."""
+        ``cache`` are float32, or all bf16 where the build reads bf16 (``dtypes``); or ``q`` and ``out``
+        float32 over an int8 or fp8 cache, an fp8 one's keys scaled by ``kv_scales[0]`` and its values
+        by ``kv_scales[1]``."""
         q = unit_stride(q)
         heads, _, head_dim = q.shape
         _, kv_heads, num_blocks, block_size, cache_dim = cache.shape
         alibi, sinks = extras.alibi, extras.sinks
-        if cache.dtype == I8 and self._int8 is not None:  # rows of head_dim values, then their scale
-            fn, cache_dim = self._int8, cache_dim - SCALE_BYTES
+        if cache.dtype in self._quantized:  # int8: rows of head_dim values, then their scale
+            fn, cache_dim = (
+                self._quantized[cache.dtype],
+                cache_dim - (SCALE_BYTES if cache.dtype == I8 else 0),
+            )
             require(_NAME, F32, (q, out), (out,))
-            require(_NAME, I8, (cache,), (cache,))
+            require(_NAME, cache.dtype, (cache,), (cache,))
         else:
             fn = self._fn.get(cache.dtype)
             if fn is None:
@@ -139,7 +168,8 @@ class PagedDecodeKernel(NativeKernel):
             q.data_ptr(), q.stride(1), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
             rows.token_index.data_ptr(), rows.block_table.data_ptr(), rows.lengths.data_ptr(), out.data_ptr(),
             num_rows, max_blocks, heads, kv_heads, num_blocks, block_size, head_dim, rows.max_len,
-            scaling, extras.softcap or 0.0, pointer(alibi), rows.window or 0, pointer(sinks), torch.get_num_threads(),
+            scaling, extras.softcap or 0.0, pointer(alibi), rows.window or 0, pointer(sinks), *kv_scales,
+            torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise MemoryError("paged decode attention: no memory for a thread's scratch buffer")

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""A cache-bound run with the int8 KV cache against the float32 one, in the same bytes of memory.
+"""A cache-bound run with a quantized KV cache against the float32 one, in the same bytes of memory.
 
-    python benchmarks/kv_int8_speed.py [--model-config configs/models/bench-llama-15m.json]
+    python benchmarks/kv_quant_speed.py [--dtype int8|fp8_e4m3] [--model-config configs/models/bench-llama-15m.json]
         [--requests 32] [--prompt-len 128] [--output-len 256] [--fp32-tokens 1024] [--rounds 3]
 
 Every request is submitted at t=0, end tokens never sampled (each runs to its full length), with
-``engine.scheduler_policy: max_utilization``. The float32 cache holds ``--fp32-tokens`` tokens; the int8
-cache gets the same bytes, so it holds as many more tokens as its rows are smaller (68 bytes a row
-instead of 256 at head size 64: 3.8x), and more requests run at once. The two alternate, ``--rounds``
-each, in one process over one loaded model. Prints JSON: output tok/s of every run, the cache's tokens
-and each run's largest batch, and the median int8 / float32 ratio. Progress goes to stderr.
+``engine.scheduler_policy: max_utilization``. The float32 cache holds ``--fp32-tokens`` tokens; the
+quantized cache gets the same bytes, so it holds as many more tokens as its rows are smaller (at head
+size 64: int8's 68 bytes a row instead of 256, 3.8x; fp8's 64, 4x), and more requests run at once. The
+two alternate, ``--rounds`` each, in one process over one loaded model. Prints JSON: output tok/s of
+every run, the cache's tokens and each run's largest batch, and the median quantized / float32 ratio.
+Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(loaded, kv_dtype: str, max_tokens: int, workload) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", choices=("int8", "fp8_e4m3"), default="int8")
     p.add_argument("--model-config", type=Path, default=ROOT / "configs/models/bench-llama-15m.json")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -63,15 +65,18 @@ def main() -> None:
         (torch.randint(3, loaded.vocab_size, (args.prompt_len,), generator=g).tolist(), args.output_len)
         for _ in range(args.requests)
     ]
-    full, int8 = loaded.kv_cache_bytes_per_token("auto"), loaded.kv_cache_bytes_per_token("int8")
-    int8_tokens = args.fp32_tokens * full // int8 // BLOCK * BLOCK  # the same bytes
-    runs: dict[str, list[dict]] = {"auto": [], "int8": []}
+    quantized = args.dtype
+    full, small = loaded.kv_cache_bytes_per_token("auto"), loaded.kv_cache_bytes_per_token(quantized)
+    small_tokens = args.fp32_tokens * full // small // BLOCK * BLOCK  # the same bytes
+    runs: dict[str, list[dict]] = {"auto": [], quantized: []}
     for r in range(args.rounds):
-        for dtype in ("auto", "int8") if r % 2 == 0 else ("int8", "auto"):
-            result = run(loaded, dtype, args.fp32_tokens if dtype == "auto" else int8_tokens, workload)
+        for dtype in ("auto", quantized) if r % 2 == 0 else (quantized, "auto"):
+            result = run(loaded, dtype, args.fp32_tokens if dtype == "auto" else small_tokens, workload)
             log(json.dumps(result))
             runs[dtype].append(result)
-    ratios = [i["output_tok_s"] / a["output_tok_s"] for a, i in zip(runs["auto"], runs["int8"], strict=True)]
+    ratios = [
+        q["output_tok_s"] / a["output_tok_s"] for a, q in zip(runs["auto"], runs[quantized], strict=True)
+    ]
     print(
         json.dumps(
             {
@@ -82,9 +87,9 @@ def main() -> None:
                     "output_len": args.output_len,
                 },
                 "cache_bytes": args.fp32_tokens * full,
-                "kv_bytes_per_token": {"float32": full, "int8": int8},
+                "kv_bytes_per_token": {"float32": full, quantized: small},
                 "runs": runs,
-                "int8_over_float32_per_round": [round(x, 3) for x in ratios],
+                f"{quantized}_over_float32_per_round": [round(x, 3) for x in ratios],
                 "median_ratio": round(statistics.median(ratios), 3),
             },
             indent=1,
