@@ -26,7 +26,7 @@ from bm.runtime.kv_quant import (
     quantize_rows,
     round_trip,
 )
-from bm.runtime.native import paged_decode_kernel
+from bm.runtime.native import paged_decode_kernel, prefill_attention_kernel
 from bm.runtime.native.paged_decode import DecodeRows
 from bm.scheduling import FinishReason
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
@@ -270,6 +270,33 @@ def test_quantized_decode_extras_match_the_float32_kernel_bit_for_bit(
     kernel(want, q, widened, rows, 0.2, extras)
     kernel(got, q, cache, rows, 0.2, extras, KERNEL_SCALES)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 128), (6, 3, 20)])
+@pytest.mark.parametrize(("prefix", "length"), [(1, 2), (37, 1), (70, 66)])
+@pytest.mark.parametrize("vectorize", [True, False])
+@each_isa
+def test_quantized_prefill_is_the_float32_kernel_on_the_dequantized_cache_bit_for_bit(
+    heads, kv_heads, head_dim, prefix, length, vectorize, isa, cache_dtype
+):
+    """A chunk after a cached prefix reads a quantized cache in place, dequantizing rows as it packs
+    them: the float32 prefill kernel's result on the dequantized cache, with no widened copy."""
+    kernel = prefill_attention_kernel(isa)
+    if kernel is None:
+        pytest.skip("bm's C kernels do not build here")
+    g = torch.Generator().manual_seed(prefix * 31 + length + head_dim)
+    lengths = [prefix + length]
+    cache, widened, table = _quantized_paged(cache_dtype, kv_heads, 40, 8, head_dim, lengths, g)
+    table = table[0, : -(-lengths[0] // 8)].contiguous()
+    start, tokens = 5, 5 + length + 2
+    q = torch.randn(tokens, heads, head_dim, generator=g).transpose(0, 1)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).transpose(0, 1)  # read from the cache
+    want = torch.full((tokens, heads, head_dim), float("nan"))
+    kernel(want, q, k, k, start, start + length, 0.3, widened, table, prefix, vectorize=vectorize)
+    got = torch.full((tokens, heads, head_dim), float("nan"))
+    kernel(got, q, k, k, start, start + length, 0.3, cache, table, prefix, vectorize, KERNEL_SCALES)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_simulator_holds_and_reads_a_quantized_cache_at_its_own_bytes():

@@ -67,16 +67,24 @@ def prefill(
     if call.extras:
         _prefill_scores(out, call, cache, seg, kv_scales)
         return
-    table, blocks = seg.block_ids, cache
-    if table is not None and is_quantized(cache):
-        # A quantized cache: the run's blocks widened into a float32 cache of their own, read by the
-        # float32 kernel in order, so a chunk after a cached prefix sums exactly as the whole prompt did
-        # (whose keys, the call's own, were widened from the same rows in forward_layer).
-        blocks = dequantize_rows(cache.index_select(2, table), q.dtype, _pair(kv_scales))
-        table = torch.arange(table.numel(), dtype=table.dtype, device=table.device)
-    kernel = _native_prefill(q, blocks, seg)
+    kernel = _native_prefill(q, cache, seg)
     if kernel is not None:
-        kernel(out, q, k, v, seg.start, seg.end, scaling, blocks, table, seg.prefix_len)
+        # A quantized cache is dequantized as the kernel packs it, so a chunk after a cached prefix sums
+        # exactly as the whole prompt did (whose keys, the call's own, forward_layer widened from the
+        # same rows).
+        kernel(
+            out,
+            q,
+            k,
+            v,
+            seg.start,
+            seg.end,
+            scaling,
+            cache,
+            seg.block_ids,
+            seg.prefix_len,
+            kv_scales=kv_scales,
+        )
         return
     qs = q[None, :, seg.start : seg.end]
     if seg.block_ids is None:
@@ -137,7 +145,7 @@ def _native_prefill(
         seg.key_pos is not None
         or seg.mask is None
         or seg.mask.shape[-1] != seg.prefix_len + seg.end - seg.start
-        or cache.dtype != q.dtype
+        or (cache.dtype != q.dtype and not (is_quantized(cache) and q.dtype == torch.float32))
         or not cache.is_contiguous()
     ):
         return None

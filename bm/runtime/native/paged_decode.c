@@ -30,6 +30,7 @@
 
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512; bm_exp8, bm_exp16 */
 #include "bf16.h"
+#include "kv_quant.h" /* fp8_to_f32, int8_row_scale */
 
 /* Keys and values are float32 (kvt 0), bf16 (kvt 1: AVX-512 builds only, bm_paged_decode_bf16), int8
    rows with a scale each (kvt 2: bm_paged_decode_i8) or float8 e4m3 at a scale per layer for keys and
@@ -43,15 +44,6 @@
 #define KV_ESZ(kvt) ((kvt) == 1 ? 2 : (kvt) >= 2 ? 1 : 4) /* bytes per element */
 #define KV_AT(p, n, kvt) ((const void *)((const char *)(p) + (int64_t)(n) * KV_ESZ(kvt)))
 
-/* A float8 e4m3fn value (bias 7, no infinities, S.1111.111 NaN) as float32: exact. A normal one's
-   exponent and mantissa bits move into float32's with the bias raised by 120; a subnormal one is its
-   mantissa times 2^-9. The same value torch's .to(torch.float32) gives. */
-static inline float fp8_to_f32(uint8_t b) {
-    const uint32_t em = b & 0x7fu;
-    union { uint32_t u; float f; } v = { .u = (em << 20) + (120u << 23) };
-    float x = em == 0x7fu ? NAN : em < 8u ? (float)em * 0x1p-9f : v.f;
-    return b & 0x80u ? -x : x;
-}
 /* A quantized cache's element as a float, before its scale (widen_row, KV8S and KV16S apply it). */
 #define KV1(p, n, kvt) ((kvt) == 1 ? bf16_to_f32(((const uint16_t *)(p))[n]) : (kvt) == 2 ? (float)((const int8_t *)(p))[n] : (kvt) == 3 ? fp8_to_f32(((const uint8_t *)(p))[n]) : ((const float *)(p))[n])
 /* Elements of a row, and where the next row starts: an int8 row's d values are followed by its float32
@@ -60,10 +52,7 @@ static inline float fp8_to_f32(uint8_t b) {
 /* The scale of the quantized row starting at `row`: an int8 row's own (d values, then the scale), an
    fp8 row's layer's `ts` (the layer's key or value scale). */
 static inline __attribute__((always_inline)) float row_scale(const void *row, int64_t d, const int kvt, float ts) {
-    if (kvt == 3) return ts;
-    float s;
-    memcpy(&s, (const char *)row + d, sizeof s);
-    return s;
+    return kvt == 3 ? ts : int8_row_scale(row, d);
 }
 /* A quantized row's d values times its scale, into dst: the row as the float32 kernel would read it
    from the dequantized cache. The scalar loops widen a row first and then run the float32 code on it,

@@ -27,7 +27,12 @@
    bf16 (bm_prefill_attention_bf16, AVX-512 builds): queries, keys and values bf16 (a bf16 model's
    cache), widened to float32 where they are copied anyway (the queries into the tile, keys and values
    into the packed panels), the output rounded to bf16. Everything between is the float32 code, so the
-   result is exactly the float32 kernel's on the widened inputs, rounded. */
+   result is exactly the float32 kernel's on the widened inputs, rounded.
+
+   Quantized caches (bm_prefill_attention_kvq: kv_cache.dtype int8 or fp8_e4m3, float32 queries and
+   output): keys and values read from the cache are widened times their scale as they are packed, the
+   float32 products torch's dequantization makes; everything after is the float32 code, so the result
+   is exactly the float32 kernel's over the dequantized cache, with no widened copy of the blocks. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +40,7 @@
 
 #include "isa.h" /* BM_HAVE_AVX2, BM_HAVE_AVX512 */
 #include "bf16.h"
+#include "kv_quant.h" /* fp8_to_f32, int8_row_scale */
 
 #define KP 16 /* keys per packed panel */
 #define KB 64 /* keys per block of the online softmax */
@@ -60,17 +66,26 @@ typedef struct {
     float *kp; /* [kv_heads][panels][d][KP], zero past the last key */
     float *vp; /* [kv_heads][keys][d] */
     int bf16;
+    int kq;                 /* the cache's rows: 0 as q's dtype; 2 int8 with a scale each; 3 fp8 */
+    float k_scale, v_scale; /* kq 3: the layer's key and value scales */
 } args_t;
 
-/* Key (value == 0) or value j of kv head c: a float32 or (a->bf16) a bf16 row of d. */
+/* Key (value == 0) or value j of kv head c: a float32 or (a->bf16) a bf16 row of d; read from the cache
+   (a table given), a quantized row of the cache's layout (a->kq). */
 static const void *kv_row(const args_t *a, int64_t c, int64_t j, int value) {
     const int64_t esz = a->bf16 ? 2 : 4;
     if (a->table) {
         const int64_t bs = a->block_size;
+        const int64_t row = a->kq == 2 ? a->d + 4 : a->kq == 3 ? a->d : a->d * esz; /* bytes */
         const char *half = value ? a->cv : a->ck;
-        return half + ((c * a->num_blocks + a->table[j / bs]) * bs + j % bs) * a->d * esz;
+        return half + ((c * a->num_blocks + a->table[j / bs]) * bs + j % bs) * row;
     }
     return (const char *)(value ? a->v : a->k) + (j * a->kv_st + c * a->kv_sh) * esz;
+}
+
+/* Element i of a quantized cache row, times its scale `sc`: the float32 torch's dequantization gives. */
+static inline float kvq_value(const args_t *a, const void *row, int64_t i, float sc) {
+    return (a->kq == 2 ? (float)((const int8_t *)row)[i] : fp8_to_f32(((const uint8_t *)row)[i])) * sc;
 }
 
 static void pack(const args_t *a, int64_t c, int64_t p) {
@@ -78,7 +93,14 @@ static void pack(const args_t *a, int64_t c, int64_t p) {
     float *dst = a->kp + (c * a->panels + p) * d * KP;
     for (int64_t x = 0; x < KP; x++) {
         const int64_t j = p * KP + x;
-        if (j < a->keys && a->bf16) { /* widened: exact */
+        if (j < a->keys && a->kq) { /* a quantized cache's rows, dequantized */
+            const void *kr = kv_row(a, c, j, 0), *vr = kv_row(a, c, j, 1);
+            const float ks = a->kq == 2 ? int8_row_scale(kr, d) : a->k_scale;
+            const float vs = a->kq == 2 ? int8_row_scale(vr, d) : a->v_scale;
+            float *vd = a->vp + (c * a->keys + j) * d;
+            for (int64_t i = 0; i < d; i++) dst[i * KP + x] = kvq_value(a, kr, i, ks);
+            for (int64_t i = 0; i < d; i++) vd[i] = kvq_value(a, vr, i, vs);
+        } else if (j < a->keys && a->bf16) { /* widened: exact */
             const uint16_t *kr = kv_row(a, c, j, 0), *vr = kv_row(a, c, j, 1);
             float *vd = a->vp + (c * a->keys + j) * d;
             for (int64_t i = 0; i < d; i++) dst[i * KP + x] = bf16_to_f32(kr[i]);
@@ -547,7 +569,22 @@ int bm_prefill_attention_f32(const float *q, int64_t q_st, int64_t q_sh, const f
                              int64_t d, float scale, int64_t threads, int64_t vectorize) {
     const args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
                       T, prefix, heads, kv_heads, d, scale, BM_HAVE_AVX2 && vectorize && d % 8 == 0, 0, 0,
-                      NULL, NULL, 0};
+                      NULL, NULL, 0, 0, 1.f, 1.f};
+    return run_chunk(a, threads);
+}
+
+/* The same after a cached prefix in a quantized cache (kq 2: int8 rows with a scale each; 3: fp8 at the
+   layer's k_scale and v_scale), float32 q, k, v and out: see the header. table must not be NULL. */
+int bm_prefill_attention_kvq(const float *q, int64_t q_st, int64_t q_sh, const float *k, const float *v,
+                             int64_t kv_st, int64_t kv_sh, const void *ck, const void *cv,
+                             const int64_t *table, int64_t num_blocks, int64_t block_size, float *out,
+                             int64_t out_st, int64_t T, int64_t prefix, int64_t heads, int64_t kv_heads,
+                             int64_t d, float scale, int64_t threads, int64_t vectorize, int64_t kq,
+                             float k_scale, float v_scale) {
+    if (!table || (kq != 2 && kq != 3)) return 2;
+    const args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
+                      T, prefix, heads, kv_heads, d, scale, BM_HAVE_AVX2 && vectorize && d % 8 == 0, 0, 0,
+                      NULL, NULL, 0, (int)kq, k_scale, v_scale};
     return run_chunk(a, threads);
 }
 
@@ -560,7 +597,8 @@ int bm_prefill_attention_bf16(const uint16_t *q, int64_t q_st, int64_t q_sh, con
                               uint16_t *out, int64_t out_st, int64_t T, int64_t prefix, int64_t heads,
                               int64_t kv_heads, int64_t d, float scale, int64_t threads, int64_t vectorize) {
     const args_t a = {q, q_st, q_sh, k, v, kv_st, kv_sh, ck, cv, table, num_blocks, block_size, out, out_st,
-                      T, prefix, heads, kv_heads, d, scale, vectorize && d % 8 == 0, 0, 0, NULL, NULL, 1};
+                      T, prefix, heads, kv_heads, d, scale, vectorize && d % 8 == 0, 0, 0, NULL, NULL, 1, 0,
+                      1.f, 1.f};
     return run_chunk(a, threads);
 }
 #endif

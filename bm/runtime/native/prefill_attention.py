@@ -6,11 +6,13 @@ import ctypes
 
 import torch
 
+from bm.runtime.kv_quant import FP8, NO_SCALES, cache_head_dim
 from bm.runtime.native.args import BF16, F32, FLOAT, I64, INT, PTR, bind, pointer, require, unit_stride
 from bm.runtime.native.loader import NativeKernel, load_kernel
 
 _NAME = "prefill attention kernel"
 _ARGS = (PTR, INT, INT, PTR, PTR, INT, INT, PTR, PTR, PTR, INT, INT, PTR, *[INT] * 6, FLOAT, INT, INT)
+_KVQ = {torch.int8: 2, FP8: 3}  # a quantized cache's dtype -> the kernel's kq flag
 
 
 class PrefillAttentionKernel(NativeKernel):
@@ -23,13 +25,17 @@ class PrefillAttentionKernel(NativeKernel):
     SDPA's 50%), 1.4-1.5x after a cached prefix: ``benchmarks/prefill_attention.py``.
 
     The AVX-512 build also takes bf16 queries, keys, values, cache and output (``dtypes``), widened as
-    they are packed: exactly the float32 kernel's result on the widened inputs, rounded to bf16.
+    they are packed: exactly the float32 kernel's result on the widened inputs, rounded to bf16. Every
+    build reads a quantized cache (int8 or fp8 rows, ``bm.runtime.kv_quant``) after a cached prefix with
+    float32 queries, dequantized as it is packed: exactly the float32 kernel's result on the dequantized
+    cache.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = {F32: bind(lib, "bm_prefill_attention_f32", *_ARGS)}
         if hasattr(lib, "bm_prefill_attention_bf16"):
             self._fn[BF16] = bind(lib, "bm_prefill_attention_bf16", *_ARGS)
+        self._kvq = bind(lib, "bm_prefill_attention_kvq", *_ARGS, INT, FLOAT, FLOAT)
         self.dtypes: tuple[torch.dtype, ...] = tuple(self._fn)
         self.vectorized = bool(lib.bm_prefill_attention_vectorized())
 
@@ -51,6 +57,7 @@ class PrefillAttentionKernel(NativeKernel):
         block_table: torch.Tensor | None = None,
         prefix_len: int = 0,
         vectorize: bool = True,
+        kv_scales: tuple[float, float] = NO_SCALES,
     ) -> None:
         """Writes ``out[start:end]`` for the chunk of query tokens ``[start, end)`` of the packed batch.
 
@@ -60,7 +67,9 @@ class PrefillAttentionKernel(NativeKernel):
         tokens sit at positions ``prefix_len ..`` and every key, the chunk's own included, is read from
         ``cache`` (one layer's [2, kv_heads, num_blocks, block_size, d]) through ``block_table``, the
         request's first blocks in order. ``vectorize=False`` runs the plain C loops (for tests). Every
-        tensor is float32, or every one bf16 where the build takes it (``dtypes``)."""
+        tensor is float32, or every one bf16 where the build takes it (``dtypes``); or, with a block
+        table, the cache int8 or fp8 and the rest float32, an fp8 cache's keys scaled by
+        ``kv_scales[0]`` and its values by ``kv_scales[1]``."""
         heads, _, head_dim = q.shape
         kv_heads = k.shape[0]
         length = end - start
@@ -85,13 +94,16 @@ class PrefillAttentionKernel(NativeKernel):
         q = unit_stride(q)
         if k.stride(2) != 1 or v.stride(2) != 1 or k.stride() != v.stride():
             k, v = k.contiguous(), v.contiguous()
-        blocks = block_size = 0
+        blocks = block_size = kq = 0
         if block_table is not None:
             if cache is None:
                 raise ValueError(f"{_NAME}: a block table needs the contiguous cache")
-            require(_NAME, dtype, (cache,), (cache,))
+            kq = _KVQ.get(cache.dtype, 0)
+            if kq:
+                require(_NAME, F32, (q,))
+            require(_NAME, cache.dtype if kq else dtype, (cache,), (cache,))
             require(_NAME, I64, (block_table,), (block_table,))
-            if cache.shape[1] != kv_heads or cache.shape[4] != head_dim:
+            if cache.shape[1] != kv_heads or cache_head_dim(cache) != head_dim:
                 raise ValueError(f"{_NAME}: cache {tuple(cache.shape)} against k {tuple(k.shape)}")
             blocks, block_size = cache.shape[2], cache.shape[3]
             if block_table.numel() * block_size < prefix_len + length:
@@ -102,13 +114,14 @@ class PrefillAttentionKernel(NativeKernel):
             raise ValueError(f"{_NAME}: a cached prefix is read through a block table")
         halves = (None, None) if block_table is None else (cache[0].data_ptr(), cache[1].data_ptr())
         size = q.element_size()
-        status = fn(
+        common = (
             q.data_ptr() + start * q.stride(1) * size, q.stride(1), q.stride(0),
             k.data_ptr() + start * k.stride(1) * size, v.data_ptr() + start * v.stride(1) * size,
             k.stride(1), k.stride(0), *halves, pointer(block_table), blocks, block_size,
             out.data_ptr() + start * out.stride(0) * size, out.stride(0),
             length, prefix_len, heads, kv_heads, head_dim, scaling, torch.get_num_threads(), int(vectorize),
         )  # fmt: skip
+        status = self._kvq(*common, kq, *kv_scales) if kq else fn(*common)
         if status:
             raise MemoryError("prefill attention: no memory for the packed keys or a thread's tile")
 
