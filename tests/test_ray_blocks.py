@@ -5,6 +5,7 @@ input order, replicas are sized from the cluster's resources, and without ``--ra
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -314,3 +315,34 @@ def test_a_ray_data_thread_that_never_ends_is_named_at_the_deadline_not_waited_f
         stuck.set()
     thread.join()
     assert wait_for_ray_data_threads(timeout_s=0.2) == []
+
+
+@pytest.mark.parametrize(
+    ("address", "ray_address", "user_niceness", "want"),
+    [
+        (None, None, None, "0"),  # a cluster started for this run: its workers at the driver's priority
+        (None, None, "10", "10"),  # the user's own setting wins
+        ("ray://head:10001", None, None, None),  # the user's cluster keeps its settings
+        (None, "head:6379", None, None),
+    ],
+)
+def test_a_cluster_started_for_the_run_runs_its_replicas_at_the_drivers_priority(
+    monkeypatch, address, ray_address, user_niceness, want
+):
+    """Ray starts workers at nice 15: beside two busy loops a 30-second ``bm run --ray`` took 20 minutes.
+    Ray's raylet reads RAY_worker_niceness from the environment it starts in."""
+    from bm.ray import session
+
+    for name, value in (("RAY_ADDRESS", ray_address), (session.WORKER_NICENESS, user_niceness)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    seen: list[str | None] = []
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: False, init=lambda **_: seen.append(os.environ.get(session.WORKER_NICENESS))
+    )
+    monkeypatch.setitem(sys.modules, "ray", fake)  # Ray itself stays out of the test process
+    monkeypatch.setattr(session, "watch", lambda: None)
+    assert session.connect(address) is True
+    assert seen == [want]

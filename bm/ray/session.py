@@ -12,6 +12,7 @@ interrupted ``bm run --ray`` then exited 1 instead of 130, its records written b
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -24,6 +25,8 @@ from bm.reaper import watch
 # ``Prefetcher``, which stay parked for the life of the process (seen after an interrupted run): waiting
 # for them would only ever end at the deadline, and parked they touch nothing.
 RAY_DATA_THREADS = ("StreamingExecutor-", "ray-data-metadata-prefetch", "iter_threaded")
+# The raylet's worker_niceness, read from the environment of the cluster's processes (ray_constants.py)
+WORKER_NICENESS = "RAY_worker_niceness"
 
 
 def connect(address: str | None) -> bool:
@@ -37,6 +40,13 @@ def connect(address: str | None) -> bool:
     # A cluster started here runs in processes started from this driver; if the driver is SIGKILLed, two
     # of Ray's node agents outlive it for ever. bm.reaper ends them (watching starts before they do).
     watch()
+    if address is None and "RAY_ADDRESS" not in os.environ:
+        # Ray starts its workers at nice 15, below everything else on the machine; the replicas are
+        # those workers, so beside two busy loops on two cores they got a few percent of a core each and
+        # a 30-second run took 20 minutes (bm run without --ray: about twice its quiet time). A cluster
+        # started for this run runs its workers at the driver's priority instead, unless the user set
+        # RAY_worker_niceness; a cluster of the user's keeps its own settings.
+        os.environ.setdefault(WORKER_NICENESS, "0")
     ray.init(address=address, include_dashboard=False, log_to_driver=True)
     # ray.init takes SIGTERM (its handler exits 15 at once: no records assembled, no resume command);
     # the process's own policy (bm.cli.interrupts) stays in charge
