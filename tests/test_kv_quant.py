@@ -209,6 +209,13 @@ def test_vllms_fp8_spelling_is_bms_fp8_e4m3():
 KERNEL_SCALES = (0.37, 2.5)  # an fp8 layer's key and value scales in the kernel tests
 
 
+def _built(kernel):
+    """A kernel of this machine's build, or the test skipped where bm's C kernels do not build."""
+    if kernel is None:
+        pytest.skip("bm's C kernels do not build here")
+    return kernel
+
+
 def _quantized_paged(cache_dtype, kv_heads, num_blocks, bs, d, lengths, g):
     """A quantized cache of random rows, its dequantized float32 twin, and each row's scattered blocks.
     An fp8 cache takes every byte but NaN's two, subnormals and the largest values included."""
@@ -229,9 +236,7 @@ def _quantized_paged(cache_dtype, kv_heads, num_blocks, bs, d, lengths, g):
 def test_quantized_decode_is_the_float32_kernel_on_the_dequantized_cache_bit_for_bit(
     heads, kv_heads, head_dim, block_size, isa, cache_dtype
 ):
-    kernel = paged_decode_kernel(isa)
-    if kernel is None:
-        pytest.skip("bm's C kernels do not build here")
+    kernel = _built(paged_decode_kernel(isa))
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
     lengths = [1, 2, block_size - 1 or 1, block_size + 1, 7 * block_size + 3, 9, 100, 333]
     blocks = sum(-(-n // block_size) for n in lengths) + 3
@@ -252,9 +257,7 @@ def test_quantized_decode_is_the_float32_kernel_on_the_dequantized_cache_bit_for
 def test_quantized_decode_extras_match_the_float32_kernel_bit_for_bit(
     softcap, alibi, window, sink, isa, cache_dtype
 ):
-    kernel = paged_decode_kernel(isa)
-    if kernel is None:
-        pytest.skip("bm's C kernels do not build here")
+    kernel = _built(paged_decode_kernel(isa))
     heads, kv_heads, d, bs = 8, 2, 32, 4
     g = torch.Generator().manual_seed(17)
     lengths = [1, 3, 4, 5, 13, 40, 9, 27]
@@ -282,9 +285,7 @@ def test_quantized_prefill_is_the_float32_kernel_on_the_dequantized_cache_bit_fo
 ):
     """A chunk after a cached prefix reads a quantized cache in place, dequantizing rows as it packs
     them: the float32 prefill kernel's result on the dequantized cache, with no widened copy."""
-    kernel = prefill_attention_kernel(isa)
-    if kernel is None:
-        pytest.skip("bm's C kernels do not build here")
+    kernel = _built(prefill_attention_kernel(isa))
     g = torch.Generator().manual_seed(prefix * 31 + length + head_dim)
     lengths = [prefix + length]
     cache, widened, table = _quantized_paged(cache_dtype, kv_heads, 40, 8, head_dim, lengths, g)
