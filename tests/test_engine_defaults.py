@@ -22,10 +22,12 @@ from bm.engine.driving.driver import Driver
 from bm.engine.execution.fake_executor import FakeExecutor
 from bm.engine.requests.request import Request
 from bm.engine.step.core import EngineCore
+from bm.engine.step.hol import PATIENCE, HeadOfLineWatch
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor
 from bm.sim.hardware import load_hardware
 from bm.sim.model import ModelShape
+from tests.sched_helpers import Harness
 
 MAX_TOKENS = 1 << 22  # the fake executor's cache: large enough that only the budgets decide
 
@@ -147,3 +149,21 @@ def test_real_and_simulated_runs_resolve_the_same_config_from_the_same_flags(tmp
     )
     assert dataclasses.replace(sim_core.config.engine, executor="torch") == gpu_core.config.engine
     assert gpu_core.config.engine == resolve_engine(real, "cuda").engine
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_a_head_short_of_kv_blocks_is_named_with_a_fix_the_run_has_not_already_taken(policy):
+    """The message names the KV cache's keys, and suggests max_utilization only where it is not set."""
+    harness = Harness(policy=policy, num_blocks=6, tokens_per_block=4, max_batch_size=8, max_num_tokens=64)
+    running = harness.generating(0, prompt_len=15, generated=2)  # holds 5 of the 6 blocks
+    head = harness.waiting(1, prompt_len=12)  # needs 4 blocks, 1 is free
+    watch = HeadOfLineWatch(8, 64, chunked=False, policy=policy)
+    messages = []
+    for _ in range(PATIENCE):
+        plan = harness.scheduler.schedule_request([running, head])
+        assert head not in plan.context_requests
+        messages.append(watch.observe([running, head], plan, harness.kv))
+    assert messages[:-1] == [None] * (PATIENCE - 1)
+    assert "request 1 has waited 8 iterations at the head of the queue" in messages[-1]
+    assert "raise kv_cache.max_tokens or kv_cache.free_memory_fraction" in messages[-1]
+    assert ("engine.scheduler_policy=max_utilization" in messages[-1]) == (policy != "max_utilization")

@@ -123,7 +123,10 @@ class EngineCore:
         )
         engine = config.engine
         self._head_of_line = HeadOfLineWatch(
-            engine.max_batch_size, engine.max_num_tokens, bool(engine.enable_chunked_context)
+            engine.max_batch_size,
+            engine.max_num_tokens,
+            bool(engine.enable_chunked_context),
+            policy=engine.scheduler_policy,
         )
 
     # -- requests in ----------------------------------------------------------------------------------

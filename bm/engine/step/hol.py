@@ -24,10 +24,19 @@ class HeadOfLineWatch:
     waiting request has gone unscheduled for :data:`PATIENCE` iterations while fewer than half of
     ``max_batch_size`` requests were scheduled, and names why (token budget or KV blocks)."""
 
-    def __init__(self, max_batch_size: int, max_num_tokens: int, chunked: bool, patience: int = PATIENCE):
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_num_tokens: int,
+        chunked: bool,
+        patience: int = PATIENCE,
+        policy: str = "guaranteed_no_evict",
+    ):
+        """``policy``: engine.scheduler_policy, so a message never suggests the policy already set."""
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
+        self.policy = policy
         self.patience = patience
         self.message: str | None = None  # what was said (once)
         self._head: int | None = None
@@ -69,10 +78,15 @@ class HeadOfLineWatch:
         needed = kv.get_needed_resource_to_completion(head)
         free = kv.get_num_free_blocks()
         if needed > free:
+            other_policy = (
+                ""
+                if self.policy == "max_utilization"
+                else " (or set engine.scheduler_policy=max_utilization, which starts requests before their "
+                "whole output fits)"
+            )
             return (
                 f"{waited}: it needs {needed} KV cache blocks to completion and {free} of "
                 f"{kv.get_max_resource_count()} are free; raise kv_cache.max_tokens or "
-                "kv_cache.free_memory_fraction (or set engine.scheduler_policy=max_utilization, which "
-                "starts requests before their whole output fits)"
+                f"kv_cache.free_memory_fraction{other_policy}"
             )
         return None
