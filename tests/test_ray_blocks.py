@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 
@@ -346,3 +348,33 @@ def test_a_cluster_started_for_the_run_runs_its_replicas_at_the_drivers_priority
     monkeypatch.setattr(session, "watch", lambda: None)
     assert session.connect(address) is True
     assert seen == [want]
+
+
+def test_disconnecting_gives_sigterm_back_to_the_handler_python_lists(monkeypatch):
+    """``ray.shutdown()`` resets SIGTERM's action in the kernel to the default while Python's table keeps
+    bm's handler (a late SIGTERM then killed a run with -15): after ``disconnect`` the kernel calls the
+    handler again. The fake shutdown resets the action as Ray's does, under Python's feet."""
+    import ctypes
+
+    from bm.ray import session
+
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
+
+    def caught(sig: int) -> bool:
+        status = Path("/proc/self/status").read_text().splitlines()
+        mask = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+        return bool(int(mask, 16) >> (sig - 1) & 1)
+
+    def shutdown() -> None:
+        libc.signal(signal.SIGTERM, 0)  # SIG_DFL, behind Python's back
+
+    handler = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(shutdown=shutdown))
+        shutdown()
+        assert not caught(signal.SIGTERM)  # what Ray leaves
+        session.disconnect()
+        assert caught(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, handler)

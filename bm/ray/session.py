@@ -77,8 +77,17 @@ def wait_for_ray_data_threads(timeout_s: float = 30.0) -> list[str]:
 
 
 def disconnect() -> None:
-    """End a connection made by :func:`connect`, once no Ray Data thread can touch it any more."""
+    """End a connection made by :func:`connect`, once no Ray Data thread can touch it any more, and give
+    SIGINT and SIGTERM back to the handlers Python lists for them.
+
+    ``ray.shutdown()`` puts SIGTERM's action in the process back to the default while Python's table
+    still names bm's handler: a SIGTERM after it (the run assembling ``outputs.jsonl``, writing
+    ``summary.json``) killed the process with -15 instead of the interrupt policy's orderly stop (one
+    of the first three trials of a busy soak). Setting each handler again installs it in the kernel."""
     import ray
 
     wait_for_ray_data_threads()
+    handlers = _signal_handlers()
     ray.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
