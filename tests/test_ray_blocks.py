@@ -378,3 +378,36 @@ def test_disconnecting_gives_sigterm_back_to_the_handler_python_lists(monkeypatc
         assert caught(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, handler)
+
+
+def test_a_sigterm_while_ray_starts_reaches_bms_handler_not_rays(monkeypatch):
+    """``ray.init`` installs a SIGTERM handler that exits 15 before it starts the cluster (seconds under
+    load): a busy soak's SIGTERM 10.6 s in ended a run with 15, no records and no resume command. The
+    fake init installs as Ray's does, through ``ray._private.utils.set_sigterm_handler``."""
+    from bm.ray import session
+
+    utils = types.ModuleType("ray._private.utils")
+    utils.set_sigterm_handler = lambda handler: signal.signal(signal.SIGTERM, handler)
+    private = types.ModuleType("ray._private")
+    private.utils = utils
+    seen: list[object] = []
+
+    def init(**_: object) -> None:
+        sys.modules["ray._private.utils"].set_sigterm_handler(lambda *_: sys.exit(15))
+        seen.append(signal.getsignal(signal.SIGTERM))  # what a SIGTERM here would run
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    for name, module in (("ray", fake), ("ray._private", private), ("ray._private.utils", utils)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(session, "watch", lambda: None)
+
+    def bms(*_: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, bms)
+    try:
+        assert session.connect("ray://head:10001") is True
+        assert seen == [bms]
+        assert utils.set_sigterm_handler is not None and signal.getsignal(signal.SIGTERM) is bms
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -16,6 +16,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from bm.reaper import watch
@@ -47,12 +49,36 @@ def connect(address: str | None) -> bool:
         # started for this run runs its workers at the driver's priority instead, unless the user set
         # RAY_worker_niceness; a cluster of the user's keeps its own settings.
         os.environ.setdefault(WORKER_NICENESS, "0")
-    ray.init(address=address, include_dashboard=False, log_to_driver=True)
-    # ray.init takes SIGTERM (its handler exits 15 at once: no records assembled, no resume command);
-    # the process's own policy (bm.cli.interrupts) stays in charge
+    with _ray_leaves_sigterm_alone():
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    # the process's own policy (bm.cli.interrupts) stays in charge, whatever ray.init set
     for sig, handler in kept.items():
         signal.signal(sig, handler)
     return True
+
+
+@contextmanager
+def _ray_leaves_sigterm_alone() -> Iterator[None]:
+    """``ray.init`` first installs a SIGTERM handler of its own (``sys.exit(15)``), then starts the
+    cluster, seconds on a loaded machine: a SIGTERM then ended ``bm run --ray`` with status 15, no
+    records assembled and no resume command (1 of the first 2 SIGTERMs of a busy soak, 10.6 s in).
+    Within this block Ray's installer (``ray._private.utils.set_sigterm_handler``, which ``init`` looks
+    up when it runs) does nothing, so bm's handler stays in place and the signal stops the run as any
+    other; where a Ray version has no such function, nothing changes."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:
+        yield
+        return
+    installer = getattr(ray_utils, "set_sigterm_handler", None)
+    if installer is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = installer
 
 
 def _signal_handlers() -> dict[int, Any]:
