@@ -112,6 +112,11 @@ class EngineClient:
         if done:
             self._all_final.set()
 
+    @property
+    def num_finals_waiting(self) -> int:
+        """Requests the engine has finished whose responses :meth:`next_final` has not handed out yet."""
+        return self._finals.qsize()
+
     def next_final(self, timeout: float = 0.1) -> Response | None:
         """The next request's final response, or None when none came within ``timeout`` seconds (a
         client that keeps its results queues none: read :attr:`results`)."""

@@ -121,13 +121,7 @@ class EngineCore:
                 ngram=self.ngram,
             )
         )
-        engine = config.engine
-        self._head_of_line = HeadOfLineWatch(
-            engine.max_batch_size,
-            engine.max_num_tokens,
-            bool(engine.enable_chunked_context),
-            policy=engine.scheduler_policy,
-        )
+        self._head_of_line = HeadOfLineWatch.for_engine(config.engine)
 
     # -- requests in ----------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bm.config.engine import EngineConfig
 from bm.kv import KVCacheManager
 from bm.scheduling import LlmRequest, RequestState, SchedulerOutput
 
@@ -41,6 +42,16 @@ class HeadOfLineWatch:
         self.message: str | None = None  # what was said (once)
         self._head: int | None = None
         self._waited = 0
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig) -> HeadOfLineWatch:
+        """The watch over an engine of these resolved budgets and policy."""
+        return cls(
+            engine.max_batch_size,
+            engine.max_num_tokens,
+            bool(engine.enable_chunked_context),
+            policy=engine.scheduler_policy,
+        )
 
     def observe(self, ready: Sequence[LlmRequest], plan: SchedulerOutput, kv: KVCacheManager) -> str | None:
         """``ready``: the requests the scheduler saw, oldest first. Returns the message once, else None."""
