@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray")
 
 from bm.cli.main import app  # noqa: E402
 from bm.ray.replica import FAULT_ENV  # noqa: E402
+from bm.ray.session import WORKER_NICENESS  # noqa: E402
 
 # Ray Data's own configuration warns of its deprecated fields when it is copied; not bm's to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -42,6 +43,9 @@ RAY_FLAGS = ["--ray", "--replicas", "2", "--block-lines", str(BLOCK_LINES)]
 # A local test cluster without Ray's token authentication: its drivers are other processes, which
 # would otherwise need the token the starting process keeps to itself.
 NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
+# The test clusters' workers (the replicas) at the tests' priority, as a cluster bm run --ray starts runs
+# them (bm.ray.session): at Ray's default nice 15, beside a busy machine's other work, one test took minutes.
+TEST_CLUSTER = {**NO_TOKEN, WORKER_NICENESS: "0"}
 # A process that starts a local cluster, prints its address and holds it until its stdin closes.
 HOLD_CLUSTER = (
     "import ray, sys; ray.init(num_cpus=2, include_dashboard=False, logging_level='warning'); "
@@ -55,7 +59,7 @@ def cluster():
     it much less."""
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, **NO_TOKEN},
+        env={**os.environ, **TEST_CLUSTER},
     )  # fmt: skip
     try:
         address = holder.stdout.readline().strip()
@@ -409,7 +413,7 @@ def ray_start(log: Path, *flags: str, **env: str) -> subprocess.Popen:
     command += [f"--dashboard-agent-listen-port={free_port()}", *flags]
     with log.open("w") as out:
         return subprocess.Popen(
-            command, env={**os.environ, **NO_TOKEN, **NO_DRAIN, **env}, stdout=out, stderr=subprocess.STDOUT,
+            command, env={**os.environ, **TEST_CLUSTER, **NO_DRAIN, **env}, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
 
