@@ -68,8 +68,7 @@ def _ray_leaves_sigterm_alone() -> Iterator[None]:
     try:
         from ray._private import utils as ray_utils
     except ImportError:
-        yield
-        return
+        ray_utils = None
     installer = getattr(ray_utils, "set_sigterm_handler", None)
     if installer is None:
         yield

@@ -62,17 +62,12 @@ def row_bytes(head_dim: int, kv_dtype: torch.dtype, cache_dtype: str) -> int:
     return width * torch.empty((), dtype=dtype).element_size()
 
 
-def exact_scale(scale: float) -> float:
-    """``scale`` as the float32 the kernels multiply by (a Python float holds it exactly)."""
-    return float(torch.tensor(scale, dtype=torch.float32))
-
-
 def quantize_rows(x: torch.Tensor, cache_dtype: str = "int8", scale: float = 1.0) -> torch.Tensor:
     """``x`` [..., d] (float32 or bf16) -> cache rows: int8 [..., d + 4] (each row's values, then its
     scale's four bytes; d a multiple of 4), or fp8 [..., d] at the layer's per-tensor ``scale``."""
     xf = x.float()
     if cache_dtype == "fp8_e4m3":
-        return (xf / exact_scale(scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # torch takes the scale as a float32
     row_scale = xf.abs().amax(-1, keepdim=True) / QMAX
     row_scale = torch.where(row_scale == 0, torch.ones_like(row_scale), row_scale)
     rows = torch.empty((*x.shape[:-1], x.shape[-1] + SCALE_BYTES), dtype=torch.int8, device=x.device)
@@ -88,8 +83,7 @@ def dequantize_rows(
     row carries its scale; fp8 rows take ``scale`` (a float, or a tensor broadcasting over ``rows``, as
     ``[2, 1, ...]`` for a gathered key and value pair)."""
     if rows.dtype == FP8:
-        factor = scale if isinstance(scale, torch.Tensor) else exact_scale(scale)
-        values = rows.to(torch.float32) * factor
+        values = rows.to(torch.float32) * scale
     else:
         d = rows.shape[-1] - SCALE_BYTES
         values = rows[..., :d].to(torch.float32) * rows[..., d:].contiguous().view(torch.float32)
@@ -126,6 +120,6 @@ def checkpoint_kv_scales(path: Path) -> dict[int, tuple[float, float]]:
                 if match is None:
                     continue
                 layer, which = int(match[1]), match[2] or match[3]
-                value = exact_scale(float(tensors.get_tensor(key).float().reshape(-1)[0]))
+                value = float(tensors.get_tensor(key).float().reshape(-1)[0])  # a float32's value
                 found.setdefault(layer, [*NO_SCALES])[0 if which == "k" else 1] = value
     return {layer: (k, v) for layer, (k, v) in sorted(found.items())}
