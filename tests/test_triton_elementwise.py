@@ -212,12 +212,14 @@ build(kernels.rotary_pair_kernel,
       {"q_ptr": "*bf16", "q_stride_t": "i32", "q_stride_h": "i32", "k_ptr": "*bf16", "k_stride_t": "i32",
        "k_stride_h": "i32", **rotary, "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "q_heads": "i32", "k_heads": "i32"},
       {"HEAD_DIM": 64, "HEAD_PAD": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8})
-build(kernels.rotary_store_kv_kernel,
-      {"q_ptr": "*bf16", "q_stride_t": "i32", "q_stride_h": "i32", "k_ptr": "*bf16", "k_stride_t": "i32",
-       "k_stride_h": "i32", "v_ptr": "*bf16", "v_stride_t": "i32", "v_stride_h": "i32", **rotary,
-       "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_mapping_ptr": "*i32",
-       "c_stride_h": "i32", "c_stride_b": "i32", "c_stride_t": "i32", "q_heads": "i32", "k_heads": "i32"},
-      {"TOKENS_PER_BLOCK": 32, "HEAD_DIM": 64, "HEAD_PAD": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8})
+for cache, quant in (("bf16", 0), ("i8", 1), ("fp8e4nv", 2)):  # full width, int8 rows, fp8
+    build(kernels.rotary_store_kv_kernel,
+          {"q_ptr": "*bf16", "q_stride_t": "i32", "q_stride_h": "i32", "k_ptr": "*bf16", "k_stride_t": "i32",
+           "k_stride_h": "i32", "v_ptr": "*bf16", "v_stride_t": "i32", "v_stride_h": "i32", **rotary,
+           "q_out_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slot_mapping_ptr": "*i32",
+           "c_stride_h": "i32", "c_stride_b": "i32", "c_stride_t": "i32", "q_heads": "i32", "k_heads": "i32",
+           "k_scale": "fp32", "v_scale": "fp32"},
+          {"TOKENS_PER_BLOCK": 32, "HEAD_DIM": 64, "HEAD_PAD": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8, "KV_QUANT": quant})
 build(kernels.rotary_kernel,
       {"x_ptr": "*bf16", "x_stride_t": "i32", "x_stride_h": "i32", **rotary, "out_ptr": "*bf16", "heads": "i32"},
       {"HEAD_DIM": 80, "HEAD_PAD": 128, "BLOCK_H": 8})
@@ -233,6 +235,6 @@ build(kernels.silu_mul_kernel,
 
 def test_elementwise_kernels_compile_for_an_h100_without_one(tmp_path):
     assert compile_for_h100("elementwise_kernels.py", _BUILDS, tmp_path) == [
-        "rotary_pair_kernel", "rotary_store_kv_kernel", "rotary_kernel", "rms_norm_kernel",
+        "rotary_pair_kernel", *["rotary_store_kv_kernel"] * 3, "rotary_kernel", "rms_norm_kernel",
         "rms_norm_kernel", "silu_mul_kernel",
     ]  # fmt: skip

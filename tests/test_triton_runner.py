@@ -169,12 +169,3 @@ def test_the_fused_rotary_and_kv_store_gives_the_logits_and_cache_of_separate_la
     for got, want in zip(got_caches, want_caches, strict=True):
         assert torch.equal(got, want)
     assert all(cache.abs().sum() > 0 for cache in got_caches)
-
-
-@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
-def test_the_triton_backend_refuses_a_quantized_cache_naming_the_fix(tiny_model, triton_path, cache_dtype):
-    """Its kernels read full-width blocks only: a quantized cache is refused, not read as floats."""
-    with pytest.raises(
-        ValueError, match=f"kv_cache.dtype: {cache_dtype} is read by the torch attention backend"
-    ):
-        ModelRunner(tiny_model, 8, 4, 32, cache_dtype=cache_dtype)

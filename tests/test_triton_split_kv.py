@@ -259,12 +259,14 @@ flags = {"USE_WINDOW": True, "HEAD_DIM": 80, "HEAD_PAD": 128, "BLOCK_N": 64, "MI
 for dtype, dot in (("bf16", kernels.DOT_FAST), ("fp32", kernels.DOT_IEEE)):
     ints = ["window", "sink_tokens", "num_splits", "bt_stride", "q_stride_h", "q_stride_t", "c_stride_h",
             "c_stride_b", "c_stride_t"]
-    ptrs = {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "q_ptr": f"*{dtype}",
-            "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "block_table_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32", "scale": "fp32", "softcap": "fp32"}
-    build(kernels.split_kv_decode_kernel, {**ptrs, **dict.fromkeys(ints, "i32")},
-          {"GROUP": 3, "BLOCK_M": 16, "TOKENS_PER_BLOCK": 16, "USE_SOFTCAP": True, "USE_ALIBI": True,
-           "DOT": dot, **flags})
+    for cache, quant in ((dtype, 0), ("i8", 1), ("fp8e4nv", 2)):  # full width, int8 rows, fp8
+        ptrs = {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "q_ptr": f"*{dtype}",
+                "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "block_table_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32", "scale": "fp32", "softcap": "fp32",
+                "k_scale": "fp32", "v_scale": "fp32"}
+        build(kernels.split_kv_decode_kernel, {**ptrs, **dict.fromkeys(ints, "i32")},
+              {"GROUP": 3, "BLOCK_M": 16, "TOKENS_PER_BLOCK": 16, "USE_SOFTCAP": True, "USE_ALIBI": True,
+               "DOT": dot, "KV_QUANT": quant, **flags})
     ptrs = {"out_ptr": f"*{dtype}", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
             "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32"}
     ints = ["window", "sink_tokens", "num_splits", "o_stride_t", "o_stride_h"]
@@ -274,5 +276,5 @@ for dtype, dot in (("bf16", kernels.DOT_FAST), ("fp32", kernels.DOT_IEEE)):
 
 
 def test_split_kv_kernels_compile_for_an_h100_without_one(tmp_path):
-    pair = ["split_kv_decode_kernel", "split_kv_combine_kernel"]
+    pair = ["split_kv_decode_kernel"] * 3 + ["split_kv_combine_kernel"]  # full width, int8, fp8 caches
     assert compile_for_h100("kernels.py", _BUILDS, tmp_path) == pair * 2  # bf16, then fp32

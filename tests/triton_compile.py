@@ -19,17 +19,26 @@ from tests.hang import HANG_S
 
 KERNELS = Path(__file__).resolve().parents[1] / "bm" / "runtime" / "triton"
 
-# loads the kernel file alone (bm's imports are slow) as ``kernels``, and defines ``build``
+# loads the kernel file alone (bm's imports are slow) as ``kernels``, after the row format both kernel
+# files import (registered under its own name, so their import finds it without importing bm), and
+# defines ``build``
 _PREAMBLE = """
 import importlib.util
 import sys
+from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-spec = importlib.util.spec_from_file_location("kernels", sys.argv[1])
-kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kernels)
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+load("bm.runtime.triton.kv_rows", Path(sys.argv[1]).with_name("kv_rows.py"))
+kernels = load("kernels", sys.argv[1])
 
 def build(fn, args, consts):
     sig = {**args, **dict.fromkeys(consts, "constexpr")}

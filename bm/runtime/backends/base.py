@@ -36,6 +36,7 @@ import torch
 
 from bm.engine.execution.protocol import WorkItem
 from bm.runtime.attention import LayerCall
+from bm.runtime.kv_quant import NO_SCALES
 from bm.runtime.model_loader import LoadedModel
 
 M = TypeVar("M")  # a backend's metadata for one forward
@@ -126,6 +127,10 @@ class AttentionBackend(ABC, Generic[M]):
         self.plan = setup.plan
         self.device = setup.loaded.device
         self.tokens_per_block = setup.tokens_per_block
+        # an fp8 cache's per-layer key and value scales: the checkpoint's, else 1.0 (bm.runtime.kv_quant)
+        self.kv_scales = {
+            layer: setup.loaded.kv_scales.get(layer, NO_SCALES) for layer in setup.loaded.kv_shapes
+        }
 
     @classmethod
     @abstractmethod

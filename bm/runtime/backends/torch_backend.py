@@ -30,7 +30,6 @@ from bm.runtime.backends.torch_layout import (
 )
 from bm.runtime.backends.torch_ops import decode, prefill
 from bm.runtime.kv_quant import (
-    NO_SCALES,
     as_bytes,
     cache_format,
     dequantize_rows,
@@ -56,8 +55,6 @@ class TorchBackend(AttentionBackend[TorchMetadata]):
         super().__init__(setup)
         loaded, bs = setup.loaded, setup.tokens_per_block
         self.kv_dtype = loaded.kv_dtype  # what attention computes in (a quantized cache's rows widen to it)
-        # an fp8 cache's per-layer key and value scales: the checkpoint's, else 1.0 (bm.runtime.kv_quant)
-        self.kv_scales = {layer: loaded.kv_scales.get(layer, NO_SCALES) for layer in loaded.kv_shapes}
         # keys and values of the largest decode group, gathered side by side
         widest = max(heads * dim for heads, dim in loaded.kv_shapes.values())
         group_tokens = max(DECODE_GROUP_TOKENS, cdiv(setup.max_seq_len, bs) * bs)

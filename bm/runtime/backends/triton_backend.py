@@ -27,7 +27,7 @@ from bm.runtime.backends.base import (
     PerLayer,
     all_kept_rows,
 )
-from bm.runtime.kv_quant import cache_format, is_quantized
+from bm.runtime.kv_quant import is_quantized
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.triton import triton_available
 from bm.runtime.triton.batch import BatchBuilder, Inputs, PagedBatch
@@ -55,12 +55,6 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
-        quantized = [cache_format(c) for c in self.kv_caches if c is not None and is_quantized(c)]
-        if quantized:
-            raise ValueError(
-                f"kv_cache.dtype: {quantized[0]} is read by the torch attention backend only so far, not by "
-                "Triton's kernels; keep kv_cache.dtype: auto with BM_ATTENTION=triton"
-            )
         self.builder = BatchBuilder(self.device, self.tokens_per_block)
         self._run_model = setup.run_model
         # split-KV decode (bm.runtime.triton.ops): the SMs its choice fills, and one scratch buffer for
@@ -106,7 +100,9 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
         return self._run_model(self._forward_inputs(inputs))
 
     def store_kv(self, metadata: TritonMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        store_kv(self.kv_caches[layer], key, value, metadata.for_layer(layer).slot_mapping)
+        store_kv(
+            self.kv_caches[layer], key, value, metadata.for_layer(layer).slot_mapping, self.kv_scales[layer]
+        )
 
     def rotate_and_store(
         self,
@@ -120,15 +116,18 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
     ) -> torch.Tensor | None:
         """The layer's rotary and KV store in one launch (bm.runtime.attention.rotate_and_store): the
         rotated queries ``[T, heads, d]``, or None where the kernel does not take these tensors (another
-        dtype than the cache's, autograd) and the layer rotates and stores as usual. This backend's
-        attention reads keys from the cache only, so the rotated keys need no other home."""
+        dtype than the full-width cache's, autograd) and the layer rotates and stores as usual. This
+        backend's attention reads keys from the cache only, so the rotated keys need no other home (and
+        a quantized cache's keys are read as every later step reads them)."""
         cache = self.kv_caches[layer]
         if self._rotary is None:
             self._rotary = TritonElementwise(self.device.type)
-        if cache.dtype != query.dtype or not self._rotary.accepts(query, key, value, cos, sin):
+        if (cache.dtype != query.dtype and not is_quantized(cache)) or not self._rotary.accepts(
+            query, key, value, cos, sin
+        ):
             return None
         slots = metadata.for_layer(layer).slot_mapping
-        return self._rotary.rotary_store_kv(query, key, value, cos, sin, cache, slots)
+        return self._rotary.rotary_store_kv(query, key, value, cos, sin, cache, slots, self.kv_scales[layer])
 
     def attend(self, metadata: TritonMetadata, call: LayerCall) -> torch.Tensor:
         """One paged attention launch for the whole batch (two for a split-KV decode step); keys are read
@@ -138,6 +137,7 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
         paged_attention(
             out, query, self.kv_caches[call.layer], metadata.for_layer(call.layer), call.scaling,
             extras.softcap, extras.alibi, extras.sinks, sm_count=self.sm_count, scratch=self.split_scratch,
+            kv_scales=self.kv_scales[call.layer],
         )  # fmt: skip
         return out
 

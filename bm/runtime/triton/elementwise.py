@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from bm.runtime.kv_quant import NO_SCALES, cache_head_dim, is_quantized
 from bm.runtime.native import as_rows, kernel_inputs
 from bm.runtime.triton import load_kernels
-from bm.runtime.triton.ops import next_pow2
+from bm.runtime.triton.ops import kv_format, next_pow2
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -125,20 +126,22 @@ class TritonElementwise:
         sin: torch.Tensor,
         cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: tuple[float, float] = NO_SCALES,
     ) -> torch.Tensor:
         """:meth:`rotary` of the queries ``q`` [tokens, q_heads, d], returned, with the rotated keys ``k``
         and the values ``v`` [tokens, kv_heads, d] written into ``cache`` (one layer's
-        ``[2, kv_heads, blocks, tokens_per_block, d]``, in ``q``'s dtype) at ``slot_mapping`` [tokens]
-        (int32; -1: not stored), in one launch. The queries and the cache get the bits :meth:`rotary_pair`
-        then the attention kernels' KV store give them."""
+        ``[2, kv_heads, blocks, tokens_per_block, d]``, in ``q``'s dtype, or quantized rows of ``d``
+        values: bm.runtime.kv_quant, ``kv_scales`` an fp8 layer's) at ``slot_mapping`` [tokens] (int32;
+        -1: not stored), in one launch. The queries and the cache get the bits :meth:`rotary_pair` then
+        the attention kernels' KV store give them."""
         (q, q_out), (k, _) = _rotary_operand(q, cos, sin), _rotary_operand(k, cos, sin, output=False)
         tokens, q_heads, d = q.shape
         kv_heads = k.shape[1]
         if (
             v.shape != k.shape
-            or cache.dtype != q.dtype
+            or (cache.dtype != q.dtype and not is_quantized(cache))
             or cache.shape[:2] != (2, kv_heads)
-            or cache.shape[4] != d
+            or cache_head_dim(cache) != d
             or slot_mapping.shape != (tokens,)
         ):
             raise ValueError(
@@ -151,8 +154,10 @@ class TritonElementwise:
                 q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
                 cos.contiguous(), sin.contiguous(), q_out, cache[0], cache[1], slot_mapping,
                 cache.stride(1), cache.stride(2), cache.stride(3), q_heads, kv_heads,
+                float(kv_scales[0]), float(kv_scales[1]),
                 TOKENS_PER_BLOCK=cache.shape[3], HEAD_DIM=d, HEAD_PAD=next_pow2(d),
-                BLOCK_HQ=next_pow2(q_heads), BLOCK_HK=next_pow2(kv_heads), **self._no_fma,
+                BLOCK_HQ=next_pow2(q_heads), BLOCK_HK=next_pow2(kv_heads),
+                KV_QUANT=kv_format(cache), **self._no_fma,
             )  # fmt: skip
         return q_out
 

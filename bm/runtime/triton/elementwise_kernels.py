@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from bm.runtime.triton.kv_rows import store_rows
+
 
 @triton.jit
 def rms_norm_kernel(
@@ -143,9 +145,9 @@ def rotary_pair_kernel(
 def rotary_store_kv_kernel(
     q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h,
     cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    c_stride_h, c_stride_b, c_stride_t, q_heads, k_heads,
+    c_stride_h, c_stride_b, c_stride_t, q_heads, k_heads, k_scale, v_scale,
     TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """The queries' rotary embedding, and the keys' written with the values straight into the layer's
     paged cache (``[kv_heads, blocks, TOKENS_PER_BLOCK, HEAD_DIM]`` each, bm's layout): programs
@@ -153,7 +155,8 @@ def rotary_store_kv_kernel(
     store them and its value heads at the token's slot (a negative slot is a padding row: nothing is
     stored). The rotated keys are never written anywhere else: the Triton backend's attention reads keys
     from the cache only. One launch where :func:`rotary_pair_kernel` and the attention kernels' KV store
-    took two, with the same bits in the queries and the cache."""
+    took two, with the same bits in the queries and the cache. A quantized cache's rows are quantized
+    as the attention kernels' store quantizes them (:func:`bm.runtime.triton.kv_rows.store_rows`)."""
     token = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rotate_heads(
@@ -170,7 +173,8 @@ def rotary_store_kv_kernel(
             value = tl.load(
                 v_ptr + token * v_stride_t + offs_h[:, None] * v_stride_h + offs_d[None, :], mask=ok
             )
-            dst = (slot // TOKENS_PER_BLOCK) * c_stride_b + (slot % TOKENS_PER_BLOCK) * c_stride_t
-            dst += offs_h[:, None] * c_stride_h + offs_d[None, :]
-            tl.store(k_cache_ptr + dst, key, mask=ok)
-            tl.store(v_cache_ptr + dst, value, mask=ok)
+            row = (slot // TOKENS_PER_BLOCK) * c_stride_b + (slot % TOKENS_PER_BLOCK) * c_stride_t
+            row += offs_h * c_stride_h
+            row_ok, d_ok = offs_h < k_heads, offs_d < HEAD_DIM
+            store_rows(k_cache_ptr, row, key, row_ok, d_ok, k_scale, HEAD_DIM, HEAD_PAD, KV_QUANT)
+            store_rows(v_cache_ptr, row, value, row_ok, d_ok, v_scale, HEAD_DIM, HEAD_PAD, KV_QUANT)

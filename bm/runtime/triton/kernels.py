@@ -4,7 +4,9 @@ decode steps too small to fill the GPU, a split-KV pair beside it).
 Imported only through :func:`bm.runtime.triton.kernels` (which decides compiled vs interpreted first):
 ``triton.jit`` fixes that choice when this module is imported.
 
-KV layout per layer, as everywhere in bm: ``[2, kv_heads, num_blocks, tokens_per_block, head_dim]``.
+KV layout per layer, as everywhere in bm: ``[2, kv_heads, num_blocks, tokens_per_block, head_dim]``
+(an int8 cache's rows 4 bytes wider, for their scales: :mod:`bm.runtime.triton.kv_rows`, which writes
+and widens a quantized cache's rows for these kernels).
 The attention kernel serves every query of a packed batch in one launch per layer: decode rows (one
 query each), whole prompts and chunks after a cached prefix alike. One program handles ``BLOCK_Q``
 consecutive queries of one sequence times the ``GROUP`` query heads sharing one KV head (so grouped
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from bm.runtime.triton.kv_rows import store_rows, widen
 
 
 @triton.jit
@@ -35,12 +39,17 @@ def store_kv_kernel(
     c_stride_h,
     c_stride_b,
     c_stride_t,
+    k_scale,
+    v_scale,
     TOKENS_PER_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
-    """Write one token's key and value (one KV head) at its slot; a negative slot is a padding row. Keys
-    and values have strides of their own: values split from a stacked q/k/v product step by its width."""
+    """Write one token's key and value (one KV head) at its slot, as the cache stores rows
+    (:mod:`bm.runtime.triton.kv_rows`; ``k_scale``/``v_scale``: an fp8 layer's); a negative slot is a
+    padding row. Keys and values have strides of their own: values split from a stacked q/k/v product
+    step by its width."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -48,12 +57,15 @@ def store_kv_kernel(
         return
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
+    one = tl.arange(0, 1)  # the token's one row, as the row store takes rows
     k_src = head * k_stride_h + token * k_stride_t + offs_d
     v_src = head * v_stride_h + token * v_stride_t + offs_d
-    dst = head * c_stride_h + (slot // TOKENS_PER_BLOCK) * c_stride_b
-    dst += (slot % TOKENS_PER_BLOCK) * c_stride_t + offs_d
-    tl.store(k_cache_ptr + dst, tl.load(key_ptr + k_src, mask=d_ok), mask=d_ok)
-    tl.store(v_cache_ptr + dst, tl.load(value_ptr + v_src, mask=d_ok), mask=d_ok)
+    row = head * c_stride_h + (slot // TOKENS_PER_BLOCK) * c_stride_b
+    row += (slot % TOKENS_PER_BLOCK) * c_stride_t + one
+    key = tl.load(key_ptr + k_src[None, :], mask=d_ok[None, :])
+    value = tl.load(value_ptr + v_src[None, :], mask=d_ok[None, :])
+    store_rows(k_cache_ptr, row, key, one >= 0, d_ok, k_scale, HEAD_DIM, HEAD_PAD, KV_QUANT)
+    store_rows(v_cache_ptr, row, value, one >= 0, d_ok, v_scale, HEAD_DIM, HEAD_PAD, KV_QUANT)
 
 
 @triton.jit
@@ -95,19 +107,22 @@ def _dot(a, b, DOT: tl.constexpr):
 @triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, start, bound, query_pos, slope, scale, softcap, window, sink_tokens, table_row_ptr,
-    k_cache_ptr, v_cache_ptr, c_head, c_stride_b, c_stride_t, offs_d, d_ok,
+    k_cache_ptr, v_cache_ptr, c_head, c_stride_b, c_stride_t, offs_d, d_ok, k_scale, v_scale,
     BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_ALIBI: tl.constexpr, USE_WINDOW: tl.constexpr, DOT: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_WINDOW: tl.constexpr, DOT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys ``start...`` (those below ``bound``) read through the sequence's block table and
     folded into the online softmax of ``q``'s rows (running max ``m_i``, sum ``l_i``, output ``acc``),
     the one tile step of both attention kernels. ``query_pos``: each row's position, as a column (one
-    per row) or a single value (a decode row's query heads)."""
+    per row) or a single value (a decode row's query heads). A quantized cache's keys and values are
+    widened to ``q``'s dtype in registers (:func:`bm.runtime.triton.kv_rows.widen`)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     blk = tl.load(table_row_ptr + offs_n // TOKENS_PER_BLOCK, mask=offs_n < bound, other=-1)
     n_ok = (offs_n < bound) & (blk >= 0)  # a block outside every window may be gone (-1)
     slot = c_head + blk.to(tl.int64) * c_stride_b + (offs_n % TOKENS_PER_BLOCK) * c_stride_t
     k = tl.load(k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    k = widen(k, k_cache_ptr + slot[None, :] + HEAD_DIM, k_scale, n_ok[None, :], q.dtype, KV_QUANT)
     s = _dot(q, k, DOT) * scale
     if USE_SOFTCAP:
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
@@ -122,6 +137,7 @@ def _attend_tile(
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    v = widen(v, v_cache_ptr + slot[:, None] + HEAD_DIM, v_scale, n_ok[:, None], q.dtype, KV_QUANT)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
     return m_new, l_i, acc
 
@@ -141,6 +157,8 @@ def paged_attention_kernel(
     softcap,
     window,
     sink_tokens,
+    k_scale,
+    v_scale,
     num_seqs,
     bt_stride,
     q_stride_h,
@@ -162,6 +180,7 @@ def paged_attention_kernel(
     USE_SINKS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,7 +228,8 @@ def paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_end, query_pos[:, None], slope, scale, softcap, window,
             sink_tokens, block_table_ptr + seq * bt_stride, k_cache_ptr, v_cache_ptr, c_head, c_stride_b,
-            c_stride_t, offs_d, d_ok, BLOCK_N, TOKENS_PER_BLOCK, USE_SOFTCAP, USE_ALIBI, USE_WINDOW, DOT,
+            c_stride_t, offs_d, d_ok, k_scale, v_scale, BLOCK_N, TOKENS_PER_BLOCK, USE_SOFTCAP, USE_ALIBI,
+            USE_WINDOW, DOT, HEAD_DIM, KV_QUANT,
         )  # fmt: skip
 
     acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no keys, nothing stored
@@ -266,6 +286,8 @@ def split_kv_decode_kernel(
     softcap,
     window,
     sink_tokens,
+    k_scale,
+    v_scale,
     num_splits,
     bt_stride,
     q_stride_h,
@@ -284,6 +306,7 @@ def split_kv_decode_kernel(
     USE_ALIBI: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Pass 1: one split of one decode row's keys for the ``GROUP`` query heads of one KV head.
 
@@ -325,7 +348,8 @@ def split_kv_decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, seq_len, query_pos, slope, scale, softcap, window, sink_tokens,
             block_table_ptr + seq * bt_stride, k_cache_ptr, v_cache_ptr, c_head, c_stride_b, c_stride_t,
-            offs_d, d_ok, BLOCK_N, TOKENS_PER_BLOCK, USE_SOFTCAP, USE_ALIBI, USE_WINDOW, DOT,
+            offs_d, d_ok, k_scale, v_scale, BLOCK_N, TOKENS_PER_BLOCK, USE_SOFTCAP, USE_ALIBI, USE_WINDOW,
+            DOT, HEAD_DIM, KV_QUANT,
         )  # fmt: skip
 
     part = ((seq * GROUP * tl.num_programs(1) + head) * num_splits + split).to(tl.int64)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bm.runtime.kv_quant import FP8, NO_SCALES
 from bm.runtime.triton import load_kernels
 from bm.runtime.triton.batch import PagedBatch, cdiv
 
@@ -143,10 +144,25 @@ def _align16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def store_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[kv_heads, T, d]`` into ``cache`` at ``slot_mapping`` (one launch). Each
-    keeps its own strides: values split from a stacked q/k/v product (bm.runtime.fused_projections) step by
-    its width, keys out of the rotary kernel by theirs; making both contiguous would copy them per layer."""
+def kv_format(cache: torch.Tensor) -> int:
+    """The kernels' KV_QUANT for a layer's cache: full width, int8 rows or fp8 (bm.runtime.kv_quant)."""
+    from bm.runtime.triton.kv_rows import KV_FP8, KV_FULL, KV_INT8  # imports triton: once kernels run
+
+    return {torch.int8: KV_INT8, FP8: KV_FP8}.get(cache.dtype, KV_FULL)
+
+
+def store_kv(
+    cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = NO_SCALES,
+) -> None:
+    """Write ``key``/``value`` ``[kv_heads, T, d]`` into ``cache`` at ``slot_mapping`` (one launch), as its
+    rows are stored: a quantized cache's quantized in the kernel (``kv_scales``: an fp8 layer's key and
+    value scales). Each keeps its own strides: values split from a stacked q/k/v product
+    (bm.runtime.fused_projections) step by its width, keys out of the rotary kernel by theirs; making
+    both contiguous would copy them per layer."""
     kernels = load_kernels()
     kv_heads, num_tokens, head_dim = key.shape
     if num_tokens == 0:
@@ -155,8 +171,9 @@ def store_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
     kernels.store_kv_kernel[(num_tokens, kv_heads)](
         key, value, cache[0], cache[1], slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cache.stride(1), cache.stride(2), cache.stride(3),
+        cache.stride(1), cache.stride(2), cache.stride(3), float(kv_scales[0]), float(kv_scales[1]),
         TOKENS_PER_BLOCK=cache.shape[3], HEAD_DIM=head_dim, HEAD_PAD=next_pow2(head_dim),
+        KV_QUANT=kv_format(cache),
     )  # fmt: skip
 
 
@@ -174,8 +191,11 @@ def paged_attention(
     sm_count: int | None = None,
     scratch: SplitScratch | None = None,
     launch: dict[str, int] | None = None,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> None:
     """Attention of every query ``q [heads, T, d]`` to its sequence's cached keys, into ``out [T, heads, d]``.
+    A quantized cache's rows are widened to ``q``'s dtype as they are read (``kv_scales``: an fp8
+    layer's key and value scales).
 
     ``alibi``/``sinks``: ``[heads]`` float32 slopes / sink logits. One launch for the whole batch, or
     two for a decode-only batch that runs split-KV: ``num_splits`` forces a split count (1: the
@@ -205,7 +225,7 @@ def paged_attention(
         _split_kv_decode(
             kernels, out, q, cache, batch, scale, softcap, alibi, sinks, num_splits, block_n,
             scratch if scratch is not None else SplitScratch(q.device),
-            SPLIT_LAUNCH if launch is None else launch,
+            SPLIT_LAUNCH if launch is None else launch, kv_scales,
         )  # fmt: skip
         return
     if launch is None:
@@ -221,13 +241,15 @@ def paged_attention(
     kernels.paged_attention_kernel[grid](
         out, q, cache[0], cache[1], batch.block_table, batch.seq_lens, batch.cu_seqlens,
         sinks if sinks is not None else dummy, alibi if alibi is not None else dummy,
-        float(scale), float(softcap or 0.0), int(window or 0), int(batch.sink_tokens), batch.num_seqs,
+        float(scale), float(softcap or 0.0), int(window or 0), int(batch.sink_tokens),
+        float(kv_scales[0]), float(kv_scales[1]), batch.num_seqs,
         batch.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(1), cache.stride(2), cache.stride(3),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_PAD=max(16, next_pow2(head_dim)), TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_SINKS=sinks is not None,
-        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype), **launch,
+        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype), KV_QUANT=kv_format(cache),
+        **launch,
     )  # fmt: skip
 
 
@@ -245,6 +267,7 @@ def _split_kv_decode(
     block_n: int,
     scratch: SplitScratch,
     launch: dict[str, int],
+    kv_scales: tuple[float, float],
 ) -> None:
     """Pass 1 over ``(sequence, KV head, split)``, pass 2 over ``(sequence, query head)``: both grids are
     functions of the row count and the split count alone, as a CUDA graph needs."""
@@ -259,12 +282,12 @@ def _split_kv_decode(
     kernels.split_kv_decode_kernel[(num_seqs, kv_heads, num_splits)](
         part_acc, part_max, part_sum, q, cache[0], cache[1], batch.block_table, batch.seq_lens,
         alibi if alibi is not None else dummy,
-        float(scale), float(softcap or 0.0), window, sink_tokens, num_splits,
-        batch.block_table.stride(0), q.stride(0), q.stride(1), cache.stride(1), cache.stride(2), cache.stride(3),
+        float(scale), float(softcap or 0.0), window, sink_tokens, float(kv_scales[0]), float(kv_scales[1]),
+        num_splits, batch.block_table.stride(0), q.stride(0), q.stride(1), cache.stride(1), cache.stride(2), cache.stride(3),
         GROUP=group, BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, MIN_TILES=MIN_SPLIT_TILES,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_WINDOW=use_window,
-        DOT=_dot_mode(kernels, q.dtype), **launch,
+        DOT=_dot_mode(kernels, q.dtype), KV_QUANT=kv_format(cache), **launch,
     )  # fmt: skip
     kernels.split_kv_combine_kernel[(num_seqs, num_heads)](
         out, part_acc, part_max, part_sum, batch.seq_lens, sinks if sinks is not None else dummy,
