@@ -16,8 +16,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bm.config import ConfigError, ModelConfig
-from bm.runtime import ModelRunner, load_model
+from bm.runtime import ModelRunner, load_model, work_item
 from bm.runtime.attention import LayerExtras
+from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.kv_quant import (
     FP8,
     SCALE_BYTES,
@@ -31,6 +32,7 @@ from bm.runtime.native.paged_decode import DecodeRows
 from bm.scheduling import FinishReason
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 from tests.native_variants import each_decode_extra, each_decode_shape, each_isa, scattered_tables
+from tests.test_bf16_oracle import LOGITS_ATOL
 from tests.test_oracle import run_staggered
 
 QUANTIZED = ("int8", "fp8_e4m3")
@@ -184,18 +186,56 @@ def test_a_checkpoint_without_kv_scales_reads_as_none(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED)
-def test_a_quantized_cache_is_refused_on_cuda_and_an_unknown_dtype_names_the_choices(cache_dtype):
-    with pytest.raises(ConfigError) as cuda:
-        make_config(model={"device": "cuda"}, kv_cache={"dtype": cache_dtype})
-    assert f"kv_cache.dtype: {cache_dtype} is read by the CPU's attention paths only so far" in str(
-        cuda.value
+def test_a_quantized_cache_is_taken_on_cuda_and_in_bf16_and_an_unknown_dtype_names_the_choices(cache_dtype):
+    """CUDA's Triton kernels and every dtype's attention read quantized rows: nothing to refuse there."""
+    assert (
+        make_config(model={"device": "cuda"}, kv_cache={"dtype": cache_dtype}).kv_cache.dtype == cache_dtype
+    )
+    assert (
+        make_config(model={"dtype": "bfloat16"}, kv_cache={"dtype": cache_dtype}).kv_cache.dtype
+        == cache_dtype
     )
     with pytest.raises(ConfigError) as unknown:
         make_config(kv_cache={"dtype": "fp8_e5m2"})
     assert "kv_cache.dtype: unknown value 'fp8_e5m2'; allowed: auto, fp8_e4m3, int8" in str(unknown.value)
-    with pytest.raises(ConfigError) as bf16:
-        make_config(model={"dtype": "bfloat16"}, kv_cache={"dtype": cache_dtype})
-    assert "model.dtype is bfloat16; give model.dtype: float32" in str(bf16.value)
+
+
+def test_int8_rows_are_refused_for_heads_whose_scale_would_sit_unaligned(tiny_model):
+    """An int8 row's float32 scale follows its values: heads of 6 would put it at byte 6. fp8 rows
+    carry no scale and are taken."""
+    odd = dataclasses.replace(
+        tiny_model, kv_shapes={layer: (heads, 6) for layer, (heads, _) in tiny_model.kv_shapes.items()}
+    )
+    with pytest.raises(ValueError, match=r"heads of 6: use kv_cache\.dtype: fp8_e4m3 or auto"):
+        ModelRunner(odd, 4, 8, 32, cache_dtype="int8")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("cache_dtype", QUANTIZED)
+def test_a_bf16_models_logits_over_a_quantized_cache_are_within_bf16_tolerance_of_hf_over_the_rounding(
+    monkeypatch, cache_dtype, backend
+):
+    """bf16 has no token-exact oracle (tests/test_bf16_oracle.py); its logits over a quantized cache
+    meet the same tolerance against HF's bf16 forward with every key and value rounded as the cache
+    rounds them, the prompt in two chunks so the second reads the first's quantized rows back."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv(ENV_SWITCH, backend)
+    loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", seed=0))
+    loaded = dataclasses.replace(loaded, kv_scales=_REFERENCE_SCALES.get(cache_dtype, {}))
+    ref = reference_model(loaded)
+    ref.set_attn_implementation(f"sdpa_{cache_dtype}_kv")
+    runner = ModelRunner(loaded, 16, 8, 64, cache_dtype=cache_dtype)
+    assert runner.attention_backend == backend
+    assert runner.kv_caches[0].dtype == {"int8": torch.int8, "fp8_e4m3": FP8}[cache_dtype]
+    prompt = random_prompts(seed=7, count=1, vocab=loaded.vocab_size, max_prompt=30, max_output=1)[0][0]
+    prompt = (prompt * 3)[:30]
+    table = list(range(8))
+    first = runner.forward([work_item(prompt[:13], 0, table, True, keep_all=True)])
+    second = runner.forward([work_item(prompt[13:], 13, table, True, keep_all=True)])
+    with torch.no_grad():
+        theirs = ref(torch.tensor([prompt])).logits[0].float()
+    assert (torch.cat([first, second]) - theirs).abs().max().item() < LOGITS_ATOL
 
 
 def test_vllms_fp8_spelling_is_bms_fp8_e4m3():

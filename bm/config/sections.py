@@ -164,17 +164,6 @@ def validate(cfg: BmConfig) -> None:
             f"kv_cache.sink_token_length ({kv.sink_token_length}) must be smaller than "
             f"kv_cache.max_attention_window ({smallest})"
         )
-    if kv.dtype != "auto" and cfg.model.device.startswith("cuda"):
-        raise ConfigError(
-            f"kv_cache.dtype: {kv.dtype} is read by the CPU's attention paths only so far; on CUDA keep "
-            "kv_cache.dtype: auto (or set model.device: cpu)"
-        )
-    if kv.dtype != "auto" and cfg.model.dtype in ("bfloat16", "float16"):
-        raise ConfigError(
-            f"kv_cache.dtype: {kv.dtype} is read by float32 attention so far, and model.dtype is "
-            f"{cfg.model.dtype}; give model.dtype: float32 (or auto, float32 on the CPU) with a "
-            f"{kv.dtype} cache"
-        )
     if kv.max_tokens is not None and kv.max_tokens < kv.tokens_per_block:
         raise ConfigError(
             f"kv_cache.max_tokens ({kv.max_tokens}) is smaller than one block "

@@ -28,7 +28,7 @@ from bm.runtime.backends import (
     backend_class,
 )
 from bm.runtime.host_memory import reserved_zeros, tune_host_allocator
-from bm.runtime.kv_quant import stored_row
+from bm.runtime.kv_quant import SCALE_BYTES, stored_row
 from bm.runtime.model_loader import LoadedModel
 from bm.runtime.transfer import to_device
 
@@ -68,10 +68,12 @@ class ModelRunner:
         own (window -> its blocks); work items then carry ``window_block_ids`` for them.
         ``cache_dtype``: ``kv_cache.dtype`` (auto: the model's KV dtype; int8 or fp8_e4m3:
         bm.runtime.kv_quant rows)."""
-        if cache_dtype != "auto" and (loaded.device.type != "cpu" or loaded.kv_dtype != torch.float32):
+        odd = sorted({dim for _, dim in loaded.kv_shapes.values() if dim % SCALE_BYTES})
+        if cache_dtype == "int8" and odd:
             raise ValueError(
-                f"kv_cache.dtype: {cache_dtype} is read by the CPU's float32 attention only so far, and this model "
-                f"runs {loaded.kv_dtype} on {loaded.device}; keep kv_cache.dtype: auto there"
+                f"kv_cache.dtype: int8 keeps each row's float32 scale after its values, aligned only for head "
+                f"sizes that are multiples of 4; this model has heads of {odd[0]}: use kv_cache.dtype: "
+                "fp8_e4m3 or auto"
             )
         num_layers = max(loaded.kv_shapes) + 1
         if isinstance(max_attention_window, AttentionWindowLayout):
