@@ -86,7 +86,7 @@ def test_a_vllm_flag_with_a_bad_value_is_refused_naming_the_bm_key(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag", ["--quantization", "--pipeline-parallel-size", "--trust-remote-code"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "--trust-remote-code"])
 def test_a_vllm_flag_bm_cannot_honour_names_the_bm_equivalent(flag):
     result = runner.invoke(app, ["run", "prompts.jsonl", flag, "x"], env={"COLUMNS": "80"})
     assert result.exit_code == 2

@@ -73,6 +73,7 @@ ENGINE = {
     "tokenizer": ("./some/dir", "model.tokenizer", "./some/dir"),
     "block_size": (16, "kv_cache.tokens_per_block", 16),
     "kv_cache_dtype": ("fp8", "kv_cache.dtype", "fp8_e4m3"),  # vLLM's fp8 is e4m3
+    "quantization": ("int8", "model.quantization", "int8"),
     "enforce_eager": (True, "model.cuda_graphs", "off"),
 }
 # vLLM LLM(...) keywords LLM reads itself: seed seeds sampling (test_llm_contract.py), and
@@ -90,7 +91,6 @@ OWN = {
 # vLLM LLM(...) keywords bm has no knob for: (a value that asks for what bm does anyway, accepted; a
 # value that asks for more, refused naming the bm way).
 ENGINE_ONLY = {
-    "quantization": (None, "awq", "dtype="),
     "trust_remote_code": (False, True, "runs no code from a checkpoint"),
     "pipeline_parallel_size": (1, 2, "bm run --tensor-parallel N"),
     "swap_space": (0, 4, "'scheduler_policy': 'max_utilization'"),

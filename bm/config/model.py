@@ -20,6 +20,14 @@ DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "
 # model.cpu_bf16_gemm's values (bm.cpu_isa.cpu_bf16_gemm resolves auto).
 CPU_BF16_GEMMS = {"auto": "auto", "onednn": "onednn", "invariant": "invariant"}
 
+# model.quantization's values (bm.runtime.weight_quant)
+QUANTIZATIONS = {"none": "none", "int8": "int8"}
+
+
+def _quantization(key: str, value: Any) -> str:
+    """none or int8; None (vLLM's default for its ``quantization``) is none."""
+    return "none" if value is None else choice(QUANTIZATIONS)(key, value)
+
 
 # Said once when model.dtype bfloat16 meets a CPU without bf16 instructions (measured: issue 42, an
 # AVX2-only AMD EPYC, SmolLM2-135M, Azure rows 500-563).
@@ -246,6 +254,13 @@ class ModelConfig:
         "auto",
         "One GEMM for q/k/v, one for gate/up (Llama family): auto (CUDA in float16 or bfloat16), on, off.",
         on_off_auto,
+    )
+    quantization: str = knob(
+        "none",
+        "Weights quantized on load: none, int8 (the decoder's linears, one scale per output channel; "
+        "weight-only, on bm's CPU int8 GEMM; the output head stays in model.dtype). vLLM's quantization= "
+        "sets it.",
+        _quantization,
     )
 
     @property

@@ -183,6 +183,16 @@ def validate(cfg: BmConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_cpu_bf16_gemm(cfg.model)
+    if cfg.model.quantization != "none" and cfg.model.device.startswith("cuda"):
+        raise ConfigError(
+            f"model.quantization: {cfg.model.quantization} runs on bm's CPU int8 GEMM only so far (no CUDA "
+            "kernel yet); set model.device: cpu, or drop model.quantization on CUDA"
+        )
+    if cfg.model.quantization != "none" and engine.executor == "sim":
+        raise ConfigError(
+            f"model.quantization: {cfg.model.quantization}: the simulator prices full-width weights and does "
+            "not model quantized ones; drop model.quantization with engine.executor: sim"
+        )
 
 
 def _check_cpu_bf16_gemm(model: ModelConfig) -> None:

@@ -22,6 +22,9 @@ VLLM_ENGINE_KEYS: dict[str, str] = {
     "tokenizer": "model.tokenizer",
     "block_size": "kv_cache.tokens_per_block",
     "kv_cache_dtype": "kv_cache.dtype",  # auto, fp8 and fp8_e4m3 as vLLM reads them; bm's int8 too
+    # vLLM's names a checkpoint's format (awq, gptq, fp8, ...) or an on-load scheme; bm has int8 on load
+    # (and None, vLLM's default): any other is refused naming the choices
+    "quantization": "model.quantization",
 }
 # The booleans among them: on the command line a switch (--enable-prefix-caching / --no-enable-prefix-caching).
 VLLM_SWITCHES: tuple[str, ...] = ("enable_prefix_caching", "enable_chunked_prefill")
@@ -50,12 +53,6 @@ class NotInBm:
 _LOCAL = "bm reads local checkpoints only (no hub downloads)"
 # vLLM engine arguments (LLM(...) keywords, and the flags they are spelled as) bm has no knob for.
 VLLM_UNSUPPORTED: dict[str, NotInBm] = {
-    "quantization": NotInBm(
-        "bm runs the weights in model.dtype and has no quantization",
-        "choose the precision with dtype= (model.dtype)",
-        "choose the precision with --dtype (model.dtype)",
-        (None,),
-    ),
     "trust_remote_code": NotInBm(
         "bm builds models from transformers' own classes and runs no code from a checkpoint",
         "drop it",

@@ -32,6 +32,7 @@ from bm.runtime.native import bf16_gemm_kernel, kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.random_weights import random_model
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
+from bm.runtime.weight_quant import WeightQuantError, quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +61,9 @@ class LoadedModel:
     layer_windows: tuple[int | None, ...] = ()
     # Linear layers running with oneDNN-packed weights on small batches (bm.runtime.prepack).
     num_prepacked_linears: int = 0
+    # model.quantization (none, int8) and the linears it quantized on load (bm.runtime.weight_quant).
+    quantization: str = "none"
+    num_quantized_linears: int = 0
     # The GEMM of bf16 CPU linears (model.cpu_bf16_gemm resolved: onednn, invariant); None elsewhere.
     cpu_bf16_gemm: str | None = None
     # Modules (RMSNorm, gated MLP) and modeling functions (rotary) running bm's fused elementwise kernels.
@@ -173,6 +177,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         cpu_bf16_gemm=cfg.cpu_bf16_gemm,
         fused_elementwise=cfg.fused_elementwise,
         fused_projections=cfg.fused_projections,
+        quantization=cfg.quantization,
     )
     loaded.cuda_graphs = cfg.cuda_graphs
     loaded.warmup = cfg.warmup
@@ -301,6 +306,7 @@ def describe_model(
     fused_elementwise: str = "auto",
     fused_projections: str = "auto",
     cpu_bf16_gemm: str = "auto",
+    quantization: str = "none",
 ) -> LoadedModel:
     """What bm needs to know of a built model; probes its attention layers (and takes them over).
 
@@ -312,6 +318,8 @@ def describe_model(
     forwards, C on CPU and Triton on CUDA (bm.runtime.fusion).
     ``fused_projections`` (auto, on, off): q/k/v and gate/up as one GEMM each inside bm forwards, on CUDA
     in 16-bit dtypes (bm.runtime.fused_projections); after the elementwise fusion, whose MLPs it extends.
+    ``quantization`` (none, int8): the decoder's linears quantized first (bm.runtime.weight_quant), so
+    nothing packs their full-width weights.
     """
     config: Any = model.config.get_text_config()
     param = next(model.parameters())
@@ -331,6 +339,10 @@ def describe_model(
         sliding = None
     adapt_attention_modules(model)
     kv_shapes = probe_kv_shapes(model)
+    try:
+        num_quantized = quantize_linears(model, quantization)
+    except WeightQuantError as exc:
+        raise ModelLoadError(str(exc)) from exc
     num_packed = 0
     bf16_gemm = None
     if param.device.type == "cpu" and param.dtype == torch.bfloat16:
@@ -363,6 +375,8 @@ def describe_model(
         sliding_window_on_every_layer=all(t == "sliding_attention" for t in layer_types),
         layer_windows=windows,
         num_prepacked_linears=num_packed,
+        quantization=quantization,
+        num_quantized_linears=num_quantized,
         cpu_bf16_gemm=bf16_gemm,
         fused_elementwise=fused,
         fused_projections=stacked,

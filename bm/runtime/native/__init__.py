@@ -23,6 +23,7 @@ from bm.cpu_isa import ENV_ISA, KERNEL_ISAS, bf16_kv_cache, cpu_features, kernel
 from bm.runtime.native.args import as_rows, kernel_inputs
 from bm.runtime.native.bf16_gemm import Bf16GemmKernel, bf16_gemm_kernel
 from bm.runtime.native.elementwise import ElementwiseKernels, elementwise_kernels
+from bm.runtime.native.int8_gemm import Int8GemmKernel, int8_gemm_kernel
 from bm.runtime.native.loader import ENV_SWITCH, NativeKernel, native_kernels_enabled
 from bm.runtime.native.lora_delta import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
 from bm.runtime.native.paged_decode import DecodeRows, PagedDecodeKernel, paged_decode_kernel
@@ -35,6 +36,7 @@ __all__ = [
     "Bf16GemmKernel",
     "DecodeRows",
     "ElementwiseKernels",
+    "Int8GemmKernel",
     "LoraDeltaKernel",
     "LoraDeltaWeights",
     "NativeKernel",
@@ -44,6 +46,7 @@ __all__ = [
     "as_rows",
     "bf16_gemm_kernel",
     "elementwise_kernels",
+    "int8_gemm_kernel",
     "kernel_inputs",
     "kv_cache_dtype",
     "lora_delta_kernel",

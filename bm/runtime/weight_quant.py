@@ -1,0 +1,133 @@
+"""Weights quantized on load (``model.quantization: int8``): every linear of the decoder's layers keeps
+int8 values with one float32 scale per output channel, and runs on bm's int8-weight GEMM
+(:mod:`bm.runtime.native.int8_gemm`). Weight-only: activations, norms, embeddings, the output head and
+the KV cache stay in ``model.dtype``.
+
+The format, per output row ``n`` of a weight ``W [N, K]``: symmetric, ``scale[n] = max|W[n]| / 127`` (1
+for an all-zero row), ``q[n, k] = round(W[n, k] / scale[n])`` (half to even) in [-127, 127]. A layer
+computes ``(x @ q.T) * scale (+ bias)``: one float32 chain over k per output, the scale applied once at
+its end. Its reference is the same layer with the weight expanded to ``q * scale`` in float32
+(:func:`dequantized`): the two differ only in rounding (the scale applied after the sum instead of to
+each product), so greedy output matches HF ``generate()`` on the expanded weights up to near-ties.
+
+Why the output head stays full width: its logits choose every token, one matrix among many (SmolLM2:
+tied to the embedding, whose rows a lookup reads), and the peers keep it so too (vLLM's and TensorRT-LLM's
+weight-only schemes quantize the decoder's linears).
+
+The quantized layer is the same ``nn.Linear``, so its hooks and name stay: ``weight`` becomes the packed
+int8 panels (the layer's one copy of its weight, :meth:`Int8GemmKernel.pack`), ``weight_scale`` a buffer
+beside it, and ``forward`` an :class:`Int8Forward`.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
+
+QMAX = 127.0
+SCHEMES = ("none", "int8")
+
+
+class WeightQuantError(ValueError):
+    """A model ``model.quantization`` cannot be applied to; the message names why and the fix."""
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> (int8 ``q [N, K]``, float32 ``scale [N]``), symmetric per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / QMAX
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight a quantized layer stands for: ``q * scale`` per output row."""
+    return q.float() * scale[:, None]
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linears ``model.quantization`` quantizes: every ``nn.Linear`` but the output head (and any
+    linear sharing its weight)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head and module.weight is not head_weight
+    ]
+
+
+def quantize_linears(model: nn.Module, scheme: str) -> int:
+    """Quantize ``model``'s linears in place for ``scheme`` (``none``: nothing); returns how many."""
+    if scheme == "none":
+        return 0
+    if scheme not in SCHEMES:
+        raise WeightQuantError(
+            f"model.quantization: unknown scheme {scheme!r}; allowed: {', '.join(SCHEMES)}"
+        )
+    linears = quantized_linears(model)
+    for name, module in linears:
+        weight = module.weight
+        if type(weight.data) is not torch.Tensor or weight.device.type != "cpu":
+            raise WeightQuantError(
+                f"model.quantization: int8 runs bm's CPU int8 GEMM on whole CPU weights; {name}'s weight is "
+                f"a {type(weight.data).__name__} on {weight.device} (tensor-parallel shards and CUDA are not "
+                "built yet): drop model.quantization, or run one process on the CPU"
+            )
+        if type(module).forward is not nn.Linear.forward or "forward" in module.__dict__:
+            raise WeightQuantError(
+                f"model.quantization: int8 quantizes plain linears; {name} ({type(module).__name__}) computes "
+                "its own forward: drop model.quantization for this model"
+            )
+    with torch.no_grad():
+        for _, module in linears:
+            q, scale = quantize_weight(module.weight)
+            module.weight = nn.Parameter(Int8GemmKernel.pack(q), requires_grad=False)
+            module.register_buffer("weight_scale", scale)
+            module.forward = Int8Forward(module)
+    return len(linears)
+
+
+def int8_weight(module: nn.Linear) -> torch.Tensor:
+    """A quantized linear's ``[N, K]`` int8 weight, unpacked from its panels (a copy)."""
+    return Int8GemmKernel.unpack(module.weight, module.out_features)
+
+
+class Int8Forward:
+    """A quantized linear's forward: ``(x @ q.T) * scale (+ bias)`` in float32 on bm's int8 GEMM (the
+    input widened from, and the output rounded to, a bfloat16 model's dtype), or in torch where the C
+    kernel is not built (``BM_NATIVE_KERNELS=0``, no compiler): the same values up to rounding."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self._module = module
+        self._kernel = int8_gemm_kernel()
+        self._torch: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(_torch_forward, module)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self._module
+        if self._kernel is None or x.device.type != "cpu" or torch.is_grad_enabled():
+            return self._torch(x)
+        bias = module.bias
+        out = self._kernel(
+            x.float(), module.weight, module.weight_scale, None if bias is None else bias.detach().float()
+        )
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def __deepcopy__(self, memo: dict) -> Int8Forward:
+        import copy
+
+        return Int8Forward(copy.deepcopy(self._module, memo))
+
+
+def _torch_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    q = int8_weight(module)
+    bias = None if module.bias is None else module.bias.float()
+    out = F.linear(x.float(), q.float()) * module.weight_scale
+    return (out if bias is None else out + bias).to(x.dtype)
