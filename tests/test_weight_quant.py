@@ -144,3 +144,20 @@ def test_vllms_quantization_keyword_runs_int8_weights_through_llm():
     assert llm.loaded.quantization == "int8" and llm.loaded.num_quantized_linears > 0
     out = llm.generate([[5, 6, 7]], bm.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_linear_with_a_forward_of_its_own_is_refused_naming_it(tiny_model):
+    """A wrapped forward (a tensor-parallel plan's, a LoRA wrapper's) would be silently dropped by the
+    int8 forward: the load is refused, naming the layer, before anything is quantized."""
+    import copy
+
+    from bm.runtime.prepack import unpack_linears
+    from bm.runtime.weight_quant import WeightQuantError, quantize_linears
+
+    model = copy.deepcopy(tiny_model.model)
+    unpack_linears(model)  # as loaded: quantization comes before prepacking
+    name, linear = quantized_linears(model)[3]
+    linear.forward = lambda x: x
+    with pytest.raises(WeightQuantError, match=f"{name} .* computes its own forward"):
+        quantize_linears(model, "int8")
+    assert all(lin.weight.dtype == torch.float32 for _, lin in quantized_linears(model))
