@@ -161,3 +161,19 @@ def test_a_linear_with_a_forward_of_its_own_is_refused_naming_it(tiny_model):
     with pytest.raises(WeightQuantError, match=f"{name} .* computes its own forward"):
         quantize_linears(model, "int8")
     assert all(lin.weight.dtype == torch.float32 for _, lin in quantized_linears(model))
+
+
+def test_a_quantized_model_survives_a_pickle_and_a_deep_copy_computing_the_same_bits(int8_model):
+    """Ray and multiprocessing move models by pickle, tests and LLM copies by deepcopy: the int8 forward
+    travels as its module and finds its kernel again."""
+    import copy
+    import pickle
+
+    mlp = int8_model.model.model.layers[0].mlp  # three int8 linears
+    x = torch.randn(4, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = mlp(x)
+        for clone in (pickle.loads(pickle.dumps(mlp)), copy.deepcopy(mlp)):
+            assert clone.down_proj.weight.dtype == torch.int8
+            assert clone.down_proj.forward._module is clone.down_proj  # its own module, not the original's
+            assert torch.equal(clone(x), want)

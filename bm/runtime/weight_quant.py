@@ -106,6 +106,15 @@ class Int8Forward:
     kernel is not built (``BM_NATIVE_KERNELS=0``, no compiler): the same values up to rounding."""
 
     def __init__(self, module: nn.Linear) -> None:
+        self.__setstate__({"_module": module})
+
+    # The compiled kernel is a handle of this process: copies and pickles of a model carry the module
+    # only and find the kernel again where they land.
+    def __getstate__(self) -> dict:
+        return {"_module": self._module}
+
+    def __setstate__(self, state: dict) -> None:
+        module = state["_module"]
         self._module = module
         self._kernel = int8_gemm_kernel()
         self._torch: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(_torch_forward, module)
