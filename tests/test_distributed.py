@@ -235,6 +235,58 @@ def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outp
     assert all((s["TP Size"], s["DP Size"]) == (2, 1) for s in stats)
 
 
+def test_two_tensor_parallel_shards_of_int8_weights_give_the_single_process_int8_outputs(
+    tmp_path, tiny_model, tiny_reference
+):
+    """model.quantization: int8 under --tensor-parallel 2: each rank quantizes its shard (a row-split
+    layer's scales from the whole row's maximum), so the two ranks hold the single-process layer's q
+    between them, and both runs give HF generate()'s tokens on the weights expanded to q * scale."""
+    import copy
+
+    import torch
+
+    from bm.runtime.weight_quant import dequantized, quantize_weight, quantized_linears
+
+    checkpoint = tmp_path / "ckpt"
+    tiny_reference.save_pretrained(checkpoint)
+    expanded = copy.deepcopy(tiny_reference)
+    with torch.no_grad():
+        for _, linear in quantized_linears(expanded):
+            linear.weight.copy_(dequantized(*quantize_weight(linear.weight)))
+    specs = random_prompts(seed=4, count=12, vocab=tiny_model.vocab_size, max_prompt=40, max_output=12)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p, "max_tokens": m}) + "\n" for p, m in specs))
+    common = [
+        "--model",
+        checkpoint,
+        "--ignore-eos",
+        "-s",
+        "model.quantization=int8",
+        "-s",
+        "engine.max_batch_size=8",
+    ]
+    single = CliRunner().invoke(
+        app,
+        ["run", str(prompts), "-o", str(tmp_path / "tp1"), *map(str, common), "-q", "-s", "model.device=cpu"],
+    )
+    assert single.exit_code == 0, single.output
+    done = subprocess.run(
+        bm_command("run", prompts, "-o", tmp_path / "tp2", "--tensor-parallel", 2, *common),
+        env=bm_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    one = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp1" / "outputs.jsonl")}
+    two = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp2" / "outputs.jsonl")}
+    assert sorted(two) == list(range(len(specs))) and two == one
+    for i, (prompt, max_new) in enumerate(specs):
+        assert two[i] == hf_greedy(expanded, prompt, max_new), f"request {i}"
+    # the full-width model answers some of them otherwise: full-width shards would have failed above
+    assert any(two[i] != hf_greedy(tiny_reference, p, m) for i, (p, m) in enumerate(specs))
+
+
 def test_data_and_tensor_parallel_compose_into_two_replicas_of_two_shards(
     tmp_path, tiny_model, tiny_reference
 ):

@@ -17,12 +17,20 @@ weight-only schemes quantize the decoder's linears).
 The quantized layer is the same ``nn.Linear``, so its hooks and name stay: ``weight`` becomes the packed
 int8 panels (the layer's one copy of its weight, :meth:`Int8GemmKernel.pack`), ``weight_scale`` a buffer
 beside it, and ``forward`` an :class:`Int8Forward`.
+
+Tensor-parallel shards (transformers' tp_plan, :mod:`bm.parallel.tensor_parallel`) are quantized where
+they are: each rank quantizes its local slice of a sharded weight, and the forward transformers installed
+around the layer (inputs split or gathered, a row-split layer's output all-reduced, its bias added once)
+keeps running, now around the int8 forward. A column-split layer's rows are whole on their rank; a
+row-split layer's rows are split over the ranks, so their scales come from the row's maximum over every
+rank (one all-reduce at load): each rank then holds exactly its slice of the single-process layer's q.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +46,15 @@ class WeightQuantError(ValueError):
     """A model ``model.quantization`` cannot be applied to; the message names why and the fix."""
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W [N, K]`` -> (int8 ``q [N, K]``, float32 ``scale [N]``), symmetric per output channel."""
+def quantize_weight(
+    weight: torch.Tensor, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> (int8 ``q [N, K]``, float32 ``scale [N]``), symmetric per output channel.
+    ``row_max``: each row's ``max|W|`` over the whole row where ``weight`` holds a slice of it (a
+    row-split tensor-parallel shard: the maximum over every rank)."""
     w = weight.detach().float()
-    scale = w.abs().amax(1) / QMAX
+    peak = w.abs().amax(1)
+    scale = (row_max(peak) if row_max is not None else peak) / QMAX
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
@@ -73,31 +86,70 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
             f"model.quantization: unknown scheme {scheme!r}; allowed: {', '.join(SCHEMES)}"
         )
     linears = quantized_linears(model)
+    wrapped = {}
     for name, module in linears:
         weight = module.weight
-        if type(weight.data) is not torch.Tensor or weight.device.type != "cpu":
+        if weight.device.type != "cpu":
             raise WeightQuantError(
-                f"model.quantization: int8 runs bm's CPU int8 GEMM on whole CPU weights; {name}'s weight is "
-                f"a {type(weight.data).__name__} on {weight.device} (tensor-parallel shards and CUDA are not "
-                "built yet): drop model.quantization, or run one process on the CPU"
+                f"model.quantization: int8 runs bm's CPU int8 GEMM; {name}'s weight is on {weight.device} "
+                "(no CUDA kernel yet): drop model.quantization there, or run on the CPU"
             )
-        if type(module).forward is not nn.Linear.forward or "forward" in module.__dict__:
+        own = module.__dict__.get("forward")
+        wrapped[name] = _tp_inner_forward(own) if own is not None else None
+        if type(module).forward is not nn.Linear.forward or (own is not None and wrapped[name] is None):
             raise WeightQuantError(
                 f"model.quantization: int8 quantizes plain linears; {name} ({type(module).__name__}) computes "
                 "its own forward: drop model.quantization for this model"
             )
     with torch.no_grad():
-        for _, module in linears:
-            q, scale = quantize_weight(module.weight)
-            module.weight = nn.Parameter(Int8GemmKernel.pack(q), requires_grad=False)
+        for name, module in linears:
+            local, row_max = _local_weight(module.weight)
+            q, scale = quantize_weight(local, row_max)
+            module._parameters["weight"] = nn.Parameter(Int8GemmKernel.pack(q), requires_grad=False)
             module.register_buffer("weight_scale", scale)
-            module.forward = Int8Forward(module)
+            if wrapped[name] is not None:  # transformers' tensor-parallel forward, now around the int8 one
+                wrapped[name].cell_contents = Int8Forward(module)
+            else:
+                module.forward = Int8Forward(module)
     return len(linears)
 
 
+def _tp_inner_forward(forward: Any) -> Any:
+    """The closure cell holding the layer's own forward inside transformers' tensor-parallel wrapper
+    (``TensorParallelLayer.install_forward``'s ``tp_forward``), or None for any other forward."""
+    code = getattr(forward, "__code__", None)
+    if code is None or code.co_name != "tp_forward" or forward.__closure__ is None:
+        return None
+    return dict(zip(code.co_freevars, forward.__closure__, strict=True)).get("original_forward")
+
+
+def _local_weight(weight: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """A weight's rows on this rank, and for a row-split shard (its input dimension split over the
+    ranks) the all-reduce giving each row's maximum over the whole row."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight.data, DTensor):
+        return weight, None
+    dtensor = weight.data
+    local = dtensor.to_local()
+    if not any(isinstance(p, Shard) and p.dim in (1, -1) for p in dtensor.placements):
+        return local, None
+    group = dtensor.device_mesh.get_group()
+
+    def row_max(peak: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        peak = peak.clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        return peak
+
+    return local, row_max
+
+
 def int8_weight(module: nn.Linear) -> torch.Tensor:
-    """A quantized linear's ``[N, K]`` int8 weight, unpacked from its panels (a copy)."""
-    return Int8GemmKernel.unpack(module.weight, module.out_features)
+    """A quantized linear's ``[N, K]`` int8 weight (this rank's slice under tensor parallelism),
+    unpacked from its panels (a copy)."""
+    return Int8GemmKernel.unpack(module.weight, module.weight_scale.numel())
 
 
 class Int8Forward:
