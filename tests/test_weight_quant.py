@@ -177,3 +177,16 @@ def test_a_quantized_model_survives_a_pickle_and_a_deep_copy_computing_the_same_
             assert clone.down_proj.weight.dtype == torch.int8
             assert clone.down_proj.forward._module is clone.down_proj  # its own module, not the original's
             assert torch.equal(clone(x), want)
+
+
+def test_a_checkpoint_saved_quantized_is_refused_naming_its_method_and_the_fix(tmp_path, tiny_reference):
+    import json
+
+    from bm.runtime.model_loader import ModelLoadError
+
+    tiny_reference.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"'gptq'-quantized checkpoint .* model\.quantization: int8"):
+        load_model(ModelConfig(path=str(tmp_path), device="cpu"))

@@ -150,6 +150,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.path {cfg.path!r} is not a checkpoint directory (no config.json)")
+        _refuse_quantized_checkpoint(path)
         try:
             tp_kwargs = _tensor_parallel_kwargs(path)
             model = AutoModelForCausalLM.from_pretrained(
@@ -186,6 +187,24 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         loaded.kv_scales = checkpoint_kv_scales(Path(cfg.path))
     loaded.load_seconds = time.perf_counter() - started
     return loaded
+
+
+def _refuse_quantized_checkpoint(path: Path) -> None:
+    """A checkpoint saved quantized (GPTQ, AWQ, FP8, compressed-tensors, bitsandbytes: its config.json's
+    ``quantization_config``) is refused before transformers tries the format's own packages: bm reads no
+    such format yet, and a half-working load (an import error, or weights dequantized on load) would
+    hide it."""
+    try:
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return  # from_pretrained reports an unreadable config in its own words
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ModelLoadError(
+            f"model.path {str(path)!r} is a {method!r}-quantized checkpoint (config.json's quantization_config); "
+            "bm reads no pre-quantized format yet: use the full-width checkpoint, with model.quantization: "
+            "int8 to quantize it on load"
+        )
 
 
 def load_tokenizer(cfg: ModelConfig) -> TextCodec | None:
