@@ -257,9 +257,7 @@ class ModelConfig:
     )
     quantization: str = knob(
         "none",
-        "Weights quantized on load: none, int8 (the decoder's linears, one scale per output channel; "
-        "weight-only, on bm's CPU int8 GEMM; the output head stays in model.dtype). vLLM's quantization= "
-        "sets it.",
+        "none, int8 (the decoder's linears int8 on load, weight-only; CPU).",
         _quantization,
     )
 
