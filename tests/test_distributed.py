@@ -198,16 +198,14 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_within_the_timeout_with_a_record
     assert Counter(r["finish_reason"] for r in records)["error"] == len(failed)
 
 
-def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outputs(
-    tmp_path, tiny_model, tiny_reference
-):
-    checkpoint = tmp_path / "ckpt"
-    tiny_reference.save_pretrained(checkpoint)  # the tiny model's weights, as a checkpoint to shard
-    specs = random_prompts(seed=1, count=24, vocab=tiny_model.vocab_size, max_prompt=48, max_output=24)
+def _single_and_two_shards(
+    tmp_path: Path, checkpoint: Path, specs: list, settings: list[str]
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """``bm run`` of ``specs`` on ``checkpoint`` in this process (into tmp_path/tp1) and over two
+    tensor-parallel ranks (tmp_path/tp2), with ``--set`` ``settings``: each run's output ids by line."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p, "max_tokens": m}) + "\n" for p, m in specs))
-    common = ["--model", checkpoint, "--ignore-eos", "-s", "engine.max_batch_size=8"]
-    common += ["-s", "engine.max_num_tokens=96", "-s", "kv_cache.tokens_per_block=8"]
+    common = ["--model", checkpoint, "--ignore-eos", *[a for kv in settings for a in ("-s", kv)]]
     single = CliRunner().invoke(
         app,
         ["run", str(prompts), "-o", str(tmp_path / "tp1"), *map(str, common), "-q", "-s", "model.device=cpu"],
@@ -221,10 +219,21 @@ def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outp
         timeout=RUN_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-
     one = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp1" / "outputs.jsonl")}
     two = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp2" / "outputs.jsonl")}
-    assert sorted(two) == list(range(len(specs))) and two == one
+    assert sorted(two) == list(range(len(specs)))
+    return one, two
+
+
+def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outputs(
+    tmp_path, tiny_model, tiny_reference
+):
+    checkpoint = tmp_path / "ckpt"
+    tiny_reference.save_pretrained(checkpoint)  # the tiny model's weights, as a checkpoint to shard
+    specs = random_prompts(seed=1, count=24, vocab=tiny_model.vocab_size, max_prompt=48, max_output=24)
+    settings = ["engine.max_batch_size=8", "engine.max_num_tokens=96", "kv_cache.tokens_per_block=8"]
+    one, two = _single_and_two_shards(tmp_path, checkpoint, specs, settings)
+    assert two == one
     for i, (prompt, max_new) in enumerate(specs):
         assert two[i] == hf_greedy(tiny_reference, prompt, max_new), f"request {i}"
     parallel = json.loads((tmp_path / "tp2" / "summary.json").read_text())["parallel"]
@@ -254,33 +263,10 @@ def test_two_tensor_parallel_shards_of_int8_weights_give_the_single_process_int8
         for _, linear in quantized_linears(expanded):
             linear.weight.copy_(dequantized(*quantize_weight(linear.weight)))
     specs = random_prompts(seed=4, count=12, vocab=tiny_model.vocab_size, max_prompt=40, max_output=12)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": p, "max_tokens": m}) + "\n" for p, m in specs))
-    common = [
-        "--model",
-        checkpoint,
-        "--ignore-eos",
-        "-s",
-        "model.quantization=int8",
-        "-s",
-        "engine.max_batch_size=8",
-    ]
-    single = CliRunner().invoke(
-        app,
-        ["run", str(prompts), "-o", str(tmp_path / "tp1"), *map(str, common), "-q", "-s", "model.device=cpu"],
+    one, two = _single_and_two_shards(
+        tmp_path, checkpoint, specs, ["model.quantization=int8", "engine.max_batch_size=8"]
     )
-    assert single.exit_code == 0, single.output
-    done = subprocess.run(
-        bm_command("run", prompts, "-o", tmp_path / "tp2", "--tensor-parallel", 2, *common),
-        env=bm_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    one = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp1" / "outputs.jsonl")}
-    two = {r["index"]: r["output_ids"] for r in read_jsonl(tmp_path / "tp2" / "outputs.jsonl")}
-    assert sorted(two) == list(range(len(specs))) and two == one
+    assert two == one
     for i, (prompt, max_new) in enumerate(specs):
         assert two[i] == hf_greedy(expanded, prompt, max_new), f"request {i}"
     # the full-width model answers some of them otherwise: full-width shards would have failed above

@@ -34,6 +34,7 @@
 #endif
 
 #include "isa.h"
+#include "panel_gemm.h"
 #include "bf16.h"
 
 #if BM_HAVE_AVX512 && defined(__AVX512BF16__)
@@ -110,21 +111,7 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define BY_ROWS(np, h, ...)                                                                           \
-    switch (h) {                                                                                      \
-    case 12: tile(12, np, __VA_ARGS__); break;                                                        \
-    case 11: tile(11, np, __VA_ARGS__); break;                                                        \
-    case 10: tile(10, np, __VA_ARGS__); break;                                                        \
-    case 9: tile(9, np, __VA_ARGS__); break;                                                          \
-    case 8: tile(8, np, __VA_ARGS__); break;                                                          \
-    case 7: tile(7, np, __VA_ARGS__); break;                                                          \
-    case 6: tile(6, np, __VA_ARGS__); break;                                                          \
-    case 5: tile(5, np, __VA_ARGS__); break;                                                          \
-    case 4: tile(4, np, __VA_ARGS__); break;                                                          \
-    case 3: tile(3, np, __VA_ARGS__); break;                                                          \
-    case 2: tile(2, np, __VA_ARGS__); break;                                                          \
-    default: tile(1, np, __VA_ARGS__); break;                                                         \
-    }
+#define BY_ROWS(np, h, ...) BM_TILE_BY_ROWS(tile, np, h, __VA_ARGS__)
 
 /* Work item it (panels 2it and 2it + 1, or the one N leaves) against rows [0, M), in tiles of at most
  * twelve rows with heights as equal as possible (a short tile has too few independent accumulators to
@@ -165,11 +152,8 @@ int bm_bf16_gemm(const uint16_t *x, int64_t ldx, const uint16_t *wp, const uint1
 #if BM_HAVE_DPBF16
     const int64_t items = (N + 2 * NR - 1) / (2 * NR);
     if (M <= 0 || items <= 0) return 0;
-    int64_t mb = BM_BF16_GEMM_XBLOCK_BYTES / ((K > 0 ? K : 1) * (int64_t)sizeof(uint16_t)) / MR * MR;
-    if (mb < MR) mb = MR;
-    if (M <= BM_BF16_GEMM_ONE_BLOCK_ROWS) mb = M;
-    const int64_t blocks = (M + mb - 1) / mb;
-    mb = (M + blocks - 1) / blocks;
+    const int64_t mb = bm_rows_per_block(M, K, (int64_t)sizeof(uint16_t), MR, BM_BF16_GEMM_XBLOCK_BYTES,
+                                         BM_BF16_GEMM_ONE_BLOCK_ROWS);
     const int64_t team = bm_team_size(num_threads, items);
 #ifdef BM_OPENMP
 #pragma omp parallel num_threads(team) if (team > 1)
