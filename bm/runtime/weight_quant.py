@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bm.config.model import QUANTIZATIONS
 from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
 
 QMAX = 127.0
-SCHEMES = ("none", "int8")
 
 
 class WeightQuantError(ValueError):
@@ -81,9 +81,9 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
     """Quantize ``model``'s linears in place for ``scheme`` (``none``: nothing); returns how many."""
     if scheme == "none":
         return 0
-    if scheme not in SCHEMES:
+    if scheme not in QUANTIZATIONS.values():  # the config refuses it first; describe_model's callers too
         raise WeightQuantError(
-            f"model.quantization: unknown scheme {scheme!r}; allowed: {', '.join(SCHEMES)}"
+            f"model.quantization: unknown scheme {scheme!r}; allowed: {', '.join(sorted(QUANTIZATIONS))}"
         )
     linears = quantized_linears(model)
     wrapped = {}

@@ -8,9 +8,9 @@ import torch
 
 from bm.runtime.native.args import F32, INT, PTR, as_rows, bind, pointer, require
 from bm.runtime.native.loader import NativeKernel, load_kernel
+from bm.runtime.native.small_gemm import PANEL, pack_panels, unpack_panels
 
 I8 = torch.int8
-PANEL = 16  # output columns per packed weight panel in int8_gemm.c
 
 
 class Int8GemmKernel(NativeKernel):
@@ -25,19 +25,9 @@ class Int8GemmKernel(NativeKernel):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = bind(lib, "bm_int8_gemm", PTR, INT, PTR, PTR, PTR, PTR, *[INT] * 5)
 
-    @staticmethod
-    def pack(q: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` int8 -> ``[ceil(N / 16), K, 16]``: per panel of 16 outputs, k-major (zero past N)."""
-        n, k = q.shape
-        panels = -(-n // PANEL)
-        padded = q.new_zeros(panels * PANEL, k)
-        padded[:n] = q
-        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
-
-    @staticmethod
-    def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-        """The ``[N, K]`` int8 weight back from :meth:`pack`'s panels (a copy)."""
-        return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+    # the float32 panel GEMM's layout (small_gemm.c), in int8
+    pack = staticmethod(pack_panels)
+    unpack = staticmethod(unpack_panels)
 
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None

@@ -13,6 +13,21 @@ PANEL = 16  # output columns per packed weight panel in small_gemm.c
 SOURCE = SOURCES / "small_gemm.c"
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / 16), K, 16]`` panels, k-major, the last one zero-padded: the layout of
+    this GEMM's weight, and of the int8-weight GEMM's (int8_gemm.c), in the weight's own dtype."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[N, K]`` weight back from :func:`pack_panels`' panels (a copy)."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+
+
 class SmallGemmKernel(NativeKernel):
     """``y = x @ W.T (+ bias)`` in float32 over a weight packed once into 16-column panels (AVX-512 or
     AVX2 + FMA register tiles; plain C in the scalar build).
@@ -30,14 +45,7 @@ class SmallGemmKernel(NativeKernel):
         # caller runs the separate ops, which compute the same values.
         self.fuses_epilogues = bool(lib.bm_small_gemm_avx512())
 
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` -> ``[ceil(N / 16), K, 16]`` panels, k-major, the last one zero-padded."""
-        n, k = weight.shape
-        panels = -(-n // PANEL)
-        padded = weight.new_zeros(panels * PANEL, k)
-        padded[:n] = weight
-        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    pack = staticmethod(pack_panels)
 
     def __call__(
         self,

@@ -10,6 +10,7 @@ single-pass kernel (:func:`choose_decode_split`); both serve every one of those 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -146,9 +147,15 @@ def _align16(n: int) -> int:
 
 def kv_format(cache: torch.Tensor) -> int:
     """The kernels' KV_QUANT for a layer's cache: full width, int8 rows or fp8 (bm.runtime.kv_quant)."""
-    from bm.runtime.triton.kv_rows import KV_FP8, KV_FULL, KV_INT8  # imports triton: once kernels run
+    return _kv_format_of(cache.dtype)
 
-    return {torch.int8: KV_INT8, FP8: KV_FP8}.get(cache.dtype, KV_FULL)
+
+@cache
+def _kv_format_of(dtype: torch.dtype) -> int:
+    """Per dtype, once (every launch asks): kv_rows imports triton, so it is read when kernels first run."""
+    from bm.runtime.triton.kv_rows import KV_FP8, KV_FULL, KV_INT8
+
+    return {torch.int8: KV_INT8, FP8: KV_FP8}.get(dtype, KV_FULL)
 
 
 def store_kv(
