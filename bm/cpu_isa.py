@@ -71,6 +71,8 @@ KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "bf16_gemm": ("avx512_bf16", "scalar"),
     # int8_gemm.c: an AVX-512 path; the AVX2 build runs the same chains in C, its fmaf an FMA instruction
     "int8_gemm": ("avx512", "avx2", "scalar"),
+    # group_gemm.c (GGUF blocks): the same layout of paths as int8_gemm.c
+    "group_gemm": ("avx512", "avx2", "scalar"),
 }
 
 # The variants whose attention kernels (paged_decode.c, prefill_attention.c) also read a bf16 KV cache:

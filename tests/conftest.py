@@ -13,6 +13,7 @@ import torch
 from bm.config import BmConfig, config_from_dict
 from bm.runtime import LoadedModel, load_model
 from bm.runtime.model_loader import ModelConfig
+from bm.runtime.weight_quant import expand_linears
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -64,8 +65,11 @@ def tiny_model() -> LoadedModel:
 
 
 def reference_model(loaded: LoadedModel) -> torch.nn.Module:
-    """An independent copy running transformers' own attention, for HF generate()."""
+    """An independent copy running transformers' own attention and linears, for HF generate(): a
+    linear holding a quantized format (int8 on load, a GGUF file's blocks) runs its expanded weight in
+    plain torch, as transformers loads the same checkpoint."""
     ref = copy.deepcopy(loaded.model)
+    expand_linears(ref, loaded.dtype)
     try:
         ref.set_attn_implementation("sdpa")
     except ValueError:  # e.g. Gemma 2: SDPA cannot soft-cap, transformers runs it eagerly

@@ -56,7 +56,15 @@ def test_bench_replays_a_timed_trace_with_an_slo_and_writes_all_three_files(tmp_
     assert results["scheduler_policy"] == "max_utilization"
     assert results["arrivals"] == {"process": "trace", "time_scale": 0.5, "max_concurrency": None}
     assert results["slo_ms"] == {"ttft": 1e9, "tpot": 1e9, "e2el": 1e9}
-    assert set(results["runtime"]) == {"torch", "device", "torch_threads", "decode_attention", "cpu_isa"}
+    assert set(results["runtime"]) == {
+        "torch",
+        "device",
+        "weights",
+        "torch_threads",
+        "decode_attention",
+        "cpu_isa",
+    }
+    assert results["runtime"]["weights"] == "none"  # model.quantization auto, resolved for a full-width model
     assert (results["num_requests"], results["completed"], results["failed"]) == (7, 6, 1)
     assert results["total_output_tokens"] == sum(2 + i % 3 for i in range(6))
     assert results["request_goodput"] == results["request_throughput"] > 0

@@ -42,6 +42,7 @@ def test_run_on_the_shipped_sample_writes_one_record_per_line(tmp_path):
     # what a reader needs to compare figures across machines
     assert summary["runtime"]["decode_attention"] in ("native", "torch")
     assert summary["runtime"]["device"] == "cpu" and summary["runtime"]["torch_threads"] >= 1
+    assert summary["runtime"]["weights"] == "none"  # model.quantization auto, as the model is stored
     # start-up on its own, before the run's clock: the model's load and the engine's build
     assert summary["startup"]["total_s"] >= summary["startup"]["load_model_s"] > 0
     assert "start-up" in result.output

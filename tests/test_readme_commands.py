@@ -41,7 +41,7 @@ def test_readme_headline_command_reads_the_public_azure_trace_with_bm_flags():
     assert params["input_scale"] == 0.25 and params["output_scale"] == 0.25
 
 
-def test_smollm2_preset_is_described_as_a_dequantized_q4_1_gguf_not_the_bf16_weights():
+def test_smollm2_preset_is_described_as_a_q4_1_gguf_not_the_bf16_weights():
     for text in (
         README,
         (REPO / "docs" / "models.md").read_text(encoding="utf-8"),

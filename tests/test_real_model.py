@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from bm.config import MODEL_PRESETS, ModelConfig
+from bm.config.model import GGUF_PRESETS
 from bm.runtime.presets import PRESETS, is_available
 
 pytestmark = pytest.mark.skipif(
@@ -40,6 +41,7 @@ def smollm():
 
 def test_the_preset_names_agree_between_config_and_runtime():
     assert set(MODEL_PRESETS) == set(PRESETS)
+    assert set(GGUF_PRESETS) == {name for name, preset in PRESETS.items() if preset is not None}
 
 
 def test_bm_run_on_real_chat_prompts_equals_hf_generate_with_pauses(tmp_path, smollm):
@@ -94,6 +96,9 @@ def test_bm_run_on_real_chat_prompts_equals_hf_generate_with_pauses(tmp_path, sm
 def _reference(loaded):
     import copy
 
+    from bm.runtime.weight_quant import expand_linears
+
     ref = copy.deepcopy(loaded.model)
+    expand_linears(ref, loaded.dtype)  # the preset runs its GGUF blocks; HF runs their expansion
     ref.set_attn_implementation("sdpa")
     return ref

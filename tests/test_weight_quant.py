@@ -129,14 +129,16 @@ def test_int8_weights_change_the_tokens_the_oracle_sees(int8_reference, tiny_mod
 
 
 def test_quantization_is_refused_on_cuda_and_in_the_simulator_and_unknown_schemes_name_the_choices():
-    with pytest.raises(ConfigError, match="CPU int8 GEMM only so far"):
+    with pytest.raises(ConfigError, match="runs on bm's CPU kernels only so far"):
         make_config(model={"device": "cuda", "quantization": "int8"})
     with pytest.raises(ConfigError, match="the simulator prices full-width weights"):
         make_config(model={"quantization": "int8", "config": "configs/models/bench-llama-15m.json"},
                     engine={"executor": "sim"}, bench={"ignore_eos": True})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"model\.quantization: unknown value 'awq'; allowed: int8, none"):
-        make_config(model={"quantization": "awq"})
-    assert make_config(model={"quantization": None}).model.quantization == "none"  # vLLM's default
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.quantization: unknown value 'bitsandbytes'; allowed: auto, awq, gguf, gptq, int8, none",
+    ):
+        make_config(model={"quantization": "bitsandbytes"})
 
 
 def test_vllms_quantization_keyword_runs_int8_weights_through_llm():
@@ -186,9 +188,11 @@ def test_a_checkpoint_saved_quantized_is_refused_naming_its_method_and_the_fix(t
 
     tiny_reference.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"'gptq'-quantized checkpoint .* model\.quantization: int8"):
+    with pytest.raises(
+        ModelLoadError, match=r"'fp8' checkpoint; bm reads GPTQ and AWQ int4 .* model\.quantization: int8"
+    ):
         load_model(ModelConfig(path=str(tmp_path), device="cpu"))
 
 

@@ -146,7 +146,7 @@ def run_bench(
         workload,
         replayer,
         feed,
-        runtime=_runtime_info(model.device, model.dtype),
+        runtime=_runtime_info(model.device, model.dtype, getattr(model, "quantization", None)),
         interrupted=interrupted,
     )
     result.startup, result.warnings = startup, list(core.warnings)
@@ -192,7 +192,7 @@ def _drain(
     return interrupted
 
 
-def _runtime_info(device: Any, dtype: Any) -> dict[str, Any]:
+def _runtime_info(device: Any, dtype: Any, weights: str | None) -> dict[str, Any]:
     from bm.runtime.native import runtime_info
 
-    return runtime_info(device, dtype)
+    return runtime_info(device, dtype, weights)

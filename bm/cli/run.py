@@ -134,7 +134,9 @@ def run_prompts(
         "prompts": options.prompts_name or (str(options.prompts) if options.prompts is not None else None),
         "model": loaded_name,
         "config": (llm.config if llm is not None else config).to_dict(),  # resolved for the device: what ran
-        "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype) if llm is not None else None,
+        "runtime": runtime_info(llm.loaded.device, llm.loaded.dtype, llm.loaded.quantization)
+        if llm is not None
+        else None,
         "parallel": parallel_info(),
         "startup": startup_document(llm.startup) if llm is not None else None,
         **asdict(summary),

@@ -284,7 +284,7 @@ def run_compare(
         repeat=0,
         runtime=loaded.runtime()
         if config.engine.executor == "sim"
-        else runtime_info(loaded.device, loaded.dtype),
+        else runtime_info(loaded.device, loaded.dtype, loaded.quantization),
     )
     started = time.monotonic()
 

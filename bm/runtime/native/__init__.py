@@ -23,6 +23,7 @@ from bm.cpu_isa import ENV_ISA, KERNEL_ISAS, bf16_kv_cache, cpu_features, kernel
 from bm.runtime.native.args import as_rows, kernel_inputs
 from bm.runtime.native.bf16_gemm import Bf16GemmKernel, bf16_gemm_kernel
 from bm.runtime.native.elementwise import ElementwiseKernels, elementwise_kernels
+from bm.runtime.native.group_gemm import GroupGemmKernel, GroupWeight, group_gemm_kernel
 from bm.runtime.native.int8_gemm import Int8GemmKernel, int8_gemm_kernel
 from bm.runtime.native.loader import ENV_SWITCH, NativeKernel, native_kernels_enabled
 from bm.runtime.native.lora_delta import LoraDeltaKernel, LoraDeltaWeights, lora_delta_kernel
@@ -36,6 +37,8 @@ __all__ = [
     "Bf16GemmKernel",
     "DecodeRows",
     "ElementwiseKernels",
+    "GroupGemmKernel",
+    "GroupWeight",
     "Int8GemmKernel",
     "LoraDeltaKernel",
     "LoraDeltaWeights",
@@ -46,6 +49,7 @@ __all__ = [
     "as_rows",
     "bf16_gemm_kernel",
     "elementwise_kernels",
+    "group_gemm_kernel",
     "int8_gemm_kernel",
     "kernel_inputs",
     "kv_cache_dtype",
@@ -91,14 +95,19 @@ def _bf16_attention_kernels() -> bool:
     )
 
 
-def runtime_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
-    """What a results file needs to say for its figures to be compared with another machine's."""
+def runtime_info(
+    device: torch.device | str, dtype: torch.dtype, weights: str | None = None
+) -> dict[str, object]:
+    """What a results file needs to say for its figures to be compared with another machine's, and
+    ``weights``: the model's linears as they ran (model.quantization resolved: none, int8, gguf, gptq,
+    awq), where known."""
     dev = torch.device(device)
     kv_dtype = kv_cache_dtype(dev, dtype)
     native = PagedDecodeKernel.handles(dev, kv_dtype) and paged_decode_kernel() is not None
     return {
         "torch": torch.__version__,
         "device": str(dev),
+        **({"weights": weights} if weights is not None else {}),
         "torch_threads": torch.get_num_threads(),
         "decode_attention": "native" if native else "torch",
         # the instruction set each compiled kernel runs (bm.cpu_isa), when they are on

@@ -1,0 +1,53 @@
+"""Linears whose weight is a :class:`GroupWeight` (small integers in groups, each with a float32 step and
+offset), run by bm's group GEMM: what the GGUF reader (bm.runtime.gguf_weights) and the GPTQ and AWQ
+reader (bm.runtime.int4_checkpoints) give a layer. The module stays the same ``nn.Linear`` (its name and
+hooks stay); ``weight`` holds the packed values, ``weight_step`` and ``weight_offset`` the groups'
+parameters, and ``forward`` a :class:`GroupForward`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bm.runtime.native import GroupGemmKernel, GroupWeight, group_gemm_kernel
+from bm.runtime.weight_quant import KernelForward
+
+
+def install_group_weight(module: nn.Linear, weight: GroupWeight) -> None:
+    """Make ``module`` run ``weight``: its packed values become the layer's ``weight`` (its one copy),
+    its steps and offsets buffers beside it, and its forward a :class:`GroupForward`."""
+    with torch.no_grad():
+        module._parameters["weight"] = nn.Parameter(weight.values, requires_grad=False)
+        module.register_buffer("weight_step", weight.step)
+        module.register_buffer("weight_offset", weight.offset)
+    module.weight_format = (weight.bits, weight.group)
+    module.forward = GroupForward(module)
+
+
+def group_weight(module: nn.Linear) -> GroupWeight:
+    """A group linear's :class:`GroupWeight`, from the module's own tensors (moved with it)."""
+    bits, group = module.weight_format
+    return GroupWeight(
+        module.weight, module.weight_step, module.weight_offset, bits, group, module.out_features
+    )
+
+
+class GroupForward(KernelForward):
+    """A group linear's forward: ``x @ W.T (+ bias)`` on bm's group GEMM, or in torch over
+    :meth:`GroupWeight.expanded` where the C kernel is not built (the same values up to rounding)."""
+
+    @staticmethod
+    def load_kernel() -> GroupGemmKernel | None:
+        return group_gemm_kernel()
+
+    def run(self, kernel: GroupGemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, group_weight(self._module), bias)
+
+    @staticmethod
+    def expanded_weight(module: nn.Linear) -> torch.Tensor:
+        return group_weight(module).expanded()
+
+    @staticmethod
+    def torch_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        bias = None if module.bias is None else module.bias.float()
+        return torch.nn.functional.linear(x.float(), group_weight(module).expanded(), bias).to(x.dtype)

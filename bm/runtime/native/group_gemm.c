@@ -1,0 +1,198 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) in float32, W held as GGUF stores it: small integers in
+ * groups along k, each group with its own float32 step d and offset m per output column,
+ *     W[n, k] = u[n, k] * d[n, k / G] + m[n, k / G]            (one rounding: u * d is exact)
+ * (bm/runtime/gguf_weights.py). Q4_0 (u in 0..15, m = -8 d), Q4_1 (u in 0..15, its own m) and Q8_0
+ * (u in -128..127, m = 0) are all this form, and each W[n, k] so computed is bit for bit the float32
+ * value gguf's own dequantize gives (which transformers loads), since u * d fits float32's 24 bits.
+ *
+ * Packed once, in 16-column panels as the float32 panel GEMM packs its weight (small_gemm.c):
+ *   4 bits: byte [p][k / 2][c] holds u[16p + c, k] (low nibble) and u[16p + c, k + 1] (high nibble);
+ *   8 bits: byte [p][k][c] holds u[16p + c, k] (signed);
+ *   d and m: float32 [p][k / G][c].
+ * Columns past N are zero. Each weight is expanded in registers, once per tile of up to twelve rows.
+ *
+ * Each output is the float32 panel GEMM's own chain over the expanded weight: acc = 0; for k in order:
+ * acc = fma(x[k], W[n, k], acc); then + bias. So a layer run here is bit for bit the same layer run on
+ * its expanded float32 weight by small_gemm.c's AVX-512 and AVX2 builds, whatever M is and whichever
+ * tile computes it (batch invariance). The plain C build runs the same chains with fmaf, the same bits.
+ * No split of K: threads own whole panel pairs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+
+/* bm builds with -fassociative-math; each output's chain must keep its order (batch invariance), and
+ * the bias is added apart (no contraction into the last fused multiply-add). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-associative-math")
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma clang fp reassociate(off)
+#pragma clang fp contract(off)
+#endif
+
+#include "isa.h"
+#include "panel_gemm.h"
+
+#define NR 16
+#define MR 12
+#ifndef BM_GROUP_GEMM_XBLOCK_BYTES
+#define BM_GROUP_GEMM_XBLOCK_BYTES (256 * 1024)
+#endif
+#ifndef BM_GROUP_GEMM_ONE_BLOCK_ROWS
+#define BM_GROUP_GEMM_ONE_BLOCK_ROWS 128
+#endif
+
+/* Bytes of one panel's values per k step, times two (4 bits: 8 bytes a step, a byte holding two). */
+#define PANEL_BYTES(bits, K) ((bits) == 4 ? (K) / 2 * NR : (K) * NR)
+
+#if BM_HAVE_AVX512
+
+/* u of 16 columns at step k of a panel, widened to float32, then u * d + m. */
+static inline __m512 expand(const int bits, const uint8_t *panel, int64_t k, __m512 d, __m512 m)
+{
+    __m512i u;
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(panel + (k >> 1) * NR));
+        const __m128i nib = (k & 1) ? _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f))
+                                    : _mm_and_si128(v, _mm_set1_epi8(0x0f));
+        u = _mm512_cvtepu8_epi32(nib);
+    } else {
+        u = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(panel + k * NR)));
+    }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), d, m);
+}
+
+/* np (1 or 2) panels against mr <= 12 rows; cols0 and cols1 (0-16) columns of each panel are stored.
+ * d0/m0 (d1/m1) are the panels' group parameters, [K / G][16] each. */
+static inline __attribute__((always_inline)) void tile(
+    const int mr, const int np, const int bits, const float *x, int64_t ldx, const uint8_t *panel,
+    const uint8_t *panel1, const float *d0, const float *m0, const float *d1, const float *m1, int64_t K,
+    int64_t G, float *y, int64_t ldy, const float *bias, int cols0, int cols1)
+{
+    __m512 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g * G < K; g++) {
+        const __m512 sd0 = _mm512_loadu_ps(d0 + g * NR), sm0 = _mm512_loadu_ps(m0 + g * NR);
+        const __m512 sd1 = np == 2 ? _mm512_loadu_ps(d1 + g * NR) : sd0;
+        const __m512 sm1 = np == 2 ? _mm512_loadu_ps(m1 + g * NR) : sm0;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 b0 = expand(bits, panel, k, sd0, sm0);
+            const __m512 b1 = np == 2 ? expand(bits, panel1, k, sd1, sm1) : b0;
+            for (int i = 0; i < mr; i++) {
+                const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+                acc[i][0] = _mm512_fmadd_ps(a, b0, acc[i][0]);
+                if (np == 2) acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
+            }
+        }
+    }
+    for (int j = 0; j < np; j++) {
+        const int cols = j ? cols1 : cols0;
+        const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+        const __m512 c = bias ? _mm512_maskz_loadu_ps(keep, bias + j * NR) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const __m512 v = bias ? _mm512_add_ps(acc[i][j], c) : acc[i][j];
+            _mm512_mask_storeu_ps(y + i * ldy + j * NR, keep, v);
+        }
+    }
+}
+
+#define TILE4(h, np, ...) tile(h, np, 4, __VA_ARGS__)
+#define TILE8(h, np, ...) tile(h, np, 8, __VA_ARGS__)
+
+/* Panels 2it and 2it + 1 (or the one N leaves) against rows [0, M), in tiles of at most twelve rows with
+ * heights as equal as possible. */
+static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, const uint8_t *wp,
+                 const float *d, const float *m, int64_t K, int64_t G, float *y, int64_t ldy,
+                 const float *bias, int64_t N)
+{
+    const int64_t p = 2 * it, n0 = p * NR, groups = K / G;
+    const uint8_t *panel = wp + p * PANEL_BYTES(bits, K), *panel1 = panel + PANEL_BYTES(bits, K);
+    const float *d0 = d + p * groups * NR, *m0 = m + p * groups * NR;
+    const float *d1 = d0 + groups * NR, *m1 = m0 + groups * NR;
+    const int64_t left = N - n0;
+    const int np = left > NR ? 2 : 1;
+    const int cols0 = left >= NR ? NR : (int)left;
+    const int cols1 = np == 2 ? (left - NR >= NR ? NR : (int)(left - NR)) : 0;
+    const float *b = bias ? bias + n0 : NULL;
+    const int64_t tiles = (M + MR - 1) / MR;
+    int64_t row = 0;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t h = (M - row) / (tiles - t) + ((M - row) % (tiles - t) != 0);
+        const float *xm = x + row * ldx;
+        float *ym = y + row * ldy + n0;
+        if (bits == 4 && np == 2) {
+            BM_TILE_BY_ROWS(TILE4, 2, h, xm, ldx, panel, panel1, d0, m0, d1, m1, K, G, ym, ldy, b, cols0, cols1)
+        } else if (bits == 4) {
+            BM_TILE_BY_ROWS(TILE4, 1, h, xm, ldx, panel, panel, d0, m0, d0, m0, K, G, ym, ldy, b, cols0, 0)
+        } else if (np == 2) {
+            BM_TILE_BY_ROWS(TILE8, 2, h, xm, ldx, panel, panel1, d0, m0, d1, m1, K, G, ym, ldy, b, cols0, cols1)
+        } else {
+            BM_TILE_BY_ROWS(TILE8, 1, h, xm, ldx, panel, panel, d0, m0, d0, m0, K, G, ym, ldy, b, cols0, 0)
+        }
+        row += h;
+    }
+}
+
+#else
+
+/* The same chains in C, one output at a time. */
+static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, const uint8_t *wp,
+                 const float *d, const float *m, int64_t K, int64_t G, float *y, int64_t ldy,
+                 const float *bias, int64_t N)
+{
+    const int64_t groups = K / G;
+    for (int64_t n = 2 * it * NR; n < (2 * it + 2) * NR && n < N; n++) {
+        const int64_t p = n / NR, c = n % NR;
+        const uint8_t *panel = wp + p * PANEL_BYTES(bits, K);
+        const float *dp = d + p * groups * NR + c, *mp = m + p * groups * NR + c;
+        for (int64_t r = 0; r < M; r++) {
+            const float *xr = x + r * ldx;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                float u;
+                if (bits == 4) {
+                    const uint8_t byte = panel[(k >> 1) * NR + c];
+                    u = (float)((k & 1) ? byte >> 4 : byte & 0x0f);
+                } else {
+                    u = (float)(int8_t)panel[k * NR + c];
+                }
+                const float w = fmaf(u, dp[(k / G) * NR], mp[(k / G) * NR]);
+                acc = fmaf(xr[k], w, acc);
+            }
+            y[r * ldy + n] = bias ? acc + bias[n] : acc;
+        }
+    }
+}
+
+#endif
+
+/* x [M, K] float32 with row stride ldx; wp packed as above (ceil(N / 16) panels of `bits` 4 or 8); d and m
+ * float32 [ceil(N / 16)][K / G][16]; bias [N] or NULL; y [M, N] float32 with row stride ldy. K must be a
+ * multiple of G, and G of 2. Each thread owns a contiguous run of panel pairs for every row. Returns 0,
+ * or -1 for a shape it does not take. */
+int bm_group_gemm(const float *x, int64_t ldx, const uint8_t *wp, int64_t bits, const float *d, const float *m,
+                  int64_t G, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                  int64_t num_threads)
+{
+    if ((bits != 4 && bits != 8) || G <= 0 || G % 2 || K % G) return -1;
+    const int64_t items = (N + 2 * NR - 1) / (2 * NR);
+    if (M <= 0 || items <= 0) return 0;
+    const int64_t mb = bm_rows_per_block(M, K, (int64_t)sizeof(float), MR, BM_GROUP_GEMM_XBLOCK_BYTES,
+                                         BM_GROUP_GEMM_ONE_BLOCK_ROWS);
+    const int64_t team = bm_team_size(num_threads, items);
+#ifdef BM_OPENMP
+#pragma omp parallel num_threads(team) if (team > 1)
+#endif
+    {
+        int64_t lo, hi;
+        bm_thread_share(items, &lo, &hi);
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t rows = M - m0 < mb ? M - m0 : mb;
+            for (int64_t it = lo; it < hi; it++)
+                item(it, (int)bits, x + m0 * ldx, ldx, rows, wp, d, m, K, G, y + m0 * ldy, ldy, bias, N);
+        }
+    }
+    (void)team;
+    return 0;
+}

@@ -1,0 +1,99 @@
+"""The group-quantized GEMM (``group_gemm.c``): bm's CPU linears over a GGUF file's own Q4_0, Q4_1 and
+Q8_0 blocks (:mod:`bm.runtime.gguf_weights`)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from bm.runtime.native.args import F32, INT, PTR, as_rows, bind, pointer, require
+from bm.runtime.native.loader import NativeKernel, load_kernel
+from bm.runtime.native.small_gemm import pack_panels, unpack_panels
+
+U8 = torch.uint8
+
+
+@dataclass(frozen=True)
+class GroupWeight:
+    """A weight ``W [N, K] = u * d + m``, ``u`` small integers, ``d`` and ``m`` one float32 each per
+    output and group of ``group`` inputs, packed for :class:`GroupGemmKernel` (the layer's one copy)."""
+
+    values: torch.Tensor  # uint8 panels: [P, K / 2, 16] (4 bits, two k steps a byte) or [P, K, 16] (8 bits)
+    step: torch.Tensor  # float32 [P, K / group, 16]: d
+    offset: torch.Tensor  # float32 [P, K / group, 16]: m
+    bits: int
+    group: int
+    out_features: int
+
+    @staticmethod
+    def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: int) -> GroupWeight:
+        """``u [N, K]`` (0..15 for 4 bits; -128..127 for 8), ``d`` and ``m`` ``[N, K / group]``."""
+        n, k = u.shape
+        if bits not in (4, 8) or group % 2 or k % group or d.shape != (n, k // group) or m.shape != d.shape:
+            raise ValueError(
+                f"group GEMM: {bits}-bit {tuple(u.shape)} in groups of {group}, d {tuple(d.shape)}"
+            )
+        if bits == 4:
+            panels = pack_panels(u.to(U8))  # [P, K, 16]
+            values = panels[:, 0::2] | (panels[:, 1::2] << 4)
+        else:
+            values = pack_panels(u.to(torch.int8)).view(U8)
+        return GroupWeight(
+            values.contiguous(), pack_panels(d.float()), pack_panels(m.float()), bits, group, n
+        )
+
+    def expanded(self) -> torch.Tensor:
+        """``W [N, K]`` in float32, each element ``u * d + m`` rounded once: the kernel's own weight."""
+        if self.bits == 4:
+            low, high = self.values & 0x0F, self.values >> 4
+            u = torch.stack((low, high), 2).flatten(1, 2).float()  # [P, K, 16]
+        else:
+            u = self.values.view(torch.int8).float()
+        d = self.step.repeat_interleave(self.group, 1)
+        m = self.offset.repeat_interleave(self.group, 1)
+        return unpack_panels(torch.addcmul(m, u, d), self.out_features)  # u * d exact: one rounding
+
+
+class GroupGemmKernel(NativeKernel):
+    """``y = x @ W.T (+ bias)`` in float32 with ``W`` a :class:`GroupWeight`, expanded in registers.
+
+    Why it exists: a GGUF file's 4-bit weights read an eighth of float32's bytes; torch has no CPU GEMM
+    for these blocks, and expanding them to float32 on load gives the bytes back. Each output is the
+    float32 panel GEMM's own chain over the expanded weight (bit for bit ``small_gemm.c`` on
+    :meth:`GroupWeight.expanded`), so it is batch invariant and the same bits in every build."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = bind(lib, "bm_group_gemm", PTR, INT, PTR, INT, PTR, PTR, INT, PTR, PTR, *[INT] * 5)
+
+    def __call__(self, x: torch.Tensor, weight: GroupWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [..., K] float32; ``bias`` [N] float32 or None; returns [..., N] float32."""
+        require("group GEMM", F32, (x, weight.step, weight.offset, bias), (weight.step, weight.offset, bias))
+        n, k = weight.out_features, x.shape[-1]
+        if (
+            weight.step.shape[1] * weight.group != k
+            or weight.values.dtype != U8
+            or not weight.values.is_contiguous()
+        ):
+            raise ValueError(f"group GEMM: x {tuple(x.shape)} against a weight of {k} inputs expected")
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"group GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
+        rows = as_rows(x)
+        out = torch.empty(rows.shape[0], n, dtype=F32)
+        status = self._fn(
+            rows.data_ptr(), rows.stride(0), weight.values.data_ptr(), weight.bits, weight.step.data_ptr(),
+            weight.offset.data_ptr(), weight.group, pointer(bias), out.data_ptr(), n, rows.shape[0], n, k,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"group GEMM: {weight.bits}-bit weight in groups of {weight.group} over {k} inputs"
+            )
+        return out.view(*x.shape[:-1], n)
+
+
+def group_gemm_kernel(isa: str | None = None) -> GroupGemmKernel | None:
+    """The compiled group-quantized GEMM (AVX-512 or plain C, the same bits), or None (see
+    :func:`bm.runtime.native.loader.load_kernel`)."""
+    return load_kernel("group_gemm", GroupGemmKernel, isa)
