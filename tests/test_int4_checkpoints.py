@@ -138,7 +138,7 @@ def test_a_scheme_other_than_the_stored_one_and_act_order_are_refused_naming_the
     for scheme in ("none", "int8", "awq"):
         with pytest.raises(
             ModelLoadError,
-            match=rf"gptq int4 checkpoint, which model\.quantization: {scheme} does not read .* set model\.quantization: auto",
+            match=rf"gptq checkpoint, which model\.quantization: {scheme} does not read .* set model\.quantization: auto",
         ):
             load_model(ModelConfig(path=str(tmp_path), device="cpu", quantization=scheme))
     config = json.loads((tmp_path / "config.json").read_text())
@@ -150,6 +150,6 @@ def test_a_scheme_other_than_the_stored_one_and_act_order_are_refused_naming_the
 
 def test_gptq_or_awq_named_for_a_full_width_model_is_refused():
     with pytest.raises(
-        ModelLoadError, match=r"model\.quantization: awq reads a awq int4 checkpoint; this model is not one"
+        ModelLoadError, match=r"model\.quantization: awq reads awq checkpoints; this model is not one"
     ):
         load_model(ModelConfig(device="cpu", seed=0, quantization="awq"))

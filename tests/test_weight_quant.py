@@ -136,7 +136,7 @@ def test_quantization_is_refused_on_cuda_and_in_the_simulator_and_unknown_scheme
                     engine={"executor": "sim"}, bench={"ignore_eos": True})  # fmt: skip
     with pytest.raises(
         ConfigError,
-        match=r"model\.quantization: unknown value 'bitsandbytes'; allowed: auto, awq, gguf, gptq, int8, none",
+        match=r"model\.quantization: unknown value 'bitsandbytes'; allowed: auto, awq, compressed-tensors, fp8, gguf, gptq, int8, none",
     ):
         make_config(model={"quantization": "bitsandbytes"})
 
@@ -188,10 +188,11 @@ def test_a_checkpoint_saved_quantized_is_refused_naming_its_method_and_the_fix(t
 
     tiny_reference.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ModelLoadError, match=r"'fp8' checkpoint; bm reads GPTQ and AWQ int4 .* model\.quantization: int8"
+        ModelLoadError,
+        match=r"'bitsandbytes' checkpoint; bm reads GPTQ and AWQ int4 and FP8 .* model\.quantization: int8",
     ):
         load_model(ModelConfig(path=str(tmp_path), device="cpu"))
 

@@ -21,7 +21,10 @@ DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "
 CPU_BF16_GEMMS = {"auto": "auto", "onednn": "onednn", "invariant": "invariant"}
 
 # model.quantization's values, resolved against what the model is stored as by bm.runtime.weight_sources
-QUANTIZATIONS = {"auto": "auto", "none": "none", "int8": "int8", "gguf": "gguf", "gptq": "gptq", "awq": "awq"}
+QUANTIZATIONS = {
+    **{name: name for name in ("auto", "none", "int8", "gguf", "gptq", "awq", "fp8")},
+    "compressed-tensors": "compressed-tensors",
+}
 
 
 def _quantization(key: str, value: Any) -> str:
@@ -261,7 +264,7 @@ class ModelConfig:
     )
     quantization: str = knob(
         "auto",
-        "auto (as stored: GPTQ/AWQ int4, a GGUF preset's blocks), none (full width), int8 (on load); CPU.",
+        "auto (as stored: GPTQ, AWQ, FP8, a GGUF preset's blocks), none (full width), int8 (on load); CPU.",
         _quantization,
     )
 

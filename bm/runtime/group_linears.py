@@ -1,6 +1,6 @@
 """Linears whose weight is a :class:`GroupWeight` (small integers in groups, each with a float32 step and
-offset), run by bm's group GEMM: what the GGUF reader (bm.runtime.gguf_weights) and the GPTQ and AWQ
-reader (bm.runtime.int4_checkpoints) give a layer. The module stays the same ``nn.Linear`` (its name and
+offset), run by bm's group GEMM: what the GGUF reader (bm.runtime.gguf_weights) and the reader of checkpoints
+stored quantized (bm.runtime.stored_checkpoints: GPTQ, AWQ, FP8) give a layer. The module stays the same ``nn.Linear`` (its name and
 hooks stay); ``weight`` holds the packed values, ``weight_step`` and ``weight_offset`` the groups'
 parameters, and ``forward`` a :class:`GroupForward`."""
 
@@ -20,15 +20,15 @@ def install_group_weight(module: nn.Linear, weight: GroupWeight) -> None:
         module._parameters["weight"] = nn.Parameter(weight.values, requires_grad=False)
         module.register_buffer("weight_step", weight.step)
         module.register_buffer("weight_offset", weight.offset)
-    module.weight_format = (weight.bits, weight.group)
+    module.weight_format = (weight.bits, weight.group, weight.float8)
     module.forward = GroupForward(module)
 
 
 def group_weight(module: nn.Linear) -> GroupWeight:
     """A group linear's :class:`GroupWeight`, from the module's own tensors (moved with it)."""
-    bits, group = module.weight_format
+    bits, group, float8 = module.weight_format
     return GroupWeight(
-        module.weight, module.weight_step, module.weight_offset, bits, group, module.out_features
+        module.weight, module.weight_step, module.weight_offset, bits, group, module.out_features, float8
     )
 
 

@@ -1,6 +1,7 @@
 """GPTQ and AWQ int4 checkpoints read as they are stored (``model.quantization: auto``, or vLLM's
 ``quantization="gptq"`` / ``"awq"``): each quantized linear's packed 4-bit values, zeros and float16
-scales become a :class:`GroupWeight` for bm's group GEMM, never a full-width weight.
+scales become a :class:`GroupWeight` for bm's group GEMM (installed by bm.runtime.stored_checkpoints),
+never a full-width weight.
 
 Both formats store, per linear ``W [N, K]`` and group ``g`` of ``group_size`` inputs, a float16 scale
 ``s`` and a 4-bit zero ``z`` per output, and 4-bit values ``q``: ``W[n, k] = s * (q - z)``. Here that
@@ -24,17 +25,14 @@ A linear stored with a plain ``weight`` (the output head, ``modules_to_not_conve
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from bm.runtime.group_linears import install_group_weight
 from bm.runtime.native import GroupWeight
-from bm.runtime.weight_quant import WeightQuantError, quantized_linears
+from bm.runtime.weight_quant import WeightQuantError
 
 INT4_METHODS = ("gptq", "awq")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -56,7 +54,7 @@ def int4_format(path: Path, quant: dict[str, Any]) -> Int4Format:
     where = f"model.path {str(path)!r}: a {method!r} checkpoint"
     if method not in INT4_METHODS:
         raise WeightQuantError(
-            f"{where}; bm reads GPTQ and AWQ int4 checkpoints (and int8 on load from a full-width one): "
+            f"{where}; bm reads GPTQ and AWQ int4 and FP8 checkpoints (and int8 on load from a full-width one): "
             "use a full-width checkpoint, with model.quantization: int8 to quantize it on load"
         )
     bits = quant.get("bits", quant.get("w_bit"))
@@ -107,62 +105,3 @@ def decode_int4(
     d = scales.float().transpose(0, 1).contiguous()
     m = -(z + fmt.zero_offset).float().transpose(0, 1) * d
     return GroupWeight.pack(q, d, m, 4, group)
-
-
-def install_int4_linears(model: nn.Module, path: Path, fmt: Int4Format) -> int:
-    """Give ``model``'s linears the checkpoint's int4 weights (loaded by transformers without them: its
-    plain tensors only); returns how many. A linear with neither a ``qweight`` nor a ``weight`` in the
-    checkpoint is refused (transformers would have left it random)."""
-    from safetensors import safe_open
-
-    files = _weight_files(path)
-    where = {key: file for file in files for key in _keys(file)}
-    count = 0
-    for name, module in quantized_linears(model):
-        if f"{name}.qweight" not in where:
-            if f"{name}.weight" not in where:
-                raise WeightQuantError(
-                    f"model.path {str(path)!r}: {name} has neither qweight nor weight stored"
-                )
-            continue
-        if type(module.weight.data) is not torch.Tensor:
-            raise WeightQuantError(
-                f"model.quantization: {fmt.method} runs unsharded linears; {name} is sharded (tensor parallelism)"
-            )
-        tensors = {}
-        for part in ("qweight", "qzeros", "scales"):
-            key = f"{name}.{part}"
-            if key not in where:
-                raise WeightQuantError(f"model.path {str(path)!r}: {key} is missing")
-            with safe_open(where[key], framework="pt") as f:
-                tensors[part] = f.get_tensor(key)
-        weight = decode_int4(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"])
-        if (weight.out_features, weight.step.shape[1] * weight.group) != tuple(module.weight.shape):
-            raise WeightQuantError(
-                f"model.path {str(path)!r}: {name}'s int4 weight is {weight.out_features} x "
-                f"{weight.step.shape[1] * weight.group}, the model's {tuple(module.weight.shape)}"
-            )
-        install_group_weight(module, weight)
-        count += 1
-    if count == 0:
-        raise WeightQuantError(f"model.path {str(path)!r}: a {fmt.method} checkpoint with no qweight tensor")
-    return count
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise WeightQuantError(
-            f"model.path {str(path)!r}: no model.safetensors (bm reads int4 from safetensors)"
-        )
-    return [single]
-
-
-def _keys(file: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        return list(f.keys())

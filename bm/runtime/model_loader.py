@@ -155,18 +155,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.path {cfg.path!r} is not a checkpoint directory (no config.json)")
         try:
-            int4 = stored_quantization(path)
+            stored = stored_quantization(path)
         except WeightQuantError as exc:
             raise ModelLoadError(str(exc)) from None
         try:
             tp_kwargs = _tensor_parallel_kwargs(path)
-            model = _from_pretrained(path, dtype, tp_kwargs, stored_int4=int4 is not None)
+            model = _from_pretrained(path, dtype, tp_kwargs, stored_quantized=stored is not None)
             model = _shard_replica(model, tp_kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
         name = hub_id or str(path)
     else:
-        int4 = tp_kwargs = None
+        stored = tp_kwargs = None
         if cfg.config:
             hf_config = _config_from_file(cfg.config)
             name = str(cfg.config)
@@ -179,7 +179,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     try:
         scheme, install = weight_source(
             cfg.quantization, device=device, dtype=dtype, sharded=bool(tp_kwargs), gguf=gguf,
-            checkpoint=Path(cfg.path) if cfg.path else None, int4=int4,
+            checkpoint=Path(cfg.path) if cfg.path else None, stored=stored,
         )  # fmt: skip
     except WeightQuantError as exc:
         raise ModelLoadError(str(exc)) from None
@@ -204,20 +204,20 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
 
 def _from_pretrained(
-    path: Path, dtype: torch.dtype, tp_kwargs: dict[str, Any], stored_int4: bool
+    path: Path, dtype: torch.dtype, tp_kwargs: dict[str, Any], stored_quantized: bool
 ) -> torch.nn.Module:
-    """transformers' model from a checkpoint directory. One stored in int4 (GPTQ, AWQ) is built without
-    its quantization_config: transformers then loads its plain tensors (embeddings, norms, the head) and
-    leaves the quantized linears' weights for bm.runtime.int4_checkpoints to give from the stored int4
+    """transformers' model from a checkpoint directory. One stored quantized (GPTQ, AWQ, FP8) is built
+    without its quantization_config: transformers then loads its plain tensors (embeddings, norms, the
+    head) and leaves the quantized linears for bm.runtime.stored_checkpoints to give their stored
     tensors (it would otherwise ask for the format's kernel packages, or expand them to full width)."""
-    if not stored_int4:
+    if not stored_quantized:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **tp_kwargs)
     from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     del config.quantization_config
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the int4 tensors are "unexpected", the linears' weights "missing"
+    hf_logging.set_verbosity_error()  # the stored tensors are "unexpected", the linears' weights "missing"
     try:
         return AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, local_files_only=True, **tp_kwargs

@@ -1,13 +1,15 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) in float32, W held as GGUF stores it: small integers in
  * groups along k, each group with its own float32 step d and offset m per output column,
  *     W[n, k] = u[n, k] * d[n, k / G] + m[n, k / G]            (one rounding: u * d is exact)
- * (bm/runtime/gguf_weights.py). Q4_0 (u in 0..15, m = -8 d), Q4_1 (u in 0..15, its own m) and Q8_0
+ * (bm/runtime/group_linears.py). Q4_0 (u in 0..15, m = -8 d), Q4_1 (u in 0..15, its own m) and Q8_0
  * (u in -128..127, m = 0) are all this form, and each W[n, k] so computed is bit for bit the float32
- * value gguf's own dequantize gives (which transformers loads), since u * d fits float32's 24 bits.
+ * value gguf's own dequantize gives (which transformers loads), since u * d fits float32's 24 bits; so
+ * are GPTQ and AWQ int4 (u = q, d = s, m = -z s: s (q - z) exactly). FP8 checkpoints store u as a
+ * float8 e4m3 byte (the `kind` 3, m = 0): W = u * d rounded once, as torch expands it in float32.
  *
  * Packed once, in 16-column panels as the float32 panel GEMM packs its weight (small_gemm.c):
- *   4 bits: byte [p][k / 2][c] holds u[16p + c, k] (low nibble) and u[16p + c, k + 1] (high nibble);
- *   8 bits: byte [p][k][c] holds u[16p + c, k] (signed);
+ *   kind 4: byte [p][k / 2][c] holds u[16p + c, k] (low nibble) and u[16p + c, k + 1] (high nibble);
+ *   kind 8: byte [p][k][c] holds u[16p + c, k] (signed); kind 3: the same bytes, each a float8 e4m3;
  *   d and m: float32 [p][k / G][c].
  * Columns past N are zero. Each weight is expanded in registers, once per tile of up to twelve rows.
  *
@@ -43,8 +45,24 @@
 #define BM_GROUP_GEMM_ONE_BLOCK_ROWS 128
 #endif
 
-/* Bytes of one panel's values per k step, times two (4 bits: 8 bytes a step, a byte holding two). */
+/* Bytes of one panel's values (kind 4: two k steps a byte; kinds 8 and 3: a byte a step). */
 #define PANEL_BYTES(bits, K) ((bits) == 4 ? (K) / 2 * NR : (K) * NR)
+
+/* A float8 e4m3 (e4m3fn: no infinities, 0x7f and 0xff NaN) byte as float32, exactly. */
+static inline float e4m3_f32(uint8_t b)
+{
+    const uint32_t mag = b & 0x7fu;
+    float v;
+    if (mag == 0x7fu) {
+        v = NAN;
+    } else if (mag < 8u) {
+        v = (float)mag / 512.0f; /* subnormal: m * 2^-9 */
+    } else {
+        union { uint32_t u; float f; } bits = {.u = (mag << 20) + (120u << 23)}; /* exponent bias 7 -> 127 */
+        v = bits.f;
+    }
+    return (b & 0x80u) ? -v : v;
+}
 
 #if BM_HAVE_AVX512
 
@@ -52,6 +70,18 @@
 static inline __m512 expand(const int bits, const uint8_t *panel, int64_t k, __m512 d, __m512 m)
 {
     __m512i u;
+    if (bits == 3) { /* e4m3 bytes, rebuilt as float32 bits: the value then d * u, rounded once (m = 0) */
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(panel + k * NR)));
+        const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+        __m512 v = _mm512_castsi512_ps(
+            _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+        v = _mm512_mask_mul_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_cvtepi32_ps(mag),
+                               _mm512_set1_ps(1.0f / 512.0f));
+        v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+        v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+        return _mm512_fmadd_ps(v, d, m);
+    }
     if (bits == 4) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(panel + (k >> 1) * NR));
         const __m128i nib = (k & 1) ? _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f))
@@ -99,6 +129,7 @@ static inline __attribute__((always_inline)) void tile(
 
 #define TILE4(h, np, ...) tile(h, np, 4, __VA_ARGS__)
 #define TILE8(h, np, ...) tile(h, np, 8, __VA_ARGS__)
+#define TILE3(h, np, ...) tile(h, np, 3, __VA_ARGS__)
 
 /* Panels 2it and 2it + 1 (or the one N leaves) against rows [0, M), in tiles of at most twelve rows with
  * heights as equal as possible. */
@@ -125,10 +156,14 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
             BM_TILE_BY_ROWS(TILE4, 2, h, xm, ldx, panel, panel1, d0, m0, d1, m1, K, G, ym, ldy, b, cols0, cols1)
         } else if (bits == 4) {
             BM_TILE_BY_ROWS(TILE4, 1, h, xm, ldx, panel, panel, d0, m0, d0, m0, K, G, ym, ldy, b, cols0, 0)
-        } else if (np == 2) {
+        } else if (bits == 8 && np == 2) {
             BM_TILE_BY_ROWS(TILE8, 2, h, xm, ldx, panel, panel1, d0, m0, d1, m1, K, G, ym, ldy, b, cols0, cols1)
-        } else {
+        } else if (bits == 8) {
             BM_TILE_BY_ROWS(TILE8, 1, h, xm, ldx, panel, panel, d0, m0, d0, m0, K, G, ym, ldy, b, cols0, 0)
+        } else if (np == 2) {
+            BM_TILE_BY_ROWS(TILE3, 2, h, xm, ldx, panel, panel1, d0, m0, d1, m1, K, G, ym, ldy, b, cols0, cols1)
+        } else {
+            BM_TILE_BY_ROWS(TILE3, 1, h, xm, ldx, panel, panel, d0, m0, d0, m0, K, G, ym, ldy, b, cols0, 0)
         }
         row += h;
     }
@@ -154,6 +189,8 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
                 if (bits == 4) {
                     const uint8_t byte = panel[(k >> 1) * NR + c];
                     u = (float)((k & 1) ? byte >> 4 : byte & 0x0f);
+                } else if (bits == 3) {
+                    u = e4m3_f32(panel[k * NR + c]);
                 } else {
                     u = (float)(int8_t)panel[k * NR + c];
                 }
@@ -167,7 +204,8 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
 
 #endif
 
-/* x [M, K] float32 with row stride ldx; wp packed as above (ceil(N / 16) panels of `bits` 4 or 8); d and m
+/* x [M, K] float32 with row stride ldx; wp packed as above (ceil(N / 16) panels of `bits` 4, 8 or 3: the
+ * kind, e4m3 bytes for 3); d and m
  * float32 [ceil(N / 16)][K / G][16]; bias [N] or NULL; y [M, N] float32 with row stride ldy. K must be a
  * multiple of G, and G of 2. Each thread owns a contiguous run of panel pairs for every row. Returns 0,
  * or -1 for a shape it does not take. */
@@ -175,7 +213,7 @@ int bm_group_gemm(const float *x, int64_t ldx, const uint8_t *wp, int64_t bits, 
                   int64_t G, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                   int64_t num_threads)
 {
-    if ((bits != 4 && bits != 8) || G <= 0 || G % 2 || K % G) return -1;
+    if ((bits != 4 && bits != 8 && bits != 3) || G <= 0 || G % 2 || K % G) return -1;
     const int64_t items = (N + 2 * NR - 1) / (2 * NR);
     if (M <= 0 || items <= 0) return 0;
     const int64_t mb = bm_rows_per_block(M, K, (int64_t)sizeof(float), MR, BM_GROUP_GEMM_XBLOCK_BYTES,

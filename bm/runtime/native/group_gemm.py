@@ -26,10 +26,14 @@ class GroupWeight:
     bits: int
     group: int
     out_features: int
+    float8: bool = False  # 8-bit values that are float8 e4m3 bytes (FP8 checkpoints), not integers
 
     @staticmethod
-    def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: int) -> GroupWeight:
-        """``u [N, K]`` (0..15 for 4 bits; -128..127 for 8), ``d`` and ``m`` ``[N, K / group]``."""
+    def pack(
+        u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, group: int, float8: bool = False
+    ) -> GroupWeight:
+        """``u [N, K]`` (0..15 for 4 bits; -128..127 for 8; e4m3 bytes as uint8 with ``float8``), ``d``
+        and ``m`` ``[N, K / group]``."""
         n, k = u.shape
         if bits not in (4, 8) or group % 2 or k % group or d.shape != (n, k // group) or m.shape != d.shape:
             raise ValueError(
@@ -39,9 +43,9 @@ class GroupWeight:
             panels = pack_panels(u.to(U8))  # [P, K, 16]
             values = panels[:, 0::2] | (panels[:, 1::2] << 4)
         else:
-            values = pack_panels(u.to(torch.int8)).view(U8)
+            values = pack_panels(u.to(U8) if float8 else u.to(torch.int8)).view(U8)
         return GroupWeight(
-            values.contiguous(), pack_panels(d.float()), pack_panels(m.float()), bits, group, n
+            values.contiguous(), pack_panels(d.float()), pack_panels(m.float()), bits, group, n, float8
         )
 
     def expanded(self) -> torch.Tensor:
@@ -49,11 +53,15 @@ class GroupWeight:
         if self.bits == 4:
             low, high = self.values & 0x0F, self.values >> 4
             u = torch.stack((low, high), 2).flatten(1, 2).float()  # [P, K, 16]
+        elif self.float8:
+            u = self.values.view(torch.float8_e4m3fn).float()
         else:
             u = self.values.view(torch.int8).float()
         d = self.step.repeat_interleave(self.group, 1)
         m = self.offset.repeat_interleave(self.group, 1)
-        return unpack_panels(torch.addcmul(m, u, d), self.out_features)  # u * d exact: one rounding
+        return unpack_panels(
+            torch.addcmul(m, u, d), self.out_features
+        )  # one rounding (u * d exact but e4m3's)
 
 
 class GroupGemmKernel(NativeKernel):
@@ -82,7 +90,8 @@ class GroupGemmKernel(NativeKernel):
         rows = as_rows(x)
         out = torch.empty(rows.shape[0], n, dtype=F32)
         status = self._fn(
-            rows.data_ptr(), rows.stride(0), weight.values.data_ptr(), weight.bits, weight.step.data_ptr(),
+            rows.data_ptr(), rows.stride(0), weight.values.data_ptr(), 3 if weight.float8 else weight.bits,
+            weight.step.data_ptr(),
             weight.offset.data_ptr(), weight.group, pointer(bias), out.data_ptr(), n, rows.shape[0], n, k,
             torch.get_num_threads(),
         )  # fmt: skip

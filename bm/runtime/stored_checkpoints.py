@@ -1,0 +1,107 @@
+"""A checkpoint directory saved quantized (config.json's ``quantization_config``), read as stored: which
+format it is, and each quantized linear's stored tensors given to the layer as a :class:`GroupWeight`
+(bm's group GEMM), never a full-width weight.
+
+The formats and their decoders live beside this module: GPTQ and AWQ int4
+(bm.runtime.int4_checkpoints), FP8 (bm.runtime.fp8_checkpoints). Anything else (bitsandbytes, other
+compressed-tensors schemes, HQQ, ...) is refused by name, before transformers tries that format's own
+packages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bm.runtime.fp8_checkpoints import Fp8Format, decode_fp8, fp8_format
+from bm.runtime.group_linears import install_group_weight
+from bm.runtime.int4_checkpoints import Int4Format, decode_int4, int4_format
+from bm.runtime.native import GroupWeight
+from bm.runtime.weight_quant import WeightQuantError, quantized_linears
+
+StoredFormat = Int4Format | Fp8Format
+# model.quantization's name for each stored method (vLLM's names)
+SCHEMES = {"gptq": "gptq", "awq": "awq", "fp8": "fp8", "compressed-tensors": "compressed-tensors"}
+
+
+def stored_format(path: Path, quant: dict[str, Any]) -> StoredFormat:
+    """The format of the checkpoint at ``path`` from its ``quantization_config``, or
+    :class:`WeightQuantError` naming what bm does not read."""
+    return fp8_format(path, quant) or int4_format(path, quant)
+
+
+def _parts(fmt: StoredFormat) -> tuple[str, ...]:
+    """The stored tensors of one quantized linear, the first marking it as quantized."""
+    if isinstance(fmt, Fp8Format):
+        return (fmt.scale_name, "weight")
+    return ("qweight", "qzeros", "scales")
+
+
+def _decode(fmt: StoredFormat, tensors: dict[str, torch.Tensor]) -> GroupWeight:
+    if isinstance(fmt, Fp8Format):
+        return decode_fp8(fmt, tensors["weight"], tensors[fmt.scale_name])
+    return decode_int4(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"])
+
+
+def install_stored_linears(model: nn.Module, path: Path, fmt: StoredFormat) -> int:
+    """Give ``model``'s linears the checkpoint's stored quantized weights (transformers loaded the model
+    without its quantization_config: its plain tensors only); returns how many. A linear with neither
+    its quantized tensors nor a ``weight`` stored is refused (transformers would have left it random)."""
+    from safetensors import safe_open
+
+    files = _weight_files(path)
+    where = {key: file for file in files for key in _keys(file)}
+    parts = _parts(fmt)
+    count = 0
+    for name, module in quantized_linears(model):
+        if f"{name}.{parts[0]}" not in where:
+            if f"{name}.weight" not in where:
+                raise WeightQuantError(f"model.path {str(path)!r}: {name} has no weight stored")
+            continue  # stored full width (modules_to_not_convert, the head): transformers loaded it
+        if type(module.weight.data) is not torch.Tensor:
+            raise WeightQuantError(
+                f"model.quantization: {fmt.method} runs unsharded linears; {name} is sharded (tensor parallelism)"
+            )
+        tensors = {}
+        for part in parts:
+            key = f"{name}.{part}"
+            if key not in where:
+                raise WeightQuantError(f"model.path {str(path)!r}: {key} is missing")
+            with safe_open(where[key], framework="pt") as f:
+                tensors[part] = f.get_tensor(key)
+        weight = _decode(fmt, tensors)
+        if (weight.out_features, weight.step.shape[1] * weight.group) != tuple(module.weight.shape):
+            raise WeightQuantError(
+                f"model.path {str(path)!r}: {name}'s stored weight is {weight.out_features} x "
+                f"{weight.step.shape[1] * weight.group}, the model's {tuple(module.weight.shape)}"
+            )
+        install_group_weight(module, weight)
+        count += 1
+    if count == 0:
+        raise WeightQuantError(
+            f"model.path {str(path)!r}: a {fmt.method} checkpoint with no quantized linear"
+        )
+    return count
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise WeightQuantError(
+            f"model.path {str(path)!r}: no model.safetensors (bm reads stored weights from safetensors)"
+        )
+    return [single]
+
+
+def _keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return list(f.keys())
