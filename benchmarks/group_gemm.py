@@ -17,21 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from roofline import best_time
 
 from bm.runtime.native import GroupWeight, group_gemm_kernel, int8_gemm_kernel, small_gemm_kernel
-
-
-def best(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def layer_runs(layer: dict, x: torch.Tensor, group, fp32, int8) -> dict:
@@ -85,7 +75,7 @@ def main() -> None:
         for layer in layers:
             runs = layer_runs(layer, torch.randn(m, layer["k"], generator=g), group, fp32, int8)
             for name, fn in runs.items():
-                total[name] += best(fn, reps)
+                total[name] += best_time(fn, reps)
         row = {name: round(1e6 * t, 1) for name, t in total.items()}
         for name in names[1:]:
             row[f"{name}_speed_vs_fp32"] = round(total["bm_fp32"] / total[name], 2)

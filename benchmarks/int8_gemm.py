@@ -16,21 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from roofline import best_time
 
 from bm.runtime.native import int8_gemm_kernel, small_gemm_kernel
-
-
-def best(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def torchao_linear(weight: torch.Tensor, dtype: torch.dtype):
@@ -61,7 +51,7 @@ def timings(layer: dict, m: int, reps: int) -> dict[str, float]:
     if layer["ao32"] is not None:
         runs["torchao_int8_fp32_act"] = lambda: layer["ao32"](x)
         runs["torchao_int8_bf16_act"] = lambda: layer["ao16"](xb)
-    return {name: 1e3 * best(fn, reps) for name, fn in runs.items()}
+    return {name: 1e3 * best_time(fn, reps) for name, fn in runs.items()}
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ from bm.runtime.group_linears import group_weight
 from bm.runtime.model_loader import ModelConfig, ModelLoadError
 from bm.runtime.native import GroupWeight, group_gemm_kernel
 from bm.runtime.weight_quant import quantized_linears
-from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.conftest import reference_model
 from tests.native_variants import each_isa
-from tests.test_oracle import run_staggered
+from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf, stored_checkpoint
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = (32, 32)  # the tiny model's layers are 32-128 wide; real checkpoints use 128 x 128
@@ -96,9 +96,9 @@ def write_fp8_checkpoint(reference: torch.nn.Module, folder, layout: str) -> tor
 
 @pytest.fixture(scope="module", params=["fp8-block", "ct-tensor", "ct-channel"])
 def fp8_case(request, tmp_path_factory, tiny_model):
-    folder = tmp_path_factory.mktemp(request.param)
-    expanded = write_fp8_checkpoint(reference_model(tiny_model), folder, request.param)
-    return request.param, folder, expanded, load_model(ModelConfig(path=str(folder), device="cpu"))
+    return stored_checkpoint(
+        tiny_model, tmp_path_factory.mktemp(request.param), write_fp8_checkpoint, request.param
+    )
 
 
 def test_each_linear_holds_the_checkpoints_fp8_weight_expanded_as_torch_does(fp8_case):
@@ -114,17 +114,10 @@ def test_each_linear_holds_the_checkpoints_fp8_weight_expanded_as_torch_does(fp8
         assert torch.equal(weight.expanded(), reference.weight), name
 
 
-def test_greedy_output_equals_hf_generate_on_the_float32_expansion(fp8_case, tiny_reference):
+@ORACLE_ENGINES
+def test_greedy_output_equals_hf_generate_on_the_float32_expansion(fp8_case, engine):
     _, _, expanded, loaded = fp8_case
-    specs = random_prompts(seed=3, count=16, vocab=loaded.vocab_size, max_prompt=40, max_output=16)
-    engine = {"max_batch_size": 16, "max_num_tokens": 32, "scheduler_policy": "max_utilization"}
-    client = run_staggered(
-        loaded, make_config(engine=engine, kv_cache={"tokens_per_block": 4, "max_tokens": 160}), specs
-    )
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.output_ids == hf_greedy(expanded, prompt, max_new), f"request {i}"
+    assert_greedy_equals_hf(loaded, expanded, engine)
 
 
 def test_an_fp8_variant_bm_does_not_read_is_refused_by_name(tmp_path, tiny_model):

@@ -20,9 +20,9 @@ from bm.runtime.model_loader import ModelConfig, describe_model
 from bm.runtime.native import GroupWeight, group_gemm_kernel, small_gemm_kernel
 from bm.runtime.weight_quant import WeightQuantError, quantized_linears
 from bm.runtime.weight_sources import weight_source
-from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.conftest import make_config, reference_model
 from tests.native_variants import each_isa
-from tests.test_oracle import run_staggered
+from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf
 
 gguf = pytest.importorskip("gguf")
 
@@ -153,27 +153,14 @@ def test_each_linear_takes_its_files_format_and_f32_tensors_stay_as_stored(gguf_
     assert loaded.model.get_output_embeddings().weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        {"max_batch_size": 8, "max_num_tokens": 96},
-        # chunked prompts, and a cache so small that max_utilization pauses and resumes requests
-        {"max_batch_size": 16, "max_num_tokens": 32, "scheduler_policy": "max_utilization"},
-    ],
-)
+@ORACLE_ENGINES
 def test_greedy_output_equals_hf_generate_on_the_files_float32_expansion(gguf_case, engine):
     _, loaded, plain = gguf_case
     ref = reference_model(loaded)
     expanded = dict(ref.named_parameters())
     for name, param in plain.named_parameters():
         assert torch.equal(expanded[name], param), name  # the reference is the file's expansion
-    specs = random_prompts(seed=3, count=16, vocab=loaded.vocab_size, max_prompt=40, max_output=16)
-    kv = {"tokens_per_block": 4, "max_tokens": 160 if engine["max_num_tokens"] == 32 else 4096}
-    client = run_staggered(loaded, make_config(engine=engine, kv_cache=kv), specs)
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.output_ids == hf_greedy(ref, prompt, max_new), f"request {i}"
+    assert_greedy_equals_hf(loaded, ref, engine)
 
 
 def test_a_file_whose_blocks_are_not_the_converted_weight_is_refused_naming_the_tensor(gguf_case, tmp_path):

@@ -18,8 +18,8 @@ from bm.runtime import load_model
 from bm.runtime.group_linears import group_weight
 from bm.runtime.model_loader import ModelConfig, ModelLoadError
 from bm.runtime.weight_quant import quantized_linears
-from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
-from tests.test_oracle import run_staggered
+from tests.conftest import hf_greedy, reference_model
+from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf, stored_checkpoint
 
 GROUP = 32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM layout: value j of a word is column 8c + AWQ_ORDER[j]
@@ -93,9 +93,9 @@ def write_int4_checkpoint(reference: torch.nn.Module, folder, method: str) -> to
 
 @pytest.fixture(scope="module", params=["gptq", "gptq_v2", "awq"])
 def int4_case(request, tmp_path_factory, tiny_model):
-    folder = tmp_path_factory.mktemp(request.param)
-    expanded = write_int4_checkpoint(reference_model(tiny_model), folder, request.param)
-    return request.param, folder, expanded, load_model(ModelConfig(path=str(folder), device="cpu"))
+    return stored_checkpoint(
+        tiny_model, tmp_path_factory.mktemp(request.param), write_int4_checkpoint, request.param
+    )
 
 
 def test_each_linear_holds_the_checkpoints_int4_weight_expanded_exactly(int4_case):
@@ -112,23 +112,10 @@ def test_each_linear_holds_the_checkpoints_int4_weight_expanded_exactly(int4_cas
     assert torch.equal(head, expanded.get_output_embeddings().weight)  # stored full width, kept
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        {"max_batch_size": 8, "max_num_tokens": 96},
-        # chunked prompts, and a cache so small that max_utilization pauses and resumes requests
-        {"max_batch_size": 16, "max_num_tokens": 32, "scheduler_policy": "max_utilization"},
-    ],
-)
+@ORACLE_ENGINES
 def test_greedy_output_equals_hf_generate_on_the_exact_float32_expansion(int4_case, engine, tiny_reference):
     _, _, expanded, loaded = int4_case
-    specs = random_prompts(seed=3, count=16, vocab=loaded.vocab_size, max_prompt=40, max_output=16)
-    kv = {"tokens_per_block": 4, "max_tokens": 160 if engine["max_num_tokens"] == 32 else 4096}
-    client = run_staggered(loaded, make_config(engine=engine, kv_cache=kv), specs)
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.output_ids == hf_greedy(expanded, prompt, max_new), f"request {i}"
+    specs = assert_greedy_equals_hf(loaded, expanded, engine)
     # the int4 model is another model: the full-width one answers some of the same requests otherwise
     assert any(hf_greedy(expanded, p, m) != hf_greedy(tiny_reference, p, m) for p, m in specs)
 

@@ -13,10 +13,9 @@ from bm.runtime import load_model
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
 from bm.runtime.weight_quant import dequantized, int8_weight, quantize_weight, quantized_linears
-from bm.scheduling import FinishReason
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 from tests.native_variants import each_isa
-from tests.test_oracle import run_staggered
+from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf
 
 
 @pytest.fixture(scope="module")
@@ -100,25 +99,11 @@ def test_a_quantized_linear_computes_its_expanded_weight_within_rounding(int8_mo
     )
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        {"max_batch_size": 8, "max_num_tokens": 96},
-        # chunked prompts, and a cache so small that max_utilization pauses and resumes requests
-        {"max_batch_size": 16, "max_num_tokens": 32, "scheduler_policy": "max_utilization"},
-    ],
-)
+@ORACLE_ENGINES
 def test_greedy_output_with_int8_weights_equals_hf_generate_on_the_expanded_weights(
     int8_model, int8_reference, engine
 ):
-    specs = random_prompts(seed=3, count=16, vocab=int8_model.vocab_size, max_prompt=40, max_output=16)
-    kv = {"tokens_per_block": 4, "max_tokens": 160 if engine["max_num_tokens"] == 32 else 4096}
-    client = run_staggered(int8_model, make_config(engine=engine, kv_cache=kv), specs)
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.finish_reason == FinishReason.LENGTH
-        assert result.output_ids == hf_greedy(int8_reference, prompt, max_new), f"request {i}"
+    assert_greedy_equals_hf(int8_model, int8_reference, engine)
 
 
 def test_int8_weights_change_the_tokens_the_oracle_sees(int8_reference, tiny_model, tiny_reference):

@@ -121,15 +121,13 @@ static void item(int64_t it, const uint16_t *x, int64_t ldx, int64_t M, const ui
 {
     const int64_t kh = (K + 1) / 2, p = 2 * it, n0 = p * NR;
     const uint16_t *panel = wp + p * kh * 2 * NR, *panel1 = panel + kh * 2 * NR;
-    const int64_t left = N - n0;
-    const int np = left > NR ? 2 : 1;
-    const int cols0 = left >= NR ? NR : (int)left;
-    const int cols1 = np == 2 ? (left - NR >= NR ? NR : (int)(left - NR)) : 0;
+    int cols0, cols1;
+    const int np = bm_pair_columns(N, n0, &cols0, &cols1);
     const uint16_t *b = bias ? bias + n0 : NULL;
     const int64_t tiles = (M + MR - 1) / MR;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t h = (M - m) / (tiles - t) + ((M - m) % (tiles - t) != 0);
+        const int64_t h = bm_tile_height(M, m, tiles, t);
         const uint16_t *xm = x + m * ldx;
         uint16_t *ym = y + m * ldy + n0;
         if (np == 2) {
@@ -150,24 +148,8 @@ int bm_bf16_gemm(const uint16_t *x, int64_t ldx, const uint16_t *wp, const uint1
                  int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
 {
 #if BM_HAVE_DPBF16
-    const int64_t items = (N + 2 * NR - 1) / (2 * NR);
-    if (M <= 0 || items <= 0) return 0;
-    const int64_t mb = bm_rows_per_block(M, K, (int64_t)sizeof(uint16_t), MR, BM_BF16_GEMM_XBLOCK_BYTES,
-                                         BM_BF16_GEMM_ONE_BLOCK_ROWS);
-    const int64_t team = bm_team_size(num_threads, items);
-#ifdef BM_OPENMP
-#pragma omp parallel num_threads(team) if (team > 1)
-#endif
-    {
-        int64_t lo, hi;
-        bm_thread_share(items, &lo, &hi);
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-            const int64_t rows = M - m0 < mb ? M - m0 : mb;
-            for (int64_t it = lo; it < hi; it++)
-                item(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N);
-        }
-    }
-    (void)team;
+    BM_PANEL_GEMM_DRIVE(M, N, K, (int64_t)sizeof(uint16_t), MR, BM_BF16_GEMM_XBLOCK_BYTES, BM_BF16_GEMM_ONE_BLOCK_ROWS,
+                        num_threads, item(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N));
     return 0;
 #else
     (void)x, (void)ldx, (void)wp, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K;

@@ -23,16 +23,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-/* bm builds with -fassociative-math; each output's chain must keep its order (batch invariance), and
- * the bias is added apart (no contraction into the last fused multiply-add). */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("no-associative-math")
-#pragma GCC optimize("fp-contract=off")
-#elif defined(__clang__)
-#pragma clang fp reassociate(off)
-#pragma clang fp contract(off)
-#endif
-
+#include "ordered_fp.h" /* each chain in order; the bias added apart */
 #include "isa.h"
 #include "panel_gemm.h"
 
@@ -141,15 +132,13 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
     const uint8_t *panel = wp + p * PANEL_BYTES(bits, K), *panel1 = panel + PANEL_BYTES(bits, K);
     const float *d0 = d + p * groups * NR, *m0 = m + p * groups * NR;
     const float *d1 = d0 + groups * NR, *m1 = m0 + groups * NR;
-    const int64_t left = N - n0;
-    const int np = left > NR ? 2 : 1;
-    const int cols0 = left >= NR ? NR : (int)left;
-    const int cols1 = np == 2 ? (left - NR >= NR ? NR : (int)(left - NR)) : 0;
+    int cols0, cols1;
+    const int np = bm_pair_columns(N, n0, &cols0, &cols1);
     const float *b = bias ? bias + n0 : NULL;
     const int64_t tiles = (M + MR - 1) / MR;
     int64_t row = 0;
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t h = (M - row) / (tiles - t) + ((M - row) % (tiles - t) != 0);
+        const int64_t h = bm_tile_height(M, row, tiles, t);
         const float *xm = x + row * ldx;
         float *ym = y + row * ldy + n0;
         if (bits == 4 && np == 2) {
@@ -214,23 +203,8 @@ int bm_group_gemm(const float *x, int64_t ldx, const uint8_t *wp, int64_t bits, 
                   int64_t num_threads)
 {
     if ((bits != 4 && bits != 8 && bits != 3) || G <= 0 || G % 2 || K % G) return -1;
-    const int64_t items = (N + 2 * NR - 1) / (2 * NR);
-    if (M <= 0 || items <= 0) return 0;
-    const int64_t mb = bm_rows_per_block(M, K, (int64_t)sizeof(float), MR, BM_GROUP_GEMM_XBLOCK_BYTES,
-                                         BM_GROUP_GEMM_ONE_BLOCK_ROWS);
-    const int64_t team = bm_team_size(num_threads, items);
-#ifdef BM_OPENMP
-#pragma omp parallel num_threads(team) if (team > 1)
-#endif
-    {
-        int64_t lo, hi;
-        bm_thread_share(items, &lo, &hi);
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-            const int64_t rows = M - m0 < mb ? M - m0 : mb;
-            for (int64_t it = lo; it < hi; it++)
-                item(it, (int)bits, x + m0 * ldx, ldx, rows, wp, d, m, K, G, y + m0 * ldy, ldy, bias, N);
-        }
-    }
-    (void)team;
+    BM_PANEL_GEMM_DRIVE(M, N, K, (int64_t)sizeof(float), MR, BM_GROUP_GEMM_XBLOCK_BYTES, BM_GROUP_GEMM_ONE_BLOCK_ROWS,
+                        num_threads,
+                        item(it, (int)bits, x + m0 * ldx, ldx, rows, wp, d, m, K, G, y + m0 * ldy, ldy, bias, N));
     return 0;
 }

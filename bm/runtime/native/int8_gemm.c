@@ -21,16 +21,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-/* bm builds with -fassociative-math; each output's chain must keep its order (batch invariance), and
- * the scale and the bias are applied apart (no contraction into one fused multiply-add). */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("no-associative-math")
-#pragma GCC optimize("fp-contract=off")
-#elif defined(__clang__)
-#pragma clang fp reassociate(off)
-#pragma clang fp contract(off)
-#endif
-
+#include "ordered_fp.h" /* each chain in order; the scale and the bias applied apart */
 #include "isa.h"
 #include "panel_gemm.h"
 
@@ -88,15 +79,13 @@ static void item(int64_t it, const float *x, int64_t ldx, int64_t M, const int8_
 {
     const int64_t p = 2 * it, n0 = p * NR;
     const int8_t *panel = wp + p * K * NR, *panel1 = panel + K * NR;
-    const int64_t left = N - n0;
-    const int np = left > NR ? 2 : 1;
-    const int cols0 = left >= NR ? NR : (int)left;
-    const int cols1 = np == 2 ? (left - NR >= NR ? NR : (int)(left - NR)) : 0;
+    int cols0, cols1;
+    const int np = bm_pair_columns(N, n0, &cols0, &cols1);
     const float *b = bias ? bias + n0 : NULL;
     const int64_t tiles = (M + MR - 1) / MR;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t h = (M - m) / (tiles - t) + ((M - m) % (tiles - t) != 0);
+        const int64_t h = bm_tile_height(M, m, tiles, t);
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy + n0;
         if (np == 2) {
@@ -135,23 +124,7 @@ static void item(int64_t it, const float *x, int64_t ldx, int64_t M, const int8_
 int bm_int8_gemm(const float *x, int64_t ldx, const int8_t *wp, const float *scale, const float *bias,
                  float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
 {
-    const int64_t items = (N + 2 * NR - 1) / (2 * NR);
-    if (M <= 0 || items <= 0) return 0;
-    const int64_t mb = bm_rows_per_block(M, K, (int64_t)sizeof(float), MR, BM_INT8_GEMM_XBLOCK_BYTES,
-                                         BM_INT8_GEMM_ONE_BLOCK_ROWS);
-    const int64_t team = bm_team_size(num_threads, items);
-#ifdef BM_OPENMP
-#pragma omp parallel num_threads(team) if (team > 1)
-#endif
-    {
-        int64_t lo, hi;
-        bm_thread_share(items, &lo, &hi);
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-            const int64_t rows = M - m0 < mb ? M - m0 : mb;
-            for (int64_t it = lo; it < hi; it++)
-                item(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, scale, bias, N);
-        }
-    }
-    (void)team;
+    BM_PANEL_GEMM_DRIVE(M, N, K, (int64_t)sizeof(float), MR, BM_INT8_GEMM_XBLOCK_BYTES, BM_INT8_GEMM_ONE_BLOCK_ROWS,
+                        num_threads, item(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, scale, bias, N));
     return 0;
 }

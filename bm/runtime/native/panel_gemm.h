@@ -22,6 +22,24 @@ static inline int64_t bm_rows_per_block(int64_t M, int64_t K, int64_t elem, int6
     return (M + blocks - 1) / blocks;
 }
 
+/* The panel pair of a work item starting at output column n0 of N: how many panels it has (1 or 2) and
+ * how many of each panel's 16 columns are stored (*cols0, *cols1; 0 for an absent second panel). */
+static inline int bm_pair_columns(int64_t N, int64_t n0, int *cols0, int *cols1)
+{
+    const int64_t left = N - n0;
+    const int np = left > 16 ? 2 : 1;
+    *cols0 = left >= 16 ? 16 : (int)left;
+    *cols1 = np == 2 ? (left - 16 >= 16 ? 16 : (int)(left - 16)) : 0;
+    return np;
+}
+
+/* The height of tile t of `tiles` covering rows [row, M): as equal as possible (a short tile has too
+ * few independent accumulators to hide the FMA latency, so it costs nearly as long as a full one). */
+static inline int64_t bm_tile_height(int64_t M, int64_t row, int64_t tiles, int64_t t)
+{
+    return (M - row) / (tiles - t) + ((M - row) % (tiles - t) != 0);
+}
+
 /* tile(h, np, ...) for a run-time h of 1 to 12, each case a call with a constant height. */
 #define BM_TILE_BY_ROWS(tile, np, h, ...)                                                             \
     switch (h) {                                                                                      \
@@ -38,5 +56,33 @@ static inline int64_t bm_rows_per_block(int64_t M, int64_t K, int64_t elem, int6
     case 2: tile(2, np, __VA_ARGS__); break;                                                          \
     default: tile(1, np, __VA_ARGS__); break;                                                         \
     }
+
+#ifdef BM_OPENMP
+#define BM_PANEL_TEAM(team) _Pragma("omp parallel num_threads(team) if (team > 1)")
+#else
+#define BM_PANEL_TEAM(team)
+#endif
+
+/* The one driver of bm's panel GEMMs: the work items are pairs of 16-column panels, each thread owns a
+ * contiguous run of them for every row (no barrier between row blocks, never a split of k), and rows
+ * come in blocks of bm_rows_per_block. ITEM is one call, run with `m0` (the block's first row), `rows`
+ * (its height) and `it` (the panel pair) in scope. */
+#define BM_PANEL_GEMM_DRIVE(M, N, K, elem, mr, block_bytes, one_block_rows, num_threads, ITEM)         \
+    do {                                                                                              \
+        const int64_t items_ = ((N) + 31) / 32;                                                       \
+        if ((M) <= 0 || items_ <= 0) break;                                                           \
+        const int64_t mb_ = bm_rows_per_block(M, K, elem, mr, block_bytes, one_block_rows);           \
+        const int64_t team = bm_team_size(num_threads, items_);                                       \
+        BM_PANEL_TEAM(team)                                                                           \
+        {                                                                                             \
+            int64_t lo_, hi_;                                                                         \
+            bm_thread_share(items_, &lo_, &hi_);                                                      \
+            for (int64_t m0 = 0; m0 < (M); m0 += mb_) {                                               \
+                const int64_t rows = (M) - m0 < mb_ ? (M) - m0 : mb_;                                 \
+                for (int64_t it = lo_; it < hi_; it++) ITEM;                                          \
+            }                                                                                         \
+        }                                                                                             \
+        (void)team;                                                                                   \
+    } while (0)
 
 #endif
