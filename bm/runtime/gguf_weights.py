@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bm.runtime.gguf_index import GgufIndexError, read_gguf_index
 from bm.runtime.group_linears import install_group_weight
 from bm.runtime.native import GroupWeight
 from bm.runtime.weight_quant import WeightQuantError, quantized_linears
@@ -73,9 +74,10 @@ def install_gguf_linears(model: nn.Module, gguf_file: Path) -> dict[str, int]:
     each format (none: every tensor is stored full width)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_file))
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
+    try:
+        arch, tensors = read_gguf_index(gguf_file)
+    except GgufIndexError as exc:
+        raise WeightQuantError(f"model.quantization: gguf: {exc}: set model.quantization: none") from None
     known = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     if arch not in known:
         raise WeightQuantError(
@@ -84,12 +86,11 @@ def install_gguf_linears(model: nn.Module, gguf_file: Path) -> dict[str, int]:
         )
     config = model.config.get_text_config()
     names = gguf.get_tensor_name_map(known[arch], config.num_hidden_layers)
-    tensors = {t.name: t for t in reader.tensors}
     counts: dict[str, int] = {}
     for name, module in quantized_linears(model):
         key = names.get_name(name + ".weight", try_suffixes=(".weight",))
         tensor = tensors.get(key) if key else None
-        kind = tensor.tensor_type.name if tensor is not None else None
+        kind = tensor.kind if tensor is not None else None
         if kind not in FORMATS:
             if kind is not None and kind not in ("F32", "F16", "BF16"):
                 raise WeightQuantError(

@@ -8,7 +8,9 @@ refused, by the same rule.
   tensor-parallel shards); any other model's full-width weights.
 * ``none``: full width; ``int8``: quantized on load (bm.runtime.weight_quant). Both refused for a
   checkpoint stored quantized, which has no full-width weight to give.
-* ``gguf``, ``gptq``, ``awq``: the stored format named, refused where the model is not stored so.
+* ``gguf``, ``gptq``, ``awq``, ``fp8`` and ``compressed-tensors`` (vLLM's names): the stored format
+  named, refused where the model is not stored so. (vLLM's ``quantization="fp8"`` on a full-width
+  checkpoint quantizes it on load; bm's scheme for that is ``int8``, which the refusal names.)
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def weight_source(
     if quantization in SCHEMES.values():
         raise WeightQuantError(
             f"model.quantization: {quantization} reads {quantization} checkpoints; this model is not one: "
-            "set model.quantization: auto"
+            "set model.quantization: auto (or int8 to quantize its full-width weights on load)"
         )
     if gguf is not None and sharded:
         gguf = None  # the blocks run unsharded layers only: the float32 expansion is sharded
