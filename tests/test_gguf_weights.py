@@ -180,10 +180,13 @@ def test_a_block_format_bm_does_not_run_is_refused_naming_the_format(tmp_path):
         install_gguf_linears(base.model, path)
 
 
-def test_quantization_auto_is_the_default_and_gguf_is_refused_off_a_gguf_preset():
+def test_quantization_auto_is_the_default_and_gguf_is_refused_off_a_gguf_file():
     assert make_config().model.quantization == "auto"
     assert make_config(model={"quantization": None}).model.quantization == "auto"  # vLLM's default
-    with pytest.raises(ConfigError, match=r"model\.quantization: gguf runs a GGUF preset's own blocks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.quantization: gguf runs a GGUF file's own blocks .* 'embedded tiny-llama' is neither",
+    ):
         make_config(model={"quantization": "gguf"})
     with pytest.raises(ConfigError, match=r"model\.quantization: gguf runs on bm's CPU kernels only"):
         make_config(model={"quantization": "gguf", "preset": "smollm2-135m", "device": "cuda"})
@@ -210,3 +213,28 @@ def test_the_tensor_index_reads_what_ggufs_own_reader_reads(gguf_case):
             assert np.array_equal(mine.data, np.asarray(t.data).view(np.uint8).reshape(mine.data.shape)), (
                 t.name
             )
+
+
+def test_a_gguf_file_as_model_path_runs_its_own_blocks_and_is_named_by_its_path(
+    gguf_case, tmp_path, monkeypatch
+):
+    """``--model x.gguf`` (vLLM and llama.cpp take a file so): converted once like the preset (here the
+    conversion is the expanded model saved, transformers' own conversion being the preset's test), then
+    run on the file's blocks, the results naming the file."""
+    from bm.config.model import model_override
+    from bm.runtime import presets
+
+    path, _, plain = gguf_case
+    converted = tmp_path / "converted"
+    plain.save_pretrained(converted)
+    seen = []
+    monkeypatch.setattr(
+        presets, "converted_gguf", lambda gguf, label: seen.append((gguf, label)) or converted
+    )
+    assert model_override(str(path)) == ("model.path", str(path))
+    loaded = load_model(ModelConfig(path=str(path), device="cpu"))
+    assert seen == [(path, "tiny")]
+    assert loaded.quantization == "gguf" and loaded.num_quantized_linears == 6 * 2
+    assert loaded.name == str(path)
+    assert make_config(model={"path": str(path), "quantization": "gguf"}).model.quantization == "gguf"
+    assert load_model(ModelConfig(path=str(path), device="cpu", quantization="none")).quantization == "none"

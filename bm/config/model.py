@@ -181,7 +181,7 @@ class ModelConfig:
     )
     path: str | None = knob(
         None,
-        "Local checkpoint directory (config, safetensors, tokenizer), or a hub id org/name in the local "
+        "Local checkpoint directory, a GGUF file (converted once), or a hub id org/name in the local "
         "Hugging Face cache.",
         _local_or_cached("--model"),
     )
@@ -264,7 +264,7 @@ class ModelConfig:
     )
     quantization: str = knob(
         "auto",
-        "auto (as stored: GPTQ, AWQ, FP8, a GGUF preset's blocks), none (full width), int8 (on load); CPU.",
+        "auto (as stored: GPTQ, AWQ, FP8, a GGUF file's blocks), none (full width), int8 (on load); CPU.",
         _quantization,
     )
 
@@ -312,6 +312,6 @@ def model_override(model: str) -> tuple[str, str]:
         return "model.path", model
     raise ConfigError(
         f"--model {model!r}: not a preset and no such directory{did_you_mean(model, MODEL_PRESETS)} "
-        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory, or a hub id org/name "
-        "in the local Hugging Face cache)"
+        f"(presets: {', '.join(MODEL_PRESETS)}; or give a local checkpoint directory, a GGUF file, or a hub "
+        "id org/name in the local Hugging Face cache)"
     )

@@ -194,10 +194,11 @@ def validate(cfg: BmConfig) -> None:
             f"model.quantization: {quantization}: the simulator prices full-width weights and does not model "
             "quantized ones; set model.quantization: auto with engine.executor: sim"
         )
-    if quantization == "gguf" and cfg.model.preset not in GGUF_PRESETS:
+    gguf_file = (cfg.model.path or "").endswith(".gguf")
+    if quantization == "gguf" and cfg.model.preset not in GGUF_PRESETS and not gguf_file:
         raise ConfigError(
-            f"model.quantization: gguf runs a GGUF preset's own blocks ({', '.join(GGUF_PRESETS)}); "
-            f"{cfg.model.label!r} is none: set model.quantization: auto, or model.preset"
+            f"model.quantization: gguf runs a GGUF file's own blocks (a .gguf model.path, or the preset "
+            f"{', '.join(GGUF_PRESETS)}); {cfg.model.label!r} is neither: set model.quantization: auto"
         )
 
 

@@ -1,6 +1,7 @@
 """A GGUF file's own blocks as the weights of bm's linears (``model.quantization: gguf``, which ``auto``
-picks for a GGUF preset on the CPU): Q4_0, Q4_1 and Q8_0, run by :class:`GroupGemmKernel` without
-expanding them, so a 4-bit file's decoder reads about a fifth of float32's bytes.
+picks for a float32 model on the CPU from a GGUF file: the preset's, or ``model.path``'s): Q4_0, Q4_1 and
+Q8_0, run by bm's group GEMM without expanding them, so a 4-bit file's decoder reads about a fifth of
+float32's bytes.
 
 The model is first built from the checkpoint converted once from the same file (bm.runtime.presets:
 transformers' own reading, every tensor expanded to float32). Then each decoder linear whose GGUF tensor
@@ -13,9 +14,10 @@ is one of these block formats takes the blocks instead:
 (A block's byte ``j`` holds its elements ``j`` (low nibble) and ``j + 16`` (high).) Every ``u * d`` is
 exact in float32, so each weight is the one value gguf's ``dequantize`` gives, which is what
 transformers loaded. A layer whose blocks, expanded, are not bit for bit the converted checkpoint's
-weight (a name or row order read wrongly, an architecture transformers reads its own way) stops the load: the native path never runs other weights
-than the reference's. Tensors in other formats (F32, F16: as they are stored; K-quants) keep the
-converted float32 weight; the embedding and output head always do (:func:`quantized_linears`).
+weight (a name or row order read wrongly, an architecture transformers reads its own way) stops the
+load: the native path never runs other weights than the reference's. Tensors stored full width (F32,
+F16, BF16) keep the converted weight, as the embedding and output head always do
+(:func:`quantized_linears`); other block formats (K-quants) are refused by name.
 
 llama.cpp's converter stores a Llama's q and k projections with their rows permuted for its rotary
 layout; transformers undoes it on load (its ``LlamaTensorProcessor``), and so is done here, on the rows

@@ -32,9 +32,10 @@ from bm.runtime.model_families import adapt_attention_modules
 from bm.runtime.native import bf16_gemm_kernel, kv_cache_dtype
 from bm.runtime.prepack import prepack_linears, should_prepack
 from bm.runtime.random_weights import random_model
+from bm.runtime.stored_checkpoints import load_stored_checkpoint
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 from bm.runtime.weight_quant import WeightQuantError, quantize_linears
-from bm.runtime.weight_sources import preset_gguf, stored_quantization, weight_source
+from bm.runtime.weight_sources import gguf_path, preset_gguf, stored_quantization, weight_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,7 +147,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
     started = time.perf_counter()
     hub_id = cfg.path if cfg.path and is_hub_id(cfg.path) else None  # the model's name, not its snapshot
-    gguf = preset_gguf(cfg.preset)
+    user_gguf = gguf_path(cfg.path)  # --model x.gguf: the file names the model, its conversion is a cache
+    gguf = preset_gguf(cfg.preset) or user_gguf
     cfg = _resolved(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -160,11 +162,12 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             raise ModelLoadError(str(exc)) from None
         try:
             tp_kwargs = _tensor_parallel_kwargs(path)
-            model = _from_pretrained(path, dtype, tp_kwargs, stored_quantized=stored is not None)
+            load = AutoModelForCausalLM.from_pretrained if stored is None else load_stored_checkpoint
+            model = load(path, dtype=dtype, local_files_only=True, **tp_kwargs)
             model = _shard_replica(model, tp_kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
-        name = hub_id or str(path)
+        name = hub_id or str(user_gguf or path)
     else:
         stored = tp_kwargs = None
         if cfg.config:
@@ -203,29 +206,6 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return loaded
 
 
-def _from_pretrained(
-    path: Path, dtype: torch.dtype, tp_kwargs: dict[str, Any], stored_quantized: bool
-) -> torch.nn.Module:
-    """transformers' model from a checkpoint directory. One stored quantized (GPTQ, AWQ, FP8) is built
-    without its quantization_config: transformers then loads its plain tensors (embeddings, norms, the
-    head) and leaves the quantized linears for bm.runtime.stored_checkpoints to give their stored
-    tensors (it would otherwise ask for the format's kernel packages, or expand them to full width)."""
-    if not stored_quantized:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **tp_kwargs)
-    from transformers.utils import logging as hf_logging
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    del config.quantization_config
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the stored tensors are "unexpected", the linears' weights "missing"
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dtype, local_files_only=True, **tp_kwargs
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
 def load_tokenizer(cfg: ModelConfig) -> TextCodec | None:
     """The tokenizer :func:`load_model` gives the model of ``cfg``, without loading the model: a process
     that only decodes tokens (``bm run --ray``'s driver, writing ``batch_output.jsonl``'s logprobs) names
@@ -262,7 +242,8 @@ def resolve_cpu_bf16_gemm(requested: str, prepack: str = "auto") -> str:
 
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:
-    """A named model (``model.preset``) as its checkpoint path (bm/runtime/presets.py); a hub id in
+    """A named model (``model.preset``) or a GGUF file in ``model.path`` as the checkpoint converted from
+    it once (bm/runtime/presets.py); a hub id in
     ``model.path`` or ``model.tokenizer`` as its snapshot in the local Hugging Face cache
     (bm.hub_cache), so ``bm.LLM("org/name")`` loads what ``bm run --model org/name`` does."""
     from dataclasses import replace
@@ -275,6 +256,13 @@ def _resolved(cfg: ModelConfig) -> ModelConfig:
             path=local_dir(cfg.path) if cfg.path else cfg.path,
             tokenizer=local_dir(cfg.tokenizer) if cfg.tokenizer else cfg.tokenizer,
         )
+    if cfg.path and gguf_path(cfg.path):
+        from bm.runtime.presets import PresetError, converted_gguf
+
+        try:
+            return replace(cfg, path=str(converted_gguf(Path(cfg.path), Path(cfg.path).stem.lower())))
+        except PresetError as exc:
+            raise ModelLoadError(str(exc)) from None
     if cfg.preset is None:
         return cfg
     from bm.runtime.presets import PresetError, resolve_preset

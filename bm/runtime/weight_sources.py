@@ -3,8 +3,8 @@ the model is stored as. The one place the loader asks, so every scheme is resolv
 refused, by the same rule.
 
 * ``auto`` (the default, vLLM's ``quantization=None``): as stored. A GPTQ, AWQ or FP8 checkpoint's own
-  weights (bm.runtime.stored_checkpoints); a GGUF preset's own blocks on the CPU in float32
-  (bm.runtime.gguf_weights), their expansion elsewhere (CUDA, bf16 models, whose GEMMs multiply in bf16,
+  weights (bm.runtime.stored_checkpoints); a GGUF file's own blocks on the CPU in float32
+  (bm.runtime.gguf_weights; or a .gguf file in ``model.path``), their expansion elsewhere (CUDA, bf16 models, whose GEMMs multiply in bf16,
   tensor-parallel shards); any other model's full-width weights.
 * ``none``: full width; ``int8``: quantized on load (bm.runtime.weight_quant). Both refused for a
   checkpoint stored quantized, which has no full-width weight to give.
@@ -37,6 +37,12 @@ def preset_gguf(preset: str | None) -> Path | None:
 
     found = PRESETS.get(preset) if preset else None
     return gguf_file(found) if found is not None else None
+
+
+def gguf_path(path: str | None) -> Path | None:
+    """``model.path`` when it names a GGUF file (``--model x.gguf``, as vLLM and llama.cpp take one),
+    else None."""
+    return Path(path) if path and path.endswith(".gguf") and Path(path).is_file() else None
 
 
 def stored_quantization(path: Path) -> StoredFormat | None:
@@ -92,7 +98,7 @@ def weight_source(
     if quantization == "gguf":
         if gguf is None:
             raise WeightQuantError(
-                "model.quantization: gguf runs a GGUF preset's own blocks, on the CPU and unsharded: set "
+                "model.quantization: gguf runs a GGUF file's own blocks, on the CPU and unsharded: set "
                 "model.quantization: auto or none here"
             )
         return "gguf", lambda model: sum(install_gguf_linears(model, gguf).values())
