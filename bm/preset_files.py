@@ -39,3 +39,16 @@ def gguf_file(preset: GgufPreset) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def preset_gguf(name: str | None) -> Path | None:
+    """The GGUF file preset ``name`` is converted from; None for any other model, for the embedded one
+    (whose weights follow from ``model.seed`` alone), and for a preset whose package is not installed."""
+    preset = PRESETS.get(name) if name else None
+    return None if preset is None else gguf_file(preset)
+
+
+def gguf_path(path: str | None) -> Path | None:
+    """``model.path`` when it names a GGUF file (``--model x.gguf``, as vLLM and llama.cpp take one),
+    else None: the one rule the config and the loader both ask."""
+    return Path(path) if path and path.endswith(".gguf") and Path(path).is_file() else None

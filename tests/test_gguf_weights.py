@@ -197,8 +197,8 @@ def test_the_tensor_index_reads_what_ggufs_own_reader_reads(gguf_case):
     """bm steps over a file's metadata values instead of parsing them (a tokenizer made the gguf reader
     take 4.9 s of a 5.7 s load); every tensor's name, format and bytes must still be the reader's. On the
     preset's real file too, where it is installed."""
+    from bm.preset_files import preset_gguf
     from bm.runtime.gguf_index import read_gguf_index
-    from bm.runtime.weight_sources import preset_gguf
 
     files = [gguf_case[0], *([preset_gguf("smollm2-135m")] if preset_gguf("smollm2-135m") else [])]
     for path in files:

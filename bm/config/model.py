@@ -11,6 +11,7 @@ from typing import Any
 
 from bm.config.fields import ConfigError, choice, int_at_least, knob, on_off_auto, optional_str
 from bm.hub_cache import HubCacheError, check_cached, is_hub_id
+from bm.preset_files import PRESETS
 from bm.suggest import did_you_mean
 
 DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -65,9 +66,8 @@ EMBEDDED_MODEL_NAME = "embedded tiny-llama"  # the model when none is chosen (bm
 
 # Named models, resolved by bm/runtime/presets.py (kept equal to its PRESETS by a test).
 MODEL_PRESETS = ("smollm2-135m", "tiny-random")
-# The presets shipped as a GGUF file, whose blocks model.quantization: gguf runs (equal to
-# bm.preset_files' GGUF presets, by the same test).
-GGUF_PRESETS = ("smollm2-135m",)
+# The presets shipped as a GGUF file, whose blocks model.quantization: gguf runs.
+GGUF_PRESETS = tuple(name for name, preset in PRESETS.items() if preset is not None)
 
 
 def _preset(key: str, value: Any) -> Any:

@@ -24,6 +24,7 @@ from bm.config.model import GGUF_PRESETS, ModelConfig
 from bm.config.sim import SimConfig, SweepConfig
 from bm.cpu_isa import ENV_ISA, cpu_bf16_gemm, cpu_features
 from bm.cpu_isa import check_environment as check_cpu_isa
+from bm.preset_files import gguf_path
 from bm.suggest import did_you_mean
 
 # The source checkout (configs/ and examples/ live there, beside the package).
@@ -194,8 +195,7 @@ def validate(cfg: BmConfig) -> None:
             f"model.quantization: {quantization}: the simulator prices full-width weights and does not model "
             "quantized ones; set model.quantization: auto with engine.executor: sim"
         )
-    gguf_file = (cfg.model.path or "").endswith(".gguf")
-    if quantization == "gguf" and cfg.model.preset not in GGUF_PRESETS and not gguf_file:
+    if quantization == "gguf" and cfg.model.preset not in GGUF_PRESETS and gguf_path(cfg.model.path) is None:
         raise ConfigError(
             f"model.quantization: gguf runs a GGUF file's own blocks (a .gguf model.path, or the preset "
             f"{', '.join(GGUF_PRESETS)}); {cfg.model.label!r} is neither: set model.quantization: auto"

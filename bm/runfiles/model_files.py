@@ -37,6 +37,7 @@ from typing import Any
 
 from bm.config import BmConfig
 from bm.hub_cache import local_dir
+from bm.preset_files import preset_gguf
 
 SETTLED_S = 2.0  # coarser than any file system's timestamp tick (FAT's is 2 s; ext4's a few ms)
 NOT_READ = (".md", ".gguf", ".onnx", ".h5", ".msgpack", ".ot")  # never read by a checkpoint's loader
@@ -60,7 +61,7 @@ def model_files(
     model = config.model
     sources: dict[str, Path] = {}
     if model.preset:
-        gguf = _preset_file(model.preset)
+        gguf = preset_gguf(model.preset)  # its converted checkpoint follows from it and bm's version
         if gguf is not None:
             sources["model"] = gguf
     elif model.path or model.config:  # a hub id: its cached snapshot's files (bm.hub_cache)
@@ -194,12 +195,3 @@ def _content_change(
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _preset_file(name: str) -> Path | None:
-    """The GGUF file a preset is converted from (its converted checkpoint follows from it and bm's
-    version); None for the embedded model, whose weights follow from ``model.seed`` alone."""
-    from bm.preset_files import PRESETS, gguf_file
-
-    preset = PRESETS.get(name)
-    return None if preset is None else gguf_file(preset)

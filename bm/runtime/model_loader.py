@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from bm.config import ModelConfig, resolve_dtype_name
 from bm.config.model import BF16_WITHOUT_CPU_SUPPORT
 from bm.cpu_isa import ENV_ISA, cpu_bf16_gemm, cpu_features, native_bf16
+from bm.preset_files import gguf_path, preset_gguf
 from bm.runtime.attention import probe_kv_shapes
 from bm.runtime.default_model import TINY_LLAMA_CONFIG
 from bm.runtime.fused_projections import fuse_projections, should_fuse_projections
@@ -35,7 +36,7 @@ from bm.runtime.random_weights import random_model
 from bm.runtime.stored_checkpoints import load_stored_checkpoint
 from bm.runtime.tokenizer import ByteTokenizer, HFTokenizer, TextCodec
 from bm.runtime.weight_quant import WeightQuantError, quantize_linears
-from bm.runtime.weight_sources import gguf_path, preset_gguf, stored_quantization, weight_source
+from bm.runtime.weight_sources import stored_quantization, weight_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

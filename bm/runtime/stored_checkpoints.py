@@ -11,6 +11,7 @@ packages.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,13 @@ def install_stored_linears(model: nn.Module, path: Path, fmt: StoredFormat) -> i
     its quantized tensors nor a ``weight`` stored is refused (transformers would have left it random)."""
     from safetensors import safe_open
 
-    files = _weight_files(path)
-    where = {key: file for file in files for key in _keys(file)}
+    with ExitStack() as stack:  # each file opened once, its index read once
+        opened = [stack.enter_context(safe_open(file, framework="pt")) for file in _weight_files(path)]
+        where = {key: f for f in opened for key in f.keys()}  # noqa: SIM118 (a safe_open, not a dict)
+        return _install_all(model, path, fmt, where)
+
+
+def _install_all(model: nn.Module, path: Path, fmt: StoredFormat, where: dict[str, Any]) -> int:
     parts = _parts(fmt)
     count = 0
     for name, module in quantized_linears(model):
@@ -89,8 +95,7 @@ def install_stored_linears(model: nn.Module, path: Path, fmt: StoredFormat) -> i
             key = f"{name}.{part}"
             if key not in where:
                 raise WeightQuantError(f"model.path {str(path)!r}: {key} is missing")
-            with safe_open(where[key], framework="pt") as f:
-                tensors[part] = f.get_tensor(key)
+            tensors[part] = where[key].get_tensor(key)
         weight = _decode(fmt, tensors)
         if (weight.out_features, weight.step.shape[1] * weight.group) != tuple(module.weight.shape):
             raise WeightQuantError(
@@ -116,10 +121,3 @@ def _weight_files(path: Path) -> list[Path]:
             f"model.path {str(path)!r}: no model.safetensors (bm reads stored weights from safetensors)"
         )
     return [single]
-
-
-def _keys(file: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        return list(f.keys())

@@ -29,6 +29,7 @@ rank (one all-reduce at load): each rank then holds exactly its slice of the sin
 from __future__ import annotations
 
 import types
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -169,7 +170,7 @@ def int8_weight(module: nn.Linear) -> torch.Tensor:
     return Int8GemmKernel.unpack(module.weight, module.weight_scale.numel())
 
 
-class KernelForward:
+class KernelForward(ABC):
     """The forward of a linear whose weight is held in a C kernel's own format: the kernel in float32
     (the input widened from, and the output rounded to, a bfloat16 model's dtype), or :meth:`torch_forward`
     where the kernel is not built (``BM_NATIVE_KERNELS=0``, no compiler), under autograd, or off the
@@ -179,20 +180,23 @@ class KernelForward:
         self.__setstate__({"_module": module})
 
     @staticmethod
+    @abstractmethod
     def load_kernel() -> Any:
-        raise NotImplementedError
+        """The compiled kernel, or None where it is not built."""
 
+    @abstractmethod
     def run(self, kernel: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """The layer on ``kernel``: ``x`` and ``bias`` float32, the output float32."""
 
     @staticmethod
+    @abstractmethod
     def torch_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The same layer in torch (the fallback)."""
 
     @staticmethod
+    @abstractmethod
     def expanded_weight(module: nn.Linear) -> torch.Tensor:
         """The float32 ``[N, K]`` weight the layer stands for (its reference's)."""
-        raise NotImplementedError
 
     # The compiled kernel is a handle of this process: copies and pickles of a model carry the module
     # only and find the kernel again where they land.

@@ -30,21 +30,6 @@ from bm.runtime.weight_quant import WeightQuantError, quantize_linears
 Install = Callable[[nn.Module], int]
 
 
-def preset_gguf(preset: str | None) -> Path | None:
-    """The GGUF file a preset's checkpoint is converted from (bm.runtime.presets), or None for any other
-    model (and for a preset whose package is not installed: its conversion names that first)."""
-    from bm.preset_files import PRESETS, gguf_file
-
-    found = PRESETS.get(preset) if preset else None
-    return gguf_file(found) if found is not None else None
-
-
-def gguf_path(path: str | None) -> Path | None:
-    """``model.path`` when it names a GGUF file (``--model x.gguf``, as vLLM and llama.cpp take one),
-    else None."""
-    return Path(path) if path and path.endswith(".gguf") and Path(path).is_file() else None
-
-
 def stored_quantization(path: Path) -> StoredFormat | None:
     """The format a checkpoint directory is saved in (config.json's ``quantization_config``), None for a
     full-width one; :class:`WeightQuantError` for a format bm does not read (bitsandbytes, other
