@@ -69,7 +69,7 @@ KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "lora_delta": ("avx2", "scalar"),
     # bf16_gemm.c has code for the AVX512_BF16 build only; its scalar build reports itself unavailable
     "bf16_gemm": ("avx512_bf16", "scalar"),
-    # int8_gemm.c: an AVX-512 path; the AVX2 build runs the same chains in C, its fmaf an FMA instruction
+    # int8_gemm.c: AVX-512 and AVX2 paths, the same chains as the plain C loops
     "int8_gemm": ("avx512", "avx2", "scalar"),
     # group_gemm.c (GGUF blocks): the same layout of paths as int8_gemm.c
     "group_gemm": ("avx512", "avx2", "scalar"),

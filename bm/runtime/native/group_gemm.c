@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 #include "ordered_fp.h" /* each chain in order; the bias added apart */
 #include "isa.h"
@@ -155,6 +156,149 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
             BM_TILE_BY_ROWS(TILE3, 1, h, xm, ldx, panel, panel, d0, m0, d0, m0, K, G, ym, ldy, b, cols0, 0)
         }
         row += h;
+    }
+}
+
+#elif BM_HAVE_AVX2
+
+/* The AVX2 build: the same chains, eight outputs per FMA. A tile is one panel (two 8-column halves)
+ * against up to six rows: 12 accumulators, as small_gemm.c's AVX2 tile, so its weights are expanded once
+ * per six rows. */
+#define MR2 6
+
+/* u of the 8 columns of half `half` of a panel at step k, widened to float32, then u * d + m. */
+static inline __m256 expand8(const int bits, const uint8_t *panel, int64_t k, int half, __m256 d, __m256 m)
+{
+    __m256i u;
+    if (bits == 3) { /* as the AVX-512 build: the e4m3 value rebuilt as float32 bits, then d * u */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(panel + k * NR + half * 8)));
+        const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+        __m256 v = _mm256_castsi256_ps(
+            _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+        const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512.0f));
+        v = _mm256_blendv_ps(v, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+        v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN),
+                             _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+        v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+        return _mm256_fmadd_ps(v, d, m);
+    }
+    if (bits == 4) {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(panel + (k >> 1) * NR + half * 8));
+        const __m128i nib = (k & 1) ? _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f))
+                                    : _mm_and_si128(v, _mm_set1_epi8(0x0f));
+        u = _mm256_cvtepu8_epi32(nib);
+    } else {
+        u = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(panel + k * NR + half * 8)));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), d, m);
+}
+
+/* One panel against mr <= 6 rows; `cols` (1-16) of its columns are stored. With bits 4, 8 or 3 the panel
+ * is the packed values and dp/mp its group parameters ([K / G][16]), expanded in registers; with bits 0
+ * it is already expanded, float32 [K][16] (expand_panel), and dp, mp and G are unused. */
+static inline __attribute__((always_inline)) void tile(
+    const int mr, const int bits, const float *x, int64_t ldx, const void *panel, const float *dp,
+    const float *mp, int64_t K, int64_t G, float *y, int64_t ldy, const float *bias, int cols)
+{
+    __m256 acc[MR2][2];
+    for (int i = 0; i < MR2; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    if (bits == 0) {
+        const float *w = (const float *)panel;
+        for (int64_t k = 0; k < K; k++) {
+            const __m256 b0 = _mm256_loadu_ps(w + k * NR), b1 = _mm256_loadu_ps(w + k * NR + 8);
+            for (int i = 0; i < mr; i++) {
+                const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+                acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+            }
+        }
+    } else {
+        for (int64_t g = 0; g * G < K; g++) {
+            const __m256 d0 = _mm256_loadu_ps(dp + g * NR), d1 = _mm256_loadu_ps(dp + g * NR + 8);
+            const __m256 m0 = _mm256_loadu_ps(mp + g * NR), m1 = _mm256_loadu_ps(mp + g * NR + 8);
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                const __m256 b0 = expand8(bits, (const uint8_t *)panel, k, 0, d0, m0);
+                const __m256 b1 = expand8(bits, (const uint8_t *)panel, k, 1, d1, m1);
+                for (int i = 0; i < mr; i++) {
+                    const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+                    acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+                }
+            }
+        }
+    }
+    float c[16];
+    if (bias) bm_pad16(bias, cols, c);
+    for (int i = 0; i < mr; i++) bm_store_row16(y + i * ldy, acc[i][0], acc[i][1], NULL, bias ? c : NULL, cols);
+}
+
+/* A panel's weights expanded once into out, float32 [K][16]: the values the tiles would expand in
+ * registers, for a call of more rows than one tile, where every tile then reads them from cache
+ * instead of expanding them again (two widenings and an FMA per eight weights, per tile). */
+static void expand_panel(int bits, const uint8_t *panel, const float *dp, const float *mp, int64_t K, int64_t G,
+                         float *out)
+{
+    for (int64_t g = 0; g * G < K; g++) {
+        const __m256 d0 = _mm256_loadu_ps(dp + g * NR), d1 = _mm256_loadu_ps(dp + g * NR + 8);
+        const __m256 m0 = _mm256_loadu_ps(mp + g * NR), m1 = _mm256_loadu_ps(mp + g * NR + 8);
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            _mm256_storeu_ps(out + k * NR, expand8(bits, panel, k, 0, d0, m0));
+            _mm256_storeu_ps(out + k * NR + 8, expand8(bits, panel, k, 1, d1, m1));
+        }
+    }
+}
+
+/* Each thread's buffer for one expanded panel, kept for the thread's life and grown as K needs. */
+static float *expanded_buffer(int64_t K)
+{
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (K > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        capacity = buffer ? K : 0;
+    }
+    return buffer;
+}
+
+#define TILE4(h, np, ...) tile(h, 4, __VA_ARGS__)
+#define TILE8(h, np, ...) tile(h, 8, __VA_ARGS__)
+#define TILE3(h, np, ...) tile(h, 3, __VA_ARGS__)
+#define TILE0(h, np, ...) tile(h, 0, __VA_ARGS__)
+
+/* Panels 2it and 2it + 1 (or the one N leaves), each against rows [0, M) in tiles of at most six rows
+ * with heights as equal as possible; a panel meeting more than one tile is expanded once first. */
+static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, const uint8_t *wp,
+                 const float *d, const float *m, int64_t K, int64_t G, float *y, int64_t ldy,
+                 const float *bias, int64_t N)
+{
+    const int64_t groups = K / G, tiles = (M + MR2 - 1) / MR2;
+    float *expanded = tiles > 1 ? expanded_buffer(K) : NULL;
+    int cols[2];
+    const int np = bm_pair_columns(N, 2 * it * NR, &cols[0], &cols[1]);
+    for (int j = 0; j < np; j++) {
+        const int64_t p = 2 * it + j, n0 = p * NR;
+        const uint8_t *panel = wp + p * PANEL_BYTES(bits, K);
+        const float *dp = d + p * groups * NR, *mp = m + p * groups * NR;
+        const float *b = bias ? bias + n0 : NULL;
+        if (expanded) expand_panel(bits, panel, dp, mp, K, G, expanded);
+        int64_t row = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t h = bm_tile_height(M, row, tiles, t);
+            const float *xm = x + row * ldx;
+            float *ym = y + row * ldy + n0;
+            if (expanded) {
+                BM_TILE_BY_ROWS6(TILE0, 1, h, xm, ldx, expanded, dp, mp, K, G, ym, ldy, b, cols[j])
+            } else if (bits == 4) {
+                BM_TILE_BY_ROWS6(TILE4, 1, h, xm, ldx, panel, dp, mp, K, G, ym, ldy, b, cols[j])
+            } else if (bits == 8) {
+                BM_TILE_BY_ROWS6(TILE8, 1, h, xm, ldx, panel, dp, mp, K, G, ym, ldy, b, cols[j])
+            } else {
+                BM_TILE_BY_ROWS6(TILE3, 1, h, xm, ldx, panel, dp, mp, K, G, ym, ldy, b, cols[j])
+            }
+            row += h;
+        }
     }
 }
 

@@ -9,8 +9,8 @@
  * Each output is one float32 chain over k in order, whatever M is and whichever tile computes it
  * (batch invariance): acc = 0; for k = 0 .. K-1: acc = fma(x[k], float(q[n, k]), acc); then
  * acc * scale[n], then + bias[n]. No split of K: threads own whole panel pairs. The AVX-512 build widens
- * 16 weights (one panel's k row) per instruction pair and computes 16 outputs per FMA; the other builds
- * run the same chains in C (fmaf), the same bits.
+ * 16 weights (one panel's k row) per instruction pair and computes 16 outputs per FMA, the AVX2 build 8;
+ * the plain C build runs the same chains with fmaf: the same bits in all three.
  *
  * A tile covers two adjacent panels (32 outputs) of up to twelve rows: 24 float32 accumulators, each k
  * two 16-byte loads and widenings and one broadcast per row. Rows come in blocks whose x stays in L2
@@ -94,6 +94,61 @@ static void item(int64_t it, const float *x, int64_t ldx, int64_t M, const int8_
             BY_ROWS(1, h, xm, ldx, panel, panel, K, ym, ldy, scale + n0, b, cols0, 0)
         }
         m += h;
+    }
+}
+
+#elif BM_HAVE_AVX2
+
+/* The AVX2 build: the same chains, eight outputs per FMA, in tiles of one panel against up to six rows
+ * (12 accumulators, as small_gemm.c's AVX2 tile). */
+#define MR2 6
+
+static inline __m256 widen8(const int8_t *q)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+/* One panel against mr <= 6 rows; `cols` (1-16) of its columns are stored. */
+static inline __attribute__((always_inline)) void tile(
+    const int mr, const int np, const float *x, int64_t ldx, const int8_t *panel, int64_t K, float *y,
+    int64_t ldy, const float *scale, const float *bias, int cols)
+{
+    (void)np;
+    __m256 acc[MR2][2];
+    for (int i = 0; i < MR2; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = widen8(panel + k * NR), b1 = widen8(panel + k * NR + 8);
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+            acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+        }
+    }
+    float s[16], c[16];
+    bm_pad16(scale, cols, s);
+    if (bias) bm_pad16(bias, cols, c);
+    for (int i = 0; i < mr; i++) bm_store_row16(y + i * ldy, acc[i][0], acc[i][1], s, bias ? c : NULL, cols);
+}
+
+/* Panels 2it and 2it + 1 (or the one N leaves), each against rows [0, M) in tiles of at most six rows
+ * with heights as equal as possible. */
+static void item(int64_t it, const float *x, int64_t ldx, int64_t M, const int8_t *wp, int64_t K, float *y,
+                 int64_t ldy, const float *scale, const float *bias, int64_t N)
+{
+    int cols[2];
+    const int np = bm_pair_columns(N, 2 * it * NR, &cols[0], &cols[1]);
+    for (int j = 0; j < np; j++) {
+        const int64_t p = 2 * it + j, n0 = p * NR;
+        const int8_t *panel = wp + p * K * NR;
+        const float *b = bias ? bias + n0 : NULL;
+        const int64_t tiles = (M + MR2 - 1) / MR2;
+        int64_t row = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t h = bm_tile_height(M, row, tiles, t);
+            BM_TILE_BY_ROWS6(tile, 1, h, x + row * ldx, ldx, panel, K, y + row * ldy + n0, ldy, scale + n0, b,
+                             cols[j])
+            row += h;
+        }
     }
 }
 

@@ -57,6 +57,47 @@ static inline int64_t bm_tile_height(int64_t M, int64_t row, int64_t tiles, int6
     default: tile(1, np, __VA_ARGS__); break;                                                         \
     }
 
+/* tile(h, np, ...) for a run-time h of 1 to 6 (the AVX2 tiles' heights). */
+#define BM_TILE_BY_ROWS6(tile, np, h, ...)                                                            \
+    switch (h) {                                                                                      \
+    case 6: tile(6, np, __VA_ARGS__); break;                                                          \
+    case 5: tile(5, np, __VA_ARGS__); break;                                                          \
+    case 4: tile(4, np, __VA_ARGS__); break;                                                          \
+    case 3: tile(3, np, __VA_ARGS__); break;                                                          \
+    case 2: tile(2, np, __VA_ARGS__); break;                                                          \
+    default: tile(1, np, __VA_ARGS__); break;                                                         \
+    }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The first `cols` of up to 16 per-column values (a scale, a bias) copied into dst, zero past them, so
+ * that a panel's last, partial tile reads no further than its columns. */
+static inline void bm_pad16(const float *src, int cols, float *dst)
+{
+    for (int j = 0; j < 16; j++) dst[j] = j < cols ? src[j] : 0.0f;
+}
+
+/* The end of one row of an AVX2 tile over a 16-column panel: its two 8-column accumulators, times scale16
+ * (when given), plus bias16 (when given), each applied apart, stored to the row's first `cols` columns.
+ * The accumulators come by value: an address of them would keep them in memory through the tile. */
+static inline __attribute__((always_inline)) void bm_store_row16(
+    float *row, __m256 v0, __m256 v1, const float *scale16, const float *bias16, int cols)
+{
+    if (scale16) {
+        v0 = _mm256_mul_ps(v0, _mm256_loadu_ps(scale16));
+        v1 = _mm256_mul_ps(v1, _mm256_loadu_ps(scale16 + 8));
+    }
+    if (bias16) {
+        v0 = _mm256_add_ps(v0, _mm256_loadu_ps(bias16));
+        v1 = _mm256_add_ps(v1, _mm256_loadu_ps(bias16 + 8));
+    }
+    /* lanes past `cols` are masked off (AVX2's masked store neither writes nor faults there) */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(row, _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane), v0);
+    _mm256_maskstore_ps(row + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane), v1);
+}
+#endif
+
 #ifdef BM_OPENMP
 #define BM_PANEL_TEAM(team) _Pragma("omp parallel num_threads(team) if (team > 1)")
 #else
