@@ -36,6 +36,14 @@ GEMMS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _bf16_on_every_cpu(monkeypatch):
+    """A CPU without bf16 instructions runs ``model.dtype: bfloat16`` in float32 instead
+    (tests/test_cpu_bf16_choice.py pins that); the bf16 oracle holds wherever bf16 runs, emulated too,
+    so these tests load their models in bf16 on every CPU."""
+    monkeypatch.setattr("bm.runtime.model_loader.native_bf16", lambda features: True)
+
+
 def _bf16_model(gemm: str = "auto"):
     loaded = load_model(ModelConfig(device="cpu", dtype="bfloat16", seed=0, cpu_bf16_gemm=gemm))
     assert loaded.dtype == torch.bfloat16
