@@ -49,6 +49,19 @@ def test_each_kernel_gets_the_best_build_it_has_code_for(kernel):
     assert choose_isa(kernel, SANDY_BRIDGE, "x86_64") == "scalar"
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNEL_ISAS))
+def test_each_vector_build_a_kernel_lists_has_a_vector_path_in_its_source(kernel):
+    """A listed avx2 or avx512 build whose source has no branch for it compiles the plain C loops under
+    that name: the int8 and group GEMMs' AVX2 builds once did, 50-100x slower than their figures."""
+    import re
+    from pathlib import Path
+
+    source = (Path(cpu_isa.__file__).parent / "runtime" / "native" / f"{kernel}.c").read_text()
+    for isa, switch in (("avx2", "BM_HAVE_AVX2"), ("avx512", "BM_HAVE_AVX512")):
+        if isa in KERNEL_ISAS[kernel]:
+            assert re.search(rf"#\s*(el)?if\b[^\n]*\b{switch}\b", source), f"{kernel}.c has no {switch} path"
+
+
 def test_the_bf16_gemm_gets_its_avx512_bf16_build_only_where_the_cpu_has_avx512_bf16():
     assert choose_isa("bf16_gemm", SAPPHIRE_RAPIDS, "x86_64") == "avx512_bf16"
     assert choose_isa("bf16_gemm", SAPPHIRE_RAPIDS, "x86_64", "avx512") == "avx512_bf16"
