@@ -6,7 +6,8 @@
 
 The two paths ``model.cpu_bf16_gemm`` chooses between (bm.runtime.prepack): ``onednn`` (the weight
 reordered once by ``torch.ops.mkldnn._reorder_linear_weight``, called through ``_linear_pointwise``, as
-bm's bf16 linears run by default) and ``invariant`` (bm's panel kernel, one fixed k-order per output).
+bm's bf16 linears run by default) and ``invariant`` (bm's panel kernel, one fixed k-order per output: its
+AMX build on AMX CPUs, its AVX512_BF16 build elsewhere; ``invariant_build`` says which).
 For each distinct linear shape of each model (default: SmolLM2-135M's and the reference model's,
 ``configs/models/``) and each row count, one call of each path in turn, ``--repeats`` rounds, each call
 on the next of enough weight copies to fill ``--cold-mb`` MiB (a forward reads every layer's weight from
@@ -32,7 +33,7 @@ from common import kernel_at
 from small_gemm import model_shapes
 
 from bm.cpu_isa import cpu_features
-from bm.runtime.native.bf16_gemm import BUILD, Bf16GemmKernel, bf16_gemm_kernel
+from bm.runtime.native.bf16_gemm import Bf16GemmKernel, bf16_gemm_kernel
 from bm.runtime.prepack import _PACK_HINT
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -52,7 +53,7 @@ def parse_args() -> argparse.Namespace:
 
 def baseline_kernel(ref: str, workdir: Path) -> Bf16GemmKernel:
     """The bf16 GEMM compiled from ``native/bf16_gemm.c`` at git revision ``ref``."""
-    return kernel_at(ref, workdir, "bf16_gemm.c", BUILD, Bf16GemmKernel)
+    return kernel_at(ref, workdir, "bf16_gemm.c", bf16_gemm_kernel().isa, Bf16GemmKernel)
 
 
 def time_pair(
@@ -133,6 +134,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "amx": "amx_bf16" in features,
         "avx512_bf16": "avx512_bf16" in features,
+        "invariant_build": kernel.isa,  # amx_bf16 (AMX tiles) or avx512_bf16 (vdpbf16ps)
         "torch_threads": torch.get_num_threads(),
         "baseline": args.baseline,
         "models": {},

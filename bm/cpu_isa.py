@@ -38,11 +38,15 @@ REQUIRED_FEATURES: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": frozenset({"avx2", "fma"}),
     "scalar": frozenset(),
-    # a kernel-only variant (not a BM_CPU_ISA value): the avx512 build plus the bf16 dot product
+    # kernel-only variants (not BM_CPU_ISA values): the avx512 build plus the bf16 dot product, and
+    # that plus AMX's tiles
     "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    "amx_bf16": frozenset(
+        {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"}
+    ),
 }
 # Kernel-only variants and the BM_CPU_ISA level each counts as: BM_CPU_ISA=avx2 caps them off too.
-REFINES = {"avx512_bf16": "avx512"}
+REFINES = {"avx512_bf16": "avx512", "amx_bf16": "avx512"}
 _BASE = ["-march=x86-64", "-mtune=native"]
 _AVX2 = ["-mavx2", "-mfma"]
 ISA_FLAGS: dict[str, list[str]] = {
@@ -60,6 +64,10 @@ ISA_FLAGS: dict[str, list[str]] = {
     "native": ["-march=native"],
 }
 ISA_FLAGS["avx512_bf16"] = [*ISA_FLAGS["avx512"], "-mavx512bf16"]
+ISA_FLAGS["amx_bf16"] = [*ISA_FLAGS["avx512_bf16"], "-mamx-tile", "-mamx-bf16"]
+# A build no CPU is given: bf16_gemm.c's AMX path with each tile instruction done in C, so that its
+# blocking and padding are tested on CPUs without AMX (bm.runtime.native.bf16_gemm.emulated_amx_gemm).
+ISA_FLAGS["amx_emulated"] = [*_BASE, "-DBM_AMX_EMULATE=1"]
 # The variants each kernel has code for (its source's #if branches), best first.
 KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "small_gemm": ("avx512", "avx2", "scalar"),
@@ -67,8 +75,9 @@ KERNEL_ISAS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("avx512", "avx2", "scalar"),
     "elementwise": ("avx512", "avx2", "scalar"),
     "lora_delta": ("avx2", "scalar"),
-    # bf16_gemm.c has code for the AVX512_BF16 build only; its scalar build reports itself unavailable
-    "bf16_gemm": ("avx512_bf16", "scalar"),
+    # bf16_gemm.c has code for AMX tiles and for AVX512_BF16 only; its scalar build reports itself
+    # unavailable
+    "bf16_gemm": ("amx_bf16", "avx512_bf16", "scalar"),
     # int8_gemm.c: AVX-512 and AVX2 paths, the same chains as the plain C loops
     "int8_gemm": ("avx512", "avx2", "scalar"),
     # group_gemm.c (GGUF blocks): the same layout of paths as int8_gemm.c
@@ -166,6 +175,8 @@ def bf16_kv_cache(features: Iterable[str], machine: str, requested: str | None =
 # kernel's vdpbf16ps cannot match.
 AUTO_BF16_GEMM_WITHOUT_AMX = "invariant"
 AMX_BF16 = "amx_bf16"
+# The builds of bf16_gemm.c with code: AMX tiles, and AVX512_BF16's vdpbf16ps.
+BF16_GEMM_BUILDS = ("amx_bf16", "avx512_bf16")
 
 
 def cpu_bf16_gemm(
@@ -176,12 +187,14 @@ def cpu_bf16_gemm(
     prepack: str = "auto",
 ) -> str:
     """The GEMM bf16 CPU linears run on for ``model.cpu_bf16_gemm`` = ``requested`` (auto, onednn,
-    invariant): ``onednn`` or ``invariant`` (bm's ``bf16_gemm.c``, whose one build needs AVX512_BF16).
+    invariant): ``onednn`` or ``invariant`` (bm's ``bf16_gemm.c``: its AMX build where the CPU has AMX
+    tiles, its AVX512_BF16 build elsewhere; both need AVX512_BF16).
 
     The one place the choice is made and refused, torch-free so that config validation refuses an
     impossible ``invariant`` before a model loads (ValueError naming the key and the fix). ``auto`` keeps
-    oneDNN on AMX CPUs (its AMX tiles are faster than any vdpbf16ps loop) and where the kernel has no
-    build; elsewhere it takes :data:`AUTO_BF16_GEMM_WITHOUT_AMX`. ``isa_request`` is ``BM_CPU_ISA``'s
+    oneDNN on AMX CPUs (measured faster than the vdpbf16ps build there; bm's AMX build is not measured
+    yet, so it runs only when asked for) and where the kernel has no build; elsewhere it takes
+    :data:`AUTO_BF16_GEMM_WITHOUT_AMX`. ``isa_request`` is ``BM_CPU_ISA``'s
     value: a cap below avx512 leaves the kernel no build. ``prepack`` (model.prepack): off leaves the
     weights unpacked, and the kernel reads only its own packed copy."""
     if requested == "onednn":
@@ -194,7 +207,7 @@ def cpu_bf16_gemm(
             )
         return "onednn"
     have = frozenset(features)
-    runs = is_x86(machine) and choose_isa("bf16_gemm", have, machine, isa_request) == "avx512_bf16"
+    runs = is_x86(machine) and choose_isa("bf16_gemm", have, machine, isa_request) in BF16_GEMM_BUILDS
     if requested == "invariant":
         if not runs:
             raise ValueError(_no_invariant_gemm(have, machine, isa_request))

@@ -19,8 +19,24 @@
  * one broadcast per row. The columns past N in the last panel are computed (the padding is zero) and
  * not stored.
  *
- * Built for AVX-512 with AVX512_BF16 only (bm.cpu_isa's avx512_bf16 variant, -mavx512bf16); any other
- * build has no code and bm_bf16_gemm_available returns 0.
+ * Built for AVX-512 with AVX512_BF16 (bm.cpu_isa's avx512_bf16 variant, -mavx512bf16), and for AMX
+ * (amx_bf16: the same packed weight read as AMX tiles, below); any other build has no code and
+ * bm_bf16_gemm_available returns 0.
+ *
+ * The AMX build. The packed panel is already an AMX B operand: a k-pair's 16 columns × 2 values are one
+ * 64-byte tile row, so 16 pairs (32 k) are one B tile. Each output tile (16 rows × 16 columns) is
+ *   C = 0; for each block b = 0, 1, ... of 32 k in order: C = tdpbf16ps(C, x[rows, 32b .. 32b + 31],
+ *   panel[pairs 16b .. 16b + 15]); then C + bias, rounded to bf16 as above.
+ * The k blocks run in order and never split; the tile instruction's own order within a block is the
+ * hardware's and does not depend on the other rows of the tile, so each row's bits are those it gets
+ * alone (a row block past M, or a k block past K, is copied into a zero-padded scratch tile: its zero
+ * products change no sum). Its values are not vdpbf16ps's bit for bit (another order), so a model is
+ * batch invariant on either build, each against itself.
+ *
+ * BM_AMX_EMULATE builds the same AMX path with each tile instruction done in C, as Intel's pseudocode
+ * defines it (bf16 products exact in float32, summed pair by pair in k order, inputs and results past
+ * float32's normal range flushed to zero): the amx_emulated variant, which tests run on CPUs without AMX.
+ * It checks the blocking, the padding and the epilogue, not the hardware's rounding.
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -37,18 +53,36 @@
 #include "panel_gemm.h"
 #include "bf16.h"
 
-#if BM_HAVE_AVX512 && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define BM_AMX 1 /* the tile instructions */
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(BM_AMX_EMULATE)
+#define BM_AMX 2 /* the same path, each tile instruction in C */
+#else
+#define BM_AMX 0
+#endif
+
+#if !BM_AMX && BM_HAVE_AVX512 && defined(__AVX512BF16__)
 #define BM_HAVE_DPBF16 1
 #else
 #define BM_HAVE_DPBF16 0
 #endif
 
-int bm_bf16_gemm_available(void) { return BM_HAVE_DPBF16; }
+/* 1 where this build runs here. Linux gives a process AMX's tile state only once asked
+ * (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); where it refuses (no AMX, an old kernel) the build
+ * reports itself unavailable and bm keeps oneDNN, instead of faulting at the first tile instruction. */
+int bm_bf16_gemm_available(void)
+{
+#if BM_AMX == 1
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#elif BM_AMX == 2
+    return 1;
+#else
+    return BM_HAVE_DPBF16;
+#endif
+}
 
-#if BM_HAVE_DPBF16
-
-#define NR 16
-#define MR 12
 /* x rows per block: they stay in L2 while the thread's panels pass over them (decode batches, up to
  * ONE_BLOCK_ROWS rows, are one block, so each weight is read from memory once per call). */
 #ifndef BM_BF16_GEMM_XBLOCK_BYTES
@@ -57,6 +91,13 @@ int bm_bf16_gemm_available(void) { return BM_HAVE_DPBF16; }
 #ifndef BM_BF16_GEMM_ONE_BLOCK_ROWS
 #define BM_BF16_GEMM_ONE_BLOCK_ROWS 128
 #endif
+
+#if BM_AMX
+#include "bf16_amx.h"
+#elif BM_HAVE_DPBF16
+
+#define NR 16
+#define MR 12
 
 /* Row i's k-pair p as one 32-bit lane pattern (x[2p] low, x[2p + 1] high), broadcast to every lane. */
 static inline __m512bh pair_of(const uint16_t *row, int64_t p)
@@ -147,7 +188,12 @@ static void item(int64_t it, const uint16_t *x, int64_t ldx, int64_t M, const ui
 int bm_bf16_gemm(const uint16_t *x, int64_t ldx, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
                  int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t num_threads)
 {
-#if BM_HAVE_DPBF16
+#if BM_AMX
+    BM_PANEL_GEMM_DRIVE(M, N, K, (int64_t)sizeof(uint16_t), 2 * AMX_ROWS, BM_BF16_GEMM_XBLOCK_BYTES,
+                        BM_BF16_GEMM_ONE_BLOCK_ROWS, num_threads,
+                        amx_item(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N));
+    return 0;
+#elif BM_HAVE_DPBF16
     BM_PANEL_GEMM_DRIVE(M, N, K, (int64_t)sizeof(uint16_t), MR, BM_BF16_GEMM_XBLOCK_BYTES, BM_BF16_GEMM_ONE_BLOCK_ROWS,
                         num_threads, item(it, x + m0 * ldx, ldx, rows, wp, K, y + m0 * ldy, ldy, bias, N));
     return 0;

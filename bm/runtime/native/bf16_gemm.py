@@ -7,12 +7,11 @@ import ctypes
 
 import torch
 
-from bm.cpu_isa import kernel_isa
+from bm.cpu_isa import BF16_GEMM_BUILDS, kernel_isa
 from bm.runtime.native.args import BF16, INT, PTR, as_rows, bind, pointer, require
-from bm.runtime.native.loader import NativeKernel, load_kernel
+from bm.runtime.native.loader import NativeKernel, load_kernel, load_variant
 
 PANEL = 16  # output columns per packed weight panel in bf16_gemm.c
-BUILD = "avx512_bf16"  # the one variant with code (bm.cpu_isa)
 
 
 class Bf16GemmKernel(NativeKernel):
@@ -22,7 +21,8 @@ class Bf16GemmKernel(NativeKernel):
 
     Why it exists: oneDNN's bf16 GEMM is not batch invariant (a row's bits change with the number of rows
     in the call), so a bf16 run on it is not either. Here each output is one float32 chain over k in a
-    fixed order whatever M is, so each row's bits are those it gets alone."""
+    fixed order whatever M is, so each row's bits are those it gets alone. On AMX CPUs the same packed
+    weight is read as AMX tiles (``bf16_amx.h``), the k blocks in the same fixed order."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = bind(lib, "bm_bf16_gemm", PTR, INT, PTR, PTR, PTR, *[INT] * 5)
@@ -58,12 +58,27 @@ class Bf16GemmKernel(NativeKernel):
         return out.view(*x.shape[:-1], n)
 
 
+def _available(lib: ctypes.CDLL) -> Bf16GemmKernel | None:
+    return Bf16GemmKernel(lib) if lib.bm_bf16_gemm_available() == 1 else None
+
+
 def bf16_gemm_kernel(isa: str | None = None) -> Bf16GemmKernel | None:
-    """The compiled batch-invariant bf16 GEMM, or None where its AVX512_BF16 build is not the one this
-    CPU (and ``BM_CPU_ISA``) selects, or it cannot be built (:func:`bm.runtime.native.loader.load_kernel`).
+    """The compiled batch-invariant bf16 GEMM, or None where neither of its builds (AMX, AVX512_BF16) is
+    the one this CPU (and ``BM_CPU_ISA``) selects, or it cannot be built
+    (:func:`bm.runtime.native.loader.load_kernel`). Where the AMX build cannot run (a compiler without
+    AMX, or a kernel that refuses the process AMX's tile state) the AVX512_BF16 build runs instead.
     Nothing is compiled where it would have no code."""
-    if kernel_isa("bf16_gemm", isa) != BUILD:
+    variant = kernel_isa("bf16_gemm", isa)
+    if variant not in BF16_GEMM_BUILDS:
         return None
-    return load_kernel(
-        "bf16_gemm", lambda lib: Bf16GemmKernel(lib) if lib.bm_bf16_gemm_available() == 1 else None, isa
-    )
+    kernel = load_kernel("bf16_gemm", _available, isa)
+    if kernel is None and variant == "amx_bf16":
+        kernel = load_variant("bf16_gemm", _available, "avx512_bf16")
+    return kernel
+
+
+def emulated_amx_gemm() -> Bf16GemmKernel | None:
+    """The AMX build's path with each tile instruction done in C (the ``amx_emulated`` build, which no
+    CPU is given): its blocking, padding and epilogue, tested on any CPU. Slow; or None without a
+    compiler."""
+    return load_variant("bf16_gemm", _available, "amx_emulated")

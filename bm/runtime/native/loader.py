@@ -41,7 +41,14 @@ def load_kernel(name: str, wrap: Callable[[ctypes.CDLL], NativeKernel | None], i
     once per process and variant."""
     if not native_kernels_enabled() or sys.platform == "win32":
         return None
-    variant = kernel_isa(name, isa)
+    return load_variant(name, wrap, kernel_isa(name, isa))
+
+
+def load_variant(name: str, wrap: Callable[[ctypes.CDLL], NativeKernel | None], variant: str) -> Any:
+    """``wrap`` of ``<name>.c`` built for exactly ``variant`` (bm.cpu_isa.ISA_FLAGS' key), or None as
+    :func:`load_kernel`; for a kernel's fallback to its next build, and for builds no CPU is given."""
+    if not native_kernels_enabled() or sys.platform == "win32":
+        return None
     with _lock:
         if (name, variant) not in _loaded:
             lib = compile_kernel(SOURCES / f"{name}.c", variant)
