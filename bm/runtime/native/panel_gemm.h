@@ -40,6 +40,15 @@ static inline int64_t bm_tile_height(int64_t M, int64_t row, int64_t tiles, int6
     return (M - row) / (tiles - t) + ((M - row) % (tiles - t) != 0);
 }
 
+/* The cases of a height of 1 to 6, each a call of tile with a constant height (BM_TILE_BY_ROWS*). */
+#define BM_TILE_CASES_6(tile, np, ...)                                                                \
+    case 6: tile(6, np, __VA_ARGS__); break;                                                          \
+    case 5: tile(5, np, __VA_ARGS__); break;                                                          \
+    case 4: tile(4, np, __VA_ARGS__); break;                                                          \
+    case 3: tile(3, np, __VA_ARGS__); break;                                                          \
+    case 2: tile(2, np, __VA_ARGS__); break;                                                          \
+    default: tile(1, np, __VA_ARGS__); break;
+
 /* tile(h, np, ...) for a run-time h of 1 to 12, each case a call with a constant height. */
 #define BM_TILE_BY_ROWS(tile, np, h, ...)                                                             \
     switch (h) {                                                                                      \
@@ -49,23 +58,13 @@ static inline int64_t bm_tile_height(int64_t M, int64_t row, int64_t tiles, int6
     case 9: tile(9, np, __VA_ARGS__); break;                                                          \
     case 8: tile(8, np, __VA_ARGS__); break;                                                          \
     case 7: tile(7, np, __VA_ARGS__); break;                                                          \
-    case 6: tile(6, np, __VA_ARGS__); break;                                                          \
-    case 5: tile(5, np, __VA_ARGS__); break;                                                          \
-    case 4: tile(4, np, __VA_ARGS__); break;                                                          \
-    case 3: tile(3, np, __VA_ARGS__); break;                                                          \
-    case 2: tile(2, np, __VA_ARGS__); break;                                                          \
-    default: tile(1, np, __VA_ARGS__); break;                                                         \
+    BM_TILE_CASES_6(tile, np, __VA_ARGS__)                                                            \
     }
 
 /* tile(h, np, ...) for a run-time h of 1 to 6 (the AVX2 tiles' heights). */
 #define BM_TILE_BY_ROWS6(tile, np, h, ...)                                                            \
     switch (h) {                                                                                      \
-    case 6: tile(6, np, __VA_ARGS__); break;                                                          \
-    case 5: tile(5, np, __VA_ARGS__); break;                                                          \
-    case 4: tile(4, np, __VA_ARGS__); break;                                                          \
-    case 3: tile(3, np, __VA_ARGS__); break;                                                          \
-    case 2: tile(2, np, __VA_ARGS__); break;                                                          \
-    default: tile(1, np, __VA_ARGS__); break;                                                         \
+    BM_TILE_CASES_6(tile, np, __VA_ARGS__)                                                            \
     }
 
 #if defined(__AVX2__) && defined(__FMA__)
