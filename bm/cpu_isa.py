@@ -38,13 +38,11 @@ REQUIRED_FEATURES: dict[str, frozenset[str]] = {
     "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": frozenset({"avx2", "fma"}),
     "scalar": frozenset(),
-    # kernel-only variants (not BM_CPU_ISA values): the avx512 build plus the bf16 dot product, and
-    # that plus AMX's tiles
-    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
-    "amx_bf16": frozenset(
-        {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"}
-    ),
 }
+# Kernel-only variants (not BM_CPU_ISA values): the avx512 build plus the bf16 dot product, and that
+# plus AMX's tiles.
+REQUIRED_FEATURES["avx512_bf16"] = REQUIRED_FEATURES["avx512"] | {"avx512_bf16"}
+REQUIRED_FEATURES["amx_bf16"] = REQUIRED_FEATURES["avx512_bf16"] | {"amx_tile", "amx_bf16"}
 # Kernel-only variants and the BM_CPU_ISA level each counts as: BM_CPU_ISA=avx2 caps them off too.
 REFINES = {"avx512_bf16": "avx512", "amx_bf16": "avx512"}
 _BASE = ["-march=x86-64", "-mtune=native"]
