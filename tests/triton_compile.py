@@ -19,9 +19,9 @@ from tests.hang import HANG_S
 
 KERNELS = Path(__file__).resolve().parents[1] / "bm" / "runtime" / "triton"
 
-# loads the kernel file alone (bm's imports are slow) as ``kernels``, after the row format both kernel
-# files import (registered under its own name, so their import finds it without importing bm), and
-# defines ``build``
+# loads the kernel file alone (bm's imports are slow) as ``kernels``, after the row format and the dot
+# the kernel files import (each registered under its own name, so their imports find them without
+# importing bm), and defines ``build``
 _PREAMBLE = """
 import importlib.util
 import sys
@@ -38,6 +38,7 @@ def load(name, path):
     return module
 
 load("bm.runtime.triton.kv_rows", Path(sys.argv[1]).with_name("kv_rows.py"))
+load("bm.runtime.triton.dots", Path(sys.argv[1]).with_name("dots.py"))
 kernels = load("kernels", sys.argv[1])
 
 def build(fn, args, consts):

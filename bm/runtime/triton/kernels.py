@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from bm.runtime.triton.dots import DOT_FAST, DOT_IEEE, DOT_UPCAST  # noqa: F401 (the launchers' names)
+from bm.runtime.triton.dots import dot as _dot
 from bm.runtime.triton.kv_rows import store_rows, widen
 
 
@@ -81,23 +83,6 @@ def _find_sequence(cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-# How the kernel's two matmuls run (the DOT argument).
-DOT_FAST = 0  # bf16/fp16 on tensor cores (fp32 accumulation); TF32 for fp32 inputs
-DOT_IEEE = 1  # full fp32: what a float32 model asks for, so bm's fp32 output equals HF's
-DOT_UPCAST = 2  # operands widened to fp32 first: Triton 3.6's interpreter gets bf16 dots wrong
-
-
-@triton.jit
-def _dot(a, b, DOT: tl.constexpr):
-    if DOT == 2:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT == 1:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 # A run's batches differ in their sequence count and block-table width, and Triton would compile one

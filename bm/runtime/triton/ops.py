@@ -255,7 +255,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_PAD=max(16, next_pow2(head_dim)), TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_SINKS=sinks is not None,
-        USE_WINDOW=window is not None, DOT=_dot_mode(kernels, q.dtype), KV_QUANT=kv_format(cache),
+        USE_WINDOW=window is not None, DOT=dot_mode(q.dtype), KV_QUANT=kv_format(cache),
         **launch,
     )  # fmt: skip
 
@@ -294,7 +294,7 @@ def _split_kv_decode(
         GROUP=group, BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, MIN_TILES=MIN_SPLIT_TILES,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, TOKENS_PER_BLOCK=tokens_per_block,
         USE_SOFTCAP=softcap is not None, USE_ALIBI=alibi is not None, USE_WINDOW=use_window,
-        DOT=_dot_mode(kernels, q.dtype), KV_QUANT=kv_format(cache), **launch,
+        DOT=dot_mode(q.dtype), KV_QUANT=kv_format(cache), **launch,
     )  # fmt: skip
     kernels.split_kv_combine_kernel[(num_seqs, num_heads)](
         out, part_acc, part_max, part_sum, batch.seq_lens, sinks if sinks is not None else dummy,
@@ -304,12 +304,16 @@ def _split_kv_decode(
     )  # fmt: skip
 
 
-def _dot_mode(kernels, dtype: torch.dtype) -> int:
+def dot_mode(dtype: torch.dtype) -> int:
+    """The DOT a kernel runs for operands of ``dtype`` (bm.runtime.triton.dots): IEEE for float32 (the
+    oracle's), the tensor cores' otherwise, widened to float32 in the interpreter (its bf16 dot is wrong)."""
     import triton
 
+    from bm.runtime.triton import dots
+
     if dtype == torch.float32:
-        return kernels.DOT_IEEE
-    return kernels.DOT_UPCAST if triton.knobs.runtime.interpret else kernels.DOT_FAST
+        return dots.DOT_IEEE
+    return dots.DOT_UPCAST if triton.knobs.runtime.interpret else dots.DOT_FAST
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
