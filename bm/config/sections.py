@@ -185,11 +185,6 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(str(exc)) from None
     _check_cpu_bf16_gemm(cfg.model)
     quantization = cfg.model.quantization
-    if quantization not in ("auto", "none") and cfg.model.device.startswith("cuda"):
-        raise ConfigError(
-            f"model.quantization: {quantization} runs on bm's CPU kernels only so far (no CUDA kernel yet); "
-            "set model.device: cpu, or model.quantization: auto on CUDA"
-        )
     if quantization not in ("auto", "none") and engine.executor == "sim":
         raise ConfigError(
             f"model.quantization: {quantization}: the simulator prices full-width weights and does not model "

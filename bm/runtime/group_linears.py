@@ -10,16 +10,18 @@ import torch
 from torch import nn
 
 from bm.runtime.native import GroupGemmKernel, GroupWeight, group_gemm_kernel
-from bm.runtime.weight_quant import KernelForward
+from bm.runtime.weight_quant import KernelForward, PanelWeight
 
 
 def install_group_weight(module: nn.Linear, weight: GroupWeight) -> None:
     """Make ``module`` run ``weight``: its packed values become the layer's ``weight`` (its one copy),
-    its steps and offsets buffers beside it, and its forward a :class:`GroupForward`."""
+    its steps and offsets buffers beside it, and its forward a :class:`GroupForward`. They go where the
+    layer's weight was (a file's tensors are read on the CPU; a CUDA model runs them in Triton)."""
+    device = module.weight.device
     with torch.no_grad():
-        module._parameters["weight"] = nn.Parameter(weight.values, requires_grad=False)
-        module.register_buffer("weight_step", weight.step)
-        module.register_buffer("weight_offset", weight.offset)
+        module._parameters["weight"] = nn.Parameter(weight.values.to(device), requires_grad=False)
+        module.register_buffer("weight_step", weight.step.to(device))
+        module.register_buffer("weight_offset", weight.offset.to(device))
     module.weight_format = (weight.bits, weight.group, weight.float8)
     module.forward = GroupForward(module)
 
@@ -33,12 +35,24 @@ def group_weight(module: nn.Linear) -> GroupWeight:
 
 
 class GroupForward(KernelForward):
-    """A group linear's forward: ``x @ W.T (+ bias)`` on bm's group GEMM, or in torch over
-    :meth:`GroupWeight.expanded` where the C kernel is not built (the same values up to rounding)."""
+    """A group linear's forward: ``x @ W.T (+ bias)`` on bm's group GEMM (the Triton one on CUDA), or in
+    torch over :meth:`GroupWeight.expanded` where neither runs (the same values up to rounding)."""
 
     @staticmethod
     def load_kernel() -> GroupGemmKernel | None:
         return group_gemm_kernel()
+
+    def panels(self) -> PanelWeight:
+        weight = group_weight(self._module)
+        return PanelWeight(
+            weight.values,
+            weight.step,
+            weight.offset,
+            weight.out_features,
+            weight.bits,
+            weight.group,
+            weight.float8,
+        )
 
     def run(self, kernel: GroupGemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return kernel(x, group_weight(self._module), bias)

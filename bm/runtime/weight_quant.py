@@ -28,10 +28,11 @@ rank (one all-reduce at load): each rank then holds exactly its slice of the sin
 
 from __future__ import annotations
 
+import os
 import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,10 @@ from torch import nn
 from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
 
 QMAX = 127.0
+
+# Which GEMM a quantized linear runs off the CPU's C kernels: auto (unset: Triton on CUDA where triton is
+# installed) or triton (Triton on every device: the tests run it on the CPU, in Triton's interpreter).
+ENV_GEMM = "BM_QUANT_GEMM"
 
 
 class WeightQuantError(ValueError):
@@ -88,12 +93,6 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
     linears = quantized_linears(model)
     wrapped = {}
     for name, module in linears:
-        weight = module.weight
-        if weight.device.type != "cpu":
-            raise WeightQuantError(
-                f"model.quantization: int8 runs bm's CPU int8 GEMM; {name}'s weight is on {weight.device} "
-                "(no CUDA kernel yet): drop model.quantization there, or run on the CPU"
-            )
         own = module.__dict__.get("forward")
         wrapped[name] = _tp_inner_forward(own) if own is not None else None
         if type(module).forward is not nn.Linear.forward or (own is not None and wrapped[name] is None):
@@ -170,11 +169,42 @@ def int8_weight(module: nn.Linear) -> torch.Tensor:
     return Int8GemmKernel.unpack(module.weight, module.weight_scale.numel())
 
 
+class PanelWeight(NamedTuple):
+    """A quantized linear's weight as the Triton GEMM reads it (bm.runtime.triton.weight_ops.panel_linear):
+    the C kernels' own panels, so one copy serves both devices."""
+
+    values: torch.Tensor
+    step: torch.Tensor
+    offset: torch.Tensor | None
+    out_features: int
+    bits: int
+    group: int | None  # None: one scale per output, applied after the sum
+    float8: bool = False
+
+
+def _triton_gemm(x: torch.Tensor, group: int | None) -> bool:
+    """Whether a quantized linear runs the Triton GEMM on ``x``: on CUDA with triton installed (or
+    anywhere ``BM_QUANT_GEMM=triton``), for the dtypes and groups it takes."""
+    forced = os.environ.get(ENV_GEMM, "auto")
+    if forced not in ("auto", "triton"):
+        raise WeightQuantError(f"{ENV_GEMM}={forced!r}: allowed auto (or unset) and triton")
+    if forced == "auto" and x.device.type != "cuda":
+        return False
+    from bm.runtime.triton import triton_available
+
+    if not triton_available():
+        return False
+    from bm.runtime.triton.weight_ops import serves
+
+    return serves(x.dtype, group)
+
+
 class KernelForward(ABC):
-    """The forward of a linear whose weight is held in a C kernel's own format: the kernel in float32
-    (the input widened from, and the output rounded to, a bfloat16 model's dtype), or :meth:`torch_forward`
-    where the kernel is not built (``BM_NATIVE_KERNELS=0``, no compiler), under autograd, or off the
-    CPU: the same values up to rounding. A subclass names its kernel and how to call it."""
+    """The forward of a linear whose weight is held in a C kernel's own format: on the CPU the kernel in
+    float32 (the input widened from, and the output rounded to, a bfloat16 model's dtype); on CUDA the
+    Triton GEMM over the same panels, in the model's dtype (bm.runtime.triton.weight_ops); else
+    :meth:`torch_forward` (the kernel not built: ``BM_NATIVE_KERNELS=0``, no compiler; autograd; CUDA
+    without triton): the same values up to rounding. A subclass names its kernel and how to call it."""
 
     def __init__(self, module: nn.Linear) -> None:
         self.__setstate__({"_module": module})
@@ -198,6 +228,10 @@ class KernelForward(ABC):
     def expanded_weight(module: nn.Linear) -> torch.Tensor:
         """The float32 ``[N, K]`` weight the layer stands for (its reference's)."""
 
+    @abstractmethod
+    def panels(self) -> PanelWeight:
+        """The layer's weight as the Triton GEMM reads it."""
+
     # The compiled kernel is a handle of this process: copies and pickles of a model carry the module
     # only and find the kernel again where they land.
     def __getstate__(self) -> dict:
@@ -210,11 +244,28 @@ class KernelForward(ABC):
         self._torch: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(self.torch_forward, module)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is None or x.device.type != "cpu" or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            return self._torch(x)
+        if (x.device.type != "cpu" or ENV_GEMM in os.environ) and (out := self._triton(x)) is not None:
+            return out
+        if self._kernel is None or x.device.type != "cpu":
             return self._torch(x)
         bias = self._module.bias
         out = self.run(self._kernel, x.float(), None if bias is None else bias.detach().float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer on the Triton GEMM, or None where it does not run (:func:`_triton_gemm`)."""
+        panels = self.panels()
+        if not _triton_gemm(x, panels.group):
+            return None
+        from bm.runtime.triton.weight_ops import panel_linear
+
+        bias = self._module.bias
+        return panel_linear(
+            x, panels.values, panels.step, panels.offset, None if bias is None else bias.detach(),
+            out_features=panels.out_features, bits=panels.bits, group=panels.group, float8=panels.float8,
+        )  # fmt: skip
 
     def __deepcopy__(self, memo: dict) -> KernelForward:
         import copy
@@ -228,6 +279,10 @@ class Int8Forward(KernelForward):
     @staticmethod
     def load_kernel() -> Int8GemmKernel | None:
         return int8_gemm_kernel()
+
+    def panels(self) -> PanelWeight:
+        scale = self._module.weight_scale
+        return PanelWeight(self._module.weight, scale, None, scale.numel(), 8, None)
 
     def run(self, kernel: Int8GemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return kernel(x, self._module.weight, self._module.weight_scale, bias)

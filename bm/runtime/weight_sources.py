@@ -3,9 +3,11 @@ the model is stored as. The one place the loader asks, so every scheme is resolv
 refused, by the same rule.
 
 * ``auto`` (the default, vLLM's ``quantization=None``): as stored. A GPTQ, AWQ or FP8 checkpoint's own
-  weights (bm.runtime.stored_checkpoints); a GGUF file's own blocks on the CPU in float32
-  (bm.runtime.gguf_weights; or a .gguf file in ``model.path``), their expansion elsewhere (CUDA, bf16 models, whose GEMMs multiply in bf16,
-  tensor-parallel shards); any other model's full-width weights.
+  weights (bm.runtime.stored_checkpoints), on the CPU's group GEMM or CUDA's Triton one; a GGUF file's
+  own blocks on the CPU in float32 (bm.runtime.gguf_weights; or a .gguf file in ``model.path``), their
+  expansion elsewhere (bf16 models, whose GEMMs multiply in bf16; tensor-parallel shards; CUDA, until
+  the Triton GEMM is measured on a GPU: ``gguf`` runs the blocks there); any other model's full-width
+  weights.
 * ``none``: full width; ``int8``: quantized on load (bm.runtime.weight_quant). Both refused for a
   checkpoint stored quantized, which has no full-width weight to give.
 * ``gguf``, ``gptq``, ``awq``, ``fp8`` and ``compressed-tensors`` (vLLM's names): the stored format
@@ -64,10 +66,10 @@ def weight_source(
                 f"{quantization} does not read (it stores no full-width weights): set model.quantization: auto "
                 f"(or {scheme})"
             )
-        if device.type != "cpu" or sharded:
+        if sharded:
             raise WeightQuantError(
-                f"model.path {str(checkpoint)!r}: {scheme} weights run on bm's CPU group GEMM, one process "
-                "per model (no CUDA kernel, no tensor-parallel shards yet): set model.device: cpu"
+                f"model.path {str(checkpoint)!r}: {scheme} weights run unsharded, one process per model (no "
+                "tensor-parallel shards yet): drop --tensor-parallel"
             )
         return scheme, partial(install_stored_linears, path=checkpoint, fmt=stored)
     if quantization in SCHEMES.values():

@@ -24,3 +24,16 @@ def dot(a, b, DOT: tl.constexpr):
         out = tl.dot(a, b)
     return out
 
+
+@triton.jit
+def narrow(w, dtype: tl.constexpr, DOT: tl.constexpr):
+    """float32 ``w`` rounded to ``dtype`` (to nearest, ties to even), for a dot in ``dtype``. Triton
+    3.6's interpreter truncates float32 to bfloat16 (``DOT_UPCAST`` runs only there), so there the
+    rounding is done on the bits and the value kept in float32, which the upcast dot takes as it is."""
+    if DOT == 2 and dtype == tl.bfloat16:
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = bits.to(tl.float32, bitcast=True)
+    else:
+        out = w.to(dtype)
+    return out
