@@ -49,6 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ if "--device" in sys.argv and "cpu" in sys.argv:  # Triton kernels, if forced on
 import gpu_user_path as user
 import torch
 from common import copy_bandwidth
+from quant_gemm_gpu import install_stored_like
 from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
@@ -87,18 +89,33 @@ def log(message: str) -> None:
     print(f"[gpu_check] {message}", file=sys.stderr, flush=True)
 
 
-def build(shape: dict[str, Any], dtype: str, device: torch.device, cuda_graphs: str = "auto") -> LoadedModel:
+def build(
+    shape: dict[str, Any],
+    dtype: str,
+    device: torch.device,
+    cuda_graphs: str = "auto",
+    quantization: str = "none",
+) -> LoadedModel:
     """Random weights drawn once on ``device`` itself, as bm's loader builds them (bm.runtime.random_weights),
-    not twice on the CPU and then copied over."""
+    not twice on the CPU and then copied over. ``quantization`` (``--quantization``): int8 on load, or
+    the random weights as an FP8 (e4m3, a scale per output) or int4 (groups of 128) checkpoint holds
+    them (benchmarks/quant_gemm_gpu.py), each decoder linear on bm's Triton GEMM."""
     config = AutoConfig.for_model("llama", max_position_embeddings=4096, **shape)
     model = random_model(config, resolve_dtype(dtype, device), device, seed=0).eval()
-    loaded = describe_model(model, None, f"random {shape['hidden_size']}x{shape['num_hidden_layers']}")
+    install = None if quantization in ("none", "int8") else partial(install_stored_like, scheme=quantization)
+    loaded = describe_model(
+        model, None, f"random {shape['hidden_size']}x{shape['num_hidden_layers']}",
+        quantization=quantization, install_weights=install,
+    )  # fmt: skip
     loaded.cuda_graphs = cuda_graphs
     return loaded
 
 
 # engine.overlap_scheduler for every bm run here (--overlap): "off" isolates a fault of the overlap path
 OVERLAP = {"mode": "auto"}
+KV_DTYPE = {"dtype": "auto"}  # kv_cache.dtype of the throughput and roofline runs (--kv-cache-dtype)
+# the buffers a quantized linear reads beside its weight, counted in the roofline's bytes
+QUANT_BUFFERS = ("weight_scale", "weight_step", "weight_offset")
 
 
 def bm_config(
@@ -110,7 +127,7 @@ def bm_config(
         "engine": {"max_batch_size": num_requests, "max_num_tokens": max_num_tokens,
                    "enable_chunked_context": True, "overlap_scheduler": OVERLAP["mode"]},
         "kv_cache": {"tokens_per_block": tokens_per_block, "max_tokens": num_requests * max_len + 256,
-                     "enable_block_reuse": reuse},
+                     "enable_block_reuse": reuse, "dtype": KV_DTYPE["dtype"]},
     })  # fmt: skip
 
 
@@ -338,7 +355,12 @@ def check_bf16(device: torch.device, small: bool) -> dict[str, Any]:
 def check_throughput(name: str, shape, device: torch.device, args, figures: dict[str, Any], save) -> None:
     """Fills ``figures`` in place, bm and its roofline first, saving after each part, so that a slow peer
     cut off by a time limit loses only its own figure."""
-    loaded = build(shape, "auto", device)
+    loaded = build(shape, "auto", device, quantization=args.quantization)
+    figures["weights"] = {
+        "quantization": loaded.quantization,
+        "quantized_linears": loaded.num_quantized_linears,
+    }
+    figures["kv_cache_dtype"] = KV_DTYPE["dtype"]
     rows = workload(
         3, args.requests, loaded.vocab_size, (args.prompt_len // 2, args.prompt_len), args.output_len
     )
@@ -457,7 +479,7 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
     (forward, argmax, the one copy of tokens to the host), against the bytes each step must read."""
     bs, num, ctx = args.tokens_per_block, args.requests, args.prompt_len
     per_seq = -(-(ctx + 16) // bs)
-    runner = ModelRunner(loaded, num * per_seq, bs, ctx + 16 * bs)
+    runner = ModelRunner(loaded, num * per_seq, bs, ctx + 16 * bs, cache_dtype=KV_DTYPE["dtype"])
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num)]
     chunk = max(1, 8192 // ctx)
     for i in range(0, num, chunk):  # prefill, a few sequences per forward
@@ -478,8 +500,12 @@ def check_roofline(loaded: LoadedModel, args, profile: bool = False) -> dict[str
     torch.stack(queued).tolist()
     queued_s = (time.perf_counter() - start) / steps
     kernels = profile_step(runner, tables, ctx + steps) if profile else None
-    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    kv = num * (ctx + steps // 2) * loaded.kv_bytes_per_token
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters()) + sum(
+        b.numel() * b.element_size()
+        for n, b in loaded.model.named_buffers()
+        if n.rsplit(".", 1)[-1] in QUANT_BUFFERS
+    )
+    kv = num * (ctx + steps // 2) * loaded.kv_cache_bytes_per_token(KV_DTYPE["dtype"])
     bandwidth = copy_bandwidth(loaded.device, args.small)
     ideal = (weights + kv) / bandwidth
     splits = decode_splits(runner, num, ctx + steps)
@@ -681,10 +707,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tokens-per-block", type=int, default=KvCacheConfig().tokens_per_block,
                    help="KV block size of the throughput and roofline runs (default: the engine's, "
                    f"{KvCacheConfig().tokens_per_block}; the figures in docs/gpu.md up to 2026-11-27 used 16)")  # fmt: skip
+    p.add_argument("--quantization", choices=["none", "int8", "fp8", "int4"], default="none",
+                   help="the throughput shapes' decoder linears: int8 on load, or as an FP8 / int4 checkpoint holds them")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto",
+                   help="kv_cache.dtype of the throughput and roofline runs")  # fmt: skip
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="engine.overlap_scheduler for bm's runs (auto: on for CUDA)")  # fmt: skip
     args = p.parse_args(argv)
     os.environ[ENV_SWITCH] = args.attention
+    KV_DTYPE["dtype"] = args.kv_cache_dtype
     OVERLAP["mode"] = args.overlap
     if args.small:
         args.requests, args.prompt_len, args.output_len = 6, 24, 6

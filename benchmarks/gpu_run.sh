@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU machine (docs/gpu.md, "The device check"): one command, each part under
-# its own time limit, so a part that hangs costs its limit and not the lease (about 4 minutes in all).
+# its own time limit, so a part that hangs costs its limit and not the lease (about 6 minutes in all).
 #
 #   bash benchmarks/gpu_run.sh            # on the GPU machine, from the repository root; writes to $OUT
 #
@@ -9,7 +9,10 @@
 # 2. the host's side of a decode step on this machine's CPU (benchmarks/engine_host.py --executor torch),
 #    to set beside the device's step: overlap hides the host only where the device takes longer;
 # 3. with xformers' wheel carried in .whl: bm's decode kernel against xformers' over 32- and 64-token
-#    blocks (benchmarks/decode_attention_peers.py).
+#    blocks (benchmarks/decode_attention_peers.py);
+# 4. quantized weights (issue 57): bm's Triton GEMM over int8, int4 and FP8 weights against cuBLAS bf16
+#    and torch._scaled_mm per layer (benchmarks/quant_gemm_gpu.py), then the 1B shape's throughput and
+#    roofline with FP8 weights and an fp8 KV cache, against part 1's bf16 figures.
 # Run `make test-gpu-stack` on the CPU first: it runs the GPU path's tests under the GPU machines'
 # transformers.
 set -u
@@ -35,4 +38,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     echo "decode_attention_peers --block-size $b: exit $?"
   done
 fi
+timeout 90 python3 benchmarks/quant_gemm_gpu.py --out "$OUT/quant_gemm.json" > "$OUT/quant_gemm.log" 2>&1
+echo "quant_gemm_gpu: exit $?"
+timeout 150 python3 benchmarks/gpu_check.py --sections throughput --shapes llama-1b --no-hf --no-hf-cb \
+  --quantization fp8 --kv-cache-dtype fp8_e4m3 --out "$OUT/gpu_check_fp8.json" > "$OUT/gpu_check_fp8.log" 2>&1
+echo "gpu_check fp8 weights and KV: exit $?"
 ls -l "$OUT"

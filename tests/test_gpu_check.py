@@ -80,3 +80,31 @@ def test_issue_40s_goals_are_named_per_shape_and_the_steady_floor_per_kind_of_gp
     assert check.goals(report)["llama-1b_steady_at_least_26300_output_tok_s"] is False
     report["environment"]["device"] = "NVIDIA A100-SXM4-80GB"
     assert not any("steady" in k for k in check.goals(report))
+
+
+def test_gpu_check_runs_its_throughput_with_fp8_weights_and_an_fp8_cache(tmp_path):
+    """The device run's quantized part (``--quantization fp8 --kv-cache-dtype fp8_e4m3``): every decoder
+    linear holds e4m3 codes, the cache is fp8, and the roofline counts their bytes."""
+    out = tmp_path / "gpu_check_fp8.json"
+    args = [
+        "--device",
+        "cpu",
+        "--small",
+        "--no-hf",
+        "--no-hf-cb",
+        "--sections",
+        "throughput",
+        "--out",
+        str(out),
+    ]
+    report = _gpu_check().main([*args, "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])
+    small = report["throughput"]["small"]
+    assert (
+        small["weights"] == {"quantization": "fp8", "quantized_linears": 7 * 2}
+        and small["kv_cache_dtype"] == "fp8_e4m3"
+    )
+    assert small["bm"]["output_tokens"] > 0
+    roofline = small["roofline"]
+    full = _gpu_check().main([*args, "--out", str(tmp_path / "full.json")])["throughput"]["small"]["roofline"]
+    assert roofline["kv_bytes"] * 4 == full["kv_bytes"]  # float32's 4 bytes a value, fp8's 1
+    assert roofline["weight_bytes"] < full["weight_bytes"]
