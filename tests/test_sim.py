@@ -355,3 +355,117 @@ def test_bench_executor_sim_without_a_model_config_exits_2_naming_the_option(tmp
     result = CliRunner().invoke(app, args, terminal_width=200)
     assert result.exit_code == 2
     assert "--model-config" in result.output
+
+
+def test_int8_weights_are_priced_a_byte_a_weight_and_a_scale_a_row_and_leave_more_room_for_kv():
+    from bm.sim.model import INT8
+
+    shape = ModelShape.from_dict(TINY)
+    # one layer's linears as (outputs, inputs): q 8x8, k and v 4x8, o 8x8, gate and up 16x8, down 8x16
+    assert shape.layer_linears() == [(8, 8), (4, 8), (4, 8), (8, 8), (16, 8), (16, 8), (8, 16)]
+    full, int8 = (
+        CostModel(shape, unit_hardware(), "float32"),
+        CostModel(shape, unit_hardware(), "float32", weights=INT8),
+    )
+    decode = [item(request(1, 5), WorkKind.GENERATION, 1, 5)]
+    saved = full.forward_cost(decode).linear_bytes - int8.forward_cost(decode).linear_bytes
+    outputs = 8 + 4 + 4 + 8 + 16 + 16 + 8
+    assert saved == 2 * (
+        576 * 4 - (576 * 1 + outputs * 4)
+    )  # two layers: float32 against a byte and a row scale
+    assert (
+        int8.forward_cost(decode).linear_flops == full.forward_cost(decode).linear_flops
+    )  # the same products
+    assert (
+        full.weight_bytes_per_rank() - int8.weight_bytes_per_rank() == saved
+    )  # head and embeddings stay full
+    assert int8.iteration(ExecutionBatch([decode])).seconds < full.iteration(ExecutionBatch([decode])).seconds
+    hw = unit_hardware(memory=shape.num_params * 4 + 64 * 1000)
+    config = make_config(kv_cache={"max_tokens": None, "free_memory_fraction": 1.0, "tokens_per_block": 10})
+    room = [
+        SimExecutor(CostModel(shape, hw, "float32", weights=w)).num_kv_blocks(config.kv_cache, 10**9)
+        for w in (full.weights, INT8)
+    ]
+    assert room[1] > room[0] == 100
+
+
+@pytest.mark.parametrize(
+    ("quant", "priced"),
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, ("gptq", 4, 128, 8)),
+        ({"quant_method": "awq", "w_bit": 4, "q_group_size": 64}, ("awq", 4, 64, 8)),
+        ({"quant_method": "gptq", "bits": 4, "group_size": -1}, ("gptq", 4, None, 8)),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, ("fp8", 8, 128, 8)),
+        ({"quant_method": "fp8"}, ("fp8", 8, None, 8)),
+    ],
+)
+def test_a_stored_checkpoints_config_is_priced_in_its_own_format_never_as_full_width(tmp_path, quant, priced):
+    from bm.sim.model import WeightFormat, weight_format
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY | {"quantization_config": quant}))
+    assert weight_format("auto", tmp_path) == WeightFormat(*priced)
+    assert weight_format(priced[0], tmp_path / "config.json") == WeightFormat(*priced)
+    with pytest.raises(
+        ConfigError, match=rf"is a {priced[0]} checkpoint, which model.quantization: none .* auto"
+    ):
+        weight_format("none", tmp_path)
+
+
+def test_weights_the_simulator_cannot_price_are_refused_naming_the_fix(tmp_path):
+    from bm.sim.model import FULL_WIDTH, INT8, weight_format
+
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(TINY))
+    assert weight_format("auto", plain) == weight_format("none", plain) == FULL_WIDTH
+    assert weight_format("int8", plain) == INT8
+    with pytest.raises(
+        ConfigError,
+        match=r"model.quantization: gptq prices a gptq checkpoint's weights.*no quantization_config",
+    ):
+        weight_format("gptq", plain)
+    for quant, named in (
+        ({"quant_method": "bitsandbytes"}, "not 'bitsandbytes' ones"),
+        ({"quant_method": "gptq", "bits": 8}, "a 8-bit gptq checkpoint; bm reads 4-bit ones"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps(TINY | {"quantization_config": quant}))
+        with pytest.raises(ConfigError, match=named):
+            weight_format("auto", tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"the simulator prices a config\.json's shape, not a GGUF file's blocks"
+    ):
+        make_config(model={"quantization": "gguf", "path": str(tmp_path / "m.gguf")},
+                    engine={"executor": "sim"}, bench={"ignore_eos": True})  # fmt: skip
+
+
+def test_a_local_rows_fit_of_quantized_weights_is_kept_apart_from_the_full_width_one():
+    from bm.sim.forward_fit import fit_key, model_key
+    from bm.sim.model import INT8, WeightFormat
+
+    shape = ModelShape.from_dict(TINY)
+    assert (
+        fit_key(shape, "float32")
+        == fit_key(shape, "float32", WeightFormat())
+        == model_key(shape.shape_dict(), "float32")
+    )
+    assert (
+        len(
+            {
+                fit_key(shape, "float32"),
+                fit_key(shape, "float32", INT8),
+                fit_key(shape, "float32", WeightFormat("gptq", 4, 128, 8)),
+            }
+        )
+        == 3
+    )
+
+
+def test_bench_executor_sim_prices_int8_weights_and_says_so(tmp_path):
+    from bm.bench.simulated import load_sim_model
+
+    model_config = tmp_path / "tiny.json"
+    model_config.write_text(json.dumps(TINY | {"vocab_size": 512}))
+    config = make_config(model={"config": str(model_config), "quantization": "int8"}, engine={"executor": "sim"},
+                         bench={"ignore_eos": True}, sim={"hardware": "l40s"})  # fmt: skip
+    sim = load_sim_model(config)
+    assert sim.weights.name == "int8" and sim.runtime()["weights"] == "int8"
+    assert sim.cost_model().weights == sim.weights

@@ -34,7 +34,7 @@ from bm.scheduling import FinishReason
 from bm.sim.cost import CostModel
 from bm.sim.executor import SimExecutor, VirtualClock
 from bm.sim.hardware import LOCAL_ROWS, Hardware, ensure_forward_fit, load_hardware
-from bm.sim.model import ModelShape
+from bm.sim.model import FULL_WIDTH, ModelShape, WeightFormat, weight_format
 from bm.workloads import Workload, arrival_times
 
 _PROGRESS_EVERY = 2000  # iterations between progress callbacks
@@ -69,6 +69,7 @@ class SimModel:
     decode_graphs: bool = True  # model.cuda_graphs is not off (a cuda-local row prices graph replays)
     overlap: bool = False  # the engine would overlap the host's work with the device's on this row
     kv_cache_dtype: str = "auto"  # kv_cache.dtype: what one token's keys and values take
+    weights: WeightFormat = FULL_WIDTH  # model.quantization: how the decoder's linears are held
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +89,7 @@ class SimModel:
             self.decode_graphs,
             self.overlap,
             self.kv_cache_dtype,
+            self.weights,
         )
 
     def runtime(self) -> dict[str, Any]:
@@ -98,11 +100,13 @@ class SimModel:
             "tensor_parallel": self.tensor_parallel,
             "num_devices": self.tensor_parallel,
             "dtype": self.dtype,
+            "weights": self.weights.name,
         }
 
 
 def load_sim_model(config: BmConfig) -> SimModel:
-    """The model shape from ``model.config`` (or ``model.path``'s config.json) and the hardware row."""
+    """The model shape from ``model.config`` (or ``model.path``'s config.json), how its linears are held
+    (``model.quantization`` against that config.json's ``quantization_config``), and the hardware row."""
     source = config.model.config or config.model.path
     if source is None:
         raise ConfigError("engine.executor: sim needs --model-config CFG.json (model.config)")
@@ -113,13 +117,14 @@ def load_sim_model(config: BmConfig) -> SimModel:
     # the dtype the real engine would load in on the row's device (auto: bfloat16 on a GPU, float32 on CPU)
     dtype = resolve_dtype_name(config.model.dtype, hardware.device_type)
     hardware.peak_flops(dtype)  # fail now, naming the dtype, rather than mid-run (or after a fit)
+    weights = weight_format(config.model.quantization, local_dir(source))
     if hardware.key in LOCAL_ROWS:  # this machine: the forward's cost as bm's engine runs this model here
         if config.sim.tensor_parallel > 1:
             raise ConfigError(
                 f"--hardware {hardware.key} measures one device, bm's forward on it: tensor parallelism "
                 "needs a datasheet row (e.g. --hardware h100-sxm)"
             )
-        hardware = ensure_forward_fit(config.model, shape, dtype, hardware.key)
+        hardware = ensure_forward_fit(config.model, shape, dtype, hardware.key, weights)
     return SimModel(
         shape,
         hardware,
@@ -129,6 +134,7 @@ def load_sim_model(config: BmConfig) -> SimModel:
         decode_graphs=config.model.cuda_graphs != "off",
         overlap=sim_overlaps(config, hardware.device_type),
         kv_cache_dtype=config.kv_cache.dtype,
+        weights=weights,
     )
 
 

@@ -185,10 +185,10 @@ def validate(cfg: BmConfig) -> None:
         raise ConfigError(str(exc)) from None
     _check_cpu_bf16_gemm(cfg.model)
     quantization = cfg.model.quantization
-    if quantization not in ("auto", "none") and engine.executor == "sim":
+    if quantization == "gguf" and engine.executor == "sim":
         raise ConfigError(
-            f"model.quantization: {quantization}: the simulator prices full-width weights and does not model "
-            "quantized ones; set model.quantization: auto with engine.executor: sim"
+            "model.quantization: gguf: the simulator prices a config.json's shape, not a GGUF file's blocks; "
+            "set model.quantization: auto (full width) or int8 with engine.executor: sim"
         )
     if quantization == "gguf" and cfg.model.preset not in GGUF_PRESETS and gguf_path(cfg.model.path) is None:
         raise ConfigError(

@@ -3,8 +3,8 @@
 Per forward, each operator group costs ``max(compute time, memory time)`` (it is bound by whichever is
 slower), groups add up, then tensor-parallel communication and fixed overheads are added:
 
-- linear (GEMMs): ``2 * tokens * weights`` FLOPs; reads every weight once per forward, plus the
-  activations in and out;
+- linear (GEMMs): ``2 * tokens * weights`` FLOPs; reads every weight once per forward (in the bytes of
+  ``model.quantization``'s format: bm.sim.model.WeightFormat), plus the activations in and out;
 - LM head: only the rows that sample (or keep logits) are projected to the vocabulary;
 - attention: ``4 * heads * head_dim`` FLOPs per (query, key) pair, summed from each item's context
   length (causal within the item); reads each item's KV history once (a fused, flash-style kernel);
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from bm.engine.execution.protocol import ExecutionBatch, WorkItem
 from bm.sim.hardware import Hardware
-from bm.sim.model import DTYPE_BYTES, ModelShape
+from bm.sim.model import DTYPE_BYTES, FULL_WIDTH, ModelShape, WeightFormat
 from bm.sim.work import work_totals
 
 
@@ -71,13 +71,15 @@ class CostModel:
         decode_graphs: bool = True,
         overlap: bool = False,
         kv_cache_dtype: str = "auto",
+        weights: WeightFormat = FULL_WIDTH,
     ):
         """``decode_graphs``: the engine replays CUDA graphs for decode-only steps (``model.cuda_graphs``
         not off); it matters only on a row measured with graphs (cuda-local), whose decode steps larger
         than its largest graph, or all of them without graphs, are then priced as eager forwards.
         ``overlap``: the host's per-iteration time hides behind the device's (see the module's doc).
         ``kv_cache_dtype``: ``kv_cache.dtype`` (int8 and fp8_e4m3: about a quarter of the KV bytes of float32, read and
-        held)."""
+        held). ``weights``: how the decoder's linears are held (``model.quantization``): their bytes, read
+        once per forward and held, are the format's; their FLOPs are the same products."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         self.model = model
@@ -90,12 +92,14 @@ class CostModel:
         self.bandwidth = hardware.memory_bw * hardware.memory_efficiency
         self.kv_bytes_per_token = model.kv_bytes_per_token(self.dtype_bytes, kv_cache_dtype)
         m = model
+        self.weights = weights
         self._linear_weights = m.num_layers * m.layer_linear_params
+        self._linear_weight_bytes = weights.linear_bytes(m, self.dtype_bytes)
         # per token: attention FLOPs per key, summed over layers
         self._attn_flops_per_pair = 4.0 * m.num_heads * m.head_dim * m.num_layers
         self._hidden_bytes = m.hidden_size * self.dtype_bytes
         # a local row: a forward's seconds fitted on bm's real engine for this model, when measured
-        self.fit: dict[str, float] | None = hardware.forward_fit(model, dtype)
+        self.fit: dict[str, float] | None = hardware.forward_fit(model, dtype, weights)
         graph_max = hardware.extra.get("graph_max_batch_size")
         # decode steps of more rows than this run eagerly (0: every one does; None: the row has no graphs)
         self._graph_max: int | None = None if graph_max is None else (int(graph_max) if decode_graphs else 0)
@@ -121,7 +125,7 @@ class CostModel:
         cost.tokens, cost.logit_rows, cost.eager = tokens, rows, eager
         cost.linear_flops = 2.0 * tokens * self._linear_weights + 2.0 * rows * m.lm_head_params
         activations = tokens * (4 * m.hidden_size + 2 * m.intermediate_size) * m.num_layers * b
-        cost.linear_bytes = (self._linear_weights + (m.lm_head_params if rows else 0)) * b + activations
+        cost.linear_bytes = self._linear_weight_bytes + (m.lm_head_params if rows else 0) * b + activations
         cost.attention_flops = self._attn_flops_per_pair * pairs
         cost.kv_read_bytes = float(history * self.kv_bytes_per_token)
         cost.kv_write_bytes = float(tokens * self.kv_bytes_per_token)
@@ -189,4 +193,5 @@ class CostModel:
         return self._with_host(self.time_forward(cost, IterationCost()))
 
     def weight_bytes_per_rank(self) -> float:
-        return self.model.num_params * self.dtype_bytes / self.tp
+        rest = self.model.num_params - self._linear_weights  # the head and embeddings, full width
+        return (self._linear_weight_bytes + rest * self.dtype_bytes) / self.tp

@@ -30,6 +30,7 @@ and every coefficient is measured at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import itertools
@@ -50,6 +51,15 @@ def model_key(shape_dict: dict[str, Any], dtype: str) -> str:
     """A stable name for a model's shape and dtype (what the fit depends on)."""
     text = json.dumps(shape_dict, sort_keys=True) + dtype
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fit_key(shape: Any, dtype: str, weights: Any = None) -> str:
+    """:func:`model_key` of ``shape`` (a ModelShape) in ``dtype``, its linears held as ``weights`` (a
+    quantized WeightFormat is part of the key; full width keeps the key fits were cached under before)."""
+    shape_dict = shape.shape_dict()
+    if weights is not None and weights.quantized:
+        shape_dict = shape_dict | {"weights": dataclasses.asdict(weights)}
+    return model_key(shape_dict, dtype)
 
 
 @dataclass(frozen=True)

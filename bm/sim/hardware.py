@@ -62,13 +62,14 @@ class Hardware:
             )
         return self.flops[dtype]
 
-    def forward_fit(self, model: Any, dtype: str) -> dict[str, float] | None:
-        """A local row: the fitted forward cost of ``model`` in ``dtype`` (bm.sim.forward_fit), if measured;
+    def forward_fit(self, model: Any, dtype: str, weights: Any = None) -> dict[str, float] | None:
+        """A local row: the fitted forward cost of ``model`` in ``dtype`` with its linears held as
+        ``weights`` (bm.sim.model.WeightFormat; None: full width) (bm.sim.forward_fit), if measured;
         every term present (one a fit left out, or an older cache lacks, is 0)."""
-        from bm.sim.forward_fit import TERMS, model_key
+        from bm.sim.forward_fit import TERMS, fit_key
 
         fits = self.extra.get("forward_fits") or {}
-        entry = fits.get(model_key(model.shape_dict(), dtype))
+        entry = fits.get(fit_key(model, dtype, weights))
         return {name: float(entry["terms"].get(name, 0.0)) for name in TERMS} if entry else None
 
     def describe(self) -> dict[str, Any]:
@@ -148,14 +149,17 @@ def load_hardware(name: str, *, calibrate_if_missing: bool = True) -> Hardware:
     return table[name]
 
 
-def ensure_forward_fit(model_config: Any, shape: Any, dtype: str, row: str = CPU_LOCAL) -> Hardware:
-    """The local row ``row`` with the fitted forward of the model ``shape`` in ``dtype``: measured now on
-    bm's engine on that row's device (``model_config``'s random weights, its device and dtype forced to
-    the row's) when the cache has none, then cached beside the row."""
-    from bm.sim.forward_fit import measure_forward_fit, model_key
+def ensure_forward_fit(
+    model_config: Any, shape: Any, dtype: str, row: str = CPU_LOCAL, weights: Any = None
+) -> Hardware:
+    """The local row ``row`` with the fitted forward of the model ``shape`` in ``dtype``, its linears
+    held as ``weights``: measured now on bm's engine on that row's device (``model_config``'s weights,
+    random unless it names a checkpoint, quantized as it says; its device and dtype forced to the
+    row's) when the cache has none, then cached beside the row."""
+    from bm.sim.forward_fit import fit_key, measure_forward_fit
 
     hardware = load_hardware(row)
-    if hardware.forward_fit(shape, dtype) is not None:
+    if hardware.forward_fit(shape, dtype, weights) is not None:
         return hardware
     device = str(hardware.extra.get("device") or LOCAL_ROWS[row])
     # decode graphs as a default run has them: the fit prices graph-replayed and eager forwards apart
@@ -169,7 +173,7 @@ def ensure_forward_fit(model_config: Any, shape: Any, dtype: str, row: str = CPU
     path = local_row_path(row)
     raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     fits = raw.get("forward_fits") or {}
-    fits[model_key(shape.shape_dict(), dtype)] = fit | {"model": shape.name, "dtype": dtype}
+    fits[fit_key(shape, dtype, weights)] = fit | {"model": shape.name, "dtype": dtype}
     raw["forward_fits"] = fits
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
     return load_hardware(row)

@@ -84,6 +84,16 @@ class ModelShape:
         attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
         return attention + 3 * h * self.intermediate_size
 
+    def layer_linears(self) -> list[tuple[int, int]]:
+        """One layer's GEMMs as (outputs, inputs): q, k, v, o, gate, up, down."""
+        h, q, kv, inter = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
+        return [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+
     @property
     def lm_head_params(self) -> int:
         return self.hidden_size * self.vocab_size
@@ -102,3 +112,89 @@ class ModelShape:
             cache_dtype, self.head_dim * dtype_bytes
         )
         return 2 * self.num_layers * self.num_kv_heads * row
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How bm holds the decoder's linear weights (``model.quantization`` as it runs), in the bytes a
+    forward reads: full width in the model's dtype (``bits`` None), or ``bits`` a weight plus
+    ``group_bytes`` beside each group of ``group`` inputs of a row (None: one group a row). The output
+    head and embeddings stay full width in every scheme (bm.runtime.weight_quant)."""
+
+    name: str = "none"
+    bits: int | None = None
+    group: int | None = None
+    group_bytes: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def linear_bytes(self, shape: ModelShape, dtype_bytes: int) -> float:
+        """Bytes of every decoder linear's weight (one read per forward)."""
+        if self.bits is None:
+            return float(shape.num_layers * shape.layer_linear_params * dtype_bytes)
+        per_layer = sum(
+            n * k * self.bits / 8 + n * (1 if self.group is None else k // self.group) * self.group_bytes
+            for n, k in shape.layer_linears()
+        )
+        return shape.num_layers * per_layer
+
+
+FULL_WIDTH = WeightFormat()
+# int8 on load: a byte a weight and a float32 scale per output row (bm.runtime.weight_quant)
+INT8 = WeightFormat("int8", 8, None, 4)
+# A stored format as bm holds it (bm.runtime.native.GroupWeight): the values, then a float32 step and
+# offset per group of a row
+_GROUP_BYTES = 8
+
+
+def weight_format(quantization: str, source: str | Path | None) -> WeightFormat:
+    """The weights the simulator prices for ``model.quantization`` on the model whose config.json is
+    ``source``: full width, int8 on load, or the checkpoint's stored format (GPTQ and AWQ int4 in
+    their group size, FP8 per block or per row), as the real loader resolves ``auto``. What it cannot
+    price is refused naming the fix; a stored checkpoint is never priced as full width."""
+    quant = _quantization_config(source)
+    method = str(quant.get("quant_method", "")).lower() if quant else None
+    where = f"model.config {str(source)!r}"
+    if method is not None and quantization not in ("auto", method):
+        raise ConfigError(
+            f"{where} is a {method} checkpoint, which model.quantization: {quantization} does not read: set "
+            f"model.quantization: auto (or {method})"
+        )
+    if method is None:
+        if quantization in ("auto", "none"):
+            return FULL_WIDTH
+        if quantization == "int8":
+            return INT8
+        raise ConfigError(
+            f"model.quantization: {quantization} prices a {quantization} checkpoint's weights, and {where} has "
+            "no quantization_config: give that checkpoint's config.json, or set model.quantization: int8 "
+            "(or auto) to simulate"
+        )
+    if method in ("gptq", "awq"):
+        bits = quant.get("bits", quant.get("w_bit"))
+        if bits != 4:
+            raise ConfigError(f"{where}: a {bits}-bit {method} checkpoint; bm reads 4-bit ones")
+        group = int(quant.get("group_size", quant.get("q_group_size", 128)))
+        return WeightFormat(method, 4, None if group == -1 else group, _GROUP_BYTES)
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        return WeightFormat(method, 8, int(block[1]) if block else None, _GROUP_BYTES)
+    raise ConfigError(
+        f"{where}: the simulator prices GPTQ and AWQ int4 and fp8 checkpoints, not {method!r} ones; give a "
+        "full-width config.json (with model.quantization: int8 to price int8 weights)"
+    )
+
+
+def _quantization_config(source: str | Path | None) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` at ``source`` (a file or its folder), if any."""
+    if source is None:
+        return None
+    p = Path(source)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        quant = json.loads(p.read_text(encoding="utf-8")).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None  # ModelShape.from_file reports an unreadable config
+    return quant if isinstance(quant, dict) and quant else None
