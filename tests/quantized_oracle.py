@@ -41,9 +41,15 @@ def assert_greedy_equals_hf(loaded: LoadedModel, reference: torch.nn.Module, eng
     specs = random_prompts(seed=3, count=16, vocab=loaded.vocab_size, max_prompt=40, max_output=16)
     kv = {"tokens_per_block": 4, "max_tokens": 160 if engine["max_num_tokens"] == 32 else 4096}
     client = run_staggered(loaded, make_config(engine=engine, kv_cache=kv), specs)
+    assert_each_equals_hf(client, specs, reference)
+    return specs
+
+
+def assert_each_equals_hf(client, specs: list, reference: torch.nn.Module) -> None:
+    """Each of ``client``'s requests (``specs``: prompt, output length, in request-id order) finished at
+    its length with HF generate()'s greedy tokens on ``reference`` alone."""
     for i, (prompt, max_new) in enumerate(specs):
         result = client.results[i]
         assert result.ok, result.error
         assert result.finish_reason == FinishReason.LENGTH
         assert result.output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
-    return specs

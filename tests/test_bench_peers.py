@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 from transformers import LlamaConfig
 
-from tests.conftest import REPO
-
-
-def _bench_module(name: str):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is made
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def peers():
-    return _bench_module("peers")
+    return load_benchmark("peers")
 
 
 def _workload(tmp_path):
@@ -86,7 +72,7 @@ def test_cpu_info_names_every_flag_that_picks_kernels(peers):
 
 
 def test_peers_flag_alone_or_all_means_every_subprocess_peer_and_empty_means_none(peers):
-    throughput = _bench_module("throughput")
+    throughput = load_benchmark("throughput")
     assert throughput.peer_list("") == [] and throughput.peer_list("none") == []
     assert throughput.peer_list("all") == list(peers.PEER_NAMES)
     assert throughput.peer_list("hf-cb,all") == ["hf-cb", *peers.PEER_NAMES]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 
@@ -13,6 +12,7 @@ from typer.testing import CliRunner
 
 from bm.cli.main import app
 from bm.report.plots import PLOT_FILES
+from tests.benchmark_scripts import load_benchmark
 from tests.conftest import REPO, compare_dataset
 
 runner = CliRunner()
@@ -218,12 +218,7 @@ def test_baseline_gate_repeats_by_default_and_passes_unchanged_code_with_margins
 
 
 def _planted_slowdown():
-    spec = importlib.util.spec_from_file_location(
-        "planted_slowdown", REPO / "benchmarks" / "planted_slowdown.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.planted_slowdown
+    return load_benchmark("planted_slowdown").planted_slowdown
 
 
 def test_planted_slowdown_fails_the_baseline_gate_on_timings_with_counters_unchanged(

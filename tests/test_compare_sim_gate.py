@@ -3,13 +3,13 @@ are gated exactly, and a planted scheduler regression (one more iteration per re
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from typer.testing import CliRunner
 
 from bm.cli.main import app
+from tests.benchmark_scripts import load_benchmark
 from tests.conftest import REPO
 
 runner = CliRunner()
@@ -21,12 +21,7 @@ SIM = [
 
 
 def planted_extra_iteration():
-    spec = importlib.util.spec_from_file_location(
-        "planted_iteration", REPO / "benchmarks" / "planted_iteration.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.planted_extra_iteration()
+    return load_benchmark("planted_iteration").planted_extra_iteration()
 
 
 def simulate(out, *extra):

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
-from tests.conftest import REPO
-
-
-def _gpu_check():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_gpu_check_runs_on_cpu_small_and_writes_one_json_file(tmp_path, monkeypatch):
     monkeypatch.delenv("BM_ATTENTION", raising=False)
     out = tmp_path / "gpu_check.json"
-    report = _gpu_check().main(["--device", "cpu", "--small", "--no-hf-cb", "--out", str(out)])
+    report = load_benchmark("gpu_check").main(["--device", "cpu", "--small", "--no-hf-cb", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     oracle = report["oracle_fp32"]
     assert oracle["equal_requests"] == oracle["requests"] > 0
@@ -55,7 +42,7 @@ def test_gpu_check_runs_only_the_sections_asked_and_names_only_their_goals(tmp_p
     monkeypatch.delenv("BM_ATTENTION", raising=False)
     out = tmp_path / "gpu_check.json"
     argv = ["--device", "cpu", "--small", "--no-hf", "--sections", "bf16,compare", "--out", str(out)]
-    report = _gpu_check().main(argv)
+    report = load_benchmark("gpu_check").main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert "oracle_fp32" not in report and "throughput" not in report and "cli_run" not in report
     assert report["bf16"]["tokens"] > 0 and report["compare"]["finished"]
@@ -65,7 +52,7 @@ def test_gpu_check_runs_only_the_sections_asked_and_names_only_their_goals(tmp_p
 def test_issue_40s_goals_are_named_per_shape_and_the_steady_floor_per_kind_of_gpu():
     """70% of the roofline for the 1B shape, 60% for SmolLM2's, for the bare and the queued step each; the
     steady floor only on an H100 or H200."""
-    check = _gpu_check()
+    check = load_benchmark("gpu_check")
     roofline = {"fraction_of_roofline": 0.65, "fraction_of_roofline_queued": 0.72}
     figures = {"roofline": roofline, "bm": {"output_tok_s": 23_000}}
     report = {"environment": {"device": "NVIDIA H100 80GB HBM3"},
@@ -97,7 +84,9 @@ def test_gpu_check_runs_its_throughput_with_fp8_weights_and_an_fp8_cache(tmp_pat
         "--out",
         str(out),
     ]
-    report = _gpu_check().main([*args, "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])
+    report = load_benchmark("gpu_check").main(
+        [*args, "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
+    )
     small = report["throughput"]["small"]
     assert (
         small["weights"] == {"quantization": "fp8", "quantized_linears": 7 * 2}
@@ -105,6 +94,8 @@ def test_gpu_check_runs_its_throughput_with_fp8_weights_and_an_fp8_cache(tmp_pat
     )
     assert small["bm"]["output_tokens"] > 0
     roofline = small["roofline"]
-    full = _gpu_check().main([*args, "--out", str(tmp_path / "full.json")])["throughput"]["small"]["roofline"]
+    full = load_benchmark("gpu_check").main([*args, "--out", str(tmp_path / "full.json")])["throughput"][
+        "small"
+    ]["roofline"]
     assert roofline["kv_bytes"] * 4 == full["kv_bytes"]  # float32's 4 bytes a value, fp8's 1
     assert roofline["weight_bytes"] < full["weight_bytes"]

@@ -29,9 +29,9 @@ from bm.runtime.kv_quant import (
 )
 from bm.runtime.native import paged_decode_kernel, prefill_attention_kernel
 from bm.runtime.native.paged_decode import DecodeRows
-from bm.scheduling import FinishReason
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 from tests.native_variants import each_decode_extra, each_decode_shape, each_isa, scattered_tables
+from tests.quantized_oracle import assert_each_equals_hf
 from tests.test_bf16_oracle import LOGITS_ATOL
 from tests.test_oracle import run_staggered
 
@@ -139,11 +139,7 @@ def test_greedy_output_with_a_quantized_cache_equals_hf_generate_over_the_same_r
     specs = random_prompts(seed=3, count=16, vocab=model.vocab_size, max_prompt=40, max_output=16)
     config = make_config(engine=engine, kv_cache={**kv, "dtype": cache_dtype})
     client = run_staggered(model, config, specs)
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.finish_reason == FinishReason.LENGTH
-        assert result.output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
+    assert_each_equals_hf(client, specs, reference)
 
 
 def test_fp8_scales_make_a_difference_the_oracle_can_see(quantized_models, tiny_model):

@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-from tests.conftest import REPO, make_config
-
-
-def _profile_parts():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "profile_parts", REPO / "benchmarks" / "profile_parts.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return module
+from tests.benchmark_scripts import load_benchmark
+from tests.conftest import make_config
 
 
 def test_parts_add_up_to_the_engine_steps_and_gemms_are_timed_by_shape(tiny_model):
     from bm.engine.step.core import EngineCore
     from bm.runtime.model_runner import ModelRunner
 
-    pp = _profile_parts()
+    pp = load_benchmark("profile_parts")
     step, forward = EngineCore.__dict__["step"], ModelRunner.__dict__["forward"]
     timers = pp.Timers()
     workload = [(list(range(3, 3 + n)), 4) for n in (5, 17, 40)]

@@ -15,10 +15,10 @@ from bm.runtime import ModelRunner
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.kv_quant import FP8, SCALE_BYTES, dequantize_rows, quantize_rows
 from bm.runtime.triton.ops import paged_attention, store_kv
-from bm.scheduling import FinishReason
 from tests.clients import StaggeredClient
-from tests.conftest import hf_greedy, make_config, random_prompts
+from tests.conftest import make_config, random_prompts
 from tests.hang import HANG_S
+from tests.quantized_oracle import assert_each_equals_hf
 from tests.test_kv_quant import QUANTIZED, quantized_models  # noqa: F401 (a fixture)
 from tests.test_triton_attention import BS, MIXED, _case
 from tests.triton_compile import compile_for_h100
@@ -172,11 +172,7 @@ def test_greedy_output_on_the_triton_path_with_a_quantized_cache_equals_hf_gener
     assert ModelRunner(model, 8, 4, 32, cache_dtype=cache_dtype).attention_backend == "triton"
     with BatchManager(config, client.get_requests, client.send_response, model=model):
         client.wait_or_fail(timeout=HANG_S)  # Triton's interpreter is slow, more so on a busy machine
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.finish_reason == FinishReason.LENGTH
-        assert result.output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
+    assert_each_equals_hf(client, specs, reference)
 
 
 # The store and single-pass attention kernels over each quantized cache, compiled for an H100

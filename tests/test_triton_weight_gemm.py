@@ -6,9 +6,7 @@ the kernel compiles for an H100."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
@@ -23,8 +21,9 @@ from bm.runtime.native import GroupWeight
 from bm.runtime.native.small_gemm import pack_panels
 from bm.runtime.weight_quant import ENV_GEMM, quantize_weight, quantized_linears
 from bm.runtime.weight_sources import weight_source
-from bm.scheduling import FinishReason
-from tests.conftest import REPO, hf_greedy, make_config, random_prompts, reference_model
+from tests.benchmark_scripts import load_benchmark
+from tests.conftest import make_config, random_prompts, reference_model
+from tests.quantized_oracle import assert_each_equals_hf
 from tests.test_fp8_checkpoints import write_fp8_checkpoint
 from tests.test_gguf_weights import write_gguf
 from tests.test_int4_checkpoints import write_int4_checkpoint
@@ -155,11 +154,7 @@ def test_each_quantized_format_runs_the_triton_gemm_and_matches_hf_generate(case
     specs = random_prompts(seed=3, count=8, vocab=loaded.vocab_size, max_prompt=24, max_output=8)
     config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 48}, kv_cache={"tokens_per_block": 4})
     client = run_staggered(loaded, config, specs)
-    for i, (prompt, max_new) in enumerate(specs):
-        result = client.results[i]
-        assert result.ok, result.error
-        assert result.finish_reason == FinishReason.LENGTH
-        assert result.output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
+    assert_each_equals_hf(client, specs, reference)
     steps = len(calls) // loaded.num_quantized_linears
     assert steps > 0 and len(calls) == steps * loaded.num_quantized_linears
 
@@ -177,16 +172,7 @@ def test_a_bad_gemm_switch_is_refused_naming_the_choices(monkeypatch, tmp_path):
 
 def test_the_gpu_gemm_benchmark_runs_in_the_interpreter_and_reports_each_kernel_against_bf16(capsys):
     """benchmarks/quant_gemm_gpu.py, which the device run calls, cannot rot on the CPU."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "quant_gemm_gpu", REPO / "benchmarks" / "quant_gemm_gpu.py"
-        )
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    report = bench.main(["--device", "cpu", "--small", "--rows", "3"])
+    report = load_benchmark("quant_gemm_gpu").main(["--device", "cpu", "--small", "--rows", "3"])
     assert json.loads(capsys.readouterr().out) == report
     runs = report["small"]["3"]
     assert set(runs) == {"bf16", "triton_int8", "triton_q4_g128", "triton_fp8_row"}  # no _scaled_mm on a CPU
