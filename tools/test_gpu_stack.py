@@ -43,6 +43,8 @@ TESTS = [
     "tests/test_triton_split_kv.py",
     "tests/test_bf16_oracle.py",
     "tests/test_launch_path_transfers.py",
+    "tests/test_triton_weight_gemm.py",
+    "tests/test_gpu_check.py",
 ]
 
 
