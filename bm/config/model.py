@@ -28,6 +28,18 @@ QUANTIZATIONS = {
 }
 
 
+def stored_scheme_mismatch(quantization: str, scheme: str, where: str) -> str | None:
+    """Why ``model.quantization`` cannot read a model stored in ``scheme`` (a GPTQ, AWQ, FP8, ...
+    checkpoint, ``where`` naming it), or None where it can (``auto`` or that scheme): one rule for the
+    loader (bm.runtime.weight_sources) and the simulator's pricing (bm.sim.model)."""
+    if quantization in ("auto", scheme):
+        return None
+    return (
+        f"{where} is a {scheme} checkpoint, which model.quantization: {quantization} does not read (it "
+        f"stores no full-width weights): set model.quantization: auto (or {scheme})"
+    )
+
+
 def _quantization(key: str, value: Any) -> str:
     """One of QUANTIZATIONS; None (vLLM's default for its ``quantization``: as the checkpoint is stored)
     is auto."""

@@ -43,15 +43,10 @@ class GroupForward(KernelForward):
         return group_gemm_kernel()
 
     def panels(self) -> PanelWeight:
-        weight = group_weight(self._module)
+        module = self._module
+        bits, group, float8 = module.weight_format
         return PanelWeight(
-            weight.values,
-            weight.step,
-            weight.offset,
-            weight.out_features,
-            weight.bits,
-            weight.group,
-            weight.float8,
+            module.weight, module.weight_step, module.weight_offset, module.out_features, bits, group, float8
         )
 
     def run(self, kernel: GroupGemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

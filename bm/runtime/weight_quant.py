@@ -32,6 +32,7 @@ import os
 import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from functools import cache
 from typing import Any, NamedTuple
 
 import torch
@@ -190,13 +191,20 @@ def _triton_gemm(x: torch.Tensor, group: int | None) -> bool:
         raise WeightQuantError(f"{ENV_GEMM}={forced!r}: allowed auto (or unset) and triton")
     if forced == "auto" and x.device.type != "cuda":
         return False
-    from bm.runtime.triton import triton_available
-
-    if not triton_available():
+    if not _has_triton():
         return False
     from bm.runtime.triton.weight_ops import serves
 
     return serves(x.dtype, group)
+
+
+@cache
+def _has_triton() -> bool:
+    """triton installed, asked once: every quantized linear call on CUDA asks, and the package finder
+    walks the path each time."""
+    from bm.runtime.triton import triton_available
+
+    return triton_available()
 
 
 class KernelForward(ABC):

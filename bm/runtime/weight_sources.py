@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bm.config.model import stored_scheme_mismatch
 from bm.runtime.gguf_weights import install_gguf_linears
 from bm.runtime.stored_checkpoints import SCHEMES, StoredFormat, install_stored_linears, stored_format
 from bm.runtime.weight_quant import WeightQuantError, quantize_linears
@@ -60,12 +61,9 @@ def weight_source(
     format."""
     if stored is not None:
         scheme = SCHEMES[stored.method]
-        if quantization not in ("auto", scheme):
-            raise WeightQuantError(
-                f"model.path {str(checkpoint)!r} is a {scheme} checkpoint, which model.quantization: "
-                f"{quantization} does not read (it stores no full-width weights): set model.quantization: auto "
-                f"(or {scheme})"
-            )
+        refused = stored_scheme_mismatch(quantization, scheme, f"model.path {str(checkpoint)!r}")
+        if refused:
+            raise WeightQuantError(refused)
         if sharded:
             raise WeightQuantError(
                 f"model.path {str(checkpoint)!r}: {scheme} weights run unsharded, one process per model (no "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bm.config import ConfigError
+from bm.config.model import stored_scheme_mismatch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -157,11 +158,9 @@ def weight_format(quantization: str, source: str | Path | None) -> WeightFormat:
     quant = _quantization_config(source)
     method = str(quant.get("quant_method", "")).lower() if quant else None
     where = f"model.config {str(source)!r}"
-    if method is not None and quantization not in ("auto", method):
-        raise ConfigError(
-            f"{where} is a {method} checkpoint, which model.quantization: {quantization} does not read: set "
-            f"model.quantization: auto (or {method})"
-        )
+    refused = method and stored_scheme_mismatch(quantization, method, where)
+    if refused:
+        raise ConfigError(refused)
     if method is None:
         if quantization in ("auto", "none"):
             return FULL_WIDTH
