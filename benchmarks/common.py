@@ -14,6 +14,7 @@ from typing import Any
 from bm.baselines import PeerResult
 from bm.batch_manager import OfflineClient, torch_executor
 from bm.config import BmConfig, parse_override
+from bm.config.model import model_override
 from bm.engine import EngineLoop, Request
 from bm.runtime import LoadedModel
 
@@ -56,7 +57,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """``--model-config`` or ``--model``, ``-c`` (bm config file, the benchmark one by default) and ``-s``."""
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-config", help="model config JSON (random weights)")
-    model.add_argument("--model", help="a checkpoint directory (config.json + weights)")
+    model.add_argument(
+        "--model", help="a preset (smollm2-135m) or a checkpoint directory (config.json + weights)"
+    )
     p.add_argument("-c", "--config", type=Path, default=BENCH_CONFIG)
     p.add_argument("-s", "--set", action="append", default=[], help="bm config override SECTION.KEY=VALUE")
 
@@ -64,8 +67,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_overrides(args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
     """The ``-s`` overrides plus the model :func:`add_model_arguments` named (random weights from ``seed``)."""
     overrides = dict(parse_override(o) for o in args.set)
-    if args.model:
-        overrides.update({"model.path": args.model, "model.config": None})
+    if args.model:  # a preset or a directory, by the rule bm's own --model follows
+        key, value = model_override(args.model)
+        overrides.update({"model.preset": None, "model.path": None, key: value, "model.config": None})
     else:
         overrides.update({"model.config": args.model_config, "model.seed": seed, "model.path": None})
     return overrides

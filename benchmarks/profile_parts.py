@@ -6,7 +6,7 @@
 
 Runs the first ``--limit`` requests (all at t=0, end tokens ignored) through the engine core in this thread,
 after a two-request warm-up, with a wall-clock timer around each part's entry point: every linear layer
-(bm's packed GEMM or torch's), the attention call of each layer (KV write and kernel), the fused
+(bm's packed GEMM, a quantized weight's kernel, or torch's), the attention call of each layer (KV write and kernel), the fused
 elementwise kernels, sampling, the model forward and the engine step. Timers, not the torch profiler: bm's
 C kernels run through ctypes, which the profiler cannot see, and a timer costs well under a microsecond
 against calls of tens of microseconds. The compiled KV write is timed on its own. Derived: the engine's own Python per iteration (step minus forward
@@ -113,7 +113,7 @@ def _timed_residual_gemm(timers: Timers, fn: Callable) -> Callable:
 def instrumented(timers: Timers) -> Iterator[None]:
     """Wrap each part's entry point with a timer; the originals come back on exit."""
     from bm.engine.step.core import EngineCore as Core
-    from bm.runtime import decoding, model_runner, native, prepack
+    from bm.runtime import decoding, model_runner, native, prepack, weight_quant
     from bm.runtime.backends import torch_backend
 
     patches: list[tuple[Any, str, Any]] = [
@@ -125,6 +125,8 @@ def instrumented(timers: Timers) -> Iterator[None]:
         (torch_backend, "decode", _timed(timers, "attention_decode", torch_backend.decode)),  # torch's path
         (prepack._PackedForward, "__call__", _timed_linear(timers, prepack._PackedForward.__call__, lambda s: s._module)),
         (torch.nn.Linear, "forward", _timed_linear(timers, torch.nn.Linear.forward, lambda s: s)),
+        # quantized weights (int8, GGUF blocks, GPTQ/AWQ, FP8): their own kernels, not the panel GEMM
+        (weight_quant.KernelForward, "__call__", _timed_linear(timers, weight_quant.KernelForward.__call__, lambda s: s._module)),
     ]  # fmt: skip
     gemm = getattr(native, "SmallGemmKernel", None)
     if gemm is not None and hasattr(gemm, "gated"):  # the fused MLP's GEMMs, called outside the linears

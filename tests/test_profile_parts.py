@@ -33,3 +33,35 @@ def test_parts_add_up_to_the_engine_steps_and_gemms_are_timed_by_shape(tiny_mode
     assert (config.hidden_size, config.vocab_size) in shapes  # the LM head
     assert sum(flops for _, _, flops in timers.gemm.values()) > 0
     assert timers.calls["sampling"] == iterations
+
+
+def test_quantized_linears_are_timed_as_gemms_and_restored():
+    """A quantized model's linears run their own kernels, not the panel GEMM: without their timer, their
+    time would land in forward_other (three quarters of a Q4_1 run, unattributed)."""
+    from bm.runtime import load_model
+    from bm.runtime.model_loader import ModelConfig
+    from bm.runtime.weight_quant import KernelForward
+
+    pp = load_benchmark("profile_parts")
+    call = KernelForward.__dict__["__call__"]
+    loaded = load_model(ModelConfig(device="cpu", seed=0, quantization="int8"))
+    timers = pp.Timers()
+    pp.run_profiled(loaded, make_config(), [(list(range(3, 20)), 3)], timers)
+    assert KernelForward.__dict__["__call__"] is call
+    config = loaded.model.config
+    shapes = {(k, n) for _, k, n in timers.gemm}
+    assert (config.hidden_size, config.intermediate_size) in shapes  # gate/up, quantized
+    assert (config.intermediate_size, config.hidden_size) in shapes  # down, quantized
+
+
+def test_a_preset_name_is_a_preset_and_a_directory_a_path(tmp_path):
+    """``--model smollm2-135m`` names the preset as bm's own --model does, not a directory of that name."""
+    import argparse
+
+    common = load_benchmark("common")
+    p = argparse.ArgumentParser()
+    common.add_model_arguments(p)
+    preset = common.model_overrides(p.parse_args(["--model", "smollm2-135m"]))
+    assert preset["model.preset"] == "smollm2-135m" and preset["model.path"] is None
+    local = common.model_overrides(p.parse_args(["--model", str(tmp_path)]))
+    assert local["model.path"] == str(tmp_path) and local["model.preset"] is None
