@@ -49,7 +49,6 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,7 @@ if "--device" in sys.argv and "cpu" in sys.argv:  # Triton kernels, if forced on
 import gpu_user_path as user
 import torch
 from common import copy_bandwidth
-from quant_gemm_gpu import install_stored_like
+from quant_gemm_gpu import install_int4_like
 from transformers import AutoConfig
 
 from bm.baselines import PeerResult, run_hf_continuous_batching, run_hf_generate, stock_copy
@@ -70,6 +69,7 @@ from bm.runtime import ModelRunner, work_item
 from bm.runtime.backends import ENV_SWITCH
 from bm.runtime.executor import TorchExecutor
 from bm.runtime.model_loader import LoadedModel, describe_model, random_model, resolve_dtype
+from bm.runtime.weight_sources import weight_source
 
 ORACLE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 1024, "initializer_range": 0.2}  # fmt: skip
@@ -97,12 +97,17 @@ def build(
     quantization: str = "none",
 ) -> LoadedModel:
     """Random weights drawn once on ``device`` itself, as bm's loader builds them (bm.runtime.random_weights),
-    not twice on the CPU and then copied over. ``quantization`` (``--quantization``): int8 on load, or
-    the random weights as an FP8 (e4m3, a scale per output) or int4 (groups of 128) checkpoint holds
-    them (benchmarks/quant_gemm_gpu.py), each decoder linear on bm's Triton GEMM."""
+    not twice on the CPU and then copied over. ``quantization`` (``--quantization``): int8 or fp8 (e4m3,
+    a scale per output) on load, as ``model.quantization`` gives them (bm.runtime.weight_sources), or the
+    random weights as an int4 checkpoint holds them (groups of 128, benchmarks/quant_gemm_gpu.py), each
+    decoder linear on bm's Triton GEMM."""
     config = AutoConfig.for_model("llama", max_position_embeddings=4096, **shape)
-    model = random_model(config, resolve_dtype(dtype, device), device, seed=0).eval()
-    install = None if quantization in ("none", "int8") else partial(install_stored_like, scheme=quantization)
+    torch_dtype = resolve_dtype(dtype, device)
+    model = random_model(config, torch_dtype, device, seed=0).eval()
+    if quantization == "int4":
+        install = install_int4_like
+    else:
+        quantization, install = weight_source(quantization, device=device, dtype=torch_dtype, sharded=False)
     loaded = describe_model(
         model, None, f"random {shape['hidden_size']}x{shape['num_hidden_layers']}",
         quantization=quantization, install_weights=install,

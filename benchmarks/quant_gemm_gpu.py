@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from common import copy_bandwidth
 
+from bm.runtime.group_linears import fp8_rows
 from bm.runtime.native import GroupWeight
 from bm.runtime.native.small_gemm import pack_panels
 from bm.runtime.triton.weight_ops import panel_linear
@@ -58,13 +59,6 @@ def layer_linears(hidden: int, inter: int, heads: int, kv_heads: int, head: int)
     ]
 
 
-def fp8_rows(w: torch.Tensor) -> GroupWeight:
-    """``w`` as e4m3 codes with one scale per output row (a group of the whole row)."""
-    scale = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448.0
-    codes = (w / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-    return GroupWeight.pack(codes, scale, torch.zeros_like(scale), 8, w.shape[1], float8=True)
-
-
 def q4_groups(w: torch.Tensor, group: int) -> GroupWeight:
     """``w`` as asymmetric 4-bit groups (GPTQ's and AWQ's arithmetic): ``u * d + m``."""
     n, k = w.shape
@@ -75,18 +69,18 @@ def q4_groups(w: torch.Tensor, group: int) -> GroupWeight:
     return GroupWeight.pack(u, d, low.half().float(), 4, group)
 
 
-def install_stored_like(model: torch.nn.Module, scheme: str) -> int:
-    """Give each decoder linear of a random-weight ``model`` its weight as an FP8 (``fp8``) or int4
-    (``int4``) checkpoint would hold it, on bm's group format (gpu_check's ``--quantization``); returns
-    how many."""
+def install_int4_like(model: torch.nn.Module) -> int:
+    """Give each decoder linear of a random-weight ``model`` its weight as an int4 checkpoint (GPTQ,
+    AWQ) would hold it, in groups of 128 (32 where 128 does not divide a row), on bm's group format
+    (gpu_check's ``--quantization int4``; FP8 and int8 are bm's own quantization on load); returns how
+    many."""
     from bm.runtime.group_linears import install_group_weight
     from bm.runtime.weight_quant import quantized_linears
 
     linears = quantized_linears(model)
     for _, linear in linears:
         w = linear.weight.detach().float()
-        group = 128 if w.shape[1] % 128 == 0 else 32
-        install_group_weight(linear, fp8_rows(w) if scheme == "fp8" else q4_groups(w, group))
+        install_group_weight(linear, q4_groups(w, 128 if w.shape[1] % 128 == 0 else 32))
     return len(linears)
 
 

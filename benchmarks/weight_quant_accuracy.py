@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""What ``model.quantization: int8`` costs in accuracy on a real model: perplexity and greedy agreement.
+"""What quantizing on load costs in accuracy on a real model: perplexity and greedy agreement.
 
     python benchmarks/weight_quant_accuracy.py [--prompts datasets/chat.jsonl] [--max-tokens 64]
+        [--schemes int8,fp8]
 
-The model is the ``smollm2-135m`` preset (SmolLM2-135M-Instruct's real weights), loaded twice: in
-float32, and with its decoder's linears quantized to int8 on load (bm.runtime.weight_quant; each runs
-bm's int8 GEMM, as in a bm run). Each chat prompt of ``--prompts`` is answered greedily by the float32
-model; then every prompt and its answer are scored teacher-forced by both. Over the answers' tokens:
-perplexity of each, the int8 / float32 ratio, and the share of positions whose argmax token is the same.
-Prints JSON.
+The model is the ``smollm2-135m`` preset (SmolLM2-135M-Instruct's real weights as its GGUF file holds
+them), loaded in float32 (``model.quantization: none``, the file's exact expansion), then once per
+``--schemes`` entry with its decoder's linears quantized on load from those weights: ``int8``
+(bm.runtime.weight_quant, bm's int8 GEMM) and ``fp8`` (e4m3 rows, bm.runtime.group_linears, the group
+GEMM), each running its kernel as in a bm run. Each chat prompt of ``--prompts`` is answered greedily
+by the float32 model; then every prompt and its answer are scored teacher-forced by each. Over the
+answers' tokens: perplexity of each, its ratio to float32's, and the share of positions whose argmax
+token is float32's. Prints JSON.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=Path, default=ROOT / "datasets" / "chat.jsonl")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--schemes", default="int8,fp8", help="quantized on load: int8, fp8")
     args = p.parse_args()
-    full = load_model(ModelConfig(preset="smollm2-135m", device="cpu"))
+    full = load_model(ModelConfig(preset="smollm2-135m", device="cpu", quantization="none"))
     tokenizer = full.tokenizer.tokenizer
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     sequences = []
+    report: dict = {"model": "smollm2-135m", "prompts": str(args.prompts)}
     with torch.inference_mode():
         full.model.set_attn_implementation("sdpa")
         for row in rows:
@@ -46,26 +51,19 @@ def main() -> None:
             sequences.append((ids.shape[1], out[0]))
         full_ppl, full_argmax, count = score(full.model, sequences)
         del full
-        int8 = load_model(ModelConfig(preset="smollm2-135m", device="cpu", quantization="int8"))
-        int8.model.set_attn_implementation("sdpa")
-        ppl, argmax, _ = score(int8.model, sequences)
-    print(
-        json.dumps(
-            {
-                "model": "smollm2-135m",
-                "prompts": str(args.prompts),
-                "answer_tokens": count,
-                "quantized_linears": int8.num_quantized_linears,
-                "perplexity_float32": round(full_ppl, 4),
-                "int8": {
-                    "perplexity": round(ppl, 4),
-                    "perplexity_ratio": round(ppl / full_ppl, 4),
-                    "greedy_agreement": round((argmax == full_argmax).float().mean().item(), 4),
-                },
-            },
-            indent=1,
-        )
-    )
+        report |= {"answer_tokens": count, "perplexity_float32": round(full_ppl, 4)}
+        for scheme in args.schemes.split(","):
+            quantized = load_model(ModelConfig(preset="smollm2-135m", device="cpu", quantization=scheme))
+            quantized.model.set_attn_implementation("sdpa")
+            ppl, argmax, _ = score(quantized.model, sequences)
+            report[scheme] = {
+                "quantized_linears": quantized.num_quantized_linears,
+                "perplexity": round(ppl, 4),
+                "perplexity_ratio": round(ppl / full_ppl, 4),
+                "greedy_agreement": round((argmax == full_argmax).float().mean().item(), 4),
+            }
+            del quantized
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

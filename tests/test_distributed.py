@@ -244,16 +244,18 @@ def test_two_tensor_parallel_shards_give_hf_generate_and_the_single_process_outp
     assert all((s["TP Size"], s["DP Size"]) == (2, 1) for s in stats)
 
 
-def test_two_tensor_parallel_shards_of_int8_weights_give_the_single_process_int8_outputs(
-    tmp_path, tiny_model, tiny_reference
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_two_tensor_parallel_shards_of_weights_quantized_on_load_give_the_single_process_outputs(
+    tmp_path, tiny_model, tiny_reference, scheme
 ):
-    """model.quantization: int8 under --tensor-parallel 2: each rank quantizes its shard (a row-split
-    layer's scales from the whole row's maximum), so the two ranks hold the single-process layer's q
-    between them, and both runs give HF generate()'s tokens on the weights expanded to q * scale."""
+    """model.quantization: int8 or fp8 under --tensor-parallel 2: each rank quantizes its shard (a
+    row-split layer's scales from the whole row's maximum), so the two ranks hold the single-process
+    layer's codes between them, and both runs give HF generate()'s tokens on the expanded weights."""
     import copy
 
     import torch
 
+    from bm.runtime.group_linears import fp8_rows
     from bm.runtime.weight_quant import dequantized, quantize_weight, quantized_linears
 
     checkpoint = tmp_path / "ckpt"
@@ -261,10 +263,13 @@ def test_two_tensor_parallel_shards_of_int8_weights_give_the_single_process_int8
     expanded = copy.deepcopy(tiny_reference)
     with torch.no_grad():
         for _, linear in quantized_linears(expanded):
-            linear.weight.copy_(dequantized(*quantize_weight(linear.weight)))
+            w = linear.weight
+            linear.weight.copy_(
+                dequantized(*quantize_weight(w)) if scheme == "int8" else fp8_rows(w).expanded()
+            )
     specs = random_prompts(seed=4, count=12, vocab=tiny_model.vocab_size, max_prompt=40, max_output=12)
     one, two = _single_and_two_shards(
-        tmp_path, checkpoint, specs, ["model.quantization=int8", "engine.max_batch_size=8"]
+        tmp_path, checkpoint, specs, [f"model.quantization={scheme}", "engine.max_batch_size=8"]
     )
     assert two == one
     for i, (prompt, max_new) in enumerate(specs):

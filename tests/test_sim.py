@@ -412,12 +412,14 @@ def test_a_stored_checkpoints_config_is_priced_in_its_own_format_never_as_full_w
 
 
 def test_weights_the_simulator_cannot_price_are_refused_naming_the_fix(tmp_path):
-    from bm.sim.model import FULL_WIDTH, INT8, weight_format
+    from bm.sim.model import FP8_ROWS, FULL_WIDTH, INT8, WeightFormat, weight_format
 
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(TINY))
     assert weight_format("auto", plain) == weight_format("none", plain) == FULL_WIDTH
     assert weight_format("int8", plain) == INT8
+    # FP8 on load: a byte a weight and a scale a row, as a per-channel FP8 checkpoint is priced
+    assert weight_format("fp8", plain) == FP8_ROWS == WeightFormat("fp8", 8, None, 8)
     with pytest.raises(
         ConfigError,
         match=r"model.quantization: gptq prices a gptq checkpoint's weights.*no quantization_config",

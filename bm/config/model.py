@@ -276,7 +276,7 @@ class ModelConfig:
     )
     quantization: str = knob(
         "auto",
-        "auto (as stored: GPTQ, AWQ, FP8, a GGUF file's blocks), none (full width), int8 (on load); CPU and CUDA.",
+        "auto (as stored: GPTQ, AWQ, FP8, a GGUF file's blocks), none (full width), int8 or fp8 (on load); CPU and CUDA.",
         _quantization,
     )
 

@@ -65,7 +65,7 @@ class LoadedModel:
     layer_windows: tuple[int | None, ...] = ()
     # Linear layers running with oneDNN-packed weights on small batches (bm.runtime.prepack).
     num_prepacked_linears: int = 0
-    # model.quantization as it ran (none, int8, gguf, gptq, awq: auto resolved, bm.runtime.weight_sources)
+    # model.quantization as it ran (none, int8, fp8, gguf, gptq, awq: auto resolved, bm.runtime.weight_sources)
     # and the linears it took over: quantized on load, or given their stored format.
     quantization: str = "none"
     num_quantized_linears: int = 0
@@ -346,7 +346,7 @@ def describe_model(
     forwards, C on CPU and Triton on CUDA (bm.runtime.fusion).
     ``fused_projections`` (auto, on, off): q/k/v and gate/up as one GEMM each inside bm forwards, on CUDA
     in 16-bit dtypes (bm.runtime.fused_projections); after the elementwise fusion, whose MLPs it extends.
-    ``quantization`` (none, int8, gguf, gptq, awq), as bm.runtime.weight_sources resolved it, with the
+    ``quantization`` (none, int8, fp8, gguf, gptq, awq), as bm.runtime.weight_sources resolved it, with the
     ``install_weights`` it gave: the decoder's linears quantized, or given their stored format, first,
     so nothing packs their full-width weights. Without ``install_weights``, ``quantization`` none or
     int8 (quantized on load).

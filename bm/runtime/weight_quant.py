@@ -83,14 +83,25 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def quantize_linears(model: nn.Module, scheme: str) -> int:
-    """Quantize ``model``'s linears in place for ``scheme`` (``none``: nothing); returns how many."""
+RowMax = Callable[[torch.Tensor], torch.Tensor]
+# One linear quantized: (the module, its weight on this rank, the whole row's maximum for a row-split
+# shard) -> the forward that runs what it installed on the module.
+Quantizer = Callable[[nn.Linear, torch.Tensor, "RowMax | None"], "KernelForward"]
+
+
+def quantize_linears(model: nn.Module, scheme: str, quantizer: Quantizer | None = None) -> int:
+    """Quantize ``model``'s linears in place for ``scheme`` (``none``: nothing); returns how many.
+    ``quantizer`` makes each layer's format (int8 rows by default; FP8 rows are
+    bm.runtime.group_linears.install_fp8_rows, which bm.runtime.weight_sources passes): every scheme
+    quantizes the same linears, refuses the same ones and keeps tensor-parallel wrappers the same way."""
     if scheme == "none":
         return 0
-    if scheme != "int8":  # the config refuses unknown ones first; gguf and auto are the loader's
-        raise WeightQuantError(
-            f"model.quantization: {scheme!r} is not quantized on load; allowed here: int8, none"
-        )
+    if quantizer is None:
+        if scheme != "int8":  # the config refuses unknown ones first; the rest are weight_sources'
+            raise WeightQuantError(
+                f"model.quantization: {scheme!r} is not quantized on load; allowed here: int8, fp8, none"
+            )
+        quantizer = _int8_rows
     linears = quantized_linears(model)
     wrapped = {}
     for name, module in linears:
@@ -98,20 +109,26 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
         wrapped[name] = _tp_inner_forward(own) if own is not None else None
         if type(module).forward is not nn.Linear.forward or (own is not None and wrapped[name] is None):
             raise WeightQuantError(
-                f"model.quantization: int8 quantizes plain linears; {name} ({type(module).__name__}) computes "
-                "its own forward: drop model.quantization for this model"
+                f"model.quantization: {scheme} quantizes plain linears; {name} ({type(module).__name__}) "
+                "computes its own forward: drop model.quantization for this model"
             )
     with torch.no_grad():
         for name, module in linears:
             local, row_max = _local_weight(module.weight)
-            q, scale = quantize_weight(local, row_max)
-            module._parameters["weight"] = nn.Parameter(Int8GemmKernel.pack(q), requires_grad=False)
-            module.register_buffer("weight_scale", scale)
-            if wrapped[name] is not None:  # transformers' tensor-parallel forward, now around the int8 one
-                wrapped[name].cell_contents = Int8Forward(module)
+            forward = quantizer(module, local, row_max)
+            if wrapped[name] is not None:  # transformers' tensor-parallel forward, now around the new one
+                wrapped[name].cell_contents = forward
             else:
-                module.forward = Int8Forward(module)
+                module.forward = forward
     return len(linears)
+
+
+def _int8_rows(module: nn.Linear, weight: torch.Tensor, row_max: RowMax | None) -> KernelForward:
+    """int8 on load for one linear: its packed rows and their scales, run by :class:`Int8Forward`."""
+    q, scale = quantize_weight(weight, row_max)
+    module._parameters["weight"] = nn.Parameter(Int8GemmKernel.pack(q), requires_grad=False)
+    module.register_buffer("weight_scale", scale)
+    return Int8Forward(module)
 
 
 def _tp_inner_forward(forward: Any) -> Any:

@@ -10,9 +10,11 @@ refused, by the same rule.
   weights.
 * ``none``: full width; ``int8``: quantized on load (bm.runtime.weight_quant). Both refused for a
   checkpoint stored quantized, which has no full-width weight to give.
-* ``gguf``, ``gptq``, ``awq``, ``fp8`` and ``compressed-tensors`` (vLLM's names): the stored format
-  named, refused where the model is not stored so. (vLLM's ``quantization="fp8"`` on a full-width
-  checkpoint quantizes it on load; bm's scheme for that is ``int8``, which the refusal names.)
+* ``fp8``: an FP8 checkpoint's own weights; on a full-width model, as vLLM's ``quantization="fp8"``
+  does, its linears quantized on load to e4m3 with a scale per output row
+  (bm.runtime.group_linears.install_fp8_rows; weights only, the activations stay in the model's dtype).
+* ``gguf``, ``gptq``, ``awq`` and ``compressed-tensors`` (vLLM's names): the stored format named,
+  refused where the model is not stored so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from bm.config.model import stored_scheme_mismatch
 from bm.runtime.gguf_weights import install_gguf_linears
+from bm.runtime.group_linears import install_fp8_rows
 from bm.runtime.stored_checkpoints import SCHEMES, StoredFormat, install_stored_linears, stored_format
 from bm.runtime.weight_quant import WeightQuantError, quantize_linears
 
@@ -70,10 +73,12 @@ def weight_source(
                 "tensor-parallel shards yet): drop --tensor-parallel"
             )
         return scheme, partial(install_stored_linears, path=checkpoint, fmt=stored)
+    if quantization == "fp8":  # a full-width model: FP8 on load, as vLLM quantizes it
+        return "fp8", partial(quantize_linears, scheme="fp8", quantizer=install_fp8_rows)
     if quantization in SCHEMES.values():
         raise WeightQuantError(
             f"model.quantization: {quantization} reads {quantization} checkpoints; this model is not one: "
-            "set model.quantization: auto (or int8 to quantize its full-width weights on load)"
+            "set model.quantization: auto (or int8 or fp8 to quantize its full-width weights on load)"
         )
     if gguf is not None and sharded:
         gguf = None  # the blocks run unsharded layers only: the float32 expansion is sharded

@@ -148,11 +148,13 @@ INT8 = WeightFormat("int8", 8, None, 4)
 # A stored format as bm holds it (bm.runtime.native.GroupWeight): the values, then a float32 step and
 # offset per group of a row
 _GROUP_BYTES = 8
+# FP8 on load: an e4m3 byte a weight, the row one group (bm.runtime.group_linears.fp8_rows)
+FP8_ROWS = WeightFormat("fp8", 8, None, _GROUP_BYTES)
 
 
 def weight_format(quantization: str, source: str | Path | None) -> WeightFormat:
     """The weights the simulator prices for ``model.quantization`` on the model whose config.json is
-    ``source``: full width, int8 on load, or the checkpoint's stored format (GPTQ and AWQ int4 in
+    ``source``: full width, int8 or FP8 on load, or the checkpoint's stored format (GPTQ and AWQ int4 in
     their group size, FP8 per block or per row), as the real loader resolves ``auto``. What it cannot
     price is refused naming the fix; a stored checkpoint is never priced as full width."""
     quant = _quantization_config(source)
@@ -166,10 +168,12 @@ def weight_format(quantization: str, source: str | Path | None) -> WeightFormat:
             return FULL_WIDTH
         if quantization == "int8":
             return INT8
+        if quantization == "fp8":
+            return FP8_ROWS
         raise ConfigError(
             f"model.quantization: {quantization} prices a {quantization} checkpoint's weights, and {where} has "
             "no quantization_config: give that checkpoint's config.json, or set model.quantization: int8 "
-            "(or auto) to simulate"
+            "or fp8 (quantized on load) or auto to simulate"
         )
     if method in ("gptq", "awq"):
         bits = quant.get("bits", quant.get("w_bit"))
