@@ -53,3 +53,41 @@ def assert_each_equals_hf(client, specs: list, reference: torch.nn.Module) -> No
         assert result.ok, result.error
         assert result.finish_reason == FinishReason.LENGTH
         assert result.output_ids == hf_greedy(reference, prompt, max_new), f"request {i}"
+
+
+def assert_lora_matches_peft(
+    loaded: LoadedModel, reference: torch.nn.Module, full_width: torch.nn.Module, tmp_path: Path
+) -> None:
+    """bm's LoRA wraps whatever forward a layer has, a quantized one included: adapter requests equal a
+    PeftModel holding the adapter (trained shape on ``full_width``) over ``reference`` (the expanded
+    weights), base requests ``reference`` alone, mixed in one engine."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from bm.batch_manager import BatchManager, InferenceRequest
+    from tests.clients import StaggeredClient
+    from tests.test_lora import lora_fields
+
+    torch.manual_seed(100)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    peft.get_peft_model(copy.deepcopy(full_width), config).save_pretrained(tmp_path)
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(reference), tmp_path).eval()
+    specs = random_prompts(seed=21, count=8, vocab=loaded.vocab_size, max_prompt=30, max_output=12)
+    requests, expected = [], {}
+    for i, (prompt, max_new) in enumerate(specs):
+        if i % 2:
+            requests.append(InferenceRequest.from_values(i, prompt, max_new))
+            expected[i] = hf_greedy(reference, prompt, max_new)
+        else:
+            requests.append(InferenceRequest.from_values(i, prompt, max_new, **lora_fields(tmp_path)))
+            expected[i] = hf_greedy(adapted, prompt, max_new)
+    assert any(expected[i] != hf_greedy(reference, *specs[i]) for i in range(0, 8, 2))
+    client = StaggeredClient(requests, per_iteration=3)
+    config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 128})
+    with BatchManager(config, client.get_requests, client.send_response, model=loaded):
+        assert client.wait(120)
+    for i, tokens in expected.items():
+        assert client.results[i].ok, client.results[i].error
+        assert client.results[i].output_ids == tokens, f"request {i}"

@@ -14,7 +14,7 @@ from bm.runtime.group_linears import E4M3_MAX, GroupForward, fp8_rows, group_wei
 from bm.runtime.model_loader import ModelConfig, ModelLoadError
 from bm.runtime.weight_quant import quantized_linears
 from tests.conftest import hf_greedy, random_prompts, reference_model
-from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf
+from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf, assert_lora_matches_peft
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,12 @@ def test_fp8_weights_change_the_tokens_the_oracle_sees(fp8_reference, tiny_model
     """The expanded weights are a different model, so the oracle above would catch full-width weights."""
     specs = random_prompts(seed=3, count=16, vocab=tiny_model.vocab_size, max_prompt=40, max_output=16)
     assert any(hf_greedy(fp8_reference, p, m) != hf_greedy(tiny_reference, p, m) for p, m in specs)
+
+
+def test_a_lora_adapter_over_fp8_weights_matches_peft_over_the_expanded_weights(
+    fp8_model, fp8_reference, tiny_reference, tmp_path
+):
+    assert_lora_matches_peft(fp8_model, fp8_reference, tiny_reference, tmp_path)
 
 
 def test_vllms_fp8_keyword_quantizes_a_full_width_checkpoint_on_load(tmp_path, tiny_reference):

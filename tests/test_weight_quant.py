@@ -15,7 +15,7 @@ from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
 from bm.runtime.weight_quant import dequantized, int8_weight, quantize_weight, quantized_linears
 from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
 from tests.native_variants import each_isa
-from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf
+from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf, assert_lora_matches_peft
 
 
 @pytest.fixture(scope="module")
@@ -186,36 +186,5 @@ def test_a_checkpoint_saved_quantized_is_refused_naming_its_method_and_the_fix(t
 def test_a_lora_adapter_over_int8_weights_matches_peft_over_the_expanded_weights(
     int8_model, int8_reference, tiny_reference, tmp_path
 ):
-    """bm's LoRA wraps whatever forward a layer has, the int8 one included: adapter requests equal a
-    PeftModel holding the adapter over the expanded weights, base requests the expanded model alone,
-    mixed in one engine."""
-    import copy
-
-    peft = pytest.importorskip("peft")
-    from bm.batch_manager import BatchManager, InferenceRequest
-    from tests.clients import StaggeredClient
-    from tests.test_lora import lora_fields
-
-    torch.manual_seed(100)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
-    )
-    peft.get_peft_model(copy.deepcopy(tiny_reference), config).save_pretrained(tmp_path)
-    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(int8_reference), tmp_path).eval()
-    specs = random_prompts(seed=21, count=8, vocab=int8_model.vocab_size, max_prompt=30, max_output=12)
-    requests, expected = [], {}
-    for i, (prompt, max_new) in enumerate(specs):
-        if i % 2:
-            requests.append(InferenceRequest.from_values(i, prompt, max_new))
-            expected[i] = hf_greedy(int8_reference, prompt, max_new)
-        else:
-            requests.append(InferenceRequest.from_values(i, prompt, max_new, **lora_fields(tmp_path)))
-            expected[i] = hf_greedy(adapted, prompt, max_new)
-    assert any(expected[i] != hf_greedy(int8_reference, *specs[i]) for i in range(0, 8, 2))
-    client = StaggeredClient(requests, per_iteration=3)
-    config = make_config(engine={"max_batch_size": 8, "max_num_tokens": 128})
-    with BatchManager(config, client.get_requests, client.send_response, model=int8_model):
-        assert client.wait(120)
-    for i, tokens in expected.items():
-        assert client.results[i].ok, client.results[i].error
-        assert client.results[i].output_ids == tokens, f"request {i}"
+    """bm's LoRA wraps whatever forward a layer has, the int8 one included."""
+    assert_lora_matches_peft(int8_model, int8_reference, tiny_reference, tmp_path)
