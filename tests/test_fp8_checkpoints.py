@@ -129,3 +129,26 @@ def test_an_fp8_variant_bm_does_not_read_is_refused_by_name(tmp_path, tiny_model
         ModelLoadError, match=r"'block' scales; bm reads per-tensor and per-channel FP8 scales"
     ):
         load_model(ModelConfig(path=str(tmp_path), device="cpu"))
+
+
+def test_a_stored_checkpoint_is_refused_under_tensor_parallel_replicas_before_its_weights_load(
+    tmp_path, tiny_reference, monkeypatch
+):
+    """With several replicas each rank loads the whole model and splits it after (_shard_replica), so
+    it is a shard all the same: an FP8 checkpoint, which runs unsharded, is refused there as under one
+    replica, and before any weight is read (this folder has none)."""
+    from bm.parallel import layout
+
+    tiny_reference.config.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(layout._state, "layout", layout.ParallelLayout(tensor_parallel=2, data_parallel=2))
+    with pytest.raises(ModelLoadError, match=r"fp8 weights run unsharded.*drop --tensor-parallel"):
+        load_model(ModelConfig(path=str(tmp_path), device="cpu"))
+
+
+def test_a_scheme_the_model_is_not_stored_in_is_refused_before_its_weights_load(tmp_path, tiny_reference):
+    tiny_reference.config.save_pretrained(tmp_path)  # a config and no weights: a load would fail first
+    with pytest.raises(ModelLoadError, match=r"model.quantization: gptq reads gptq checkpoints"):
+        load_model(ModelConfig(path=str(tmp_path), device="cpu", quantization="gptq"))

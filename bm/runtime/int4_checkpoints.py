@@ -54,8 +54,8 @@ def int4_format(path: Path, quant: dict[str, Any]) -> Int4Format:
     where = f"model.path {str(path)!r}: a {method!r} checkpoint"
     if method not in INT4_METHODS:
         raise WeightQuantError(
-            f"{where}; bm reads GPTQ and AWQ int4 and FP8 checkpoints (and int8 on load from a full-width one): "
-            "use a full-width checkpoint, with model.quantization: int8 to quantize it on load"
+            f"{where}; bm reads GPTQ and AWQ int4 and FP8 checkpoints (and int8 or fp8 on load from a full-width "
+            "one): use a full-width checkpoint, with model.quantization: int8 or fp8 to quantize it on load"
         )
     bits = quant.get("bits", quant.get("w_bit"))
     if bits != 4:

@@ -153,6 +153,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     cfg = _resolved(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    stored = tp_kwargs = None
     if cfg.path:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
@@ -163,6 +164,19 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             raise ModelLoadError(str(exc)) from None
         try:
             tp_kwargs = _tensor_parallel_kwargs(path)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
+    # Resolved before the weights load (a refusal costs nothing), and by the layout: with several
+    # replicas the shards are split after the load (_shard_replica), and are shards all the same.
+    try:
+        scheme, install = weight_source(
+            cfg.quantization, device=device, dtype=dtype, sharded=cfg.path is not None and _tensor_parallel(),
+            gguf=gguf, checkpoint=Path(cfg.path) if cfg.path else None, stored=stored,
+        )  # fmt: skip
+    except WeightQuantError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if cfg.path:
+        try:
             load = AutoModelForCausalLM.from_pretrained if stored is None else load_stored_checkpoint
             model = load(path, dtype=dtype, local_files_only=True, **tp_kwargs)
             model = _shard_replica(model, tp_kwargs)
@@ -170,7 +184,6 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             raise ModelLoadError(f"model.path {cfg.path!r} could not be loaded: {exc}") from exc
         name = hub_id or str(user_gguf or path)
     else:
-        stored = tp_kwargs = None
         if cfg.config:
             hf_config = _config_from_file(cfg.config)
             name = str(cfg.config)
@@ -180,13 +193,6 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model = random_model(hf_config, dtype, device, cfg.seed)
     model.to(device).eval()
     tokenizer = load_tokenizer(cfg)  # after the model: a checkpoint that is not one is named first
-    try:
-        scheme, install = weight_source(
-            cfg.quantization, device=device, dtype=dtype, sharded=bool(tp_kwargs), gguf=gguf,
-            checkpoint=Path(cfg.path) if cfg.path else None, stored=stored,
-        )  # fmt: skip
-    except WeightQuantError as exc:
-        raise ModelLoadError(str(exc)) from None
     loaded = describe_model(
         model,
         tokenizer,
@@ -287,6 +293,13 @@ def _tensor_parallel_kwargs(path: Path) -> dict[str, Any]:
     except TensorParallelError as exc:
         raise ModelLoadError(str(exc)) from None
     return {} if config is None else {"distributed_config": config}
+
+
+def _tensor_parallel() -> bool:
+    """Whether this process holds a tensor-parallel shard of the model (loaded so, or split after)."""
+    from bm.parallel.layout import current_layout
+
+    return current_layout().tensor_parallel > 1
 
 
 def _shard_replica(model: torch.nn.Module, tp_kwargs: dict[str, Any]) -> torch.nn.Module:
