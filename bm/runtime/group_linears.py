@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from bm.runtime.native import GroupGemmKernel, GroupWeight, group_gemm_kernel
+from bm.runtime.native.args import BoundGemm
 from bm.runtime.weight_quant import KernelForward, PanelWeight, WeightQuantError
 
 E4M3_MAX = 448.0
@@ -91,8 +92,8 @@ class GroupForward(KernelForward):
         bits, group, float8, n = module.weight_format
         return PanelWeight(module.weight, module.weight_step, module.weight_offset, n, bits, group, float8)
 
-    def run(self, kernel: GroupGemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, group_weight(self._module), bias)
+    def bind(self, kernel: GroupGemmKernel, bias: torch.Tensor | None) -> BoundGemm:
+        return kernel.bind(group_weight(self._module), bias)
 
     @staticmethod
     def expanded_weight(module: nn.Linear) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
+from bm.runtime.native.args import BoundGemm
 
 QMAX = 127.0
 
@@ -240,8 +241,9 @@ class KernelForward(ABC):
         """The compiled kernel, or None where it is not built."""
 
     @abstractmethod
-    def run(self, kernel: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The layer on ``kernel``: ``x`` and ``bias`` float32, the output float32."""
+    def bind(self, kernel: Any, bias: torch.Tensor | None) -> BoundGemm:
+        """The layer on ``kernel`` (``x`` float32 in, float32 out), its weight and ``bias`` (float32)
+        checked once: what each CPU call then runs, until the layer's tensors change."""
 
     @staticmethod
     @abstractmethod
@@ -267,17 +269,38 @@ class KernelForward(ABC):
         self._module = module
         self._kernel = self.load_kernel()
         self._torch: Callable[[torch.Tensor], torch.Tensor] = types.MethodType(self.torch_forward, module)
+        self._bound: BoundGemm | None = None
+        self._bound_key: list | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
             return self._torch(x)
-        if (x.device.type != "cpu" or ENV_GEMM in os.environ) and (out := self._triton(x)) is not None:
+        if x.is_cpu and self._kernel is not None and ENV_GEMM not in os.environ:
+            return self._on_cpu(x)  # the common case first: a CPU model, its kernel built
+        if (not x.is_cpu or ENV_GEMM in os.environ) and (out := self._triton(x)) is not None:
             return out
-        if self._kernel is None or x.device.type != "cpu":
+        if self._kernel is None or not x.is_cpu:
             return self._torch(x)
-        bias = self._module.bias
-        out = self.run(self._kernel, x.float(), None if bias is None else bias.detach().float())
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return self._on_cpu(x)
+
+    def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on the C kernel, bound to the layer's tensors as they are now: bound again where
+        one was replaced or moved (another address). A change in place needs nothing (the kernel reads
+        the tensors themselves), but for a bias of another dtype, bound as a float32 copy: its version
+        is part of the key (an inference tensor keeps none, so such a bias is bound on every call)."""
+        module = self._module
+        key = [
+            t.data_ptr() for t in (*module._parameters.values(), *module._buffers.values()) if t is not None
+        ]
+        bias = module.bias
+        if bias is not None and bias.dtype != torch.float32:
+            key.append(None if bias.is_inference() else bias._version)
+        if key != self._bound_key or None in key:
+            self._bound = self.bind(self._kernel, None if bias is None else bias.detach().float())
+            self._bound_key = key
+        if x.dtype == torch.float32:
+            return self._bound(x)
+        return self._bound(x.float()).to(x.dtype)
 
     def _triton(self, x: torch.Tensor) -> torch.Tensor | None:
         """The layer on the Triton GEMM, or None where it does not run (:func:`_triton_gemm`)."""
@@ -309,8 +332,8 @@ class Int8Forward(KernelForward):
         scale = self._module.weight_scale
         return PanelWeight(self._module.weight, scale, None, scale.numel(), 8, None)
 
-    def run(self, kernel: Int8GemmKernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, self._module.weight, self._module.weight_scale, bias)
+    def bind(self, kernel: Int8GemmKernel, bias: torch.Tensor | None) -> BoundGemm:
+        return kernel.bind(self._module.weight, self._module.weight_scale, bias)
 
     @staticmethod
     def expanded_weight(module: nn.Linear) -> torch.Tensor:

@@ -10,6 +10,7 @@ layer and forward, hundreds of times a step.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,3 +98,42 @@ def kernel_inputs(
         and not torch.is_grad_enabled()
         and all(t.dtype == dtype and t.device.type == device_type for t in tensors)
     )
+
+
+class BoundGemm:
+    """A GEMM over one layer's weight, its weight and bias checked once when bound: each call then checks
+    only ``x`` (float32 on the CPU, ``k`` inputs), allocates the output and calls ``launch(rows address,
+    row stride, output address, rows, threads)`` (the kernel's C function with the weight's addresses
+    bound), which returns its status (0: done). What a quantized linear runs per layer and step: the
+    checks of an unbound call (:func:`require`, the shape relations) cost about half of a one-row call's
+    time there. The binder keeps the tensors the addresses point into alive, and binds again when they
+    change (bm.runtime.weight_quant.KernelForward)."""
+
+    __slots__ = ("_keep", "_launch", "k", "n", "what")
+
+    def __init__(self, what: str, k: int, n: int, launch: Callable[..., int], keep: tuple) -> None:
+        self.what, self.k, self.n = what, k, n
+        self._launch = launch
+        self._keep = keep  # the tensors whose addresses launch holds
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., K] float32 on the CPU; returns [..., N] float32."""
+        if x.dtype != F32 or not x.is_cpu or x.shape[-1] != self.k:
+            raise ValueError(
+                f"{self.what}: x {tuple(x.shape)} {x.dtype} on {x.device}, float32 CPU rows of {self.k} expected"
+            )
+        if x.is_contiguous():  # rows of k, read in place; the output made in x's shape (no views)
+            out = torch.empty((*x.shape[:-1], self.n), dtype=F32)
+            status = self._launch(
+                x.data_ptr(), self.k, out.data_ptr(), x.numel() // self.k, torch.get_num_threads()
+            )
+        else:
+            rows = as_rows(x)
+            out = torch.empty(rows.shape[0], self.n, dtype=F32)
+            status = self._launch(
+                rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], torch.get_num_threads()
+            )
+            out = out.view(*x.shape[:-1], self.n)
+        if status:
+            raise ValueError(f"{self.what}: the compiled kernel refused its arguments ({status})")
+        return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bm.runtime.native.args import F32, INT, PTR, as_rows, bind, pointer, require
+from bm.runtime.native.args import F32, INT, PTR, BoundGemm, as_rows, bind, pointer, require
 from bm.runtime.native.loader import NativeKernel, load_kernel
 from bm.runtime.native.small_gemm import pack_panels, unpack_panels
 
@@ -100,6 +100,23 @@ class GroupGemmKernel(NativeKernel):
                 f"group GEMM: {weight.bits}-bit weight in groups of {weight.group} over {k} inputs"
             )
         return out.view(*x.shape[:-1], n)
+
+    def bind(self, weight: GroupWeight, bias: torch.Tensor | None) -> BoundGemm:
+        """This GEMM over one layer's weight, checked once: each call of the result checks only ``x``."""
+        require("group GEMM", F32, (weight.step, weight.offset, bias), (weight.step, weight.offset, bias))
+        n, group = weight.out_features, weight.group
+        k = weight.step.shape[1] * group
+        if weight.values.dtype != U8 or not weight.values.is_contiguous() or not weight.values.is_cpu:
+            raise ValueError(f"group GEMM: packed values {weight.values.dtype} on {weight.values.device}")
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"group GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
+        fn, kind = self._fn, 3 if weight.float8 else weight.bits
+        w, d, o, b = weight.values.data_ptr(), weight.step.data_ptr(), weight.offset.data_ptr(), pointer(bias)
+
+        def launch(x: int, ldx: int, y: int, m: int, threads: int) -> int:
+            return fn(x, ldx, w, kind, d, o, group, b, y, n, m, n, k, threads)
+
+        return BoundGemm("group GEMM", k, n, launch, (weight.values, weight.step, weight.offset, bias))
 
 
 def group_gemm_kernel(isa: str | None = None) -> GroupGemmKernel | None:

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from bm.runtime.native.args import F32, INT, PTR, as_rows, bind, pointer, require
+from bm.runtime.native.args import F32, INT, PTR, BoundGemm, as_rows, bind, pointer, require
 from bm.runtime.native.loader import NativeKernel, load_kernel
 from bm.runtime.native.small_gemm import PANEL, pack_panels, unpack_panels
 
@@ -48,6 +48,23 @@ class Int8GemmKernel(NativeKernel):
             n, rows.shape[0], n, k, torch.get_num_threads(),
         )  # fmt: skip
         return out.view(*x.shape[:-1], n)
+
+    def bind(self, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> BoundGemm:
+        """This GEMM over one layer's weight, checked once: each call of the result checks only ``x``."""
+        require("int8 GEMM", F32, (scale, bias), (scale, bias))
+        require("int8 GEMM", I8, (packed,), (packed,))
+        n, k = scale.shape[0], packed.shape[1]
+        if packed.dim() != 3 or packed.shape[2] != PANEL or packed.shape[0] * PANEL < n:
+            raise ValueError(f"int8 GEMM: packed {tuple(packed.shape)} for {n} outputs")
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"int8 GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
+        fn, w, s, b = self._fn, packed.data_ptr(), scale.data_ptr(), pointer(bias)
+
+        def launch(x: int, ldx: int, y: int, m: int, threads: int) -> int:
+            fn(x, ldx, w, s, b, y, n, m, n, k, threads)
+            return 0  # void: it takes every shape bind let through
+
+        return BoundGemm("int8 GEMM", k, n, launch, (packed, scale, bias))
 
 
 def int8_gemm_kernel(isa: str | None = None) -> Int8GemmKernel | None:
