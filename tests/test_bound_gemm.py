@@ -140,3 +140,33 @@ def test_an_input_of_the_wrong_width_is_refused_naming_it():
         pytest.raises(ValueError, match=r"group GEMM: x \(2, 32\).*rows of 64 expected"),
     ):
         linear(torch.zeros(2, 32))
+
+
+def test_a_packed_float32_linear_binds_its_gemm_and_binds_again_after_a_repack():
+    """bm.runtime.prepack's float32 linears run the same bound call inside a bm forward."""
+    from bm.runtime.attention import forward_context
+    from bm.runtime.native import small_gemm_kernel
+    from bm.runtime.prepack import prepack_linears
+
+    kernel = small_gemm_kernel()
+    if kernel is None:
+        pytest.skip("bm's C kernels do not build here")
+    g = torch.Generator().manual_seed(6)
+    linear = nn.Linear(64, 40)
+    prepack_linears(nn.Sequential(linear), "onednn")
+    inputs = [
+        torch.randn(5, 64, generator=g),
+        torch.randn(2, 3, 64, generator=g),
+        torch.randn(64, 6, generator=g).t(),
+    ]
+    with torch.inference_mode(), forward_context(object(), None):
+        for x in inputs:
+            expected = kernel(x.contiguous(), kernel.pack(linear.weight), linear.bias, 40)
+            assert torch.equal(linear(x), expected)
+        bound = linear.forward._bound
+    with torch.no_grad():
+        linear.weight.mul_(2)  # packed again on the next call: another packed tensor to bind
+    with torch.inference_mode(), forward_context(object(), None):
+        x = inputs[0]
+        assert torch.equal(linear(x), kernel(x, kernel.pack(linear.weight), linear.bias, 40))
+        assert linear.forward._bound is not bound

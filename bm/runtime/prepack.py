@@ -37,6 +37,7 @@ from torch import nn
 
 from bm.runtime.attention import in_bm_forward
 from bm.runtime.native import Bf16GemmKernel, SmallGemmKernel, bf16_gemm_kernel, small_gemm_kernel
+from bm.runtime.native.args import BoundGemm
 
 # Inputs with at most this many rows take the oneDNN path (see the module docstring for the measurement).
 MAX_PACKED_ROWS = 256
@@ -172,6 +173,9 @@ class _PackedForward:
         self._kernel: SmallGemmKernel | Bf16GemmKernel | None = None
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None  # the weight's (address, version) when packed
+        # bm's float32 GEMM bound to the packed weight and the bias (their addresses when bound)
+        self._bound: BoundGemm | None = None
+        self._bound_key: tuple[int, int | None] | None = None
 
     def _pack(self) -> None:
         weight = self._module.weight
@@ -216,8 +220,16 @@ class _PackedForward:
         if x.dim() < 2 or x.dtype != weight.dtype or torch.is_grad_enabled() or not in_bm_forward():
             return self._own(x)
         self._repack_if_changed()
-        if self._kernel is not None:
-            return self._kernel(x, self._packed, module.bias, module.out_features)
+        kernel = self._kernel
+        if isinstance(kernel, SmallGemmKernel):  # bound once: per call only x is checked
+            bias = module.bias
+            key = (self._packed.data_ptr(), None if bias is None else bias.data_ptr())
+            if key != self._bound_key:
+                self._bound = kernel.bind(self._packed, bias, module.out_features)
+                self._bound_key = key
+            return self._bound(x)
+        if kernel is not None:
+            return kernel(x, self._packed, module.bias, module.out_features)
         if x.dtype == torch.float32 and x.numel() > MAX_PACKED_ROWS * module.in_features:
             return self._own(x)  # float32 without bm's kernel: MKL is faster than oneDNN from 512 rows
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, module.bias, "none", [None], "")

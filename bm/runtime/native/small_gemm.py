@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from bm.runtime.native.args import F32, INT, PTR, as_rows, bind, pointer, require
+from bm.runtime.native.args import F32, INT, PTR, BoundGemm, as_rows, bind, pointer, require
 from bm.runtime.native.loader import SOURCES, NativeKernel, load_kernel
 
 PANEL = 16  # output columns per packed weight panel in small_gemm.c
@@ -68,6 +68,21 @@ class SmallGemmKernel(NativeKernel):
                 f"small GEMM: residual {tuple(residual.shape)} for {n} outputs of x {tuple(x.shape)}"
             )
         return self._launch("small GEMM", x, packed, None, bias, residual, n)
+
+    def bind(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> BoundGemm:
+        """This GEMM over one layer's packed weight, checked once: each call of the result checks only
+        ``x`` (bm.runtime.prepack binds each float32 linear's)."""
+        require("small GEMM", F32, (packed, bias), (packed, bias))
+        if packed.dim() != 3 or packed.shape[2] != PANEL or packed.shape[0] * PANEL < n:
+            raise ValueError(f"small GEMM: packed {tuple(packed.shape)} for {n} outputs")
+        if bias is not None and bias.numel() != n:
+            raise ValueError(f"small GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
+        fn, k, w, b = self._fn, packed.shape[1], packed.data_ptr(), pointer(bias)
+
+        def launch(x: int, ldx: int, y: int, m: int, threads: int) -> int:
+            return fn(x, ldx, w, b, y, n, m, n, k, threads)
+
+        return BoundGemm("small GEMM", k, n, launch, (packed, bias))
 
     def gated(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, n: int) -> torch.Tensor:
         """``silu(x @ G^T) * (x @ U^T)`` from two packed weights of ``n`` outputs (a multiple of 16, no
