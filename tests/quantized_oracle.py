@@ -35,6 +35,18 @@ def stored_checkpoint(tiny_model: LoadedModel, folder: Path, write: Callable, la
     return layout, folder, expanded, load_model(ModelConfig(path=str(folder), device="cpu"))
 
 
+def expanded_reference(model: LoadedModel, expand: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """HF's copy of ``model`` with every weight bm quantizes on load replaced by ``expand(weight)``: the
+    float32 weight a scheme's codes and scales stand for, the reference its oracle compares with."""
+    from bm.runtime.weight_quant import quantized_linears
+
+    ref = reference_model(model)
+    with torch.no_grad():
+        for _, linear in quantized_linears(ref):
+            linear.weight.copy_(expand(linear.weight))
+    return ref
+
+
 def assert_greedy_equals_hf(loaded: LoadedModel, reference: torch.nn.Module, engine: dict) -> list:
     """Run the oracle's requests through bm under ``engine`` and compare each with HF generate() on
     ``reference`` alone; returns the requests (prompt, output length)."""

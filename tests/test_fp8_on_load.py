@@ -13,23 +13,20 @@ from bm.runtime import load_model
 from bm.runtime.group_linears import E4M3_MAX, GroupForward, fp8_rows, group_weight
 from bm.runtime.model_loader import ModelConfig, ModelLoadError
 from bm.runtime.weight_quant import quantized_linears
-from tests.conftest import hf_greedy, random_prompts, reference_model
-from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf, assert_lora_matches_peft
+from tests.conftest import hf_greedy, random_prompts
+from tests.quantized_oracle import (
+    ORACLE_ENGINES,
+    assert_greedy_equals_hf,
+    assert_lora_matches_peft,
+    expanded_reference,
+)
 
 
 @pytest.fixture(scope="module")
-def fp8_model():
-    return load_model(ModelConfig(device="cpu", seed=0, quantization="fp8"))
-
-
-@pytest.fixture(scope="module")
-def fp8_reference(tiny_model):
-    """HF's model with every weight bm quantizes replaced by its expansion ``e4m3 * scale``."""
-    ref = reference_model(tiny_model)
-    with torch.no_grad():
-        for _, linear in quantized_linears(ref):
-            linear.weight.copy_(fp8_rows(linear.weight).expanded())
-    return ref
+def fp8(tiny_model):
+    """bm's tiny model with FP8 on load, and HF's copy with each such weight expanded to e4m3 * scale."""
+    loaded = load_model(ModelConfig(device="cpu", seed=0, quantization="fp8"))
+    return loaded, expanded_reference(tiny_model, lambda w: fp8_rows(w).expanded())
 
 
 def test_each_weight_is_its_rows_scale_times_the_nearest_e4m3_and_a_zero_row_scales_by_one():
@@ -44,7 +41,8 @@ def test_each_weight_is_its_rows_scale_times_the_nearest_e4m3_and_a_zero_row_sca
     assert torch.equal(packed.expanded()[:4].abs().amax(1), E4M3_MAX * scale[:4])
 
 
-def test_every_decoder_linear_is_fp8_rows_and_the_head_keeps_the_model_dtype(fp8_model):
+def test_every_decoder_linear_is_fp8_rows_and_the_head_keeps_the_model_dtype(fp8):
+    fp8_model = fp8[0]
     assert fp8_model.quantization == "fp8" and fp8_model.num_quantized_linears > 0
     model = fp8_model.model
     for name, linear in quantized_linears(model):
@@ -56,22 +54,21 @@ def test_every_decoder_linear_is_fp8_rows_and_the_head_keeps_the_model_dtype(fp8
 
 
 @ORACLE_ENGINES
-def test_greedy_output_with_fp8_weights_equals_hf_generate_on_the_expanded_weights(
-    fp8_model, fp8_reference, engine
-):
-    assert_greedy_equals_hf(fp8_model, fp8_reference, engine)
+def test_greedy_output_with_fp8_weights_equals_hf_generate_on_the_expanded_weights(fp8, engine):
+    assert_greedy_equals_hf(*fp8, engine)
 
 
-def test_fp8_weights_change_the_tokens_the_oracle_sees(fp8_reference, tiny_model, tiny_reference):
+def test_fp8_weights_change_the_tokens_the_oracle_sees(fp8, tiny_model, tiny_reference):
     """The expanded weights are a different model, so the oracle above would catch full-width weights."""
+    fp8_reference = fp8[1]
     specs = random_prompts(seed=3, count=16, vocab=tiny_model.vocab_size, max_prompt=40, max_output=16)
     assert any(hf_greedy(fp8_reference, p, m) != hf_greedy(tiny_reference, p, m) for p, m in specs)
 
 
 def test_a_lora_adapter_over_fp8_weights_matches_peft_over_the_expanded_weights(
-    fp8_model, fp8_reference, tiny_reference, tmp_path
+    fp8, tiny_reference, tmp_path
 ):
-    assert_lora_matches_peft(fp8_model, fp8_reference, tiny_reference, tmp_path)
+    assert_lora_matches_peft(*fp8, tiny_reference, tmp_path)
 
 
 def test_vllms_fp8_keyword_quantizes_a_full_width_checkpoint_on_load(tmp_path, tiny_reference):

@@ -13,9 +13,14 @@ from bm.runtime import load_model
 from bm.runtime.model_loader import ModelConfig
 from bm.runtime.native import Int8GemmKernel, int8_gemm_kernel
 from bm.runtime.weight_quant import dequantized, int8_weight, quantize_weight, quantized_linears
-from tests.conftest import hf_greedy, make_config, random_prompts, reference_model
+from tests.conftest import hf_greedy, make_config, random_prompts
 from tests.native_variants import each_isa
-from tests.quantized_oracle import ORACLE_ENGINES, assert_greedy_equals_hf, assert_lora_matches_peft
+from tests.quantized_oracle import (
+    ORACLE_ENGINES,
+    assert_greedy_equals_hf,
+    assert_lora_matches_peft,
+    expanded_reference,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +31,7 @@ def int8_model():
 @pytest.fixture(scope="module")
 def int8_reference(tiny_model):
     """HF's model with every weight bm quantizes replaced by its expansion ``q * scale``."""
-    ref = reference_model(tiny_model)
-    with torch.no_grad():
-        for _, linear in quantized_linears(ref):
-            linear.weight.copy_(dequantized(*quantize_weight(linear.weight)))
-    return ref
+    return expanded_reference(tiny_model, lambda w: dequantized(*quantize_weight(w)))
 
 
 def _kernel(isa: str | None = None) -> Int8GemmKernel:
