@@ -170,3 +170,15 @@ def test_a_packed_float32_linear_binds_its_gemm_and_binds_again_after_a_repack()
         x = inputs[0]
         assert torch.equal(linear(x), kernel(x, kernel.pack(linear.weight), linear.bias, 40))
         assert linear.forward._bound is not bound
+
+
+@LINEARS
+def test_a_row_alone_gets_the_bits_it_gets_in_a_batch(make):
+    """A single row runs its own tile (both panels of a pair at once, group formats on AVX2): each
+    output is still the batch's chain, so batch invariance holds for every format, partial panels too."""
+    linear = make(50, 64, True)  # panels of 16, 16 | 16, 2: a full pair and a pair ending in two columns
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        batch = linear(x)
+        for i in range(7):
+            assert torch.equal(linear(x[i : i + 1]), batch[i : i + 1]), f"row {i}"

@@ -267,6 +267,67 @@ static float *expanded_buffer(int64_t K)
 #define TILE3(h, np, ...) tile(h, 3, __VA_ARGS__)
 #define TILE0(h, np, ...) tile(h, 0, __VA_ARGS__)
 
+/* u of the 16 columns of a 4-bit panel at steps k (even) and k + 1, from one 16-byte load: the low
+ * nibbles are step k, the high ones k + 1; each half widened to float32, then u * d + m. */
+static inline __attribute__((always_inline)) void expand4_pair(const uint8_t *panel, int64_t k, __m256 d0,
+                                                               __m256 m0, __m256 d1, __m256 m1, __m256 out[4])
+{
+    const __m128i v = _mm_loadu_si128((const __m128i *)(panel + (k >> 1) * NR));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0, m0);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d1, m1);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d0, m0);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d1, m1);
+}
+
+/* One row against both panels of a pair: four accumulators (a tile of one row over one panel has two,
+ * one FMA latency apart), so a decode step of one request keeps the FMA units busy while the weights
+ * are widened. Each output is the same chain as in tile(), so the same bits: acc = fma(x[k], W[n, k],
+ * acc) for k in order, W[n, k] = fma(u, d, m), then + bias. */
+static inline __attribute__((always_inline)) void row_pair(
+    const int bits, const float *x, const uint8_t *p0, const uint8_t *p1, const float *d0p,
+    const float *m0p, const float *d1p, const float *m1p, int64_t K, int64_t G, float *y,
+    const float *bias, int cols0, int cols1)
+{
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g * G < K; g++) {
+        const __m256 d00 = _mm256_loadu_ps(d0p + g * NR), d01 = _mm256_loadu_ps(d0p + g * NR + 8);
+        const __m256 m00 = _mm256_loadu_ps(m0p + g * NR), m01 = _mm256_loadu_ps(m0p + g * NR + 8);
+        const __m256 d10 = _mm256_loadu_ps(d1p + g * NR), d11 = _mm256_loadu_ps(d1p + g * NR + 8);
+        const __m256 m10 = _mm256_loadu_ps(m1p + g * NR), m11 = _mm256_loadu_ps(m1p + g * NR + 8);
+        if (bits == 4) { /* two steps a load (G is even) */
+            for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+                __m256 b0[4], b1[4];
+                expand4_pair(p0, k, d00, m00, d01, m01, b0);
+                expand4_pair(p1, k, d10, m10, d11, m11, b1);
+                const __m256 a = _mm256_broadcast_ss(x + k), a1 = _mm256_broadcast_ss(x + k + 1);
+                acc[0] = _mm256_fmadd_ps(a, b0[0], acc[0]);
+                acc[1] = _mm256_fmadd_ps(a, b0[1], acc[1]);
+                acc[2] = _mm256_fmadd_ps(a, b1[0], acc[2]);
+                acc[3] = _mm256_fmadd_ps(a, b1[1], acc[3]);
+                acc[0] = _mm256_fmadd_ps(a1, b0[2], acc[0]);
+                acc[1] = _mm256_fmadd_ps(a1, b0[3], acc[1]);
+                acc[2] = _mm256_fmadd_ps(a1, b1[2], acc[2]);
+                acc[3] = _mm256_fmadd_ps(a1, b1[3], acc[3]);
+            }
+        } else {
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                const __m256 a = _mm256_broadcast_ss(x + k);
+                acc[0] = _mm256_fmadd_ps(a, expand8(bits, p0, k, 0, d00, m00), acc[0]);
+                acc[1] = _mm256_fmadd_ps(a, expand8(bits, p0, k, 1, d01, m01), acc[1]);
+                acc[2] = _mm256_fmadd_ps(a, expand8(bits, p1, k, 0, d10, m10), acc[2]);
+                acc[3] = _mm256_fmadd_ps(a, expand8(bits, p1, k, 1, d11, m11), acc[3]);
+            }
+        }
+    }
+    float c[16];
+    if (bias) bm_pad16(bias, cols0, c);
+    bm_store_row16(y, acc[0], acc[1], NULL, bias ? c : NULL, cols0);
+    if (bias) bm_pad16(bias + NR, cols1, c);
+    bm_store_row16(y + NR, acc[2], acc[3], NULL, bias ? c : NULL, cols1);
+}
+
 /* Panels 2it and 2it + 1 (or the one N leaves), each against rows [0, M) in tiles of at most six rows
  * with heights as equal as possible; a panel meeting more than one tile is expanded once first. */
 static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, const uint8_t *wp,
@@ -274,9 +335,26 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
                  const float *bias, int64_t N)
 {
     const int64_t groups = K / G, tiles = (M + MR2 - 1) / MR2;
-    float *expanded = tiles > 1 ? expanded_buffer(K) : NULL;
     int cols[2];
     const int np = bm_pair_columns(N, 2 * it * NR, &cols[0], &cols[1]);
+    if (M == 1 && np == 2) { /* one row: both panels at once (row_pair) */
+        const int64_t p = 2 * it;
+        const uint8_t *panel = wp + p * PANEL_BYTES(bits, K);
+        const float *dp = d + p * groups * NR, *mp = m + p * groups * NR;
+        const float *b = bias ? bias + p * NR : NULL;
+        if (bits == 4) {
+            row_pair(4, x, panel, panel + PANEL_BYTES(4, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G,
+                     y + p * NR, b, cols[0], cols[1]);
+        } else if (bits == 8) {
+            row_pair(8, x, panel, panel + PANEL_BYTES(8, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G,
+                     y + p * NR, b, cols[0], cols[1]);
+        } else {
+            row_pair(3, x, panel, panel + PANEL_BYTES(3, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G,
+                     y + p * NR, b, cols[0], cols[1]);
+        }
+        return;
+    }
+    float *expanded = tiles > 1 ? expanded_buffer(K) : NULL;
     for (int j = 0; j < np; j++) {
         const int64_t p = 2 * it + j, n0 = p * NR;
         const uint8_t *panel = wp + p * PANEL_BYTES(bits, K);
