@@ -13,14 +13,12 @@ vLLM's one scale per tensor: a row of small weights keeps its own range, at four
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from bm.runtime.native import GroupGemmKernel, GroupWeight, group_gemm_kernel
 from bm.runtime.native.args import BoundGemm
-from bm.runtime.weight_quant import KernelForward, PanelWeight, WeightQuantError
+from bm.runtime.weight_quant import KernelForward, PanelWeight, RowMax, WeightQuantError, row_scales
 
 E4M3_MAX = 448.0
 
@@ -44,9 +42,7 @@ def _hold(module: nn.Linear, weight: GroupWeight) -> None:
     module.weight_format = (weight.bits, weight.group, weight.float8, weight.out_features)
 
 
-def fp8_rows(
-    weight: torch.Tensor, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> GroupWeight:
+def fp8_rows(weight: torch.Tensor, row_max: RowMax | None = None) -> GroupWeight:
     """``W [N, K]`` as e4m3 codes with one float32 scale per output row (one group of the whole row).
     ``row_max``: each row's ``max|W|`` over the whole row where ``weight`` is a row-split shard's slice
     (the maximum over every rank), so each rank holds its slice of the single-process codes."""
@@ -56,17 +52,13 @@ def fp8_rows(
         raise WeightQuantError(
             f"model.quantization: fp8 packs rows of an even length; a linear of {k} inputs is not one: use int8"
         )
-    peak = w.abs().amax(1)
-    scale = (row_max(peak) if row_max is not None else peak) / E4M3_MAX
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = row_scales(w, E4M3_MAX, row_max)
     codes = (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     d = scale[:, None].contiguous()
     return GroupWeight.pack(codes, d, torch.zeros_like(d), 8, k, float8=True)
 
 
-def install_fp8_rows(
-    module: nn.Linear, weight: torch.Tensor, row_max: Callable[[torch.Tensor], torch.Tensor] | None
-) -> GroupForward:
+def install_fp8_rows(module: nn.Linear, weight: torch.Tensor, row_max: RowMax | None) -> GroupForward:
     """FP8 on load for one linear (:func:`bm.runtime.weight_quant.quantize_linears`'s quantizer): its
     ``weight`` (this rank's slice) held as :func:`fp8_rows`; returns the forward to run it."""
     _hold(module, fp8_rows(weight, row_max))

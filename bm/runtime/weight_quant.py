@@ -49,22 +49,30 @@ QMAX = 127.0
 ENV_GEMM = "BM_QUANT_GEMM"
 
 
+# Each row's max|W| over the whole row, from this rank's maxima (a row-split shard's all-reduce)
+RowMax = Callable[[torch.Tensor], torch.Tensor]
+
+
 class WeightQuantError(ValueError):
     """A model ``model.quantization`` cannot be applied to; the message names why and the fix."""
 
 
-def quantize_weight(
-    weight: torch.Tensor, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, row_max: RowMax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``W [N, K]`` -> (int8 ``q [N, K]``, float32 ``scale [N]``), symmetric per output channel.
     ``row_max``: each row's ``max|W|`` over the whole row where ``weight`` holds a slice of it (a
     row-split tensor-parallel shard: the maximum over every rank)."""
     w = weight.detach().float()
-    peak = w.abs().amax(1)
-    scale = (row_max(peak) if row_max is not None else peak) / QMAX
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = row_scales(w, QMAX, row_max)
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
+
+
+def row_scales(w: torch.Tensor, qmax: float, row_max: RowMax | None = None) -> torch.Tensor:
+    """Each output row's symmetric scale, ``max|W[n]| / qmax`` (``row_max``: the maximum over the whole
+    row for a row-split shard), 1 for an all-zero row: int8 on load's and FP8 on load's alike."""
+    peak = w.abs().amax(1)
+    scale = (row_max(peak) if row_max is not None else peak) / qmax
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -84,7 +92,6 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-RowMax = Callable[[torch.Tensor], torch.Tensor]
 # One linear quantized: (the module, its weight on this rank, the whole row's maximum for a row-split
 # shard) -> the forward that runs what it installed on the module.
 Quantizer = Callable[[nn.Linear, torch.Tensor, "RowMax | None"], "KernelForward"]
@@ -141,7 +148,7 @@ def _tp_inner_forward(forward: Any) -> Any:
     return dict(zip(code.co_freevars, forward.__closure__, strict=True)).get("original_forward")
 
 
-def _local_weight(weight: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+def _local_weight(weight: torch.Tensor) -> tuple[torch.Tensor, RowMax | None]:
     """A weight's rows on this rank, and for a row-split shard (its input dimension split over the
     ranks) the all-reduce giving each row's maximum over the whole row."""
     from torch.distributed.tensor import DTensor, Shard

@@ -342,16 +342,18 @@ static void item(int64_t it, int bits, const float *x, int64_t ldx, int64_t M, c
         const uint8_t *panel = wp + p * PANEL_BYTES(bits, K);
         const float *dp = d + p * groups * NR, *mp = m + p * groups * NR;
         const float *b = bias ? bias + p * NR : NULL;
+        /* each kind a call with a constant `bits`, so row_pair's branches fold away */
+#define ROW_PAIR(kind)                                                                                     \
+    row_pair(kind, x, panel, panel + PANEL_BYTES(kind, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G, \
+             y + p * NR, b, cols[0], cols[1])
         if (bits == 4) {
-            row_pair(4, x, panel, panel + PANEL_BYTES(4, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G,
-                     y + p * NR, b, cols[0], cols[1]);
+            ROW_PAIR(4);
         } else if (bits == 8) {
-            row_pair(8, x, panel, panel + PANEL_BYTES(8, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G,
-                     y + p * NR, b, cols[0], cols[1]);
+            ROW_PAIR(8);
         } else {
-            row_pair(3, x, panel, panel + PANEL_BYTES(3, K), dp, mp, dp + groups * NR, mp + groups * NR, K, G,
-                     y + p * NR, b, cols[0], cols[1]);
+            ROW_PAIR(3);
         }
+#undef ROW_PAIR
         return;
     }
     float *expanded = tiles > 1 ? expanded_buffer(K) : NULL;

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bm.runtime.native.args import F32, INT, PTR, BoundGemm, as_rows, bind, pointer, require
+from bm.runtime.native.args import F32, INT, PTR, BoundGemm, bind, pointer, require
 from bm.runtime.native.loader import NativeKernel, load_kernel
 from bm.runtime.native.small_gemm import pack_panels, unpack_panels
 
@@ -76,30 +76,9 @@ class GroupGemmKernel(NativeKernel):
         self._fn = bind(lib, "bm_group_gemm", PTR, INT, PTR, INT, PTR, PTR, INT, PTR, PTR, *[INT] * 5)
 
     def __call__(self, x: torch.Tensor, weight: GroupWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x`` [..., K] float32; ``bias`` [N] float32 or None; returns [..., N] float32."""
-        require("group GEMM", F32, (x, weight.step, weight.offset, bias), (weight.step, weight.offset, bias))
-        n, k = weight.out_features, x.shape[-1]
-        if (
-            weight.step.shape[1] * weight.group != k
-            or weight.values.dtype != U8
-            or not weight.values.is_contiguous()
-        ):
-            raise ValueError(f"group GEMM: x {tuple(x.shape)} against a weight of {k} inputs expected")
-        if bias is not None and bias.shape != (n,):
-            raise ValueError(f"group GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
-        rows = as_rows(x)
-        out = torch.empty(rows.shape[0], n, dtype=F32)
-        status = self._fn(
-            rows.data_ptr(), rows.stride(0), weight.values.data_ptr(), 3 if weight.float8 else weight.bits,
-            weight.step.data_ptr(),
-            weight.offset.data_ptr(), weight.group, pointer(bias), out.data_ptr(), n, rows.shape[0], n, k,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status != 0:
-            raise ValueError(
-                f"group GEMM: {weight.bits}-bit weight in groups of {weight.group} over {k} inputs"
-            )
-        return out.view(*x.shape[:-1], n)
+        """``x`` [..., K] float32; ``bias`` [N] float32 or None; returns [..., N] float32: :meth:`bind`'s
+        checks and call, once."""
+        return self.bind(weight, bias)(x)
 
     def bind(self, weight: GroupWeight, bias: torch.Tensor | None) -> BoundGemm:
         """This GEMM over one layer's weight, checked once: each call of the result checks only ``x``."""

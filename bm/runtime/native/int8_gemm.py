@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from bm.runtime.native.args import F32, INT, PTR, BoundGemm, as_rows, bind, pointer, require
+from bm.runtime.native.args import F32, INT, PTR, BoundGemm, bind, pointer, require
 from bm.runtime.native.loader import NativeKernel, load_kernel
 from bm.runtime.native.small_gemm import PANEL, pack_panels, unpack_panels
 
@@ -33,21 +33,8 @@ class Int8GemmKernel(NativeKernel):
         self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x`` [..., K] float32; ``packed`` from :meth:`pack`; ``scale`` [N] and ``bias`` [N] float32;
-        returns [..., N] float32."""
-        require("int8 GEMM", F32, (x, scale, bias), (scale, bias))
-        require("int8 GEMM", I8, (packed,), (packed,))
-        n, k = scale.shape[0], x.shape[-1]
-        if packed.shape[1:] != (k, PANEL) or packed.shape[0] * PANEL < n:
-            raise ValueError(f"int8 GEMM: x {tuple(x.shape)} against packed {tuple(packed.shape)}")
-        if bias is not None and bias.shape != (n,):
-            raise ValueError(f"int8 GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
-        rows = as_rows(x)
-        out = torch.empty(rows.shape[0], n, dtype=F32)
-        self._fn(
-            rows.data_ptr(), rows.stride(0), packed.data_ptr(), scale.data_ptr(), pointer(bias), out.data_ptr(),
-            n, rows.shape[0], n, k, torch.get_num_threads(),
-        )  # fmt: skip
-        return out.view(*x.shape[:-1], n)
+        returns [..., N] float32: :meth:`bind`'s checks and call, once."""
+        return self.bind(packed, scale, bias)(x)
 
     def bind(self, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> BoundGemm:
         """This GEMM over one layer's weight, checked once: each call of the result checks only ``x``."""

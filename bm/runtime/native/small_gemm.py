@@ -58,6 +58,8 @@ class SmallGemmKernel(NativeKernel):
         """``x`` [..., K] float32; ``packed`` from :meth:`pack`; returns [..., n], plus ``residual``
         ([..., n], added after the bias as torch's ``residual + linear(x)`` does) where given: only where
         :attr:`fuses_epilogues`."""
+        if residual is None:  # the plain product: bind's checks and call, once
+            return self.bind(packed, bias, n)(x)
         require("small GEMM", F32, (x, packed, bias, residual), (packed, bias))
         if packed.shape[1:] != (x.shape[-1], PANEL):
             raise ValueError(f"small GEMM: x {tuple(x.shape)} against packed {tuple(packed.shape)}")
@@ -73,10 +75,10 @@ class SmallGemmKernel(NativeKernel):
         """This GEMM over one layer's packed weight, checked once: each call of the result checks only
         ``x`` (bm.runtime.prepack binds each float32 linear's)."""
         require("small GEMM", F32, (packed, bias), (packed, bias))
-        if packed.dim() != 3 or packed.shape[2] != PANEL or packed.shape[0] * PANEL < n:
-            raise ValueError(f"small GEMM: packed {tuple(packed.shape)} for {n} outputs")
-        if bias is not None and bias.numel() != n:
-            raise ValueError(f"small GEMM: {n} outputs, a bias of {tuple(bias.shape)}")
+        if packed.dim() != 3 or packed.shape[2] != PANEL:
+            raise ValueError(f"small GEMM: packed {tuple(packed.shape)}, not panels of {PANEL}")
+        if packed.shape[0] * PANEL < n or (bias is not None and bias.numel() != n):
+            raise ValueError(f"small GEMM: {n} outputs do not fit the packed weight or the bias")
         fn, k, w, b = self._fn, packed.shape[1], packed.data_ptr(), pointer(bias)
 
         def launch(x: int, ldx: int, y: int, m: int, threads: int) -> int:
@@ -110,22 +112,16 @@ class SmallGemmKernel(NativeKernel):
         residual: torch.Tensor | None,
         n: int,
     ) -> torch.Tensor:
-        """One call of the compiled GEMM on checked arguments: the plain entry point, or the one with the
-        fused epilogues where ``up`` or ``residual`` is given."""
+        """One call of the compiled GEMM's entry point with the fused epilogues (``up`` or ``residual``
+        given; the plain product is :meth:`bind`'s) on checked arguments."""
         rows = as_rows(x)
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        threads = torch.get_num_threads()
-        if up is None and residual is None:
-            status = self._fn(
-                rows.data_ptr(), rows.stride(0), packed.data_ptr(), pointer(bias), out.data_ptr(), n,
-                rows.shape[0], n, rows.shape[1], threads,
-            )  # fmt: skip
-        else:
-            add = None if residual is None else as_rows(residual)
-            status = self._ex(
-                rows.data_ptr(), rows.stride(0), packed.data_ptr(), pointer(up), pointer(bias), pointer(add),
-                0 if add is None else add.stride(0), out.data_ptr(), n, rows.shape[0], n, rows.shape[1], threads,
-            )  # fmt: skip
+        add = None if residual is None else as_rows(residual)
+        status = self._ex(
+            rows.data_ptr(), rows.stride(0), packed.data_ptr(), pointer(up), pointer(bias), pointer(add),
+            0 if add is None else add.stride(0), out.data_ptr(), n, rows.shape[0], n, rows.shape[1],
+            torch.get_num_threads(),
+        )  # fmt: skip
         if status:
             raise RuntimeError(f"{what}: the compiled kernel refused its arguments ({status})")
         return out.view(*x.shape[:-1], n)
