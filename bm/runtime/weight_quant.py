@@ -282,13 +282,12 @@ class KernelForward(ABC):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
             return self._torch(x)
-        if x.is_cpu and self._kernel is not None and ENV_GEMM not in os.environ:
-            return self._on_cpu(x)  # the common case first: a CPU model, its kernel built
+        # Triton on CUDA, or anywhere BM_QUANT_GEMM forces it; else the C kernel on the CPU, else torch
         if (not x.is_cpu or ENV_GEMM in os.environ) and (out := self._triton(x)) is not None:
             return out
-        if self._kernel is None or not x.is_cpu:
-            return self._torch(x)
-        return self._on_cpu(x)
+        if x.is_cpu and self._kernel is not None:
+            return self._on_cpu(x)
+        return self._torch(x)
 
     def _on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on the C kernel, bound to the layer's tensors as they are now: bound again where
